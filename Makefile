@@ -1,0 +1,35 @@
+# `make demo` and `make test` work on a fresh clone: each creates .venv with pinned versions first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sparsekv-installed
+# nvcc on PATH here is a wrapper; the toolkit root it calls is what the cuda backend needs.
+CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+export CUDA_HOME
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu test-slow bench clean-venv
+
+$(STAMP): pyproject.toml setup.py constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and alone, so the pinned CPU wheel is taken and nothing pulls a CUDA build.
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt setuptools wheel
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS)
+
+# Runs the kernel tests on the cuda backend too, and fails if no GPU is visible.
+test-gpu: $(STAMP)
+	SPARSEKV_TEST_BACKENDS=cpu,cuda $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

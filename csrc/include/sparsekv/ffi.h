@@ -1,0 +1,185 @@
+// Host-side glue, compiled only in the tvm-ffi translation unit the loader generates: argument
+// checks that raise Python TypeError / ValueError / IndexError naming the argument, and launch(),
+// which runs a kernel on the module's backend (SPARSEKV_BACKEND_CUDA, set by the loader).
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <string>
+
+#include "sparsekv/portability.h"
+
+#ifndef SPARSEKV_BACKEND_CUDA
+#error "SPARSEKV_BACKEND_CUDA must be defined (0 or 1) by the translation unit the loader generates"
+#endif
+
+#if SPARSEKV_BACKEND_CUDA
+// Defined in the loader-generated .cu, so this file needs no CUDA header.
+extern "C" const char* sparsekv_cuda_error_string(int error);
+extern "C" int sparsekv_cuda_device_count(int* count);
+#endif
+
+namespace sparsekv {
+
+using tvm::ffi::TensorView;
+
+inline constexpr DLDeviceType kBackendDevice = SPARSEKV_BACKEND_CUDA ? kDLCUDA : kDLCPU;
+inline constexpr const char* kBackendName = SPARSEKV_BACKEND_CUDA ? "cuda" : "cpu";
+
+template <class T>
+constexpr DLDataType dtype_of() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return DLDataType{kDLBool, 8, 1};
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return DLDataType{kDLFloat, static_cast<uint8_t>(sizeof(T) * 8), 1};
+  } else if constexpr (std::is_signed_v<T>) {
+    return DLDataType{kDLInt, static_cast<uint8_t>(sizeof(T) * 8), 1};
+  } else {
+    return DLDataType{kDLUInt, static_cast<uint8_t>(sizeof(T) * 8), 1};
+  }
+}
+
+inline std::string dtype_name(DLDataType t) { return std::string(tvm::ffi::DLDataTypeToString(t)); }
+
+inline std::string shape_string(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+// Raised when a cuda-backend module is used on a machine whose CUDA runtime cannot run: a clear
+// RuntimeError instead of a crash or a misleading device complaint.
+inline void require_cuda_runtime() {
+#if SPARSEKV_BACKEND_CUDA
+  int count = 0;
+  const int err = sparsekv_cuda_device_count(&count);
+  if (err != 0) {
+    TVM_FFI_THROW(RuntimeError) << "sparsekv: this module was built for the cuda backend, but the CUDA "
+                                << "runtime cannot run here: " << sparsekv_cuda_error_string(err);
+  }
+  if (count == 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: cuda backend module, but no CUDA device is visible";
+#endif
+}
+
+// Fluent checks on one tensor argument. Every failure names the argument with the expected and
+// actual values.
+class Arg {
+ public:
+  Arg(const TensorView& t, const char* name) : t_(t), name_(name) {}
+
+  const Arg& dtype(DLDataType want) const {
+    if (!(t_.dtype() == want)) {
+      TVM_FFI_THROW(TypeError) << "sparsekv: argument `" << name_ << "` must have dtype " << dtype_name(want)
+                               << ", got " << dtype_name(t_.dtype());
+    }
+    return *this;
+  }
+  template <class T>
+  const Arg& dtype() const {
+    return dtype(dtype_of<T>());
+  }
+  // One of two integer index dtypes; returns true for the 64-bit one.
+  bool int32_or_int64() const {
+    const DLDataType d = t_.dtype();
+    if (!(d == dtype_of<int32_t>() || d == dtype_of<int64_t>())) {
+      TVM_FFI_THROW(TypeError) << "sparsekv: argument `" << name_ << "` must have dtype int32 or int64, got "
+                               << dtype_name(d);
+    }
+    return d.bits == 64;
+  }
+  const Arg& ndim(int want) const {
+    if (t_.ndim() != want) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` must be " << want << "-D, got shape "
+                                << shape_string(t_);
+    }
+    return *this;
+  }
+  const Arg& size(int dim, int64_t want, const char* what = nullptr) const {
+    if (t_.size(dim) != want) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` must have size " << want << " in dim "
+                                << dim << (what ? std::string(" (") + what + ")" : std::string()) << ", got shape "
+                                << shape_string(t_);
+    }
+    return *this;
+  }
+  const Arg& contiguous() const {
+    if (!t_.IsContiguous()) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` must be contiguous (shape "
+                                << shape_string(t_) << ")";
+    }
+    return *this;
+  }
+  // The last dimension is dense; outer strides are free (e.g. a column slice of a wider buffer).
+  const Arg& rows_dense() const {
+    if (t_.ndim() > 0 && t_.size(t_.ndim() - 1) > 1 && t_.stride(t_.ndim() - 1) != 1) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` must have a unit stride in its last dim";
+    }
+    return *this;
+  }
+  const Arg& on_backend_device() const {
+    const DLDevice dev = t_.device();
+    const bool ok = SPARSEKV_BACKEND_CUDA ? dev.device_type == kDLCUDA
+                                          : (dev.device_type == kDLCPU || dev.device_type == kDLCUDAHost);
+    if (!ok) {
+      require_cuda_runtime();
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` is on device type " << dev.device_type
+                                << ", but this module was built for the " << kBackendName << " backend";
+    }
+    return *this;
+  }
+  const Arg& same_device(const TensorView& other, const char* other_name) const {
+    const DLDevice a = t_.device(), b = other.device();
+    if (a.device_type != b.device_type || a.device_id != b.device_id) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` and `" << other_name
+                                << "` must be on the same device";
+    }
+    return *this;
+  }
+
+  const TensorView& tensor() const { return t_; }
+
+ private:
+  const TensorView& t_;
+  const char* name_;
+};
+
+inline Arg check(const TensorView& t, const char* name) { return Arg(t, name); }
+
+// Scalar argument range check.
+inline void check_range(int64_t value, int64_t lo, int64_t hi_exclusive, const char* name) {
+  if (value < lo || value >= hi_exclusive) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be in [" << lo << ", " << hi_exclusive
+                              << "), got " << value;
+  }
+}
+
+// Full index validation for host-resident indices: every entry in [0, limit).
+template <class Index>
+void check_indices_in_range(const Index* indices, int64_t n, int64_t limit, const char* name) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (indices[i] < 0 || indices[i] >= limit) {
+      TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << i << "] = " << indices[i]
+                                << " is out of range [0, " << limit << ")";
+    }
+  }
+}
+
+// Runs kernel K on the module's backend: a host loop, or a launch on the caller's current stream.
+template <class K>
+void launch(const typename K::Params& params, DLDevice device) {
+#if SPARSEKV_BACKEND_CUDA
+  void* stream = TVMFFIEnvGetStream(device.device_type, device.device_id);
+  const int err = run_on_cuda<K>(params, stream);
+  if (err != 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: CUDA launch failed: " << sparsekv_cuda_error_string(err);
+#else
+  (void)device;
+  run_on_host<K>(params);
+#endif
+}
+
+}  // namespace sparsekv

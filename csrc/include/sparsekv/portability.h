@@ -1,0 +1,106 @@
+// Single-source portability layer: the same kernel header compiles under nvcc (cuda backend) and
+// the host C++ compiler (cpu backend).
+//
+// A kernel is a struct K with
+//   using Params = ...;                                   // plain data: pointers and sizes
+//   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params&);
+//   SPARSEKV_HOST_DEVICE static void item(const Params&, int64_t i, Lanes lanes);
+// and optionally, under __CUDACC__, `static int run_on_cuda(const Params&, void* stream)` for a
+// launch shape of its own. The drivers below run item() for every i: a loop on the host, one warp
+// per item on the GPU. Nothing here includes tvm-ffi, so a .cu that includes a kernel header stays
+// cheap to compile.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#ifdef __CUDACC__
+#include <cuda_runtime.h>
+#define SPARSEKV_HOST_DEVICE __host__ __device__ __forceinline__
+#define SPARSEKV_DEVICE __device__ __forceinline__
+#else
+#define SPARSEKV_HOST_DEVICE inline
+#endif
+
+namespace sparsekv {
+
+// The threads that cooperate on one item: a warp on the GPU, a single lane on the host.
+struct Lanes {
+  int lane;
+  int count;
+};
+
+inline constexpr int kWarpSize = 32;
+
+// Copies n bytes. On the GPU every lane of the group moves a strided share, 16 bytes at a time
+// when both pointers and n allow it; on the host it is one memcpy.
+SPARSEKV_HOST_DEVICE void copy_bytes(void* dst, const void* src, int64_t n, Lanes lanes) {
+#ifdef __CUDA_ARCH__
+  const auto d = reinterpret_cast<uintptr_t>(dst);
+  const auto s = reinterpret_cast<uintptr_t>(src);
+  if (((d | s | static_cast<uintptr_t>(n)) & 15) == 0) {
+    auto* d16 = static_cast<int4*>(dst);
+    const auto* s16 = static_cast<const int4*>(src);
+    for (int64_t k = lanes.lane; k < n / 16; k += lanes.count) d16[k] = s16[k];
+  } else if (((d | s | static_cast<uintptr_t>(n)) & 3) == 0) {
+    auto* d4 = static_cast<uint32_t*>(dst);
+    const auto* s4 = static_cast<const uint32_t*>(src);
+    for (int64_t k = lanes.lane; k < n / 4; k += lanes.count) d4[k] = s4[k];
+  } else {
+    auto* d1 = static_cast<uint8_t*>(dst);
+    const auto* s1 = static_cast<const uint8_t*>(src);
+    for (int64_t k = lanes.lane; k < n; k += lanes.count) d1[k] = s1[k];
+  }
+#else
+  (void)lanes;
+  std::memcpy(dst, src, static_cast<size_t>(n));
+#endif
+}
+
+// Host driver: the cpu backend.
+template <class K>
+void run_on_host(const typename K::Params& params) {
+  const int64_t n = K::num_items(params);
+  for (int64_t i = 0; i < n; ++i) K::item(params, i, Lanes{0, 1});
+}
+
+// CUDA driver: declared for the host side, defined (and explicitly instantiated by the loader's
+// generated .cu) under nvcc. Returns a cudaError_t as int, 0 on success.
+template <class K>
+int run_on_cuda(const typename K::Params& params, void* stream);
+
+#ifdef __CUDACC__
+template <class K, class = void>
+struct HasOwnCudaLaunch : std::false_type {};
+template <class K>
+struct HasOwnCudaLaunch<K, std::void_t<decltype(&K::run_on_cuda)>> : std::true_type {};
+
+template <class K>
+__global__ void warp_per_item_kernel(const typename K::Params params) {
+  const int64_t n = K::num_items(params);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const Lanes lanes{static_cast<int>(threadIdx.x % kWarpSize), kWarpSize};
+  for (int64_t i = first; i < n; i += warps) K::item(params, i, lanes);
+}
+
+template <class K>
+int run_on_cuda(const typename K::Params& params, void* stream) {
+  if constexpr (HasOwnCudaLaunch<K>::value) {
+    return K::run_on_cuda(params, stream);
+  } else {
+    const int64_t n = K::num_items(params);
+    if (n == 0) return 0;
+    constexpr int kThreads = 256;
+    constexpr int64_t kItemsPerBlock = kThreads / kWarpSize;
+    const int64_t blocks = (n + kItemsPerBlock - 1) / kItemsPerBlock;
+    const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
+    warp_per_item_kernel<K><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(params);
+    return static_cast<int>(cudaGetLastError());
+  }
+}
+#endif
+
+}  // namespace sparsekv

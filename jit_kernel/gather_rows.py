@@ -1,0 +1,57 @@
+"""Strided byte-row gather: ``dst[dst_indices[i]] = src[src_indices[i]]`` (kernel in ``csrc/gather_rows.cuh``)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.jit_kernel.registry import KernelFamily, register
+
+INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
+
+GATHER_ROWS = register(
+    KernelFamily(
+        name="gather_rows",
+        header="gather_rows.cuh",
+        exports={"gather_rows": "sparsekv::gather_rows::gather_rows"},
+        kernels=("sparsekv::gather_rows::GatherRows",),
+        params=("index_type",),
+        instances=(("int32_t",), ("int64_t",)),
+    )
+)
+
+
+def backend_of(tensor: torch.Tensor) -> str:
+    """The backend that runs on ``tensor``'s device."""
+    return "cuda" if tensor.device.type == "cuda" else "cpu"
+
+
+def gather_rows(
+    dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor
+) -> None:
+    """Copy byte rows: ``dst[dst_indices[i], :] = src[src_indices[i], :]`` for every i, in place.
+
+    Parameters
+    ----------
+    dst : torch.Tensor
+        uint8 ``[dst_rows, row_bytes]``, unit last stride, any row stride. Written in place.
+    dst_indices : torch.Tensor
+        int32 or int64 ``[N]``, contiguous, same device as ``dst``.
+    src : torch.Tensor
+        uint8 ``[src_rows, row_bytes]``, unit last stride, any row stride.
+    src_indices : torch.Tensor
+        Same dtype and length as ``dst_indices``.
+
+    Raises
+    ------
+    TypeError
+        Wrong dtype (the message names the argument).
+    ValueError
+        Wrong shape, stride, length or device.
+    IndexError
+        An index outside its table (checked before any byte moves for host tensors).
+    """
+    index_type = INDEX_TYPES.get(dst_indices.dtype)
+    if index_type is None:
+        raise TypeError(f"sparsekv: argument `dst_indices` must have dtype int32 or int64, got {dst_indices.dtype}")
+    module = GATHER_ROWS.module(index_type, backend=backend_of(dst))
+    module.gather_rows(dst, dst_indices, src, src_indices)

@@ -1,0 +1,25 @@
+"""Map the repository's top-level folders to import names under ``sparsekv``.
+
+``jit_kernel/`` -> ``sparsekv.jit_kernel``, ``srt/`` -> ``sparsekv.srt``, ``csrc/`` ->
+``sparsekv.csrc`` (headers only, shipped as package data). The same mapping serves an editable
+install and a wheel; everything else is in pyproject.toml.
+"""
+
+from setuptools import find_packages, setup
+
+FOLDER_OF = {"sparsekv.jit_kernel": "jit_kernel", "sparsekv.srt": "srt", "sparsekv.csrc": "csrc"}
+
+
+def packages_under(prefix: str, folder: str) -> list[str]:
+    return [prefix] + [f"{prefix}.{sub}" for sub in find_packages(folder)]
+
+
+packages = find_packages(include=["sparsekv", "sparsekv.*"])
+for prefix, folder in FOLDER_OF.items():
+    packages += packages_under(prefix, folder)
+
+setup(
+    packages=packages,
+    package_dir={"sparsekv": "sparsekv", **FOLDER_OF},
+    package_data={"sparsekv.csrc": ["*.cuh", "*.h", "include/sparsekv/*.h", "include/sparsekv/*.cuh"]},
+)

@@ -1,0 +1,3 @@
+from sparsekv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""Test configuration: hypothesis profiles (`--slow` for deep runs) and a per-checkout JIT cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A small default keeps `make test` within minutes on 2 cores; `--slow` digs deeper.
+settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("slow", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Tests build into a cache inside the checkout unless the caller chose one (kept warm across runs).
+os.environ.setdefault("SPARSEKV_CACHE_DIR", str(REPO / ".cache" / "jit"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="run slow tests and the deep hypothesis profile")
+
+
+def pytest_configure(config):
+    settings.load_profile("slow" if config.getoption("--slow") else "ci")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
