@@ -1,0 +1,107 @@
+"""The one sweep helper every benchmark in ``tools/`` uses: time callables, print JSON, draw a PNG.
+
+A benchmark builds a list of cases; each case times its candidates (our kernel, the raw module
+call, the baseline measured in the same run) with :func:`time_call`, and :func:`report` prints one
+JSON document and optionally plots it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Timing:
+    """Robust timing of one callable: median and min over repeats, in seconds."""
+
+    median_s: float
+    min_s: float
+    repeats: int
+
+
+def time_call(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.05) -> Timing:
+    """Time ``fn()``: warm up, then ``repeats`` samples, each looping until ``min_time_s`` elapsed."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        loops, start = 0, time.perf_counter()
+        while True:
+            fn()
+            loops += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time_s:
+                break
+        samples.append(elapsed / loops)
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), repeats=repeats)
+
+
+@dataclass
+class BenchResult:
+    """One benchmark's output: what ran, on what, and one row per case."""
+
+    name: str
+    baseline: str
+    rows: list[dict] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+
+def progress(i: int, total: int, label: str) -> None:
+    """A one-line progress indicator on stderr (long sweeps show where they are)."""
+    width = 30
+    done = int(width * i / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label[:60]:<60}")
+    if i == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--json PATH`` (also write the JSON to a file), ``--plot PNG``, ``--quick`` (fewer cases)."""
+    parser.add_argument("--json", dest="json_path", help="also write the JSON result to this file")
+    parser.add_argument("--plot", help="draw a PNG plot to this path")
+    parser.add_argument("--quick", action="store_true", help="a short sweep (smaller cases, fewer repeats)")
+
+
+def report(result: BenchResult, args: argparse.Namespace,
+           plot: Callable[[BenchResult, str], None] | None = None) -> None:
+    """Print ``result`` as JSON on stdout; write it and the plot where asked."""
+    text = json.dumps(asdict(result), indent=2)
+    print(text)
+    if getattr(args, "json_path", None):
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    if getattr(args, "plot", None) and plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(result, args.plot)
+
+
+def bar_plot(result: BenchResult, path: str, *, label_key: str, value_keys: Iterable[str], ylabel: str,
+             log: bool = False) -> None:
+    """A grouped bar chart of ``value_keys`` per case (labelled by ``label_key``)."""
+    import matplotlib.pyplot as plt
+
+    keys = list(value_keys)
+    labels = [str(r[label_key]) for r in result.rows]
+    width = 0.8 / max(len(keys), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    for k, key in enumerate(keys):
+        xs = [i + k * width for i in range(len(labels))]
+        ax.bar(xs, [r.get(key, 0) for r in result.rows], width=width, label=key)
+    ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(labels))], labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(f"{result.name} (baseline: {result.baseline})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
