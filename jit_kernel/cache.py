@@ -77,6 +77,18 @@ def _ensure_private_dir(path: Path) -> bool:
     return True
 
 
+def _writable(path: Path) -> bool:
+    """True if we can create files in ``path`` (tried, not inferred from mode bits: root ignores
+    them, and a read-only mount or immutable directory refuses even root)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=path)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 @dataclass(frozen=True)
 class CacheRoots:
     """Where artifacts are read from and written to.
@@ -99,7 +111,7 @@ def open_roots() -> CacheRoots:
     exists = _ensure_private_dir(root)
     if exists:
         check_private(root, "cache directory")
-        if os.access(root, os.W_OK | os.X_OK):
+        if _writable(root):
             return CacheRoots(read=(root,), write=root)
     fallback = fallback_root()
     if not _ensure_private_dir(fallback):

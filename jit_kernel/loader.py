@@ -48,13 +48,13 @@ def csrc_root() -> Path:
     return Path(__file__).resolve().parent.parent / "csrc"
 
 
-def include_closure(header: str) -> dict[str, bytes]:
+def include_closure(header: str, root: Path) -> dict[str, bytes]:
     """Bytes of ``header`` and every project header it includes, transitively, keyed by csrc-relative path.
 
     Includes that resolve to neither ``csrc/`` nor ``csrc/include/`` (system and tvm-ffi headers)
     are covered by the compiler identity and tvm-ffi version in the key instead.
     """
-    root = csrc_root()
+    root = root.resolve()
     search = (root, root / "include")
     found: dict[str, bytes] = {}
     pending = [root / header]
@@ -140,6 +140,7 @@ class BuildPlan:
     cxx: toolchain.Compiler
     nvcc: toolchain.Compiler | None
     extra_cflags: tuple[str, ...]
+    csrc: Path  # where the headers are read from; not part of the key (two checkouts share keys)
 
     def key_doc(self) -> dict:
         return {
@@ -184,8 +185,7 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     """Compile ``plan`` inside ``staging``; returns the path of the shared library."""
     for name, text in plan.sources.items():
         (staging / name).write_text(text)
-    root = csrc_root()
-    includes = [f"-I{root}", f"-I{root / 'include'}"]
+    includes = [f"-I{plan.csrc}", f"-I{plan.csrc / 'include'}"]
     ffi_includes = [f"-I{p}" for p in dict.fromkeys([tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path()])]
     ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
@@ -221,8 +221,13 @@ def make_plan(
     backend: str,
     arch: str | tuple[str, ...] | None,
     probe_dir: Path | None,
+    csrc: Path | None = None,
 ) -> BuildPlan:
-    """Resolve a module request into a :class:`BuildPlan` (reads headers, probes compilers once)."""
+    """Resolve a module request into a :class:`BuildPlan` (reads headers, probes compilers once).
+
+    ``csrc`` defaults to the installed headers; a kernel developer may point it at another tree.
+    """
+    csrc = csrc_root() if csrc is None else Path(csrc)
     if backend not in BACKENDS:
         raise ValueError(f"sparsekv: backend must be one of {BACKENDS}, got {backend!r}")
     if not exports:
@@ -236,10 +241,11 @@ def make_plan(
         backend=backend,
         archs=archs,
         sources=generate_sources(header, exports, kernels, args, backend),
-        closure=include_closure(header),
+        closure=include_closure(header, csrc),
         cxx=toolchain.host_compiler(probe_dir),
         nvcc=toolchain.nvcc(probe_dir) if is_cuda else None,
         extra_cflags=tuple(env.extra_cflags()),
+        csrc=csrc,
     )
 
 

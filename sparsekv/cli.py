@@ -24,17 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sparsekv {sparsekv.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text)
-        sub.set_defaults(_module=module_name)
-        sub.set_defaults(_add_arguments_pending=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        subparsers.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    # Only the chosen subcommand's module is imported, then the full parser is rebuilt with its args.
+    # Only the chosen subcommand's module is imported; it adds its own arguments.
     if argv and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
         sub = argparse.ArgumentParser(prog=f"sparsekv {argv[0]}", description=SUBCOMMANDS[argv[0]][1])

@@ -11,7 +11,7 @@ import os
 import torch
 
 
-def test_backends() -> list[str]:
+def kernel_backends() -> list[str]:
     """Backends to parametrize kernel tests over."""
     forced = os.environ.get("SPARSEKV_TEST_BACKENDS")
     if forced:

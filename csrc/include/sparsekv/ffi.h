@@ -9,8 +9,10 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sparsekv/portability.h"
 
@@ -165,6 +167,43 @@ void check_indices_in_range(const Index* indices, int64_t n, int64_t limit, cons
     if (indices[i] < 0 || indices[i] >= limit) {
       TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << i << "] = " << indices[i]
                                 << " is out of range [0, " << limit << ")";
+    }
+  }
+}
+
+// Scatter-copy validation for host-resident (dst, src) id pairs already known to be non-negative:
+// a destination may repeat only when every repeat names the same source (the bytes written are
+// then the same whatever the order). Duplicates are found with a bitmap in one O(N) pass when the
+// ids are dense enough, and only then located exactly by sorting.
+template <class Index>
+void check_no_conflicting_destinations(const Index* dst, const Index* src, int64_t n, const char* dst_name,
+                                       const char* src_name) {
+  if (n < 2) return;
+  Index max_id = 0;
+  for (int64_t i = 0; i < n; ++i) max_id = dst[i] > max_id ? dst[i] : max_id;
+  bool may_repeat = true;
+  if (static_cast<uint64_t>(max_id) < static_cast<uint64_t>(n) * 64) {
+    std::vector<uint64_t> seen(static_cast<size_t>(max_id) / 64 + 1, 0);
+    may_repeat = false;
+    for (int64_t i = 0; i < n && !may_repeat; ++i) {
+      uint64_t& word = seen[static_cast<size_t>(dst[i]) / 64];
+      const uint64_t bit = uint64_t{1} << (static_cast<uint64_t>(dst[i]) % 64);
+      may_repeat = (word & bit) != 0;
+      word |= bit;
+    }
+  }
+  if (!may_repeat) return;
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return dst[a] < dst[b]; });
+  // Within a run of equal destinations all sources agree iff every adjacent pair agrees.
+  for (size_t k = 1; k < order.size(); ++k) {
+    const int64_t a = order[k - 1], b = order[k];
+    if (dst[a] == dst[b] && src[a] != src[b]) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << dst_name << "` names destination " << dst[a]
+                                << " twice (positions " << a << " and " << b << ") with different sources `"
+                                << src_name << "`[" << a << "] = " << src[a] << " and `" << src_name << "`[" << b
+                                << "] = " << src[b];
     }
   }
 }

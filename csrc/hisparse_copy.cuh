@@ -1,0 +1,195 @@
+// hisparse_copy: token and page copies between paged KV buffers (DSV4 "fp8_ds_mla" and friends),
+// for every layer in one call, in any direction (device, pinned host or plain host memory).
+//
+// Buffers: each side is a table of L per-layer base addresses (uint64 [L]); page p of layer l
+// starts at ptrs[l] + p * page_stride (page_stride = the page's byte size for [pages, page_bytes]
+// buffers, layers * page_bytes for a page-first host buffer [pages, layers, page_bytes]).
+// Page geometry and token addressing come from sparsekv/kv_layout.h (PagedKV<Layout, PageSlots>).
+//
+// TransferTokens: for every i < N and every layer, the value record and the scale record of slot
+//   src_indices[i] are copied to slot dst_indices[i]. A token is two byte ranges of its page (all
+//   values first, then all scales), so each is copied on its own. Nothing else is written: not
+//   the other slots, not the page padding.
+// CopyPages: for every i < N and every layer, the whole page src_pages[i] (kPageBytes, padding
+//   included) is copied to page dst_pages[i].
+//
+// Safety: the per-item code skips ids outside [0, num_slots) (num_slots = INT64_MAX when the
+// caller does not know it), so a bad id can never move a byte out of bounds. The host entries
+// reject negative, out-of-range and conflicting (same destination, different source) ids before
+// any byte moves when the ids are host-readable; the Python wrapper does the same with torch for
+// device-resident ids.
+//
+// GPU: one warp per item (a token across all layers, or one page of one layer), via the default
+// warp-per-item driver; copy_bytes moves 16 bytes per lane (every offset here is a multiple of 16
+// for V4 pages: 576, 36,864, 37,440). CPU: the same item() in a loop, two memcpy per token-layer.
+#pragma once
+
+#include "sparsekv/kv_layout.h"
+#include "sparsekv/portability.h"
+
+namespace sparsekv::hisparse_copy {
+
+inline constexpr int64_t kUnknownCount = INT64_MAX;
+
+template <class Layout, int64_t PageSlots>
+struct TransferTokens {
+  using Paged = kv_layout::PagedKV<Layout, PageSlots>;
+  struct Params {
+    const uint64_t* src_ptrs;
+    const uint64_t* dst_ptrs;
+    const int64_t* src_indices;
+    const int64_t* dst_indices;
+    int64_t num_indices;
+    int64_t num_layers;
+    int64_t src_page_stride;
+    int64_t dst_page_stride;
+    int64_t src_num_slots;  // exclusive bound on src ids, kUnknownCount when unknown
+    int64_t dst_num_slots;
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_indices; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t s = p.src_indices[i];
+    const int64_t d = p.dst_indices[i];
+    if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) return;
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      const auto src = Paged::token(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), s, p.src_page_stride);
+      const auto dst = Paged::token(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]), d, p.dst_page_stride);
+      copy_bytes(dst.value, src.value, Layout::kValueBytes, lanes);
+      copy_bytes(dst.scale, src.scale, Layout::kScaleBytes, lanes);
+    }
+  }
+};
+
+template <class Layout, int64_t PageSlots>
+struct CopyPages {
+  using Paged = kv_layout::PagedKV<Layout, PageSlots>;
+  struct Params {
+    const uint64_t* src_ptrs;
+    const uint64_t* dst_ptrs;
+    const int64_t* src_pages;
+    const int64_t* dst_pages;
+    int64_t num_pages;
+    int64_t num_layers;
+    int64_t src_page_stride;
+    int64_t dst_page_stride;
+    int64_t src_num_pages;  // exclusive bound on src page ids, kUnknownCount when unknown
+    int64_t dst_num_pages;
+  };
+
+  // One item per (page pair, layer): a page is 37 KB, worth a warp of its own on the GPU.
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_pages * p.num_layers; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t pair = i / p.num_layers;
+    const int64_t l = i - pair * p.num_layers;
+    const int64_t s = p.src_pages[pair];
+    const int64_t d = p.dst_pages[pair];
+    if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.dst_num_pages) return;
+    copy_bytes(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
+               reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes);
+  }
+};
+
+}  // namespace sparsekv::hisparse_copy
+
+#ifdef SPARSEKV_HOST_ENTRY
+#include "sparsekv/ffi.h"
+
+namespace sparsekv::hisparse_copy {
+
+// Python passes -1 for "not given".
+inline int64_t bound_or_unknown(int64_t count) { return count < 0 ? kUnknownCount : count; }
+
+inline void check_tables(const TensorView& src_ptrs, const TensorView& dst_ptrs, int64_t page_bytes,
+                         int64_t src_page_stride, int64_t dst_page_stride) {
+  check(src_ptrs, "src_ptrs").dtype<uint64_t>().ndim(1).contiguous().on_backend_device();
+  check(dst_ptrs, "dst_ptrs").dtype<uint64_t>().ndim(1).contiguous().same_device(src_ptrs, "src_ptrs");
+  check(dst_ptrs, "dst_ptrs").size(0, src_ptrs.size(0), "one base pointer per layer, as src_ptrs");
+  check_range(src_page_stride, page_bytes, kUnknownCount, "src_page_stride");
+  check_range(dst_page_stride, page_bytes, kUnknownCount, "dst_page_stride");
+}
+
+inline void check_ids(const TensorView& src_ids, const char* src_name, int64_t src_count, const char* src_count_name,
+                      const TensorView& dst_ids, const char* dst_name, int64_t dst_count, const char* dst_count_name,
+                      const TensorView& device_of) {
+  check(src_ids, src_name).dtype<int64_t>().ndim(1).contiguous().same_device(device_of, "src_ptrs");
+  check(dst_ids, dst_name).dtype<int64_t>().ndim(1).contiguous().same_device(device_of, "src_ptrs");
+  check(dst_ids, dst_name).size(0, src_ids.size(0), src_name);
+  check_range(src_count, -1, kUnknownCount, src_count_name);
+  check_range(dst_count, -1, kUnknownCount, dst_count_name);
+}
+
+// Full validation of host-readable ids, before any byte moves: every id in range, and no
+// destination named twice with different sources (the result would depend on the write order).
+inline void check_host_ids(const int64_t* src, const char* src_name, int64_t src_bound, const int64_t* dst,
+                           const char* dst_name, int64_t dst_bound, int64_t n, const TensorView& device_of) {
+  if (device_of.device().device_type == kDLCUDA) return;  // the Python wrapper checked them with torch
+  check_indices_in_range(src, n, src_bound, src_name);
+  check_indices_in_range(dst, n, dst_bound, dst_name);
+  check_no_conflicting_destinations(dst, src, n, dst_name, src_name);
+}
+
+template <class Layout, int64_t PageSlots>
+void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_indices, TensorView dst_indices,
+                     int64_t src_num_slots, int64_t dst_num_slots, int64_t src_page_stride, int64_t dst_page_stride) {
+  using K = TransferTokens<Layout, PageSlots>;
+  // 1. Validate the arguments.
+  check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
+  check_ids(src_indices, "src_indices", src_num_slots, "src_num_slots", dst_indices, "dst_indices", dst_num_slots,
+            "dst_num_slots", src_ptrs);
+
+  // 2. Derive the launch parameters.
+  const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
+                                  static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
+                                  static_cast<const int64_t*>(src_indices.data_ptr()),
+                                  static_cast<const int64_t*>(dst_indices.data_ptr()),
+                                  src_indices.size(0),
+                                  src_ptrs.size(0),
+                                  src_page_stride,
+                                  dst_page_stride,
+                                  bound_or_unknown(src_num_slots),
+                                  bound_or_unknown(dst_num_slots)};
+  if (params.num_indices == 0 || params.num_layers == 0) return;
+
+  // 3. Validate every id before any byte moves.
+  check_host_ids(params.src_indices, "src_indices", params.src_num_slots, params.dst_indices, "dst_indices",
+                 params.dst_num_slots, params.num_indices, src_ptrs);
+
+  // 4. Launch.
+  launch<K>(params, src_ptrs.device());
+}
+
+template <class Layout, int64_t PageSlots>
+void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, TensorView dst_pages,
+                int64_t src_num_pages, int64_t dst_num_pages, int64_t src_page_stride, int64_t dst_page_stride) {
+  using K = CopyPages<Layout, PageSlots>;
+  // 1. Validate the arguments.
+  check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
+  check_ids(src_pages, "src_pages", src_num_pages, "src_num_pages", dst_pages, "dst_pages", dst_num_pages,
+            "dst_num_pages", src_ptrs);
+
+  // 2. Derive the launch parameters.
+  const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
+                                  static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
+                                  static_cast<const int64_t*>(src_pages.data_ptr()),
+                                  static_cast<const int64_t*>(dst_pages.data_ptr()),
+                                  src_pages.size(0),
+                                  src_ptrs.size(0),
+                                  src_page_stride,
+                                  dst_page_stride,
+                                  bound_or_unknown(src_num_pages),
+                                  bound_or_unknown(dst_num_pages)};
+  if (params.num_pages == 0 || params.num_layers == 0) return;
+
+  // 3. Validate every id before any byte moves.
+  check_host_ids(params.src_pages, "src_pages", params.src_num_pages, params.dst_pages, "dst_pages",
+                 params.dst_num_pages, params.num_pages, src_ptrs);
+
+  // 4. Launch.
+  launch<K>(params, src_ptrs.device());
+}
+
+}  // namespace sparsekv::hisparse_copy
+#endif

@@ -1,0 +1,181 @@
+"""Token and page copies between paged DSV4 KV buffers, all layers per call (kernels in
+``csrc/hisparse_copy.cuh``, byte layout in :mod:`sparsekv.jit_kernel.kv_layout`).
+
+* :func:`transfer_cache_dsv4_mla` moves single tokens. A V4 token (584 B) is two byte ranges of
+  its page, its 576-byte value record and its 8-byte scale record, so it cannot be moved as a row.
+* :func:`transfer_pages_dsv4_mla` moves whole pages as opaque rows (37,440 B for 64 slots).
+
+Both take per-layer base-address tables (uint64 ``[L]``) on the device the ids live on, so one call
+covers every layer and any pair of memory spaces (device, pinned host, plain host). Ids are
+validated in full before any byte moves: in C++ for host-resident ids, with torch on the device for
+CUDA ids (which synchronizes the stream, so these calls are not CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.jit_kernel.gather_rows import backend_of
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.jit_kernel.registry import KernelFamily, register
+
+#: Slots per C4 page for full-token page sizes 128, 256 and 512 (the C4 page is page_size / 4).
+PAGE_SLOTS = (32, 64, 128)
+
+HISPARSE_COPY = register(
+    KernelFamily(
+        name="hisparse_copy",
+        header="hisparse_copy.cuh",
+        exports={
+            "transfer_tokens": "sparsekv::hisparse_copy::transfer_tokens",
+            "copy_pages": "sparsekv::hisparse_copy::copy_pages",
+        },
+        kernels=("sparsekv::hisparse_copy::TransferTokens", "sparsekv::hisparse_copy::CopyPages"),
+        params=("layout", "page_slots"),
+        instances=tuple((V4.cpp_type, p) for p in PAGE_SLOTS),
+    )
+)
+
+
+def _count(value: int | None, name: str) -> int:
+    """A slot or page count for the C++ entry: -1 for "not given"."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"sparsekv: argument `{name}` must be None or a non-negative int, got {value!r}")
+    return value
+
+
+def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int | None):
+    """The two page strides in bytes (default: one page), after checking ``page_slots``."""
+    if page_slots not in PAGE_SLOTS:
+        raise ValueError(f"sparsekv: argument `page_slots` must be one of {PAGE_SLOTS}, got {page_slots!r}")
+    page_bytes = V4.page_bytes(page_slots)
+    return (page_bytes if src_page_stride is None else src_page_stride,
+            page_bytes if dst_page_stride is None else dst_page_stride)
+
+
+def check_copy_ids_on_device(src_ids: torch.Tensor, dst_ids: torch.Tensor, src_count: int | None,
+                             dst_count: int | None, names: tuple[str, str]) -> None:
+    """Validate id pairs with torch on their own device (the CUDA path; the C++ entry checks host ids).
+
+    Every id must be in ``[0, count)`` (``count`` None: only non-negative), and a destination may
+    repeat only with the same source.
+
+    Raises
+    ------
+    IndexError
+        An id out of range (the message names the argument, position and value).
+    ValueError
+        A destination named twice with different sources.
+    """
+    src_name, dst_name = names
+    for name, ids, count in ((src_name, src_ids, src_count), (dst_name, dst_ids, dst_count)):
+        bad = ids < 0 if count is None else (ids < 0) | (ids >= count)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            bound = "non-negative" if count is None else f"in range [0, {count})"
+            raise IndexError(f"sparsekv: argument `{name}`[{pos}] = {int(ids[pos])} is not {bound}")
+    if dst_ids.numel() < 2:
+        return
+    # Sorting by destination puts repeats side by side; a run is consistent iff adjacent sources agree.
+    order = torch.sort(dst_ids, stable=True).indices
+    d, s = dst_ids[order], src_ids[order]
+    conflict = (d[1:] == d[:-1]) & (s[1:] != s[:-1])
+    if bool(conflict.any()):
+        k = int(conflict.nonzero()[0, 0])
+        a, b = int(order[k]), int(order[k + 1])
+        raise ValueError(f"sparsekv: argument `{dst_name}` names destination {int(d[k])} twice (positions {a} and "
+                         f"{b}) with different sources `{src_name}`[{a}] = {int(s[k])} and `{src_name}`[{b}] = "
+                         f"{int(s[k + 1])}")
+
+
+def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, dst_count, count_names,
+         page_slots, src_page_stride, dst_page_stride) -> None:
+    src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
+    src_n, dst_n = _count(src_count, count_names[0]), _count(dst_count, count_names[1])
+    backend = backend_of(src_ptrs)
+    if backend == "cuda":
+        # Only the dtype must be right for the comparisons; shapes and devices are checked in C++.
+        for name, ids in zip(names, (src_ids, dst_ids)):
+            if ids.dtype != torch.int64:
+                raise TypeError(f"sparsekv: argument `{name}` must have dtype int64, got {ids.dtype}")
+        if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape:
+            check_copy_ids_on_device(src_ids, dst_ids, src_count, dst_count, names)
+    module = HISPARSE_COPY.module(V4.cpp_type, page_slots, backend=backend)
+    getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride)
+
+
+def transfer_cache_dsv4_mla(
+    src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    src_num_slots: int | None = None,
+    dst_num_slots: int | None = None,
+    page_slots: int = 64,
+    src_page_stride: int | None = None,
+    dst_page_stride: int | None = None,
+) -> None:
+    """Copy DSV4 tokens between paged buffers, every layer: slot ``src_indices[i]`` -> ``dst_indices[i]``.
+
+    For every pair and every layer ``l``, the 576 value bytes and the 8 scale bytes of the source
+    slot (page ``slot // page_slots`` of ``src_ptrs[l]``) overwrite those of the destination slot.
+    Nothing else changes: not other slots, not page padding. ``N == 0`` is a no-op.
+
+    Parameters
+    ----------
+    src_ptrs, dst_ptrs : torch.Tensor
+        uint64 ``[L]``, contiguous: per-layer base addresses of uint8 ``[pages, page_bytes]`` buffers
+        (``page_bytes = V4.page_bytes(page_slots)``, 37,440 for 64 slots). Their device picks the
+        backend; the buffers may live in device, pinned host or (cpu backend) host memory.
+    src_indices, dst_indices : torch.Tensor
+        int64 ``[N]``, contiguous, on the pointer tables' device: token slots.
+    src_num_slots, dst_num_slots : int, optional
+        Slots of each side (pages * page_slots); ids at or beyond them are rejected. Pools always
+        pass them; without them only negative ids are rejected.
+    page_slots : {32, 64, 128}
+        Slots per page (64: the C4 page of full-token page size 256).
+    src_page_stride, dst_page_stride : int, optional
+        Bytes from one page of a layer to the next (default ``page_bytes``; a page-first host
+        buffer ``[pages, L, page_bytes]`` has ``L * page_bytes`` and ``ptrs[l] = base + l * page_bytes``).
+
+    Raises
+    ------
+    TypeError
+        An argument has the wrong dtype.
+    ValueError
+        Wrong shape, stride, device or length (including pointer tables of different lengths), or
+        a destination slot named twice with different sources.
+    IndexError
+        A negative id, or one at or beyond its slot count.
+
+    All checks happen before any byte moves.
+    """
+    _run("transfer_tokens", src_ptrs, dst_ptrs, src_indices, dst_indices, ("src_indices", "dst_indices"),
+         src_num_slots, dst_num_slots, ("src_num_slots", "dst_num_slots"), page_slots, src_page_stride,
+         dst_page_stride)
+
+
+def transfer_pages_dsv4_mla(
+    src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    *,
+    src_num_pages: int | None = None,
+    dst_num_pages: int | None = None,
+    page_slots: int = 64,
+    src_page_stride: int | None = None,
+    dst_page_stride: int | None = None,
+) -> None:
+    """Copy whole DSV4 pages between paged buffers, every layer: page ``src_pages[i]`` -> ``dst_pages[i]``.
+
+    Each page moves as one opaque row of ``page_bytes`` (padding included). Parameters, layouts and
+    errors are those of :func:`transfer_cache_dsv4_mla`, with page ids in place of slot ids and
+    page counts in place of slot counts.
+    """
+    _run("copy_pages", src_ptrs, dst_ptrs, src_pages, dst_pages, ("src_pages", "dst_pages"),
+         src_num_pages, dst_num_pages, ("src_num_pages", "dst_num_pages"), page_slots, src_page_stride,
+         dst_page_stride)

@@ -1,0 +1,216 @@
+"""A memory-planning case (the ``shared/golden/memory_plans.json`` schema).
+
+:func:`parse_case` turns one case object into typed specs, rejecting malformed input with a
+``ValueError`` / ``TypeError`` that names the field (``model.head_dim``, ``server.page_size``...)
+before anything is planned; :func:`rank_answer` renders a plan as the expected-answer JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .model_spec import (
+    DSV4_PRESETS,
+    DSV4ModelSpec,
+    MHAModelSpec,
+    ServerSpec,
+    SpeculativeSpec,
+    check_int,
+    dsv4_preset,
+)
+from .pool_planner import PoolPlan, create_stage_configurators, plan_stages
+from .pool_configurator import MemoryPoolConfigurator
+
+DSV4_MODEL_OVERRIDES = (
+    "num_hidden_layers", "compress_ratios", "head_dim", "qk_rope_head_dim",
+    "index_head_dim", "sliding_window", "context_len",
+)
+MHA_MODEL_FIELDS = ("num_layers", "kv_heads", "head_dim", "dtype_bytes", "swa_layers", "swa_window", "context_len")
+MHA_REQUIRED = ("num_layers", "kv_heads", "head_dim")
+SERVER_FIELDS = (
+    "page_size", "swa_sizing", "swa_full_tokens_ratio", "max_running_requests", "chunked_prefill_size",
+    "disable_overlap_schedule", "disable_radix_cache", "max_total_tokens", "enable_hisparse",
+    "hisparse_host_to_device_ratio", "speculative", "disaggregation_mode", "disaggregation_decode_extra_slots",
+    "compress_state_dtype", "attn_dp_size",
+)
+SPECULATIVE_FIELDS = ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens")
+STATE_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+# Server defaults that differ by model family; the rest are ServerSpec's.
+DSV4_SERVER_DEFAULTS = dict(page_size=256, swa_full_tokens_ratio=0.1, max_running_requests=256)
+MHA_SERVER_DEFAULTS = dict(page_size=1, swa_full_tokens_ratio=0.8, max_running_requests=None)
+
+ModelSpec = Union[DSV4ModelSpec, MHAModelSpec]
+
+
+@dataclass(frozen=True)
+class MemoryCase:
+    """One planning question: a model, a server, ``pp_size`` ranks of ``available_bytes`` each."""
+
+    name: str
+    model: ModelSpec
+    model_label: str
+    server: ServerSpec
+    available_bytes: int
+    pp_size: int = 1
+    attn_dp_size: int = 1
+
+    @property
+    def is_dsv4(self) -> bool:
+        """True for a DSV4 compressed-attention model."""
+        return isinstance(self.model, DSV4ModelSpec)
+
+    def configurators(self) -> list[MemoryPoolConfigurator]:
+        """One configurator per PP rank (validates what only the configurators know)."""
+        return create_stage_configurators(self.model, self.server, self.pp_size, self.attn_dp_size)
+
+    def plan(self, configurators: Optional[list[MemoryPoolConfigurator]] = None) -> PoolPlan:
+        """Plan every rank; raises ``ValueError`` / ``RuntimeError`` when the budget cannot."""
+        configurators = self.configurators() if configurators is None else configurators
+        return plan_stages(configurators, self.server, self.available_bytes, self.attn_dp_size, self.model.context_len)
+
+
+def _object(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _reject_unknown(name: str, obj: dict, known: tuple) -> None:
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {unknown}; known: {list(known)}")
+
+
+def _prefixed(prefix: str, error: Exception) -> Exception:
+    # Spec constructors name fields bare ("head_dim"); the case reader names them by path.
+    return type(error)(f"{prefix}.{error}")
+
+
+def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
+    model = _object("model", raw)
+    if "preset" in model:
+        if "kind" in model:
+            raise ValueError("model must have either 'preset' or 'kind', not both")
+        _reject_unknown("model", model, ("preset",) + DSV4_MODEL_OVERRIDES)
+        preset = model["preset"]
+        if preset not in DSV4_PRESETS:
+            raise ValueError(f"model.preset must be one of {sorted(DSV4_PRESETS)}, got {preset!r}")
+        overrides = {k: model[k] for k in DSV4_MODEL_OVERRIDES if k in model}
+        try:
+            return dsv4_preset(preset, **overrides), preset
+        except (TypeError, ValueError) as e:
+            raise _prefixed("model", e) from None
+    if model.get("kind") != "mha":
+        raise ValueError(f"model needs 'preset' (dsv4-flash, dsv4-pro) or kind 'mha', got {model!r}")
+    _reject_unknown("model", model, ("kind",) + MHA_MODEL_FIELDS)
+    for key in MHA_REQUIRED:
+        if key not in model:
+            raise ValueError(f"model.{key} is required for kind 'mha'")
+    try:
+        spec = MHAModelSpec(**{k: model[k] for k in MHA_MODEL_FIELDS if k in model})
+    except (TypeError, ValueError) as e:
+        raise _prefixed("model", e) from None
+    label = "mha" if not spec.is_hybrid_swa else "hybrid-swa mha"
+    return spec, label
+
+
+def _parse_speculative(raw: Any) -> Optional[SpeculativeSpec]:
+    if raw is None:
+        return None
+    spec = _object("server.speculative", raw)
+    _reject_unknown("server.speculative", spec, SPECULATIVE_FIELDS)
+    if "algorithm" not in spec:
+        raise ValueError("server.speculative.algorithm is required")
+    fields = {k: spec[k] for k in SPECULATIVE_FIELDS if k in spec}
+    # sglang's top-k 1 chain verifies num_steps drafts plus the bonus token.
+    if "num_draft_tokens" not in fields and "num_steps" in fields:
+        fields["num_draft_tokens"] = check_int("server.speculative.num_steps", fields["num_steps"]) + 1
+    try:
+        return SpeculativeSpec(**fields)
+    except (TypeError, ValueError) as e:
+        raise _prefixed("server", e) from None
+
+
+def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
+    server = dict(_object("server", raw))
+    _reject_unknown("server", server, SERVER_FIELDS)
+    is_dsv4 = isinstance(model, DSV4ModelSpec)
+    fields = dict(DSV4_SERVER_DEFAULTS if is_dsv4 else MHA_SERVER_DEFAULTS)
+    attn_dp_size = check_int("server.attn_dp_size", server.pop("attn_dp_size", 1), minimum=1)
+    sizing = server.pop("swa_sizing", "ratio")
+    if sizing not in ("ratio", "cap"):
+        raise ValueError(f"server.swa_sizing must be 'ratio' or 'cap', got {sizing!r}")
+    speculative = _parse_speculative(server.pop("speculative", None))
+    if speculative is not None and not is_dsv4:
+        raise ValueError("server.speculative is supported for DSV4 presets only (an MHA draft's layers are unknown)")
+    mode = server.pop("disaggregation_mode", "null")
+    fields["disaggregation_mode"] = "null" if mode is None else mode
+    extra_slots = server.pop("disaggregation_decode_extra_slots", 0)
+    fields["disaggregation_decode_extra_slots"] = 0 if extra_slots is None else extra_slots
+    if "compress_state_dtype" in server:
+        dtype = server.pop("compress_state_dtype")
+        if dtype not in STATE_DTYPE_ALIASES:
+            raise ValueError(f"server.compress_state_dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        fields["compress_state_dtype"] = STATE_DTYPE_ALIASES[dtype]
+    if "swa_full_tokens_ratio" in server and server["swa_full_tokens_ratio"] is None:
+        raise ValueError("server.swa_full_tokens_ratio must be a number (use swa_sizing 'cap' to leave it unset)")
+    fields.update(server)
+    # The operator set no ratio: DSV4 may size SWA by the request cap.
+    if sizing == "cap" and is_dsv4:
+        fields["swa_full_tokens_ratio"] = None
+    try:
+        spec = ServerSpec(speculative=speculative, **fields)
+    except (TypeError, ValueError) as e:
+        raise _prefixed("server", e) from None
+    if is_dsv4 and spec.page_size % 128 != 0:
+        raise ValueError(f"server.page_size must be a multiple of 128 for DSV4, got {spec.page_size}")
+    return spec, attn_dp_size
+
+
+def parse_case(raw: Any) -> MemoryCase:
+    """Read one case object; keys it does not know at the top level (``expected``) are ignored.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A malformed case, with the offending field named.
+    """
+    case = _object("case", raw)
+    for key in ("model", "available_bytes"):
+        if key not in case:
+            raise ValueError(f"case field {key!r} is required")
+    name = case.get("name", "case")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {name!r}")
+    model, label = _parse_model(case["model"])
+    server, attn_dp_size = _parse_server(case.get("server", {}), model)
+    available = check_int("available_bytes", case["available_bytes"], minimum=0)
+    pp_size = check_int("pp_size", case.get("pp_size", 1), minimum=1)
+    if pp_size > model.num_layers:
+        raise ValueError(f"pp_size ({pp_size}) must be <= the model's layers ({model.num_layers})")
+    return MemoryCase(name, model, label, server, available, pp_size, attn_dp_size)
+
+
+def rank_answer(plan: PoolPlan, is_dsv4: bool) -> list[dict]:
+    """The per-rank fields of the expected-answer JSON (plus ``layers`` and the request count)."""
+    ranks = []
+    for rank in plan.ranks:
+        c = rank.config
+        entry = {
+            "max_total_num_tokens": c.max_total_num_tokens,
+            "full_max_total_num_tokens": c.full_max_total_num_tokens,
+            "swa_max_total_num_tokens": c.swa_max_total_num_tokens,
+        }
+        if is_dsv4:
+            entry.update(
+                c4_max_total_num_tokens=c.c4_max_total_num_tokens,
+                c128_max_total_num_tokens=c.c128_max_total_num_tokens,
+                c4_state_pool_size=c.c4_state_pool_size,
+                c128_state_pool_size=c.c128_state_pool_size,
+            )
+        entry["max_running_requests"] = c.max_running_requests
+        entry["layers"] = list(rank.layers)
+        ranks.append(entry)
+    return ranks
+

@@ -1,0 +1,126 @@
+"""What limits a memory plan, and the smallest change that makes an impossible plan feasible.
+
+Each fix is found by searching the one setting it changes, everything else held fixed, and is
+re-checked by planning with it, so a suggestion is never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+from .memory_case import MemoryCase
+from .pool_planner import PoolPlan
+
+# Searches stop here: a per-rank KV budget of 1 PiB, or a ratio of 1.
+MAX_BUDGET_BYTES = 1 << 50
+RATIO_STEP = 1e-3
+
+
+def _feasible(case: MemoryCase) -> bool:
+    try:
+        case.plan()
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _smallest_int(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
+    """Smallest ``x`` in ``(lo, hi]`` with ``ok(x)``, assuming ``ok`` flips once from False to True."""
+    if not ok(hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def min_budget_bytes(case: MemoryCase) -> Optional[int]:
+    """Smallest per-rank KV budget that plans, or ``None`` if even 1 PiB does not."""
+    hi = max(case.available_bytes, 1 << 20)
+    while hi < MAX_BUDGET_BYTES and not _feasible(replace(case, available_bytes=hi)):
+        hi *= 2
+    hi = min(hi, MAX_BUDGET_BYTES)
+    return _smallest_int(case.available_bytes, hi, lambda b: _feasible(replace(case, available_bytes=b)))
+
+
+def min_swa_ratio(case: MemoryCase) -> Optional[float]:
+    """Smallest ``swa_full_tokens_ratio`` (a multiple of 0.001, at most 1) that plans."""
+    current = case.server.swa_full_tokens_ratio
+    if current is None or current >= 1:
+        return None
+    steps = _smallest_int(
+        math.floor(current / RATIO_STEP),
+        round(1 / RATIO_STEP),
+        lambda k: _feasible(replace(case, server=replace(case.server, swa_full_tokens_ratio=k * RATIO_STEP))),
+    )
+    return None if steps is None else round(steps * RATIO_STEP, 3)
+
+
+def max_running_requests_that_fit(case: MemoryCase) -> Optional[int]:
+    """Largest ``max_running_requests`` below the current one that plans."""
+    current = case.server.max_running_requests
+    if current is None or current <= 1:
+        return None
+
+    def too_many(m: int) -> bool:
+        return not _feasible(replace(case, server=replace(case.server, max_running_requests=m)))
+
+    first_infeasible = _smallest_int(0, current, too_many)
+    if first_infeasible is None or first_infeasible <= 1:
+        return None
+    return first_infeasible - 1
+
+
+def min_max_total_tokens(case: MemoryCase) -> Optional[int]:
+    """Smallest user ``max_total_tokens`` cap that plans (only when a cap is set)."""
+    cap = case.server.max_total_tokens
+    if cap is None:
+        return None
+    uncapped = replace(case, server=replace(case.server, max_total_tokens=None))
+    if not _feasible(uncapped):
+        return None
+    hi = uncapped.plan().agreed_tokens
+    return _smallest_int(cap, hi, lambda n: _feasible(replace(case, server=replace(case.server, max_total_tokens=n))))
+
+
+def fixes(case: MemoryCase) -> list[str]:
+    """The smallest changes, each on its own, that turn an infeasible ``case`` into a plan."""
+    found = []
+    budget = min_budget_bytes(case)
+    if budget is not None:
+        found.append(f"raise the KV budget to >= {budget / (1 << 30):.2f} GiB per rank ({budget} bytes)")
+    ratio = min_swa_ratio(case)
+    if ratio is not None:
+        found.append(f"raise swa_full_tokens_ratio to >= {ratio}")
+    cap = min_max_total_tokens(case)
+    if cap is not None:
+        found.append(f"raise max_total_tokens to >= {cap}")
+    if case.is_dsv4 and case.server.swa_full_tokens_ratio is None:
+        requests = max_running_requests_that_fit(case)
+        if requests is not None:
+            found.append(f"lower max_running_requests to <= {requests}")
+        explicit = replace(case, server=replace(case.server, swa_full_tokens_ratio=0.1))
+        if _feasible(explicit):
+            found.append("set swa_full_tokens_ratio explicitly (e.g. 0.1) to size SWA by ratio instead of the cap")
+    return found
+
+
+def limiting_factor(case: MemoryCase, plan: PoolPlan) -> str:
+    """What bounds the agreed full-pool size: the user cap, one PP rank's budget, or the budget."""
+    profiled = [r.profiled_tokens for r in plan.ranks]
+    cap = case.server.max_total_tokens
+    if cap is not None and cap < min(profiled):
+        return f"the max_total_tokens cap ({cap}); the KV budget alone allows {min(profiled)}"
+    if len(set(profiled)) > 1:
+        worst = min(plan.ranks, key=lambda r: r.profiled_tokens)
+        start, end = worst.layers
+        return (
+            f"the KV budget of PP rank {worst.pp_rank} (layers [{start},{end}), its layers cost the most per "
+            "token); the other ranks are held to its count by the MIN over ranks"
+        )
+    return "the KV budget"

@@ -1,0 +1,85 @@
+"""gather_rows: the kernel (every test backend) against torch indexing, and its bad-input contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.gather_rows import GATHER_ROWS, INDEX_TYPES, gather_rows
+from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.reference.gather_rows import gather_rows_reference
+from sparsekv.testing.strategies.gather_rows import gather_case
+
+BACKENDS = kernel_backends()
+INDEX_DTYPES = [dtype for dtype, cpp in INDEX_TYPES.items() if (cpp,) in GATHER_ROWS.instances]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
+@given(data=st.data())
+def test_gather_matches_torch_indexing(backend, index_dtype, data):
+    dst, dst_idx, src, src_idx = data.draw(gather_case(index_dtype))
+    device = device_of(backend)
+    expected = gather_rows_reference(dst, dst_idx, src, src_idx)
+    dst, dst_idx, src, src_idx = (t.to(device) for t in (dst, dst_idx, src, src_idx))
+    gather_rows(dst, dst_idx, src, src_idx)
+    assert torch.equal(dst.cpu(), expected)
+
+
+@given(rows=st.integers(1, 8), pad=st.integers(1, 16))
+@example(rows=1, pad=1)
+def test_writes_only_the_named_columns_of_a_strided_view(rows, pad):
+    # A column slice of a wider buffer: the bytes around the slice must stay as they were.
+    wide = torch.full((rows, 8 + 2 * pad), 7, dtype=torch.uint8)
+    view = wide[:, pad : pad + 8]
+    src = torch.arange(rows * 8, dtype=torch.uint8).reshape(rows, 8)
+    idx = torch.arange(rows)
+    gather_rows(view, idx, src, idx.flip(0))
+    assert torch.equal(view, src.flip(0))
+    assert bool((wide[:, :pad] == 7).all()) and bool((wide[:, pad + 8 :] == 7).all())
+
+
+def _fresh():
+    src = torch.arange(60, dtype=torch.uint8).reshape(6, 10)
+    dst = torch.full((4, 10), 255, dtype=torch.uint8)
+    return dst, src
+
+
+BAD_INPUTS = [
+    # (mutator of (dst, dst_idx, src, src_idx), exception, name in message)
+    (lambda d, di, s, si: (d, torch.tensor([0, 4]), s, si), IndexError, "dst_indices"),
+    (lambda d, di, s, si: (d, torch.tensor([0, -1]), s, si), IndexError, "dst_indices"),
+    (lambda d, di, s, si: (d, di, s, torch.tensor([0, 6])), IndexError, "src_indices"),
+    (lambda d, di, s, si: (d, di, s, si.to(torch.int32)), TypeError, "src_indices"),
+    (lambda d, di, s, si: (d.to(torch.int16), di, s, si), TypeError, "dst"),
+    (lambda d, di, s, si: (d, di, s.to(torch.float32), si), TypeError, "src"),
+    (lambda d, di, s, si: (d, di, s, si[:1]), ValueError, "src_indices"),
+    (lambda d, di, s, si: (d, di, s[:, :5], si), ValueError, "src"),
+    (lambda d, di, s, si: (d[:, ::2], di, s[:, ::2], si), ValueError, "dst"),
+    (lambda d, di, s, si: (d, torch.tensor([[0, 1]]), s, si), ValueError, "dst_indices"),
+    (lambda d, di, s, si: (d, torch.tensor([0, 1, 2, 3])[::2], s, si), ValueError, "dst_indices"),
+    (lambda d, di, s, si: (d.flatten(), di, s, si), ValueError, "dst"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, name", BAD_INPUTS)
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(mutate, exc, name):
+    dst, src = _fresh()
+    before = dst.clone()
+    args = mutate(dst, torch.tensor([0, 1]), src, torch.tensor([2, 3]))
+    with pytest.raises(exc, match=f"`{name}`"):
+        gather_rows(*args)
+    assert torch.equal(dst, before)
+
+
+def test_index_dtype_outside_the_table_is_rejected():
+    dst, src = _fresh()
+    with pytest.raises(TypeError, match="dst_indices"):
+        gather_rows(dst, torch.tensor([0], dtype=torch.int16), src, torch.tensor([0], dtype=torch.int16))
+
+
+def test_unknown_instance_is_rejected_with_the_table():
+    with pytest.raises(ValueError, match="supported"):
+        GATHER_ROWS.module("int8_t")

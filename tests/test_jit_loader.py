@@ -1,0 +1,266 @@
+"""The JIT loader: cache key, racing builders, corrupted artifacts, read-only and unsafe caches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+
+CSRC = loader.csrc_root()
+
+
+def plan_for(csrc: Path, *, backend: str = "cpu", arch: str | None = None, probe_dir: Path | None = None):
+    return loader.make_plan(GATHER_ROWS.name, ("int64_t",), header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
+                            kernels=GATHER_ROWS.kernels, backend=backend, arch=arch, probe_dir=probe_dir, csrc=csrc)
+
+
+@pytest.fixture
+def two_checkouts(tmp_path):
+    a, b = tmp_path / "checkout_a" / "csrc", tmp_path / "elsewhere" / "checkout_b" / "csrc"
+    shutil.copytree(CSRC, a)
+    shutil.copytree(CSRC, b)
+    return a, b
+
+
+def test_key_is_the_same_for_two_checkouts_and_holds_no_absolute_path(two_checkouts):
+    a, b = two_checkouts
+    plan_a, plan_b = plan_for(a), plan_for(b)
+    assert plan_a.entry_name() == plan_b.entry_name()
+    doc = json.dumps(plan_a.key_doc())
+    for path in (str(a), str(b), str(CSRC), plan_a.cxx.path):
+        assert path not in doc
+    assert "/" not in "".join(plan_a.key_doc()["include_closure"]).replace("include/sparsekv/", "")
+
+
+def test_key_covers_the_transitive_include_closure(two_checkouts):
+    a, _ = two_checkouts
+    base = plan_for(a).entry_name()
+    closure = plan_for(a).closure
+    assert {"gather_rows.cuh", "include/sparsekv/portability.h", "include/sparsekv/ffi.h"} <= set(closure)
+    for rel in closure:
+        with open(a / rel, "a") as f:
+            f.write("\n// edited\n")
+        edited = plan_for(a).entry_name()
+        assert edited != base, rel
+        (a / rel).write_bytes(closure[rel])
+        assert plan_for(a).entry_name() == base
+
+
+def test_unrelated_edits_do_not_change_the_key(two_checkouts):
+    a, _ = two_checkouts
+    base = plan_for(a).entry_name()
+    (a / "unrelated_kernel.cuh").write_text("// a header nothing includes\n")
+    (a / "include" / "sparsekv" / "unrelated.h").write_text("// nor this one\n")
+    assert plan_for(a).entry_name() == base
+
+
+def test_key_covers_flags_backend_and_arch(two_checkouts, monkeypatch):
+    a, _ = two_checkouts
+    base = plan_for(a).entry_name()
+    monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_SOMETHING=1")
+    assert plan_for(a).entry_name() != base
+    monkeypatch.delenv("SPARSEKV_EXTRA_CFLAGS")
+    if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("nvcc is not installed: the cuda-backend half of the key cannot be computed")
+    cuda_90 = plan_for(a, backend="cuda", arch="9.0a").entry_name()
+    cuda_both = plan_for(a, backend="cuda", arch="9.0a,10.0a").entry_name()
+    assert len({base, cuda_90, cuda_both}) == 3
+
+
+def test_key_covers_the_compiler_identity(two_checkouts, tmp_path, monkeypatch):
+    a, _ = two_checkouts
+    base = plan_for(a).entry_name()
+    other = tmp_path / "bin" / "c++"
+    other.parent.mkdir()
+    # A different compiler "version" (a wrapper whose --version differs) must give another key.
+    other.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'c++ (other) 99.0'; exit 0; fi\nexec c++ \"$@\"\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("SPARSEKV_CXX", str(other))
+    assert plan_for(a).entry_name() != base
+
+
+def _worker_script(cache_dir: Path, cxx: Path) -> str:
+    return textwrap.dedent(f"""
+        import os, torch
+        os.environ["SPARSEKV_CACHE_DIR"] = {str(cache_dir)!r}
+        os.environ["SPARSEKV_CXX"] = {str(cxx)!r}
+        from sparsekv.jit_kernel.gather_rows import gather_rows
+        src = torch.arange(40, dtype=torch.uint8).reshape(4, 10)
+        dst = torch.zeros(4, 10, dtype=torch.uint8)
+        idx = torch.tensor([3, 2, 1, 0])
+        gather_rows(dst, torch.arange(4), src, idx)
+        assert torch.equal(dst, src.flip(0))
+        print("OK")
+    """)
+
+
+@pytest.fixture
+def counting_cxx(tmp_path):
+    """A host compiler that logs every compile (not --version probes) to a file, then runs c++."""
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "counting-c++"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "$$ $*" >> {log}\nexec c++ "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+def test_racing_processes_build_once_and_all_succeed(tmp_path, counting_cxx):
+    cxx, log = counting_cxx
+    cache_dir = tmp_path / "cache"
+    script = _worker_script(cache_dir, cxx)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [r[1][-2000:] for r in results]
+    assert all(out.strip() == "OK" for out, _ in results)
+    published = [e for e in cache.entries(cache_dir) if e.name.startswith("gather_rows__int64t__cpu")]
+    assert len(published) == 1
+    assert len(log.read_text().splitlines()) == 1  # the compiler ran exactly once
+    assert list((cache_dir / ".staging").iterdir()) == []
+
+
+def _build_in(cache_dir: Path, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(cache_dir))
+    roots = cache.open_roots()
+    plan = plan_for(CSRC, probe_dir=None)
+    return plan, roots, loader.find_or_build(plan, roots)
+
+
+def _run_worker(cache_dir: Path, cxx: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _worker_script(cache_dir, cxx)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-2000:]
+
+
+def _published_artifact(cache_dir: Path) -> Path:
+    (entry,) = [e for e in cache.entries(cache_dir) if e.name.startswith("gather_rows__int64t__cpu")]
+    return entry / cache.ARTIFACT
+
+
+# Corruption happens between processes (a crash mid-copy, a bad disk): the artifact is damaged in
+# one process and found by the next. (Damaging a library a live process has mapped would crash that
+# process whatever the loader did, so these tests use fresh processes.)
+@pytest.mark.parametrize("damage", ["truncate", "flip_a_byte"])
+def test_corrupted_artifact_is_rebuilt_transparently(tmp_path, counting_cxx, damage):
+    cxx, log = counting_cxx
+    cache_dir = tmp_path / "cache"
+    _run_worker(cache_dir, cxx)
+    so = _published_artifact(cache_dir)
+    data = bytearray(so.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 3]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+    assert cache.valid_artifact(so.parent) is None
+    _run_worker(cache_dir, cxx)
+    assert cache.valid_artifact(_published_artifact(cache_dir).parent) is not None
+    assert len(log.read_text().splitlines()) == 2  # built, then rebuilt once
+
+
+def _make_read_only(path: Path) -> None:
+    path.chmod(0o555)
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(path)], check=False, capture_output=True)
+    if cache._writable(path):
+        _undo_read_only(path)
+        pytest.skip("cannot make a directory read-only here (root without chattr)")
+
+
+def _undo_read_only(path: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=False, capture_output=True)
+    path.chmod(0o700)
+
+
+def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    plan, roots, _ = _build_in(tmp_path / "cache", monkeypatch)
+    root = roots.write
+    _make_read_only(root)
+    try:
+        ro_roots = cache.open_roots()
+        assert ro_roots.write == cache.fallback_root() and root in ro_roots.read
+        # A hit in the read-only root loads without building anything in the fallback.
+        loader.find_or_build(plan, ro_roots)
+        assert cache.entries(ro_roots.write) == []
+        # A miss (another flag set) builds into the fallback.
+        monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_READ_ONLY_TEST=1")
+        loader.find_or_build(plan_for(CSRC), ro_roots)
+        assert len(cache.entries(ro_roots.write)) == 1
+        assert stat.S_IMODE(ro_roots.write.stat().st_mode) == 0o700
+    finally:
+        _undo_read_only(root)
+
+
+def test_cache_dir_writable_by_others_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "shared-cache"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(root))
+    with pytest.raises(cache.CacheSecurityError, match="writable by other users"):
+        cache.open_roots()
+
+
+def test_artifact_writable_by_others_is_never_loaded(tmp_path, monkeypatch):
+    plan, roots, _ = _build_in(tmp_path / "cache", monkeypatch)
+    so = roots.write / plan.entry_name() / cache.ARTIFACT
+    so.chmod(0o666)
+    assert cache.valid_artifact(so.parent) is None
+    loader.find_or_build(plan, roots)  # rebuilt privately instead
+    assert stat.S_IMODE(so.stat().st_mode) & 0o022 == 0
+
+
+def test_compile_error_carries_the_compiler_message_and_a_reproduce_command(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    with open(csrc / "gather_rows.cuh", "a") as f:
+        f.write("\nthis is not C++;\n")
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
+    roots = cache.open_roots()
+    with pytest.raises(loader.JitCompileError) as info:
+        loader.find_or_build(plan_for(csrc), roots)
+    message = str(info.value)
+    assert "Reproduce with" in message and "module.cpp" in message and "error" in message
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CXX", "no-such-compiler-anywhere")
+    with pytest.raises(RuntimeError, match="SPARSEKV_CXX"):
+        plan_for(CSRC)
+
+
+def test_bad_arch_is_rejected_before_compiling():
+    from sparsekv.jit_kernel.arch import ArchError, parse_arch_list
+
+    assert parse_arch_list("10.0a, 9.0a 9.0a") == ("9.0a", "10.0a")
+    with pytest.raises(ArchError, match="not supported"):
+        parse_arch_list("7.0")
+    with pytest.raises(ArchError, match="malformed"):
+        parse_arch_list("sm_90")
+
+
+def test_warm_load_in_a_fresh_process_spawns_no_compiler(tmp_path, counting_cxx):
+    cxx, log = counting_cxx
+    cache_dir = tmp_path / "cache"
+    script = _worker_script(cache_dir, cxx)
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert len(log.read_text().splitlines()) == 1
+    # The --version probe is cached on disk too: the second process ran no compiler process at all.
+    probes = list((cache_dir / ".toolchain").glob("*.json"))
+    assert len(probes) == 1
