@@ -13,6 +13,8 @@ CUDA ids (which synchronizes the stream, so these calls are not CUDA-graph captu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sparsekv.jit_kernel.gather_rows import backend_of
@@ -35,6 +37,24 @@ HISPARSE_COPY = register(
         instances=tuple((V4.cpp_type, p) for p in PAGE_SLOTS),
     )
 )
+
+
+def pointer_table(layers: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """The uint64 ``[L]`` table of per-layer base addresses that the copies take.
+
+    Parameters
+    ----------
+    layers : sequence of torch.Tensor
+        Per-layer page views (uint8 ``[pages, page_bytes]``); a page-first buffer's layers are
+        ``buf[:, l]``, whose base addresses are ``l * page_bytes`` apart.
+    device : torch.device or str, optional
+        Where the table lives, which picks the backend (default: the first layer's device; pass the
+        GPU for pinned host layers copied by the cuda backend).
+    """
+    if not layers:
+        raise ValueError("sparsekv: argument `layers` must name at least one layer")
+    addresses = [t.data_ptr() for t in layers]
+    return torch.tensor(addresses, dtype=torch.uint64, device=device or layers[0].device)
 
 
 def _count(value: int | None, name: str) -> int:

@@ -49,16 +49,19 @@ def min_budget_bytes(case: MemoryCase) -> Optional[int]:
 
 
 def min_swa_ratio(case: MemoryCase) -> Optional[float]:
-    """Smallest ``swa_full_tokens_ratio`` (a multiple of 0.001, at most 1) that plans."""
+    """Smallest ``swa_full_tokens_ratio`` above the current one (a multiple of 0.001, at most 1) that plans.
+
+    A scan, not a bisection: page alignment makes feasibility non-monotone in the ratio (a larger
+    ratio shrinks the full pool, which can round the SWA pool down by a page).
+    """
     current = case.server.swa_full_tokens_ratio
     if current is None or current >= 1:
         return None
-    steps = _smallest_int(
-        math.floor(current / RATIO_STEP),
-        round(1 / RATIO_STEP),
-        lambda k: _feasible(replace(case, server=replace(case.server, swa_full_tokens_ratio=k * RATIO_STEP))),
-    )
-    return None if steps is None else round(steps * RATIO_STEP, 3)
+    for k in range(math.floor(current / RATIO_STEP) + 1, round(1 / RATIO_STEP) + 1):
+        ratio = round(k * RATIO_STEP, 3)
+        if _feasible(replace(case, server=replace(case.server, swa_full_tokens_ratio=ratio))):
+            return ratio
+    return None
 
 
 def max_running_requests_that_fit(case: MemoryCase) -> Optional[int]:

@@ -354,6 +354,14 @@ class DSV4PoolConfigurator(MemoryPoolConfigurator):
         self.token_bytes = self._token_bytes()
         self.bytes_per_swa_token = self._bytes_per_swa_token()
         self.bytes_per_full_token = self._bytes_per_full_token()
+        if self.bytes_per_full_token == 0:
+            # Cap mode on a stage of SWA-only layers: nothing scales with full tokens, so the
+            # full pool has no size to solve for (sglang divides by zero here).
+            raise ValueError(
+                f"PP stage layers [{self.layers[0]},{self.layers[1]}) hold only SWA-only layers and the SWA pool "
+                "is sized by the request cap: no per-token cost to size the full pool from. Set "
+                "swa_full_tokens_ratio or give the stage a compressed layer."
+            )
         if self.is_speculative:
             self.bytes_per_full_token *= self.token_bytes.spec_inflation
             self.bytes_per_swa_token *= self.token_bytes.spec_inflation

@@ -134,6 +134,14 @@ class Arg {
     }
     return *this;
   }
+  // Memory the backend's kernels can address: the backend's device or, for the cuda backend, host
+  // memory too (kernels read page-locked host memory over PCIe; a CPU tensor must be pinned or
+  // registered, which cannot be told from its DLPack device).
+  const Arg& on_backend_device_or_host() const {
+    const DLDeviceType type = t_.device().device_type;
+    if (SPARSEKV_BACKEND_CUDA && (type == kDLCPU || type == kDLCUDAHost)) return *this;
+    return on_backend_device();
+  }
   const Arg& same_device(const TensorView& other, const char* other_name) const {
     const DLDevice a = t_.device(), b = other.device();
     if (a.device_type != b.device_type || a.device_id != b.device_id) {

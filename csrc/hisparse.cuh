@@ -1,0 +1,781 @@
+// hisparse: the HiSparse swap-in (SwapIn) and the replay of its recorded miss plan (CopyPlanned).
+//
+// Contract of SwapIn (reference/sglang_jit_hisparse.md §3.3-3.4). K = top-k width, H = hot slots per
+// request. For batch row b with rid = req_pool_indices[b], n = seq_lens[b] and newest = n - 1, the
+// request's hot buffer is row rid of three tables: device_buffer_tokens (token held by each slot,
+// -1 = empty), device_buffer_locs (physical device token slot of each slot; column H is the reserved
+// newest-token slot) and lru_slots (the H slot ids, least recently used first).
+//   * Padding (b >= num_real_reqs[0]) and rid outside the tables: out[b, :] = -1, miss_count[b] = 0,
+//     nothing else is touched.
+//   * Fast path, n <= H (slot = position): out[b, i] = device_buffer_locs[rid, tok] for i < min(n, K)
+//     and 0 <= tok < n, else -1. Tables untouched, nothing loaded.
+//   * Slow path, n > H. An entry outside [0, n) is "no token" (-1). newest -> column H. A token held
+//     by a hot slot is a hit and keeps its slot. The m-th distinct missing token, in top-k order,
+//     takes the m-th least-recently-used slot that is not a hit, is written to device_buffer_tokens,
+//     and its bytes move host_cache[host_cache_locs[rid, tok]] -> device_buffer[locs[rid, slot]].
+//     Repeated entries of one token share its slot. lru_slots[rid] becomes
+//     [unused non-hits | miss slots in miss order | hit slots], each group in its previous LRU order.
+//   * Optional outputs: the miss plan (miss_src[b, m], miss_dst[b, m] for m < miss_count[b]) and
+//     device counters {hits, misses, bytes} added to without a host sync.
+// Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
+// device_buffer_tokens, table rows of padding rows, device bytes other than the miss slots.
+//
+// Safe by construction: a slot, loc or table index outside its buffer is never dereferenced. A copy
+// whose host or device loc is out of range is skipped (and still recorded in the plan, where the
+// replay skips it too); an LRU entry outside [0, H) gets no token and yields -1 if a miss lands on it.
+// Row offsets are 64-bit.
+//
+// Launch shape: the host runs the per-request logic sequentially; on the GPU one block of BlockSize
+// threads serves one request, with the top-k hash table and the LRU compaction in shared memory and
+// block-wide ballot scans keeping every compaction in index order (so both backends agree bit for bit).
+//
+// CopyPlanned replays a plan into another layer's buffers: for b < num_real_reqs[0] and
+// m < miss_count[b], device_buffer[miss_dst[b, m]] = host_cache[miss_src[b, m]], one warp per entry.
+#pragma once
+
+#include "sparsekv/kv_layout.h"
+#include "sparsekv/portability.h"
+
+namespace sparsekv::hisparse {
+
+// ---------------------------------------------------------------------------------------------
+// Token byte layouts of the host and device caches. A layout names how many token slots a buffer
+// of `rows` rows holds and how one token moves.
+
+// Generic MLA: slot s is item_bytes contiguous bytes at base + s * row_stride.
+struct LinearRows {
+  SPARSEKV_HOST_DEVICE static int64_t slots(int64_t rows) { return rows; }
+  SPARSEKV_HOST_DEVICE static void copy(uint8_t* dst, int64_t dst_stride, int64_t d, const uint8_t* src,
+                                        int64_t src_stride, int64_t s, int64_t item_bytes, Lanes lanes) {
+    copy_bytes(dst + d * dst_stride, src + s * src_stride, item_bytes, lanes);
+  }
+};
+
+// A block-split paged layout (kv_layout.h): one token is a value range and a scale range of its page
+// row, on both sides (the host mirrors the device's page rows).
+template <class Paged>
+struct PagedRows {
+  using PagedT = Paged;
+  SPARSEKV_HOST_DEVICE static int64_t slots(int64_t rows) { return rows * Paged::kPageSlots; }
+  SPARSEKV_HOST_DEVICE static void copy(uint8_t* dst, int64_t dst_stride, int64_t d, const uint8_t* src,
+                                        int64_t src_stride, int64_t s, int64_t item_bytes, Lanes lanes) {
+    (void)item_bytes;
+    const auto to = Paged::token(dst, d, dst_stride);
+    const auto from = Paged::token(src, s, src_stride);
+    copy_bytes(to.value, from.value, Paged::LayoutT::kValueBytes, lanes);
+    copy_bytes(to.scale, from.scale, Paged::LayoutT::kScaleBytes, lanes);
+  }
+};
+
+// DSV4 C4: V4 tokens (584 B), 64-slot pages of 37,440 B.
+struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, 64>> {};
+
+template <class Layout>
+inline constexpr bool kIsPaged = !std::is_same_v<Layout, LinearRows>;
+
+SPARSEKV_HOST_DEVICE int64_t load_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+SPARSEKV_HOST_DEVICE void store_index(void* p, bool is64, int64_t i, int64_t v) {
+  if (is64) {
+    static_cast<int64_t*>(p)[i] = v;
+  } else {
+    static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+  }
+}
+
+SPARSEKV_HOST_DEVICE void add_counter(int64_t* counter, int64_t v) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(v));
+#else
+  *counter += v;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The threads serving one request: a whole block on the GPU, one thread on the host. Every member
+// is called by all threads of the team (block-uniform control flow), so the barriers line up.
+struct Team {
+  int tid;
+  int size;
+  int warp;
+  int num_warps;
+  int lane;
+
+  SPARSEKV_HOST_DEVICE static Team current() {
+#ifdef __CUDA_ARCH__
+    const int t = static_cast<int>(threadIdx.x);
+    const int n = static_cast<int>(blockDim.x);
+    return Team{t, n, t / kWarpSize, n / kWarpSize, t % kWarpSize};
+#else
+    return Team{0, 1, 0, 1, 0};
+#endif
+  }
+
+  SPARSEKV_HOST_DEVICE void sync() const {
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#endif
+  }
+
+  // Exclusive rank of this thread's flag among the team's flags in thread order; *total gets the
+  // number of set flags. warp_counts holds one int per warp.
+  SPARSEKV_HOST_DEVICE int rank(bool flag, int* total, int32_t* warp_counts) const {
+#ifdef __CUDA_ARCH__
+    const unsigned mask = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(mask & ((1u << lane) - 1u));
+    if (lane == 0) warp_counts[warp] = __popc(mask);
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < num_warps; ++w) {
+      const int c = warp_counts[w];
+      before += w < warp ? c : 0;
+      all += c;
+    }
+    __syncthreads();  // warp_counts is reused by the next call
+    *total = all;
+    return before + in_warp;
+#else
+    (void)warp_counts;
+    *total = flag ? 1 : 0;
+    return 0;
+#endif
+  }
+
+  SPARSEKV_HOST_DEVICE static int32_t compare_and_swap(int32_t* addr, int32_t expected, int32_t desired) {
+#ifdef __CUDA_ARCH__
+    return atomicCAS(addr, expected, desired);
+#else
+    const int32_t old = *addr;
+    if (old == expected) *addr = desired;
+    return old;
+#endif
+  }
+
+  SPARSEKV_HOST_DEVICE static void fetch_min(int32_t* addr, int32_t v) {
+#ifdef __CUDA_ARCH__
+    atomicMin(addr, v);
+#else
+    if (v < *addr) *addr = v;
+#endif
+  }
+
+  SPARSEKV_HOST_DEVICE static void fetch_add(int32_t* addr, int32_t v) {
+#ifdef __CUDA_ARCH__
+    atomicAdd(addr, v);
+#else
+    *addr += v;
+#endif
+  }
+
+  SPARSEKV_HOST_DEVICE Lanes warp_lanes() const {
+#ifdef __CUDA_ARCH__
+    return Lanes{lane, kWarpSize};
+#else
+    return Lanes{0, 1};
+#endif
+  }
+};
+
+constexpr int log2_ceil(int n) {
+  int bits = 0;
+  while ((1 << bits) < n) ++bits;
+  return bits;
+}
+
+// ---------------------------------------------------------------------------------------------
+template <int K, int H, int BlockSize, class Layout>
+struct SwapIn {
+  static_assert(K >= 1 && K < 32768, "hisparse: num_top_k must be in [1, 32768) (int16 slot ids)");
+  static_assert(H >= K && H < 32768, "hisparse: hot_buffer_size must be in [num_top_k, 32768) (int16 slot ids)");
+  static_assert(BlockSize >= kWarpSize && BlockSize <= 1024 && BlockSize % kWarpSize == 0,
+                "hisparse: block_size must be a multiple of 32 in [32, 1024]");
+
+  static constexpr int kTopK = K;
+  static constexpr int kHot = H;
+  static constexpr int kBlockSize = BlockSize;
+  // Open addressing at load <= 1/2: every probe sequence reaches an empty cell.
+  static constexpr int kHashBits = log2_ceil(2 * K);
+  static constexpr int kHashSize = 1 << kHashBits;
+  static constexpr int32_t kEmpty = -1;
+
+  struct Params {
+    const int32_t* top_k_tokens;
+    int64_t top_k_stride;
+    int32_t* top_k_device_locs;
+    int64_t out_stride;
+    int32_t* device_buffer_tokens;
+    const int32_t* device_buffer_locs;
+    int64_t buffer_stride;
+    const int64_t* host_cache_locs;
+    int64_t max_len;  // columns (and row stride) of host_cache_locs
+    int16_t* lru_slots;
+    int64_t lru_stride;
+    const void* req_pool_indices;
+    bool req_is64;
+    const void* seq_lens;
+    bool seq_is64;
+    int64_t batch;
+    int64_t max_reqs;
+    const int32_t* num_real_reqs;  // nullptr: every row is real
+    const uint8_t* host_cache;
+    int64_t host_stride;
+    int64_t host_slots;
+    uint8_t* device_buffer;
+    int64_t device_stride;
+    int64_t device_slots;
+    int64_t item_bytes;
+    int64_t* miss_src;  // nullptr: no plan
+    void* miss_dst;
+    bool miss_dst_is64;
+    int32_t* miss_count;
+    int64_t miss_src_stride;
+    int64_t miss_dst_stride;
+    int64_t* counters;  // nullptr: no counters; else {hits, misses, bytes}
+  };
+
+  // Per-request scratch: shared memory on the GPU, a stack frame on the host.
+  struct Shared {
+    int32_t hash_key[kHashSize];    // token, kEmpty
+    int32_t hash_first[kHashSize];  // first top-k index of the token; -1 once it was a miss
+    int16_t hash_slot[kHashSize];   // hot slot the token resolved to, -1 none
+    int16_t lru_out[H];             // hits from the front, non-hits from the back, both in LRU order
+    int16_t miss_index[K];          // top-k index of the m-th miss
+    int32_t warp_counts[BlockSize / kWarpSize];
+    int32_t copies;
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.batch; }
+
+  SPARSEKV_HOST_DEVICE static int hash_of(int32_t token) {
+    return static_cast<int>((static_cast<uint32_t>(token) * 2654435761u) >> (32 - kHashBits)) & (kHashSize - 1);
+  }
+
+  SPARSEKV_HOST_DEVICE static void insert(Shared& s, int32_t token, int32_t index) {
+    for (int pos = hash_of(token);; pos = (pos + 1) & (kHashSize - 1)) {
+      const int32_t prev = Team::compare_and_swap(&s.hash_key[pos], kEmpty, token);
+      if (prev == kEmpty || prev == token) {
+        Team::fetch_min(&s.hash_first[pos], index);
+        return;
+      }
+    }
+  }
+
+  // Cell of token, or -1 when absent.
+  SPARSEKV_HOST_DEVICE static int lookup(const Shared& s, int32_t token) {
+    for (int pos = hash_of(token);; pos = (pos + 1) & (kHashSize - 1)) {
+      const int32_t key = s.hash_key[pos];
+      if (key == token) return pos;
+      if (key == kEmpty) return -1;
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
+
+  // Everything for batch row b; called by every thread of the team.
+  SPARSEKV_HOST_DEVICE static void run(const Params& p, int64_t b, const Team& t, Shared& s) {
+    int32_t* out = p.top_k_device_locs + b * p.out_stride;
+    const int32_t* top_k = p.top_k_tokens + b * p.top_k_stride;
+    const int64_t num_real = p.num_real_reqs ? static_cast<int64_t>(*p.num_real_reqs) : p.batch;
+    const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
+    if (b >= num_real || rid < 0 || rid >= p.max_reqs) {
+      for (int i = t.tid; i < K; i += t.size) out[i] = -1;
+      if (t.tid == 0 && p.miss_count) p.miss_count[b] = 0;
+      return;
+    }
+    const int64_t seq_len = load_index(p.seq_lens, p.seq_is64, b);
+    const int32_t* locs = p.device_buffer_locs + rid * p.buffer_stride;
+    if (seq_len <= H) {
+      fast_path(p, b, t, s, out, top_k, locs, seq_len);
+    } else {
+      slow_path(p, b, rid, t, s, out, top_k, locs, seq_len);
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static void fast_path(const Params& p, int64_t b, const Team& t, Shared& s, int32_t* out,
+                                             const int32_t* top_k, const int32_t* locs, int64_t seq_len) {
+    const int64_t used = seq_len < K ? seq_len : K;
+    int hits = 0;
+    for (int base = 0; base < K; base += t.size) {
+      const int i = base + t.tid;
+      const int32_t tok = i < used ? top_k[i] : -1;
+      const bool valid = is_token(tok, seq_len);
+      if (i < K) out[i] = valid ? locs[tok] : -1;
+      int n = 0;
+      t.rank(valid, &n, s.warp_counts);
+      hits += n;
+    }
+    if (t.tid == 0) {
+      if (p.miss_count) p.miss_count[b] = 0;
+      if (p.counters) add_counter(&p.counters[0], hits);
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static void slow_path(const Params& p, int64_t b, int64_t rid, const Team& t, Shared& s,
+                                             int32_t* out, const int32_t* top_k, const int32_t* locs,
+                                             int64_t seq_len) {
+    const int64_t newest = seq_len - 1;
+    int32_t* tokens = p.device_buffer_tokens + rid * p.buffer_stride;
+    int16_t* lru = p.lru_slots + rid * p.lru_stride;
+
+    // 1. Hash the step's distinct tokens (the newest one has its own slot and is never looked up).
+    for (int j = t.tid; j < kHashSize; j += t.size) {
+      s.hash_key[j] = kEmpty;
+      s.hash_first[j] = K;
+      s.hash_slot[j] = -1;
+    }
+    if (t.tid == 0) s.copies = 0;
+    t.sync();
+    for (int i = t.tid; i < K; i += t.size) {
+      const int32_t tok = top_k[i];
+      if (is_token(tok, seq_len) && tok != newest) insert(s, tok, i);
+    }
+    t.sync();
+
+    // 2. Walk the LRU order: hits compact forward, the rest backward, both keeping LRU order, so
+    //    lru_out[H - 1 - e] is the e-th least-recently-used evictable slot.
+    int num_hits = 0, num_evictable = 0;
+    for (int base = 0; base < H; base += t.size) {
+      const int j = base + t.tid;
+      const bool in = j < H;
+      const int16_t slot = in ? lru[j] : int16_t(-1);
+      const bool slot_ok = slot >= 0 && slot < H;
+      const int32_t held = slot_ok ? tokens[slot] : kEmpty;
+      const int pos = held >= 0 ? lookup(s, held) : -1;
+      const bool hit = pos >= 0;
+      int n_hit = 0, n_evict = 0;
+      const int r_hit = t.rank(hit, &n_hit, s.warp_counts);
+      const int r_evict = t.rank(in && !hit, &n_evict, s.warp_counts);
+      if (hit) {
+        s.lru_out[num_hits + r_hit] = slot;
+        s.hash_slot[pos] = slot;
+      } else if (in) {
+        s.lru_out[H - 1 - (num_evictable + r_evict)] = slot;
+      }
+      num_hits += n_hit;
+      num_evictable += n_evict;
+    }
+    t.sync();
+
+    // 3. Misses in top-k order (first occurrence of each token) take evictable slots in LRU order.
+    int num_misses = 0;
+    for (int base = 0; base < K; base += t.size) {
+      const int i = base + t.tid;
+      const int32_t tok = i < K ? top_k[i] : -1;
+      const int pos = is_token(tok, seq_len) && tok != newest ? lookup(s, tok) : -1;
+      const bool miss = pos >= 0 && s.hash_first[pos] == i && s.hash_slot[pos] < 0;
+      int n_miss = 0;
+      const int r_miss = t.rank(miss, &n_miss, s.warp_counts);
+      if (miss) {
+        const int m = num_misses + r_miss;
+        const int16_t slot = m < num_evictable ? s.lru_out[H - 1 - m] : int16_t(-1);
+        s.miss_index[m] = static_cast<int16_t>(i);
+        s.hash_first[pos] = -1;  // marks the token as loaded this step (for the hit counter)
+        if (slot >= 0 && slot < H) {
+          s.hash_slot[pos] = slot;
+          tokens[slot] = tok;
+        }
+      }
+      num_misses += n_miss;
+    }
+    t.sync();
+
+    // 4. LRU order becomes [unused evictables | miss slots | hits]: a permutation of the old row.
+    const int used = num_misses < num_evictable ? num_misses : num_evictable;
+    const int unused = num_evictable - used;
+    for (int k = t.tid; k < H; k += t.size) {
+      int16_t slot;
+      if (k < unused) {
+        slot = s.lru_out[H - 1 - (used + k)];
+      } else if (k < num_evictable) {
+        slot = s.lru_out[H - 1 - (k - unused)];
+      } else {
+        slot = s.lru_out[k - num_evictable];
+      }
+      lru[k] = slot;
+    }
+
+    // 5. Outputs; repeated tokens read the slot their first occurrence resolved to.
+    int hits = 0;
+    for (int base = 0; base < K; base += t.size) {
+      const int i = base + t.tid;
+      const int32_t tok = i < K ? top_k[i] : -1;
+      bool hit = false;
+      if (i < K) {
+        int32_t loc = -1;
+        if (tok == newest) {
+          loc = locs[H];
+          hit = true;
+        } else if (is_token(tok, seq_len)) {
+          const int pos = lookup(s, tok);
+          const int16_t slot = s.hash_slot[pos];
+          loc = slot >= 0 ? locs[slot] : -1;
+          hit = s.hash_first[pos] >= 0;
+        }
+        out[i] = loc;
+      }
+      int n = 0;
+      t.rank(hit, &n, s.warp_counts);
+      hits += n;
+    }
+
+    // 6. Copy the misses host -> device, one warp per miss.
+    const int64_t* host_locs = p.host_cache_locs + rid * p.max_len;
+    for (int m = t.warp; m < num_misses; m += t.num_warps) {
+      const int32_t tok = top_k[s.miss_index[m]];
+      const int16_t slot = m < num_evictable ? s.lru_out[H - 1 - m] : int16_t(-1);
+      const int64_t src = tok < p.max_len ? host_locs[tok] : -1;
+      const int64_t dst = slot >= 0 && slot < H ? static_cast<int64_t>(locs[slot]) : -1;
+      if (p.miss_count && t.lane == 0) {
+        p.miss_src[b * p.miss_src_stride + m] = src;
+        store_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m, dst);
+      }
+      if (src >= 0 && src < p.host_slots && dst >= 0 && dst < p.device_slots) {
+        Layout::copy(p.device_buffer, p.device_stride, dst, p.host_cache, p.host_stride, src, p.item_bytes,
+                     t.warp_lanes());
+        if (t.lane == 0) Team::fetch_add(&s.copies, 1);
+      }
+    }
+    t.sync();
+    if (t.tid == 0) {
+      if (p.miss_count) p.miss_count[b] = num_misses;
+      if (p.counters) {
+        add_counter(&p.counters[0], hits);
+        add_counter(&p.counters[1], num_misses);
+        add_counter(&p.counters[2], static_cast<int64_t>(s.copies) * p.item_bytes);
+      }
+    }
+  }
+
+  // Host driver: one request per item, sequentially.
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t b, Lanes) {
+    Shared s;
+    run(p, b, Team::current(), s);
+  }
+
+#ifdef __CUDACC__
+  static int run_on_cuda(const Params& p, void* stream);
+#endif
+};
+
+#ifdef __CUDACC__
+template <class K>
+__global__ void __launch_bounds__(K::kBlockSize) swap_in_kernel(const typename K::Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  K::run(p, blockIdx.x, Team::current(), *reinterpret_cast<typename K::Shared*>(smem));
+}
+
+template <int K, int H, int BlockSize, class Layout>
+int SwapIn<K, H, BlockSize, Layout>::run_on_cuda(const Params& p, void* stream) {
+  if (p.batch == 0) return 0;
+  constexpr size_t bytes = sizeof(Shared);
+  const auto kernel = swap_in_kernel<SwapIn>;
+  if constexpr (bytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kernel<<<static_cast<unsigned>(p.batch), BlockSize, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+template <class Layout>
+struct CopyPlanned {
+  struct Params {
+    const int64_t* miss_src;
+    const void* miss_dst;
+    bool miss_dst_is64;
+    const int32_t* miss_count;
+    int64_t miss_src_stride;
+    int64_t miss_dst_stride;
+    int64_t batch;
+    int64_t width;  // plan columns
+    const int32_t* num_real_reqs;
+    const uint8_t* host_cache;
+    int64_t host_stride;
+    int64_t host_slots;
+    uint8_t* device_buffer;
+    int64_t device_stride;
+    int64_t device_slots;
+    int64_t item_bytes;
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.batch * p.width; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t b = i / p.width;
+    const int64_t m = i % p.width;
+    if (b >= static_cast<int64_t>(*p.num_real_reqs) || m >= p.miss_count[b]) return;
+    const int64_t src = p.miss_src[b * p.miss_src_stride + m];
+    const int64_t dst = load_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m);
+    if (src < 0 || src >= p.host_slots || dst < 0 || dst >= p.device_slots) return;
+    Layout::copy(p.device_buffer, p.device_stride, dst, p.host_cache, p.host_stride, src, p.item_bytes, lanes);
+  }
+};
+
+}  // namespace sparsekv::hisparse
+
+#ifdef SPARSEKV_HOST_ENTRY
+#include <algorithm>
+#include <vector>
+
+#include "sparsekv/ffi.h"
+
+namespace sparsekv::hisparse {
+
+// A 0-dim tensor stands for an omitted optional argument.
+inline bool absent(const TensorView& t) { return t.ndim() == 0; }
+
+// Token slots of a host or device cache, after checking its shape against the layout.
+template <class Layout>
+int64_t cache_slots(const TensorView& cache, const char* name, int64_t item_size_bytes) {
+  if constexpr (kIsPaged<Layout>) {
+    using Paged = typename Layout::PagedT;
+    check(cache, name).size(1, Paged::kPageBytes, "bytes of one page row");
+  } else {
+    check(cache, name).size(1, item_size_bytes, "item_size_bytes");
+  }
+  return Layout::slots(cache.size(0));
+}
+
+template <class Layout>
+void check_item_size(int64_t item_size_bytes) {
+  if constexpr (kIsPaged<Layout>) {
+    using L = typename Layout::PagedT::LayoutT;
+    check_range(item_size_bytes, L::kBytesPerToken, L::kBytesPerToken + 1, "item_size_bytes");
+  } else {
+    check_range(item_size_bytes, 1, int64_t(1) << 40, "item_size_bytes");
+  }
+}
+
+// Steps 1-2 of every entry: the O(1) checks (dtypes, shapes, strides, devices) and the launch parameters.
+template <int K, int H, int BlockSize, class Layout>
+typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
+    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
+    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, int64_t item_size_bytes,
+    TensorView num_real_reqs, TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
+  const TensorView& dev = top_k_tokens;
+  check(top_k_tokens, "top_k_tokens").dtype<int32_t>().ndim(2).rows_dense().on_backend_device();
+  const int64_t bs = top_k_tokens.size(0);
+  check(top_k_tokens, "top_k_tokens").size(1, K, "num_top_k");
+  check(top_k_device_locs, "top_k_device_locs").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
+  check(top_k_device_locs, "top_k_device_locs").size(0, bs, "batch size").size(1, K, "num_top_k");
+  check(device_buffer_tokens, "device_buffer_tokens").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
+  const int64_t max_reqs = device_buffer_tokens.size(0);
+  if constexpr (kIsPaged<Layout>) {
+    check(device_buffer_tokens, "device_buffer_tokens").size(1, H + Layout::PagedT::kPageSlots, "hot_buffer_size + page");
+  } else if (device_buffer_tokens.size(1) < H + 1) {
+    check(device_buffer_tokens, "device_buffer_tokens").size(1, H + 1, "at least hot_buffer_size + 1");
+  }
+  check(device_buffer_locs, "device_buffer_locs").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
+  check(device_buffer_locs, "device_buffer_locs").size(0, max_reqs, "rows of device_buffer_tokens");
+  check(device_buffer_locs, "device_buffer_locs").size(1, device_buffer_tokens.size(1), "columns of device_buffer_tokens");
+  if (device_buffer_locs.stride(0) != device_buffer_tokens.stride(0)) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `device_buffer_locs` must have the row stride of "
+                              << "`device_buffer_tokens` (" << device_buffer_tokens.stride(0) << "), got "
+                              << device_buffer_locs.stride(0);
+  }
+  check(host_cache_locs, "host_cache_locs").dtype<int64_t>().ndim(2).contiguous().same_device(dev, "top_k_tokens");
+  check(host_cache_locs, "host_cache_locs").size(0, max_reqs, "rows of device_buffer_tokens");
+  check(lru_slots, "lru_slots").dtype<int16_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
+  check(lru_slots, "lru_slots").size(0, max_reqs, "rows of device_buffer_tokens").size(1, H, "hot_buffer_size");
+  check(req_pool_indices, "req_pool_indices").ndim(1).contiguous().same_device(dev, "top_k_tokens");
+  const bool req_is64 = check(req_pool_indices, "req_pool_indices").int32_or_int64();
+  check(req_pool_indices, "req_pool_indices").size(0, bs, "batch size");
+  check(seq_lens, "seq_lens").ndim(1).contiguous().same_device(dev, "top_k_tokens");
+  const bool seq_is64 = check(seq_lens, "seq_lens").int32_or_int64();
+  check(seq_lens, "seq_lens").size(0, bs, "batch size");
+  check_item_size<Layout>(item_size_bytes);
+  check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
+  check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
+  const int64_t host_slots = cache_slots<Layout>(host_cache, "host_cache", item_size_bytes);
+  const int64_t device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
+
+  using P = typename SwapIn<K, H, BlockSize, Layout>::Params;
+  P p{};
+  if (!absent(num_real_reqs)) {
+    check(num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(dev, "top_k_tokens");
+    p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+  }
+  if (!absent(miss_count)) {
+    check(miss_count, "miss_count").dtype<int32_t>().ndim(1).contiguous().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    check(miss_src, "miss_src").dtype<int64_t>().ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    check(miss_dst, "miss_dst").ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    p.miss_dst_is64 = check(miss_dst, "miss_dst").int32_or_int64();
+    if (miss_src.size(1) < K) check(miss_src, "miss_src").size(1, K, "at least num_top_k");
+    if (miss_dst.size(1) < K) check(miss_dst, "miss_dst").size(1, K, "at least num_top_k");
+    p.miss_src = static_cast<int64_t*>(miss_src.data_ptr());
+    p.miss_dst = miss_dst.data_ptr();
+    p.miss_count = static_cast<int32_t*>(miss_count.data_ptr());
+    p.miss_src_stride = miss_src.stride(0);
+    p.miss_dst_stride = miss_dst.stride(0);
+  }
+  if (!absent(counters)) {
+    check(counters, "counters").dtype<int64_t>().ndim(1).contiguous().size(0, 3, "hits, misses, bytes").same_device(dev, "top_k_tokens");
+    p.counters = static_cast<int64_t*>(counters.data_ptr());
+  }
+  p.top_k_tokens = static_cast<const int32_t*>(top_k_tokens.data_ptr());
+  p.top_k_stride = top_k_tokens.stride(0);
+  p.top_k_device_locs = static_cast<int32_t*>(top_k_device_locs.data_ptr());
+  p.out_stride = top_k_device_locs.stride(0);
+  p.device_buffer_tokens = static_cast<int32_t*>(device_buffer_tokens.data_ptr());
+  p.device_buffer_locs = static_cast<const int32_t*>(device_buffer_locs.data_ptr());
+  p.buffer_stride = device_buffer_tokens.stride(0);
+  p.host_cache_locs = static_cast<const int64_t*>(host_cache_locs.data_ptr());
+  p.max_len = host_cache_locs.size(1);
+  p.lru_slots = static_cast<int16_t*>(lru_slots.data_ptr());
+  p.lru_stride = lru_slots.stride(0);
+  p.req_pool_indices = req_pool_indices.data_ptr();
+  p.req_is64 = req_is64;
+  p.seq_lens = seq_lens.data_ptr();
+  p.seq_is64 = seq_is64;
+  p.batch = bs;
+  p.max_reqs = max_reqs;
+  p.host_cache = static_cast<const uint8_t*>(host_cache.data_ptr());
+  p.host_stride = host_cache.stride(0);
+  p.host_slots = host_slots;
+  p.device_buffer = static_cast<uint8_t*>(device_buffer.data_ptr());
+  p.device_stride = device_buffer.stride(0);
+  p.device_slots = device_slots;
+  p.item_bytes = item_size_bytes;
+  return p;
+}
+
+[[noreturn]] inline void index_error(const char* name, int64_t row, int64_t col, int64_t value, int64_t limit,
+                                     const char* why) {
+  TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << row << ", " << col << "] = " << value
+                            << " is out of range [0, " << limit << ") (" << why << ")";
+}
+
+// Full validation of every index the swap-in would follow (SPARSEKV_CHECK_INDICES=1), on
+// host-readable tensors: the wrapper passes CPU copies when the kernel runs on the GPU.
+template <class P, int K, int H>
+void validate_swap_in(const P& p) {
+  const int64_t num_real = p.num_real_reqs ? *p.num_real_reqs : p.batch;
+  check_range(num_real, 0, p.batch + 1, "num_real_reqs");
+  std::vector<int64_t> seen;
+  for (int64_t b = 0; b < num_real; ++b) {
+    const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
+    if (rid < 0 || rid >= p.max_reqs) index_error("req_pool_indices", b, 0, rid, p.max_reqs, "a real batch row");
+    if (std::find(seen.begin(), seen.end(), rid) != seen.end()) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `req_pool_indices` names request row " << rid
+                                << " twice among the real batch rows";
+    }
+    seen.push_back(rid);
+    const int64_t n = load_index(p.seq_lens, p.seq_is64, b);
+    const int32_t* top_k = p.top_k_tokens + b * p.top_k_stride;
+    const int32_t* locs = p.device_buffer_locs + rid * p.buffer_stride;
+    if (n <= H) {
+      for (int64_t i = 0; i < std::min<int64_t>(n, K); ++i) {
+        const int32_t tok = top_k[i];
+        if (tok >= 0 && tok < n && (locs[tok] < 0 || locs[tok] >= p.device_slots)) {
+          index_error("device_buffer_locs", rid, tok, locs[tok], p.device_slots, "the slot of a requested token");
+        }
+      }
+      continue;
+    }
+    if (n > p.max_len) {
+      TVM_FFI_THROW(IndexError) << "sparsekv: argument `seq_lens`[" << b << "] = " << n
+                                << " exceeds the columns of `host_cache_locs` (" << p.max_len << ")";
+    }
+    const int16_t* lru = p.lru_slots + rid * p.lru_stride;
+    std::vector<bool> listed(H, false);
+    for (int j = 0; j < H; ++j) {
+      if (lru[j] < 0 || lru[j] >= H || listed[lru[j]]) {
+        TVM_FFI_THROW(ValueError) << "sparsekv: argument `lru_slots`[" << rid << "] must be a permutation of 0.."
+                                  << H - 1 << " (entry " << j << " = " << lru[j] << ")";
+      }
+      listed[lru[j]] = true;
+    }
+    for (int j = 0; j <= H; ++j) {
+      if (locs[j] < 0 || locs[j] >= p.device_slots) {
+        index_error("device_buffer_locs", rid, j, locs[j], p.device_slots, "a hot slot");
+      }
+    }
+    const int32_t* held = p.device_buffer_tokens + rid * p.buffer_stride;
+    const int64_t* host_locs = p.host_cache_locs + rid * p.max_len;
+    for (int i = 0; i < K; ++i) {
+      const int32_t tok = top_k[i];
+      if (tok < 0 || tok >= n - 1 || std::find(held, held + H, tok) != held + H) continue;
+      if (host_locs[tok] < 0 || host_locs[tok] >= p.host_slots) {
+        index_error("host_cache_locs", rid, tok, host_locs[tok], p.host_slots, "the host slot of a missing token");
+      }
+    }
+  }
+}
+
+template <int K, int H, int BlockSize, class Layout>
+void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+                                 TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
+                                 TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
+                                 TensorView lru_slots, int64_t item_size_bytes, TensorView num_real_reqs,
+                                 TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
+  // 1-2. Validate and derive the parameters.
+  const auto p = swap_in_params<K, H, BlockSize, Layout>(
+      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src, miss_dst,
+      miss_count, counters);
+  if (p.batch == 0) return;
+  // 3. Launch on the caller's stream.
+  launch<SwapIn<K, H, BlockSize, Layout>>(p, top_k_tokens.device());
+}
+
+// Same arguments; validates every index and moves nothing. Host-readable tensors only.
+template <int K, int H, int BlockSize, class Layout>
+void check_load_cache_indices(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+                              TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
+                              TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
+                              TensorView lru_slots, int64_t item_size_bytes, TensorView num_real_reqs,
+                              TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
+  const auto p = swap_in_params<K, H, BlockSize, Layout>(
+      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src, miss_dst,
+      miss_count, counters);
+  validate_swap_in<decltype(p), K, H>(p);
+}
+
+template <class Layout>
+void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView num_real_reqs,
+                        TensorView host_cache, TensorView device_buffer, int64_t item_size_bytes) {
+  // 1. Validate.
+  check(miss_src, "miss_src").dtype<int64_t>().ndim(2).rows_dense().on_backend_device();
+  const int64_t bs = miss_src.size(0);
+  check(miss_dst, "miss_dst").ndim(2).rows_dense().size(0, bs, "rows of miss_src").same_device(miss_src, "miss_src");
+  const bool dst_is64 = check(miss_dst, "miss_dst").int32_or_int64();
+  check(miss_dst, "miss_dst").size(1, miss_src.size(1), "columns of miss_src");
+  check(miss_count, "miss_count").dtype<int32_t>().ndim(1).contiguous().size(0, bs, "rows of miss_src");
+  check(miss_count, "miss_count").same_device(miss_src, "miss_src");
+  check(num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(miss_src, "miss_src");
+  check_item_size<Layout>(item_size_bytes);
+  check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
+  check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(miss_src, "miss_src");
+
+  // 2. Derive the parameters.
+  typename CopyPlanned<Layout>::Params p{};
+  p.miss_src = static_cast<const int64_t*>(miss_src.data_ptr());
+  p.miss_dst = miss_dst.data_ptr();
+  p.miss_dst_is64 = dst_is64;
+  p.miss_count = static_cast<const int32_t*>(miss_count.data_ptr());
+  p.miss_src_stride = miss_src.stride(0);
+  p.miss_dst_stride = miss_dst.stride(0);
+  p.batch = bs;
+  p.width = miss_src.size(1);
+  p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+  p.host_cache = static_cast<const uint8_t*>(host_cache.data_ptr());
+  p.host_stride = host_cache.stride(0);
+  p.host_slots = cache_slots<Layout>(host_cache, "host_cache", item_size_bytes);
+  p.device_buffer = static_cast<uint8_t*>(device_buffer.data_ptr());
+  p.device_stride = device_buffer.stride(0);
+  p.device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
+  p.item_bytes = item_size_bytes;
+  if (p.batch * p.width == 0) return;
+
+  // 3. Launch.
+  launch<CopyPlanned<Layout>>(p, miss_src.device());
+}
+
+}  // namespace sparsekv::hisparse
+#endif

@@ -1,0 +1,132 @@
+"""Hypothesis strategies and a small world builder for the HiSparse swap-in.
+
+A :class:`SwapInWorld` is everything one layer of the swap-in reads: host and device caches (generic
+rows or DSV4 pages) filled with random bytes, per-request tables with distinct host and device slots
+in shuffled order (so a kernel that confuses a position with its slot fails), and helpers that play
+the model's part (writing a new token's bytes into its device slot). :func:`top_k_row` draws one
+step's top-k with the patterns the kernel must handle: hot tokens (hits), cold ones (misses), the
+newest token, repeats, -1 and out-of-range entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.reference.hisparse import DSV4_PAGE_SLOTS, token_bytes, write_token
+
+
+@dataclass
+class SwapInWorld:
+    """One layer's caches and the per-request tables of the swap-in (all on the CPU).
+
+    ``device_buffer_locs[r, c]`` is the device slot of column ``c`` of request row ``r`` (distinct
+    across the world); ``host_cache_locs[r, p]`` the host slot of position ``p`` (distinct too).
+    """
+
+    num_top_k: int
+    hot: int
+    is_dsv4_layout: bool
+    item_size_bytes: int
+    host_cache: torch.Tensor
+    device_buffer: torch.Tensor
+    host_cache_locs: torch.Tensor
+    device_buffer_locs: torch.Tensor
+    device_buffer_tokens: torch.Tensor
+    lru_slots: torch.Tensor
+
+    @property
+    def max_reqs(self) -> int:
+        return self.host_cache_locs.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.host_cache_locs.shape[1]
+
+    def host_token(self, rid: int, token: int, host_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """The host bytes of position ``token`` of request row ``rid``."""
+        cache = self.host_cache if host_cache is None else host_cache
+        return token_bytes(cache, int(self.host_cache_locs[rid, token]), is_dsv4_layout=self.is_dsv4_layout)
+
+    def device_token(self, loc: int, device_buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The bytes at device slot ``loc``."""
+        cache = self.device_buffer if device_buffer is None else device_buffer
+        return token_bytes(cache, loc, is_dsv4_layout=self.is_dsv4_layout)
+
+    def place(self, rid: int, column: int, token: int, *, host_cache: torch.Tensor | None = None,
+              device_buffer: torch.Tensor | None = None) -> None:
+        """Write token ``token``'s bytes into the device slot of column ``column`` (what the model does
+        when it produces a token: into its own slot while ``pos < H``, else into the reserved column H)."""
+        loc = int(self.device_buffer_locs[rid, column])
+        cache = self.device_buffer if device_buffer is None else device_buffer
+        write_token(cache, loc, self.host_token(rid, token, host_cache), is_dsv4_layout=self.is_dsv4_layout)
+
+    def reset_request(self, rid: int, *, resident: bool) -> None:
+        """Fresh tables for row ``rid``: slot i holds position i (``resident``) or nothing; LRU 0..H-1."""
+        self.device_buffer_tokens[rid] = -1
+        if resident:
+            self.device_buffer_tokens[rid, : self.hot] = torch.arange(self.hot, dtype=torch.int32)
+        self.lru_slots[rid] = torch.arange(self.hot, dtype=torch.int16)
+
+
+def random_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Deterministic random uint8 tensor."""
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def make_world(num_top_k: int, hot: int, *, is_dsv4_layout: bool, max_reqs: int, max_len: int, seed: int,
+               item_size_bytes: int = 12, columns: int | None = None) -> SwapInWorld:
+    """Build a :class:`SwapInWorld` with shuffled, distinct host and device slots.
+
+    ``columns`` is the width of the buffer tables (``H + 64`` for DSV4, default ``H + 2`` otherwise).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if is_dsv4_layout:
+        item_size_bytes = V4.bytes_per_token
+        columns = hot + DSV4_PAGE_SLOTS
+    elif columns is None:
+        columns = hot + 2
+    host_slots = max_reqs * max_len + 3
+    device_slots = max_reqs * columns + 5
+    if is_dsv4_layout:
+        page_bytes = V4.page_bytes(DSV4_PAGE_SLOTS)
+        host_cache = random_bytes((-(-host_slots // DSV4_PAGE_SLOTS), page_bytes), seed + 1)
+        device_buffer = random_bytes((-(-device_slots // DSV4_PAGE_SLOTS), page_bytes), seed + 2)
+    else:
+        host_cache = random_bytes((host_slots, item_size_bytes), seed + 1)
+        device_buffer = random_bytes((device_slots, item_size_bytes), seed + 2)
+    host_locs = torch.randperm(host_slots, generator=gen)[: max_reqs * max_len].reshape(max_reqs, max_len)
+    device_locs = torch.randperm(device_slots, generator=gen)[: max_reqs * columns].reshape(max_reqs, columns)
+    world = SwapInWorld(
+        num_top_k=num_top_k, hot=hot, is_dsv4_layout=is_dsv4_layout, item_size_bytes=item_size_bytes,
+        host_cache=host_cache, device_buffer=device_buffer, host_cache_locs=host_locs.to(torch.int64).contiguous(),
+        device_buffer_locs=device_locs.to(torch.int32).contiguous(),
+        device_buffer_tokens=torch.full((max_reqs, columns), -1, dtype=torch.int32),
+        lru_slots=torch.zeros((max_reqs, hot), dtype=torch.int16),
+    )
+    for rid in range(max_reqs):
+        world.reset_request(rid, resident=False)
+    return world
+
+
+@st.composite
+def top_k_row(draw, num_top_k: int, seq_len: int, held: list[int]) -> list[int]:
+    """One step's top-k for a request of length ``seq_len`` whose hot slots hold ``held``.
+
+    Mostly distinct valid positions with a tunable share of hot ones; sometimes the newest token,
+    repeats, -1 padding or positions at or beyond ``seq_len`` (which mean "no token").
+    """
+    hot_tokens = sorted({t for t in held if 0 <= t < seq_len})
+    choices = [st.integers(0, max(seq_len - 1, 0))]
+    if hot_tokens:
+        choices.append(st.sampled_from(hot_tokens))
+    if seq_len > 0:
+        choices.append(st.just(seq_len - 1))
+    valid = st.one_of(*choices)
+    special = st.sampled_from([-1, -7, seq_len, seq_len + 3, 2**31 - 1])
+    entry = st.one_of(valid, valid, valid, special) if draw(st.booleans()) else valid
+    unique = draw(st.booleans())
+    return draw(st.lists(entry, min_size=num_top_k, max_size=num_top_k, unique=unique and seq_len > 3 * num_top_k))

@@ -1,0 +1,49 @@
+"""The `sparsekv` console script: version, `jit list/info/build/clean` against a private cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import sparsekv
+from sparsekv.jit_kernel.registry import discover
+
+
+def run_cli(*args: str, cache_dir) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir))
+    return subprocess.run([sys.executable, "-m", "sparsekv", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_version():
+    done = subprocess.run([sys.executable, "-m", "sparsekv", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"sparsekv {sparsekv.__version__}"
+
+
+def test_jit_build_list_info_clean(tmp_path):
+    cache_dir = tmp_path / "cache"
+    built = run_cli("jit", "build", "gather_rows", cache_dir=cache_dir)
+    assert built.returncode == 0, built.stderr
+    assert "built 2 module instances for the cpu backend" in built.stdout
+    assert "2/2" in built.stderr  # progress
+
+    listed = run_cli("jit", "list", cache_dir=cache_dir)
+    assert listed.returncode == 0
+    for family in discover().values():
+        assert family.name in listed.stdout
+    gather_lines = [line for line in listed.stdout.splitlines() if "gather_rows<" in line]
+    assert len(gather_lines) == 2 and all("cached: cpu" in line for line in gather_lines)
+
+    info = json.loads(run_cli("jit", "info", cache_dir=cache_dir).stdout)
+    assert info["entries"] == 2 and info["bytes"] > 0 and info["cache_dir"] == str(cache_dir)
+
+    assert run_cli("jit", "clean", cache_dir=cache_dir).returncode == 0
+    assert json.loads(run_cli("jit", "info", cache_dir=cache_dir).stdout)["entries"] == 0
+
+
+def test_unknown_family_is_a_usage_error(tmp_path):
+    done = run_cli("jit", "build", "no_such_kernel", cache_dir=tmp_path / "cache")
+    assert done.returncode == 2 and "unknown families" in done.stderr

@@ -1,0 +1,214 @@
+"""transfer_cache_dsv4_mla and transfer_pages_dsv4_mla (cpu backend) against the torch references:
+bytes equal, nothing outside the destination records written, bad input rejected before any byte moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.hisparse_copy import (
+    PAGE_SLOTS,
+    check_copy_ids_on_device,
+    pointer_table,
+    transfer_cache_dsv4_mla,
+    transfer_pages_dsv4_mla,
+)
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.reference.hisparse_copy import (
+    read_token,
+    token_pattern,
+    transfer_pages_,
+    transfer_tokens_,
+    write_token,
+)
+from sparsekv.testing.strategies.hisparse_copy import page_copy_case, paged_side, token_copy_case
+
+PAGE = V4.page_bytes(64)
+
+
+def _destination_mask(side, dst_ids, page_slots):
+    """1 on the value and scale bytes of the destination slots in every layer, 0 elsewhere."""
+    mask = torch.zeros_like(side.owner)
+    page, off = dst_ids // page_slots, dst_ids % page_slots
+    for layer in side.layers_of(mask):
+        V4.value_view(layer, page_slots)[page, off] = 1
+        V4.scale_view(layer, page_slots)[page, off] = 1
+    return mask.bool()
+
+
+@given(data=st.data(), page_slots=st.sampled_from(PAGE_SLOTS))
+def test_token_copy_matches_reference(data, page_slots):
+    src, dst, src_ids, dst_ids = data.draw(token_copy_case(page_slots))
+    src_before, dst_before = src.owner.clone(), dst.owner.clone()
+    expected = dst.owner.clone()
+    transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids, page_slots=page_slots)
+
+    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
+                            src_num_slots=src.num_pages * page_slots, dst_num_slots=dst.num_pages * page_slots,
+                            page_slots=page_slots, src_page_stride=src.page_stride, dst_page_stride=dst.page_stride)
+
+    assert torch.equal(dst.owner, expected)
+    assert torch.equal(src.owner, src_before)
+    for layer_src, layer_dst in zip(src.layers, dst.layers):
+        for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
+            assert torch.equal(read_token(layer_dst, d, page_slots=page_slots),
+                               read_token(layer_src, s, page_slots=page_slots))
+    # Every byte outside the destination records, page padding included, is unchanged.
+    outside = ~_destination_mask(dst, dst_ids, page_slots)
+    assert torch.equal(dst.owner[outside], dst_before[outside])
+
+
+@given(data=st.data(), page_slots=st.sampled_from(PAGE_SLOTS))
+def test_page_copy_matches_reference(data, page_slots):
+    src, dst, src_pages, dst_pages = data.draw(page_copy_case(page_slots))
+    src_before, dst_before = src.owner.clone(), dst.owner.clone()
+    expected = dst.owner.clone()
+    transfer_pages_(dst.layers_of(expected), src.layers, src_pages, dst_pages)
+
+    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_pages, dst_pages,
+                            src_num_pages=src.num_pages, dst_num_pages=dst.num_pages, page_slots=page_slots,
+                            src_page_stride=src.page_stride, dst_page_stride=dst.page_stride)
+
+    assert torch.equal(dst.owner, expected)
+    assert torch.equal(src.owner, src_before)
+    untouched = sorted(set(range(dst.num_pages)) - set(dst_pages.tolist()))
+    for before, after in zip(dst.layers_of(dst_before), dst.layers):
+        assert torch.equal(after[untouched], before[untouched])
+
+
+def test_transfer_cache_dsv4_mla_copies_paged_token():
+    """Our take on sglang's test of the same name: a token at slot 70 (page 1, offset 6) lands in
+    slot 65 (page 1, offset 1), all 584 bytes, and nothing else of the destination changes."""
+    src = torch.zeros(2, PAGE, dtype=torch.uint8)
+    dst = torch.zeros(2, PAGE, dtype=torch.uint8)
+    write_token(src, 70, token_pattern(41))
+
+    transfer_cache_dsv4_mla(pointer_table([src]), pointer_table([dst]), torch.tensor([70]), torch.tensor([65]),
+                            src_num_slots=128, dst_num_slots=128)
+
+    assert torch.equal(read_token(dst, 65), token_pattern(41))
+    assert torch.equal(read_token(dst, 65), read_token(src, 70))
+    expected = torch.zeros_like(dst)
+    write_token(expected, 65, token_pattern(41))
+    assert torch.equal(dst, expected)
+
+
+def test_repeated_destination_with_same_source_is_allowed():
+    src = paged_side(2, 2, 64, page_first=False, seed=1)
+    dst = paged_side(2, 2, 64, page_first=True, seed=2)
+    src_ids, dst_ids = torch.tensor([3, 70, 3, 3]), torch.tensor([127, 0, 127, 64])
+    expected = dst.owner.clone()
+    transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids)
+    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
+                            src_num_slots=128, dst_num_slots=128, dst_page_stride=dst.page_stride)
+    assert torch.equal(dst.owner, expected)
+
+
+def test_empty_copy_is_a_no_op():
+    src = paged_side(3, 1, 64, page_first=False, seed=3)
+    dst = paged_side(3, 1, 64, page_first=False, seed=4)
+    before = dst.owner.clone()
+    empty = torch.empty(0, dtype=torch.int64)
+    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), empty, empty)
+    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), empty, empty)
+    assert torch.equal(dst.owner, before)
+
+
+@pytest.mark.parametrize("dst_ids", [(3, 9, 3), (200, 2, 200)], ids=["dense ids", "sparse ids"])
+def test_repeated_destination_conflicts_are_found_dense_or_sparse(dst_ids):
+    """Dense destination ids take the bitmap pass, sparse ones (max id >= 64 N) go straight to sorting."""
+    src = paged_side(1, 3, 64, page_first=False, seed=9)
+    dst = paged_side(1, 4, 64, page_first=False, seed=10)
+    before = dst.owner.clone()
+    args = (pointer_table(src.layers), pointer_table(dst.layers))
+    with pytest.raises(ValueError, match="`dst_indices` names destination"):
+        transfer_cache_dsv4_mla(*args, torch.tensor([0, 1, 2]), torch.tensor(dst_ids))
+    assert torch.equal(dst.owner, before)
+    transfer_cache_dsv4_mla(*args, torch.tensor([0, 1, 0]), torch.tensor(dst_ids))
+    assert torch.equal(read_token(dst.layers[0], dst_ids[0]), read_token(src.layers[0], 0))
+
+
+# --- bad input: one clear exception naming the argument, and the destination unchanged --------------
+
+# Every bad id sits after valid pairs, so an implementation that checks while copying would already
+# have written the first tokens.
+def _token_call(src_ids=(0, 5, 64), dst_ids=(1, 63, 127), **kw):
+    return dict(src_ids=torch.tensor(src_ids), dst_ids=torch.tensor(dst_ids), kw=kw)
+
+
+TOKEN_BAD = {
+    "negative src": (_token_call(src_ids=(0, 5, -1)), IndexError, "src_indices"),
+    "negative dst, no counts": (_token_call(dst_ids=(1, 63, -2), src_num_slots=None, dst_num_slots=None),
+                                IndexError, "dst_indices"),
+    "src beyond src_num_slots": (_token_call(src_ids=(0, 5, 128)), IndexError, "src_indices"),
+    "dst beyond dst_num_slots": (_token_call(dst_ids=(1, 63, 128)), IndexError, "dst_indices"),
+    "dst repeated, other source": (_token_call(dst_ids=(1, 63, 1)), ValueError, "dst_indices"),
+    "int32 ids": (_token_call() | {"src_ids": torch.tensor([0, 5, 64], dtype=torch.int32)}, TypeError,
+                  "src_indices"),
+    "non-contiguous ids": (_token_call() | {"dst_ids": torch.tensor([1, 0, 63, 0, 127, 0])[::2]}, ValueError,
+                           "dst_indices"),
+    "lengths differ": (_token_call(dst_ids=(1, 63)), ValueError, "dst_indices"),
+    "2-D ids": (_token_call() | {"src_ids": torch.tensor([[0, 5, 64]])}, ValueError, "src_indices"),
+    "pointer tables differ": (_token_call(extra_dst_layer=True), ValueError, "dst_ptrs"),
+    "int64 pointer table": (_token_call(int64_ptrs=True), TypeError, "src_ptrs"),
+    "page_slots 48": (_token_call(page_slots=48), ValueError, "page_slots"),
+    "src_page_stride below a page": (_token_call(src_page_stride=PAGE - 16), ValueError, "src_page_stride"),
+    "negative dst_num_slots": (_token_call(dst_num_slots=-3), ValueError, "dst_num_slots"),
+}
+
+
+@pytest.mark.parametrize("case", TOKEN_BAD.values(), ids=TOKEN_BAD.keys())
+def test_token_copy_rejects_bad_input(case):
+    call, error, name = case
+    kw = {"src_num_slots": 128, "dst_num_slots": 128, **call["kw"]}
+    src = paged_side(2, 2, 64, page_first=False, seed=5)
+    dst = paged_side(2, 2, 64, page_first=False, seed=6)
+    dst_layers = dst.layers + ([dst.layers[0]] if kw.pop("extra_dst_layer", False) else [])
+    src_ptrs = pointer_table(src.layers)
+    if kw.pop("int64_ptrs", False):
+        src_ptrs = src_ptrs.to(torch.int64)
+    before = dst.owner.clone()
+    with pytest.raises(error, match=f"`{name}`"):
+        transfer_cache_dsv4_mla(src_ptrs, pointer_table(dst_layers), call["src_ids"], call["dst_ids"], **kw)
+    assert torch.equal(dst.owner, before)
+
+
+PAGE_BAD = {
+    "negative src page": ((0, -1), (0, 1), {}, IndexError, "src_pages"),
+    "dst page beyond dst_num_pages": ((0, 1), (1, 2), {}, IndexError, "dst_pages"),
+    "dst page repeated, other source": ((0, 1), (1, 1), {}, ValueError, "dst_pages"),
+    "negative src_num_pages": ((0, 1), (0, 1), {"src_num_pages": -5}, ValueError, "src_num_pages"),
+}
+
+
+@pytest.mark.parametrize("case", PAGE_BAD.values(), ids=PAGE_BAD.keys())
+def test_page_copy_rejects_bad_input(case):
+    src_pages, dst_pages, extra, error, name = case
+    src = paged_side(2, 2, 64, page_first=False, seed=7)
+    dst = paged_side(2, 2, 64, page_first=True, seed=8)
+    before = dst.owner.clone()
+    with pytest.raises(error, match=f"`{name}`"):
+        transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), torch.tensor(src_pages),
+                                torch.tensor(dst_pages), **({"src_num_pages": 2, "dst_num_pages": 2} | extra),
+                                dst_page_stride=dst.page_stride)
+    assert torch.equal(dst.owner, before)
+
+
+ID_BAD = {k: TOKEN_BAD[k] for k in ("negative src", "negative dst, no counts", "src beyond src_num_slots",
+                                     "dst beyond dst_num_slots", "dst repeated, other source")}
+
+
+@pytest.mark.parametrize("case", ID_BAD.values(), ids=ID_BAD.keys())
+def test_device_side_id_check_agrees(case):
+    """The torch checker the CUDA path runs before launch rejects the same ids with the same error."""
+    call, error, name = case
+    kw = {"src_num_slots": 128, "dst_num_slots": 128, **call["kw"]}
+    with pytest.raises(error, match=f"`{name}`"):
+        check_copy_ids_on_device(call["src_ids"], call["dst_ids"], kw["src_num_slots"], kw["dst_num_slots"],
+                                 ("src_indices", "dst_indices"))
+
+
+def test_device_side_id_check_accepts_valid_repeats():
+    check_copy_ids_on_device(torch.tensor([4, 9, 4]), torch.tensor([7, 1, 7]), 16, 16, ("src", "dst"))

@@ -1,0 +1,71 @@
+"""The cuda backend without a GPU: every registered module compiles with nvcc for sm_90a and
+sm_100a, and a cuda module called on a machine without a driver raises one clear RuntimeError."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsekv.jit_kernel import toolchain
+from sparsekv.jit_kernel.registry import discover
+
+
+def _nvcc_available() -> str | None:
+    try:
+        toolchain.nvcc(None)
+    except toolchain.ToolchainError as exc:
+        return str(exc)
+    return None
+
+
+NO_NVCC = _nvcc_available()
+needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc is not installed: {NO_NVCC}")
+
+
+@needs_nvcc
+def test_every_registered_module_compiles_for_sm90a_and_sm100a(tmp_path):
+    env = dict(os.environ, SPARSEKV_CACHE_DIR=os.environ["SPARSEKV_CACHE_DIR"])
+    done = subprocess.run(
+        [sys.executable, "-m", "sparsekv", "jit", "build", "--backend", "cuda", "--arch", "9.0a,10.0a", "--all"],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    expected = sum(len(f.instances) for f in discover().values())
+    assert f"built {expected} module instances for the cuda backend" in done.stdout
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the no-driver path cannot be shown here")
+def test_cuda_module_without_a_driver_raises_runtime_error():
+    from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+
+    module = GATHER_ROWS.module("int64_t", backend="cuda", arch="9.0a")
+    dst = torch.zeros(4, 8, dtype=torch.uint8)
+    before = dst.clone()
+    with pytest.raises(RuntimeError, match="CUDA runtime cannot run here"):
+        module.gather_rows(dst, torch.tensor([0]), torch.ones(4, 8, dtype=torch.uint8), torch.tensor([1]))
+    assert torch.equal(dst, before)
+
+
+def test_missing_cuda_toolkit_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda-here"))
+    monkeypatch.delenv("SPARSEKV_NVCC", raising=False)
+    with pytest.raises(toolchain.ToolchainError, match="CUDA_HOME"):
+        toolchain.nvcc(None)
+
+
+def test_arch_comes_from_sparsekv_cuda_arch_then_tvm_ffi(monkeypatch):
+    from sparsekv.jit_kernel.arch import resolve_arch_list
+
+    monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setenv("SPARSEKV_CUDA_ARCH", "10.0a")
+    assert resolve_arch_list() == ("10.0a",)
+    monkeypatch.delenv("SPARSEKV_CUDA_ARCH")
+    assert resolve_arch_list() == ("9.0a",)
+    assert resolve_arch_list("12.0") == ("12.0",)

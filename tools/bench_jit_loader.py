@@ -1,0 +1,102 @@
+"""Benchmark the JIT loader: cold builds, warm loads (fresh process and in-process) against
+tvm-ffi's own ``tvm_ffi.cpp.load`` on the same source, which runs ninja on every call.
+
+Prints JSON (``sparsekv.testing.bench``); ``--plot PNG`` draws the warm-path latencies.
+Targets (issue 3): in-process warm call < 50 us, fresh-process warm load < 2 ms (excluding the
+interpreter and torch import), >= 5x faster than the tvm-ffi path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import tvm_ffi.cpp
+
+from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+
+FRESH_PROCESS = textwrap.dedent("""
+    import time, torch
+    from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+    start = time.perf_counter()
+    GATHER_ROWS.module("int64_t", backend={backend!r}, arch={arch!r})
+    print((time.perf_counter() - start) * 1e6)
+""")
+
+
+def cold_build_s(backend: str, arch: str | None) -> float:
+    roots = cache.open_roots()
+    plan = loader.make_plan(GATHER_ROWS.name, ("int64_t",), header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
+                            kernels=GATHER_ROWS.kernels, backend=backend, arch=arch, probe_dir=None)
+    shutil.rmtree(roots.write / plan.entry_name(), ignore_errors=True)
+    start = time.perf_counter()
+    loader.find_or_build(plan, roots)
+    return time.perf_counter() - start
+
+
+def fresh_process_warm_us(backend: str, arch: str | None, runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", FRESH_PROCESS.format(backend=backend, arch=arch)],
+                             capture_output=True, text=True, check=True).stdout
+        samples.append(float(out.strip().splitlines()[-1]))
+    return statistics.median(samples)
+
+
+def tvm_ffi_load_us(build_dir: Path, source: Path) -> float:
+    csrc = loader.csrc_root()
+    kwargs = dict(sources=[str(source)], extra_include_paths=[str(csrc), str(csrc / "include")],
+                  build_directory=str(build_dir))
+    tvm_ffi.cpp.load("gather_rows_tvm_ffi", **kwargs)  # cold build, not timed here
+    timing = time_call(lambda: tvm_ffi.cpp.load("gather_rows_tvm_ffi", **kwargs), repeats=5, min_time_s=0.02)
+    return timing.median_s * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--fresh-runs", type=int, default=5)
+    args = parser.parse_args()
+    has_nvcc = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+    backends = [("cpu", None)] + ([("cuda", "9.0a")] if has_nvcc else [])
+    result = BenchResult(name="bench_jit_loader", baseline="tvm_ffi.cpp.load on the same source (ninja every call)")
+    steps = len(backends) + 1
+    for i, (backend, arch) in enumerate(backends):
+        progress(i, steps, f"{backend}: cold build + warm loads")
+        cold = cold_build_s(backend, arch)
+        GATHER_ROWS.module("int64_t", backend=backend, arch=arch)
+        in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module("int64_t", backend=b, arch=a))
+        fresh = fresh_process_warm_us(backend, arch, 2 if args.quick else args.fresh_runs)
+        result.rows.append({"backend": backend, "arch": arch, "cold_build_s": round(cold, 3),
+                            "warm_in_process_us": round(in_process.median_s * 1e6, 3),
+                            "warm_fresh_process_us": round(fresh, 1)})
+    progress(len(backends), steps, "tvm_ffi.cpp.load baseline")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "module.cpp"
+        source.write_text(loader.generate_sources(GATHER_ROWS.header, GATHER_ROWS.exports, GATHER_ROWS.kernels,
+                                                  ("int64_t",), "cpu")["module.cpp"])
+        baseline_us = tvm_ffi_load_us(Path(tmp) / "build", source)
+    progress(steps, steps, "done")
+    cpu = result.rows[0]
+    result.notes = {
+        "tvm_ffi_cpp_load_warm_us": round(baseline_us, 1),
+        "speedup_fresh_process_vs_tvm_ffi": round(baseline_us / cpu["warm_fresh_process_us"], 1),
+        "speedup_in_process_vs_tvm_ffi": round(baseline_us / cpu["warm_in_process_us"], 1),
+        "targets": {"warm_in_process_us": 50, "warm_fresh_process_us": 2000, "speedup": 5},
+    }
+    report(result, args, lambda r, path: bar_plot(r, path, label_key="backend", log=True, ylabel="microseconds",
+                                                  value_keys=["warm_in_process_us", "warm_fresh_process_us"]))
+
+
+if __name__ == "__main__":
+    main()
