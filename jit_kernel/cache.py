@@ -217,7 +217,10 @@ def build_and_publish(
         try:
             os.rename(staging, final)  # atomic publish; the lock makes us the only writer
         except OSError:
-            shutil.rmtree(staging, ignore_errors=True)  # another publisher won (e.g. no flock on this fs)
+            # Another publisher won (flock does not span NFS clients). Its entry may not be visible
+            # here yet, so load our own complete copy rather than waiting for it.
+            logger.info("JIT entry %s was published by another process; using this process's build", entry)
+            return load(staging / ARTIFACT)
         return load(final / ARTIFACT)
 
 

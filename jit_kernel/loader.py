@@ -57,6 +57,10 @@ class JitCompileError(RuntimeError):
     """The compiler rejected a module; carries its message and the command to reproduce it."""
 
 
+class JitCacheMissError(RuntimeError):
+    """``SPARSEKV_JIT_STRICT=1`` and the module is not in the cache."""
+
+
 @functools.cache
 def csrc_root() -> Path:
     """The ``csrc`` directory: next to this package in a wheel, at the repo top level in a checkout."""
@@ -280,6 +284,11 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
             return _load(so)
         except Exception:  # noqa: BLE001 - unloadable artifact: a miss, rebuilt below
             logger.warning("JIT artifact %s does not load; rebuilding", so)
+    if env.jit_strict():
+        raise JitCacheMissError(
+            f"sparsekv: {entry} is not in the JIT cache ({', '.join(map(str, roots.read))}) and SPARSEKV_JIT_STRICT=1 "
+            f"forbids compiling; prebuild it with `sparsekv jit build --all` (with the same toolchain and flags)"
+        )
     return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging), _load)
 
 

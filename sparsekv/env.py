@@ -53,6 +53,12 @@ def check_indices() -> bool:
     return _flag("SPARSEKV_CHECK_INDICES")
 
 
+def jit_strict() -> bool:
+    """``SPARSEKV_JIT_STRICT=1``: a cache miss raises instead of compiling (pre-seeded images, no
+    compiler on the serving path, never a compile during CUDA-graph capture)."""
+    return _flag("SPARSEKV_JIT_STRICT")
+
+
 def verbose_build() -> bool:
     """``SPARSEKV_JIT_VERBOSE=1``: log every compiler command line."""
     return _flag("SPARSEKV_JIT_VERBOSE")

@@ -264,3 +264,19 @@ def test_warm_load_in_a_fresh_process_spawns_no_compiler(tmp_path, counting_cxx)
     # The --version probe is cached on disk too: the second process ran no compiler process at all.
     probes = list((cache_dir / ".toolchain").glob("*.json"))
     assert len(probes) == 1
+
+
+def test_strict_mode_refuses_to_compile_on_a_miss_and_loads_hits(tmp_path, monkeypatch, counting_cxx):
+    cxx, log = counting_cxx
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    monkeypatch.setenv("SPARSEKV_JIT_STRICT", "1")
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
+    roots = cache.open_roots()
+    with pytest.raises(loader.JitCacheMissError, match="sparsekv jit build"):
+        loader.find_or_build(plan_for(CSRC), roots)
+    assert not log.exists()
+    monkeypatch.delenv("SPARSEKV_JIT_STRICT")
+    loader.find_or_build(plan_for(CSRC), roots)
+    monkeypatch.setenv("SPARSEKV_JIT_STRICT", "1")
+    loader.find_or_build(plan_for(CSRC), roots)  # a hit loads fine in strict mode
+    assert len(log.read_text().splitlines()) == 1

@@ -12,11 +12,10 @@ from sparsekv.srt.model_executor.model_spec import ParallelSpec, ServerSpec, dsv
 from sparsekv.srt.model_executor.pool_planner import gloo_min, plan_pipeline, plan_rank
 
 CASES = {
-    # world size -> (preset, server, per-rank budget)
+    # world size -> (preset, server, per-rank budget); each spawn costs a torch import per process.
     2: ("dsv4-flash", ServerSpec(), 40 << 30),
-    3: ("dsv4-pro", ServerSpec(max_running_requests=None, disaggregation_mode="decode",
+    4: ("dsv4-pro", ServerSpec(max_running_requests=None, enable_hisparse=True, disaggregation_mode="decode",
                                disaggregation_decode_extra_slots=64), 120 << 30),
-    4: ("dsv4-pro", ServerSpec(max_total_tokens=3_000_000, enable_hisparse=True), 24 << 30),
 }
 
 

@@ -64,6 +64,43 @@ class SwapInWorld:
         cache = self.device_buffer if device_buffer is None else device_buffer
         write_token(cache, loc, self.host_token(rid, token, host_cache), is_dsv4_layout=self.is_dsv4_layout)
 
+    def swap_in(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
+                num_real_reqs: int | None = None, plan: bool = False, miss_dst_dtype: torch.dtype = torch.int64,
+                counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> dict:
+        """Run the kernel (cpu backend) on this world, in place; return its outputs.
+
+        The output starts filled with a stale value, so an entry the kernel forgets shows up.
+        """
+        from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
+
+        bs = len(rids)
+        out = torch.full((bs, self.num_top_k), 31337, dtype=torch.int32)
+        extra = {}
+        if plan:
+            extra = dict(miss_src=torch.full((bs, self.num_top_k), -9, dtype=torch.int64),
+                         miss_dst=torch.full((bs, self.num_top_k), -9, dtype=miss_dst_dtype),
+                         miss_count=torch.full((bs,), -9, dtype=torch.int32))
+        if num_real_reqs is not None:
+            extra["num_real_reqs"] = torch.tensor([num_real_reqs], dtype=torch.int32)
+        fn = load_cache_to_device_buffer_dsv4_mla if self.is_dsv4_layout else load_cache_to_device_buffer_mla
+        fn(torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
+           self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer, out,
+           torch.tensor(rids, dtype=index_dtype), torch.tensor(seq_lens, dtype=index_dtype), self.lru_slots,
+           self.item_size_bytes, self.num_top_k, self.hot, counters=counters, **extra)
+        return dict(out=out, **extra)
+
+    def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
+                  num_real_reqs: int | None = None):
+        """The torch reference's expected state for the same call (this world is not modified)."""
+        from sparsekv.testing.reference.hisparse import load_cache_to_device_buffer_reference
+
+        bs = len(rids)
+        return load_cache_to_device_buffer_reference(
+            torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
+            self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer,
+            torch.tensor(rids), torch.tensor(seq_lens), self.lru_slots, self.item_size_bytes, self.hot,
+            num_real_reqs=num_real_reqs, is_dsv4_layout=self.is_dsv4_layout)
+
     def reset_request(self, rid: int, *, resident: bool) -> None:
         """Fresh tables for row ``rid``: slot i holds position i (``resident``) or nothing; LRU 0..H-1."""
         self.device_buffer_tokens[rid] = -1
