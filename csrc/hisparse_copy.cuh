@@ -21,19 +21,64 @@
 //
 // GPU: one warp per item (a token across all layers, or one page of one layer), via the default
 // warp-per-item driver; copy_bytes moves 16 bytes per lane (every offset here is a multiple of 16
-// for V4 pages: 576, 36,864, 37,440). CPU: the same item() in a loop, two memcpy per token-layer.
+// for V4 pages: 576, 36,864, 37,440). CPU: the same item() in a loop; value records and page rows
+// are written with non-temporal stores (see copy_record).
 #pragma once
 
 #include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
 
+#if defined(__SSE2__) && !defined(__CUDACC__)
+#include <emmintrin.h>
+#define SPARSEKV_HISPARSE_COPY_STREAMING 1
+#endif
+
 namespace sparsekv::hisparse_copy {
 
 inline constexpr int64_t kUnknownCount = INT64_MAX;
 
+// copy_bytes, except that the host compiler writes whole 16-byte words with non-temporal stores.
+// The destination records are scattered and not read back soon, so regular stores would first
+// read every destination line from memory (read-for-ownership) and evict useful cache lines:
+// streaming stores make the CPU token copy ~3x faster on random slots. The GPU path and unaligned
+// host destinations fall back to copy_bytes. Callers end a host run with streaming_fence().
+SPARSEKV_HOST_DEVICE void copy_record(void* dst, const void* src, int64_t n, Lanes lanes) {
+#ifdef SPARSEKV_HISPARSE_COPY_STREAMING
+  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(n)) & 15) == 0) {
+    auto* d = static_cast<__m128i*>(dst);
+    const auto* s = static_cast<const __m128i*>(src);
+    for (int64_t k = 0; k < n / 16; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
+    return;
+  }
+#endif
+  copy_bytes(dst, src, n, lanes);
+}
+
+#ifdef SPARSEKV_HISPARSE_COPY_STREAMING
+// Host only: asks for the source lines and the destination scale line of a token a few items
+// ahead (random slots defeat the hardware prefetcher; the destination value needs no read, it is
+// streamed). A hint that never faults, even for an id the item itself would skip.
+template <class Paged>
+inline void prefetch_token(const uint8_t* src_base, int64_t s, int64_t src_stride, const uint8_t* dst_base, int64_t d,
+                           int64_t dst_stride) {
+  const auto src = Paged::token(src_base, s, src_stride);
+  for (int64_t k = 0; k < Paged::LayoutT::kValueBytes; k += 64) __builtin_prefetch(src.value + k, 0);
+  __builtin_prefetch(src.scale, 0);
+  __builtin_prefetch(Paged::token(dst_base, d, dst_stride).scale, 1);
+}
+#endif
+
+// Orders the streaming stores of a host run before anything the caller does next.
+inline void streaming_fence() {
+#ifdef SPARSEKV_HISPARSE_COPY_STREAMING
+  _mm_sfence();
+#endif
+}
+
 template <class Layout, int64_t PageSlots>
 struct TransferTokens {
   using Paged = kv_layout::PagedKV<Layout, PageSlots>;
+  static constexpr int64_t kPrefetchDistance = 8;  // items; host only
   struct Params {
     const uint64_t* src_ptrs;
     const uint64_t* dst_ptrs;
@@ -53,10 +98,20 @@ struct TransferTokens {
     const int64_t s = p.src_indices[i];
     const int64_t d = p.dst_indices[i];
     if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) return;
+#ifdef SPARSEKV_HISPARSE_COPY_STREAMING
+    const int64_t ahead = i + kPrefetchDistance;
+    const bool prefetch = ahead < p.num_indices;
+#endif
     for (int64_t l = 0; l < p.num_layers; ++l) {
+#ifdef SPARSEKV_HISPARSE_COPY_STREAMING
+      if (prefetch) {
+        prefetch_token<Paged>(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), p.src_indices[ahead], p.src_page_stride,
+                              reinterpret_cast<const uint8_t*>(p.dst_ptrs[l]), p.dst_indices[ahead], p.dst_page_stride);
+      }
+#endif
       const auto src = Paged::token(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), s, p.src_page_stride);
       const auto dst = Paged::token(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]), d, p.dst_page_stride);
-      copy_bytes(dst.value, src.value, Layout::kValueBytes, lanes);
+      copy_record(dst.value, src.value, Layout::kValueBytes, lanes);
       copy_bytes(dst.scale, src.scale, Layout::kScaleBytes, lanes);
     }
   }
@@ -87,7 +142,7 @@ struct CopyPages {
     const int64_t s = p.src_pages[pair];
     const int64_t d = p.dst_pages[pair];
     if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.dst_num_pages) return;
-    copy_bytes(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
+    copy_record(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
                reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes);
   }
 };
@@ -159,6 +214,7 @@ void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_in
 
   // 4. Launch.
   launch<K>(params, src_ptrs.device());
+  streaming_fence();
 }
 
 template <class Layout, int64_t PageSlots>
@@ -189,6 +245,7 @@ void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, 
 
   // 4. Launch.
   launch<K>(params, src_ptrs.device());
+  streaming_fence();
 }
 
 }  // namespace sparsekv::hisparse_copy

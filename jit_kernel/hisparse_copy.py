@@ -23,6 +23,7 @@ from sparsekv.jit_kernel.registry import KernelFamily, register
 
 #: Slots per C4 page for full-token page sizes 128, 256 and 512 (the C4 page is page_size / 4).
 PAGE_SLOTS = (32, 64, 128)
+_PAGE_BYTES = {p: V4.page_bytes(p) for p in PAGE_SLOTS}
 
 HISPARSE_COPY = register(
     KernelFamily(
@@ -61,16 +62,16 @@ def _count(value: int | None, name: str) -> int:
     """A slot or page count for the C++ entry: -1 for "not given"."""
     if value is None:
         return -1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if type(value) is not int or value < 0:  # noqa: E721 - bool is not a count
         raise ValueError(f"sparsekv: argument `{name}` must be None or a non-negative int, got {value!r}")
     return value
 
 
 def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int | None):
     """The two page strides in bytes (default: one page), after checking ``page_slots``."""
-    if page_slots not in PAGE_SLOTS:
+    page_bytes = _PAGE_BYTES.get(page_slots) if type(page_slots) is int else None  # noqa: E721
+    if page_bytes is None:
         raise ValueError(f"sparsekv: argument `page_slots` must be one of {PAGE_SLOTS}, got {page_slots!r}")
-    page_bytes = V4.page_bytes(page_slots)
     return (page_bytes if src_page_stride is None else src_page_stride,
             page_bytes if dst_page_stride is None else dst_page_stride)
 

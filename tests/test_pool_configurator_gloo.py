@@ -42,7 +42,9 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_gloo_min_over_pp_ranks_matches_in_process_plan(world_size, tmp_path):
     mp = pytest.importorskip("torch.multiprocessing")
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size, join=True)
+    # fork: the children inherit the imported torch instead of importing it again (CPU only, no CUDA state).
+    mp.start_processes(_rank_main, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size, join=True,
+                       start_method="fork")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
     preset, server, budget = CASES[world_size]

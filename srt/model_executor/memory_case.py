@@ -123,6 +123,9 @@ def _parse_speculative(raw: Any) -> Optional[SpeculativeSpec]:
     if "algorithm" not in spec:
         raise ValueError("server.speculative.algorithm is required")
     fields = {k: spec[k] for k in SPECULATIVE_FIELDS if k in spec}
+    # sglang reads NEXTN (the MTP head) as EAGLE.
+    if fields["algorithm"] == "NEXTN":
+        fields["algorithm"] = "EAGLE"
     # sglang's top-k 1 chain verifies num_steps drafts plus the bonus token.
     if "num_draft_tokens" not in fields and "num_steps" in fields:
         fields["num_draft_tokens"] = check_int("server.speculative.num_steps", fields["num_steps"]) + 1

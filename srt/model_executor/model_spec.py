@@ -7,8 +7,8 @@ a ``TypeError`` / ``ValueError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 # DSV4's model hook sizes SWA at 0.1 of the full pool when the operator sets no ratio and the
 # request-cap sizing cannot apply.
@@ -257,7 +257,7 @@ class ServerSpec:
     disaggregation_decode_extra_slots: int = 0
     compress_state_dtype: str = "fp32"
     swa_prefix_tails: Optional[int] = None
-    swa_eviction_interval: int = field(default=DEFAULT_SWA_EVICTION_INTERVAL)
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)

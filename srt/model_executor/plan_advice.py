@@ -16,6 +16,8 @@ from .pool_planner import PoolPlan
 # Searches stop here: a per-rank KV budget of 1 PiB, or a ratio of 1.
 MAX_BUDGET_BYTES = 1 << 50
 RATIO_STEP = 1e-3
+# sglang's estimate of max_running_requests never exceeds this.
+MAX_ESTIMATED_REQUESTS = 4096
 
 
 def _feasible(case: MemoryCase) -> bool:
@@ -40,7 +42,12 @@ def _smallest_int(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
 
 
 def min_budget_bytes(case: MemoryCase) -> Optional[int]:
-    """Smallest per-rank KV budget that plans, or ``None`` if even 1 PiB does not."""
+    """Smallest per-rank KV budget that plans, or ``None`` if even 1 PiB does not.
+
+    With ``max_running_requests`` fixed, feasibility is monotone in the budget and this is the
+    minimum. Unset, sglang's capacity-based request estimate makes it non-monotone; the budget
+    returned then plans while one byte less does not.
+    """
     hi = max(case.available_bytes, 1 << 20)
     while hi < MAX_BUDGET_BYTES and not _feasible(replace(case, available_bytes=hi)):
         hi *= 2
@@ -65,9 +72,11 @@ def min_swa_ratio(case: MemoryCase) -> Optional[float]:
 
 
 def max_running_requests_that_fit(case: MemoryCase) -> Optional[int]:
-    """Largest ``max_running_requests`` below the current one that plans."""
+    """Largest ``max_running_requests`` below the current one (unset: below sglang's 4096 ceiling) that plans."""
     current = case.server.max_running_requests
-    if current is None or current <= 1:
+    if current is None:
+        current = MAX_ESTIMATED_REQUESTS + 1
+    if current <= 1:
         return None
 
     def too_many(m: int) -> bool:
@@ -103,10 +112,12 @@ def fixes(case: MemoryCase) -> list[str]:
     cap = min_max_total_tokens(case)
     if cap is not None:
         found.append(f"raise max_total_tokens to >= {cap}")
-    if case.is_dsv4 and case.server.swa_full_tokens_ratio is None:
+    if case.is_dsv4 and (case.server.swa_full_tokens_ratio is None or case.server.max_running_requests is None):
         requests = max_running_requests_that_fit(case)
         if requests is not None:
-            found.append(f"lower max_running_requests to <= {requests}")
+            verb = "set" if case.server.max_running_requests is None else "lower"
+            found.append(f"{verb} max_running_requests to <= {requests}")
+    if case.is_dsv4 and case.server.swa_full_tokens_ratio is None:
         explicit = replace(case, server=replace(case.server, swa_full_tokens_ratio=0.1))
         if _feasible(explicit):
             found.append("set swa_full_tokens_ratio explicitly (e.g. 0.1) to size SWA by ratio instead of the cap")

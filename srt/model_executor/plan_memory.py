@@ -253,6 +253,9 @@ def render_human(case: MemoryCase, plan: Optional[PoolPlan], error: Optional[Exc
     for rank in plan.ranks:
         lines += _describe_rank_coefficients(rank, case.available_bytes)
     lines += ["", f"Agreed max_total_num_tokens: {plan.agreed_tokens:,}, limited by {limiting_factor(case, plan)}"]
+    requested, resolved = s.max_running_requests, plan.ranks[0].config.max_running_requests
+    if requested is not None and resolved < requested // case.attn_dp_size:
+        lines.append(f"max_running_requests reduced from {requested} to {resolved}: at most half the full pool")
     for rank in plan.ranks:
         lines += _describe_rank_pools(rank, case.available_bytes)
     return "\n".join(lines)

@@ -277,11 +277,13 @@ class SWARequestCapPoolConfigurator(HybridSWAPoolConfigurator):
 
 @dataclass(frozen=True)
 class DSV4TokenBytes:
-    """DSV4 bytes per token by component, for a stage (the speculative inflation included).
+    """DSV4 bytes per token by component over a stage's layers, before speculative inflation.
 
-    Per SWA token: the SWA KV page slots of every layer and the C4 compressor state rings (one
-    ring per SWA page). Per full token: the compressed KV and indexer entries it produces, plus
-    ``ratio`` SWA tokens in ratio mode.
+    Per SWA token (``swa_kv``, ``c4_state``, ``c4_indexer_state``): the page-padded SWA KV slot
+    of every layer and the C4 compressor state rings (a ring per SWA page). Per full token
+    (``c4_kv``, ``c4_indexer``, ``c128_kv``): the compressed entries it produces. A full token also
+    costs ``swa_ratio_in_full`` SWA tokens (0 in cap mode, where SWA is a fixed cost), and the
+    whole is scaled by ``spec_inflation`` = ``(L + 1) / L`` under speculative decoding.
     """
 
     swa_kv: float
@@ -321,6 +323,7 @@ class DSV4PoolConfigurator(MemoryPoolConfigurator):
         self.page_size = server.page_size
         self.sliding_window_size = model.sliding_window
         self.attn_head_dim = model.head_dim
+        self.qk_rope_head_dim = model.qk_rope_head_dim
         self.index_head_dim = model.index_head_dim
         self.context_len = model.context_len
         self.state_dtype_bytes = server.compress_state_bytes

@@ -1,0 +1,177 @@
+"""``DeepSeekV4PagedHostPool``: the host mirror of DSV4 paged KV buffers (the HiSparse C4 pool).
+
+The host keeps the device's page-padded layout (:data:`sparsekv.jit_kernel.kv_layout.V4`, 37,440
+bytes per 64-slot page), so a whole page moves as one opaque row and only token-granular moves
+need layout-aware code:
+
+* whole aligned pages -> :func:`~sparsekv.jit_kernel.hisparse_copy.transfer_pages_dsv4_mla`;
+* anything else -> :func:`~sparsekv.jit_kernel.hisparse_copy.transfer_cache_dsv4_mla` (a token
+  is two byte ranges of its page), or ``ValueError`` with ``page_aligned_only=True``.
+
+Host layouts: ``layer_first`` is ``[L, pages, page_bytes]`` (each layer one contiguous region,
+what direct PD writes need); ``page_first`` is ``[pages, L, page_bytes]`` (a page of every layer
+is contiguous). Either way layer ``l`` is a ``[pages, page_bytes]`` view and the kernels address it
+through a base pointer and a page stride.
+
+Example
+-------
+>>> device = [torch.zeros(5, 37440, dtype=torch.uint8) for _ in range(2)]   # any device pool's layers
+>>> pool = DeepSeekV4PagedHostPool("c4", device, num_host_pages=8)
+>>> host = pool.alloc_page(1).slots(64)                                      # HostSlots
+>>> pool.backup_from_device_all_layer(host, DeviceSlots(torch.arange(64, 128)))  # a page row copy
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sparsekv.jit_kernel.hisparse_copy import PAGE_SLOTS, pointer_table, transfer_cache_dsv4_mla, \
+    transfer_pages_dsv4_mla
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
+from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
+from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache
+from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
+
+LAYOUTS = ("layer_first", "page_first")
+
+
+class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
+    """Host pages mirroring per-layer DSV4 device page buffers.
+
+    Parameters
+    ----------
+    pool_name : str
+        For messages and logs.
+    device_buffers : sequence of torch.Tensor
+        The device pool's layers: uint8 ``[device_pages, V4.page_bytes(slot_page_size)]``, unit
+        last stride, one shape and page stride for all, on one device (any device pool works).
+    num_host_pages : int
+        Host pages per layer.
+    slot_page_size : {32, 64, 128}
+        Token slots per page (64: the C4 page of full-token page size 256).
+    layout : {"layer_first", "page_first"}
+        Host buffer layout (see the module docstring).
+    pin_memory : bool, optional
+        Default: pinned exactly when CUDA is available.
+    page_aligned_only : bool
+        Reject token-granular transfers (for pools whose tokens must only move as whole pages).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Device buffers of the wrong dtype, shape, stride or device mix; a bad size or layout.
+    """
+
+    def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
+                 slot_page_size: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
+                 page_aligned_only: bool = False) -> None:
+        if slot_page_size not in PAGE_SLOTS:
+            raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {PAGE_SLOTS}, got {slot_page_size!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"sparsekv: argument `layout` must be one of {LAYOUTS}, got {layout!r}")
+        self.item_bytes = V4.page_bytes(slot_page_size)
+        self._check_device_buffers(device_buffers)
+        super().__init__(layer_num=len(device_buffers), page_size=slot_page_size, num_pages=num_host_pages,
+                         pin_memory=pin_memory)
+        self.name = pool_name
+        self.layout = layout
+        self.page_aligned_only = page_aligned_only
+        self.device_buffers = list(device_buffers)
+        self.device = self.device_buffers[0].device
+        self.device_num_pages = self.device_buffers[0].shape[0]
+        self.device_page_stride = self.device_buffers[0].stride(0)
+        shape = (self.layer_num, num_host_pages, self.item_bytes) if layout == "layer_first" else \
+            (num_host_pages, self.layer_num, self.item_bytes)
+        self.buffer = self._alloc_host(shape)
+        self.kv_buffer = list(self.buffer.unbind(0)) if layout == "layer_first" else \
+            [self.buffer[:, l] for l in range(self.layer_num)]
+        self.host_page_stride = self.kv_buffer[0].stride(0)
+        # The tables live where the kernels run: the device buffers' device.
+        self.data_ptrs = pointer_table(self.kv_buffer, self.device)
+        self.device_ptrs = pointer_table(self.device_buffers, self.device)
+        self._init_page_allocator()
+
+    def _check_device_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        if len(buffers) == 0:
+            raise ValueError("sparsekv: argument `device_buffers` must hold at least one layer")
+        first = buffers[0]
+        for l, b in enumerate(buffers):
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8:
+                raise TypeError(f"sparsekv: argument `device_buffers`[{l}] must be a uint8 tensor")
+            if b.dim() != 2 or b.shape[1] != self.item_bytes or b.stride(1) != 1:
+                raise ValueError(f"sparsekv: argument `device_buffers`[{l}] must be [pages, {self.item_bytes}] with a "
+                                 f"unit last stride, got shape {list(b.shape)} strides {list(b.stride())}")
+            if b.shape != first.shape or b.stride() != first.stride() or b.device != first.device:
+                raise ValueError(f"sparsekv: argument `device_buffers`[{l}] must match layer 0's shape, strides and "
+                                 "device")
+
+    def get_size_per_token(self) -> int:
+        """Host bytes per slot, page padding included (585 for 64-slot V4 pages)."""
+        return self.item_bytes * self.layer_num // self.page_size
+
+    def get_contiguous_buf_infos(self) -> BufInfos:
+        """Per-layer host regions (pointer, byte length, item length = one page row) for direct PD writes.
+
+        Raises
+        ------
+        ValueError
+            The ``page_first`` layout, whose layers are not contiguous regions.
+        """
+        if self.layout != "layer_first":
+            raise ValueError(f"sparsekv: pool {self.name!r} is page_first; direct per-layer writes need layer_first")
+        return BufInfos.of(self.kv_buffer, [self.item_bytes] * self.layer_num)
+
+    def backup_from_device_all_layer(self, host_indices: HostSlots, device_indices: DeviceSlots) -> None:
+        """Copy device slots to host slots, every layer (``device_indices[i]`` -> ``host_indices[i]``).
+
+        Whole aligned pages on both sides (runs of ``page_size`` slots starting at a page
+        boundary, in order) move as page rows; anything else moves token by token.
+
+        Raises
+        ------
+        TypeError
+            ``host_indices`` is not :class:`HostSlots`, or ``device_indices`` not :class:`DeviceSlots`.
+        ValueError
+            Different lengths; a token-granular request with ``page_aligned_only``; conflicting
+            destinations.
+        IndexError
+            A slot outside its pool.
+        """
+        if self._has_transfer_indices(host_indices, device_indices):
+            self._copy(host_indices, device_indices, to_host=True, layers=slice(None))
+
+    def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int) -> None:
+        """Copy host slots to device slots of layer ``layer_id`` (``host_indices[i]`` -> ``device_indices[i]``).
+
+        Paths and errors as :meth:`backup_from_device_all_layer`, plus ``IndexError`` for a bad layer.
+        """
+        if not 0 <= layer_id < self.layer_num:
+            raise IndexError(f"sparsekv: argument `layer_id` = {layer_id} is out of range [0, {self.layer_num})")
+        if self._has_transfer_indices(host_indices, device_indices):
+            self._copy(host_indices, device_indices, to_host=False, layers=slice(layer_id, layer_id + 1))
+
+    def _copy(self, host: HostSlots, device: DeviceSlots, *, to_host: bool, layers: slice) -> None:
+        p = self.page_size
+        host_side = (self.data_ptrs[layers], host, self.num_pages, self.host_page_stride)
+        device_side = (self.device_ptrs[layers], device, self.device_num_pages, self.device_page_stride)
+        (src_ptrs, src, src_pages, src_stride), (dst_ptrs, dst, dst_pages, dst_stride) = \
+            (device_side, host_side) if to_host else (host_side, device_side)
+        src_whole, dst_whole = src.whole_pages(p), dst.whole_pages(p)
+        if src_whole is not None and dst_whole is not None:
+            transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, self._ids(src_whole), self._ids(dst_whole),
+                                    src_num_pages=src_pages, dst_num_pages=dst_pages, page_slots=p,
+                                    src_page_stride=src_stride, dst_page_stride=dst_stride)
+            return
+        if self.page_aligned_only:
+            raise ValueError(f"sparsekv: pool {self.name!r} is page_aligned_only, but {len(host)} slots are not whole "
+                             f"aligned pages of {p} slots on both sides")
+        transfer_cache_dsv4_mla(src_ptrs, dst_ptrs, self._ids(src), self._ids(dst), src_num_slots=src_pages * p,
+                                dst_num_slots=dst_pages * p, page_slots=p, src_page_stride=src_stride,
+                                dst_page_stride=dst_stride)
+
+    def _ids(self, ids) -> torch.Tensor:
+        """int64 ids on the kernels' device (an explicit conversion; no layout change)."""
+        return ids.tensor.to(self.device, torch.int64)

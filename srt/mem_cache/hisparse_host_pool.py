@@ -1,0 +1,154 @@
+"""``HiSparseHostPoolMixin``: page-granular allocation of a host pool, addressed per token.
+
+HiSparse keeps every token of a request in the host pool and copies single tokens to the device,
+but allocates (and frees) whole host pages, so whole-page backups can move opaque page rows.
+A request's host slots live in a table ``req_to_host_pool[req, position]`` (-1 = none yet) with
+``allocated_len[req]`` slots allocated so far, always a multiple of the page size.
+
+Freeing is lazy: freed pages wait in a release list and join the free list only when an
+allocation needs them, so a page freed during a step is not handed out again within it while
+in-flight copies may still read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.srt.mem_cache.ids import HostPages, HostSlots
+
+
+class HostPoolExhaustedError(RuntimeError):
+    """The host pool has fewer free pages than an allocation needs (admission should retry later)."""
+
+
+class HiSparseHostPoolMixin:
+    """Page allocator over ``num_pages`` host pages of ``page_size`` slots.
+
+    The host class calls :meth:`_init_page_allocator` once it knows its geometry (``page_size``
+    and ``num_pages`` attributes).
+    """
+
+    page_size: int
+    num_pages: int
+
+    def _init_page_allocator(self) -> None:
+        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._allocated = torch.zeros(self.num_pages, dtype=torch.bool)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can still get (free plus lazily released)."""
+        return self._free_pages.numel() + sum(t.numel() for t in self._released)
+
+    def alloc_page(self, num_pages: int) -> HostPages:
+        """Allocate ``num_pages`` host pages.
+
+        Raises
+        ------
+        ValueError
+            ``num_pages`` is negative.
+        HostPoolExhaustedError
+            Fewer pages are available.
+        """
+        if num_pages < 0:
+            raise ValueError(f"sparsekv: argument `num_pages` must be non-negative, got {num_pages}")
+        if num_pages > self._free_pages.numel() and self._released:
+            self._free_pages = torch.cat([self._free_pages, torch.sort(torch.cat(self._released)).values])
+            self._released = []
+        if num_pages > self._free_pages.numel():
+            raise HostPoolExhaustedError(f"sparsekv: host pool needs {num_pages} pages, {self.available_pages} free")
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        self._allocated[pages] = True
+        return HostPages(pages.clone())
+
+    def free_pages(self, pages: HostPages) -> None:
+        """Return pages to the pool (lazily: they are reused only when the free list runs dry).
+
+        Raises
+        ------
+        TypeError
+            ``pages`` is not :class:`HostPages`.
+        ValueError
+            A page is not allocated (a double free) or named twice.
+        """
+        ids = HostPages.require(pages, "pages").tensor.to("cpu", torch.int64)
+        if ids.numel() == 0:
+            return
+        if bool(((ids < 0) | (ids >= self.num_pages)).any()) or not bool(self._allocated[ids].all()) or \
+                torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"sparsekv: argument `pages` names pages that are not allocated: {pages!r}")
+        self._allocated[ids] = False
+        self._released.append(ids)
+
+    def host_pages_needed(self, start_pos: int, num_tokens: int, allocated_len: int) -> int:
+        """Pages :meth:`alloc_paged_token_slots` would allocate for this request (admission pre-check)."""
+        page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
+        return max(0, page_end - allocated_len) // self.page_size
+
+    def alloc_paged_token_slots(self, req_to_host_pool: torch.Tensor, allocated_len: torch.Tensor,
+                                req_pool_idx: int, start_pos: int, num_tokens: int) -> HostSlots:
+        """Host slots for positions ``[start_pos, start_pos + num_tokens)`` of request ``req_pool_idx``.
+
+        Whole pages are allocated up to the page holding the last position and recorded in
+        ``req_to_host_pool[req_pool_idx, allocated:page_end]``; ``allocated_len[req_pool_idx]``
+        becomes ``page_end``.
+
+        Parameters
+        ----------
+        req_to_host_pool : torch.Tensor
+            int64 ``[max_reqs, max_positions]`` host slot table (-1 = unallocated), any device.
+        allocated_len : torch.Tensor
+            int64 ``[max_reqs]`` on the CPU: slots allocated per request (a multiple of ``page_size``).
+        req_pool_idx, start_pos, num_tokens : int
+            The request row and the positions wanted.
+
+        Returns
+        -------
+        HostSlots
+            ``num_tokens`` host slots (a copy of the table's entries).
+
+        Raises
+        ------
+        ValueError
+            ``start_pos`` is beyond the allocated length (positions would be skipped), or the
+            table is too narrow.
+        HostPoolExhaustedError
+            Not enough free pages; nothing was allocated.
+        """
+        allocated = int(allocated_len[req_pool_idx])
+        if start_pos < 0 or start_pos > allocated:
+            raise ValueError(f"sparsekv: argument `start_pos` = {start_pos} must be in [0, {allocated}], the "
+                             f"slots allocated to request {req_pool_idx}")
+        page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
+        if page_end > req_to_host_pool.shape[1]:
+            raise ValueError(f"sparsekv: argument `req_to_host_pool` has {req_to_host_pool.shape[1]} positions per "
+                             f"request, {page_end} needed")
+        if page_end > allocated:
+            slots = self.alloc_page((page_end - allocated) // self.page_size).slots(self.page_size).tensor
+            req_to_host_pool[req_pool_idx, allocated:page_end] = slots.to(req_to_host_pool.device)
+            allocated_len[req_pool_idx] = page_end
+        return HostSlots(req_to_host_pool[req_pool_idx, start_pos : start_pos + num_tokens].clone())
+
+    def allocated_host_indices(self, req_to_host_pool: torch.Tensor, req_pool_idx: int,
+                               allocated_len: int) -> HostSlots:
+        """Every host slot allocated to a request (whole pages), e.g. to free them."""
+        row = req_to_host_pool[req_pool_idx, :allocated_len]
+        return HostSlots(row[row >= 0].clone())
+
+    def free(self, slots: HostSlots) -> None:
+        """Free the pages of ``slots``, which must be whole aligned pages (as allocated).
+
+        Raises
+        ------
+        TypeError
+            ``slots`` is not :class:`HostSlots`.
+        ValueError
+            ``slots`` is not made of whole pages, or a page is not allocated.
+        """
+        pages = HostSlots.require(slots, "slots").whole_pages(self.page_size)
+        if pages is None:
+            if len(slots) == 0:
+                return
+            raise ValueError(f"sparsekv: argument `slots` must be whole aligned host pages of {self.page_size} slots")
+        self.free_pages(pages)

@@ -1,0 +1,145 @@
+"""Stateful check of the swap-in: many decode steps for several requests, kernel against model.
+
+Each machine runs requests that are admitted (prefill resident on the device, or PD-style with every
+lookup missing), grow by a few tokens per step, draw random top-k sets (hot tokens, cold ones, the
+newest, repeats, -1, out of range), sometimes ride in a batch with CUDA-graph padding rows, and
+finish. After every step the kernel (cpu backend) must agree with
+
+* the plain-Python policy model (:mod:`sparsekv.testing.hisparse_policy`), whose per-request state
+  evolves on its own, never read back from the kernel: output slots, slot tokens, LRU order;
+* the torch reference on the same pre-step state: every table, every byte of the device buffer,
+  miss counts, the miss plan and the counters;
+
+and the bytes in every slot the step returned must be the host bytes of the token asked for, in
+the swap-in layer and in a second layer fed only by replaying the miss plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
+
+K, H = 5, 7
+MAX_REQS, MAX_LEN = 3, 48
+
+
+class SwapInMachine(RuleBasedStateMachine):
+    is_dsv4_layout = False
+
+    def __init__(self):
+        super().__init__()
+        self.seq: dict[int, int] = {}
+        self.model: dict[int, HotBuffer] = {}
+
+    @initialize(seed=st.integers(0, 2**20))
+    def build(self, seed):
+        self.world = make_world(K, H, is_dsv4_layout=self.is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN,
+                                seed=seed)
+        self.host2 = random_bytes(tuple(self.world.host_cache.shape), seed + 11)
+        self.device2 = random_bytes(tuple(self.world.device_buffer.shape), seed + 12)
+        self.counters = torch.zeros(3, dtype=torch.int64)
+        self.expected_counters = [0, 0, 0]
+
+    def place(self, rid, column, token):
+        self.world.place(rid, column, token)
+        self.world.place(rid, column, token, host_cache=self.host2, device_buffer=self.device2)
+
+    def grow(self, rid, old, new):
+        # What the model does as tokens are produced: a position below H into its own slot, the
+        # newest position at or beyond H into the reserved column H.
+        for pos in range(old, min(new, H)):
+            self.place(rid, pos, pos)
+        if new - 1 >= H:
+            self.place(rid, H, new - 1)
+        self.seq[rid] = new
+
+    @precondition(lambda self: len(self.seq) < MAX_REQS)
+    @rule(data=st.data())
+    def admit(self, data):
+        rid = data.draw(st.sampled_from([r for r in range(MAX_REQS) if r not in self.seq]))
+        resident = data.draw(st.booleans(), label="prefill resident (else PD-style, all misses)")
+        seq_len = data.draw(st.integers(1, 3 * H) if resident else st.integers(H + 1, 3 * H), label="seq_len")
+        self.world.reset_request(rid, resident=resident)
+        self.model[rid] = HotBuffer.resident_prefix(H) if resident else HotBuffer.empty(H)
+        self.grow(rid, 0 if resident else seq_len - 1, seq_len)
+
+    @precondition(lambda self: bool(self.seq))
+    @rule(rid=st.integers(0, MAX_REQS - 1))
+    def finish(self, rid):
+        self.seq.pop(rid, None)
+        self.model.pop(rid, None)
+
+    @precondition(lambda self: bool(self.seq))
+    @rule(data=st.data())
+    def decode_step(self, data):
+        live = sorted(self.seq)
+        rows = data.draw(st.permutations(live), label="batch order")[: data.draw(st.integers(1, len(live)))]
+        for rid in rows:
+            self.grow(rid, self.seq[rid], min(self.seq[rid] + data.draw(st.integers(0, 3)), MAX_LEN))
+        num_padding = data.draw(st.integers(0, 2), label="padding rows")
+        rids = rows + data.draw(st.lists(st.integers(0, MAX_REQS - 1), min_size=num_padding, max_size=num_padding))
+        seq_lens = [self.seq[r] for r in rows] + [MAX_LEN] * num_padding
+        top_k = [data.draw(top_k_row(K, self.seq[r], self.model[r].tokens)) for r in rows]
+        top_k += [[0, 1, 2, 3, 4]] * num_padding
+        num_real = len(rows) if num_padding else None
+
+        expected = self.world.reference(top_k, rids, seq_lens, num_real_reqs=num_real)
+        res = self.world.swap_in(top_k, rids, seq_lens, num_real_reqs=num_real, plan=True, counters=self.counters)
+
+        # Against the reference, on the same pre-step state: all tables and all bytes.
+        assert torch.equal(res["out"], expected.top_k_device_locs)
+        assert torch.equal(self.world.device_buffer_tokens, expected.device_buffer_tokens)
+        assert torch.equal(self.world.lru_slots, expected.lru_slots)
+        assert torch.equal(self.world.device_buffer, expected.device_buffer)
+        assert torch.equal(res["miss_count"], expected.miss_count)
+        for b, pairs in enumerate(expected.plan):
+            got = list(zip(res["miss_src"][b].tolist(), res["miss_dst"][b].tolist()))[: len(pairs)]
+            assert got == pairs
+        self.expected_counters = [a + b for a, b in zip(self.expected_counters, expected.counters)]
+        assert self.counters.tolist() == self.expected_counters
+
+        # Against the model's own state.
+        for b, rid in enumerate(rows):
+            step = swap_in_step(self.model[rid], top_k[b], self.seq[rid])
+            locs = self.world.device_buffer_locs[rid]
+            assert res["out"][b].tolist() == [int(locs[s]) if s >= 0 else -1 for s in step.slots]
+            assert self.world.device_buffer_tokens[rid, :H].tolist() == self.model[rid].tokens
+            assert self.world.lru_slots[rid].tolist() == self.model[rid].lru
+            assert int(res["miss_count"][b]) == len(step.misses)
+        assert res["out"][len(rows):].eq(-1).all()
+
+        # The second layer only sees the plan replayed.
+        copy_cache_planned_mla(miss_src=res["miss_src"], miss_dst=res["miss_dst"], miss_count=res["miss_count"],
+                               num_real_reqs=torch.tensor([len(rows)], dtype=torch.int32), host_cache=self.host2,
+                               device_buffer=self.device2, item_size_bytes=self.world.item_size_bytes,
+                               is_dsv4_layout=self.is_dsv4_layout)
+        for b, rid in enumerate(rows):
+            for i, tok in enumerate(top_k[b]):
+                loc = int(res["out"][b, i])
+                if loc < 0:
+                    continue
+                assert torch.equal(self.world.device_token(loc), self.world.host_token(rid, tok))
+                assert torch.equal(self.world.device_token(loc, self.device2),
+                                   self.world.host_token(rid, tok, self.host2))
+
+    @invariant()
+    def lru_rows_are_permutations(self):
+        if hasattr(self, "world"):
+            for row in self.world.lru_slots.tolist():
+                assert sorted(row) == list(range(H))
+
+
+class Dsv4SwapInMachine(SwapInMachine):
+    is_dsv4_layout = True
+
+
+TestGenericSwapIn = SwapInMachine.TestCase
+TestGenericSwapIn.settings = settings(settings.default, stateful_step_count=25)
+TestDsv4SwapIn = Dsv4SwapInMachine.TestCase
+TestDsv4SwapIn.settings = settings(settings.default, stateful_step_count=25)

@@ -1,0 +1,131 @@
+"""Benchmark the DSV4 token copy (``transfer_cache_dsv4_mla``) and page-row copy on the CPU backend.
+
+For N tokens x L layers (N x L in {1k x 1, 64k x 1, 64k x 21, 1M x 1}; 1M x 21 would need ~25 GB
+and does not fit in 24 GiB), random distinct source and destination slots over pools of N slots:
+
+* ``kernel``: the public wrapper (full id validation included); ``raw``: the module call alone;
+* ``torch``: the same move with torch advanced indexing on the zero-copy value/scale views
+  (``sparsekv.testing.reference.hisparse_copy.transfer_tokens_``, the test oracle);
+* ``memcpy``: ``ctypes.memmove`` of the same byte count between two contiguous buffers: the
+  bandwidth limit of one core of this machine (the CPU backend runs on one core, and torch is
+  limited to one thread too, ``--torch-threads``, so every row compares one core with one core);
+* ``pages``: the page-row copy of the same tokens as N / 64 whole pages.
+
+Bytes per token: 584 per layer (576 value + 8 scale) are read and 584 written; GB/s counts the
+584 payload bytes once, as memcpy bandwidth does. On paper, an H200 moves a token of all L layers
+device -> device in ``2 * 584 * L / 4.8 TB/s`` (read + write HBM: 0.24 ns per token-layer, so 1M
+tokens of 1 layer in 0.24 ms) and host <-> device in ``584 * L / 55 GB/s`` over PCIe (10.6 ns per
+token-layer, 1M tokens in 11 ms): the PCIe copy is ~44x slower, which is why HiSparse moves only the
+misses of each step. Each row carries both numbers (``h200_hbm_us``, ``h200_pcie_us``).
+
+Targets (issue 4): kernel >= 60% of memcpy bandwidth and >= 3x torch. Prints JSON; ``--plot PNG``
+draws GB/s per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+
+import torch
+
+from sparsekv.jit_kernel.hisparse_copy import (
+    HISPARSE_COPY,
+    pointer_table,
+    transfer_cache_dsv4_mla,
+    transfer_pages_dsv4_mla,
+)
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
+
+PAGE_SLOTS = 64
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_PCIE_BYTES_PER_S = 55e9
+CASES = ((1 << 10, 1), (1 << 16, 1), (1 << 16, 21), (1 << 20, 1))
+QUICK_CASES = ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4))
+
+
+def _label(n: int, layers: int) -> str:
+    return f"{n // 1024}k x {layers}" if n < 1 << 20 else f"{n >> 20}M x {layers}"
+
+
+def run_case(n: int, layers: int, repeats: int, torch_repeats: int) -> dict:
+    pages = n // PAGE_SLOTS
+    page_bytes = V4.page_bytes(PAGE_SLOTS)
+    gen = torch.Generator().manual_seed(n + layers)
+    src = [torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    dst = [torch.ones(pages, page_bytes, dtype=torch.uint8) for _ in range(layers)]  # touched: no first-write faults
+    src_ids, dst_ids = torch.randperm(n, generator=gen), torch.randperm(n, generator=gen)
+    src_pages, dst_pages = torch.randperm(pages, generator=gen), torch.randperm(pages, generator=gen)
+    src_ptrs, dst_ptrs = pointer_table(src), pointer_table(dst)
+    module = HISPARSE_COPY.module(V4.cpp_type, PAGE_SLOTS)
+    payload = n * layers * V4.bytes_per_token
+    a = torch.ones(payload, dtype=torch.uint8)
+    b = torch.zeros(payload, dtype=torch.uint8)
+
+    timings = {
+        "kernel": time_call(lambda: transfer_cache_dsv4_mla(src_ptrs, dst_ptrs, src_ids, dst_ids, src_num_slots=n,
+                                                            dst_num_slots=n), repeats=repeats),
+        "raw": time_call(lambda: module.transfer_tokens(src_ptrs, dst_ptrs, src_ids, dst_ids, n, n, page_bytes,
+                                                        page_bytes), repeats=repeats),
+        "memcpy": time_call(lambda: ctypes.memmove(b.data_ptr(), a.data_ptr(), payload), repeats=repeats),
+        "pages": time_call(lambda: transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, src_pages, dst_pages,
+                                                           src_num_pages=pages, dst_num_pages=pages),
+                           repeats=repeats),
+        "torch": time_call(lambda: transfer_tokens_(dst, src, src_ids, dst_ids), repeats=torch_repeats,
+                           min_time_s=0.01),
+    }
+    # The kernel really moved the bytes the reference moves (checked once, outside the timings).
+    check = [t.clone() for t in dst]
+    transfer_tokens_(check, src, src_ids, dst_ids)
+    if not all(torch.equal(x, y) for x, y in zip(check, dst)):
+        raise SystemExit(f"bench_hisparse_copy: kernel output differs from the reference at {_label(n, layers)}")
+
+    gbps = {k: payload / t.median_s / 1e9 for k, t in timings.items()}
+    pages_payload = pages * layers * page_bytes
+    gbps["pages"] = pages_payload / timings["pages"].median_s / 1e9
+    return {
+        "case": _label(n, layers),
+        "tokens": n,
+        "layers": layers,
+        "payload_bytes": payload,
+        **{f"{k}_us": round(t.median_s * 1e6, 1) for k, t in timings.items()},
+        **{f"{k}_gbps": round(v, 3) for k, v in gbps.items()},
+        "kernel_tokens_per_s": round(n / timings["kernel"].median_s),
+        "kernel_vs_memcpy": round(gbps["kernel"] / gbps["memcpy"], 3),
+        "kernel_vs_torch": round(timings["torch"].median_s / timings["kernel"].median_s, 1),
+        "raw_vs_memcpy": round(gbps["raw"] / gbps["memcpy"], 3),
+        "h200_hbm_us": round(2 * payload / H200_HBM_BYTES_PER_S * 1e6, 2),
+        "h200_pcie_us": round(payload / H200_PCIE_BYTES_PER_S * 1e6, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the baseline")
+    args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    cases = QUICK_CASES if args.quick else CASES
+    repeats, torch_repeats = (3, 1) if args.quick else (7, 3)
+    result = BenchResult(name="bench_hisparse_copy",
+                         baseline="ctypes.memmove of the same bytes (one core); torch indexing on the views")
+    for i, (n, layers) in enumerate(cases):
+        progress(i, len(cases), _label(n, layers))
+        result.rows.append(run_case(n, layers, repeats, torch_repeats))
+    progress(len(cases), len(cases), "done")
+    result.notes = {
+        "bytes_per_token_layer": V4.bytes_per_token,
+        "page_bytes": V4.page_bytes(PAGE_SLOTS),
+        "torch_threads": args.torch_threads,
+        "h200_model": "hbm_us = 2 * payload / 4.8 TB/s (read + write); pcie_us = payload / 55 GB/s",
+        "targets": {"kernel_vs_memcpy": 0.6, "kernel_vs_torch": 3},
+    }
+    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", ylabel="GB/s (584 B per token-layer)",
+                                                  value_keys=["kernel_gbps", "pages_gbps", "memcpy_gbps",
+                                                              "torch_gbps"], log=True))
+
+
+if __name__ == "__main__":
+    main()
