@@ -21,8 +21,9 @@
 //
 // GPU: one warp per item (a token across all layers, or one page of one layer), via the default
 // warp-per-item driver; copy_bytes moves 16 bytes per lane (every offset here is a multiple of 16
-// for V4 pages: 576, 36,864, 37,440). CPU: the same item() in a loop; value records and page rows
-// are written with non-temporal stores (see copy_record).
+// for V4 pages: 576, 36,864, 37,440). CPU: the same item() in a loop over contiguous chunks of
+// items on up to num_threads threads (see run); value records and page rows are written with
+// non-temporal stores (see copy_record).
 #pragma once
 
 #include "sparsekv/kv_layout.h"
@@ -37,20 +38,27 @@ namespace sparsekv::hisparse_copy {
 
 inline constexpr int64_t kUnknownCount = INT64_MAX;
 
-// copy_bytes, except that the host compiler writes whole 16-byte words with non-temporal stores.
-// The destination records are scattered and not read back soon, so regular stores would first
-// read every destination line from memory (read-for-ownership) and evict useful cache lines:
-// streaming stores make the CPU token copy ~3x faster on random slots. The GPU path and unaligned
-// host destinations fall back to copy_bytes. Callers end a host run with streaming_fence().
-SPARSEKV_HOST_DEVICE void copy_record(void* dst, const void* src, int64_t n, Lanes lanes) {
+// copy_bytes, except that the host compiler copies 16-byte words itself, with non-temporal
+// stores when `streaming`. A large copy scatters records that are not read back soon: regular
+// stores would first read every destination line from memory (read-for-ownership) and evict
+// useful lines, so streaming makes it ~3x faster on random slots. A small copy (its records fit in
+// the L2) is faster with regular stores, which keep it in cache; the word loop also beats a 576-byte
+// libc memcpy there. The GPU path and unaligned host destinations use copy_bytes. A host thread
+// that streamed ends with streaming_fence().
+SPARSEKV_HOST_DEVICE void copy_record(void* dst, const void* src, int64_t n, Lanes lanes, bool streaming) {
 #ifdef SPARSEKV_HISPARSE_COPY_STREAMING
   if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(n)) & 15) == 0) {
     auto* d = static_cast<__m128i*>(dst);
     const auto* s = static_cast<const __m128i*>(src);
-    for (int64_t k = 0; k < n / 16; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
+    if (streaming) {
+      for (int64_t k = 0; k < n / 16; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
+    } else {
+      for (int64_t k = 0; k < n / 16; ++k) _mm_storeu_si128(d + k, _mm_loadu_si128(s + k));
+    }
     return;
   }
 #endif
+  (void)streaming;
   copy_bytes(dst, src, n, lanes);
 }
 
@@ -68,7 +76,7 @@ inline void prefetch_token(const uint8_t* src_base, int64_t s, int64_t src_strid
 }
 #endif
 
-// Orders the streaming stores of a host run before anything the caller does next.
+// Orders the streaming stores of a host thread before anything it does next (ending the thread).
 inline void streaming_fence() {
 #ifdef SPARSEKV_HISPARSE_COPY_STREAMING
   _mm_sfence();
@@ -78,7 +86,8 @@ inline void streaming_fence() {
 template <class Layout, int64_t PageSlots>
 struct TransferTokens {
   using Paged = kv_layout::PagedKV<Layout, PageSlots>;
-  static constexpr int64_t kPrefetchDistance = 8;  // items; host only
+  // Host: prefetch this many token-layers ahead (at least the next token).
+  static constexpr int64_t kPrefetchTokenLayers = 8;
   struct Params {
     const uint64_t* src_ptrs;
     const uint64_t* dst_ptrs;
@@ -90,6 +99,7 @@ struct TransferTokens {
     int64_t dst_page_stride;
     int64_t src_num_slots;  // exclusive bound on src ids, kUnknownCount when unknown
     int64_t dst_num_slots;
+    bool streaming;  // host: non-temporal stores (see copy_record)
   };
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_indices; }
@@ -99,7 +109,7 @@ struct TransferTokens {
     const int64_t d = p.dst_indices[i];
     if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) return;
 #ifdef SPARSEKV_HISPARSE_COPY_STREAMING
-    const int64_t ahead = i + kPrefetchDistance;
+    const int64_t ahead = i + (p.num_layers < kPrefetchTokenLayers ? kPrefetchTokenLayers / p.num_layers : 1);
     const bool prefetch = ahead < p.num_indices;
 #endif
     for (int64_t l = 0; l < p.num_layers; ++l) {
@@ -111,7 +121,7 @@ struct TransferTokens {
 #endif
       const auto src = Paged::token(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), s, p.src_page_stride);
       const auto dst = Paged::token(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]), d, p.dst_page_stride);
-      copy_record(dst.value, src.value, Layout::kValueBytes, lanes);
+      copy_record(dst.value, src.value, Layout::kValueBytes, lanes, p.streaming);
       copy_bytes(dst.scale, src.scale, Layout::kScaleBytes, lanes);
     }
   }
@@ -131,6 +141,7 @@ struct CopyPages {
     int64_t dst_page_stride;
     int64_t src_num_pages;  // exclusive bound on src page ids, kUnknownCount when unknown
     int64_t dst_num_pages;
+    bool streaming;  // host: non-temporal stores (see copy_record)
   };
 
   // One item per (page pair, layer): a page is 37 KB, worth a warp of its own on the GPU.
@@ -143,19 +154,62 @@ struct CopyPages {
     const int64_t d = p.dst_pages[pair];
     if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.dst_num_pages) return;
     copy_record(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
-               reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes);
+               reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes,
+                p.streaming);
   }
 };
 
 }  // namespace sparsekv::hisparse_copy
 
 #ifdef SPARSEKV_HOST_ENTRY
+#include <algorithm>
+#include <system_error>
+#include <thread>
+#include <vector>
+
 #include "sparsekv/ffi.h"
 
 namespace sparsekv::hisparse_copy {
 
 // Python passes -1 for "not given".
 inline int64_t bound_or_unknown(int64_t count) { return count < 0 ? kUnknownCount : count; }
+
+// Below this many bytes per thread, starting a thread costs more than it saves.
+inline constexpr int64_t kMinBytesPerThread = int64_t{4} << 20;
+// From this many bytes on, host copies stream (about an L2: smaller copies stay in cache).
+inline constexpr int64_t kMinStreamingBytes = int64_t{1} << 20;
+
+// Runs K on the module's backend. The cpu backend splits the items into contiguous chunks over up
+// to num_threads threads (the caller's included): a scattered copy is bound by memory latency, and
+// each core adds outstanding misses. Every thread fences its own streaming stores before it ends.
+template <class K>
+void run(const typename K::Params& params, DLDevice device, int64_t num_threads, int64_t bytes_per_item) {
+#if SPARSEKV_BACKEND_CUDA
+  (void)num_threads, (void)bytes_per_item;
+  launch<K>(params, device);
+#else
+  (void)device;
+  const int64_t n = K::num_items(params);
+  const int64_t by_work = n * bytes_per_item / kMinBytesPerThread;
+  const int64_t chunks = std::max<int64_t>(1, std::min({num_threads, by_work, n}));
+  auto chunk = [&params, n, chunks](int64_t c) {
+    for (int64_t i = n * c / chunks; i < n * (c + 1) / chunks; ++i) K::item(params, i, Lanes{0, 1});
+    streaming_fence();
+  };
+  std::vector<std::thread> workers;
+  int64_t spawned = 1;
+  for (; spawned < chunks; ++spawned) {
+    try {
+      workers.emplace_back(chunk, spawned);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the caller runs the remaining chunks
+    }
+  }
+  chunk(0);
+  for (int64_t c = spawned; c < chunks; ++c) chunk(c);
+  for (auto& w : workers) w.join();
+#endif
+}
 
 inline void check_tables(const TensorView& src_ptrs, const TensorView& dst_ptrs, int64_t page_bytes,
                          int64_t src_page_stride, int64_t dst_page_stride) {
@@ -188,7 +242,8 @@ inline void check_host_ids(const int64_t* src, const char* src_name, int64_t src
 
 template <class Layout, int64_t PageSlots>
 void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_indices, TensorView dst_indices,
-                     int64_t src_num_slots, int64_t dst_num_slots, int64_t src_page_stride, int64_t dst_page_stride) {
+                     int64_t src_num_slots, int64_t dst_num_slots, int64_t src_page_stride, int64_t dst_page_stride,
+                     int64_t num_threads) {
   using K = TransferTokens<Layout, PageSlots>;
   // 1. Validate the arguments.
   check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
@@ -205,7 +260,8 @@ void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_in
                                   src_page_stride,
                                   dst_page_stride,
                                   bound_or_unknown(src_num_slots),
-                                  bound_or_unknown(dst_num_slots)};
+                                  bound_or_unknown(dst_num_slots),
+                                  src_indices.size(0) * src_ptrs.size(0) * Layout::kBytesPerToken >= kMinStreamingBytes};
   if (params.num_indices == 0 || params.num_layers == 0) return;
 
   // 3. Validate every id before any byte moves.
@@ -213,13 +269,13 @@ void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_in
                  params.dst_num_slots, params.num_indices, src_ptrs);
 
   // 4. Launch.
-  launch<K>(params, src_ptrs.device());
-  streaming_fence();
+  run<K>(params, src_ptrs.device(), num_threads, params.num_layers * Layout::kBytesPerToken);
 }
 
 template <class Layout, int64_t PageSlots>
 void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, TensorView dst_pages,
-                int64_t src_num_pages, int64_t dst_num_pages, int64_t src_page_stride, int64_t dst_page_stride) {
+                int64_t src_num_pages, int64_t dst_num_pages, int64_t src_page_stride, int64_t dst_page_stride,
+                int64_t num_threads) {
   using K = CopyPages<Layout, PageSlots>;
   // 1. Validate the arguments.
   check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
@@ -236,7 +292,8 @@ void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, 
                                   src_page_stride,
                                   dst_page_stride,
                                   bound_or_unknown(src_num_pages),
-                                  bound_or_unknown(dst_num_pages)};
+                                  bound_or_unknown(dst_num_pages),
+                                  src_pages.size(0) * src_ptrs.size(0) * K::Paged::kPageBytes >= kMinStreamingBytes};
   if (params.num_pages == 0 || params.num_layers == 0) return;
 
   // 3. Validate every id before any byte moves.
@@ -244,8 +301,7 @@ void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, 
                  params.dst_num_pages, params.num_pages, src_ptrs);
 
   // 4. Launch.
-  launch<K>(params, src_ptrs.device());
-  streaming_fence();
+  run<K>(params, src_ptrs.device(), num_threads, K::Paged::kPageBytes);
 }
 
 }  // namespace sparsekv::hisparse_copy

@@ -6,6 +6,10 @@ resolves the indexer's top-k positions against the hot buffer: hits are reused, 
 least-recently-used slots and are copied host -> device by the same kernel. The full contract is at
 the top of the header; the policy, restated as plain Python, is
 :mod:`sparsekv.testing.hisparse_policy`.
+
+The DSV4 token and page copies of :mod:`sparsekv.jit_kernel.hisparse_copy` are re-exported here
+(``transfer_cache_dsv4_mla``, ``transfer_pages_dsv4_mla``), so the whole HiSparse kernel surface is
+one import.
 """
 
 from __future__ import annotations
@@ -15,7 +19,24 @@ import functools
 import torch
 
 from sparsekv import env
+from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
 from sparsekv.jit_kernel.registry import KernelFamily, register
+
+__all__ = [
+    "COUNTERS",
+    "DSV4_C4",
+    "DSV4_PAGE_SLOTS",
+    "LINEAR",
+    "PLANNED",
+    "SWAP_IN",
+    "copy_cache_planned_mla",
+    "load_cache_to_device_buffer_dsv4_mla",
+    "load_cache_to_device_buffer_mla",
+    "resolve_block_size",
+    "swap_in_module",
+    "transfer_cache_dsv4_mla",
+    "transfer_pages_dsv4_mla",
+]
 
 LINEAR = "sparsekv::hisparse::LinearRows"
 DSV4_C4 = "sparsekv::hisparse::Dsv4C4"
@@ -76,6 +97,7 @@ def _layout(is_dsv4_layout: bool) -> str:
     return DSV4_C4 if is_dsv4_layout else LINEAR
 
 
+@functools.cache
 def resolve_block_size(num_top_k: int, hot_buffer_size: int, is_dsv4_layout: bool, block_size: int | None) -> int:
     """The block size of the table entry for ``(num_top_k, hot_buffer_size, layout)``, or ``block_size``.
 

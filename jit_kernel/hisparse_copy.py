@@ -8,7 +8,8 @@
 Both take per-layer base-address tables (uint64 ``[L]``) on the device the ids live on, so one call
 covers every layer and any pair of memory spaces (device, pinned host, plain host). Ids are
 validated in full before any byte moves: in C++ for host-resident ids, with torch on the device for
-CUDA ids (which synchronizes the stream, so these calls are not CUDA-graph capturable).
+CUDA ids (which synchronizes the stream, so these calls are not CUDA-graph capturable). The cpu
+backend runs on up to ``torch.get_num_threads()`` threads when a call moves more than a few MiB.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
         if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape:
             check_copy_ids_on_device(src_ids, dst_ids, src_count, dst_count, names)
     module = HISPARSE_COPY.module(V4.cpp_type, page_slots, backend=backend)
-    getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride)
+    getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride,
+                            torch.get_num_threads())
 
 
 def transfer_cache_dsv4_mla(

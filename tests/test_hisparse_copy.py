@@ -78,6 +78,37 @@ def test_page_copy_matches_reference(data, page_slots):
         assert torch.equal(after[untouched], before[untouched])
 
 
+@pytest.fixture
+def two_threads():
+    """The cpu backend runs on torch's thread count; large copies below use two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_large_copies_stream_on_two_threads(two_threads):
+    """Past 1 MiB the host path streams its stores, past 2 x 4 MiB it splits over threads: the
+    bytes must be the same as for the small in-cache path the property tests cover."""
+    slots = 300 * 64  # 11 MB per side and layer: streaming, two chunks
+    src = paged_side(1, 300, 64, page_first=False, seed=11)
+    dst = paged_side(1, 300, 64, page_first=False, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    src_ids, dst_ids = torch.randperm(slots, generator=gen), torch.randperm(slots, generator=gen)
+    expected = dst.owner.clone()
+    transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids)
+    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
+                            src_num_slots=slots, dst_num_slots=slots)
+    assert torch.equal(dst.owner, expected)
+
+    src_pages, dst_pages = torch.randperm(300, generator=gen), torch.randperm(300, generator=gen)
+    expected = dst.owner.clone()
+    transfer_pages_(dst.layers_of(expected), src.layers, src_pages, dst_pages)
+    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_pages, dst_pages,
+                            src_num_pages=300, dst_num_pages=300)
+    assert torch.equal(dst.owner, expected)
+
+
 def test_transfer_cache_dsv4_mla_copies_paged_token():
     """Our take on sglang's test of the same name: a token at slot 70 (page 1, offset 6) lands in
     slot 65 (page 1, offset 1), all 584 bytes, and nothing else of the destination changes."""

@@ -6,10 +6,15 @@ and does not fit in 24 GiB), random distinct source and destination slots over p
 * ``kernel``: the public wrapper (full id validation included); ``raw``: the module call alone;
 * ``torch``: the same move with torch advanced indexing on the zero-copy value/scale views
   (``sparsekv.testing.reference.hisparse_copy.transfer_tokens_``, the test oracle);
-* ``memcpy``: ``ctypes.memmove`` of the same byte count between two contiguous buffers: the
-  bandwidth limit of one core of this machine (the CPU backend runs on one core, and torch is
-  limited to one thread too, ``--torch-threads``, so every row compares one core with one core);
+* ``memcpy``: the same byte count between two contiguous buffers, the faster of ``ctypes.memmove``
+  (glibc, one core, non-temporal stores) and ``torch.Tensor.copy_`` (all threads): the bandwidth
+  limit of this machine. Both are reported (``memmove_gbps``, ``copy_gbps``);
 * ``pages``: the page-row copy of the same tokens as N / 64 whole pages.
+
+Everything runs on the same threads (``--threads``, default torch's): the kernel's cpu backend and
+torch's indexing use ``torch.get_num_threads()``. Buffers are 2 MiB-aligned and advised for
+transparent huge pages (``--no-thp`` to opt out): random slots over hundreds of MB otherwise cost a
+page walk per token.
 
 Bytes per token: 584 per layer (576 value + 8 scale) are read and 584 written; GB/s counts the
 584 payload bytes once, as memcpy bandwidth does. On paper, an H200 moves a token of all L layers
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
+from pathlib import Path
 
 import torch
 
@@ -43,6 +50,9 @@ PAGE_SLOTS = 64
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_PCIE_BYTES_PER_S = 55e9
 CASES = ((1 << 10, 1), (1 << 16, 1), (1 << 16, 21), (1 << 20, 1))
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 QUICK_CASES = ((1 << 10, 1), (1 << 14, 1), (1 << 14, 4))
 
 
@@ -50,26 +60,38 @@ def _label(n: int, layers: int) -> str:
     return f"{n // 1024}k x {layers}" if n < 1 << 20 else f"{n >> 20}M x {layers}"
 
 
-def run_case(n: int, layers: int, repeats: int, torch_repeats: int) -> dict:
+def host_buffer(shape: tuple[int, ...], thp: bool) -> torch.Tensor:
+    """An untouched uint8 buffer starting on a 2 MiB boundary, advised for huge pages before first touch."""
+    nbytes = math.prod(shape)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    if thp:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes),
+                                  ctypes.c_int(MADV_HUGEPAGE))
+    return raw[start : start + nbytes].view(shape)
+
+
+def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool) -> dict:
     pages = n // PAGE_SLOTS
     page_bytes = V4.page_bytes(PAGE_SLOTS)
     gen = torch.Generator().manual_seed(n + layers)
-    src = [torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
-    dst = [torch.ones(pages, page_bytes, dtype=torch.uint8) for _ in range(layers)]  # touched: no first-write faults
+    src = [host_buffer((pages, page_bytes), thp).random_(0, 256, generator=gen) for _ in range(layers)]
+    dst = [host_buffer((pages, page_bytes), thp).fill_(1) for _ in range(layers)]  # touched: no first-write faults
     src_ids, dst_ids = torch.randperm(n, generator=gen), torch.randperm(n, generator=gen)
     src_pages, dst_pages = torch.randperm(pages, generator=gen), torch.randperm(pages, generator=gen)
     src_ptrs, dst_ptrs = pointer_table(src), pointer_table(dst)
     module = HISPARSE_COPY.module(V4.cpp_type, PAGE_SLOTS)
     payload = n * layers * V4.bytes_per_token
-    a = torch.ones(payload, dtype=torch.uint8)
-    b = torch.zeros(payload, dtype=torch.uint8)
+    a = host_buffer((payload,), thp).fill_(1)
+    b = host_buffer((payload,), thp).fill_(0)
 
     timings = {
         "kernel": time_call(lambda: transfer_cache_dsv4_mla(src_ptrs, dst_ptrs, src_ids, dst_ids, src_num_slots=n,
                                                             dst_num_slots=n), repeats=repeats),
         "raw": time_call(lambda: module.transfer_tokens(src_ptrs, dst_ptrs, src_ids, dst_ids, n, n, page_bytes,
-                                                        page_bytes), repeats=repeats),
-        "memcpy": time_call(lambda: ctypes.memmove(b.data_ptr(), a.data_ptr(), payload), repeats=repeats),
+                                                        page_bytes, torch.get_num_threads()), repeats=repeats),
+        "memmove": time_call(lambda: ctypes.memmove(b.data_ptr(), a.data_ptr(), payload), repeats=repeats),
+        "copy": time_call(lambda: b.copy_(a), repeats=repeats),
         "pages": time_call(lambda: transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, src_pages, dst_pages,
                                                            src_num_pages=pages, dst_num_pages=pages),
                            repeats=repeats),
@@ -82,6 +104,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int) -> dict:
     if not all(torch.equal(x, y) for x, y in zip(check, dst)):
         raise SystemExit(f"bench_hisparse_copy: kernel output differs from the reference at {_label(n, layers)}")
 
+    timings["memcpy"] = min(timings["memmove"], timings["copy"], key=lambda t: t.median_s)
     gbps = {k: payload / t.median_s / 1e9 for k, t in timings.items()}
     pages_payload = pages * layers * page_bytes
     gbps["pages"] = pages_payload / timings["pages"].median_s / 1e9
@@ -104,21 +127,24 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the baseline")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="threads of the kernel's cpu backend and of torch (default: torch's)")
+    parser.add_argument("--no-thp", dest="thp", action="store_false", help="do not advise huge pages")
     args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.threads)
     cases = QUICK_CASES if args.quick else CASES
     repeats, torch_repeats = (3, 1) if args.quick else (7, 3)
     result = BenchResult(name="bench_hisparse_copy",
-                         baseline="ctypes.memmove of the same bytes (one core); torch indexing on the views")
+                         baseline="memcpy of the same bytes (best of memmove, Tensor.copy_); torch indexing on the views")
     for i, (n, layers) in enumerate(cases):
         progress(i, len(cases), _label(n, layers))
-        result.rows.append(run_case(n, layers, repeats, torch_repeats))
+        result.rows.append(run_case(n, layers, repeats, torch_repeats, args.thp))
     progress(len(cases), len(cases), "done")
     result.notes = {
         "bytes_per_token_layer": V4.bytes_per_token,
         "page_bytes": V4.page_bytes(PAGE_SLOTS),
-        "torch_threads": args.torch_threads,
+        "threads": args.threads,
+        "thp": (THP_MODE.read_text().strip() if THP_MODE.exists() else "n/a") if args.thp else "not advised",
         "h200_model": "hbm_us = 2 * payload / 4.8 TB/s (read + write); pcie_us = payload / 55 GB/s",
         "targets": {"kernel_vs_memcpy": 0.6, "kernel_vs_torch": 3},
     }

@@ -101,12 +101,11 @@ def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int) -> StepR
     hit_slots = [s for s in buffer.lru if buffer.tokens[s] in wanted]
     holder = {buffer.tokens[s]: s for s in hit_slots}
     hit_tokens = set(holder)
-    evictable = [s for s in buffer.lru if s not in set(hit_slots)]
+    hit_slot_set = set(hit_slots)
+    evictable = [s for s in buffer.lru if s not in hit_slot_set]
 
-    missing: list[int] = []
-    for t in top_k:
-        if t in wanted and t not in holder and t not in missing:
-            missing.append(t)
+    # Distinct missing tokens in first-occurrence order (dict keys keep insertion order).
+    missing = list(dict.fromkeys(t for t in top_k if t in wanted and t not in hit_tokens))
     if len(missing) > len(evictable):
         raise ValueError(f"hisparse model: {len(missing)} misses but only {len(evictable)} evictable slots "
                          "(a hot buffer smaller than the top-k?)")

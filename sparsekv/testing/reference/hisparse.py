@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
-
-#: Token slots per DSV4 C4 page.
-DSV4_PAGE_SLOTS = 64
 
 
 def token_bytes(cache: torch.Tensor, slot: int, *, is_dsv4_layout: bool) -> torch.Tensor:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.reference.hisparse import DSV4_PAGE_SLOTS, token_bytes, write_token
+from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 
 @dataclass

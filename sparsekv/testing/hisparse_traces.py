@@ -1,0 +1,238 @@
+"""Top-k traces and hot-buffer policies to replay them: our yardstick for HiSparse eviction policies.
+
+A trace is what the indexer asked for, per request and decode step, in one layer: the request's
+compressed length and its top-k positions. :func:`replay` runs a policy over it and counts, per
+step, the lookups served from the hot buffer and the entries loaded host -> device:
+
+* ``"lru"``: the swap-in kernel's policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`);
+* ``"belady"``: Belady's MIN on the same trace, the offline optimum for demand loading: a missing
+  entry must be loaded, and the entry evicted is the one (not needed this step) whose next use is
+  furthest in the future.
+
+Both start as a prefill staged on the device (slot ``i`` holds position ``i``), give the newest
+entry its reserved slot for free, and serve everything while ``seq_len <= H`` (the fast path).
+
+Trace file format (JSON)::
+
+    {"format": "sparsekv.hisparse_trace/1",
+     "num_top_k": 512,
+     "requests": [{"id": "r0", "steps": [{"seq_len": 4097, "top_k": [17, 4095, ...]}, ...]}, ...]}
+
+``top_k`` lists at most ``num_top_k`` positions; entries outside ``[0, seq_len)`` mean "no token".
+Steps of different requests with the same index happen in the same decode step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+
+FORMAT = "sparsekv.hisparse_trace/1"
+POLICIES = ("lru", "belady")
+
+
+@dataclass
+class RequestTrace:
+    """One request: ``steps[i] = (seq_len, top_k)``."""
+
+    id: str
+    steps: list[tuple[int, list[int]]]
+
+
+@dataclass
+class Trace:
+    """Top-k selections of several requests over decode steps."""
+
+    num_top_k: int
+    requests: list[RequestTrace]
+
+    @property
+    def num_steps(self) -> int:
+        return max((len(r.steps) for r in self.requests), default=0)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "num_top_k": self.num_top_k,
+                "requests": [{"id": r.id, "steps": [{"seq_len": n, "top_k": k} for n, k in r.steps]}
+                             for r in self.requests]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Trace:
+        """Parse a trace document.
+
+        Raises
+        ------
+        ValueError
+            Not a trace of this format, or a step with more than ``num_top_k`` entries.
+        """
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"sparsekv: not a {FORMAT} trace (format = {doc.get('format')!r})")
+        k = int(doc["num_top_k"])
+        requests = []
+        for r in doc["requests"]:
+            steps = [(int(s["seq_len"]), [int(t) for t in s["top_k"]]) for s in r["steps"]]
+            if any(len(t) > k for _, t in steps):
+                raise ValueError(f"sparsekv: request {r['id']!r} has a step with more than num_top_k={k} entries")
+            requests.append(RequestTrace(str(r["id"]), steps))
+        return cls(k, requests)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def synthetic_trace(*, num_requests: int = 4, num_steps: int = 200, num_top_k: int = 512, start_len: int = 4096,
+                    growth: float = 0.25, drift: float = 0.05, recency: float = 0.3, recency_window: int = 256,
+                    locality: float = 0.3, locality_span: int = 16, seed: int = 0) -> Trace:
+    """A trace whose top-k is a slowly drifting set of positions.
+
+    Each request starts with ``start_len`` compressed entries and a random top-k set. Every step
+    its length grows by one with probability ``growth`` (one C4 entry per 4 tokens: 0.25), and a
+    ``drift`` fraction of the set is replaced by new positions, each drawn
+
+    * with probability ``recency`` from the last ``recency_window`` positions (recency bias),
+    * else with probability ``locality`` within ``locality_span`` of a current member (locality),
+    * else uniformly from the whole sequence.
+
+    Raises
+    ------
+    ValueError
+        ``start_len <= num_top_k`` (a full top-k needs more distinct positions than that).
+    """
+    if start_len <= num_top_k:
+        raise ValueError(f"sparsekv: argument `start_len` ({start_len}) must exceed `num_top_k` ({num_top_k})")
+    rng = random.Random(seed)
+    requests = []
+    for r in range(num_requests):
+        seq_len = start_len
+        chosen = rng.sample(range(seq_len - 1), num_top_k)
+        members = set(chosen)
+        steps = []
+        for _ in range(num_steps):
+            if rng.random() < growth:
+                seq_len += 1
+            replace = sum(rng.random() < drift for _ in range(num_top_k))
+            for victim in rng.sample(chosen, replace):
+                members.discard(victim)
+            while len(members) < num_top_k:
+                u = rng.random()
+                if u < recency:
+                    pos = seq_len - 1 - rng.randint(1, min(recency_window, seq_len - 1))
+                elif u < recency + (1 - recency) * locality:
+                    pos = rng.choice(chosen) + rng.randint(-locality_span, locality_span)
+                else:
+                    pos = rng.randrange(seq_len - 1)
+                if 0 <= pos < seq_len - 1:
+                    members.add(pos)
+            chosen = sorted(members)
+            order = chosen[:]
+            rng.shuffle(order)
+            steps.append((seq_len, order))
+        requests.append(RequestTrace(f"r{r}", steps))
+    return Trace(num_top_k, requests)
+
+
+@dataclass
+class StepStats:
+    """Totals of one decode step over the requests active in it."""
+
+    lookups: int = 0
+    hits: int = 0
+    loads: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+
+@dataclass
+class ReplayResult:
+    """Per-step totals of one policy over one trace at one hot-buffer size."""
+
+    policy: str
+    hot: int
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = sum(s.lookups for s in self.steps)
+        return sum(s.hits for s in self.steps) / lookups if lookups else 1.0
+
+    @property
+    def loads(self) -> int:
+        return sum(s.loads for s in self.steps)
+
+
+def _lookups(seq_len: int, top_k: list[int], hot: int) -> int:
+    """Entries that name a token: on the fast path only the first ``min(seq_len, K)`` count."""
+    used = min(seq_len, len(top_k)) if seq_len <= hot else len(top_k)
+    return sum(0 <= t < seq_len for t in top_k[:used])
+
+
+def _replay_lru(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+    buffer = HotBuffer.resident_prefix(hot)
+    out = []
+    for seq_len, top_k in steps:
+        step = swap_in_step(buffer, top_k, seq_len)
+        out.append((_lookups(seq_len, top_k, hot), step.hits, len(step.misses)))
+    return out
+
+
+def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+    needed = [{t for t in top_k if 0 <= t < seq_len - 1} for seq_len, top_k in steps]
+    uses: dict[int, list[int]] = {}
+    for i, need in enumerate(needed):
+        for t in need:
+            uses.setdefault(t, []).append(i)
+
+    def next_use(token: int, now: int) -> float:
+        times = uses.get(token, [])
+        j = bisect.bisect_right(times, now)
+        return times[j] if j < len(times) else float("inf")
+
+    cache = set(range(hot))
+    out = []
+    for i, (seq_len, top_k) in enumerate(steps):
+        lookups = _lookups(seq_len, top_k, hot)
+        if seq_len <= hot:
+            out.append((lookups, lookups, 0))
+            continue
+        need = needed[i]
+        missing = need - cache
+        hits = sum(1 for t in top_k if t == seq_len - 1 or (0 <= t < seq_len - 1 and t in cache))
+        evict = len(cache) + len(missing) - hot
+        if evict > 0:
+            cache -= set(heapq.nlargest(evict, cache - need, key=lambda t: next_use(t, i)))
+        cache |= missing
+        out.append((lookups, hits, len(missing)))
+    return out
+
+
+def replay(trace: Trace, hot: int, policy: str) -> ReplayResult:
+    """Run ``policy`` (``"lru"`` or ``"belady"``) with ``hot`` slots per request over ``trace``.
+
+    Raises
+    ------
+    ValueError
+        An unknown policy, or ``hot < trace.num_top_k``.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"sparsekv: argument `policy` must be one of {POLICIES}, got {policy!r}")
+    if hot < trace.num_top_k:
+        raise ValueError(f"sparsekv: argument `hot` ({hot}) must be >= the trace's num_top_k ({trace.num_top_k})")
+    run = _replay_lru if policy == "lru" else _replay_belady
+    result = ReplayResult(policy, hot, [StepStats() for _ in range(trace.num_steps)])
+    for request in trace.requests:
+        for stats, (lookups, hits, loads) in zip(result.steps, run(request.steps, hot)):
+            stats.lookups += lookups
+            stats.hits += hits
+            stats.loads += loads
+    return result

@@ -1,0 +1,383 @@
+"""``HiSparseCoordinator``: drives the HiSparse C4 hot buffers of a DSV4 model.
+
+The whole C4 KV of every request lives in the host pool
+(:class:`~sparsekv.srt.mem_cache.dsv4_paged_host_pool.DeepSeekV4PagedHostPool`); the device keeps,
+per request and layer, a hot buffer of ``H`` slots plus one page whose first slot (column ``H``)
+holds the newest C4 entry. Each decode step and layer, :meth:`HiSparseCoordinator.swap_in_selected_pages`
+resolves the indexer's top-k against the hot buffer with the swap-in kernel
+(:func:`sparsekv.jit_kernel.hisparse.load_cache_to_device_buffer_dsv4_mla`).
+
+Host-side planning (tables, allocation, backups) is split from the launch-only swap-in, which
+neither allocates nor synchronizes. Copies run on side streams ordered by events
+(:mod:`sparsekv.srt.streams`), so the same class runs on the GPU and, in tests, on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
+from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
+from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
+from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
+from sparsekv.srt.streams import Event, StreamFactory, make_streams
+
+
+class Request(Protocol):
+    """What the coordinator reads from a scheduler request."""
+
+    #: Row of the request in ``req_to_token`` and in every per-request table.
+    req_pool_idx: int
+    #: Full tokens allocated to the request so far (prompt, then + decode tokens).
+    kv_allocated_len: int
+
+
+class ReqToTokenPool(Protocol):
+    """The scheduler's position -> full-token-location table."""
+
+    #: int64 ``[max_reqs, max_context_len]``.
+    req_to_token: torch.Tensor
+
+
+@dataclass
+class _ReqState:
+    staging: bool
+    skip_first_backup: bool = False
+
+
+class HiSparseCoordinator:
+    """Per-request C4 hot buffers of a HiSparse DSV4 model: admission, backups, swap-in, release.
+
+    Parameters
+    ----------
+    req_to_token_pool : ReqToTokenPool
+        The scheduler's table of full-token locations (its shape fixes the request rows and the
+        context length).
+    allocator : HiSparseTokenToKVPoolAllocator
+        Logical and device allocator (``compress_ratio=4``).
+    device_pool : HiSparseC4DevicePool
+        The device C4 pool of that allocator.
+    top_k : int
+        Indexer top-k (``K``).
+    device_buffer_size : int
+        Hot slots per request (``H >= K``).
+    host_pool : DeepSeekV4PagedHostPool, optional
+        Default: a layer-first pool over ``device_pool``'s layers with room for every logical C4 entry.
+    streams : StreamFactory, optional
+        Default: CUDA streams for a CUDA device pool, host streams otherwise.
+    tp_group : torch.distributed.ProcessGroup, optional
+        Tensor-parallel group; staging completion is agreed on with an all-reduce MIN over it.
+    swap_in_block_size : int, optional
+        GPU threads per request of the swap-in (default from the kernel's instantiation table).
+    collect_counters : bool
+        Accumulate device-side ``(hits, misses, bytes)`` counters over swap-ins (:meth:`read_counters`).
+
+    Examples
+    --------
+    A request's life on the CPU (tests/test_hisparse_coordinator.py runs this for real)::
+
+        coord = HiSparseCoordinator(req_pool, allocator, device_pool, top_k=5, device_buffer_size=7)
+        allocator.alloc_extend(req_pool.req_to_token, req.req_pool_idx, 0, prompt_len)
+        ...                                              # prefill writes C4 entries to the device pool
+        coord.admit_request_into_staging(req)            # back the prefill up to the host
+        ready = coord.collect_ready_reqs()               # -> [req]: hot buffer in place
+        for step in decode_steps:
+            coord.map_last_loc_to_buffer([rid], [seq_len], [out_loc])   # before the forward
+            for layer in c4_layers:
+                locs = coord.swap_in_selected_pages(rids, c4_lens, top_k, layer)
+        coord.request_finished(req)                      # every host page and device slot freed
+
+    Notes
+    -----
+    Lifecycle of a request row: ``admit_request_into_staging`` (prefill on the device, backup in
+    flight) -> ``collect_ready_reqs`` (hot buffer allocated, prefill pages beyond it freed), or
+    ``admit_request_direct`` (PD: the KV is already in the host pool) -> decode steps
+    (``map_last_loc_to_buffer`` once per step, ``swap_in_selected_pages`` per layer) ->
+    ``request_finished`` (also valid while staging). The logical full-token locations belong to
+    the scheduler, which frees them with ``allocator.free_logical``.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: HiSparseTokenToKVPoolAllocator,
+                 device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
+                 host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
+                 tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False) -> None:
+        if device_buffer_size < top_k:
+            raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "
+                             f"({top_k})")
+        if device_pool.allocator is not allocator:
+            raise ValueError("sparsekv: argument `device_pool` must be the pool of `allocator`")
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.device_pool = device_pool
+        self.top_k = top_k
+        self.device_buffer_size = device_buffer_size
+        self.compress_ratio = allocator.compress_ratio
+        self.page_size = allocator.device_page_size
+        self.padded_buffer_size = device_buffer_size + self.page_size
+        self.item_size_bytes = V4.bytes_per_token
+        self.swap_in_block_size = swap_in_block_size
+        self.tp_group = tp_group
+        device = device_pool.device
+        num_reqs, max_context = self.req_to_token.shape
+        if host_pool is None:
+            host_pages = -(-allocator.size_full // self.compress_ratio // self.page_size)
+            host_pool = DeepSeekV4PagedHostPool("dsv4_hisparse_c4", device_pool.kv_buffer, host_pages,
+                                                slot_page_size=self.page_size)
+        self.mem_pool_host = host_pool
+        layers, padded, hot = device_pool.layer_num, self.padded_buffer_size, device_buffer_size
+
+        max_entries = -(-max_context // self.compress_ratio) + self.page_size
+        self.req_to_host_pool = torch.full((num_reqs, max_entries), -1, dtype=torch.int64, device=device)
+        self.req_to_host_pool_allocated_len = torch.zeros(num_reqs, dtype=torch.int64)
+        self.req_to_device_buffer = torch.full((num_reqs, padded), -1, dtype=torch.int64, device=device)
+        self.req_device_buffer_tokens = torch.full((layers, num_reqs, padded), -1, dtype=torch.int32, device=device)
+        self.req_device_buffer_token_locs = torch.full((layers, num_reqs, padded), -1, dtype=torch.int32,
+                                                       device=device)
+        self.lru_slots = torch.arange(hot, dtype=torch.int16, device=device).repeat(layers, num_reqs, 1)
+        self.top_k_device_locs_buffer = torch.full((num_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device) if collect_counters else None
+
+        self.streams = streams if streams is not None else make_streams(device)
+        self.write_staging_stream = self.streams.new()
+        self.decode_backup_stream = self.streams.new()
+        self.ack_staging_queue: list[tuple[Event, Request]] = []
+        self._pending_backup: Event | None = None
+        self._reqs: dict[int, _ReqState] = {}
+
+    # ---- sizes ------------------------------------------------------------------------
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        """C4 entries of ``kv_allocated_len`` full tokens: ``len // 4`` (one per 4 tokens)."""
+        return kv_allocated_len // self.compress_ratio
+
+    def _compressed_locs(self, req: Request) -> torch.Tensor:
+        return self.allocator.compressed_locs(self.req_to_token[req.req_pool_idx, : req.kv_allocated_len].cpu())
+
+    # ---- admission --------------------------------------------------------------------
+
+    def admit_request_into_staging(self, req: Request) -> None:
+        """Back a prefilled request's C4 entries up to the host, asynchronously.
+
+        The prefill's entries sit in device slots (``allocator.alloc_extend``). Host pages for
+        all of them are allocated and an all-layer copy is queued on ``write_staging_stream``
+        after the compute stream's work so far; :meth:`collect_ready_reqs` reports the request
+        once the copy has completed.
+
+        Raises
+        ------
+        HostPoolExhaustedError
+            Not enough host pages; nothing changed.
+        """
+        rid = req.req_pool_idx
+        locs = self._compressed_locs(req)
+        device_idx = self.allocator.device_slots(locs)
+        host_idx = self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, locs.numel())
+        self.write_staging_stream.wait_event(self.streams.current().record_event())
+        self.write_staging_stream.submit(lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx))
+        self.ack_staging_queue.append((self.write_staging_stream.record_event(), req))
+        self._reqs[rid] = _ReqState(staging=True)
+
+    def collect_ready_reqs(self) -> list[Request]:
+        """Requests whose staging backup has completed, in admission order, now ready to decode.
+
+        Only the completed prefix of the queue counts, agreed on across the TP group (MIN), so
+        every rank admits the same requests. Each gets its hot buffer (:meth:`_install_buffer`).
+        """
+        ready = 0
+        for event, _ in self.ack_staging_queue:
+            if not event.query():
+                break
+            ready += 1
+        if self.tp_group is not None:
+            import torch.distributed as dist
+
+            count = torch.tensor([ready], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
+            ready = int(count)
+        done, self.ack_staging_queue = self.ack_staging_queue[:ready], self.ack_staging_queue[ready:]
+        for _, req in done:
+            self._install_buffer(req, self._compressed_locs(req), resident=True)
+        return [req for _, req in done]
+
+    def alloc_direct_host_slots(self, req: Request, num_entries: int) -> HostSlots:
+        """Host slots for a PD direct-to-host transfer of ``num_entries`` C4 entries (positions 0..).
+
+        The transfer engine writes the entries there; then call :meth:`admit_request_direct`.
+        """
+        return self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, req.req_pool_idx, 0, num_entries)
+
+    def admit_request_direct(self, req: Request) -> None:
+        """Admit a request whose C4 KV was written straight into the host pool (PD decode side).
+
+        With ``n = host_token_len(req.kv_allocated_len)`` entries: if ``n <= H`` every entry is
+        preloaded into its own hot slot (the kernel's fast path never loads); otherwise the hot
+        slots start empty, so every lookup misses, and only the newest entry is loaded, into the
+        reserved column ``H``. The first decode step's backup is skipped (the host has it all).
+        """
+        rid = req.req_pool_idx
+        n = self.host_token_len(req.kv_allocated_len)
+        self._install_buffer(req, torch.empty(0, dtype=torch.int64), resident=n <= self.device_buffer_size)
+        host = self.req_to_host_pool[rid, :n]
+        buffer = self.req_to_device_buffer[rid]
+        hot = self.device_buffer_size
+        if n <= hot:
+            host_idx, device_idx = HostSlots(host.clone()), DeviceSlots(buffer[:n].clone())
+        else:
+            host_idx, device_idx = HostSlots(host[n - 1 :].clone()), DeviceSlots(buffer[hot : hot + 1].clone())
+        for layer in range(self.device_pool.layer_num):
+            self.mem_pool_host.load_to_device_per_layer(host_idx, device_idx, layer)
+
+    def _install_buffer(self, req: Request, compressed_locs: torch.Tensor, *, resident: bool) -> None:
+        """Allocate the hot buffer and reset the request's rows: slot ``i`` holds position ``i``
+        (``resident``) or nothing; column ``H`` is the newest entry's slot; LRU ``0..H-1``."""
+        rid, hot = req.req_pool_idx, self.device_buffer_size
+        buffer = self.allocator.alloc_device_buffer(compressed_locs, self.padded_buffer_size).tensor
+        self.req_to_device_buffer[rid] = buffer.to(self.req_to_device_buffer.device)
+        self.req_device_buffer_token_locs[:, rid] = buffer.to(torch.int32).to(self.req_device_buffer_token_locs.device)
+        self.req_device_buffer_tokens[:, rid] = -1
+        if resident:
+            self.req_device_buffer_tokens[:, rid, :hot] = torch.arange(hot, dtype=torch.int32)
+        self.lru_slots[:, rid] = torch.arange(hot, dtype=torch.int16)
+        self._reqs[rid] = _ReqState(staging=False, skip_first_backup=True)
+
+    # ---- decode -----------------------------------------------------------------------
+
+    def map_last_loc_to_buffer(self, req_pool_indices: list[int], seq_lens: list[int], out_cache_loc: list[int]) -> None:
+        """Once per decode step, before the forward: route new C4 entries into the hot buffers and
+        back up the entry produced by the previous step.
+
+        For request ``rid`` with ``seq_len`` tokens (the new one at full location ``out_cache_loc``):
+
+        * the previous step produced C4 entry ``p = (seq_len - 1) // 4 - 1`` when
+          ``(seq_len - 1) % 4 == 0``; it is copied from hot slot ``min(p, H)`` to a new host slot
+          on ``decode_backup_stream`` (skipped on the first step after admission);
+        * if this token produces entry ``q = seq_len // 4 - 1`` (``seq_len % 4 == 0``), the
+          compressor writes it to hot slot ``min(q, H)``: its own slot while it fits, else the
+          reserved column ``H``.
+
+        The compute stream waits for the previous step's backup first: entry ``p`` stays in slot
+        ``H`` for at least three more steps, so that backup is never overtaken.
+        """
+        compute = self.streams.current()
+        if self._pending_backup is not None:
+            compute.wait_event(self._pending_backup)
+            self._pending_backup = None
+        ratio, hot = self.compress_ratio, self.device_buffer_size
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        host_ids, device_ids = [], []
+        for rid, seq_len, out_loc in zip(req_pool_indices, seq_lens, out_cache_loc):
+            state = self._reqs[rid]
+            if seq_len > 1 and (seq_len - 1) % ratio == 0 and not state.skip_first_backup:
+                p = (seq_len - 1) // ratio - 1
+                host_ids.append(self.mem_pool_host.alloc_paged_token_slots(
+                    self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, p, 1).tensor)
+                device_ids.append(self.req_to_device_buffer[rid, min(p, hot)].reshape(1))
+            state.skip_first_backup = False
+            if seq_len % ratio == 0:
+                q = seq_len // ratio - 1
+                mapping[out_loc // ratio] = self.req_to_device_buffer[rid, min(q, hot)]
+        if host_ids:
+            host_idx, device_idx = HostSlots(torch.cat(host_ids)), DeviceSlots(torch.cat(device_ids))
+            self.decode_backup_stream.wait_event(compute.record_event())
+            self.decode_backup_stream.submit(
+                lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx))
+            self._pending_backup = self.decode_backup_stream.record_event()
+
+    def swap_in_selected_pages(self, req_pool_indices: torch.Tensor, compressed_seq_lens: torch.Tensor,
+                               top_k_result: torch.Tensor, layer_id: int,
+                               num_real_reqs: torch.Tensor | None = None) -> torch.Tensor:
+        """Device slots of one C4 layer's top-k, loading the misses from the host (launch only).
+
+        Parameters
+        ----------
+        req_pool_indices, compressed_seq_lens : torch.Tensor
+            int32 or int64 ``[bs]`` on the pools' device: request rows and C4 lengths.
+        top_k_result : torch.Tensor
+            int32 ``[bs, top_k]``: C4 positions (-1 or out of range: none).
+        layer_id : int
+            C4 layer index (into the device pool's layers).
+        num_real_reqs : torch.Tensor, optional
+            int32 ``[1]`` for CUDA-graph padded batches; default: every row is real.
+
+        Returns
+        -------
+        torch.Tensor
+            int32 ``[bs, top_k]`` device slots (a view of ``top_k_device_locs_buffer``), -1 for none.
+        """
+        bs = top_k_result.shape[0]
+        out = self.top_k_device_locs_buffer[:bs]
+        load_cache_to_device_buffer_dsv4_mla(
+            top_k_result, self.req_device_buffer_tokens[layer_id], self.req_to_host_pool,
+            self.req_device_buffer_token_locs[layer_id], self.mem_pool_host.kv_buffer[layer_id],
+            self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
+            self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
+            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size)
+        return out
+
+    # ---- release ----------------------------------------------------------------------
+
+    def request_finished(self, req: Request) -> None:
+        """Release everything the coordinator holds for ``req``: its device slots (hot buffer, or
+        the prefill while staging), its host pages, its mapping entries; reset its rows.
+
+        In-flight copies that touch the request (its staging backup, the last decode backup)
+        are waited for first, so no freed page is still being read or written.
+        """
+        rid = req.req_pool_idx
+        state = self._reqs.pop(rid)
+        for event, queued in list(self.ack_staging_queue):
+            if queued.req_pool_idx == rid:
+                event.synchronize()
+                self.ack_staging_queue.remove((event, queued))
+        if self._pending_backup is not None:
+            self._pending_backup.synchronize()
+            self._pending_backup = None
+        locs = self._compressed_locs(req)
+        if state.staging:
+            self.allocator.free_device_buffer(self.allocator.device_slots(locs))
+        else:
+            self.allocator.free_device_buffer(DeviceSlots(self.req_to_device_buffer[rid].cpu()))
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        mapping[locs.to(mapping.device)] = -1
+        allocated = int(self.req_to_host_pool_allocated_len[rid])
+        self.mem_pool_host.free(self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, rid, allocated))
+        self.req_to_host_pool[rid] = -1
+        self.req_to_host_pool_allocated_len[rid] = 0
+        self.req_to_device_buffer[rid] = -1
+        self.req_device_buffer_tokens[:, rid] = -1
+        self.req_device_buffer_token_locs[:, rid] = -1
+        self.lru_slots[:, rid] = torch.arange(self.device_buffer_size, dtype=torch.int16)
+
+    # ---- observability ----------------------------------------------------------------
+
+    def read_counters(self, *, reset: bool = False) -> dict[str, int]:
+        """The swap-in counters accumulated so far (reading them waits for the device).
+
+        Raises
+        ------
+        RuntimeError
+            The coordinator was built without ``collect_counters=True``.
+        """
+        if self.counters is None:
+            raise RuntimeError("sparsekv: HiSparseCoordinator was built without collect_counters=True")
+        values = dict(zip(COUNTERS, self.counters.tolist()))
+        if reset:
+            self.counters.zero_()
+        return values
+
+    def get_token_stats(self) -> dict[str, int]:
+        """Device and host usage in C4 slots."""
+        return {
+            "device_used": len(self.allocator.device_alloc.used_pages) * self.page_size,
+            "device_total": (self.allocator.num_device_pages - 1) * self.page_size,
+            "host_used": (self.mem_pool_host.num_pages - self.mem_pool_host.available_pages) * self.page_size,
+            "host_total": self.mem_pool_host.size,
+        }

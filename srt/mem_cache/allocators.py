@@ -1,0 +1,318 @@
+"""HiSparse allocators: logical full-token slots, device hot-pool slots, and the map between them.
+
+With HiSparse the scheduler sees a *logical* full-token space ``host_to_device_ratio`` times larger
+than what the device holds: ``size_full = size * host_to_device_ratio``. Every token gets a logical
+location (a paged allocator, ``loc % page_size`` = position in the page); the compressed entries
+(C4: one per 4 tokens, produced at full location ``loc`` with ``(loc + 1) % 4 == 0`` and addressed
+as ``loc // 4``) get *device* slots only while they must be on the device: the whole prefill until
+it is backed up to the host, then a per-request hot buffer (:meth:`alloc_device_buffer`).
+``full_to_hisparse_device_index_mapping[loc // ratio]`` is the device slot where the entry of that
+logical location is written; -1 when it is not on the device.
+
+Both spaces are allocated in whole pages, and every page has one owner: :class:`PagedAllocator`
+refuses a double free, so a leak or a double ownership shows up as an error or in
+:attr:`PagedAllocator.used_pages`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots
+
+
+class AllocatorExhaustedError(RuntimeError):
+    """Not enough free pages for an allocation; nothing was allocated (admission should retry later)."""
+
+
+class PagedAllocator:
+    """Whole pages ``1 .. num_pages - 1`` of one id space; page 0 is the reserved padding page.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages of the space, page 0 included.
+    page_size : int
+        Slots per page.
+    name : str
+        For messages.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, name: str) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"sparsekv: {name} allocator needs num_pages >= 1 and page_size >= 1, got "
+                             f"{num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.name = name
+        self._free = list(range(1, num_pages))
+        self._owned = [False] * num_pages
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages."""
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> set[int]:
+        """Pages currently allocated."""
+        return {p for p, owned in enumerate(self._owned) if owned}
+
+    def alloc(self, num_pages: int) -> torch.Tensor:
+        """Allocate ``num_pages`` pages (lowest free ids first).
+
+        Returns
+        -------
+        torch.Tensor
+            int64 ``[num_pages]`` page ids on the CPU.
+
+        Raises
+        ------
+        AllocatorExhaustedError
+            Fewer pages are free; nothing was allocated.
+        """
+        if num_pages < 0:
+            raise ValueError(f"sparsekv: cannot allocate {num_pages} {self.name} pages")
+        if num_pages > len(self._free):
+            raise AllocatorExhaustedError(f"sparsekv: {self.name} allocator needs {num_pages} pages, "
+                                          f"{len(self._free)} free")
+        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        for p in pages:
+            self._owned[p] = True
+        return torch.tensor(pages, dtype=torch.int64)
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Return ``pages`` (each allocated, each named once).
+
+        Raises
+        ------
+        ValueError
+            A page that is not allocated (a double free, the reserved page, out of range) or named
+            twice; nothing is freed then.
+        """
+        ids = [int(p) for p in pages.reshape(-1).tolist()]
+        if len(set(ids)) != len(ids) or any(not (0 < p < self.num_pages) or not self._owned[p] for p in ids):
+            raise ValueError(f"sparsekv: {self.name} allocator: freeing pages that are not allocated "
+                             f"(or named twice): {ids}")
+        for p in ids:
+            self._owned[p] = False
+        self._free.extend(sorted(ids))
+
+    def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The distinct pages holding ``slots`` (negative slots ignored), ascending."""
+        slots = slots.reshape(-1).to("cpu", torch.int64)
+        return torch.unique(slots[slots >= 0] // self.page_size)
+
+
+class HiSparseTokenToKVPoolAllocator:
+    """Logical full-token allocator plus the device allocator of the HiSparse hot pool.
+
+    Parameters
+    ----------
+    size : int
+        Full tokens the device pool is sized for; the logical space holds
+        ``size_full = size * host_to_device_ratio`` of them.
+    page_size : int
+        Full tokens per logical page (256 for DSV4); a multiple of ``compress_ratio``.
+    host_to_device_ratio : int
+        Logical over device capacity (default 2).
+    compress_ratio : int
+        Full tokens per device entry: 4 for DSV4 C4, 1 for an uncompressed (DSA-style) pool.
+    device : torch.device or str
+        Where :attr:`full_to_hisparse_device_index_mapping` lives.
+
+    Attributes
+    ----------
+    device_page_size : int
+        Device slots per page: ``page_size // compress_ratio`` (64 for DSV4).
+    num_device_pages : int
+        Device pages, the reserved page 0 included (the device pool's page count).
+    full_to_hisparse_device_index_mapping : torch.Tensor
+        int64 ``[size_full // compress_ratio + device_page_size + 1]``: device slot of each logical
+        compressed location, -1 when it is not on the device (the last entry always -1).
+
+    Examples
+    --------
+    >>> a = HiSparseTokenToKVPoolAllocator(size=1024, page_size=256)
+    >>> req_to_token = torch.zeros(4, 2048, dtype=torch.int64)
+    >>> full = a.alloc_extend(req_to_token, 0, 0, 300)          # a 300-token prefill
+    >>> a.device_slots(a.compressed_locs(full)).tensor.numel()  # its 75 C4 entries are on the device
+    75
+    """
+
+    def __init__(self, size: int, page_size: int, *, host_to_device_ratio: int = 2, compress_ratio: int = 4,
+                 device: torch.device | str = "cpu") -> None:
+        if compress_ratio < 1 or page_size % compress_ratio:
+            raise ValueError(f"sparsekv: argument `page_size` ({page_size}) must be a multiple of `compress_ratio` "
+                             f"({compress_ratio})")
+        if host_to_device_ratio < 1:
+            raise ValueError(f"sparsekv: argument `host_to_device_ratio` must be >= 1, got {host_to_device_ratio}")
+        self.size = size
+        self.size_full = size * host_to_device_ratio
+        self.page_size = page_size
+        self.compress_ratio = compress_ratio
+        self.device_page_size = page_size // compress_ratio
+        self.logical = PagedAllocator(self.size_full // page_size + 1, page_size, "logical")
+        self.num_device_pages = size // compress_ratio // self.device_page_size + 1
+        self.device_alloc = PagedAllocator(self.num_device_pages, self.device_page_size, "device")
+        self.full_to_hisparse_device_index_mapping = torch.full(
+            (self.size_full // compress_ratio + self.device_page_size + 1,), -1, dtype=torch.int64, device=device)
+
+    # ---- logical space ------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        """Full tokens that can still be admitted: the smaller of the logical and device budgets."""
+        return min(self.logical.available_pages * self.page_size,
+                   self.device_alloc.available_pages * self.device_page_size * self.compress_ratio)
+
+    def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
+        """Logical compressed locations produced by ``full_locs``: keep ``(loc + 1) % ratio == 0``, store at ``loc // ratio``."""
+        produced = full_locs[(full_locs + 1) % self.compress_ratio == 0]
+        return torch.div(produced, self.compress_ratio, rounding_mode="floor")
+
+    def _logical_locs(self, req_to_token: torch.Tensor, rid: int, prefix_len: int, seq_len: int) -> torch.Tensor:
+        """Full locations for positions ``[prefix_len, seq_len)``, continuing the last logical page."""
+        page = self.page_size
+        new_pages = -(-seq_len // page) - -(-prefix_len // page)
+        pages = self.logical.alloc(new_pages)
+        if prefix_len % page:
+            last = int(req_to_token[rid, prefix_len - 1]) // page
+            pages = torch.cat([torch.tensor([last]), pages])
+        first_page_pos = prefix_len // page * page
+        positions = torch.arange(prefix_len, seq_len)
+        return pages[(positions - first_page_pos) // page] * page + positions % page
+
+    def alloc_extend(self, req_to_token: torch.Tensor, rid: int, prefix_len: int, seq_len: int, *,
+                     with_device: bool = True) -> torch.Tensor:
+        """Allocate a prefill (chunk): logical locations for positions ``[prefix_len, seq_len)`` of
+        request row ``rid``, and device slots for the compressed entries they produce.
+
+        ``req_to_token[rid, prefix_len:seq_len]`` receives the full locations and the mapping the
+        entries' device slots (position-ordered inside the request's device pages). With
+        ``with_device=False`` only logical locations are allocated: the KV goes straight into the
+        host pool (PD direct-to-host).
+
+        Returns
+        -------
+        torch.Tensor
+            int64 full locations of the new positions.
+
+        Raises
+        ------
+        AllocatorExhaustedError
+            Not enough logical or device pages; nothing was allocated.
+        """
+        page, dpage, ratio = self.page_size, self.device_page_size, self.compress_ratio
+        logical_pages = -(-seq_len // page) - -(-prefix_len // page)
+        first_entry, end_entry = prefix_len // ratio, seq_len // ratio
+        if not with_device:
+            end_entry = first_entry
+        device_pages = -(-end_entry // dpage) - -(-first_entry // dpage)
+        if logical_pages > self.logical.available_pages or device_pages > self.device_alloc.available_pages:
+            raise AllocatorExhaustedError(
+                f"sparsekv: a {seq_len - prefix_len}-token extend needs {logical_pages} logical and {device_pages} "
+                f"device pages; {self.logical.available_pages} and {self.device_alloc.available_pages} are free")
+        full = self._logical_locs(req_to_token, rid, prefix_len, seq_len)
+        req_to_token[rid, prefix_len:seq_len] = full.to(req_to_token.device)
+        if end_entry > first_entry:
+            pages = self.device_alloc.alloc(device_pages)
+            if first_entry % dpage:
+                last_loc = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())[-1]
+                last = int(self.full_to_hisparse_device_index_mapping[last_loc]) // dpage
+                pages = torch.cat([torch.tensor([last]), pages])
+            entries = torch.arange(first_entry, end_entry)
+            slots = pages[(entries - first_entry // dpage * dpage) // dpage] * dpage + entries % dpage
+            mapping = self.full_to_hisparse_device_index_mapping
+            mapping[self.compressed_locs(full).to(mapping.device)] = slots.to(mapping.device)
+        return full
+
+    def alloc_decode(self, req_to_token: torch.Tensor, rid: int, seq_len: int) -> int:
+        """The logical location of position ``seq_len - 1`` (a decode token); logical space only,
+        since a decode token's compressed entry lands in the request's hot buffer.
+
+        Raises
+        ------
+        AllocatorExhaustedError
+            The token starts a page and no logical page is free.
+        """
+        loc = int(self._logical_locs(req_to_token, rid, seq_len - 1, seq_len)[0])
+        req_to_token[rid, seq_len - 1] = loc
+        return loc
+
+    def free_logical(self, full_locs: torch.Tensor) -> None:
+        """Free the logical pages of a finished request (``full_locs``: all its locations)."""
+        self.logical.free(self.logical.pages_of(full_locs))
+
+    # ---- device space -------------------------------------------------------------------
+
+    def device_slots(self, compressed_locs: torch.Tensor) -> DeviceSlots:
+        """Device slots of logical compressed locations, through the mapping."""
+        mapping = self.full_to_hisparse_device_index_mapping
+        return DeviceSlots(mapping[compressed_locs.to(mapping.device)].cpu())
+
+    def alloc_device_buffer(self, compressed_locs: torch.Tensor, need: int) -> DeviceSlots:
+        """Turn a request's device slots into its hot buffer of ``need`` slots.
+
+        ``compressed_locs`` are the request's entries in position order (its whole prefill after
+        staging; empty when the KV came straight into the host pool). ``need`` is the hot buffer
+        plus one page, ``H + device_page_size``; slot ``H`` is reserved for the newest entry.
+
+        * More entries than ``H + 1``: the newest entry's slot is swapped into position ``H``, the
+          first ``need`` slots are kept and the pages holding none of them are freed.
+        * Fewer than ``need``: the rest of the last page, then new pages, fill up the buffer.
+
+        Afterwards the mapping names buffer slot ``p`` for positions ``p < H``, slot ``H`` for
+        the newest entry, and -1 for every other entry of the request (it lives on the host now).
+
+        Returns
+        -------
+        DeviceSlots
+            ``need`` device slots: buffer column -> slot; position ``p < min(P, H)`` keeps its slot.
+
+        Raises
+        ------
+        ValueError
+            An entry is not on the device, or ``need`` is not ``H + device_page_size`` with ``H >= 1``.
+        AllocatorExhaustedError
+            A top-up needs more pages than are free; nothing changed.
+        """
+        dpage = self.device_page_size
+        hot = need - dpage
+        if hot < 1:
+            raise ValueError(f"sparsekv: argument `need` ({need}) must be a hot buffer plus one page of {dpage}")
+        mapping = self.full_to_hisparse_device_index_mapping
+        locs = compressed_locs.to(mapping.device)
+        slots = mapping[locs].cpu().clone()
+        if bool((slots < 0).any()):
+            raise ValueError("sparsekv: argument `compressed_locs` names entries that are not on the device")
+        count = slots.numel()
+        owned = self.device_alloc.pages_of(slots)
+        if count > hot + 1:
+            slots[[hot, count - 1]] = slots[[count - 1, hot]]
+        if count >= need:
+            buffer = slots[:need]
+        else:
+            # Entries fill their pages in position order, so only the last page has spare slots.
+            tail = count % dpage
+            spare_slots = int(slots[-1]) // dpage * dpage + torch.arange(tail, dpage) if tail else \
+                torch.empty(0, dtype=torch.int64)
+            missing = need - count - spare_slots.numel()
+            new_pages = self.device_alloc.alloc(-(-missing // dpage)) if missing > 0 else torch.empty(0, dtype=torch.int64)
+            new_slots = (new_pages[:, None] * dpage + torch.arange(dpage)).reshape(-1)
+            buffer = torch.cat([slots, spare_slots, new_slots])[:need]
+        surplus = owned[~torch.isin(owned, self.device_alloc.pages_of(buffer))]
+        self.device_alloc.free(surplus)
+        mapping[locs] = -1
+        kept = min(count, hot)
+        mapping[locs[:kept]] = buffer[:kept].to(mapping.device)
+        if count > hot:
+            mapping[locs[count - 1]] = int(buffer[hot])
+        return DeviceSlots(buffer)
+
+    def free_device_buffer(self, slots: DeviceSlots) -> None:
+        """Free the pages of a request's device slots (its hot buffer, or its prefill while staging)."""
+        self.device_alloc.free(self.device_alloc.pages_of(DeviceSlots.require(slots, "slots").tensor))
+
+    def device_pages_of(self, slots: DeviceSlots) -> DevicePages:
+        """The distinct device pages holding ``slots``."""
+        return DevicePages(self.device_alloc.pages_of(DeviceSlots.require(slots, "slots").tensor))

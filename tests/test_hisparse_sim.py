@@ -1,0 +1,137 @@
+"""The trace replay behind tools/hisparse_sim.py: Belady is optimal (against brute force on tiny
+traces), its LRU is the kernel's policy (against the kernel's own counters), traces round-trip."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsekv.testing.hisparse_traces import RequestTrace, Trace, replay, synthetic_trace
+from sparsekv.testing.strategies.hisparse import make_world
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def brute_force_min_loads(steps: list[tuple[int, list[int]]], hot: int) -> int:
+    """The fewest loads any demand policy can do: try every eviction choice (tiny traces only)."""
+
+    @functools.lru_cache(maxsize=None)
+    def best(i: int, cache: frozenset) -> int:
+        if i == len(steps):
+            return 0
+        seq_len, top_k = steps[i]
+        if seq_len <= hot:
+            return best(i + 1, cache)
+        need = {t for t in top_k if 0 <= t < seq_len - 1}
+        missing = need - cache
+        evict = len(cache) + len(missing) - hot
+        if evict <= 0:
+            return len(missing) + best(i + 1, cache | missing)
+        return len(missing) + min(best(i + 1, (cache - set(victims)) | missing)
+                                  for victims in itertools.combinations(sorted(cache - need), evict))
+
+    return best(0, frozenset(range(hot)))
+
+
+@st.composite
+def tiny_steps(draw, hot: int, k: int):
+    seq_len = draw(st.integers(hot - 1, hot + 4))
+    steps = []
+    for _ in range(draw(st.integers(1, 7))):
+        seq_len += draw(st.integers(0, 1))
+        steps.append((seq_len, draw(st.lists(st.integers(-1, seq_len), min_size=k, max_size=k))))
+    return steps
+
+
+@given(steps=tiny_steps(hot=3, k=2))
+def test_belady_loads_as_few_as_the_brute_force_optimum(steps):
+    trace = Trace(2, [RequestTrace("r", steps)])
+    assert replay(trace, 3, "belady").loads == brute_force_min_loads(steps, 3)
+
+
+@given(steps=tiny_steps(hot=4, k=3))
+def test_belady_never_loads_more_than_lru(steps):
+    trace = Trace(3, [RequestTrace("r", steps)])
+    lru, opt = replay(trace, 4, "lru"), replay(trace, 4, "belady")
+    assert opt.loads <= lru.loads
+    assert [s.lookups for s in opt.steps] == [s.lookups for s in lru.steps]
+
+
+def test_belady_hand_example():
+    # H = 2 (tokens 0 and 1 resident), newest is 9 throughout. Step 1 needs 2: LRU evicts slot 0
+    # (token 0), Belady evicts token 1, which is never needed again; step 2 needs 0 again.
+    steps = [(10, [0, 1]), (10, [2, 9]), (10, [0, 2])]
+    trace = Trace(2, [RequestTrace("r", steps)])
+    assert replay(trace, 2, "belady").loads == 1
+    assert replay(trace, 2, "lru").loads == 2
+    assert [s.hits for s in replay(trace, 2, "belady").steps] == [2, 1, 2]
+
+
+def test_lru_replay_matches_the_kernel_counters():
+    k, h = 5, 7
+    trace = synthetic_trace(num_requests=3, num_steps=60, num_top_k=k, start_len=12, growth=0.5, drift=0.3,
+                            recency=0.3, recency_window=6, locality=0.3, locality_span=2, seed=7)
+    max_len = max(n for r in trace.requests for n, _ in r.steps)
+    world = make_world(k, h, is_dsv4_layout=False, max_reqs=3, max_len=max_len, seed=1)
+    for rid in range(3):
+        world.reset_request(rid, resident=True)
+    counters = torch.zeros(3, dtype=torch.int64)
+    for step in range(trace.num_steps):
+        rows = [(rid, r.steps[step]) for rid, r in enumerate(trace.requests)]
+        world.swap_in([top_k for _, (_, top_k) in rows], [rid for rid, _ in rows], [n for _, (n, _) in rows],
+                      counters=counters)
+    lru = replay(trace, h, "lru")
+    assert counters[:2].tolist() == [sum(s.hits for s in lru.steps), lru.loads]
+    assert 0 < lru.loads < sum(s.lookups for s in lru.steps)
+
+
+def test_trace_round_trips_and_rejects_other_formats(tmp_path):
+    trace = synthetic_trace(num_requests=2, num_steps=5, num_top_k=4, start_len=10, seed=3)
+    path = tmp_path / "t.json"
+    trace.save(path)
+    assert Trace.load(path) == trace
+    with pytest.raises(ValueError, match="not a"):
+        Trace.from_json({"format": "other", "num_top_k": 1, "requests": []})
+    doc = trace.to_json()
+    doc["requests"][0]["steps"][0]["top_k"] += [1]
+    with pytest.raises(ValueError, match="num_top_k"):
+        Trace.from_json(doc)
+
+
+def test_synthetic_trace_is_a_drifting_distinct_top_k():
+    trace = synthetic_trace(num_requests=1, num_steps=50, num_top_k=64, start_len=1000, drift=0.1, seed=5)
+    steps = trace.requests[0].steps
+    for (n0, a), (n1, b) in zip(steps, steps[1:]):
+        assert len(set(b)) == 64 and all(0 <= t < n1 - 1 for t in b) and n0 <= n1 <= n0 + 1
+    kept = [len(set(a) & set(b)) / 64 for (_, a), (_, b) in zip(steps, steps[1:])]
+    assert 0.75 < sum(kept) / len(kept) < 0.99
+
+
+def test_sim_tool_reports_both_policies(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import hisparse_sim
+    finally:
+        sys.path.pop(0)
+    trace = synthetic_trace(num_requests=2, num_steps=30, num_top_k=8, start_len=100, seed=2)
+    trace_path, out = tmp_path / "trace.json", tmp_path / "out.json"
+    trace.save(trace_path)
+    hisparse_sim.main(["--trace", str(trace_path), "--hot", "8,16", "--json", str(out), "--plot",
+                       str(tmp_path / "p.png")])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["hot"] for r in rows] == [8, 16]
+    for r in rows:
+        for policy in ("lru", "belady"):
+            result = replay(trace, r["hot"], policy)
+            assert r[f"{policy}_hit_rate"] == result.hit_rate
+            assert r[f"{policy}_bytes"] == result.loads * 584
+            assert len(r[f"{policy}_steps"]) == 30
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -1,0 +1,175 @@
+"""Benchmark one HiSparse swap-in step on the CPU backend against the plain-Python/torch model.
+
+Sweep: (K, H) in {(512, 1024), (2048, 4096)} (plus the DSV4 C4 layout at 512/1024), batch 1 / 8 / 64,
+miss rates 0.1 % / 5 % / 20 %. As in sglang's bench, every request row holds tokens ``0..H-1``
+(slot i = token i), ``seq_len = H + K + 1`` (the slow path), and the top-k is the first
+``K (1 - miss)`` hot tokens plus ``K * miss`` cold tokens from ``[H, H + K)``, shuffled: guaranteed
+misses. Each timed call first restores the tables (and the model's state) so every round has the
+same misses; the restore alone is timed too and subtracted.
+
+Candidates, all measured in the same run on the same state:
+
+* ``kernel``: the public wrapper ``load_cache_to_device_buffer_{,dsv4_}mla`` (cpu backend, one
+  thread);
+* ``raw``: the compiled module's export called directly (the wrapper's Python overhead is the gap);
+* ``model`` (baseline): the plain-Python policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`,
+  per request) plus one torch indexing copy of all miss tokens, in place.
+
+Before timing, each case checks that kernel and model produce the same outputs. Item: 584 bytes
+(one V4 token) for both layouts. Prints JSON (``--json``), plots latency per case (``--plot``),
+``--quick`` runs a short sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS, swap_in_module
+from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+
+ITEM_BYTES = V4.bytes_per_token
+
+
+class Case:
+    """One batch of requests in the slow path, with the tables, the caches and the model's state."""
+
+    def __init__(self, k: int, h: int, bs: int, miss_rate: float, dsv4: bool, seed: int = 0) -> None:
+        self.k, self.h, self.bs, self.dsv4 = k, h, bs, dsv4
+        gen = torch.Generator().manual_seed(seed)
+        columns = h + (DSV4_PAGE_SLOTS if dsv4 else 1)
+        self.seq_len = h + k + 1
+        host_slots, device_slots = bs * self.seq_len, bs * columns
+        if dsv4:
+            page = V4.page_bytes(DSV4_PAGE_SLOTS)
+            self.host_cache = torch.randint(0, 256, (-(-host_slots // DSV4_PAGE_SLOTS), page), dtype=torch.uint8,
+                                            generator=gen)
+            self.device_buffer = torch.zeros(-(-device_slots // DSV4_PAGE_SLOTS), page, dtype=torch.uint8)
+        else:
+            self.host_cache = torch.randint(0, 256, (host_slots, ITEM_BYTES), dtype=torch.uint8, generator=gen)
+            self.device_buffer = torch.zeros(device_slots, ITEM_BYTES, dtype=torch.uint8)
+        self.host_cache_locs = torch.arange(host_slots, dtype=torch.int64).reshape(bs, self.seq_len)
+        self.device_buffer_locs = torch.arange(device_slots, dtype=torch.int32).reshape(bs, columns)
+        tokens = torch.full((bs, columns), -1, dtype=torch.int32)
+        tokens[:, :h] = torch.arange(h, dtype=torch.int32)
+        self.tokens0, self.lru0 = tokens, torch.arange(h, dtype=torch.int16).repeat(bs, 1)
+        self.tokens, self.lru = tokens.clone(), self.lru0.clone()
+        self.misses = round(k * miss_rate)
+        rows = []
+        for _ in range(bs):
+            row = torch.cat([torch.arange(k - self.misses), h + torch.arange(self.misses)])
+            rows.append(row[torch.randperm(k, generator=gen)])
+        self.top_k = torch.stack(rows).to(torch.int32)
+        self.top_k_lists = self.top_k.tolist()
+        self.out = torch.empty(bs, k, dtype=torch.int32)
+        self.req = torch.arange(bs, dtype=torch.int32)
+        self.seq = torch.full((bs,), self.seq_len, dtype=torch.int32)
+        # The model's tables as Python lists (its native form).
+        self.locs_lists, self.host_locs_lists = self.device_buffer_locs.tolist(), self.host_cache_locs.tolist()
+        self.model0 = [HotBuffer(tokens=list(range(h))) for _ in range(bs)]
+        self.model = copy.deepcopy(self.model0)
+        self.module = swap_in_module(k, h, is_dsv4_layout=dsv4)
+        absent = (torch.empty((), dtype=torch.int32), torch.empty((), dtype=torch.int64),
+                  torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int32),
+                  torch.empty((), dtype=torch.int64))
+        self.raw_args = (self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
+                         self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, *absent)
+        self.bytes_moved = bs * self.misses * ITEM_BYTES
+
+    # ---- the candidates -------------------------------------------------------------
+    def restore_tables(self) -> None:
+        self.tokens.copy_(self.tokens0)
+        self.lru.copy_(self.lru0)
+
+    def kernel(self) -> None:
+        self.restore_tables()
+        fn = load_cache_to_device_buffer_dsv4_mla if self.dsv4 else load_cache_to_device_buffer_mla
+        fn(self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
+           self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, self.k, self.h)
+
+    def raw(self) -> None:
+        self.restore_tables()
+        self.module.load_cache_to_device_buffer(*self.raw_args)
+
+    def restore_model(self) -> None:
+        self.model = [HotBuffer(tokens=list(b.tokens), lru=list(b.lru)) for b in self.model0]
+
+    def model_step(self) -> list[list[int]]:
+        self.restore_model()
+        out, src, dst = [], [], []
+        locs, host_locs = self.locs_lists, self.host_locs_lists
+        for b, buffer in enumerate(self.model):
+            step = swap_in_step(buffer, self.top_k_lists[b], self.seq_len)
+            out.append([locs[b][s] if s >= 0 else -1 for s in step.slots])
+            src += [host_locs[b][t] for t, _ in step.misses]
+            dst += [locs[b][s] for _, s in step.misses]
+        self._copy(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+        return out
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if not self.dsv4:
+            self.device_buffer[dst] = self.host_cache[src]
+            return
+        for view in (V4.value_view, V4.scale_view):
+            d, h = view(self.device_buffer, DSV4_PAGE_SLOTS), view(self.host_cache, DSV4_PAGE_SLOTS)
+            d[dst // DSV4_PAGE_SLOTS, dst % DSV4_PAGE_SLOTS] = h[src // DSV4_PAGE_SLOTS, src % DSV4_PAGE_SLOTS]
+
+    def check(self) -> None:
+        """Kernel and model agree on the outputs and on the bytes they moved."""
+        self.kernel()
+        kernel_out, kernel_bytes = self.out.clone(), self.device_buffer.clone()
+        self.device_buffer.zero_()
+        model_out = self.model_step()
+        if kernel_out.tolist() != model_out or not torch.equal(kernel_bytes, self.device_buffer):
+            raise SystemExit(f"bench_hisparse: kernel and model disagree on {self.describe()}")
+
+    def describe(self) -> str:
+        return f"K={self.k} H={self.h} bs={self.bs} misses={self.misses} {'dsv4' if self.dsv4 else 'generic'}"
+
+
+def sweep(quick: bool) -> list[tuple[int, int, bool, int, float]]:
+    shapes = [(512, 1024, False), (512, 1024, True)] + ([] if quick else [(2048, 4096, False)])
+    batches = [1, 8] if quick else [1, 8, 64]
+    rates = [0.001, 0.2] if quick else [0.001, 0.05, 0.2]
+    return [(k, h, dsv4, bs, rate) for k, h, dsv4 in shapes for bs in batches for rate in rates]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 5
+    result = BenchResult(name="hisparse swap-in step (cpu backend, 1 thread)", baseline="model",
+                         notes={"item_bytes": ITEM_BYTES, "threads": 1, "latency": "per step, table restore subtracted"})
+    cases = sweep(args.quick)
+    for i, (k, h, dsv4, bs, rate) in enumerate(cases):
+        case = Case(k, h, bs, rate, dsv4)
+        progress(i, len(cases), case.describe())
+        case.check()
+        # The model takes up to seconds per step at bs 64: fewer, single-call samples there.
+        slow = dict(repeats=repeats, warmup=1, min_time_s=0.0)
+        restore_s = time_call(case.restore_tables, repeats=repeats).median_s
+        restore_model_s = time_call(case.restore_model, **slow).median_s
+        kernel_s = time_call(case.kernel, repeats=repeats).median_s - restore_s
+        raw_s = time_call(case.raw, repeats=repeats).median_s - restore_s
+        model_s = time_call(case.model_step, **slow).median_s - restore_model_s
+        result.rows.append({
+            "case": f"K{k}/H{h}{'/dsv4' if dsv4 else ''} bs{bs} miss{rate:g}",
+            "num_top_k": k, "hot_buffer_size": h, "layout": "dsv4" if dsv4 else "generic", "batch": bs,
+            "miss_rate": rate, "misses_per_request": case.misses, "bytes_moved": case.bytes_moved,
+            "kernel_us": kernel_s * 1e6, "raw_us": raw_s * 1e6, "model_us": model_s * 1e6,
+            "speedup_vs_model": model_s / kernel_s, "kernel_gbps": case.bytes_moved / kernel_s / 1e9,
+        })
+    progress(len(cases), len(cases), "done")
+    report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
+                                                        value_keys=("kernel_us", "raw_us", "model_us"),
+                                                        ylabel="step latency (us, log)", log=True))
+
+
+if __name__ == "__main__":
+    main()

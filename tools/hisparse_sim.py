@@ -1,0 +1,149 @@
+"""Replay top-k traces through the HiSparse hot buffer: LRU (the kernel's policy) against Belady's optimum.
+
+For each hot-buffer size H, reports per decode step the hit rate (lookups served without a load)
+and the bytes moved host -> device (loads x item bytes), for the LRU policy of the swap-in kernel
+and for Belady's offline optimum on the same trace (:mod:`sparsekv.testing.hisparse_traces`). The
+gap is the headroom any better online policy can win.
+
+Input: ``--trace FILE`` (our JSON trace format, see the module above), or a synthetic trace with
+tunable growth, drift, recency bias and locality (``--save-trace`` writes it out).
+
+Output: a summary table per H (stdout), the per-step table of one H (``--per-step H``), JSON with
+every per-step series (``--json``), and a PNG of hit rate (and bytes per step) vs H (``--plot``).
+``--quick`` shrinks the synthetic trace.
+
+Example::
+
+    python tools/hisparse_sim.py --hot 512,640,768,1024,2048 --plot hit_rate.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.bench import add_common_args, progress
+from sparsekv.testing.hisparse_traces import POLICIES, Trace, replay, synthetic_trace
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--trace", help="replay this JSON trace instead of a synthetic one")
+    p.add_argument("--save-trace", help="write the (synthetic) trace to this JSON file")
+    p.add_argument("--hot", default="512,576,640,768,1024,1536,2048",
+                   help="comma list of hot-buffer sizes H (each >= the trace's top-k)")
+    p.add_argument("--item-bytes", type=int, default=V4.bytes_per_token, help="bytes per loaded entry (584: V4)")
+    p.add_argument("--per-step", type=int, metavar="H", help="also print the per-step table of this H")
+    g = p.add_argument_group("synthetic trace")
+    g.add_argument("--requests", type=int, default=4)
+    g.add_argument("--steps", type=int, default=400)
+    g.add_argument("--top-k", type=int, default=512)
+    g.add_argument("--start-len", type=int, default=8192, help="initial compressed length of every request")
+    g.add_argument("--growth", type=float, default=0.25, help="chance per step of one more compressed entry")
+    g.add_argument("--drift", type=float, default=0.05, help="fraction of the top-k replaced per step")
+    g.add_argument("--recency", type=float, default=0.3, help="share of new picks among the latest entries")
+    g.add_argument("--recency-window", type=int, default=256)
+    g.add_argument("--locality", type=float, default=0.3, help="share of other new picks next to a current pick")
+    g.add_argument("--locality-span", type=int, default=16)
+    g.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def load_or_make_trace(args: argparse.Namespace) -> Trace:
+    if args.trace:
+        return Trace.load(args.trace)
+    steps, requests = (100, 2) if args.quick else (args.steps, args.requests)
+    return synthetic_trace(num_requests=requests, num_steps=steps, num_top_k=args.top_k, start_len=args.start_len,
+                           growth=args.growth, drift=args.drift, recency=args.recency,
+                           recency_window=args.recency_window, locality=args.locality,
+                           locality_span=args.locality_span, seed=args.seed)
+
+
+def simulate(trace: Trace, hots: list[int], item_bytes: int) -> list[dict]:
+    """One row per H: overall hit rates and bytes, and every per-step series, for both policies."""
+    rows = []
+    for i, hot in enumerate(hots):
+        progress(i, len(hots), f"H={hot}")
+        row: dict = {"hot": hot}
+        for policy in POLICIES:
+            result = replay(trace, hot, policy)
+            row[f"{policy}_hit_rate"] = result.hit_rate
+            row[f"{policy}_bytes"] = result.loads * item_bytes
+            row[f"{policy}_bytes_per_step"] = result.loads * item_bytes / max(len(result.steps), 1)
+            row[f"{policy}_steps"] = [{"hit_rate": s.hit_rate, "bytes": s.loads * item_bytes} for s in result.steps]
+        row["belady_over_lru_bytes"] = row["belady_bytes"] / row["lru_bytes"] if row["lru_bytes"] else 1.0
+        rows.append(row)
+    progress(len(hots), len(hots), "done")
+    return rows
+
+
+def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None:
+    print(f"{'H':>6} {'LRU hit':>9} {'Belady hit':>11} {'LRU MB/step':>12} {'Belady MB/step':>15} {'Belady/LRU':>11}",
+          file=out)
+    for r in rows:
+        print(f"{r['hot']:>6} {r['lru_hit_rate']:>9.4f} {r['belady_hit_rate']:>11.4f} "
+              f"{r['lru_bytes_per_step'] / 1e6:>12.4f} {r['belady_bytes_per_step'] / 1e6:>15.4f} "
+              f"{r['belady_over_lru_bytes']:>11.3f}", file=out)
+    if per_step is None:
+        return
+    row = next((r for r in rows if r["hot"] == per_step), None)
+    if row is None:
+        raise SystemExit(f"hisparse_sim: --per-step {per_step} is not one of the simulated H")
+    print(f"\nper step, H={per_step}", file=out)
+    print(f"{'step':>6} {'LRU hit':>9} {'Belady hit':>11} {'LRU bytes':>11} {'Belady bytes':>13}", file=out)
+    for i, (lru, opt) in enumerate(zip(row["lru_steps"], row["belady_steps"])):
+        print(f"{i:>6} {lru['hit_rate']:>9.4f} {opt['hit_rate']:>11.4f} {lru['bytes']:>11} {opt['bytes']:>13}", file=out)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hots = [r["hot"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, style in (("lru", "o-"), ("belady", "s--")):
+        ax1.plot(hots, [r[f"{policy}_hit_rate"] for r in rows], style, label=policy)
+        ax2.plot(hots, [r[f"{policy}_bytes_per_step"] / 1e6 for r in rows], style, label=policy)
+    ax1.set_xlabel("hot buffer size H")
+    ax1.set_ylabel("hit rate")
+    ax2.set_xlabel("hot buffer size H")
+    ax2.set_ylabel("MB host -> device per step")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    trace = load_or_make_trace(args)
+    if args.save_trace:
+        trace.save(args.save_trace)
+    hots = sorted({int(h) for h in args.hot.split(",")})
+    if hots[0] < trace.num_top_k:
+        raise SystemExit(f"hisparse_sim: every H must be >= the trace's top-k ({trace.num_top_k}), got {hots[0]}")
+    rows = simulate(trace, hots, args.item_bytes)
+    print_tables(rows, args.per_step)
+    source = args.trace or "synthetic"
+    doc = {"name": "hisparse_sim", "trace": source, "num_top_k": trace.num_top_k,
+           "requests": len(trace.requests), "steps": trace.num_steps, "item_bytes": args.item_bytes,
+           "synthetic": None if args.trace else {k: getattr(args, k) for k in (
+               "growth", "drift", "recency", "recency_window", "locality", "locality_span", "start_len", "seed")},
+           "rows": rows}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f)
+    if args.plot:
+        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: LRU vs Belady")
+
+
+if __name__ == "__main__":
+    main()
