@@ -19,11 +19,11 @@ Layouts (reference/dsv4_compressed_attention.md §3, sglang_jit_hisparse.md §4)
 
 from __future__ import annotations
 
-# FlashMLA V4 token layout. The layout is fixed by the kernel, not by the model's head sizes.
-KV_VALUE_BYTES = 576
-KV_SCALE_BYTES = 8
-KV_BYTES_PER_TOKEN = KV_VALUE_BYTES + KV_SCALE_BYTES
-KV_PAGE_ALIGN = 576
+from sparsekv.jit_kernel.kv_layout import V4
+
+# FlashMLA V4 token layout, from the one layout table the kernels also use (torch-free).
+KV_LAYOUT = V4
+KV_BYTES_PER_TOKEN = V4.bytes_per_token
 
 # One fp32 scale per 128 indexer dims.
 INDEXER_QUANT_BLOCK = 128
@@ -43,11 +43,9 @@ def ceil_align(x: int, y: int) -> int:
 
 
 def kv_page_bytes(tokens_per_page: int) -> int:
-    """Bytes of one FlashMLA V4 page holding ``tokens_per_page`` tokens.
-
-    Values then scale records, padded to a multiple of 576 B.
-    """
-    return ceil_div(KV_BYTES_PER_TOKEN * tokens_per_page, KV_PAGE_ALIGN) * KV_PAGE_ALIGN
+    """Bytes of one FlashMLA V4 page holding ``tokens_per_page`` tokens (values, then scale
+    records, padded to a multiple of 576 B)."""
+    return V4.page_bytes(tokens_per_page)
 
 
 def kv_page_tokens(page_size: int, compress_ratio: int) -> int:
