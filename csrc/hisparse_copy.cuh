@@ -251,6 +251,7 @@ void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_in
             "dst_num_slots", src_ptrs);
 
   // 2. Derive the launch parameters.
+  const int64_t payload = src_indices.size(0) * src_ptrs.size(0) * Layout::kBytesPerToken;
   const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
                                   static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
                                   static_cast<const int64_t*>(src_indices.data_ptr()),
@@ -261,7 +262,7 @@ void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_in
                                   dst_page_stride,
                                   bound_or_unknown(src_num_slots),
                                   bound_or_unknown(dst_num_slots),
-                                  src_indices.size(0) * src_ptrs.size(0) * Layout::kBytesPerToken >= kMinStreamingBytes};
+                                  payload >= kMinStreamingBytes};
   if (params.num_indices == 0 || params.num_layers == 0) return;
 
   // 3. Validate every id before any byte moves.
@@ -283,6 +284,7 @@ void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, 
             "dst_num_pages", src_ptrs);
 
   // 2. Derive the launch parameters.
+  const int64_t payload = src_pages.size(0) * src_ptrs.size(0) * K::Paged::kPageBytes;
   const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
                                   static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
                                   static_cast<const int64_t*>(src_pages.data_ptr()),
@@ -293,7 +295,7 @@ void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, 
                                   dst_page_stride,
                                   bound_or_unknown(src_num_pages),
                                   bound_or_unknown(dst_num_pages),
-                                  src_pages.size(0) * src_ptrs.size(0) * K::Paged::kPageBytes >= kMinStreamingBytes};
+                                  payload >= kMinStreamingBytes};
   if (params.num_pages == 0 || params.num_layers == 0) return;
 
   // 3. Validate every id before any byte moves.

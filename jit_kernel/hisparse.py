@@ -149,11 +149,22 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
             _absent(torch.int32) if miss_count is None else miss_count,
             _absent(torch.int64) if counters is None else counters]
     if env.check_indices():
-        # Debug mode: every index is followed on the host before the kernel runs (a device sync on GPU).
-        checker = module if backend == "cpu" else swap_in_module(
-            num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, block_size=block_size, backend="cpu")
-        checker.check_load_cache_indices(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+        # Debug mode: every index is followed on the host before the kernel runs. On the GPU that
+        # means host copies of the tables (a sync); the caches are only measured, so they are
+        # replaced by zero-copy stand-ins of the same shape.
+        if backend == "cpu":
+            module.check_load_cache_indices(*args)
+        else:
+            host_args = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(args)]
+            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, block_size=block_size,
+                           backend="cpu").check_load_cache_indices(*host_args)
     module.load_cache_to_device_buffer(*args)
+
+
+def _stand_in(cache: torch.Tensor) -> torch.Tensor:
+    """A host tensor with ``cache``'s shape, dtype and a unit last stride, backed by one row."""
+    return torch.empty((1, cache.shape[-1]), dtype=cache.dtype).expand(cache.shape) if cache.dim() == 2 else cache.cpu()
 
 
 def load_cache_to_device_buffer_mla(
@@ -234,7 +245,8 @@ def load_cache_to_device_buffer_mla(
         Wrong shape, stride or device; ``H < K``; an unsupported ``(K, H)``.
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
-        before anything is written). Without it the kernel skips such entries instead of faulting.
+        before anything is written; ``ValueError`` for an LRU row that is not a permutation or a
+        request named by two real rows). Without it the kernel skips such entries instead of faulting.
     """
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,

@@ -290,3 +290,23 @@ def test_an_unsupported_shape_names_the_supported_instances():
         resolve_block_size(6, 7, False, None)
     assert all(k <= h < 32768 for k, h, *_ in SWAP_IN.instances)
     assert {layout for (layout,) in PLANNED.instances} == {layout for *_, layout in SWAP_IN.instances}
+
+
+def test_index_check_reads_only_the_shapes_of_the_caches():
+    # On the GPU the debug check runs on host copies of the tables and one-row stand-ins of the
+    # caches; the stand-ins must pass the same checks and the verdict must be the same.
+    from sparsekv.jit_kernel.hisparse import _stand_in, swap_in_module
+
+    w = world()
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    w.host_cache_locs[0, 21] = -1
+    a = _call_args(w)
+    empty = [torch.empty((), dtype=d) for d in (torch.int32, torch.int64, torch.int64, torch.int32, torch.int64)]
+    args = [a["top_k_tokens"], a["device_buffer_tokens"], a["host_cache_locs"], a["device_buffer_locs"],
+            _stand_in(w.host_cache), _stand_in(w.device_buffer), a["top_k_device_locs"], a["req_pool_indices"],
+            a["seq_lens"], a["lru_slots"], a["item_size_bytes"], *empty]
+    assert args[4].untyped_storage().nbytes() == w.item_size_bytes
+    with pytest.raises(IndexError, match=r"`host_cache_locs`\[0, 21\] = -1"):
+        swap_in_module(K, H).check_load_cache_indices(*args)
+    w.host_cache_locs[0, 21] = 5
+    swap_in_module(K, H).check_load_cache_indices(*args)

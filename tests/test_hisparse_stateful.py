@@ -140,6 +140,6 @@ class Dsv4SwapInMachine(SwapInMachine):
 
 
 TestGenericSwapIn = SwapInMachine.TestCase
-TestGenericSwapIn.settings = settings(settings.default, stateful_step_count=25)
+TestGenericSwapIn.settings = settings(settings.default, stateful_step_count=40)
 TestDsv4SwapIn = Dsv4SwapInMachine.TestCase
-TestDsv4SwapIn.settings = settings(settings.default, stateful_step_count=25)
+TestDsv4SwapIn.settings = settings(settings.default, stateful_step_count=40)

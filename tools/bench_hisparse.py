@@ -143,6 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     args = parser.parse_args()
+    # One thread for everything: the kernel's cpu backend runs one request after another on one
+    # thread, and torch's pool would only add spin-wait noise to the table restores on a busy machine.
+    torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
     result = BenchResult(name="hisparse swap-in step (cpu backend, 1 thread)", baseline="model",
                          notes={"item_bytes": ITEM_BYTES, "threads": 1, "latency": "per step, table restore subtracted"})

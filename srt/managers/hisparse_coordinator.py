@@ -274,7 +274,9 @@ class HiSparseCoordinator:
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         host_ids, device_ids = [], []
         for rid, seq_len, out_loc in zip(req_pool_indices, seq_lens, out_cache_loc):
-            state = self._reqs[rid]
+            state = self._reqs.get(rid)
+            if state is None or state.staging:
+                raise ValueError(f"sparsekv: request row {rid} is not admitted for decode (unknown or still staging)")
             if seq_len > 1 and (seq_len - 1) % ratio == 0 and not state.skip_first_backup:
                 p = (seq_len - 1) // ratio - 1
                 host_ids.append(self.mem_pool_host.alloc_paged_token_slots(

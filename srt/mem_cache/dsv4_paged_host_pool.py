@@ -109,7 +109,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
                                  "device")
 
     def get_size_per_token(self) -> int:
-        """Host bytes per slot, page padding included (585 for 64-slot V4 pages)."""
+        """Host bytes per slot over all layers, page padding included (585 per layer for 64-slot V4 pages)."""
         return self.item_bytes * self.layer_num // self.page_size
 
     def get_contiguous_buf_infos(self) -> BufInfos:
