@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.registry import KernelFamily, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
 
@@ -18,11 +18,6 @@ GATHER_ROWS = register(
         instances=(("int32_t",), ("int64_t",)),
     )
 )
-
-
-def backend_of(tensor: torch.Tensor) -> str:
-    """The backend that runs on ``tensor``'s device."""
-    return "cuda" if tensor.device.type == "cuda" else "cpu"
 
 
 def gather_rows(

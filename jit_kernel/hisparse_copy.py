@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.gather_rows import backend_of
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.jit_kernel.registry import KernelFamily, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 #: Slots per C4 page for full-token page sizes 128, 256 and 512 (the C4 page is page_size / 4).
 PAGE_SLOTS = (32, 64, 128)

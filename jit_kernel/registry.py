@@ -44,6 +44,10 @@ class KernelFamily:
     kernels: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     instances: tuple[tuple, ...] = field(default=((),))
+    # Modules loaded in this process, by (template args, backend, arch): the hot path of every
+    # wrapper call is one dict lookup. Environment inputs of the key (SPARSEKV_CUDA_ARCH,
+    # SPARSEKV_EXTRA_CFLAGS) are therefore read at a module's first load in a process.
+    _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def module(self, *template_args: object, backend: str = "cpu", arch: str | None = None) -> tvm_ffi.Module:
         """Load (building at first use) one instance from the table.
@@ -53,17 +57,27 @@ class KernelFamily:
         ValueError
             ``template_args`` is not in the instantiation table.
         """
+        loaded = self._loaded.get((template_args, backend, arch))
+        if loaded is not None:
+            return loaded
         if template_args not in self.instances:
             raise ValueError(
                 f"sparsekv: {self.name} has no instance {dict(zip(self.params, template_args))}; "
                 f"supported: {[dict(zip(self.params, i)) for i in self.instances]}"
             )
-        return load_jit(self.name, *template_args, header=self.header, exports=self.exports, kernels=self.kernels,
-                        backend=backend, arch=arch)
+        module = load_jit(self.name, *template_args, header=self.header, exports=self.exports, kernels=self.kernels,
+                          backend=backend, arch=arch)
+        self._loaded[(template_args, backend, arch)] = module
+        return module
 
     def describe(self, instance: tuple) -> str:
         """``name<arg=value, ...>`` for logs and the CLI."""
         return f"{self.name}<{', '.join(f'{k}={v}' for k, v in zip(self.params, instance))}>"
+
+
+def backend_of(tensor) -> str:
+    """The backend that runs on a torch tensor's device: ``"cuda"`` for CUDA tensors, else ``"cpu"``."""
+    return "cuda" if tensor.device.type == "cuda" else "cpu"
 
 
 REGISTRY: dict[str, KernelFamily] = {}
