@@ -20,7 +20,7 @@ import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.registry import KernelFamily, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 __all__ = [
     "COUNTERS",
@@ -89,10 +89,6 @@ def _absent(dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((), dtype=dtype)
 
 
-def _backend_of(tensor: torch.Tensor) -> str:
-    return "cuda" if tensor.device.type == "cuda" else "cpu"
-
-
 def _layout(is_dsv4_layout: bool) -> str:
     return DSV4_C4 if is_dsv4_layout else LINEAR
 
@@ -138,7 +134,7 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
     plan = (miss_src, miss_dst, miss_count)
     if any(t is None for t in plan) and not all(t is None for t in plan):
         raise ValueError("sparsekv: arguments `miss_src`, `miss_dst` and `miss_count` go together: pass all or none")
-    backend = _backend_of(top_k_tokens)
+    backend = backend_of(top_k_tokens)
     module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, block_size=block_size,
                             backend=backend)
     args = [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
@@ -323,7 +319,7 @@ def copy_cache_planned_mla(
     TypeError, ValueError
         Wrong dtype, shape, stride or device (the message names the argument).
     """
-    backend = _backend_of(miss_src)
+    backend = backend_of(miss_src)
     module = PLANNED.module(_layout(is_dsv4_layout), backend=backend)
     module.copy_cache_planned(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer,
                               item_size_bytes)
