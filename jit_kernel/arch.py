@@ -61,12 +61,15 @@ def _visible_device_arch() -> str:
     try:
         from cuda.bindings import runtime
     except ImportError as exc:
-        raise ArchError("sparsekv: no CUDA arch given and cuda-python is not installed; set SPARSEKV_CUDA_ARCH") from exc
+        raise ArchError(
+            "sparsekv: no CUDA arch given and cuda-python is not installed; set SPARSEKV_CUDA_ARCH"
+        ) from exc
     try:
         err, device = runtime.cudaGetDevice()
         if int(err) == 0:
-            err, major = runtime.cudaDeviceGetAttribute(runtime.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, device)
-            err2, minor = runtime.cudaDeviceGetAttribute(runtime.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, device)
+            attr = runtime.cudaDeviceAttr
+            err, major = runtime.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device)
+            err2, minor = runtime.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device)
             if int(err) == 0 and int(err2) == 0:
                 # Hopper and Blackwell datacenter parts need the arch-specific ("a") target for their features.
                 return f"{major}.{minor}" + ("a" if major in (9, 10) else "")

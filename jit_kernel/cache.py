@@ -211,7 +211,8 @@ def build_and_publish(
         built = build(staging)
         if built.name != ARTIFACT:
             os.replace(built, staging / ARTIFACT)
-        doc = dict(key_doc, artifact={"size": (staging / ARTIFACT).stat().st_size, "sha256": _sha256(staging / ARTIFACT)})
+        artifact = staging / ARTIFACT
+        doc = dict(key_doc, artifact={"size": artifact.stat().st_size, "sha256": _sha256(artifact)})
         (staging / KEY_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
         _fsync_tree(staging)
         try:

@@ -206,7 +206,8 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     for name, text in plan.sources.items():
         (staging / name).write_text(text)
     includes = [f"-I{plan.csrc}", f"-I{plan.csrc / 'include'}"]
-    ffi_includes = [f"-I{p}" for p in dict.fromkeys([tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path()])]
+    ffi_include_dirs = [tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path()]
+    ffi_includes = [f"-I{p}" for p in dict.fromkeys(ffi_include_dirs)]
     ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
     what = f"{plan.name}<{', '.join(plan.args)}> ({plan.backend})"

@@ -127,5 +127,7 @@ def nvcc(probe_dir: Path | None) -> Compiler:
     explicit = env.nvcc()
     path = shutil.which(explicit) if explicit else str(cuda_home() / "bin" / "nvcc")
     if path is None or not os.path.exists(path):
-        raise ToolchainError(f"sparsekv: nvcc not found ({explicit or path}); install the CUDA toolkit or set SPARSEKV_NVCC")
+        raise ToolchainError(
+            f"sparsekv: nvcc not found ({explicit or path}); install the CUDA toolkit or set SPARSEKV_NVCC"
+        )
     return identify(path, probe_dir)

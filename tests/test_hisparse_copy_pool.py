@@ -170,7 +170,7 @@ def test_contiguous_buf_infos_describe_each_layer():
     pool = DeepSeekV4PagedHostPool("c4", device, num_host_pages=5)
     infos = pool.get_contiguous_buf_infos()
     base = pool.buffer.data_ptr()
-    assert infos.data_ptrs == [base + l * 5 * PAGE for l in range(3)]
+    assert infos.data_ptrs == [base + layer * 5 * PAGE for layer in range(3)]
     assert infos.data_lens == [5 * PAGE] * 3 and infos.item_lens == [PAGE] * 3
     assert pool.data_ptrs.tolist() == infos.data_ptrs
     with pytest.raises(ValueError, match="page_first"):

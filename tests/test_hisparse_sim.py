@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def brute_force_min_loads(steps: list[tuple[int, list[int]]], hot: int) -> int:
     """The fewest loads any demand policy can do: try every eviction choice (tiny traces only)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset) -> int:
         if i == len(steps):
             return 0
@@ -109,7 +109,7 @@ def test_trace_round_trips_and_rejects_other_formats(tmp_path):
 def test_synthetic_trace_is_a_drifting_distinct_top_k():
     trace = synthetic_trace(num_requests=1, num_steps=50, num_top_k=64, start_len=1000, drift=0.1, seed=5)
     steps = trace.requests[0].steps
-    for (n0, a), (n1, b) in zip(steps, steps[1:]):
+    for (n0, _), (n1, b) in zip(steps, steps[1:]):
         assert len(set(b)) == 64 and all(0 <= t < n1 - 1 for t in b) and n0 <= n1 <= n0 + 1
     kept = [len(set(a) & set(b)) / 64 for (_, a), (_, b) in zip(steps, steps[1:])]
     assert 0.75 < sum(kept) / len(kept) < 0.99

@@ -4,10 +4,8 @@ sm_100a, and a cuda module called on a machine without a driver raises one clear
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

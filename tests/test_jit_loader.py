@@ -83,7 +83,9 @@ def test_key_covers_the_compiler_identity(two_checkouts, tmp_path, monkeypatch):
     other = tmp_path / "bin" / "c++"
     other.parent.mkdir()
     # A different compiler "version" (a wrapper whose --version differs) must give another key.
-    other.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'c++ (other) 99.0'; exit 0; fi\nexec c++ \"$@\"\n")
+    other.write_text("#!/bin/sh\n"
+                     "if [ \"$1\" = --version ]; then echo 'c++ (other) 99.0'; exit 0; fi\n"
+                     "exec c++ \"$@\"\n")
     other.chmod(0o755)
     monkeypatch.setenv("SPARSEKV_CXX", str(other))
     assert plan_for(a).entry_name() != base

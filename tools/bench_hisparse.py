@@ -27,8 +27,12 @@ import copy
 
 import torch
 
-from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS, swap_in_module
-from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
+from sparsekv.jit_kernel.hisparse import (
+    DSV4_PAGE_SLOTS,
+    load_cache_to_device_buffer_dsv4_mla,
+    load_cache_to_device_buffer_mla,
+    swap_in_module,
+)
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
@@ -148,7 +152,8 @@ def main() -> None:
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
     result = BenchResult(name="hisparse swap-in step (cpu backend, 1 thread)", baseline="model",
-                         notes={"item_bytes": ITEM_BYTES, "threads": 1, "latency": "per step, table restore subtracted"})
+                         notes={"item_bytes": ITEM_BYTES, "threads": 1,
+                                "latency": "per step, table restore subtracted"})
     cases = sweep(args.quick)
     for i, (k, h, dsv4, bs, rate) in enumerate(cases):
         case = Case(k, h, bs, rate, dsv4)

@@ -52,9 +52,9 @@ def main() -> None:
         except (ValueError, RuntimeError):
             feasible = False
         row = {"case": name, "pp_size": case.pp_size, "feasible": feasible}
-        row["plan_in_process_us"] = time_call(lambda: _plan_or_error(case)).median_s * 1e6
+        row["plan_in_process_us"] = time_call(lambda case=case: _plan_or_error(case)).median_s * 1e6
         if not feasible:
-            row["fix_search_ms"] = time_call(lambda: fixes(case), repeats=3).median_s * 1e3
+            row["fix_search_ms"] = time_call(lambda case=case: fixes(case), repeats=3).median_s * 1e3
         argv = ["-m", "sparsekv", "plan-memory", "--case", str(GOLDEN), "--name", name, "--json"]
         row["cli_fresh_process_ms"] = fresh_process_ms(argv, runs)
         human = ["-m", "sparsekv", "plan-memory", "--case", str(GOLDEN), "--name", name]

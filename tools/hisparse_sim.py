@@ -95,7 +95,8 @@ def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None
     print(f"\nper step, H={per_step}", file=out)
     print(f"{'step':>6} {'LRU hit':>9} {'Belady hit':>11} {'LRU bytes':>11} {'Belady bytes':>13}", file=out)
     for i, (lru, opt) in enumerate(zip(row["lru_steps"], row["belady_steps"])):
-        print(f"{i:>6} {lru['hit_rate']:>9.4f} {opt['hit_rate']:>11.4f} {lru['bytes']:>11} {opt['bytes']:>13}", file=out)
+        print(f"{i:>6} {lru['hit_rate']:>9.4f} {opt['hit_rate']:>11.4f} {lru['bytes']:>11} {opt['bytes']:>13}",
+              file=out)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

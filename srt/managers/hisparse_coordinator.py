@@ -250,7 +250,8 @@ class HiSparseCoordinator:
 
     # ---- decode -----------------------------------------------------------------------
 
-    def map_last_loc_to_buffer(self, req_pool_indices: list[int], seq_lens: list[int], out_cache_loc: list[int]) -> None:
+    def map_last_loc_to_buffer(self, req_pool_indices: list[int], seq_lens: list[int],
+                               out_cache_loc: list[int]) -> None:
         """Once per decode step, before the forward: route new C4 entries into the hot buffers and
         back up the entry produced by the previous step.
 

@@ -166,7 +166,8 @@ class HiSparseTokenToKVPoolAllocator:
                    self.device_alloc.available_pages * self.device_page_size * self.compress_ratio)
 
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
-        """Logical compressed locations produced by ``full_locs``: keep ``(loc + 1) % ratio == 0``, store at ``loc // ratio``."""
+        """Logical compressed locations produced by ``full_locs``: keep ``(loc + 1) % ratio == 0``,
+        store at ``loc // ratio``."""
         produced = full_locs[(full_locs + 1) % self.compress_ratio == 0]
         return torch.div(produced, self.compress_ratio, rounding_mode="floor")
 
@@ -297,7 +298,8 @@ class HiSparseTokenToKVPoolAllocator:
             spare_slots = int(slots[-1]) // dpage * dpage + torch.arange(tail, dpage) if tail else \
                 torch.empty(0, dtype=torch.int64)
             missing = need - count - spare_slots.numel()
-            new_pages = self.device_alloc.alloc(-(-missing // dpage)) if missing > 0 else torch.empty(0, dtype=torch.int64)
+            new_pages = (self.device_alloc.alloc(-(-missing // dpage)) if missing > 0
+                         else torch.empty(0, dtype=torch.int64))
             new_slots = (new_pages[:, None] * dpage + torch.arange(dpage)).reshape(-1)
             buffer = torch.cat([slots, spare_slots, new_slots])[:need]
         surplus = owned[~torch.isin(owned, self.device_alloc.pages_of(buffer))]

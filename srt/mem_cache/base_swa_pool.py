@@ -9,7 +9,7 @@ takes that mapping, translates through it, and lists its SWA-addressed state for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -25,11 +25,11 @@ class BufInfos(NamedTuple):
     item_lens: list[int]
 
     @classmethod
-    def of(cls, buffers: list[torch.Tensor], item_lens: list[int]) -> "BufInfos":
+    def of(cls, buffers: list[torch.Tensor], item_lens: list[int]) -> BufInfos:
         """Regions of ``buffers`` (contiguous tensors) with the given item sizes."""
         return cls([b.data_ptr() for b in buffers], [b.nbytes for b in buffers], list(item_lens))
 
-    def __add__(self, other: "BufInfos") -> "BufInfos":  # type: ignore[override]
+    def __add__(self, other: BufInfos) -> BufInfos:  # type: ignore[override]
         return BufInfos(self.data_ptrs + other.data_ptrs, self.data_lens + other.data_lens,
                         self.item_lens + other.item_lens)
 
@@ -37,7 +37,7 @@ class BufInfos(NamedTuple):
 class BaseSWAKVPool(ABC):
     """A KV pool with an SWA sub-pool addressed through ``full_to_swa_index_mapping``."""
 
-    full_to_swa_index_mapping: Optional[torch.Tensor] = None
+    full_to_swa_index_mapping: torch.Tensor | None = None
 
     def register_mapping(self, full_to_swa_index_mapping: torch.Tensor) -> None:
         """Adopt the SWA allocator's full -> SWA location table (int64, -1 for "no SWA slot").

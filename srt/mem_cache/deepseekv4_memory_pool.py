@@ -27,8 +27,6 @@ reserved padding page.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 from sparsekv.srt.mem_cache.base_swa_pool import BaseSWAKVPool, BufInfos
@@ -128,7 +126,7 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
     149760
     """
 
-    def __init__(self, config: MemoryPoolConfig, configurator: DSV4PoolConfigurator, device: Union[str, torch.device]):
+    def __init__(self, config: MemoryPoolConfig, configurator: DSV4PoolConfigurator, device: str | torch.device):
         self._check_inputs(config, configurator)
         c = configurator
         self.device = torch.device(device)
@@ -212,26 +210,26 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         self._layer(layer_id)
         return self.swa_kv_pool.buffers[layer_id - self.start_layer]
 
-    def get_compressed_kv_buffer(self, layer_id: int) -> Optional[torch.Tensor]:
+    def get_compressed_kv_buffer(self, layer_id: int) -> torch.Tensor | None:
         """The C4 or C128 KV page buffer of ``layer_id``, ``None`` for an SWA-only layer."""
         ratio, index = self._layer(layer_id)
         if ratio == 0:
             return None
         return (self.c4_kv_pool if ratio == 4 else self.c128_kv_pool).buffers[index]
 
-    def get_indexer_buffer(self, layer_id: int) -> Optional[torch.Tensor]:
+    def get_indexer_buffer(self, layer_id: int) -> torch.Tensor | None:
         """The C4 indexer key buffer of ``layer_id``, ``None`` unless it is a C4 layer."""
         ratio, index = self._layer(layer_id)
         return self.c4_indexer_pool.buffers[index] if ratio == 4 else None
 
-    def get_compress_state(self, layer_id: int) -> Optional[torch.Tensor]:
+    def get_compress_state(self, layer_id: int) -> torch.Tensor | None:
         """The attention compressor state of ``layer_id`` (C4 or C128), ``None`` for SWA-only."""
         ratio, index = self._layer(layer_id)
         if ratio == 0:
             return None
         return (self.c4_state_pool if ratio == 4 else self.c128_state_pool).buffers[index]
 
-    def get_indexer_state(self, layer_id: int) -> Optional[torch.Tensor]:
+    def get_indexer_state(self, layer_id: int) -> torch.Tensor | None:
         """The C4 indexer compressor state of ``layer_id``, ``None`` unless it is a C4 layer."""
         ratio, index = self._layer(layer_id)
         return self.c4_indexer_state_pool.buffers[index] if ratio == 4 else None
@@ -289,7 +287,7 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
 
     # ---- accounting -------------------------------------------------------------------
 
-    def _components(self) -> dict[str, Union[PagedBufferPool, CompressStatePool]]:
+    def _components(self) -> dict[str, PagedBufferPool | CompressStatePool]:
         return {
             "swa_kv": self.swa_kv_pool,
             "c4_kv": self.c4_kv_pool,

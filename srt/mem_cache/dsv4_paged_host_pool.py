@@ -27,8 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.hisparse_copy import PAGE_SLOTS, pointer_table, transfer_cache_dsv4_mla, \
-    transfer_pages_dsv4_mla
+from sparsekv.jit_kernel.hisparse_copy import (
+    PAGE_SLOTS,
+    pointer_table,
+    transfer_cache_dsv4_mla,
+    transfer_pages_dsv4_mla,
+)
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
@@ -87,7 +91,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             (num_host_pages, self.layer_num, self.item_bytes)
         self.buffer = self._alloc_host(shape)
         self.kv_buffer = list(self.buffer.unbind(0)) if layout == "layer_first" else \
-            [self.buffer[:, l] for l in range(self.layer_num)]
+            [self.buffer[:, layer] for layer in range(self.layer_num)]
         self.host_page_stride = self.kv_buffer[0].stride(0)
         # The tables live where the kernels run: the device buffers' device.
         self.data_ptrs = pointer_table(self.kv_buffer, self.device)
@@ -98,15 +102,15 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if len(buffers) == 0:
             raise ValueError("sparsekv: argument `device_buffers` must hold at least one layer")
         first = buffers[0]
-        for l, b in enumerate(buffers):
+        for layer, b in enumerate(buffers):
             if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8:
-                raise TypeError(f"sparsekv: argument `device_buffers`[{l}] must be a uint8 tensor")
+                raise TypeError(f"sparsekv: argument `device_buffers`[{layer}] must be a uint8 tensor")
             if b.dim() != 2 or b.shape[1] != self.item_bytes or b.stride(1) != 1:
-                raise ValueError(f"sparsekv: argument `device_buffers`[{l}] must be [pages, {self.item_bytes}] with a "
-                                 f"unit last stride, got shape {list(b.shape)} strides {list(b.stride())}")
+                raise ValueError(f"sparsekv: argument `device_buffers`[{layer}] must be [pages, {self.item_bytes}] "
+                                 f"with a unit last stride, got shape {list(b.shape)} strides {list(b.stride())}")
             if b.shape != first.shape or b.stride() != first.stride() or b.device != first.device:
-                raise ValueError(f"sparsekv: argument `device_buffers`[{l}] must match layer 0's shape, strides and "
-                                 "device")
+                raise ValueError(f"sparsekv: argument `device_buffers`[{layer}] must match layer 0's shape, strides "
+                                 "and device")
 
     def get_size_per_token(self) -> int:
         """Host bytes per slot over all layers, page padding included (585 per layer for 64-slot V4 pages)."""

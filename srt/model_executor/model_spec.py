@@ -29,11 +29,15 @@ def check_int(name: str, value: object, *, minimum: Optional[int] = None) -> int
 
 
 def check_ratio(name: str, value: object) -> float:
-    """Return ``value`` as a positive finite float, else raise naming ``name``."""
+    """Return ``value`` as a non-negative finite float, else raise naming ``name``.
+
+    0 is a valid setting, not a malformed one: sglang accepts it and then rejects the empty SWA
+    pool it sizes (a ``ValueError`` at planning time, like any other too-small SWA pool).
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a non-negative finite number, got {value}")
     return float(value)
 
 
@@ -186,7 +190,12 @@ class ParallelSpec:
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    """EAGLE (MTP) speculative decoding, the only kind DSV4 serves (top-k 1)."""
+    """EAGLE (MTP) speculative decoding.
+
+    A DSV4 server runs it with top-k 1 (sglang's DSV4 launch hook enforces that), but the pool
+    formulas are defined for any top-k and sglang's configurator applies them as given, so a
+    wider draft tree is priced, not rejected.
+    """
 
     algorithm: str = "EAGLE"
     num_steps: int = 3
@@ -199,13 +208,6 @@ class SpeculativeSpec:
         check_int("speculative.num_steps", self.num_steps, minimum=1)
         check_int("speculative.eagle_topk", self.eagle_topk, minimum=1)
         check_int("speculative.num_draft_tokens", self.num_draft_tokens, minimum=1)
-        if self.eagle_topk != 1:
-            raise ValueError(f"speculative.eagle_topk must be 1 for DSV4, got {self.eagle_topk}")
-
-    @property
-    def alloc_len_per_decode(self) -> int:
-        """KV slots one request may allocate per decode step (top-k 1)."""
-        return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)

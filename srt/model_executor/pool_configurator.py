@@ -29,6 +29,7 @@ from .model_spec import (
     MHAModelSpec,
     ParallelSpec,
     ServerSpec,
+    SpeculativeSpec,
 )
 
 logger = logging.getLogger(__name__)
@@ -191,22 +192,37 @@ class HybridSWAPoolConfigurator(MemoryPoolConfigurator):
         return self._solve_pool_sizes(max_total_num_tokens, page_size)
 
 
+def spec_alloc_len_per_decode(spec: SpeculativeSpec, page_size: int) -> int:
+    """KV slots one request allocates per speculative decode step (spec v2, overlap schedule on).
+
+    ``max(steps * topk, draft_tokens)``: the draft chain and the verify block share the
+    allocation. A top-k > 1 tree on pages > 1 instead reserves, for every branch, the pages its
+    chain can touch when it starts one slot short of a page boundary.
+    """
+    if page_size == 1 or spec.eagle_topk == 1:
+        return max(spec.num_steps * spec.eagle_topk, spec.num_draft_tokens)
+    pages_per_branch = geo.ceil_div(page_size - 1 + spec.num_steps, page_size)
+    return max(pages_per_branch * page_size * spec.eagle_topk, spec.num_draft_tokens)
+
+
 def decode_alloc_per_request(server: ServerSpec) -> int:
     """KV slots one running request may hold for its next decode step.
 
     A page without speculative decoding. With it: spec v1 (overlap schedule off) reserves the
-    draft steps and the verify block, each rounded up to pages; spec v2 keeps two allocations of
-    ``max(steps * topk, draft_tokens)`` outstanding.
+    draft steps per top-k branch and the verify block, each rounded up to pages (a branch of a
+    top-k > 1 tree on pages > 1 also gets the partial page it may start in); spec v2 keeps two
+    :func:`spec_alloc_len_per_decode` allocations outstanding.
     """
     spec = server.speculative
     if spec is None:
         return server.page_size
-    if server.disable_overlap_schedule:
-        page = server.page_size
-        if page == 1:
-            return max(spec.num_steps * spec.eagle_topk, spec.num_draft_tokens)
-        return max(geo.ceil_align(spec.num_steps, page) * spec.eagle_topk, geo.ceil_align(spec.num_draft_tokens, page))
-    return 2 * spec.alloc_len_per_decode
+    if not server.disable_overlap_schedule:
+        return 2 * spec_alloc_len_per_decode(spec, server.page_size)
+    page = server.page_size
+    if page == 1:
+        return max(spec.num_steps * spec.eagle_topk, spec.num_draft_tokens)
+    steps = spec.num_steps + page if spec.eagle_topk > 1 else spec.num_steps
+    return max(geo.ceil_align(steps, page) * spec.eagle_topk, geo.ceil_align(spec.num_draft_tokens, page))
 
 
 def compute_swa_request_cap(*, page_size: int, window: int, attn_dp_size: int, server: ServerSpec) -> int:

@@ -30,7 +30,7 @@ class PagedSide:
 
     def layers_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer ``[pages, page_bytes]`` views of ``buf``, a tensor shaped like ``owner``."""
-        return [buf[:, l] for l in range(self.num_layers)] if self.page_first else list(buf.unbind(0))
+        return [buf[:, layer] for layer in range(self.num_layers)] if self.page_first else list(buf.unbind(0))
 
     @property
     def layers(self) -> list[torch.Tensor]:
