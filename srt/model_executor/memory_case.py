@@ -156,12 +156,15 @@ def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
         if dtype not in STATE_DTYPE_ALIASES:
             raise ValueError(f"server.compress_state_dtype must be 'fp32' or 'bf16', got {dtype!r}")
         fields["compress_state_dtype"] = STATE_DTYPE_ALIASES[dtype]
-    if "swa_full_tokens_ratio" in server and server["swa_full_tokens_ratio"] is None:
+    if sizing == "cap":
+        # The operator set no ratio, so a ratio in the case is ignored: DSV4 may then size SWA by
+        # the request cap (else by its default 0.1), an MHA model keeps sglang's default 0.8.
+        server.pop("swa_full_tokens_ratio", None)
+        if is_dsv4:
+            fields["swa_full_tokens_ratio"] = None
+    elif "swa_full_tokens_ratio" in server and server["swa_full_tokens_ratio"] is None:
         raise ValueError("server.swa_full_tokens_ratio must be a number (use swa_sizing 'cap' to leave it unset)")
     fields.update(server)
-    # The operator set no ratio: DSV4 may size SWA by the request cap.
-    if sizing == "cap" and is_dsv4:
-        fields["swa_full_tokens_ratio"] = None
     try:
         spec = ServerSpec(speculative=speculative, **fields)
     except (TypeError, ValueError) as e:

@@ -241,7 +241,9 @@ def render_human(case: MemoryCase, plan: Optional[PoolPlan], error: Optional[Exc
         if s.enable_hisparse:
             extras.append(f"HiSparse C4 on device 1/{s.hisparse_host_to_device_ratio}")
         if s.speculative:
-            extras.append(f"EAGLE {s.speculative.num_steps} steps, {s.speculative.num_draft_tokens} drafts")
+            spec = s.speculative
+            tree = f", top-k {spec.eagle_topk}" if spec.eagle_topk > 1 else ""
+            extras.append(f"EAGLE {spec.num_steps} steps{tree}, {spec.num_draft_tokens} drafts")
         if s.disaggregation_mode != "null":
             extras.append(f"PD {s.disaggregation_mode}")
         lines.append("  " + "; ".join(extras))
