@@ -7,7 +7,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu test-slow bench clean-venv
+.PHONY: demo lint test test-gpu test-slow clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)

@@ -108,7 +108,8 @@ def test_layouts_and_layer_slice(flash_stage):
     with pytest.raises(IndexError, match="layer 21"):
         pool.get_swa_kv_buffer(21)
     state = pool.get_compress_state(22)
-    assert torch.all(state[:, : state.shape[1] // 2] == 0) and torch.all(state[:, state.shape[1] // 2 :] == float("-inf"))
+    half = state.shape[1] // 2
+    assert torch.all(state[:, :half] == 0) and torch.all(state[:, half:] == float("-inf"))
 
 
 def test_buf_infos_follow_the_wire_layout(flash_stage):

@@ -131,7 +131,8 @@ def test_suggested_ratio_plans_and_the_one_below_does_not():
 
 def test_console_script_and_import_stays_torch_free():
     probe = "import sys, sparsekv.srt.model_executor.plan_memory; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
     done = subprocess.run(
         [sys.executable, "-m", "sparsekv", "plan-memory", "--case", str(GOLDEN_PATH), "--name", "mixed-06", "--json"],
         capture_output=True, text=True,

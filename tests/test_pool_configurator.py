@@ -135,7 +135,8 @@ def test_dsv4_pp_slice_never_reaches_the_mtp_entry():
     assert c.layers == (0, 43) and c.stage_compress_ratios == flash.compress_ratios[:43]
     # Changing the MTP entry (index 43) changes nothing.
     mtp_changed = replace(flash, compress_ratios=flash.compress_ratios[:43] + (128,))
-    assert DSV4PoolConfigurator(mtp_changed, ParallelSpec(), ServerSpec()).bytes_per_full_token == c.bytes_per_full_token
+    changed = DSV4PoolConfigurator(mtp_changed, ParallelSpec(), ServerSpec())
+    assert changed.bytes_per_full_token == c.bytes_per_full_token
 
 
 def test_dsv4_finalize_sizes_request_scoped_state():

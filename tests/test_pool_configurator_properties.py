@@ -42,9 +42,15 @@ def dsv4_models(draw):
     )
 
 
+ANY_MAX_RUNNING_REQUESTS = st.one_of(st.none(), st.integers(1, 1024))
+SPECULATIVE = st.one_of(
+    st.none(), st.integers(1, 6).map(lambda n: SpeculativeSpec(num_steps=n, num_draft_tokens=n + 1))
+)
+
+
 @st.composite
-def dsv4_servers(draw, max_running_requests=st.one_of(st.none(), st.integers(1, 1024))):
-    spec = draw(st.one_of(st.none(), st.integers(1, 6).map(lambda n: SpeculativeSpec(num_steps=n, num_draft_tokens=n + 1))))
+def dsv4_servers(draw, max_running_requests=ANY_MAX_RUNNING_REQUESTS):
+    spec = draw(SPECULATIVE)
     mode = draw(st.sampled_from(("null", "prefill", "decode")))
     return ServerSpec(
         page_size=draw(st.sampled_from((128, 256, 512))),
@@ -106,7 +112,8 @@ def outcome(model, server, available, pp_rank=0, pp_size=1):
     configurator, config = profile(model, server, available, pp_rank, pp_size)
     if configurator is None:
         return "rejected"
-    coefficients = getattr(configurator, "bytes_per_full_token", None), getattr(configurator, "bytes_per_swa_token", None)
+    coefficients = (getattr(configurator, "bytes_per_full_token", None),
+                    getattr(configurator, "bytes_per_swa_token", None))
     return coefficients, None if config is None else sizes(config)
 
 
@@ -144,8 +151,8 @@ def test_more_memory_never_fewer_tokens_with_fixed_requests(model_server, pp_siz
     large = plan_pipeline(model, server, large_budget, pp_size)  # must not raise: more memory still plans
     assert small.agreed_tokens <= large.agreed_tokens
     for rs, rl in zip(small.ranks, large.ranks):
-        for s, l in zip(sizes(rs.config), sizes(rl.config)):
-            assert s <= l
+        for size_small, size_large in zip(sizes(rs.config), sizes(rl.config)):
+            assert size_small <= size_large
         assert rs.config.max_running_requests <= rl.config.max_running_requests
 
 
@@ -188,7 +195,8 @@ def test_pp_stage_depends_only_on_its_own_layers(model, server, pp_size, availab
     others = data.draw(
         st.lists(st.sampled_from((0, 4, 128)), min_size=len(model.compress_ratios), max_size=len(model.compress_ratios))
     )
-    perturbed = replace(model, compress_ratios=tuple(others[:start]) + model.compress_ratios[start:end] + tuple(others[end:]))
+    ratios = tuple(others[:start]) + model.compress_ratios[start:end] + tuple(others[end:])
+    perturbed = replace(model, compress_ratios=ratios)
     alone = replace(model, num_hidden_layers=end - start, compress_ratios=model.compress_ratios[start:end])
     got = {
         outcome(perturbed, server, available, rank, pp_size),

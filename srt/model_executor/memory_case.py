@@ -8,7 +8,7 @@ before anything is planned; :func:`rank_answer` renders a plan as the expected-a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from .model_spec import (
     DSV4_PRESETS,
@@ -19,8 +19,8 @@ from .model_spec import (
     check_int,
     dsv4_preset,
 )
-from .pool_planner import PoolPlan, create_stage_configurators, plan_stages
 from .pool_configurator import MemoryPoolConfigurator
+from .pool_planner import PoolPlan, create_stage_configurators, plan_stages
 
 DSV4_MODEL_OVERRIDES = (
     "num_hidden_layers", "compress_ratios", "head_dim", "qk_rope_head_dim",
@@ -40,7 +40,7 @@ STATE_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloa
 DSV4_SERVER_DEFAULTS = dict(page_size=256, swa_full_tokens_ratio=0.1, max_running_requests=256)
 MHA_SERVER_DEFAULTS = dict(page_size=1, swa_full_tokens_ratio=0.8, max_running_requests=None)
 
-ModelSpec = Union[DSV4ModelSpec, MHAModelSpec]
+ModelSpec = DSV4ModelSpec | MHAModelSpec
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class MemoryCase:
         """One configurator per PP rank (validates what only the configurators know)."""
         return create_stage_configurators(self.model, self.server, self.pp_size, self.attn_dp_size)
 
-    def plan(self, configurators: Optional[list[MemoryPoolConfigurator]] = None) -> PoolPlan:
+    def plan(self, configurators: list[MemoryPoolConfigurator] | None = None) -> PoolPlan:
         """Plan every rank; raises ``ValueError`` / ``RuntimeError`` when the budget cannot."""
         configurators = self.configurators() if configurators is None else configurators
         return plan_stages(configurators, self.server, self.available_bytes, self.attn_dp_size, self.model.context_len)
@@ -115,7 +115,7 @@ def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
     return spec, label
 
 
-def _parse_speculative(raw: Any) -> Optional[SpeculativeSpec]:
+def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
     if raw is None:
         return None
     spec = _object("server.speculative", raw)

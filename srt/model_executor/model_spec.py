@@ -8,7 +8,6 @@ a ``TypeError`` / ``ValueError``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 # DSV4's model hook sizes SWA at 0.1 of the full pool when the operator sets no ratio and the
 # request-cap sizing cannot apply.
@@ -19,7 +18,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 COMPRESS_STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def check_int(name: str, value: object, *, minimum: Optional[int] = None) -> int:
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
@@ -142,7 +141,7 @@ class MHAModelSpec:
     head_dim: int
     dtype_bytes: int = 2
     swa_layers: int = 0
-    swa_window: Optional[int] = None
+    swa_window: int | None = None
     context_len: int = 131072
 
     def __post_init__(self) -> None:
@@ -246,19 +245,19 @@ class ServerSpec:
     """
 
     page_size: int = 256
-    swa_full_tokens_ratio: Optional[float] = DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO
-    max_running_requests: Optional[int] = 256
-    chunked_prefill_size: Optional[int] = 8192
+    swa_full_tokens_ratio: float | None = DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO
+    max_running_requests: int | None = 256
+    chunked_prefill_size: int | None = 8192
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
-    max_total_tokens: Optional[int] = None
+    max_total_tokens: int | None = None
     enable_hisparse: bool = False
     hisparse_host_to_device_ratio: int = 2
-    speculative: Optional[SpeculativeSpec] = None
+    speculative: SpeculativeSpec | None = None
     disaggregation_mode: str = "null"
     disaggregation_decode_extra_slots: int = 0
     compress_state_dtype: str = "fp32"
-    swa_prefix_tails: Optional[int] = None
+    swa_prefix_tails: int | None = None
     swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:

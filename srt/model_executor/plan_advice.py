@@ -7,8 +7,8 @@ re-checked by planning with it, so a suggestion is never a guess.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, Optional
 
 from .memory_case import MemoryCase
 from .pool_planner import PoolPlan
@@ -28,7 +28,7 @@ def _feasible(case: MemoryCase) -> bool:
     return True
 
 
-def _smallest_int(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
+def _smallest_int(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     """Smallest ``x`` in ``(lo, hi]`` with ``ok(x)``, assuming ``ok`` flips once from False to True."""
     if not ok(hi):
         return None
@@ -41,7 +41,7 @@ def _smallest_int(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
     return hi
 
 
-def min_budget_bytes(case: MemoryCase) -> Optional[int]:
+def min_budget_bytes(case: MemoryCase) -> int | None:
     """Smallest per-rank KV budget that plans, or ``None`` if even 1 PiB does not.
 
     With ``max_running_requests`` fixed, feasibility is monotone in the budget and this is the
@@ -55,7 +55,7 @@ def min_budget_bytes(case: MemoryCase) -> Optional[int]:
     return _smallest_int(case.available_bytes, hi, lambda b: _feasible(replace(case, available_bytes=b)))
 
 
-def min_swa_ratio(case: MemoryCase) -> Optional[float]:
+def min_swa_ratio(case: MemoryCase) -> float | None:
     """Smallest ``swa_full_tokens_ratio`` above the current one (a multiple of 0.001, at most 1) that plans.
 
     A scan, not a bisection: page alignment makes feasibility non-monotone in the ratio (a larger
@@ -71,7 +71,7 @@ def min_swa_ratio(case: MemoryCase) -> Optional[float]:
     return None
 
 
-def max_running_requests_that_fit(case: MemoryCase) -> Optional[int]:
+def max_running_requests_that_fit(case: MemoryCase) -> int | None:
     """Largest ``max_running_requests`` below the current one (unset: below sglang's 4096 ceiling) that plans."""
     current = case.server.max_running_requests
     if current is None:
@@ -88,7 +88,7 @@ def max_running_requests_that_fit(case: MemoryCase) -> Optional[int]:
     return first_infeasible - 1
 
 
-def min_max_total_tokens(case: MemoryCase) -> Optional[int]:
+def min_max_total_tokens(case: MemoryCase) -> int | None:
     """Smallest user ``max_total_tokens`` cap that plans (only when a cap is set)."""
     cap = case.server.max_total_tokens
     if cap is None:

@@ -17,7 +17,7 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from .memory_case import MemoryCase, parse_case, rank_answer
 from .plan_advice import fixes, limiting_factor
@@ -119,7 +119,7 @@ def _case_from_flags(args: argparse.Namespace) -> dict:
     }
 
 
-def _case_from_file(path: str, name: Optional[str]) -> dict:
+def _case_from_file(path: str, name: str | None) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -167,7 +167,8 @@ def _describe_rank_coefficients(rank: RankPlan, available_bytes: int) -> list[st
         if isinstance(c, HybridSWAPoolConfigurator):
             cap = " (SWA sized by the request cap)" if isinstance(c, SWARequestCapPoolConfigurator) else ""
             return [
-                f"PP rank {rank.pp_rank}, layers [{start},{end}): {c.full_layers_num} full, {c.swa_layers_num} SWA{cap}",
+                f"PP rank {rank.pp_rank}, layers [{start},{end}): {c.full_layers_num} full, "
+                f"{c.swa_layers_num} SWA{cap}",
                 f"  bytes per token: full layer {c.full_per_token}, SWA layer {c.swa_per_token}; "
                 f"per full token {c.cell_size:.2f}",
                 f"  profiled tokens {rank.profiled_tokens:,}",
@@ -223,11 +224,12 @@ def _describe_rank_pools(rank: RankPlan, available_bytes: int) -> list[str]:
         for key, label in COMPONENT_LABELS.items():
             lines.append(f"  {label:31s} {entries[key]:>13,} entries {_gib(component[key]):>12}")
         total = sum(component.values())
-        lines.append(f"  {'total (without the draft worker)':31s} {'':>21} {_gib(total):>12} of {_gib(available_bytes)}")
+        label = "total (without the draft worker)"
+        lines.append(f"  {label:31s} {'':>21} {_gib(total):>12} of {_gib(available_bytes)}")
     return lines
 
 
-def render_human(case: MemoryCase, plan: Optional[PoolPlan], error: Optional[Exception]) -> str:
+def render_human(case: MemoryCase, plan: PoolPlan | None, error: Exception | None) -> str:
     """The human-readable breakdown of a plan, or of why there is none."""
     s = case.server
     head = (

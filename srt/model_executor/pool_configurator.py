@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from . import dsv4_geometry as geo
 from .model_spec import (
@@ -34,7 +33,7 @@ from .model_spec import (
 
 logger = logging.getLogger(__name__)
 
-ModelSpec = Union[DSV4ModelSpec, MHAModelSpec]
+ModelSpec = DSV4ModelSpec | MHAModelSpec
 
 
 @dataclass
@@ -51,9 +50,9 @@ class MemoryPoolConfig:
     """
 
     max_total_num_tokens: int
-    max_running_requests: Optional[int] = None
-    full_max_total_num_tokens: Optional[int] = None
-    swa_max_total_num_tokens: Optional[int] = None
+    max_running_requests: int | None = None
+    full_max_total_num_tokens: int | None = None
+    swa_max_total_num_tokens: int | None = None
     c4_max_total_num_tokens: int = 0
     c128_max_total_num_tokens: int = 0
     c4_state_pool_size: int = 0
@@ -89,7 +88,7 @@ class MemoryPoolConfigurator:
         return config
 
     @staticmethod
-    def validate_swa_pool_size(swa_tokens: int, sliding_window_size: Optional[int], page_size: int) -> None:
+    def validate_swa_pool_size(swa_tokens: int, sliding_window_size: int | None, page_size: int) -> None:
         """Reject an SWA pool too small to ever admit a request.
 
         Prefill charges up to a window plus a page of SWA slots per request, so a pool at or below
@@ -406,7 +405,7 @@ class DSV4PoolConfigurator(MemoryPoolConfigurator):
         mrr = self.requested_max_running_requests_per_worker
         return 4 * mrr if mrr is not None else 0
 
-    def _resolve_swa_cap_tokens(self, server: ServerSpec, parallel: ParallelSpec) -> Optional[int]:
+    def _resolve_swa_cap_tokens(self, server: ServerSpec, parallel: ParallelSpec) -> int | None:
         if self.operator_swa_ratio is not None:
             return None
         if self.requested_max_running_requests_per_worker is None:
@@ -441,7 +440,8 @@ class DSV4PoolConfigurator(MemoryPoolConfigurator):
         # Evaluated in sglang's order so that the float result, and so every token count, matches.
         s = self.state_dtype_bytes
         state_bytes = (
-            geo.compress_state_row_values(4, self.attn_head_dim) * s + geo.indexer_state_row_values(self.index_head_dim) * s
+            geo.compress_state_row_values(4, self.attn_head_dim) * s
+            + geo.indexer_state_row_values(self.index_head_dim) * s
         )
         c4_state_ratio = self.ring_sizes.get(4, 0) / self.page_size
         return geo.paged_kv_bytes_per_token(self.page_size) * self.num_layers_total + (

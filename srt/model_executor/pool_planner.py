@@ -17,8 +17,8 @@ Per rank, as an sglang server does it at start-up:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from .model_spec import ParallelSpec, ServerSpec
 from .pool_configurator import MemoryPoolConfig, MemoryPoolConfigurator, ModelSpec, create_memory_pool_configurator
@@ -167,7 +167,7 @@ def plan_rank(
     return RankPlan(parallel.pp_rank, configurator.layers, config.max_total_num_tokens, final, configurator)
 
 
-def gloo_min(value: int, group: Optional[object] = None) -> int:
+def gloo_min(value: int, group: object | None = None) -> int:
     """MIN of ``value`` over the ranks of ``group`` (default: the world) via ``torch.distributed``.
 
     The process group must be initialized (any backend that supports CPU tensors, e.g. gloo);
