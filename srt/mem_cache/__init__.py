@@ -1,0 +1,31 @@
+"""KV pools, host pools, allocators and typed slot ids.
+
+The classes resolve lazily from their modules (``from sparsekv.srt.mem_cache import X``), so
+importing one pool does not import the others.
+"""
+
+import importlib
+
+_LAZY = {
+    "BaseSWAKVPool": "base_swa_pool",
+    "BufInfos": "base_swa_pool",
+    "DeepSeekV4TokenToKVPool": "deepseekv4_memory_pool",
+    "HostKVCache": "host_kv_cache",
+    "HiSparseHostPoolMixin": "hisparse_host_pool",
+    "DeepSeekV4PagedHostPool": "dsv4_paged_host_pool",
+    "HiSparseC4DevicePool": "hisparse_device_pool",
+    "PagedAllocator": "allocators",
+    "HiSparseTokenToKVPoolAllocator": "allocators",
+    "HostSlots": "ids",
+    "HostPages": "ids",
+    "DeviceSlots": "ids",
+    "DevicePages": "ids",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,14 @@ import torch
 from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots
 
 
+def compressed_locs_of(full_locs: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """Compressed locations produced by full locations: entry ``k`` is produced at the last position
+    of its group, ``(loc + 1) % ratio == 0``, and stored at ``loc // ratio``; other locations
+    produce nothing and are dropped."""
+    produced = full_locs[(full_locs + 1) % compress_ratio == 0]
+    return torch.div(produced, compress_ratio, rounding_mode="floor")
+
+
 class AllocatorExhaustedError(RuntimeError):
     """Not enough free pages for an allocation; nothing was allocated (admission should retry later)."""
 
@@ -168,8 +176,7 @@ class HiSparseTokenToKVPoolAllocator:
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Logical compressed locations produced by ``full_locs``: keep ``(loc + 1) % ratio == 0``,
         store at ``loc // ratio``."""
-        produced = full_locs[(full_locs + 1) % self.compress_ratio == 0]
-        return torch.div(produced, self.compress_ratio, rounding_mode="floor")
+        return compressed_locs_of(full_locs, self.compress_ratio)
 
     def _logical_locs(self, req_to_token: torch.Tensor, rid: int, prefix_len: int, seq_len: int) -> torch.Tensor:
         """Full locations for positions ``[prefix_len, seq_len)``, continuing the last logical page."""

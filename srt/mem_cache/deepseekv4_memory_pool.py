@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.srt.mem_cache.allocators import compressed_locs_of
 from sparsekv.srt.mem_cache.base_swa_pool import BaseSWAKVPool, BufInfos
 from sparsekv.srt.model_executor import dsv4_geometry as geo
 from sparsekv.srt.model_executor.pool_configurator import DSV4PoolConfigurator, MemoryPoolConfig
@@ -238,10 +239,8 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
 
     @staticmethod
     def translate_loc_from_full_to_compressed(full_loc: torch.Tensor, compress_ratio: int) -> torch.Tensor:
-        """Compressed locations produced by full locations ``full_loc`` (1-D).
-
-        Entry ``k`` is produced at the last position of its group, ``(loc + 1) % ratio == 0``, and
-        stored at ``loc // ratio``; other locations produce nothing and are dropped.
+        """Compressed locations produced by full locations ``full_loc`` (1-D); see
+        :func:`~sparsekv.srt.mem_cache.allocators.compressed_locs_of`.
 
         Raises
         ------
@@ -250,8 +249,7 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         """
         if compress_ratio not in geo.COMPRESS_RATIOS:
             raise ValueError(f"compress_ratio must be one of {geo.COMPRESS_RATIOS}, got {compress_ratio}")
-        produced = full_loc[(full_loc + 1) % compress_ratio == 0]
-        return produced // compress_ratio
+        return compressed_locs_of(full_loc, compress_ratio)
 
     def c4_state_loc(self, swa_loc: torch.Tensor) -> torch.Tensor:
         """Ring rows of SWA locations: ``(swa_loc // page) * ring + swa_loc % ring``; -1 stays -1."""
