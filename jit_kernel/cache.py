@@ -17,6 +17,7 @@ new artifacts then go to a private fallback root.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -24,10 +25,10 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from sparsekv import env
@@ -80,45 +81,74 @@ def _ensure_private_dir(path: Path) -> bool:
 def _writable(path: Path) -> bool:
     """True if we can create files in ``path`` (tried, not inferred from mode bits: root ignores
     them, and a read-only mount or immutable directory refuses even root)."""
+    probe = os.path.join(path, f".probe.{os.getpid()}.{threading.get_ident()}")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=path)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:
         return False
-    os.close(fd)
     os.unlink(probe)
     return True
 
 
-@dataclass(frozen=True)
 class CacheRoots:
     """Where artifacts are read from and written to.
 
+    Reading never writes: the warm path only stats and loads. The write root is chosen at the
+    first miss: the configured root if we can create files in it, else the private fallback.
+
     Attributes
     ----------
-    read : tuple[Path, ...]
-        Roots searched for an artifact, in order.
-    write : Path
-        Root new artifacts are published to.
+    primary : Path
+        The configured root (``SPARSEKV_CACHE_DIR``).
     """
 
-    read: tuple[Path, ...]
-    write: Path
+    def __init__(self, primary: Path) -> None:
+        self.primary = primary
+        _private_dir_or_absent(primary)  # refuse an unsafe configured root up front
+
+    @property
+    def read(self) -> tuple[Path, ...]:
+        """Existing, private roots searched for an artifact, in order."""
+        return tuple(root for root in (self.primary, fallback_root()) if _private_dir_or_absent(root))
+
+    @functools.cached_property
+    def write(self) -> Path:
+        """The root new artifacts are published to (created, mode 0700, on first use)."""
+        if _ensure_private_dir(self.primary):
+            check_private(self.primary, "cache directory")
+            if _writable(self.primary):
+                return self.primary
+        fallback = fallback_root()
+        if not _ensure_private_dir(fallback):
+            raise CacheSecurityError(f"sparsekv: cannot create a private JIT cache at {fallback}")
+        check_private(fallback, "fallback cache directory")
+        logger.info("JIT cache %s is not writable; new modules go to %s", self.primary, fallback)
+        return fallback
+
+
+def _private_dir_or_absent(root: Path) -> bool:
+    """True for an existing private directory; False if absent. The configured root is refused
+    loudly when unsafe; an unsafe fallback is merely skipped for reading (writing will refuse it)."""
+    if not root.is_dir():
+        return False
+    try:
+        check_private(root, "cache directory")
+    except CacheSecurityError:
+        if root == fallback_root():
+            return False
+        raise
+    return True
 
 
 def open_roots() -> CacheRoots:
-    """Resolve the cache roots from ``SPARSEKV_CACHE_DIR``, checking their safety."""
-    root = env.cache_dir()
-    exists = _ensure_private_dir(root)
-    if exists:
-        check_private(root, "cache directory")
-        if _writable(root):
-            return CacheRoots(read=(root,), write=root)
-    fallback = fallback_root()
-    if not _ensure_private_dir(fallback):
-        raise CacheSecurityError(f"sparsekv: cannot create a private JIT cache at {fallback}")
-    check_private(fallback, "fallback cache directory")
-    logger.info("JIT cache %s is not writable; new modules go to %s", root, fallback)
-    return CacheRoots(read=((root, fallback) if exists else (fallback,)), write=fallback)
+    """Resolve the cache roots from ``SPARSEKV_CACHE_DIR``, checking their safety.
+
+    Raises
+    ------
+    CacheSecurityError
+        The configured root is owned by another user or writable by others.
+    """
+    return CacheRoots(env.cache_dir())
 
 
 def _sha256(path: Path) -> str:

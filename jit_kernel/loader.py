@@ -38,10 +38,11 @@ LOADER_FORMAT = 1
 CXX_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wall", "-Wno-unused-function")
 NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler=-fPIC", "--expt-relaxed-constexpr")
 
-_INCLUDE = re.compile(r'#\s*include\s*[<"]([^>"]+)[>"]')
+_INCLUDE = re.compile(r'#\s*include\s*([<"])([^>"]+)[>"]')
 
 
-def _included_names(text: str) -> list[str]:
+def _included_names(text: str) -> list[tuple[bool, str]]:
+    """``(quoted, name)`` of every ``#include`` line."""
     # Line-wise prefilter: a MULTILINE regex over whole headers costs ~200 us each.
     names = []
     for line in text.splitlines():
@@ -49,7 +50,7 @@ def _included_names(text: str) -> list[str]:
         if stripped.startswith("#") and "include" in stripped:
             match = _INCLUDE.match(stripped)
             if match:
-                names.append(match.group(1))
+                names.append((match.group(1) == '"', match.group(2)))
     return names
 
 
@@ -70,9 +71,10 @@ def csrc_root() -> Path:
 def include_closure(header: str, root: Path) -> dict[str, bytes]:
     """Bytes of ``header`` and every project header it includes, transitively, keyed by csrc-relative path.
 
-    An include is looked up next to the including file, then in ``csrc/`` and ``csrc/include/``;
-    includes found in none of them (system and tvm-ffi headers) are covered by the compiler
-    identity and tvm-ffi version in the key instead. Plain string paths keep this cheap: it runs on
+    A quoted include is looked up next to the including file, then in ``csrc/`` and
+    ``csrc/include/``; an angle-bracket include in ``csrc/include/`` only. Includes found in none of
+    them (system and tvm-ffi headers) are covered by the compiler identity and tvm-ffi version in
+    the key instead. Plain string paths keep this cheap: it runs on
     every first load in a process.
     """
     root_dir = os.path.realpath(root)
@@ -87,8 +89,8 @@ def include_closure(header: str, root: Path) -> dict[str, bytes]:
         with open(os.path.join(root_dir, rel), "rb") as f:
             data = f.read()
         found[rel] = data
-        for name in _included_names(data.decode("utf-8", "replace")):
-            for base in (os.path.dirname(rel), "", "include"):
+        for quoted, name in _included_names(data.decode("utf-8", "replace")):
+            for base in (os.path.dirname(rel), "", "include") if quoted else ("include",):
                 candidate = os.path.normpath(os.path.join(base, name))
                 if not candidate.startswith("..") and os.path.isfile(os.path.join(root_dir, candidate)):
                     pending.append(candidate)
