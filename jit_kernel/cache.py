@@ -3,7 +3,8 @@
 Layout under a cache root::
 
     <root>/<entry>/module.so      the artifact
-    <root>/<entry>/key.json       every key input (no absolute path) + the artifact's size and sha256
+    <root>/<entry>/key.json       every key input (no absolute path) + the artifact's size, mtime and sha256
+    <root>/.index/                per-request stat signatures -> entry (the warm path's shortcut)
     <root>/.locks/<entry>.lock    serializes builders of one entry (readers never lock)
     <root>/.staging/              private build directories, renamed into place when complete
     <root>/.toolchain/            compiler --version probes
@@ -160,13 +161,21 @@ def _sha256(path: Path) -> str:
 
 
 def valid_artifact(entry_dir: Path) -> Path | None:
-    """The entry's artifact if it is complete, private and matches its key.json; else None."""
+    """The entry's artifact if it is complete, private and matches its key.json; else None.
+
+    Size and mtime equal to the recorded ones prove the file untouched since it was published
+    (cheap: a stat). A file with the recorded size but another mtime (a cache copied without
+    preserving times, e.g. a prebuilt cache shipped to another machine) is checked by its sha256.
+    """
     so = entry_dir / ARTIFACT
     try:
         recorded = json.loads((entry_dir / KEY_FILE).read_text())["artifact"]
         check_private(entry_dir, "cache entry")
         check_private(so, "artifact")
-        if so.stat().st_size != recorded["size"] or _sha256(so) != recorded["sha256"]:
+        st = so.stat()
+        if st.st_size != recorded["size"]:
+            return None
+        if st.st_mtime_ns != recorded["mtime_ns"] and _sha256(so) != recorded["sha256"]:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -219,7 +228,7 @@ def build_and_publish(
     entry : str
         Entry directory name.
     key_doc : dict
-        Every key input; written as key.json with the artifact's size and sha256.
+        Every key input; written as key.json with the artifact's size, mtime and sha256.
     build : callable
         ``build(staging_dir) -> path of the built .so`` inside ``staging_dir``.
     load : callable
@@ -242,7 +251,8 @@ def build_and_publish(
         if built.name != ARTIFACT:
             os.replace(built, staging / ARTIFACT)
         artifact = staging / ARTIFACT
-        doc = dict(key_doc, artifact={"size": artifact.stat().st_size, "sha256": _sha256(artifact)})
+        st = artifact.stat()
+        doc = dict(key_doc, artifact={"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(artifact)})
         (staging / KEY_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True))
         _fsync_tree(staging)
         try:

@@ -295,6 +295,93 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
     return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging), _load)
 
 
+# The warm path's shortcut ("direct mode"): a small index file per module request records the
+# entry its content key resolved to, with the size and mtime of every file that key was computed
+# from (the headers of the include closure and the compilers). When none of them changed, the
+# entry is loaded without reading headers, hashing them or probing compilers. Any change falls
+# back to the full, content-addressed path, which rewrites the index. The index holds absolute
+# paths: it is a local accelerator, never part of a key.
+INDEX_DIR = ".index"
+
+
+@dataclass(frozen=True)
+class ModuleRequest:
+    """What a caller asked for, resolved against the environment but not against file contents."""
+
+    name: str
+    template_args: tuple
+    header: str
+    exports: tuple
+    kernels: tuple
+    backend: str
+    archs: tuple[str, ...]
+    extra_cflags: tuple[str, ...]
+    csrc: str
+    compilers: tuple[str, ...]
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:24]
+
+
+def _stat_signature(paths: Sequence[str]) -> dict[str, list[int]]:
+    signature = {}
+    for path in paths:
+        st = os.stat(path)
+        signature[path] = [st.st_size, st.st_mtime_ns]
+    return signature
+
+
+def _load_indexed(request: ModuleRequest, roots: cache.CacheRoots) -> tvm_ffi.Module | None:
+    """The module the index names, if every recorded file is unchanged and the artifact is valid."""
+    for root in roots.read:
+        try:
+            index = json.loads((root / INDEX_DIR / f"{request.name}__{request.digest()}.json").read_text())
+            if index["tvm_ffi"] != tvm_ffi.__version__ or _stat_signature(index["files"]) != index["files"]:
+                continue
+            so = cache.valid_artifact(root / index["entry"])
+            if so is not None:
+                return _load(so)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        except Exception:  # noqa: BLE001 - an unloadable artifact: take the full path
+            continue
+    return None
+
+
+def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoots) -> None:
+    """Record the request -> entry shortcut next to the artifact (best effort: a read-only root
+    simply keeps taking the full path)."""
+    entry = plan.entry_name()
+    for root in roots.read:
+        if cache.valid_artifact(root / entry) is None:
+            continue
+        files = [str(plan.csrc / rel) for rel in plan.closure] + list(request.compilers)
+        doc = {"entry": entry, "tvm_ffi": tvm_ffi.__version__, "files": _stat_signature(files)}
+        try:
+            index_dir = root / INDEX_DIR
+            index_dir.mkdir(mode=0o700, exist_ok=True)
+            tmp = index_dir / f".{request.digest()}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, index_dir / f"{request.name}__{request.digest()}.json")
+        except OSError:
+            pass
+        return
+
+
+def _resolve_request(name: str, template_args: tuple, header: str, exports: Mapping[str, str],
+                     kernels: Sequence[str], backend: str, arch) -> ModuleRequest:
+    if backend not in BACKENDS:
+        raise ValueError(f"sparsekv: backend must be one of {BACKENDS}, got {backend!r}")
+    is_cuda = backend == "cuda"
+    compilers = (toolchain.host_compiler_path(),) + ((toolchain.nvcc_path(),) if is_cuda else ())
+    return ModuleRequest(
+        name=name, template_args=tuple(cpp_template_arg(a) for a in template_args), header=header,
+        exports=tuple(exports.items()), kernels=tuple(kernels), backend=backend,
+        archs=arch_mod.resolve_arch_list(arch) if is_cuda else (), extra_cflags=tuple(env.extra_cflags()),
+        csrc=str(csrc_root()), compilers=compilers,
+    )
+
+
 _modules: dict[tuple, tvm_ffi.Module] = {}
 _modules_lock = threading.Lock()
 
@@ -353,8 +440,12 @@ def load_jit(
         module = _modules.get(memo)
         if module is None:
             roots = cache.open_roots()
-            plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels, backend=backend,
-                             arch=arch, probe_dir=roots.write / ".toolchain")
-            module = find_or_build(plan, roots)
+            request = _resolve_request(name, template_args, header, exports, kernels, backend, arch)
+            module = _load_indexed(request, roots)
+            if module is None:
+                plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels,
+                                 backend=backend, arch=request.archs, probe_dir=roots.write / ".toolchain")
+                module = find_or_build(plan, roots)
+                _write_index(request, plan, roots)
             _modules[memo] = module
     return module

@@ -96,15 +96,20 @@ def identify(path: str, probe_dir: Path | None) -> Compiler:
     return Compiler(path=path, identity=f"{Path(path).name} {cached}")
 
 
-def host_compiler(probe_dir: Path | None) -> Compiler:
-    """The host C++ compiler (``SPARSEKV_CXX``, ``CXX`` or ``c++``)."""
+def host_compiler_path() -> str:
+    """Absolute path of the host C++ compiler (``SPARSEKV_CXX``, ``CXX`` or ``c++``)."""
     name = env.host_compiler()
     path = shutil.which(name)
     if path is None:
         raise ToolchainError(
             f"sparsekv: host C++ compiler {name!r} not found on PATH; install g++ or set SPARSEKV_CXX"
         )
-    return identify(path, probe_dir)
+    return path
+
+
+def host_compiler(probe_dir: Path | None) -> Compiler:
+    """The host C++ compiler and its identity."""
+    return identify(host_compiler_path(), probe_dir)
 
 
 def cuda_home() -> Path:
@@ -122,12 +127,17 @@ def cuda_home() -> Path:
     return Path(root)
 
 
-def nvcc(probe_dir: Path | None) -> Compiler:
-    """nvcc: ``SPARSEKV_NVCC``, else ``$CUDA_HOME/bin/nvcc``."""
+def nvcc_path() -> str:
+    """Absolute path of nvcc: ``SPARSEKV_NVCC``, else ``$CUDA_HOME/bin/nvcc``."""
     explicit = env.nvcc()
     path = shutil.which(explicit) if explicit else str(cuda_home() / "bin" / "nvcc")
     if path is None or not os.path.exists(path):
         raise ToolchainError(
             f"sparsekv: nvcc not found ({explicit or path}); install the CUDA toolkit or set SPARSEKV_NVCC"
         )
-    return identify(path, probe_dir)
+    return path
+
+
+def nvcc(probe_dir: Path | None) -> Compiler:
+    """nvcc and its identity."""
+    return identify(nvcc_path(), probe_dir)

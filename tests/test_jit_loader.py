@@ -282,3 +282,37 @@ def test_strict_mode_refuses_to_compile_on_a_miss_and_loads_hits(tmp_path, monke
     monkeypatch.setenv("SPARSEKV_JIT_STRICT", "1")
     loader.find_or_build(plan_for(CSRC), roots)  # a hit loads fine in strict mode
     assert len(log.read_text().splitlines()) == 1
+
+
+def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, counting_cxx):
+    """The stat index lets a warm load skip hashing headers, but never serves a stale module."""
+    cxx, log = counting_cxx
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "csrc_root", lambda: csrc)
+
+    def load_fresh():  # as a new process would: no in-process memo
+        monkeypatch.setattr(loader, "_modules", {})
+        return loader.load_jit(GATHER_ROWS.name, "int64_t", header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
+                               kernels=GATHER_ROWS.kernels)
+
+    def compiles() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    load_fresh()
+    (index,) = (tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json")
+    load_fresh()
+    assert compiles() == 1
+    # Same bytes, new mtime: the index misses, the content key still hits, the index is rewritten.
+    header = csrc / "include" / "sparsekv" / "portability.h"
+    os.utime(header, ns=(header.stat().st_atime_ns, header.stat().st_mtime_ns + 10**9))
+    load_fresh()
+    assert compiles() == 1
+    assert json.loads(index.read_text())["files"][str(header)][1] == header.stat().st_mtime_ns
+    # New bytes in a transitively included header: a new key, so a rebuild.
+    with open(header, "a") as f:
+        f.write("\n// edited\n")
+    load_fresh()
+    assert compiles() == 2
