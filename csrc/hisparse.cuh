@@ -19,6 +19,8 @@
 //     device counters {hits, misses, bytes} added to without a host sync.
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
 // device_buffer_tokens, table rows of padding rows, device bytes other than the miss slots.
+// top_k_device_locs must not share memory with top_k_tokens (the entry rejects it): the slow path
+// reads the top-k row again after writing the output row.
 //
 // Safe by construction: a slot, loc or table index outside its buffer is never dereferenced. A copy
 // whose host or device loc is out of range is skipped (and still recorded in the plan, where the
@@ -245,6 +247,9 @@ struct SwapIn {
     int32_t warp_counts[BlockSize / kWarpSize];
     int32_t copies;
   };
+  static_assert(sizeof(Shared) <= 227 * 1024,
+                "hisparse: the per-request scratch (top-k hash table and LRU arrays) exceeds the 227 KiB of shared "
+                "memory a block can have on sm_90/sm_100; lower num_top_k or hot_buffer_size");
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.batch; }
 
@@ -563,6 +568,8 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   check(top_k_tokens, "top_k_tokens").size(1, K, "num_top_k");
   check(top_k_device_locs, "top_k_device_locs").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
   check(top_k_device_locs, "top_k_device_locs").size(0, bs, "batch size").size(1, K, "num_top_k");
+  // The slow path writes the output row (step 5), then reads the top-k row again (step 6).
+  check_no_overlap(top_k_tokens, "top_k_tokens", top_k_device_locs, "top_k_device_locs");
   check(device_buffer_tokens, "device_buffer_tokens").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
   const int64_t max_reqs = device_buffer_tokens.size(0);
   if constexpr (kIsPaged<Layout>) {

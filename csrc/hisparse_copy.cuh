@@ -197,6 +197,9 @@ void run(const typename K::Params& params, DLDevice device, int64_t num_threads,
     streaming_fence();
   };
   std::vector<std::thread> workers;
+  // Reserved up front, so emplace_back never reallocates: a bad_alloc thrown while the vector
+  // holds joinable threads would destroy them unjoined, which calls std::terminate.
+  workers.reserve(static_cast<size_t>(chunks));
   int64_t spawned = 1;
   for (; spawned < chunks; ++spawned) {
     try {

@@ -214,7 +214,8 @@ def load_cache_to_device_buffer_mla(
         uint8 ``[slots, item_size_bytes]`` (unit last stride, any row stride). ``host_cache`` may be
         pinned host memory when the rest lives on the GPU.
     top_k_device_locs : torch.Tensor
-        int32 ``[bs, K]``, output.
+        int32 ``[bs, K]``, output; must not share memory with ``top_k_tokens`` (the kernel reads
+        the top-k again after writing it).
     req_pool_indices, seq_lens : torch.Tensor
         int32 or int64 ``[bs]``, contiguous.
     lru_slots : torch.Tensor
@@ -238,7 +239,8 @@ def load_cache_to_device_buffer_mla(
     TypeError
         A tensor has the wrong dtype (the message names it).
     ValueError
-        Wrong shape, stride or device; ``H < K``; an unsupported ``(K, H)``.
+        Wrong shape, stride or device; ``top_k_device_locs`` sharing memory with ``top_k_tokens``;
+        ``H < K``; an unsupported ``(K, H)``.
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
         before anything is written; ``ValueError`` for an LRU row that is not a permutation or a

@@ -1,11 +1,12 @@
 """Streams and events behind one small interface, so runtime classes run unchanged on CPU and GPU.
 
-A runtime class submits work to a :class:`Stream` (``stream.submit(fn)``), orders streams with
-events (``record_event`` / ``wait_event``) and polls completion (``event.query()``) without
-blocking. Three implementations:
+A runtime class submits work to a :class:`Stream` (``stream.submit(fn, uses=...)``), orders
+streams with events (``record_event`` / ``wait_event``) and polls completion (``event.query()``)
+without blocking. Three implementations:
 
 * :class:`CudaStream` wraps a ``torch.cuda.Stream``: ``submit`` runs ``fn`` with the stream
-  current, so the kernels it launches are queued on it.
+  current, so the kernels it launches are queued on it, and marks the CUDA tensors of ``uses``
+  as in use by the stream (``Tensor.record_stream``).
 * :class:`CpuStream` runs ``fn`` at once; every event is complete.
 * ``CpuStream(deferred=True)`` queues ``fn`` until someone waits for it (``synchronize``, an
   event's ``synchronize`` or a ``wait_event`` from another stream): tests use it to see that a
@@ -16,7 +17,7 @@ Use :func:`make_streams` to get a factory for a device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -35,8 +36,13 @@ class Event(Protocol):
 class Stream(Protocol):
     """An ordered queue of work."""
 
-    def submit(self, fn: Callable[[], object]) -> None:
-        """Queue ``fn``'s work on this stream."""
+    def submit(self, fn: Callable[[], object], *, uses: Sequence[torch.Tensor] = ()) -> None:
+        """Queue ``fn``'s work on this stream.
+
+        ``uses``: tensors that work reads or writes which were allocated on another stream (e.g.
+        index tensors the caller built on its compute stream). Their memory must not be handed to
+        a new allocation before the work completes, even once the caller drops them.
+        """
 
     def record_event(self) -> Event:
         """An event that completes once everything submitted so far has."""
@@ -70,7 +76,9 @@ class CpuStream:
         self._pending: list[Callable[[], object]] = []
         self.completed = 0
 
-    def submit(self, fn: Callable[[], object]) -> None:
+    def submit(self, fn: Callable[[], object], *, uses: Sequence[torch.Tensor] = ()) -> None:
+        # ``uses`` needs nothing here: host memory is not recycled behind a live reference, and a
+        # deferred ``fn`` keeps its tensors referenced until it has run.
         self._pending.append(fn)
         if not self.deferred:
             self.synchronize()
@@ -98,9 +106,18 @@ class CudaStream:
     def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
         self.stream = stream if stream is not None else torch.cuda.current_stream()
 
-    def submit(self, fn: Callable[[], object]) -> None:
-        with torch.cuda.stream(self.stream):
-            fn()
+    def submit(self, fn: Callable[[], object], *, uses: Sequence[torch.Tensor] = ()) -> None:
+        try:
+            with torch.cuda.stream(self.stream):
+                fn()
+        finally:
+            # The caching allocator gives a freed block straight back to the stream that allocated
+            # it, without waiting for kernels queued on other streams; record_stream makes the
+            # block wait for this stream's work queued so far (also when fn failed after queuing
+            # part of it).
+            for tensor in uses:
+                if tensor.is_cuda:
+                    tensor.record_stream(self.stream)
 
     def record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event()

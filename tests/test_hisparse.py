@@ -5,6 +5,8 @@ The long-running policy check (many steps, many requests) is tests/test_hisparse
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from sparsekv.jit_kernel.hisparse import (
     load_cache_to_device_buffer_mla,
     resolve_block_size,
 )
+from sparsekv.jit_kernel.loader import csrc_root
+from sparsekv.jit_kernel.toolchain import host_compiler
 from sparsekv.testing.reference.hisparse import copy_cache_planned_reference
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes
 
@@ -232,10 +236,19 @@ def _call_args(w, **overrides):
     return args
 
 
+def _sharing(offset):
+    """``top_k_tokens`` and a ``top_k_device_locs`` starting ``offset`` entries into it, in one buffer."""
+    buffer = torch.tensor([20, 2, 21, -1, 29] * 2, dtype=torch.int32)
+    return dict(top_k_tokens=buffer[:K].view(1, K), top_k_device_locs=buffer[offset : offset + K].view(1, K))
+
+
 BAD_INPUTS = [
     (lambda w: dict(top_k_tokens=torch.zeros(1, K, dtype=torch.int64)), TypeError, "top_k_tokens"),
     (lambda w: dict(top_k_tokens=torch.zeros(1, K + 1, dtype=torch.int32)), ValueError, "top_k_tokens"),
     (lambda w: dict(top_k_device_locs=torch.zeros(2, K, dtype=torch.int32)), ValueError, "top_k_device_locs"),
+    # The output aliasing the top-k: the kernel would re-read top-k entries it had overwritten.
+    (lambda w: _sharing(0), ValueError, "top_k_device_locs"),
+    (lambda w: _sharing(K - 1), ValueError, "top_k_device_locs"),
     (lambda w: dict(device_buffer_tokens=w.device_buffer_tokens[:, :H]), ValueError, "device_buffer_tokens"),
     (lambda w: dict(device_buffer_locs=w.device_buffer_locs.to(torch.int64)), TypeError, "device_buffer_locs"),
     (lambda w: dict(device_buffer_locs=torch.zeros(w.max_reqs, H + 2, 2, dtype=torch.int32)[..., 0]),
@@ -273,6 +286,38 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(mutate, exc, na
         load_cache_to_device_buffer_mla(**args)
     after = (w.device_buffer_tokens, w.lru_slots, w.device_buffer, args["top_k_device_locs"])
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_top_k_and_output_may_be_adjacent_views_of_one_buffer():
+    separate, shared = world(), world()
+    for w in (separate, shared):
+        hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    args = _call_args(separate)
+    load_cache_to_device_buffer_mla(**args)
+    views = _sharing(K)
+    load_cache_to_device_buffer_mla(**_call_args(shared, **views))
+    assert torch.equal(views["top_k_device_locs"], args["top_k_device_locs"])
+    assert views["top_k_tokens"].tolist() == args["top_k_tokens"].tolist()
+    assert torch.equal(shared.device_buffer, separate.device_buffer)
+
+
+def test_a_swap_in_instance_too_large_for_shared_memory_fails_to_compile(tmp_path):
+    root = csrc_root()
+
+    def compile_instance(k, h):
+        source = tmp_path / f"swap_in_{k}_{h}.cpp"
+        source.write_text('#include "hisparse.cuh"\n'
+                          f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, 1024, "
+                          "sparsekv::hisparse::LinearRows>) > 0);\n")
+        cmd = [host_compiler(None).path, "-std=c++17", "-fsyntax-only", f"-I{root}", f"-I{root / 'include'}",
+               str(source)]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    largest = max(SWAP_IN.instances)
+    assert compile_instance(largest[0], largest[1]).returncode == 0
+    # A 32,768-entry hash table alone is 320 KiB.
+    result = compile_instance(16384, 16384)
+    assert result.returncode != 0 and "exceeds the 227 KiB of shared memory" in result.stderr
 
 
 def test_dsv4_rejects_a_non_page_row_cache_and_a_wrong_item_size():

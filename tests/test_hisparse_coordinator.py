@@ -13,11 +13,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
+from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
-from sparsekv.srt.streams import CpuStreams
+from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
+from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 TOP_K, HOT, LAYERS = 5, 7, 2
@@ -41,13 +45,34 @@ def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:
     return torch.randint(0, 256, (584,), dtype=torch.uint8, generator=gen)
 
 
+class RecordingStream(CpuStream):
+    """A host stream that keeps every tensor a submit declares in use (what a CUDA stream record_streams)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.declared: list[torch.Tensor] = []
+
+    def submit(self, fn, *, uses=()) -> None:
+        self.declared.extend(uses)
+        super().submit(fn, uses=uses)
+
+
+class RecordingStreams(CpuStreams):
+    def new(self) -> RecordingStream:
+        return RecordingStream()
+
+
 class World:
-    def __init__(self, *, deferred: bool = False, size: int = 2048):
+    def __init__(self, *, deferred: bool = False, size: int = 2048, host_pages: int | None = None,
+                 streams: CpuStreams | None = None):
         self.pool = ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT, dtype=torch.int64))
         self.allocator = HiSparseTokenToKVPoolAllocator(size, 256, host_to_device_ratio=2)
         self.device_pool = HiSparseC4DevicePool(self.allocator, LAYERS, "cpu")
+        host_pool = None if host_pages is None else \
+            DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, host_pages)
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
-                                         device_buffer_size=HOT, streams=CpuStreams(deferred=deferred),
+                                         device_buffer_size=HOT, host_pool=host_pool,
+                                         streams=streams if streams is not None else CpuStreams(deferred=deferred),
                                          collect_counters=True)
         self.host = self.coord.mem_pool_host
         self.rng = random.Random(1234)
@@ -249,3 +274,206 @@ def test_host_token_len_and_alloc_device_buffer_layout():
     after = w.allocator.device_slots(locs).tensor
     assert after[:HOT].tolist() == before[:HOT].tolist() and int(after[-1]) == int(before[-1])
     assert bool((after[HOT:-1] == -1).all())
+
+
+def test_a_hot_buffer_that_does_not_fit_stops_collection_and_keeps_the_rest_queued():
+    w = World(size=768)  # 3 device pages
+    first, second = Req(0, 0, uid=61), Req(1, 0, uid=62)
+    for req in (first, second):
+        w.prefill(req, 16)  # 4 C4 entries: a device page each
+        w.coord.admit_request_into_staging(req)
+    # The first hot buffer (7 + 64 slots) grows into the last free page; the second cannot grow yet.
+    assert w.coord.collect_ready_reqs() == [first]
+    assert [queued for _, queued in w.coord.ack_staging_queue] == [second]
+    assert w.coord._reqs[second.req_pool_idx].staging
+    w.check_ownership([first, second])
+    w.check_results(w.decode_step([first]))
+    w.finish(first)
+    assert w.coord.collect_ready_reqs() == [second]
+    w.check_results(w.decode_step([second]))
+    w.finish(second)
+    w.check_all_free()
+
+
+def _decode_snapshot(w: World) -> list:
+    c = w.coord
+    return [c.req_to_host_pool.clone(), c.req_to_host_pool_allocated_len.clone(), w.host.available_pages,
+            w.allocator.full_to_hisparse_device_index_mapping.clone(),
+            {rid: (s.staging, s.skip_first_backup) for rid, s in c._reqs.items()}, c._pending_backup]
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_a_step_whose_backups_do_not_fit_in_the_host_pool_changes_nothing():
+    w = World(host_pages=3)
+    a, b = Req(0, 0, uid=71), Req(1, 0, uid=72)
+    for req in (a, b):
+        w.direct_transfer(req, 256)  # 64 C4 entries: one host page each, one page left
+        w.coord.admit_request_direct(req)
+    for _ in range(4):
+        w.check_results(w.decode_step([a, b]))
+    # Token 261 backs up entry 64 of both requests: a new host page each, one free.
+    out_locs = []
+    for req in (a, b):
+        req.kv_allocated_len += 1
+        out_locs.append(w.allocator.alloc_decode(w.pool.req_to_token, req.req_pool_idx, req.kv_allocated_len))
+    before = _decode_snapshot(w)
+    with pytest.raises(HostPoolExhaustedError):
+        w.coord.map_last_loc_to_buffer([0, 1], [261, 261], out_locs)
+    assert all(_equal(now, then) for now, then in zip(_decode_snapshot(w), before))
+    w.finish(b)
+    w.coord.map_last_loc_to_buffer([0], [261], out_locs[:1])  # now it fits; entry 64 reaches the host
+    w.coord.decode_backup_stream.synchronize()
+    host_slot = int(w.coord.req_to_host_pool[0, 64])
+    for layer in range(LAYERS):
+        assert torch.equal(token_bytes(w.host.kv_buffer[layer], host_slot, is_dsv4_layout=True),
+                           entry_bytes(a.uid, 64, layer))
+    w.finish(a)
+    w.check_all_free()
+
+
+@pytest.mark.parametrize("other", ["unknown", "staging"])
+def test_a_row_not_admitted_for_decode_is_refused_before_any_row_changes(other):
+    w = World()
+    req = Req(0, 0, uid=81)
+    w.direct_transfer(req, 24)
+    w.coord.admit_request_direct(req)
+    if other == "staging":
+        staged = Req(3, 0, uid=82)
+        w.prefill(staged, 40)
+        w.coord.admit_request_into_staging(staged)
+    req.kv_allocated_len += 1  # 25: the first step, whose backup of entry 5 is skipped
+    loc = w.allocator.alloc_decode(w.pool.req_to_token, 0, req.kv_allocated_len)
+    before = _decode_snapshot(w)
+    with pytest.raises(ValueError, match="request row 3 is not admitted"):
+        w.coord.map_last_loc_to_buffer([0, 3], [25, 41], [loc, 0])
+    assert all(_equal(now, then) for now, then in zip(_decode_snapshot(w), before))
+
+
+def test_side_stream_copies_declare_the_id_tensors_they_read(monkeypatch):
+    # On a GPU the ids are built on the compute stream and read by a copy on a side stream; the
+    # stream must be told (record_stream) or the caching allocator can reuse their memory while the
+    # copy still reads it. CPU streams cannot show the race, so the test checks the declaration.
+    w = World(streams=RecordingStreams())
+    read = []
+    backup = w.host.backup_from_device_all_layer
+
+    def spy(host_indices, device_indices):
+        read.append((host_indices.tensor, device_indices.tensor))
+        backup(host_indices, device_indices)
+
+    monkeypatch.setattr(w.host, "backup_from_device_all_layer", spy)
+    req = Req(0, 0, uid=91)
+    w.prefill(req, 40)
+    w.coord.admit_request_into_staging(req)
+    assert w.coord.collect_ready_reqs() == [req]
+    for _ in range(9):  # tokens 41..49: the first step's backup is skipped, then entries 10 and 11
+        w.decode_step([req])
+    staging, decode = w.coord.write_staging_stream.declared, w.coord.decode_backup_stream.declared
+    assert len(read) == 3
+    for i, tensors in enumerate(read):
+        declared = staging if i == 0 else decode
+        assert all(any(t is d for d in declared) for t in tensors)
+    w.finish(req)
+    w.check_all_free()
+
+
+def test_cuda_stream_submit_records_the_cuda_tensors_it_uses_even_when_fn_fails():
+    class CudaLooking:  # what submit touches of a CUDA tensor
+        is_cuda = True
+
+        def __init__(self) -> None:
+            self.streams = []
+
+        def record_stream(self, stream) -> None:
+            self.streams.append(stream)
+
+    side = torch.cuda.Stream() if torch.cuda.is_available() else object()  # no stream switch without CUDA
+    stream, ids, host_ids = CudaStream(side), CudaLooking(), torch.arange(3)
+    ran = []
+    stream.submit(lambda: ran.append(1), uses=(ids, host_ids))
+    assert ran == [1] and ids.streams == [side]
+
+    def fails():
+        raise RuntimeError("launch failed after queuing part of the work")
+
+    with pytest.raises(RuntimeError, match="launch failed"):
+        stream.submit(fails, uses=(ids,))
+    assert ids.streams == [side, side]
+
+
+def test_a_prefill_not_on_the_device_is_refused_before_host_pages_are_taken():
+    w = World()
+    req = Req(0, 0, uid=101)
+    w.direct_transfer(req, 16)  # logical locations only, and host slots for direct admission
+    free, row = w.host.available_pages, w.coord.req_to_host_pool[0].clone()
+    with pytest.raises(ValueError, match="not on the device"):
+        w.coord.admit_request_into_staging(req)
+    assert w.host.available_pages == free and torch.equal(w.coord.req_to_host_pool[0], row)
+    assert 0 not in w.coord._reqs and w.coord.ack_staging_queue == []
+
+
+def test_a_failed_staging_backup_frees_its_host_pages_and_admits_nothing(monkeypatch):
+    w = World()
+    req = Req(0, 0, uid=111)
+    w.prefill(req, 300)
+
+    def fails(host_indices, device_indices):
+        raise RuntimeError("backup failed")
+
+    monkeypatch.setattr(w.host, "backup_from_device_all_layer", fails)
+    with pytest.raises(RuntimeError, match="backup failed"):
+        w.coord.admit_request_into_staging(req)
+    assert w.host.available_pages == w.host.num_pages
+    assert bool((w.coord.req_to_host_pool[0] == -1).all()) and int(w.coord.req_to_host_pool_allocated_len[0]) == 0
+    assert 0 not in w.coord._reqs and w.coord.ack_staging_queue == []
+    monkeypatch.undo()
+    w.coord.admit_request_into_staging(req)  # the prefill is still the caller's and can be admitted again
+    assert w.coord.collect_ready_reqs() == [req]
+    w.finish(req)
+    w.check_all_free()
+
+
+def test_request_finished_can_be_retried_after_a_free_fails(monkeypatch):
+    w = World()
+    req = Req(0, 0, uid=121)
+    w.prefill(req, 300)
+    w.coord.admit_request_into_staging(req)
+    assert w.coord.collect_ready_reqs() == [req]
+    free = w.host.free
+    calls = []
+
+    def fails_once(slots):
+        calls.append(slots)
+        if len(calls) == 1:
+            raise RuntimeError("free failed")
+        free(slots)
+
+    monkeypatch.setattr(w.host, "free", fails_once)
+    with pytest.raises(RuntimeError, match="free failed"):
+        w.coord.request_finished(req)
+    assert 0 in w.coord._reqs  # still admitted: the retry below releases what is left
+    w.finish(req)
+    w.check_all_free()
+    with pytest.raises(ValueError, match="request row 0 is not admitted"):
+        w.coord.request_finished(req)
+
+
+@given(hot=st.integers(1, 200), count=st.integers(0, 330))
+@example(hot=7, count=66)  # the newest entry's page (not the swapped-in one) has the spare slots
+@example(hot=100, count=130)
+def test_alloc_device_buffer_hands_out_distinct_slots_of_pages_it_owns(hot, count):
+    allocator = HiSparseTokenToKVPoolAllocator(4096, 256)
+    req_to_token = torch.zeros(1, 2048, dtype=torch.int64)
+    locs = allocator.compressed_locs(allocator.alloc_extend(req_to_token, 0, 0, 4 * count))
+    before = allocator.device_slots(locs).tensor
+    need = hot + 64
+    buffer = allocator.alloc_device_buffer(locs, need).tensor
+    assert buffer.numel() == need and buffer.unique().numel() == need
+    assert set(allocator.device_alloc.pages_of(buffer).tolist()) == allocator.device_alloc.used_pages
+    kept = min(count, hot)
+    assert buffer[:kept].tolist() == before[:kept].tolist()
+    if count > hot:
+        assert int(buffer[hot]) == int(before[-1])

@@ -185,6 +185,19 @@ def test_host_memory_is_pinned_exactly_with_cuda():
             DeepSeekV4PagedHostPool("c4", _device_layers(num_layers=1), num_host_pages=1, pin_memory=True)
 
 
+def test_pageable_host_memory_is_refused_for_cuda_device_buffers():
+    class CudaLooking(torch.Tensor):
+        # Only the device is looked at before the refusal, so a host tensor reporting a CUDA
+        # device shows it without a GPU.
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    layers = [t.as_subclass(CudaLooking) for t in _device_layers(num_layers=2)]
+    with pytest.raises(ValueError, match="`pin_memory` is False, but the device buffers are on cuda:0"):
+        DeepSeekV4PagedHostPool("c4", layers, num_host_pages=1, pin_memory=False)
+
+
 @pytest.mark.parametrize("bad, error, match", [
     ([], ValueError, "at least one layer"),
     ([torch.zeros(2, PAGE, dtype=torch.int8)], TypeError, r"`device_buffers`\[0\]"),

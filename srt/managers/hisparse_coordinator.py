@@ -21,9 +21,10 @@ import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
+from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
+from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import Event, StreamFactory, make_streams
 
@@ -171,16 +172,32 @@ class HiSparseCoordinator:
 
         Raises
         ------
+        ValueError
+            Some of the request's C4 entries are not on the device (a prefill allocated with
+            ``with_device=False`` is admitted with :meth:`admit_request_direct`); nothing changed.
         HostPoolExhaustedError
             Not enough host pages; nothing changed.
+        Exception
+            Whatever submitting the backup raised; the host pages allocated for it are freed again
+            and the request is not admitted (its prefill slots stay the caller's).
         """
         rid = req.req_pool_idx
         locs = self._compressed_locs(req)
         device_idx = self.allocator.device_slots(locs)
+        if bool((device_idx.tensor < 0).any()):
+            raise ValueError(f"sparsekv: request row {rid} has C4 entries that are not on the device; a prefill "
+                             "allocated with with_device=False is admitted with admit_request_direct")
+        allocated_before = int(self.req_to_host_pool_allocated_len[rid])
         host_idx = self.mem_pool_host.alloc_paged_token_slots(
             self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, locs.numel())
-        self.write_staging_stream.wait_event(self.streams.current().record_event())
-        self.write_staging_stream.submit(lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx))
+        try:
+            self.write_staging_stream.wait_event(self.streams.current().record_event())
+            self.write_staging_stream.submit(
+                lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx),
+                uses=(host_idx.tensor, device_idx.tensor))
+        except BaseException:
+            self._free_host_slots(rid, keep=allocated_before)
+            raise
         self.ack_staging_queue.append((self.write_staging_stream.record_event(), req))
         self._reqs[rid] = _ReqState(staging=True)
 
@@ -188,7 +205,17 @@ class HiSparseCoordinator:
         """Requests whose staging backup has completed, in admission order, now ready to decode.
 
         Only the completed prefix of the queue counts, agreed on across the TP group (MIN), so
-        every rank admits the same requests. Each gets its hot buffer (:meth:`_install_buffer`).
+        every rank admits the same requests. Each gets its hot buffer (:meth:`_install_buffer`)
+        and leaves the queue, one at a time. A hot buffer the device allocator cannot hold yet
+        stops the collection: that request and the ones behind it stay queued for a later call
+        (every TP rank's allocator holds the same pages, so every rank stops at the same request).
+
+        Raises
+        ------
+        ValueError
+            A queued request's C4 entries are no longer on the device (its slots were freed outside
+            the coordinator). It and the ones behind it stay queued; the ones installed before it
+            by this call are decode-ready but not returned (:meth:`request_finished` releases them).
         """
         ready = 0
         for event, _ in self.ack_staging_queue:
@@ -201,10 +228,16 @@ class HiSparseCoordinator:
             count = torch.tensor([ready], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
             ready = int(count)
-        done, self.ack_staging_queue = self.ack_staging_queue[:ready], self.ack_staging_queue[ready:]
-        for _, req in done:
-            self._install_buffer(req, self._compressed_locs(req), resident=True)
-        return [req for _, req in done]
+        collected = []
+        while len(collected) < ready:
+            _, req = self.ack_staging_queue[0]
+            try:
+                self._install_buffer(req, self._compressed_locs(req), resident=True)
+            except AllocatorExhaustedError:
+                break
+            self.ack_staging_queue.pop(0)
+            collected.append(req)
+        return collected
 
     def alloc_direct_host_slots(self, req: Request, num_entries: int) -> HostSlots:
         """Host slots for a PD direct-to-host transfer of ``num_entries`` C4 entries (positions 0..).
@@ -266,32 +299,54 @@ class HiSparseCoordinator:
 
         The compute stream waits for the previous step's backup first: entry ``p`` stays in slot
         ``H`` for at least three more steps, so that backup is never overtaken.
+
+        Raises
+        ------
+        ValueError
+            A row is unknown or still staging; nothing changed.
+        HostPoolExhaustedError
+            The step's backups need more host pages than are free; nothing changed.
         """
-        compute = self.streams.current()
-        if self._pending_backup is not None:
-            compute.wait_event(self._pending_backup)
-            self._pending_backup = None
         ratio, hot = self.compress_ratio, self.device_buffer_size
-        mapping = self.allocator.full_to_hisparse_device_index_mapping
-        host_ids, device_ids = [], []
+        # Every row is checked, and the host pages of all backups counted, before any row changes:
+        # a row failing halfway would leave earlier rows with host slots no backup fills and with
+        # their first-backup skip spent.
+        rows, pages_needed = [], 0
         for rid, seq_len, out_loc in zip(req_pool_indices, seq_lens, out_cache_loc):
             state = self._reqs.get(rid)
             if state is None or state.staging:
                 raise ValueError(f"sparsekv: request row {rid} is not admitted for decode (unknown or still staging)")
-            if seq_len > 1 and (seq_len - 1) % ratio == 0 and not state.skip_first_backup:
-                p = (seq_len - 1) // ratio - 1
+            completed = seq_len > 1 and (seq_len - 1) % ratio == 0  # the previous token produced an entry
+            backup = (seq_len - 1) // ratio - 1 if completed and not state.skip_first_backup else None
+            if backup is not None:
+                pages_needed += self.mem_pool_host.host_pages_needed(
+                    backup, 1, int(self.req_to_host_pool_allocated_len[rid]))
+            produced = seq_len // ratio - 1 if seq_len % ratio == 0 else None
+            rows.append((rid, state, backup, produced, out_loc))
+        if pages_needed > self.mem_pool_host.available_pages:
+            raise HostPoolExhaustedError(f"sparsekv: this step's decode backups need {pages_needed} host pages, "
+                                         f"{self.mem_pool_host.available_pages} free")
+
+        compute = self.streams.current()
+        if self._pending_backup is not None:
+            compute.wait_event(self._pending_backup)
+            self._pending_backup = None
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        host_ids, device_ids = [], []
+        for rid, state, p, q, out_loc in rows:
+            if p is not None:
                 host_ids.append(self.mem_pool_host.alloc_paged_token_slots(
                     self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, p, 1).tensor)
                 device_ids.append(self.req_to_device_buffer[rid, min(p, hot)].reshape(1))
             state.skip_first_backup = False
-            if seq_len % ratio == 0:
-                q = seq_len // ratio - 1
+            if q is not None:
                 mapping[out_loc // ratio] = self.req_to_device_buffer[rid, min(q, hot)]
         if host_ids:
             host_idx, device_idx = HostSlots(torch.cat(host_ids)), DeviceSlots(torch.cat(device_ids))
             self.decode_backup_stream.wait_event(compute.record_event())
             self.decode_backup_stream.submit(
-                lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx))
+                lambda: self.mem_pool_host.backup_from_device_all_layer(host_idx, device_idx),
+                uses=(host_idx.tensor, device_idx.tensor))
             self._pending_backup = self.decode_backup_stream.record_event()
 
     def swap_in_selected_pages(self, req_pool_indices: torch.Tensor, compressed_seq_lens: torch.Tensor,
@@ -333,9 +388,18 @@ class HiSparseCoordinator:
 
         In-flight copies that touch the request (its staging backup, the last decode backup)
         are waited for first, so no freed page is still being read or written.
+
+        Raises
+        ------
+        ValueError
+            The request row is not admitted (unknown or already finished); or an allocator refuses
+            a free (a page it does not hold as allocated). The request stays admitted then, and a
+            retry frees only what is left.
         """
         rid = req.req_pool_idx
-        state = self._reqs.pop(rid)
+        state = self._reqs.get(rid)
+        if state is None:
+            raise ValueError(f"sparsekv: request row {rid} is not admitted (unknown or already finished)")
         for event, queued in list(self.ack_staging_queue):
             if queued.req_pool_idx == rid:
                 event.synchronize()
@@ -343,21 +407,30 @@ class HiSparseCoordinator:
         if self._pending_backup is not None:
             self._pending_backup.synchronize()
             self._pending_backup = None
+        # Each free (all or nothing) is followed by clearing the record it was read from, and the
+        # state goes last: when a free raises, a retry finds only what is still held.
         locs = self._compressed_locs(req)
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
         if state.staging:
             self.allocator.free_device_buffer(self.allocator.device_slots(locs))
         else:
             self.allocator.free_device_buffer(DeviceSlots(self.req_to_device_buffer[rid].cpu()))
-        mapping = self.allocator.full_to_hisparse_device_index_mapping
+            self.req_to_device_buffer[rid] = -1
         mapping[locs.to(mapping.device)] = -1
-        allocated = int(self.req_to_host_pool_allocated_len[rid])
-        self.mem_pool_host.free(self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, rid, allocated))
-        self.req_to_host_pool[rid] = -1
-        self.req_to_host_pool_allocated_len[rid] = 0
-        self.req_to_device_buffer[rid] = -1
+        self._free_host_slots(rid)
         self.req_device_buffer_tokens[:, rid] = -1
         self.req_device_buffer_token_locs[:, rid] = -1
         self.lru_slots[:, rid] = torch.arange(self.device_buffer_size, dtype=torch.int16)
+        del self._reqs[rid]
+
+    def _free_host_slots(self, rid: int, *, keep: int = 0) -> None:
+        """Free request ``rid``'s host pages past its first ``keep`` slots (a multiple of the page
+        size) and clear them from its row."""
+        allocated = int(self.req_to_host_pool_allocated_len[rid])
+        self.mem_pool_host.free(self.mem_pool_host.allocated_host_indices(
+            self.req_to_host_pool[:, keep:], rid, allocated - keep))
+        self.req_to_host_pool[rid, keep:] = -1
+        self.req_to_host_pool_allocated_len[rid] = keep
 
     # ---- observability ----------------------------------------------------------------
 

@@ -295,14 +295,16 @@ class HiSparseTokenToKVPoolAllocator:
             raise ValueError("sparsekv: argument `compressed_locs` names entries that are not on the device")
         count = slots.numel()
         owned = self.device_alloc.pages_of(slots)
+        # Entries fill their pages in position order, so only the newest entry's page has spare
+        # slots; read it before the swap below moves that entry to column H.
+        newest_page = int(slots[-1]) // dpage if count else 0
         if count > hot + 1:
             slots[[hot, count - 1]] = slots[[count - 1, hot]]
         if count >= need:
             buffer = slots[:need]
         else:
-            # Entries fill their pages in position order, so only the last page has spare slots.
             tail = count % dpage
-            spare_slots = int(slots[-1]) // dpage * dpage + torch.arange(tail, dpage) if tail else \
+            spare_slots = newest_page * dpage + torch.arange(tail, dpage) if tail else \
                 torch.empty(0, dtype=torch.int64)
             missing = need - count - spare_slots.numel()
             new_pages = (self.device_alloc.alloc(-(-missing // dpage)) if missing > 0

@@ -59,14 +59,16 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     layout : {"layer_first", "page_first"}
         Host buffer layout (see the module docstring).
     pin_memory : bool, optional
-        Default: pinned exactly when CUDA is available.
+        Default: pinned exactly when CUDA is available. ``False`` is refused for CUDA device
+        buffers (the kernels read and write the host pages directly).
     page_aligned_only : bool
         Reject token-granular transfers (for pools whose tokens must only move as whole pages).
 
     Raises
     ------
     TypeError, ValueError
-        Device buffers of the wrong dtype, shape, stride or device mix; a bad size or layout.
+        Device buffers of the wrong dtype, shape, stride or device mix; a bad size or layout;
+        ``pin_memory=False`` with CUDA device buffers (nothing is allocated then).
     """
 
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
@@ -79,7 +81,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.item_bytes = V4.page_bytes(slot_page_size)
         self._check_device_buffers(device_buffers)
         super().__init__(layer_num=len(device_buffers), page_size=slot_page_size, num_pages=num_host_pages,
-                         pin_memory=pin_memory)
+                         pin_memory=pin_memory, device=device_buffers[0].device)
         self.name = pool_name
         self.layout = layout
         self.page_aligned_only = page_aligned_only

@@ -34,14 +34,18 @@ class HostKVCache(ABC):
         Host pages; the pool holds ``size = num_pages * page_size`` token slots.
     pin_memory : bool, optional
         Pin the host buffers (default: exactly when CUDA is available).
+    device : torch.device, optional
+        Where the mirrored device buffers live (default: the CPU).
 
     Raises
     ------
     ValueError
-        A non-positive size, or ``pin_memory=True`` without CUDA.
+        A non-positive size, ``pin_memory=True`` without CUDA, or ``pin_memory=False`` for CUDA
+        device buffers.
     """
 
-    def __init__(self, *, layer_num: int, page_size: int, num_pages: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, layer_num: int, page_size: int, num_pages: int, pin_memory: bool | None = None,
+                 device: torch.device | str = "cpu") -> None:
         for name, value in (("layer_num", layer_num), ("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"sparsekv: argument `{name}` must be a positive int, got {value!r}")
@@ -49,6 +53,11 @@ class HostKVCache(ABC):
             pin_memory = torch.cuda.is_available()
         elif pin_memory and not torch.cuda.is_available():
             raise ValueError("sparsekv: argument `pin_memory` is True, but pinning host memory needs CUDA")
+        if not pin_memory and torch.device(device).type == "cuda":
+            # The copy kernels run on the GPU and address the host buffers directly; pageable
+            # memory is not mapped for the device, so the first copy would fault.
+            raise ValueError(f"sparsekv: argument `pin_memory` is False, but the device buffers are on {device}: "
+                             "GPU kernels can only read and write pinned host memory")
         self.layer_num = layer_num
         self.page_size = page_size
         self.num_pages = num_pages

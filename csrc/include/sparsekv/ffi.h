@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsekv/portability.h"
@@ -165,6 +166,32 @@ inline void check_range(int64_t value, int64_t lo, int64_t hi_exclusive, const c
   if (value < lo || value >= hi_exclusive) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be in [" << lo << ", " << hi_exclusive
                               << "), got " << value;
+  }
+}
+
+// The bytes [first, last) a tensor's elements span (first == last when it has none). A strided
+// view spans from its lowest to its highest element, gaps included.
+inline std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
+  if (t.numel() == 0) return {0, 0};
+  const int64_t item = (int64_t{t.dtype().bits} * t.dtype().lanes + 7) / 8;
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < t.ndim(); ++i) {
+    const int64_t reach = (t.size(i) - 1) * t.stride(i) * item;
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr()) + t.byte_offset();
+  return {base + lo, base + hi + item};
+}
+
+// For an output that a kernel writes while it still reads an input: the two must not share
+// memory, or the kernel reads its own writes. Spans are compared, so interleaved views of one
+// buffer (e.g. alternate columns) are refused too although no element is shared.
+inline void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  const auto [a_first, a_last] = byte_span(a);
+  const auto [b_first, b_last] = byte_span(b);
+  if (a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: arguments `" << a_name << "` and `" << b_name
+                              << "` must not share memory (the kernel writes one while reading the other)";
   }
 }
 
