@@ -352,6 +352,21 @@ def test_a_row_not_admitted_for_decode_is_refused_before_any_row_changes(other):
     assert all(_equal(now, then) for now, then in zip(_decode_snapshot(w), before))
 
 
+@pytest.mark.parametrize("rows, seq_lens, locs, message", [
+    ([0], [25, 26], [0], "equal lengths"),
+    ([0, 0], [25, 25], [0, 0], "names a request row twice"),
+])
+def test_malformed_decode_routing_is_refused_before_any_row_changes(rows, seq_lens, locs, message):
+    w = World()
+    req = Req(0, 0, uid=83)
+    w.direct_transfer(req, 24)
+    w.coord.admit_request_direct(req)
+    before = _decode_snapshot(w)
+    with pytest.raises(ValueError, match=message):
+        w.coord.map_last_loc_to_buffer(rows, seq_lens, locs)
+    assert all(_equal(now, then) for now, then in zip(_decode_snapshot(w), before))
+
+
 def test_side_stream_copies_declare_the_id_tensors_they_read(monkeypatch):
     # On a GPU the ids are built on the compute stream and read by a copy on a side stream; the
     # stream must be told (record_stream) or the caching allocator can reuse their memory while the

@@ -303,10 +303,16 @@ class HiSparseCoordinator:
         Raises
         ------
         ValueError
-            A row is unknown or still staging; nothing changed.
+            The three lists differ in length, a row appears twice, or a row is unknown or still
+            staging; nothing changed.
         HostPoolExhaustedError
             The step's backups need more host pages than are free; nothing changed.
         """
+        if not len(req_pool_indices) == len(seq_lens) == len(out_cache_loc):
+            raise ValueError(f"sparsekv: arguments `req_pool_indices`, `seq_lens` and `out_cache_loc` must have equal "
+                             f"lengths, got {len(req_pool_indices)}, {len(seq_lens)} and {len(out_cache_loc)}")
+        if len(set(req_pool_indices)) != len(req_pool_indices):
+            raise ValueError(f"sparsekv: argument `req_pool_indices` names a request row twice: {req_pool_indices}")
         ratio, hot = self.compress_ratio, self.device_buffer_size
         # Every row is checked, and the host pages of all backups counted, before any row changes:
         # a row failing halfway would leave earlier rows with host slots no backup fills and with
