@@ -21,7 +21,9 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="sparsekv", description="JIT kernels, memory planning and HiSparse pools for DeepSeek-V4-class models"
+    )
     parser.add_argument("--version", action="version", version=f"sparsekv {sparsekv.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
