@@ -5,21 +5,17 @@ The names below resolve lazily, so importing a torch-free submodule (e.g. ``kv_l
 pull in tvm-ffi or torch.
 """
 
-import importlib
+from sparsekv._lazy import lazy_getattr
 
 _LAZY = {
-    "JitCompileError": "sparsekv.jit_kernel.loader",
-    "JitCacheMissError": "sparsekv.jit_kernel.loader",
-    "load_jit": "sparsekv.jit_kernel.loader",
-    "KernelFamily": "sparsekv.jit_kernel.registry",
-    "discover": "sparsekv.jit_kernel.registry",
-    "register": "sparsekv.jit_kernel.registry",
+    "JitCompileError": "loader",
+    "JitCacheMissError": "loader",
+    "load_jit": "loader",
+    "KernelFamily": "registry",
+    "discover": "registry",
+    "register": "registry",
 }
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'sparsekv.jit_kernel' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

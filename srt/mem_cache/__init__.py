@@ -4,7 +4,7 @@ The classes resolve lazily from their modules (``from sparsekv.srt.mem_cache imp
 importing one pool does not import the others.
 """
 
-import importlib
+from sparsekv._lazy import lazy_getattr
 
 _LAZY = {
     "BaseSWAKVPool": "base_swa_pool",
@@ -24,8 +24,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
