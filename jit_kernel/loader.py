@@ -276,6 +276,12 @@ def _load(path: Path) -> tvm_ffi.Module:
     return tvm_ffi.load_module(str(path))
 
 
+def _capturing_cuda_graph() -> bool:
+    import torch  # already imported by tvm_ffi; only its CUDA state is read here
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
     """Load ``plan``'s artifact from any cache root, building and publishing it on a miss."""
     entry = plan.entry_name()
@@ -287,6 +293,11 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
             return _load(so)
         except Exception:  # noqa: BLE001 - unloadable artifact: a miss, rebuilt below
             logger.warning("JIT artifact %s does not load; rebuilding", so)
+    if _capturing_cuda_graph():
+        raise JitCacheMissError(
+            f"sparsekv: {entry} is not in the JIT cache and the current CUDA stream is capturing a graph, where a "
+            f"compile would stall or break the capture; load the module (or `sparsekv jit build`) before capturing"
+        )
     if env.jit_strict():
         raise JitCacheMissError(
             f"sparsekv: {entry} is not in the JIT cache ({', '.join(map(str, roots.read))}) and SPARSEKV_JIT_STRICT=1 "

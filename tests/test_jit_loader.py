@@ -316,3 +316,17 @@ def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, countin
         f.write("\n// edited\n")
     load_fresh()
     assert compiles() == 2
+
+
+def test_a_miss_during_cuda_graph_capture_raises_instead_of_compiling(tmp_path, monkeypatch, counting_cxx):
+    import torch
+
+    cxx, log = counting_cxx
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
+    # No GPU here: stand in for torch's capture state, which is all the loader reads.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(loader.JitCacheMissError, match="capturing a graph"):
+        loader.find_or_build(plan_for(CSRC), cache.open_roots())
+    assert not log.exists()
