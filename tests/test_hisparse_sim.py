@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,16 +117,12 @@ def test_synthetic_trace_is_a_drifting_distinct_top_k():
 
 
 def test_sim_tool_reports_both_policies(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import hisparse_sim
-    finally:
-        sys.path.pop(0)
     trace = synthetic_trace(num_requests=2, num_steps=30, num_top_k=8, start_len=100, seed=2)
     trace_path, out = tmp_path / "trace.json", tmp_path / "out.json"
     trace.save(trace_path)
-    hisparse_sim.main(["--trace", str(trace_path), "--hot", "8,16", "--json", str(out), "--plot",
-                       str(tmp_path / "p.png")])
+    subprocess.run([sys.executable, str(REPO / "tools" / "hisparse_sim.py"), "--trace", str(trace_path), "--hot",
+                    "8,16", "--json", str(out), "--plot", str(tmp_path / "p.png")], check=True, capture_output=True,
+                   timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert [r["hot"] for r in rows] == [8, 16]
     for r in rows:
