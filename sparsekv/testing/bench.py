@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -100,7 +101,7 @@ def bar_plot(result: BenchResult, path: str, *, label_key: str, value_keys: Iter
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
-    ax.set_title(f"{result.name} (baseline: {result.baseline})")
+    ax.set_title(textwrap.fill(f"{result.name} (baseline: {result.baseline})", 70), fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
