@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel import cache, loader, toolchain
 from sparsekv.jit_kernel.registry import discover
 from sparsekv.testing.bench import progress
 
@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--backend", choices=loader.BACKENDS, default="cpu")
     build.add_argument("--arch", help="cuda archs, e.g. 9.0a,10.0a (default: SPARSEKV_CUDA_ARCH, ...)")
     sub.add_parser("info", help="cache directory, size and entries")
-    sub.add_parser("clean", help="delete every cached module")
+    clean = sub.add_parser("clean", help="delete cached modules")
+    clean.add_argument("--stale", action="store_true",
+                       help="only entries a load would no longer use (old headers, flags or toolchains)")
 
 
 def _cached_entries() -> list[dict]:
@@ -39,6 +41,18 @@ def _cached_entries() -> list[dict]:
     return found
 
 
+def _is_current(family, instance: tuple, entry: dict) -> bool | None:
+    """Whether a cached entry is what a load would use now (headers, flags and toolchain unchanged);
+    None when its toolchain is not installed here."""
+    try:
+        plan = loader.make_plan(family.name, instance, header=family.header, exports=family.exports,
+                                kernels=family.kernels, backend=entry["backend"], arch=tuple(entry["archs"]) or None,
+                                probe_dir=None)
+    except toolchain.ToolchainError:
+        return None
+    return plan.entry_name() == entry["entry"]
+
+
 def _list() -> int:
     families = discover()
     cached = _cached_entries()
@@ -46,8 +60,12 @@ def _list() -> int:
         print(f"{family.name}  (csrc/{family.header}; exports: {', '.join(family.exports)})")
         for instance in family.instances:
             args = tuple(loader.cpp_template_arg(a) for a in instance)
-            where = [f"{c['backend']}" + (f"[{','.join(c['archs'])}]" if c["archs"] else "")
-                     for c in cached if c["name"] == family.name and c["args"] == args]
+            where = []
+            for c in cached:
+                if c["name"] != family.name or c["args"] != args:
+                    continue
+                state = {True: "", False: " (stale)", None: " (toolchain missing)"}[_is_current(family, instance, c)]
+                where.append(c["backend"] + (f"[{','.join(c['archs'])}]" if c["archs"] else "") + state)
             print(f"  {family.describe(instance):<60} cached: {', '.join(where) or '-'}")
     return 0
 
@@ -84,14 +102,27 @@ def _info() -> int:
     return 0
 
 
-def _clean() -> int:
+def _stale_entries() -> list[Path]:
+    families = discover()
+    stale = []
+    for c in _cached_entries():
+        family = families.get(c["name"])
+        instances = {tuple(loader.cpp_template_arg(a) for a in i): i for i in family.instances} if family else {}
+        instance = instances.get(c["args"])
+        if instance is None or _is_current(family, instance, c) is False:
+            stale.append(Path(c["root"]) / c["entry"])
+    return stale
+
+
+def _clean(only_stale: bool) -> int:
     roots = cache.open_roots()
-    removed = 0
-    for child in list(Path(roots.write).iterdir()):
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-            removed += 1
-    print(f"removed {removed} cache directories from {roots.write}")
+    if only_stale:
+        targets = [p for p in _stale_entries() if p.parent == roots.write]
+    else:
+        targets = [child for child in Path(roots.write).iterdir() if child.is_dir()]
+    for target in targets:
+        shutil.rmtree(target, ignore_errors=True)
+    print(f"removed {len(targets)} {'stale entries' if only_stale else 'cache directories'} from {roots.write}")
     return 0
 
 
@@ -102,4 +133,4 @@ def run(args: argparse.Namespace) -> int:
         return _build(args)
     if args.action == "info":
         return _info()
-    return _clean()
+    return _clean(args.stale)

@@ -47,3 +47,18 @@ def test_jit_build_list_info_clean(tmp_path):
 def test_unknown_family_is_a_usage_error(tmp_path):
     done = run_cli("jit", "build", "no_such_kernel", cache_dir=tmp_path / "cache")
     assert done.returncode == 2 and "unknown families" in done.stderr
+
+
+def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    # An entry built with other flags is one a load would no longer use.
+    monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_OLD_FLAGS=1")
+    assert run_cli("jit", "build", "gather_rows", cache_dir=cache_dir).returncode == 0
+    monkeypatch.delenv("SPARSEKV_EXTRA_CFLAGS")
+    assert run_cli("jit", "build", "gather_rows", cache_dir=cache_dir).returncode == 0
+    lines = [line for line in run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines() if "gather_rows<" in line]
+    assert all(line.count("cpu (stale)") == 1 and line.count("cpu") == 2 for line in lines), lines
+    cleaned = run_cli("jit", "clean", "--stale", cache_dir=cache_dir)
+    assert "removed 2 stale entries" in cleaned.stdout
+    lines = [line for line in run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines() if "gather_rows<" in line]
+    assert all(line.rstrip().endswith("cached: cpu") for line in lines), lines
