@@ -107,40 +107,43 @@ inline void streaming_fence() {
 #endif
 }
 
+// Both kernels move what pairs of ids name (token slots or pages) between two per-layer tables.
+struct IdPairCopy {
+  const uint64_t* src_ptrs;
+  const uint64_t* dst_ptrs;
+  const int64_t* src_ids;
+  const int64_t* dst_ids;
+  int64_t num_ids;
+  int64_t num_layers;
+  int64_t src_page_stride;
+  int64_t dst_page_stride;
+  int64_t src_bound;  // exclusive bound on src ids, kUnknownCount when unknown
+  int64_t dst_bound;
+  bool streaming;  // host: non-temporal stores (see copy_record)
+};
+
 template <class Layout, int64_t PageSlots>
 struct TransferTokens {
   using Paged = kv_layout::PagedKV<Layout, PageSlots>;
+  using Params = IdPairCopy;
   // Host: prefetch this many token-layers ahead (at least the next token).
   static constexpr int64_t kPrefetchTokenLayers = 8;
-  struct Params {
-    const uint64_t* src_ptrs;
-    const uint64_t* dst_ptrs;
-    const int64_t* src_indices;
-    const int64_t* dst_indices;
-    int64_t num_indices;
-    int64_t num_layers;
-    int64_t src_page_stride;
-    int64_t dst_page_stride;
-    int64_t src_num_slots;  // exclusive bound on src ids, kUnknownCount when unknown
-    int64_t dst_num_slots;
-    bool streaming;  // host: non-temporal stores (see copy_record)
-  };
 
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_indices; }
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_ids; }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
-    const int64_t s = p.src_indices[i];
-    const int64_t d = p.dst_indices[i];
-    if (s < 0 || s >= p.src_num_slots || d < 0 || d >= p.dst_num_slots) return;
+    const int64_t s = p.src_ids[i];
+    const int64_t d = p.dst_ids[i];
+    if (s < 0 || s >= p.src_bound || d < 0 || d >= p.dst_bound) return;
 #ifdef SPARSEKV_HISPARSE_COPY_STREAMING
     const int64_t ahead = i + (p.num_layers < kPrefetchTokenLayers ? kPrefetchTokenLayers / p.num_layers : 1);
-    const bool prefetch = ahead < p.num_indices;
+    const bool prefetch = ahead < p.num_ids;
 #endif
     for (int64_t l = 0; l < p.num_layers; ++l) {
 #ifdef SPARSEKV_HISPARSE_COPY_STREAMING
       if (prefetch) {
-        prefetch_token<Paged>(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), p.src_indices[ahead], p.src_page_stride,
-                              reinterpret_cast<const uint8_t*>(p.dst_ptrs[l]), p.dst_indices[ahead], p.dst_page_stride);
+        prefetch_token<Paged>(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), p.src_ids[ahead], p.src_page_stride,
+                              reinterpret_cast<const uint8_t*>(p.dst_ptrs[l]), p.dst_ids[ahead], p.dst_page_stride);
       }
 #endif
       const auto src = Paged::token(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), s, p.src_page_stride);
@@ -154,29 +157,17 @@ struct TransferTokens {
 template <class Layout, int64_t PageSlots>
 struct CopyPages {
   using Paged = kv_layout::PagedKV<Layout, PageSlots>;
-  struct Params {
-    const uint64_t* src_ptrs;
-    const uint64_t* dst_ptrs;
-    const int64_t* src_pages;
-    const int64_t* dst_pages;
-    int64_t num_pages;
-    int64_t num_layers;
-    int64_t src_page_stride;
-    int64_t dst_page_stride;
-    int64_t src_num_pages;  // exclusive bound on src page ids, kUnknownCount when unknown
-    int64_t dst_num_pages;
-    bool streaming;  // host: non-temporal stores (see copy_record)
-  };
+  using Params = IdPairCopy;
 
   // One item per (page pair, layer): a page is 37 KB, worth a warp of its own on the GPU.
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_pages * p.num_layers; }
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_ids * p.num_layers; }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t pair = i / p.num_layers;
     const int64_t l = i - pair * p.num_layers;
-    const int64_t s = p.src_pages[pair];
-    const int64_t d = p.dst_pages[pair];
-    if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.dst_num_pages) return;
+    const int64_t s = p.src_ids[pair];
+    const int64_t d = p.dst_ids[pair];
+    if (s < 0 || s >= p.src_bound || d < 0 || d >= p.dst_bound) return;
     copy_record(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
                reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes,
                 p.streaming);
@@ -267,70 +258,67 @@ inline void check_host_ids(const int64_t* src, const char* src_name, int64_t src
   check_no_conflicting_destinations(dst, src, n, dst_name, src_name);
 }
 
+// Argument names of one id kind, for error messages.
+struct IdNames {
+  const char* src;
+  const char* src_count;
+  const char* dst;
+  const char* dst_count;
+};
+
+// The host entry of both kernels: each id names `id_bytes` bytes per layer; a kernel item moves
+// `item_bytes` (which sizes the host threads).
+template <class K>
+void copy_id_pairs(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_ids, TensorView dst_ids, int64_t src_count,
+                   int64_t dst_count, int64_t src_page_stride, int64_t dst_page_stride, int64_t num_threads,
+                   IdNames names, int64_t id_bytes, int64_t item_bytes) {
+  // 1. Validate the arguments.
+  check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
+  check_ids(src_ids, names.src, src_count, names.src_count, dst_ids, names.dst, dst_count, names.dst_count, src_ptrs);
+
+  // 2. Derive the launch parameters.
+  const int64_t payload = src_ids.size(0) * src_ptrs.size(0) * id_bytes;
+  const IdPairCopy params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
+                          static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
+                          static_cast<const int64_t*>(src_ids.data_ptr()),
+                          static_cast<const int64_t*>(dst_ids.data_ptr()),
+                          src_ids.size(0),
+                          src_ptrs.size(0),
+                          src_page_stride,
+                          dst_page_stride,
+                          bound_or_unknown(src_count),
+                          bound_or_unknown(dst_count),
+                          payload >= kMinStreamingBytes};
+  if (params.num_ids == 0 || params.num_layers == 0) return;
+
+  // 3. Validate every id before any byte moves.
+  check_host_ids(params.src_ids, names.src, params.src_bound, params.dst_ids, names.dst, params.dst_bound,
+                 params.num_ids, src_ptrs);
+
+  // 4. Launch.
+  run<K>(params, src_ptrs.device(), num_threads, item_bytes);
+}
+
 template <class Layout, int64_t PageSlots>
 void transfer_tokens(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_indices, TensorView dst_indices,
                      int64_t src_num_slots, int64_t dst_num_slots, int64_t src_page_stride, int64_t dst_page_stride,
                      int64_t num_threads) {
-  using K = TransferTokens<Layout, PageSlots>;
-  // 1. Validate the arguments.
-  check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
-  check_ids(src_indices, "src_indices", src_num_slots, "src_num_slots", dst_indices, "dst_indices", dst_num_slots,
-            "dst_num_slots", src_ptrs);
-
-  // 2. Derive the launch parameters.
-  const int64_t payload = src_indices.size(0) * src_ptrs.size(0) * Layout::kBytesPerToken;
-  const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
-                                  static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
-                                  static_cast<const int64_t*>(src_indices.data_ptr()),
-                                  static_cast<const int64_t*>(dst_indices.data_ptr()),
-                                  src_indices.size(0),
-                                  src_ptrs.size(0),
-                                  src_page_stride,
-                                  dst_page_stride,
-                                  bound_or_unknown(src_num_slots),
-                                  bound_or_unknown(dst_num_slots),
-                                  payload >= kMinStreamingBytes};
-  if (params.num_indices == 0 || params.num_layers == 0) return;
-
-  // 3. Validate every id before any byte moves.
-  check_host_ids(params.src_indices, "src_indices", params.src_num_slots, params.dst_indices, "dst_indices",
-                 params.dst_num_slots, params.num_indices, src_ptrs);
-
-  // 4. Launch.
-  run<K>(params, src_ptrs.device(), num_threads, params.num_layers * Layout::kBytesPerToken);
+  // One item is a token across all layers.
+  copy_id_pairs<TransferTokens<Layout, PageSlots>>(
+      src_ptrs, dst_ptrs, src_indices, dst_indices, src_num_slots, dst_num_slots, src_page_stride, dst_page_stride,
+      num_threads, {"src_indices", "src_num_slots", "dst_indices", "dst_num_slots"}, Layout::kBytesPerToken,
+      src_ptrs.size(0) * Layout::kBytesPerToken);
 }
 
 template <class Layout, int64_t PageSlots>
 void copy_pages(TensorView src_ptrs, TensorView dst_ptrs, TensorView src_pages, TensorView dst_pages,
                 int64_t src_num_pages, int64_t dst_num_pages, int64_t src_page_stride, int64_t dst_page_stride,
                 int64_t num_threads) {
+  // One item is a page of one layer.
   using K = CopyPages<Layout, PageSlots>;
-  // 1. Validate the arguments.
-  check_tables(src_ptrs, dst_ptrs, K::Paged::kPageBytes, src_page_stride, dst_page_stride);
-  check_ids(src_pages, "src_pages", src_num_pages, "src_num_pages", dst_pages, "dst_pages", dst_num_pages,
-            "dst_num_pages", src_ptrs);
-
-  // 2. Derive the launch parameters.
-  const int64_t payload = src_pages.size(0) * src_ptrs.size(0) * K::Paged::kPageBytes;
-  const typename K::Params params{static_cast<const uint64_t*>(src_ptrs.data_ptr()),
-                                  static_cast<const uint64_t*>(dst_ptrs.data_ptr()),
-                                  static_cast<const int64_t*>(src_pages.data_ptr()),
-                                  static_cast<const int64_t*>(dst_pages.data_ptr()),
-                                  src_pages.size(0),
-                                  src_ptrs.size(0),
-                                  src_page_stride,
-                                  dst_page_stride,
-                                  bound_or_unknown(src_num_pages),
-                                  bound_or_unknown(dst_num_pages),
-                                  payload >= kMinStreamingBytes};
-  if (params.num_pages == 0 || params.num_layers == 0) return;
-
-  // 3. Validate every id before any byte moves.
-  check_host_ids(params.src_pages, "src_pages", params.src_num_pages, params.dst_pages, "dst_pages",
-                 params.dst_num_pages, params.num_pages, src_ptrs);
-
-  // 4. Launch.
-  run<K>(params, src_ptrs.device(), num_threads, K::Paged::kPageBytes);
+  copy_id_pairs<K>(src_ptrs, dst_ptrs, src_pages, dst_pages, src_num_pages, dst_num_pages, src_page_stride,
+                   dst_page_stride, num_threads, {"src_pages", "src_num_pages", "dst_pages", "dst_num_pages"},
+                   K::Paged::kPageBytes, K::Paged::kPageBytes);
 }
 
 }  // namespace sparsekv::hisparse_copy
