@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sparsekv.testing.hisparse_traces import RequestTrace, Trace, replay, synthetic_trace
 from sparsekv.testing.strategies.hisparse import make_world
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def brute_force_min_loads(steps: list[tuple[int, list[int]]], hot: int) -> int:

@@ -27,7 +27,7 @@ from sparsekv.srt.model_executor.pool_configurator import (
 )
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN_COPY = REPO / "tests" / "golden" / "memory_plans.json"
 GOLDEN_SHARED = REPO.parent / "shared" / "golden" / "memory_plans.json"
 GOLDEN = json.loads(GOLDEN_COPY.read_text())

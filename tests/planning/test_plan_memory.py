@@ -14,7 +14,7 @@ from sparsekv.cli import main
 from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import min_budget_bytes, min_swa_ratio
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN_PATH = REPO / "tests" / "golden" / "memory_plans.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())
 BY_NAME = {c["name"]: c for c in GOLDEN}

@@ -20,7 +20,7 @@ from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import fixes
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
 
-GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "memory_plans.json"
+GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "memory_plans.json"
 CASES = ("flash-pp1-40GiB", "flash-pp4-40GiB", "mixed-09", "gemma-like-hybrid-swa-40GiB",
          "flash-pp1-2.55GiB-swa-floor", "mixed-02")
 
