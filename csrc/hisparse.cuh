@@ -69,8 +69,12 @@ struct PagedRows {
   }
 };
 
-// DSV4 C4: V4 tokens (584 B), 64-slot pages of 37,440 B.
-struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, 64>> {};
+// DSV4 C4: V4 tokens (584 B) in pages of PageSlots slots (32, 64 or 128: full-token pages of 128, 256
+// or 512 tokens; 37,440 B for 64 slots).
+template <int PageSlots>
+struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, PageSlots>> {
+  static_assert(PageSlots == 32 || PageSlots == 64 || PageSlots == 128, "hisparse: C4 pages hold 32, 64 or 128 slots");
+};
 
 template <class Layout>
 inline constexpr bool kIsPaged = !std::is_same_v<Layout, LinearRows>;

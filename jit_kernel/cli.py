@@ -41,13 +41,13 @@ def _cached_entries() -> list[dict]:
     return found
 
 
-def _is_current(family, instance: tuple, entry: dict) -> bool | None:
+def _is_current(family, instance: dict, entry: dict) -> bool | None:
     """Whether a cached entry is what a load would use now (headers, flags and toolchain unchanged);
     None when its toolchain is not installed here."""
     try:
-        plan = loader.make_plan(family.name, instance, header=family.header, exports=family.exports,
-                                kernels=family.kernels, backend=entry["backend"], arch=tuple(entry["archs"]) or None,
-                                probe_dir=None)
+        plan = loader.make_plan(family.name, family.template_args(instance), header=family.header,
+                                exports=family.exports, kernels=family.kernels, backend=entry["backend"],
+                                arch=tuple(entry["archs"]) or None, probe_dir=None)
     except toolchain.ToolchainError:
         return None
     return plan.entry_name() == entry["entry"]
@@ -59,7 +59,7 @@ def _list() -> int:
     for family in families.values():
         print(f"{family.name}  (csrc/{family.header}; exports: {', '.join(family.exports)})")
         for instance in family.instances:
-            args = tuple(loader.cpp_template_arg(a) for a in instance)
+            args = tuple(loader.cpp_template_arg(a) for a in family.template_args(instance))
             where = []
             for c in cached:
                 if c["name"] != family.name or c["args"] != args:
@@ -87,7 +87,7 @@ def _build(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for i, (family, instance) in enumerate(jobs):
         progress(i, len(jobs), f"{family.describe(instance)} [{args.backend}]")
-        family.module(*instance, backend=args.backend, arch=args.arch)
+        family.module(**instance, backend=args.backend, arch=args.arch)
     progress(len(jobs), len(jobs), "done")
     print(f"built {len(jobs)} module instances for the {args.backend} backend in {time.perf_counter() - start:.1f} s")
     return 0
@@ -107,7 +107,8 @@ def _stale_entries() -> list[Path]:
     stale = []
     for c in _cached_entries():
         family = families.get(c["name"])
-        instances = {tuple(loader.cpp_template_arg(a) for a in i): i for i in family.instances} if family else {}
+        instances = ({tuple(loader.cpp_template_arg(a) for a in family.template_args(i)): i for i in family.instances}
+                     if family else {})
         instance = instances.get(c["args"])
         if instance is None or _is_current(family, instance, c) is False:
             stale.append(Path(c["root"]) / c["entry"])

@@ -18,12 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 
-#: Slots per C4 page for full-token page sizes 128, 256 and 512 (the C4 page is page_size / 4).
-PAGE_SLOTS = (32, 64, 128)
+#: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.jit_kernel.kv_layout`).
+PAGE_SLOTS = C4_PAGE_SLOTS
 _PAGE_BYTES = {p: V4.page_bytes(p) for p in PAGE_SLOTS}
+
+
+def _complete(*, page_slots: int) -> tuple:
+    """Template arguments ``<Layout, PageSlots>``: the V4 token layout and a C4 page-slot count."""
+    return V4.cpp_type, check_choice("hisparse_copy", "page_slots", page_slots, PAGE_SLOTS)
+
 
 HISPARSE_COPY = register(
     KernelFamily(
@@ -34,8 +40,9 @@ HISPARSE_COPY = register(
             "copy_pages": "sparsekv::hisparse_copy::copy_pages",
         },
         kernels=("sparsekv::hisparse_copy::TransferTokens", "sparsekv::hisparse_copy::CopyPages"),
-        params=("layout", "page_slots"),
-        instances=tuple((V4.cpp_type, p) for p in PAGE_SLOTS),
+        params=("page_slots",),
+        complete=_complete,
+        instances=tuple({"page_slots": p} for p in PAGE_SLOTS),
     )
 )
 
@@ -123,7 +130,7 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
                 raise TypeError(f"sparsekv: argument `{name}` must have dtype int64, got {ids.dtype}")
         if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape:
             check_copy_ids_on_device(src_ids, dst_ids, src_count, dst_count, names)
-    module = HISPARSE_COPY.module(V4.cpp_type, page_slots, backend=backend)
+    module = HISPARSE_COPY.module(page_slots=page_slots, backend=backend)
     getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride,
                             torch.get_num_threads())
 

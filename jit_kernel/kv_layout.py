@@ -154,3 +154,24 @@ INDEXER_FP8 = KVLayout("INDEXER_FP8", "IndexerFp8", value_bytes=128, scale_bytes
 INDEXER_FP4 = KVLayout("INDEXER_FP4", "IndexerFp4", value_bytes=64, scale_bytes=4, page_align=1)
 
 LAYOUTS: dict[str, KVLayout] = {layout.name: layout for layout in (V4, V41, V41_FP4, INDEXER_FP8, INDEXER_FP4)}
+
+#: Full-token page sizes a DSV4 deployment may use (tokens per page of the uncompressed KV).
+DSV4_PAGE_SIZES = (128, 256, 512)
+#: Compression ratio of the C4 (CSA) cache: one compressed slot per 4 tokens.
+C4_RATIO = 4
+#: Token slots per C4 page, one per full-token page size: the single source of every C4 page-slot
+#: count (pools, allocators, the coordinator and the kernels' ``page_slots`` parameter).
+C4_PAGE_SLOTS = tuple(p // C4_RATIO for p in DSV4_PAGE_SIZES)
+
+
+def c4_page_slots(page_size: int) -> int:
+    """Slots of one C4 page for a full-token ``page_size`` (128 -> 32, 256 -> 64, 512 -> 128).
+
+    Raises
+    ------
+    ValueError
+        ``page_size`` is not one of :data:`DSV4_PAGE_SIZES`.
+    """
+    if isinstance(page_size, bool) or page_size not in DSV4_PAGE_SIZES:
+        raise ValueError(f"sparsekv: argument `page_size` must be one of {DSV4_PAGE_SIZES}, got {page_size!r}")
+    return page_size // C4_RATIO

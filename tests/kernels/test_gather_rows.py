@@ -7,13 +7,13 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.gather_rows import GATHER_ROWS, INDEX_TYPES, gather_rows
+from sparsekv.jit_kernel.gather_rows import GATHER_ROWS, gather_rows
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.reference.gather_rows import gather_rows_reference
 from sparsekv.testing.strategies.gather_rows import gather_case
 
 BACKENDS = kernel_backends()
-INDEX_DTYPES = [dtype for dtype, cpp in INDEX_TYPES.items() if (cpp,) in GATHER_ROWS.instances]
+INDEX_DTYPES = [values["index_dtype"] for values in GATHER_ROWS.instances]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,6 +80,8 @@ def test_index_dtype_outside_the_table_is_rejected():
         gather_rows(dst, torch.tensor([0], dtype=torch.int16), src, torch.tensor([0], dtype=torch.int16))
 
 
-def test_unknown_instance_is_rejected_with_the_table():
-    with pytest.raises(ValueError, match="supported"):
-        GATHER_ROWS.module("int8_t")
+def test_an_invalid_instance_is_rejected_before_compiling():
+    with pytest.raises(ValueError, match="`index_dtype` must be one of"):
+        GATHER_ROWS.module(index_dtype=torch.int8)
+    with pytest.raises(ValueError, match="no parameter 'index_type'"):
+        GATHER_ROWS.module(index_type="int8_t")

@@ -15,7 +15,6 @@ from sparsekv.jit_kernel.hisparse import (
     SWAP_IN,
     copy_cache_planned_mla,
     load_cache_to_device_buffer_mla,
-    resolve_block_size,
 )
 from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
@@ -160,8 +159,7 @@ def test_replaying_the_plan_into_a_second_layer_moves_the_same_tokens(is_dsv4_la
     plan = [list(zip(res["miss_src"][b, : res["miss_count"][b]].tolist(),
                      res["miss_dst"][b, : res["miss_count"][b]].tolist())) for b in range(2)]
     assert sum(len(p) for p in plan) == 3 + 5
-    assert torch.equal(device2, copy_cache_planned_reference(plan, host2, device2_before,
-                                                             is_dsv4_layout=is_dsv4_layout))
+    assert torch.equal(device2, copy_cache_planned_reference(plan, host2, device2_before, page_slots=w.page_slots))
     for b, rid in enumerate([0, 1]):
         for i, tok in enumerate([[8, 3, 9, 8, 13], [30, 31, 2, 33, 34]][b]):
             if (rid, tok) in ((0, 3),):
@@ -313,8 +311,8 @@ def test_a_swap_in_instance_too_large_for_shared_memory_fails_to_compile(tmp_pat
                str(source)]
         return subprocess.run(cmd, capture_output=True, text=True)
 
-    largest = max(SWAP_IN.instances)
-    assert compile_instance(largest[0], largest[1]).returncode == 0
+    largest = max((v["num_top_k"], v["hot_buffer_size"]) for v in SWAP_IN.instances)
+    assert compile_instance(*largest).returncode == 0
     # A 32,768-entry hash table alone is 320 KiB.
     result = compile_instance(16384, 16384)
     assert result.returncode != 0 and "exceeds the 227 KiB of shared memory" in result.stderr
@@ -330,11 +328,11 @@ def test_dsv4_rejects_a_non_page_row_cache_and_a_wrong_item_size():
         load_cache_to_device_buffer_dsv4_mla(**_call_args(w, item_size_bytes=576))
 
 
-def test_an_unsupported_shape_names_the_supported_instances():
-    with pytest.raises(ValueError, match="no instance"):
-        resolve_block_size(6, 7, False, None)
-    assert all(k <= h < 32768 for k, h, *_ in SWAP_IN.instances)
-    assert {layout for (layout,) in PLANNED.instances} == {layout for *_, layout in SWAP_IN.instances}
+def test_every_table_layout_has_a_plan_replay_instance():
+    def layout(values):
+        return values["layout"], values.get("page_slots")
+
+    assert {layout(v) for v in SWAP_IN.instances} <= {layout(v) for v in PLANNED.instances}
 
 
 def test_index_check_reads_only_the_shapes_of_the_caches():

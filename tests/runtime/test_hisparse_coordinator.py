@@ -82,7 +82,7 @@ class World:
         for layer in range(LAYERS):
             for pos, slot in zip(positions, slots):
                 write_token(self.device_pool.kv_buffer[layer], int(slot), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=64)
 
     def prefill(self, req: Req, prompt_len: int) -> None:
         self.allocator.alloc_extend(self.pool.req_to_token, req.req_pool_idx, 0, prompt_len)
@@ -99,7 +99,7 @@ class World:
         for layer in range(LAYERS):
             for pos in range(n):
                 write_token(self.host.kv_buffer[layer], int(host[pos]), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=64)
 
     def decode_step(self, reqs: list[Req]) -> list[tuple[Req, int, list[int], list[int]]]:
         """One decode step for ``reqs``: allocate, route, write the new C4 entry, swap in every layer."""
@@ -140,7 +140,7 @@ class World:
                 if not (0 <= tok < n and fast_used):
                     assert loc == -1, (req, layer, top_k, out)
                     continue
-                got = token_bytes(self.device_pool.kv_buffer[layer], loc, is_dsv4_layout=True)
+                got = token_bytes(self.device_pool.kv_buffer[layer], loc, page_slots=64)
                 assert torch.equal(got, entry_bytes(req.uid, tok, layer)), (req.uid, tok, layer, loc)
                 loaded += 1
         return loaded
@@ -328,7 +328,7 @@ def test_a_step_whose_backups_do_not_fit_in_the_host_pool_changes_nothing():
     w.coord.decode_backup_stream.synchronize()
     host_slot = int(w.coord.req_to_host_pool[0, 64])
     for layer in range(LAYERS):
-        assert torch.equal(token_bytes(w.host.kv_buffer[layer], host_slot, is_dsv4_layout=True),
+        assert torch.equal(token_bytes(w.host.kv_buffer[layer], host_slot, page_slots=64),
                            entry_bytes(a.uid, 64, layer))
     w.finish(a)
     w.check_all_free()

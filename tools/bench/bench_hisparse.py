@@ -28,16 +28,16 @@ import copy
 import torch
 
 from sparsekv.jit_kernel.hisparse import (
-    DSV4_PAGE_SLOTS,
     load_cache_to_device_buffer_dsv4_mla,
     load_cache_to_device_buffer_mla,
     swap_in_module,
 )
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.jit_kernel.kv_layout import V4, c4_page_slots
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 ITEM_BYTES = V4.bytes_per_token
+DSV4_PAGE_SLOTS = c4_page_slots(256)
 
 
 class Case:

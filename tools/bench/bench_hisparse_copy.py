@@ -81,7 +81,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool) -
     src_ids, dst_ids = torch.randperm(n, generator=gen), torch.randperm(n, generator=gen)
     src_pages, dst_pages = torch.randperm(pages, generator=gen), torch.randperm(pages, generator=gen)
     src_ptrs, dst_ptrs = pointer_table(src), pointer_table(dst)
-    module = HISPARSE_COPY.module(V4.cpp_type, PAGE_SLOTS)
+    module = HISPARSE_COPY.module(page_slots=PAGE_SLOTS)
     payload = n * layers * V4.bytes_per_token
     a = host_buffer((payload,), thp).fill_(1)
     b = host_buffer((payload,), thp).fill_(0)

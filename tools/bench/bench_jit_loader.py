@@ -19,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import torch
 import tvm_ffi.cpp
 
 from sparsekv.jit_kernel import cache, loader
@@ -29,7 +30,7 @@ FRESH_PROCESS = textwrap.dedent("""
     import time, torch
     from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
     start = time.perf_counter()
-    GATHER_ROWS.module("int64_t", backend={backend!r}, arch={arch!r})
+    GATHER_ROWS.module(index_dtype=torch.int64, backend={backend!r}, arch={arch!r})
     print((time.perf_counter() - start) * 1e6)
 """)
 
@@ -74,8 +75,8 @@ def main() -> None:
     for i, (backend, arch) in enumerate(backends):
         progress(i, steps, f"{backend}: cold build + warm loads")
         cold = cold_build_s(backend, arch)
-        GATHER_ROWS.module("int64_t", backend=backend, arch=arch)
-        in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module("int64_t", backend=b, arch=a))
+        GATHER_ROWS.module(index_dtype=torch.int64, backend=backend, arch=arch)
+        in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module(index_dtype=torch.int64, backend=b, arch=a))
         fresh = fresh_process_warm_us(backend, arch, 2 if args.quick else args.fresh_runs)
         result.rows.append({"backend": backend, "arch": arch, "cold_build_s": round(cold, 3),
                             "warm_in_process_us": round(in_process.median_s * 1e6, 3),
