@@ -14,8 +14,6 @@ one import.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparsekv import env
@@ -24,15 +22,21 @@ from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
 
 __all__ = [
+    "CHECK_ONLY",
+    "CHECK_THEN_RUN",
     "COUNTERS",
     "LAYOUTS",
     "PLANNED",
+    "RUN",
     "SHARED_MEMORY_LIMIT",
     "SWAP_IN",
+    "SWAP_IN_ARGS",
     "copy_cache_planned_mla",
     "default_block_size",
+    "host_check_args",
     "load_cache_to_device_buffer_dsv4_mla",
     "load_cache_to_device_buffer_mla",
+    "swap_in_args",
     "swap_in_module",
     "swap_in_shared_bytes",
     "transfer_cache_dsv4_mla",
@@ -109,10 +113,7 @@ SWAP_IN = register(
     KernelFamily(
         name="hisparse",
         header="hisparse.cuh",
-        exports={
-            "load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer",
-            "check_load_cache_indices": "sparsekv::hisparse::check_load_cache_indices",
-        },
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer"},
         kernels=("sparsekv::hisparse::SwapIn",),
         params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
         complete=_complete_swap_in,
@@ -144,13 +145,6 @@ PLANNED = register(
 
 #: Counter slots of the optional ``counters`` tensor.
 COUNTERS = ("hits", "misses", "bytes")
-
-
-@functools.cache
-def _absent(dtype: torch.dtype) -> torch.Tensor:
-    # A 0-dim tensor tells the C++ entry that an optional argument was omitted (never a real value:
-    # every optional argument is 1-D or 2-D). Cached, so the hot path allocates nothing.
-    return torch.empty((), dtype=dtype)
 
 
 def _layout_values(is_dsv4_layout: bool, page_slots: int | None) -> dict:
@@ -186,40 +180,64 @@ def _page_slots(is_dsv4_layout: bool, page_slots: int | None, device_buffer: tor
     return _SLOTS_OF_PAGE_BYTES.get(device_buffer.shape[-1] if device_buffer.dim() == 2 else -1, 64)
 
 
-def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
-          device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
-          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots) -> None:
-    plan = (miss_src, miss_dst, miss_count)
-    if any(t is None for t in plan) and not all(t is None for t in plan):
-        raise ValueError("sparsekv: arguments `miss_src`, `miss_dst` and `miss_count` go together: pass all or none")
-    backend = backend_of(top_k_tokens)
-    page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
-    module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                            block_size=block_size, backend=backend)
-    args = [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-            top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
-            _absent(torch.int32) if num_real_reqs is None else num_real_reqs,
-            _absent(torch.int64) if miss_src is None else miss_src,
-            _absent(torch.int64) if miss_dst is None else miss_dst,
-            _absent(torch.int32) if miss_count is None else miss_count,
-            _absent(torch.int64) if counters is None else counters]
-    if env.check_indices():
-        # Debug mode: every index is followed on the host before the kernel runs. On the GPU that
-        # means host copies of the tables (a sync); the caches are only measured, so they are
-        # replaced by zero-copy stand-ins of the same shape.
-        if backend == "cpu":
-            module.check_load_cache_indices(*args)
-        else:
-            host_args = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
-                         for i, a in enumerate(args)]
-            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                           block_size=block_size, backend="cpu").check_load_cache_indices(*host_args)
-    module.load_cache_to_device_buffer(*args)
+#: ``index_check`` modes of the C++ entries (``IndexCheck`` in ``csrc/include/sparsekv/ffi.h``).
+RUN, CHECK_ONLY, CHECK_THEN_RUN = 0, 1, 2
+
+#: Positional arguments of the C++ swap-in entry, in order (see :func:`swap_in_args`).
+SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs", "host_cache",
+                "device_buffer", "top_k_device_locs", "req_pool_indices", "seq_lens", "lru_slots", "item_size_bytes",
+                "num_real_reqs", "miss_src", "miss_dst", "miss_count", "counters", "index_check")
+
+
+def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+                 top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, *, num_real_reqs=None,
+                 miss_src=None, miss_dst=None, miss_count=None, counters=None, index_check: int = RUN) -> list:
+    """The argument list of the C++ entry ``load_cache_to_device_buffer`` (the one place its order is
+    written: the wrapper, the tests and the benchmark all build it here). Optional tensors stay None."""
+    return [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+            top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src,
+            miss_dst, miss_count, counters, index_check]
+
+
+def host_check_args(args: list, index_check: int = CHECK_ONLY) -> list:
+    """``args`` for the index-check pass of the cpu build: host copies of the tables and one-row
+    stand-ins of the two caches (the pass reads only their shapes), with ``index_check`` set."""
+    out = []
+    for name, value in zip(SWAP_IN_ARGS, args):
+        if name in ("host_cache", "device_buffer"):
+            value = _stand_in(value)
+        elif isinstance(value, torch.Tensor):
+            value = value.cpu()
+        out.append(value)
+    out[-1] = index_check
+    return out
 
 
 def _stand_in(cache: torch.Tensor) -> torch.Tensor:
     """A host tensor with ``cache``'s shape, dtype and a unit last stride, backed by one row."""
     return torch.empty((1, cache.shape[-1]), dtype=cache.dtype).expand(cache.shape) if cache.dim() == 2 else cache.cpu()
+
+
+def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+          device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
+          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots) -> None:
+    backend = backend_of(top_k_tokens)
+    page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
+    module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                            block_size=block_size, backend=backend)
+    args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+                        device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
+                        num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
+                        counters=counters)
+    if env.check_indices():
+        if backend == "cpu":
+            args[-1] = CHECK_THEN_RUN
+        else:
+            # Debug mode on the GPU: the cpu build follows every index on host copies of the tables (a
+            # sync) before the kernel runs; the caches are only measured, so they are stand-ins.
+            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                           block_size=block_size, backend="cpu").load_cache_to_device_buffer(*host_check_args(args))
+    module.load_cache_to_device_buffer(*args)
 
 
 def load_cache_to_device_buffer_mla(
@@ -302,13 +320,17 @@ def load_cache_to_device_buffer_mla(
     TypeError
         A tensor has the wrong dtype (the message names it).
     ValueError
-        Wrong shape, stride or device; ``top_k_device_locs`` sharing memory with ``top_k_tokens``;
+        Wrong shape, stride or device; an argument the kernel writes (``top_k_device_locs``,
+        ``device_buffer_tokens``, ``lru_slots``, ``device_buffer``, the plan, ``counters``) sharing
+        memory with any other argument (the message names both); a 0-dim optional tensor;
         ``H < K``; ``(K, H)`` whose per-request scratch exceeds the GPU's 227 KiB of shared memory
         (:func:`swap_in_shared_bytes`; raised before anything compiles).
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
-        before anything is written; ``ValueError`` for an LRU row that is not a permutation or a
-        request named by two real rows). Without it the kernel skips such entries instead of faulting.
+        before anything is written; ``ValueError`` for an LRU row that is not a permutation, a
+        request named by two real rows, or a device slot named by two hot slots, which could receive
+        two copies: distinct ``device_buffer_locs`` are otherwise the caller's duty). Without it the
+        kernel skips out-of-range entries instead of faulting.
     """
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
@@ -370,7 +392,8 @@ def copy_cache_planned_mla(
 
     For ``b < num_real_reqs[0]`` and ``m < miss_count[b]``: the token at host slot ``miss_src[b, m]``
     is copied to device slot ``miss_dst[b, m]``. The slot and LRU tables are the anchor layer's, so
-    nothing but ``device_buffer`` changes. Entries with an out-of-range slot are skipped.
+    nothing but ``device_buffer`` changes. Entries with an out-of-range slot (the swap-in records -1
+    for a copy it skipped) are skipped, unless ``SPARSEKV_CHECK_INDICES=1`` rejects them.
 
     Parameters
     ----------
@@ -390,10 +413,21 @@ def copy_cache_planned_mla(
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape, stride or device (the message names the argument).
+        Wrong dtype, shape, stride or device (the message names the argument); ``device_buffer``
+        sharing memory with another argument; a host-readable plan naming one device slot twice
+        with different host slots (on the device, distinct destinations are the caller's duty).
+    IndexError
+        With ``SPARSEKV_CHECK_INDICES=1``: a planned entry out of range, negative ones included.
     """
     backend = backend_of(miss_src)
     values = _layout_values(is_dsv4_layout, _page_slots(is_dsv4_layout, page_slots, device_buffer))
     module = PLANNED.module(backend=backend, **values)
-    module.copy_cache_planned(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer,
-                              item_size_bytes)
+    args = [miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer, item_size_bytes, RUN]
+    if env.check_indices():
+        if backend == "cpu":
+            args[-1] = CHECK_THEN_RUN
+        else:
+            host = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
+                    for i, a in enumerate(args[:-1])]
+            PLANNED.module(backend="cpu", **values).copy_cache_planned(*host, CHECK_ONLY)
+    module.copy_cache_planned(*args)

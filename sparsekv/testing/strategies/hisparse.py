@@ -37,6 +37,7 @@ class SwapInWorld:
     device_buffer_locs: torch.Tensor
     device_buffer_tokens: torch.Tensor
     lru_slots: torch.Tensor
+    backend: str = "cpu"  # where swap_in runs the kernel (the world's tensors stay on the CPU)
 
     @property
     def is_dsv4_layout(self) -> bool:
@@ -71,11 +72,14 @@ class SwapInWorld:
     def swap_in(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                 num_real_reqs: int | None = None, plan: bool = False, miss_dst_dtype: torch.dtype = torch.int64,
                 counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> dict:
-        """Run the kernel (cpu backend) on this world, in place; return its outputs.
+        """Run the kernel on this world's backend, in place; return its outputs.
 
-        The output starts filled with a stale value, so an entry the kernel forgets shows up.
+        The output starts filled with a stale value, so an entry the kernel forgets shows up. On a
+        non-cpu backend the cpu build runs first on copies and must agree on every tensor
+        (:func:`~sparsekv.testing.backends.run_on_backend`).
         """
         from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
+        from sparsekv.testing.backends import run_on_backend
 
         bs = len(rids)
         out = torch.full((bs, self.num_top_k), 31337, dtype=torch.int32)
@@ -87,10 +91,16 @@ class SwapInWorld:
         if num_real_reqs is not None:
             extra["num_real_reqs"] = torch.tensor([num_real_reqs], dtype=torch.int32)
         fn = load_cache_to_device_buffer_dsv4_mla if self.is_dsv4_layout else load_cache_to_device_buffer_mla
-        fn(torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
-           self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer, out,
-           torch.tensor(rids, dtype=index_dtype), torch.tensor(seq_lens, dtype=index_dtype), self.lru_slots,
-           self.item_size_bytes, self.num_top_k, self.hot, counters=counters, **extra)
+        layout = {"page_slots": self.page_slots} if self.is_dsv4_layout else {}
+        tensors = dict(top_k_tokens=torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k),
+                       device_buffer_tokens=self.device_buffer_tokens, host_cache_locs=self.host_cache_locs,
+                       device_buffer_locs=self.device_buffer_locs, host_cache=self.host_cache,
+                       device_buffer=self.device_buffer, top_k_device_locs=out,
+                       req_pool_indices=torch.tensor(rids, dtype=index_dtype),
+                       seq_lens=torch.tensor(seq_lens, dtype=index_dtype), lru_slots=self.lru_slots,
+                       counters=counters, **extra)
+        run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
+                       hot_buffer_size=self.hot, **layout)
         return dict(out=out, **extra)
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
@@ -119,11 +129,13 @@ def random_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def make_world(num_top_k: int, hot: int, *, is_dsv4_layout: bool, max_reqs: int, max_len: int, seed: int,
-               item_size_bytes: int = 12, columns: int | None = None, page_slots: int = 64) -> SwapInWorld:
+               item_size_bytes: int = 12, columns: int | None = None, page_slots: int = 64,
+               backend: str = "cpu") -> SwapInWorld:
     """Build a :class:`SwapInWorld` with shuffled, distinct host and device slots.
 
     ``columns`` is the width of the buffer tables (``H + page_slots`` for DSV4, default ``H + 2``
-    otherwise); ``page_slots`` is the DSV4 C4 page's slot count (ignored for the generic layout).
+    otherwise); ``page_slots`` is the DSV4 C4 page's slot count (ignored for the generic layout);
+    ``backend`` is where :meth:`SwapInWorld.swap_in` runs the kernel.
     """
     gen = torch.Generator().manual_seed(seed)
     if is_dsv4_layout:
@@ -148,7 +160,7 @@ def make_world(num_top_k: int, hot: int, *, is_dsv4_layout: bool, max_reqs: int,
         host_cache=host_cache, device_buffer=device_buffer, host_cache_locs=host_locs.to(torch.int64).contiguous(),
         device_buffer_locs=device_locs.to(torch.int32).contiguous(),
         device_buffer_tokens=torch.full((max_reqs, columns), -1, dtype=torch.int32),
-        lru_slots=torch.zeros((max_reqs, hot), dtype=torch.int16),
+        lru_slots=torch.zeros((max_reqs, hot), dtype=torch.int16), backend=backend,
     )
     for rid in range(max_reqs):
         world.reset_request(rid, resident=False)
