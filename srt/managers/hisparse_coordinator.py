@@ -383,7 +383,8 @@ class HiSparseCoordinator:
             self.req_device_buffer_token_locs[layer_id], self.mem_pool_host.kv_buffer[layer_id],
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
-            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size)
+            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
+            page_slots=self.page_size)
         return out
 
     # ---- release ----------------------------------------------------------------------
