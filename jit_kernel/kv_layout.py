@@ -18,7 +18,7 @@ layout                  value record                  scale record              
 ``INDEXER_FP4``         64 packed e2m1                4 UE8M0                      68     1 *
 ======================  ============================  ===========================  =====  ==========
 
-``*`` The references give no page alignment for these two; we chose one: ``V41_FP4`` follows the
+``*`` No published page alignment exists for these two; we chose one: ``V41_FP4`` follows the
 other main-KV layouts (a page is a whole number of value records, as FlashMLA's 576 for V4 and 512
 for V41), ``INDEXER_FP4`` follows the FP8 indexer (no padding; at any power-of-two page of 4 or
 more slots a page is a multiple of 16 bytes anyway). A V4 C4 page of 64 slots is 37,440 bytes.
