@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from sparsekv.jit_kernel import cache, loader, toolchain
 from sparsekv.jit_kernel.registry import discover
-from sparsekv.testing.bench import progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +86,10 @@ def _build(args: argparse.Namespace) -> int:
         return 2
     jobs = [(f, inst) for f in chosen for inst in f.instances]
     start = time.perf_counter()
-    for i, (family, instance) in enumerate(jobs):
-        progress(i, len(jobs), f"{family.describe(instance)} [{args.backend}]")
-        family.module(**instance, backend=args.backend, arch=args.arch)
-    progress(len(jobs), len(jobs), "done")
+    with tqdm(jobs, desc=f"jit build [{args.backend}]", unit="module") as bar:
+        for family, instance in bar:
+            bar.set_postfix_str(family.describe(instance))
+            family.module(**instance, backend=args.backend, arch=args.arch)
     print(f"built {len(jobs)} module instances for the {args.backend} backend in {time.perf_counter() - start:.1f} s")
     return 0
 
