@@ -18,8 +18,8 @@ import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 __all__ = [
     "CHECK_ONLY",
@@ -173,7 +173,7 @@ _SLOTS_OF_PAGE_BYTES = {V4.page_bytes(p): p for p in C4_PAGE_SLOTS}
 
 def _page_slots(is_dsv4_layout: bool, page_slots: int | None, device_buffer: torch.Tensor) -> int | None:
     """The C4 page-slot count: as given, else read off the device buffer's page-row bytes (each of
-    :data:`~sparsekv.jit_kernel.kv_layout.C4_PAGE_SLOTS` has its own page size); 64 when the row
+    :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` has its own page size); 64 when the row
     matches none, so the C++ entry names the wrong row size."""
     if not is_dsv4_layout or page_slots is not None:
         return page_slots
@@ -364,11 +364,11 @@ def load_cache_to_device_buffer_dsv4_mla(
 
     Differences: ``host_cache`` and ``device_buffer`` are uint8 ``[pages, V4.page_bytes(P)]`` page
     rows of ``P = page_slots`` token slots (value records, then scale records;
-    :mod:`sparsekv.jit_kernel.kv_layout` ``V4``; 37,440 bytes for ``P = 64``); slot ``s`` is page
+    :mod:`sparsekv.kv_layout` ``V4``; 37,440 bytes for ``P = 64``); slot ``s`` is page
     ``s // P``, offset ``s % P``; ``item_size_bytes`` must be 584; ``device_buffer_tokens`` /
     ``device_buffer_locs`` are ``[max_reqs, H + P]``. ``top_k_tokens`` and ``seq_lens`` are
     compressed (C4) positions and lengths. ``page_slots`` is one of
-    :data:`~sparsekv.jit_kernel.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
+    :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
     128, 256, 512); default: read off ``device_buffer``'s page-row bytes.
     """
     _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,

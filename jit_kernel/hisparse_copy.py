@@ -1,5 +1,5 @@
 """Token and page copies between paged DSV4 KV buffers, all layers per call (kernels in
-``csrc/hisparse_copy.cuh``, byte layout in :mod:`sparsekv.jit_kernel.kv_layout`).
+``csrc/hisparse_copy.cuh``, byte layout in :mod:`sparsekv.kv_layout`).
 
 * :func:`transfer_cache_dsv4_mla` moves single tokens. A V4 token (584 B) is two byte ranges of
   its page, its 576-byte value record and its 8-byte scale record, so it cannot be moved as a row.
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
-#: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.jit_kernel.kv_layout`).
+#: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.kv_layout`).
 PAGE_SLOTS = C4_PAGE_SLOTS
 _PAGE_BYTES = {p: V4.page_bytes(p) for p in PAGE_SLOTS}
 

@@ -25,7 +25,7 @@ import torch
 
 from sparsekv.cli import main as cli_main
 from sparsekv.jit_kernel.hisparse import swap_in_module
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool

@@ -25,7 +25,7 @@ import sys
 
 from tqdm import tqdm
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.bench import add_common_args
 from sparsekv.testing.hisparse_traces import POLICIES, Trace, replay, synthetic_trace
 

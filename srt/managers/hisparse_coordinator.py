@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
@@ -80,7 +80,7 @@ class HiSparseCoordinator:
 
     Examples
     --------
-    A request's life on the CPU (tests/test_hisparse_coordinator.py runs this for real)::
+    A request's life on the CPU (tests/runtime/test_hisparse_coordinator.py runs this for real)::
 
         coord = HiSparseCoordinator(req_pool, allocator, device_pool, top_k=5, device_buffer_size=7)
         allocator.alloc_extend(req_pool.req_to_token, req.req_pool_idx, 0, prompt_len)

@@ -1,6 +1,6 @@
 """``DeepSeekV4PagedHostPool``: the host mirror of DSV4 paged KV buffers (the HiSparse C4 pool).
 
-The host keeps the device's page-padded layout (:data:`sparsekv.jit_kernel.kv_layout.V4`, 37,440
+The host keeps the device's page-padded layout (:data:`sparsekv.kv_layout.V4`, 37,440
 bytes per 64-slot page), so a whole page moves as one opaque row and only token-granular moves
 need layout-aware code:
 
@@ -32,7 +32,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache

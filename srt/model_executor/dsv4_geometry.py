@@ -19,7 +19,7 @@ Layouts (the table of ``csrc/include/sparsekv/kv_layout.h`` and its Python mirro
 
 from __future__ import annotations
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 
 # FlashMLA V4 token layout, from the one layout table the kernels also use (torch-free).
 KV_LAYOUT = V4

@@ -16,7 +16,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.reference.hisparse_copy import (
     read_token,

@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 )
 
 from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla
-from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, DSV4_PAGE_SIZES
+from sparsekv.kv_layout import C4_PAGE_SLOTS, DSV4_PAGE_SIZES
 from sparsekv.testing.backends import run_on_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row

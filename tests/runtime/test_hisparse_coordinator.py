@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.kv_layout import DSV4_PAGE_SIZES, c4_page_slots
+from sparsekv.kv_layout import DSV4_PAGE_SIZES, c4_page_slots
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool

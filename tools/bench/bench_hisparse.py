@@ -35,7 +35,7 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_args,
     swap_in_module,
 )
-from sparsekv.jit_kernel.kv_layout import V4, c4_page_slots
+from sparsekv.kv_layout import V4, c4_page_slots
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step

@@ -47,7 +47,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, Timing, add_backend_arg, add_common_args, bar_plot, report, timer
 from sparsekv.testing.reference.hisparse_copy import transfer_tokens_

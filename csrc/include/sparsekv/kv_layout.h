@@ -1,5 +1,5 @@
 // kv_layout: the byte layouts of the DSV4 KV caches, the single C++ source every kernel addresses
-// tokens through (mirrored in Python by sparsekv.jit_kernel.kv_layout; tests/test_kv_layout.py
+// tokens through (mirrored in Python by sparsekv.kv_layout; tests/kernels/test_kv_layout.py
 // checks that the two agree).
 //
 // A token of every layout is a value record followed, logically, by a scale record. A page of P

@@ -2,7 +2,7 @@
 
 Row by row it runs the plain-Python policy (:mod:`sparsekv.testing.hisparse_policy`) on the request's
 tables, maps hot slots to device locations and copies token bytes with torch indexing, through the
-layout views of :mod:`sparsekv.jit_kernel.kv_layout` for DSV4. It works on copies and returns the
+layout views of :mod:`sparsekv.kv_layout` for DSV4. It works on copies and returns the
 expected state, so a test compares the kernel's in-place results with it.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 # ``page_slots`` below: None for generic rows (one token per row), else the slots of a DSV4 C4 page.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.kv_layout import C4_PAGE_SLOTS, V4
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 PAGE_SLOTS = C4_PAGE_SLOTS
 
