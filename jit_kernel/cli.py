@@ -42,11 +42,12 @@ def _cached_entries() -> list[dict]:
     return found
 
 
-def _is_current(family, instance: dict, entry: dict) -> bool | None:
+def _is_current(family, entry: dict) -> bool | None:
     """Whether a cached entry is what a load would use now (headers, flags and toolchain unchanged);
-    None when its toolchain is not installed here."""
+    None when its toolchain is not installed here. Judged from the entry's own template arguments, so
+    instances outside the family's table (open instantiation) are judged like the table's."""
     try:
-        plan = loader.make_plan(family.name, family.template_args(instance), header=family.header,
+        plan = loader.make_plan(family.name, entry["args"], header=family.header,
                                 exports=family.exports, kernels=family.kernels, backend=entry["backend"],
                                 arch=tuple(entry["archs"]) or None, probe_dir=None)
     except toolchain.ToolchainError:
@@ -65,7 +66,7 @@ def _list() -> int:
             for c in cached:
                 if c["name"] != family.name or c["args"] != args:
                     continue
-                state = {True: "", False: " (stale)", None: " (toolchain missing)"}[_is_current(family, instance, c)]
+                state = {True: "", False: " (stale)", None: " (toolchain missing)"}[_is_current(family, c)]
                 where.append(c["backend"] + (f"[{','.join(c['archs'])}]" if c["archs"] else "") + state)
             print(f"  {family.describe(instance):<60} cached: {', '.join(where) or '-'}")
     return 0
@@ -108,10 +109,7 @@ def _stale_entries() -> list[Path]:
     stale = []
     for c in _cached_entries():
         family = families.get(c["name"])
-        instances = ({tuple(loader.cpp_template_arg(a) for a in family.template_args(i)): i for i in family.instances}
-                     if family else {})
-        instance = instances.get(c["args"])
-        if instance is None or _is_current(family, instance, c) is False:
+        if family is None or _is_current(family, c) is False:
             stale.append(Path(c["root"]) / c["entry"])
     return stale
 
