@@ -4,8 +4,13 @@
 // uint8 [rows, row_bytes] with a unit last stride and any row stride (column slices of wider
 // buffers work), and the index tensors are contiguous Index [N] on the same device. Bytes of dst
 // outside the named rows are never touched. Rows named by an out-of-range index are skipped by the
-// kernel itself (safe by construction); the host entry rejects such indices before any byte moves
-// when they are readable on the host.
+// kernel itself (safe by construction).
+//
+// Input contract (ffi.h): dst must not share memory with src or the index tensors (ValueError naming
+// both; overlapping views of one buffer count). Before any byte moves, host-readable indices are
+// validated in full: every index in range, and a destination row named twice only with the same
+// source row. For device-resident indices, distinct destinations are the caller's duty (rows
+// written twice race on the GPU).
 #pragma once
 
 #include "sparsekv/portability.h"
@@ -55,6 +60,8 @@ void gather_rows(TensorView dst, TensorView dst_indices, TensorView src, TensorV
   check(dst_indices, "dst_indices").dtype<Index>().ndim(1).contiguous().same_device(dst, "dst");
   check(src_indices, "src_indices").dtype<Index>().ndim(1).contiguous().same_device(dst, "dst");
   check(src_indices, "src_indices").size(0, dst_indices.size(0), "length of dst_indices");
+  check_disjoint({written(dst, "dst"), read(src, "src"), read(dst_indices, "dst_indices"),
+                  read(src_indices, "src_indices")});
 
   // 2. Derive sizes and the launch parameters.
   using K = GatherRows<Index>;
@@ -70,6 +77,8 @@ void gather_rows(TensorView dst, TensorView dst_indices, TensorView src, TensorV
   if (dst.device().device_type != kDLCUDA) {
     check_indices_in_range(params.dst_indices, params.num_indices, params.dst_rows, "dst_indices");
     check_indices_in_range(params.src_indices, params.num_indices, params.src_rows, "src_indices");
+    check_no_conflicting_destinations(params.dst_indices, params.src_indices, params.num_indices, "dst_indices",
+                                      "src_indices");
   }
 
   // 4. Launch.

@@ -1,7 +1,7 @@
 // hisparse: the HiSparse swap-in (SwapIn) and the replay of its recorded miss plan (CopyPlanned).
 //
-// Contract of SwapIn (reference/sglang_jit_hisparse.md §3.3-3.4). K = top-k width, H = hot slots per
-// request. For batch row b with rid = req_pool_indices[b], n = seq_lens[b] and newest = n - 1, the
+// Contract of SwapIn (the policy, restated as plain Python, is sparsekv.testing.hisparse_policy).
+// K = top-k width, H = hot slots per request. For batch row b with rid = req_pool_indices[b], n = seq_lens[b] and newest = n - 1, the
 // request's hot buffer is row rid of three tables: device_buffer_tokens (token held by each slot,
 // -1 = empty), device_buffer_locs (physical device token slot of each slot; column H is the reserved
 // newest-token slot) and lru_slots (the H slot ids, least recently used first).
@@ -19,8 +19,12 @@
 //     device counters {hits, misses, bytes} added to without a host sync.
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
 // device_buffer_tokens, table rows of padding rows, device bytes other than the miss slots.
-// top_k_device_locs must not share memory with top_k_tokens (the entry rejects it): the slow path
-// reads the top-k row again after writing the output row.
+//
+// Input contract (ffi.h): no written argument (top_k_device_locs, device_buffer_tokens, lru_slots,
+// device_buffer, the plan, counters) shares memory with any other argument; the entry rejects it
+// (the slow path, for one, reads the top-k row again after writing the output row). The device
+// slots a step may write, device_buffer_locs[rid, 0..H] of the real rows, must be distinct: the
+// caller's duty, checked by the index-check mode (SPARSEKV_CHECK_INDICES=1) with every index.
 //
 // Safe by construction: a slot, loc or table index outside its buffer is never dereferenced. A copy
 // whose host or device loc is out of range is skipped (and still recorded in the plan, where the
@@ -33,10 +37,20 @@
 //
 // CopyPlanned replays a plan into another layer's buffers: for b < num_real_reqs[0] and
 // m < miss_count[b], device_buffer[miss_dst[b, m]] = host_cache[miss_src[b, m]], one warp per entry.
+// Out-of-range entries are skipped (the swap-in records -1 for a copy it skipped); the index-check
+// mode rejects them. device_buffer must not share memory with any other argument; destinations
+// named twice with different sources are rejected for host-readable plans (the caller's duty on
+// the device).
+//
+// Each entry takes a trailing `index_check` (ffi.h IndexCheck): 0 run, 1 validate every index and
+// move nothing, 2 validate then run. Optional tensors are tvm::ffi::Optional (Python None).
 #pragma once
 
+#include "sparsekv/indices.h"
 #include "sparsekv/kv_layout.h"
+#include "sparsekv/paged_copy.h"
 #include "sparsekv/portability.h"
+#include "sparsekv/team.h"
 
 namespace sparsekv::hisparse {
 
@@ -62,129 +76,19 @@ struct PagedRows {
   SPARSEKV_HOST_DEVICE static void copy(uint8_t* dst, int64_t dst_stride, int64_t d, const uint8_t* src,
                                         int64_t src_stride, int64_t s, int64_t item_bytes, Lanes lanes) {
     (void)item_bytes;
-    const auto to = Paged::token(dst, d, dst_stride);
-    const auto from = Paged::token(src, s, src_stride);
-    copy_bytes(to.value, from.value, Paged::LayoutT::kValueBytes, lanes);
-    copy_bytes(to.scale, from.scale, Paged::LayoutT::kScaleBytes, lanes);
+    copy_paged_token<Paged>(dst, d, dst_stride, src, s, src_stride, lanes);
   }
 };
 
-// DSV4 C4: V4 tokens (584 B), 64-slot pages of 37,440 B.
-struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, 64>> {};
+// DSV4 C4: V4 tokens (584 B) in pages of PageSlots slots (32, 64 or 128: full-token pages of 128, 256
+// or 512 tokens; 37,440 B for 64 slots).
+template <int PageSlots>
+struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, PageSlots>> {
+  static_assert(PageSlots == 32 || PageSlots == 64 || PageSlots == 128, "hisparse: C4 pages hold 32, 64 or 128 slots");
+};
 
 template <class Layout>
 inline constexpr bool kIsPaged = !std::is_same_v<Layout, LinearRows>;
-
-SPARSEKV_HOST_DEVICE int64_t load_index(const void* p, bool is64, int64_t i) {
-  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-
-SPARSEKV_HOST_DEVICE void store_index(void* p, bool is64, int64_t i, int64_t v) {
-  if (is64) {
-    static_cast<int64_t*>(p)[i] = v;
-  } else {
-    static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
-  }
-}
-
-SPARSEKV_HOST_DEVICE void add_counter(int64_t* counter, int64_t v) {
-#ifdef __CUDA_ARCH__
-  atomicAdd(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(v));
-#else
-  *counter += v;
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
-// The threads serving one request: a whole block on the GPU, one thread on the host. Every member
-// is called by all threads of the team (block-uniform control flow), so the barriers line up.
-struct Team {
-  int tid;
-  int size;
-  int warp;
-  int num_warps;
-  int lane;
-
-  SPARSEKV_HOST_DEVICE static Team current() {
-#ifdef __CUDA_ARCH__
-    const int t = static_cast<int>(threadIdx.x);
-    const int n = static_cast<int>(blockDim.x);
-    return Team{t, n, t / kWarpSize, n / kWarpSize, t % kWarpSize};
-#else
-    return Team{0, 1, 0, 1, 0};
-#endif
-  }
-
-  SPARSEKV_HOST_DEVICE void sync() const {
-#ifdef __CUDA_ARCH__
-    __syncthreads();
-#endif
-  }
-
-  // Exclusive rank of this thread's flag among the team's flags in thread order; *total gets the
-  // number of set flags. warp_counts holds one int per warp.
-  SPARSEKV_HOST_DEVICE int rank(bool flag, int* total, int32_t* warp_counts) const {
-#ifdef __CUDA_ARCH__
-    const unsigned mask = __ballot_sync(0xffffffffu, flag);
-    const int in_warp = __popc(mask & ((1u << lane) - 1u));
-    if (lane == 0) warp_counts[warp] = __popc(mask);
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < num_warps; ++w) {
-      const int c = warp_counts[w];
-      before += w < warp ? c : 0;
-      all += c;
-    }
-    __syncthreads();  // warp_counts is reused by the next call
-    *total = all;
-    return before + in_warp;
-#else
-    (void)warp_counts;
-    *total = flag ? 1 : 0;
-    return 0;
-#endif
-  }
-
-  SPARSEKV_HOST_DEVICE static int32_t compare_and_swap(int32_t* addr, int32_t expected, int32_t desired) {
-#ifdef __CUDA_ARCH__
-    return atomicCAS(addr, expected, desired);
-#else
-    const int32_t old = *addr;
-    if (old == expected) *addr = desired;
-    return old;
-#endif
-  }
-
-  SPARSEKV_HOST_DEVICE static void fetch_min(int32_t* addr, int32_t v) {
-#ifdef __CUDA_ARCH__
-    atomicMin(addr, v);
-#else
-    if (v < *addr) *addr = v;
-#endif
-  }
-
-  SPARSEKV_HOST_DEVICE static void fetch_add(int32_t* addr, int32_t v) {
-#ifdef __CUDA_ARCH__
-    atomicAdd(addr, v);
-#else
-    *addr += v;
-#endif
-  }
-
-  SPARSEKV_HOST_DEVICE Lanes warp_lanes() const {
-#ifdef __CUDA_ARCH__
-    return Lanes{lane, kWarpSize};
-#else
-    return Lanes{0, 1};
-#endif
-  }
-};
-
-constexpr int log2_ceil(int n) {
-  int bits = 0;
-  while ((1 << bits) < n) ++bits;
-  return bits;
-}
 
 // ---------------------------------------------------------------------------------------------
 template <int K, int H, int BlockSize, class Layout>
@@ -530,9 +434,6 @@ struct CopyPlanned {
 
 namespace sparsekv::hisparse {
 
-// A 0-dim tensor stands for an omitted optional argument.
-inline bool absent(const TensorView& t) { return t.ndim() == 0; }
-
 // Token slots of a host or device cache, after checking its shape against the layout.
 template <class Layout>
 int64_t cache_slots(const TensorView& cache, const char* name, int64_t item_size_bytes) {
@@ -555,25 +456,25 @@ void check_item_size(int64_t item_size_bytes) {
   }
 }
 
-// Steps 1-2 of every entry: the O(1) checks (dtypes, shapes, strides, devices) and the launch parameters.
+// Steps 1-2 of the swap-in entry: the O(1) checks (dtypes, shapes, strides, devices, and the memory
+// rule of ffi.h: no written argument shares memory with another) and the launch parameters.
 template <int K, int H, int BlockSize, class Layout>
 typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
-    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
-    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, int64_t item_size_bytes,
-    TensorView num_real_reqs, TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
+    const TensorView& top_k_tokens, const TensorView& device_buffer_tokens, const TensorView& host_cache_locs,
+    const TensorView& device_buffer_locs, const TensorView& host_cache, const TensorView& device_buffer,
+    const TensorView& top_k_device_locs, const TensorView& req_pool_indices, const TensorView& seq_lens,
+    const TensorView& lru_slots, int64_t item_size_bytes, const TensorView* num_real_reqs, const TensorView* miss_src,
+    const TensorView* miss_dst, const TensorView* miss_count, const TensorView* counters) {
   const TensorView& dev = top_k_tokens;
   check(top_k_tokens, "top_k_tokens").dtype<int32_t>().ndim(2).rows_dense().on_backend_device();
   const int64_t bs = top_k_tokens.size(0);
   check(top_k_tokens, "top_k_tokens").size(1, K, "num_top_k");
   check(top_k_device_locs, "top_k_device_locs").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
   check(top_k_device_locs, "top_k_device_locs").size(0, bs, "batch size").size(1, K, "num_top_k");
-  // The slow path writes the output row (step 5), then reads the top-k row again (step 6).
-  check_no_overlap(top_k_tokens, "top_k_tokens", top_k_device_locs, "top_k_device_locs");
   check(device_buffer_tokens, "device_buffer_tokens").dtype<int32_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
   const int64_t max_reqs = device_buffer_tokens.size(0);
   if constexpr (kIsPaged<Layout>) {
-    check(device_buffer_tokens, "device_buffer_tokens").size(1, H + Layout::PagedT::kPageSlots, "hot_buffer_size + page");
+    check(device_buffer_tokens, "device_buffer_tokens").size(1, H + Layout::PagedT::kPageSlots, "hot_buffer_size + page slots");
   } else if (device_buffer_tokens.size(1) < H + 1) {
     check(device_buffer_tokens, "device_buffer_tokens").size(1, H + 1, "at least hot_buffer_size + 1");
   }
@@ -603,27 +504,40 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
 
   using P = typename SwapIn<K, H, BlockSize, Layout>::Params;
   P p{};
-  if (!absent(num_real_reqs)) {
-    check(num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(dev, "top_k_tokens");
-    p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+  if (num_real_reqs) {
+    check(*num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(dev, "top_k_tokens");
+    p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs->data_ptr());
   }
-  if (!absent(miss_count)) {
-    check(miss_count, "miss_count").dtype<int32_t>().ndim(1).contiguous().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
-    check(miss_src, "miss_src").dtype<int64_t>().ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
-    check(miss_dst, "miss_dst").ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
-    p.miss_dst_is64 = check(miss_dst, "miss_dst").int32_or_int64();
-    if (miss_src.size(1) < K) check(miss_src, "miss_src").size(1, K, "at least num_top_k");
-    if (miss_dst.size(1) < K) check(miss_dst, "miss_dst").size(1, K, "at least num_top_k");
-    p.miss_src = static_cast<int64_t*>(miss_src.data_ptr());
-    p.miss_dst = miss_dst.data_ptr();
-    p.miss_count = static_cast<int32_t*>(miss_count.data_ptr());
-    p.miss_src_stride = miss_src.stride(0);
-    p.miss_dst_stride = miss_dst.stride(0);
+  if ((miss_src != nullptr) != (miss_count != nullptr) || (miss_dst != nullptr) != (miss_count != nullptr)) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: arguments `miss_src`, `miss_dst` and `miss_count` go together: pass all "
+                              << "or none";
   }
-  if (!absent(counters)) {
-    check(counters, "counters").dtype<int64_t>().ndim(1).contiguous().size(0, 3, "hits, misses, bytes").same_device(dev, "top_k_tokens");
-    p.counters = static_cast<int64_t*>(counters.data_ptr());
+  if (miss_count) {
+    check(*miss_count, "miss_count").dtype<int32_t>().ndim(1).contiguous().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    check(*miss_src, "miss_src").dtype<int64_t>().ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    check(*miss_dst, "miss_dst").ndim(2).rows_dense().size(0, bs, "batch size").same_device(dev, "top_k_tokens");
+    p.miss_dst_is64 = check(*miss_dst, "miss_dst").int32_or_int64();
+    if (miss_src->size(1) < K) check(*miss_src, "miss_src").size(1, K, "at least num_top_k");
+    if (miss_dst->size(1) < K) check(*miss_dst, "miss_dst").size(1, K, "at least num_top_k");
+    p.miss_src = static_cast<int64_t*>(miss_src->data_ptr());
+    p.miss_dst = miss_dst->data_ptr();
+    p.miss_count = static_cast<int32_t*>(miss_count->data_ptr());
+    p.miss_src_stride = miss_src->stride(0);
+    p.miss_dst_stride = miss_dst->stride(0);
   }
+  if (counters) {
+    check(*counters, "counters").dtype<int64_t>().ndim(1).contiguous().size(0, 3, "hits, misses, bytes").same_device(dev, "top_k_tokens");
+    p.counters = static_cast<int64_t*>(counters->data_ptr());
+  }
+  // The kernel updates tables and caches in place and reads the top-k row again after writing the
+  // output row: no written argument may share memory with any other argument.
+  check_disjoint({read(top_k_tokens, "top_k_tokens"), written(device_buffer_tokens, "device_buffer_tokens"),
+                  read(host_cache_locs, "host_cache_locs"), read(device_buffer_locs, "device_buffer_locs"),
+                  read(host_cache, "host_cache"), written(device_buffer, "device_buffer"),
+                  written(top_k_device_locs, "top_k_device_locs"), read(req_pool_indices, "req_pool_indices"),
+                  read(seq_lens, "seq_lens"), written(lru_slots, "lru_slots"), read(num_real_reqs, "num_real_reqs"),
+                  written(miss_src, "miss_src"), written(miss_dst, "miss_dst"), written(miss_count, "miss_count"),
+                  written(counters, "counters")});
   p.top_k_tokens = static_cast<const int32_t*>(top_k_tokens.data_ptr());
   p.top_k_stride = top_k_tokens.stride(0);
   p.top_k_device_locs = static_cast<int32_t*>(top_k_device_locs.data_ptr());
@@ -657,13 +571,16 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
                             << " is out of range [0, " << limit << ") (" << why << ")";
 }
 
-// Full validation of every index the swap-in would follow (SPARSEKV_CHECK_INDICES=1), on
-// host-readable tensors: the wrapper passes CPU copies when the kernel runs on the GPU.
+// The index-check pass (IndexCheck::kOnly / kThenRun): every index the swap-in would follow, on
+// host-readable tables (the wrapper passes host copies when the kernel runs on the GPU), and the
+// destination rule: the device slots a step may write (columns 0..H of the slow-path rows) are
+// distinct across the batch, so no two copies land on one slot.
 template <class P, int K, int H>
 void validate_swap_in(const P& p) {
   const int64_t num_real = p.num_real_reqs ? *p.num_real_reqs : p.batch;
   check_range(num_real, 0, p.batch + 1, "num_real_reqs");
   std::vector<int64_t> seen;
+  std::vector<std::pair<int32_t, int64_t>> written_locs;  // (device slot, request row)
   for (int64_t b = 0; b < num_real; ++b) {
     const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
     if (rid < 0 || rid >= p.max_reqs) index_error("req_pool_indices", b, 0, rid, p.max_reqs, "a real batch row");
@@ -701,6 +618,7 @@ void validate_swap_in(const P& p) {
       if (locs[j] < 0 || locs[j] >= p.device_slots) {
         index_error("device_buffer_locs", rid, j, locs[j], p.device_slots, "a hot slot");
       }
+      written_locs.emplace_back(locs[j], rid);
     }
     const int32_t* held = p.device_buffer_tokens + rid * p.buffer_stride;
     const int64_t* host_locs = p.host_cache_locs + rid * p.max_len;
@@ -712,42 +630,72 @@ void validate_swap_in(const P& p) {
       }
     }
   }
+  std::sort(written_locs.begin(), written_locs.end());
+  for (size_t k = 1; k < written_locs.size(); ++k) {
+    if (written_locs[k].first == written_locs[k - 1].first) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `device_buffer_locs` names device slot " << written_locs[k].first
+                                << " twice (request rows " << written_locs[k - 1].second << " and "
+                                << written_locs[k].second << ", columns 0..hot_buffer_size): two misses could be "
+                                << "copied onto one slot";
+    }
+  }
 }
 
 template <int K, int H, int BlockSize, class Layout>
 void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
                                  TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
                                  TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
-                                 TensorView lru_slots, int64_t item_size_bytes, TensorView num_real_reqs,
-                                 TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
+                                 TensorView lru_slots, int64_t item_size_bytes, OptionalTensor num_real_reqs,
+                                 OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
+                                 OptionalTensor counters, int64_t index_check) {
   // 1-2. Validate and derive the parameters.
+  const IndexCheck mode = index_check_mode(index_check);
   const auto p = swap_in_params<K, H, BlockSize, Layout>(
       top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src, miss_dst,
-      miss_count, counters);
-  if (p.batch == 0) return;
-  // 3. Launch on the caller's stream.
+      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
+      optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
+      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
+  // 3. The index-check pass, when asked for (host-readable tables only).
+  if (mode != IndexCheck::kOff) {
+    if (top_k_tokens.device().device_type == kDLCUDA) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `index_check` needs host-readable tables (pass host copies)";
+    }
+    validate_swap_in<decltype(p), K, H>(p);
+  }
+  if (mode == IndexCheck::kOnly || p.batch == 0) return;
+  // 4. Launch on the caller's stream.
   launch<SwapIn<K, H, BlockSize, Layout>>(p, top_k_tokens.device());
 }
 
-// Same arguments; validates every index and moves nothing. Host-readable tensors only.
-template <int K, int H, int BlockSize, class Layout>
-void check_load_cache_indices(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-                              TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
-                              TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
-                              TensorView lru_slots, int64_t item_size_bytes, TensorView num_real_reqs,
-                              TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView counters) {
-  const auto p = swap_in_params<K, H, BlockSize, Layout>(
-      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src, miss_dst,
-      miss_count, counters);
-  validate_swap_in<decltype(p), K, H>(p);
+// The destination rule and, with `strict` (the index-check mode), every entry of a recorded plan:
+// rows below num_real_reqs, counts within the plan's width, slots in range.
+template <class P>
+void validate_plan(const P& p, bool strict) {
+  const int64_t num_real = *p.num_real_reqs;
+  check_range(num_real, 0, p.batch + 1, "num_real_reqs");
+  std::vector<int64_t> src, dst;
+  for (int64_t b = 0; b < num_real; ++b) {
+    const int64_t count = p.miss_count[b];
+    if (strict && (count < 0 || count > p.width)) index_error("miss_count", b, 0, count, p.width + 1, "a plan row");
+    for (int64_t m = 0; m < std::min<int64_t>(count, p.width); ++m) {
+      const int64_t s = p.miss_src[b * p.miss_src_stride + m];
+      const int64_t d = load_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m);
+      if (strict && (s < 0 || s >= p.host_slots)) index_error("miss_src", b, m, s, p.host_slots, "a planned copy");
+      if (strict && (d < 0 || d >= p.device_slots)) index_error("miss_dst", b, m, d, p.device_slots, "a planned copy");
+      if (s >= 0 && s < p.host_slots && d >= 0 && d < p.device_slots) {
+        src.push_back(s);
+        dst.push_back(d);
+      }
+    }
+  }
+  check_no_conflicting_destinations(dst.data(), src.data(), static_cast<int64_t>(dst.size()), "miss_dst", "miss_src");
 }
 
 template <class Layout>
 void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView miss_count, TensorView num_real_reqs,
-                        TensorView host_cache, TensorView device_buffer, int64_t item_size_bytes) {
+                        TensorView host_cache, TensorView device_buffer, int64_t item_size_bytes, int64_t index_check) {
   // 1. Validate.
+  const IndexCheck mode = index_check_mode(index_check);
   check(miss_src, "miss_src").dtype<int64_t>().ndim(2).rows_dense().on_backend_device();
   const int64_t bs = miss_src.size(0);
   check(miss_dst, "miss_dst").ndim(2).rows_dense().size(0, bs, "rows of miss_src").same_device(miss_src, "miss_src");
@@ -759,6 +707,9 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   check_item_size<Layout>(item_size_bytes);
   check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
   check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(miss_src, "miss_src");
+  check_disjoint({read(miss_src, "miss_src"), read(miss_dst, "miss_dst"), read(miss_count, "miss_count"),
+                  read(num_real_reqs, "num_real_reqs"), read(host_cache, "host_cache"),
+                  written(device_buffer, "device_buffer")});
 
   // 2. Derive the parameters.
   typename CopyPlanned<Layout>::Params p{};
@@ -778,9 +729,17 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   p.device_stride = device_buffer.stride(0);
   p.device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
   p.item_bytes = item_size_bytes;
-  if (p.batch * p.width == 0) return;
 
-  // 3. Launch.
+  // 3. Host-readable plans: no destination twice with different sources (always), every entry in
+  //    range (index-check mode). On the device, distinct destinations are the caller's duty.
+  if (miss_src.device().device_type != kDLCUDA) {
+    validate_plan(p, mode != IndexCheck::kOff);
+  } else if (mode != IndexCheck::kOff) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `index_check` needs a host-readable plan (pass host copies)";
+  }
+  if (mode == IndexCheck::kOnly || p.batch * p.width == 0) return;
+
+  // 4. Launch.
   launch<CopyPlanned<Layout>>(p, miss_src.device());
 }
 

@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from sparsekv.jit_kernel import cache, loader, toolchain
 from sparsekv.jit_kernel.registry import discover
-from sparsekv.testing.bench import progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +42,14 @@ def _cached_entries() -> list[dict]:
     return found
 
 
-def _is_current(family, instance: tuple, entry: dict) -> bool | None:
+def _is_current(family, entry: dict) -> bool | None:
     """Whether a cached entry is what a load would use now (headers, flags and toolchain unchanged);
-    None when its toolchain is not installed here."""
+    None when its toolchain is not installed here. Judged from the entry's own template arguments, so
+    instances outside the family's table (open instantiation) are judged like the table's."""
     try:
-        plan = loader.make_plan(family.name, instance, header=family.header, exports=family.exports,
-                                kernels=family.kernels, backend=entry["backend"], arch=tuple(entry["archs"]) or None,
-                                probe_dir=None)
+        plan = loader.make_plan(family.name, entry["args"], header=family.header,
+                                exports=family.exports, kernels=family.kernels, backend=entry["backend"],
+                                arch=tuple(entry["archs"]) or None, probe_dir=None)
     except toolchain.ToolchainError:
         return None
     return plan.entry_name() == entry["entry"]
@@ -59,12 +61,12 @@ def _list() -> int:
     for family in families.values():
         print(f"{family.name}  (csrc/{family.header}; exports: {', '.join(family.exports)})")
         for instance in family.instances:
-            args = tuple(loader.cpp_template_arg(a) for a in instance)
+            args = tuple(loader.cpp_template_arg(a) for a in family.template_args(instance))
             where = []
             for c in cached:
                 if c["name"] != family.name or c["args"] != args:
                     continue
-                state = {True: "", False: " (stale)", None: " (toolchain missing)"}[_is_current(family, instance, c)]
+                state = {True: "", False: " (stale)", None: " (toolchain missing)"}[_is_current(family, c)]
                 where.append(c["backend"] + (f"[{','.join(c['archs'])}]" if c["archs"] else "") + state)
             print(f"  {family.describe(instance):<60} cached: {', '.join(where) or '-'}")
     return 0
@@ -85,10 +87,10 @@ def _build(args: argparse.Namespace) -> int:
         return 2
     jobs = [(f, inst) for f in chosen for inst in f.instances]
     start = time.perf_counter()
-    for i, (family, instance) in enumerate(jobs):
-        progress(i, len(jobs), f"{family.describe(instance)} [{args.backend}]")
-        family.module(*instance, backend=args.backend, arch=args.arch)
-    progress(len(jobs), len(jobs), "done")
+    with tqdm(jobs, desc=f"jit build [{args.backend}]", unit="module") as bar:
+        for family, instance in bar:
+            bar.set_postfix_str(family.describe(instance))
+            family.module(**instance, backend=args.backend, arch=args.arch)
     print(f"built {len(jobs)} module instances for the {args.backend} backend in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -107,9 +109,7 @@ def _stale_entries() -> list[Path]:
     stale = []
     for c in _cached_entries():
         family = families.get(c["name"])
-        instances = {tuple(loader.cpp_template_arg(a) for a in i): i for i in family.instances} if family else {}
-        instance = instances.get(c["args"])
-        if instance is None or _is_current(family, instance, c) is False:
+        if family is None or _is_current(family, c) is False:
             stale.append(Path(c["root"]) / c["entry"])
     return stale
 

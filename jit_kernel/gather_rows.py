@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
+
+
+def _complete(*, index_dtype: torch.dtype) -> tuple[str]:
+    """Template arguments of ``GatherRows<Index>`` for an index dtype (int32 or int64)."""
+    return (INDEX_TYPES[check_choice("gather_rows", "index_dtype", index_dtype, INDEX_TYPES)],)
+
 
 GATHER_ROWS = register(
     KernelFamily(
@@ -14,8 +20,9 @@ GATHER_ROWS = register(
         header="gather_rows.cuh",
         exports={"gather_rows": "sparsekv::gather_rows::gather_rows"},
         kernels=("sparsekv::gather_rows::GatherRows",),
-        params=("index_type",),
-        instances=(("int32_t",), ("int64_t",)),
+        params=("index_dtype",),
+        complete=_complete,
+        instances=({"index_dtype": torch.int32}, {"index_dtype": torch.int64}),
     )
 )
 
@@ -45,8 +52,7 @@ def gather_rows(
     IndexError
         An index outside its table (checked before any byte moves for host tensors).
     """
-    index_type = INDEX_TYPES.get(dst_indices.dtype)
-    if index_type is None:
+    if dst_indices.dtype not in INDEX_TYPES:
         raise TypeError(f"sparsekv: argument `dst_indices` must have dtype int32 or int64, got {dst_indices.dtype}")
-    module = GATHER_ROWS.module(index_type, backend=backend_of(dst))
+    module = GATHER_ROWS.module(index_dtype=dst_indices.dtype, backend=backend_of(dst))
     module.gather_rows(dst, dst_indices, src, src_indices)

@@ -14,55 +14,119 @@ one import.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 __all__ = [
+    "CHECK_ONLY",
+    "CHECK_THEN_RUN",
     "COUNTERS",
-    "DSV4_C4",
-    "DSV4_PAGE_SLOTS",
-    "LINEAR",
+    "LAYOUTS",
     "PLANNED",
+    "RUN",
+    "SHARED_MEMORY_LIMIT",
     "SWAP_IN",
+    "SWAP_IN_ARGS",
     "copy_cache_planned_mla",
+    "default_block_size",
+    "host_check_args",
     "load_cache_to_device_buffer_dsv4_mla",
     "load_cache_to_device_buffer_mla",
-    "resolve_block_size",
+    "swap_in_args",
     "swap_in_module",
+    "swap_in_shared_bytes",
     "transfer_cache_dsv4_mla",
     "transfer_pages_dsv4_mla",
 ]
 
-LINEAR = "sparsekv::hisparse::LinearRows"
-DSV4_C4 = "sparsekv::hisparse::Dsv4C4"
-#: Token slots per page of the DSV4 C4 layout (both the host and the device cache).
-DSV4_PAGE_SLOTS = 64
+#: Token layouts of the swap-in's caches: ``"generic"`` MLA rows, or ``"dsv4"`` C4 pages of V4 tokens.
+LAYOUTS = ("generic", "dsv4")
+#: Shared memory one block may use on sm_90 / sm_100 (227 KiB): the bound on the GPU path's scratch.
+SHARED_MEMORY_LIMIT = 227 * 1024
+_MAX_SLOTS = 32768  # slot ids are int16
+_WARP = 32
+
+
+def _log2_ceil(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def default_block_size(num_top_k: int) -> int:
+    """GPU threads per request: the power of two covering ``num_top_k``, clamped to ``[64, 1024]``."""
+    return min(1024, max(64, 1 << _log2_ceil(num_top_k)))
+
+
+def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int) -> int:
+    """Bytes of ``SwapIn<K, H, BlockSize>::Shared``, the per-request scratch in shared memory.
+
+    With ``T = 2 ** ceil(log2(2 K))`` hash cells: ``align4(10 T + 2 H + 2 K) + 4 (BlockSize / 32) + 4``
+    (int32 key + int32 first index + int16 slot per cell, int16 LRU and miss arrays, one int32 per
+    warp and a copy counter). ``tests/kernels/test_hisparse.py`` pins it to the C++ ``sizeof``.
+    """
+    cells = 1 << _log2_ceil(2 * num_top_k)
+    arrays = 10 * cells + 2 * hot_buffer_size + 2 * num_top_k
+    return -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 4
+
+
+def _layout_type(family: str, layout: str, page_slots: int | None) -> str:
+    check_choice(family, "layout", layout, LAYOUTS)
+    if layout == "generic":
+        if page_slots is not None:
+            raise ValueError(f"sparsekv: {family} argument `page_slots` applies to layout 'dsv4' only, got "
+                             f"{page_slots!r} with layout 'generic'")
+        return "sparsekv::hisparse::LinearRows"
+    check_choice(family, "page_slots", page_slots, C4_PAGE_SLOTS)
+    return f"sparsekv::hisparse::Dsv4C4<{page_slots}>"
+
+
+def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
+                      block_size: int | None = None) -> tuple:
+    """``SwapIn<K, H, BlockSize, Layout>`` arguments: checks the ranges, derives the block size, and
+    bounds ``(K, H)`` by the shared memory the GPU path's per-request scratch needs."""
+    k = check_int("hisparse", "num_top_k", num_top_k, 1, _MAX_SLOTS, "int16 slot ids")
+    h = check_int("hisparse", "hot_buffer_size", hot_buffer_size, k, _MAX_SLOTS,
+                  "at least num_top_k; int16 slot ids")
+    block = default_block_size(k) if block_size is None else block_size
+    if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
+        raise ValueError(f"sparsekv: hisparse argument `block_size` must be a multiple of 32 in [32, 1024], "
+                         f"got {block_size!r}")
+    need = swap_in_shared_bytes(k, h, block)
+    if need > SHARED_MEMORY_LIMIT:
+        raise ValueError(
+            f"sparsekv: hisparse num_top_k={k}, hot_buffer_size={h} need {need} bytes of per-request scratch "
+            f"(10 * 2**ceil(log2(2 * num_top_k)) + 2 * hot_buffer_size + 2 * num_top_k + ...), over the "
+            f"{SHARED_MEMORY_LIMIT} bytes (227 KiB) of shared memory a GPU block can have on sm_90/sm_100; "
+            f"lower num_top_k or hot_buffer_size")
+    return k, h, block, _layout_type("hisparse", layout, page_slots)
+
+
+def _complete_planned(*, layout: str = "generic", page_slots: int | None = None) -> tuple:
+    """``CopyPlanned<Layout>`` arguments."""
+    return (_layout_type("hisparse_planned", layout, page_slots),)
+
 
 SWAP_IN = register(
     KernelFamily(
         name="hisparse",
         header="hisparse.cuh",
-        exports={
-            "load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer",
-            "check_load_cache_indices": "sparsekv::hisparse::check_load_cache_indices",
-        },
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer"},
         kernels=("sparsekv::hisparse::SwapIn",),
-        params=("num_top_k", "hot_buffer_size", "block_size", "layout"),
+        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
+        complete=_complete_swap_in,
         instances=(
             # Small shapes for the tests (odd sizes, hash collisions, H close to K).
-            (5, 7, 64, LINEAR),
-            (5, 7, 64, DSV4_C4),
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic"},
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "dsv4", "page_slots": 64},
             # DSV4-Flash (index_topk 512) and DSV4-Pro (1024) with the default hot buffer of 2 * top-k.
-            (512, 1024, 512, DSV4_C4),
-            (1024, 2048, 1024, DSV4_C4),
+            {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
+            {"num_top_k": 1024, "hot_buffer_size": 2048, "layout": "dsv4", "page_slots": 64},
             # Generic MLA (DSA / GLM-class top-k 2048) and the benchmark's small case.
-            (512, 1024, 512, LINEAR),
-            (2048, 4096, 1024, LINEAR),
+            {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "generic"},
+            {"num_top_k": 2048, "hot_buffer_size": 4096, "layout": "generic"},
         ),
     )
 )
@@ -73,8 +137,9 @@ PLANNED = register(
         header="hisparse.cuh",
         exports={"copy_cache_planned": "sparsekv::hisparse::copy_cache_planned"},
         kernels=("sparsekv::hisparse::CopyPlanned",),
-        params=("layout",),
-        instances=((LINEAR,), (DSV4_C4,)),
+        params=("layout", "page_slots"),
+        complete=_complete_planned,
+        instances=({"layout": "generic"},) + tuple({"layout": "dsv4", "page_slots": p} for p in C4_PAGE_SLOTS),
     )
 )
 
@@ -82,85 +147,97 @@ PLANNED = register(
 COUNTERS = ("hits", "misses", "bytes")
 
 
-@functools.cache
-def _absent(dtype: torch.dtype) -> torch.Tensor:
-    # A 0-dim tensor tells the C++ entry that an optional argument was omitted (never a real value:
-    # every optional argument is 1-D or 2-D). Cached, so the hot path allocates nothing.
-    return torch.empty((), dtype=dtype)
+def _layout_values(is_dsv4_layout: bool, page_slots: int | None) -> dict:
+    return {"layout": "dsv4", "page_slots": page_slots} if is_dsv4_layout else {"layout": "generic"}
 
 
-def _layout(is_dsv4_layout: bool) -> str:
-    return DSV4_C4 if is_dsv4_layout else LINEAR
+def swap_in_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool = False,
+                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu"):
+    """The compiled swap-in module for ``(K, H)`` and a layout (built at first use, any valid values).
 
-
-@functools.cache
-def resolve_block_size(num_top_k: int, hot_buffer_size: int, is_dsv4_layout: bool, block_size: int | None) -> int:
-    """The block size of the table entry for ``(num_top_k, hot_buffer_size, layout)``, or ``block_size``.
+    ``page_slots`` (dsv4 only) defaults to 64, the C4 page of full-token page size 256.
 
     Raises
     ------
     ValueError
-        ``hot_buffer_size < num_top_k``, either is outside ``[1, 32768)``, or no table entry matches.
+        Values outside the family's limits (see :data:`SWAP_IN`), before anything compiles.
     """
-    for name, value in (("num_top_k", num_top_k), ("hot_buffer_size", hot_buffer_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 32768:
-            raise ValueError(f"sparsekv: argument `{name}` must be an int in [1, 32768), got {value!r}")
-    if hot_buffer_size < num_top_k:
-        raise ValueError(f"sparsekv: argument `hot_buffer_size` ({hot_buffer_size}) must be >= `num_top_k` "
-                         f"({num_top_k})")
-    layout = _layout(is_dsv4_layout)
-    if block_size is not None:
-        return block_size
-    for k, h, block, lay in SWAP_IN.instances:
-        if (k, h, lay) == (num_top_k, hot_buffer_size, layout):
-            return block
-    raise ValueError(
-        f"sparsekv: hisparse has no instance for num_top_k={num_top_k}, hot_buffer_size={hot_buffer_size}, "
-        f"layout={'dsv4' if is_dsv4_layout else 'generic'}; supported: "
-        f"{[SWAP_IN.describe(i) for i in SWAP_IN.instances]}"
-    )
+    if is_dsv4_layout and page_slots is None:
+        page_slots = 64
+    return SWAP_IN.module(num_top_k=num_top_k, hot_buffer_size=hot_buffer_size, block_size=block_size,
+                          backend=backend, **_layout_values(is_dsv4_layout, page_slots))
 
 
-def swap_in_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool = False,
-                   block_size: int | None = None, backend: str = "cpu"):
-    """The compiled swap-in module for one table entry (built at first use)."""
-    block = resolve_block_size(num_top_k, hot_buffer_size, is_dsv4_layout, block_size)
-    return SWAP_IN.module(num_top_k, hot_buffer_size, block, _layout(is_dsv4_layout), backend=backend)
+_SLOTS_OF_PAGE_BYTES = {V4.page_bytes(p): p for p in C4_PAGE_SLOTS}
 
 
-def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
-          device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
-          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size) -> None:
-    plan = (miss_src, miss_dst, miss_count)
-    if any(t is None for t in plan) and not all(t is None for t in plan):
-        raise ValueError("sparsekv: arguments `miss_src`, `miss_dst` and `miss_count` go together: pass all or none")
-    backend = backend_of(top_k_tokens)
-    module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, block_size=block_size,
-                            backend=backend)
-    args = [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-            top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
-            _absent(torch.int32) if num_real_reqs is None else num_real_reqs,
-            _absent(torch.int64) if miss_src is None else miss_src,
-            _absent(torch.int64) if miss_dst is None else miss_dst,
-            _absent(torch.int32) if miss_count is None else miss_count,
-            _absent(torch.int64) if counters is None else counters]
-    if env.check_indices():
-        # Debug mode: every index is followed on the host before the kernel runs. On the GPU that
-        # means host copies of the tables (a sync); the caches are only measured, so they are
-        # replaced by zero-copy stand-ins of the same shape.
-        if backend == "cpu":
-            module.check_load_cache_indices(*args)
-        else:
-            host_args = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
-                         for i, a in enumerate(args)]
-            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, block_size=block_size,
-                           backend="cpu").check_load_cache_indices(*host_args)
-    module.load_cache_to_device_buffer(*args)
+def _page_slots(is_dsv4_layout: bool, page_slots: int | None, device_buffer: torch.Tensor) -> int | None:
+    """The C4 page-slot count: as given, else read off the device buffer's page-row bytes (each of
+    :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` has its own page size); 64 when the row
+    matches none, so the C++ entry names the wrong row size."""
+    if not is_dsv4_layout or page_slots is not None:
+        return page_slots
+    return _SLOTS_OF_PAGE_BYTES.get(device_buffer.shape[-1] if device_buffer.dim() == 2 else -1, 64)
+
+
+#: ``index_check`` modes of the C++ entries (``IndexCheck`` in ``csrc/include/sparsekv/ffi.h``).
+RUN, CHECK_ONLY, CHECK_THEN_RUN = 0, 1, 2
+
+#: Positional arguments of the C++ swap-in entry, in order (see :func:`swap_in_args`).
+SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs", "host_cache",
+                "device_buffer", "top_k_device_locs", "req_pool_indices", "seq_lens", "lru_slots", "item_size_bytes",
+                "num_real_reqs", "miss_src", "miss_dst", "miss_count", "counters", "index_check")
+
+
+def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+                 top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, *, num_real_reqs=None,
+                 miss_src=None, miss_dst=None, miss_count=None, counters=None, index_check: int = RUN) -> list:
+    """The argument list of the C++ entry ``load_cache_to_device_buffer`` (the one place its order is
+    written: the wrapper, the tests and the benchmark all build it here). Optional tensors stay None."""
+    return [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+            top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src,
+            miss_dst, miss_count, counters, index_check]
+
+
+def host_check_args(args: list, index_check: int = CHECK_ONLY) -> list:
+    """``args`` for the index-check pass of the cpu build: host copies of the tables and one-row
+    stand-ins of the two caches (the pass reads only their shapes), with ``index_check`` set."""
+    out = []
+    for name, value in zip(SWAP_IN_ARGS, args):
+        if name in ("host_cache", "device_buffer"):
+            value = _stand_in(value)
+        elif isinstance(value, torch.Tensor):
+            value = value.cpu()
+        out.append(value)
+    out[-1] = index_check
+    return out
 
 
 def _stand_in(cache: torch.Tensor) -> torch.Tensor:
     """A host tensor with ``cache``'s shape, dtype and a unit last stride, backed by one row."""
     return torch.empty((1, cache.shape[-1]), dtype=cache.dtype).expand(cache.shape) if cache.dim() == 2 else cache.cpu()
+
+
+def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+          device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
+          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots) -> None:
+    backend = backend_of(top_k_tokens)
+    page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
+    module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                            block_size=block_size, backend=backend)
+    args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+                        device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
+                        num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
+                        counters=counters)
+    if env.check_indices():
+        if backend == "cpu":
+            args[-1] = CHECK_THEN_RUN
+        else:
+            # Debug mode on the GPU: the cpu build follows every index on host copies of the tables (a
+            # sync) before the kernel runs; the caches are only measured, so they are stand-ins.
+            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                           block_size=block_size, backend="cpu").load_cache_to_device_buffer(*host_check_args(args))
+    module.load_cache_to_device_buffer(*args)
 
 
 def load_cache_to_device_buffer_mla(
@@ -184,6 +261,7 @@ def load_cache_to_device_buffer_mla(
     miss_count: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     block_size: int | None = None,
+    page_slots: int | None = None,
 ) -> None:
     """Resolve one layer's top-k against the per-request hot buffers; load the misses host -> device.
 
@@ -223,7 +301,8 @@ def load_cache_to_device_buffer_mla(
     item_size_bytes : int
         Bytes of one token.
     num_top_k, hot_buffer_size : int
-        ``K`` and ``H``; ``(K, H)`` selects the kernel instance (:data:`SWAP_IN` table).
+        ``K`` and ``H``: any ``1 <= K <= H < 32768`` whose scratch fits shared memory; each new
+        ``(K, H)`` compiles once at first use (:data:`SWAP_IN`).
     num_real_reqs : torch.Tensor, optional
         int32 ``[1]``: rows at or beyond it are padding. Default: every row is real.
     miss_src, miss_dst, miss_count : torch.Tensor, optional
@@ -232,23 +311,30 @@ def load_cache_to_device_buffer_mla(
     counters : torch.Tensor, optional
         int64 ``[3]``: ``(hits, misses, bytes)`` added to on the device, without a host sync.
     block_size : int, optional
-        GPU threads per request; default from the instantiation table.
+        GPU threads per request (a multiple of 32 in [32, 1024]); default :func:`default_block_size`.
+    page_slots : None
+        Generic layout: must be None (see :func:`load_cache_to_device_buffer_dsv4_mla`).
 
     Raises
     ------
     TypeError
         A tensor has the wrong dtype (the message names it).
     ValueError
-        Wrong shape, stride or device; ``top_k_device_locs`` sharing memory with ``top_k_tokens``;
-        ``H < K``; an unsupported ``(K, H)``.
+        Wrong shape, stride or device; an argument the kernel writes (``top_k_device_locs``,
+        ``device_buffer_tokens``, ``lru_slots``, ``device_buffer``, the plan, ``counters``) sharing
+        memory with any other argument (the message names both); a 0-dim optional tensor;
+        ``H < K``; ``(K, H)`` whose per-request scratch exceeds the GPU's 227 KiB of shared memory
+        (:func:`swap_in_shared_bytes`; raised before anything compiles).
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
-        before anything is written; ``ValueError`` for an LRU row that is not a permutation or a
-        request named by two real rows). Without it the kernel skips such entries instead of faulting.
+        before anything is written; ``ValueError`` for an LRU row that is not a permutation, a
+        request named by two real rows, or a device slot named by two hot slots, which could receive
+        two copies: distinct ``device_buffer_locs`` are otherwise the caller's duty). Without it the
+        kernel skips out-of-range entries instead of faulting.
     """
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots)
 
 
 def load_cache_to_device_buffer_dsv4_mla(
@@ -272,18 +358,22 @@ def load_cache_to_device_buffer_dsv4_mla(
     miss_count: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     block_size: int | None = None,
+    page_slots: int | None = None,
 ) -> None:
     """:func:`load_cache_to_device_buffer_mla` for the DSV4 C4 layout, paged on both sides.
 
-    Differences: ``host_cache`` and ``device_buffer`` are uint8 ``[pages, 37440]`` page rows of 64
-    token slots (value records, then scale records; :mod:`sparsekv.jit_kernel.kv_layout` ``V4``);
-    slot ``s`` is page ``s // 64``, offset ``s % 64``; ``item_size_bytes`` must be 584;
-    ``device_buffer_tokens`` / ``device_buffer_locs`` are ``[max_reqs, H + 64]``. ``top_k_tokens``
-    and ``seq_lens`` are compressed (C4) positions and lengths.
+    Differences: ``host_cache`` and ``device_buffer`` are uint8 ``[pages, V4.page_bytes(P)]`` page
+    rows of ``P = page_slots`` token slots (value records, then scale records;
+    :mod:`sparsekv.kv_layout` ``V4``; 37,440 bytes for ``P = 64``); slot ``s`` is page
+    ``s // P``, offset ``s % P``; ``item_size_bytes`` must be 584; ``device_buffer_tokens`` /
+    ``device_buffer_locs`` are ``[max_reqs, H + P]``. ``top_k_tokens`` and ``seq_lens`` are
+    compressed (C4) positions and lengths. ``page_slots`` is one of
+    :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
+    128, 256, 512); default: read off ``device_buffer``'s page-row bytes.
     """
     _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots)
 
 
 def copy_cache_planned_mla(
@@ -296,12 +386,14 @@ def copy_cache_planned_mla(
     device_buffer: torch.Tensor,
     item_size_bytes: int,
     is_dsv4_layout: bool = False,
+    page_slots: int | None = None,
 ) -> None:
     """Replay a recorded miss plan into another layer's buffers (layers sharing one top-k index).
 
     For ``b < num_real_reqs[0]`` and ``m < miss_count[b]``: the token at host slot ``miss_src[b, m]``
     is copied to device slot ``miss_dst[b, m]``. The slot and LRU tables are the anchor layer's, so
-    nothing but ``device_buffer`` changes. Entries with an out-of-range slot are skipped.
+    nothing but ``device_buffer`` changes. Entries with an out-of-range slot (the swap-in records -1
+    for a copy it skipped) are skipped, unless ``SPARSEKV_CHECK_INDICES=1`` rejects them.
 
     Parameters
     ----------
@@ -315,13 +407,27 @@ def copy_cache_planned_mla(
         Bytes of one token (584 for DSV4).
     is_dsv4_layout : bool
         DSV4 C4 paged addressing on both sides.
+    page_slots : int, optional
+        DSV4 only: slots per C4 page, as for :func:`load_cache_to_device_buffer_dsv4_mla`.
 
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape, stride or device (the message names the argument).
+        Wrong dtype, shape, stride or device (the message names the argument); ``device_buffer``
+        sharing memory with another argument; a host-readable plan naming one device slot twice
+        with different host slots (on the device, distinct destinations are the caller's duty).
+    IndexError
+        With ``SPARSEKV_CHECK_INDICES=1``: a planned entry out of range, negative ones included.
     """
     backend = backend_of(miss_src)
-    module = PLANNED.module(_layout(is_dsv4_layout), backend=backend)
-    module.copy_cache_planned(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer,
-                              item_size_bytes)
+    values = _layout_values(is_dsv4_layout, _page_slots(is_dsv4_layout, page_slots, device_buffer))
+    module = PLANNED.module(backend=backend, **values)
+    args = [miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer, item_size_bytes, RUN]
+    if env.check_indices():
+        if backend == "cpu":
+            args[-1] = CHECK_THEN_RUN
+        else:
+            host = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
+                    for i, a in enumerate(args[:-1])]
+            PLANNED.module(backend="cpu", **values).copy_cache_planned(*host, CHECK_ONLY)
+    module.copy_cache_planned(*args)

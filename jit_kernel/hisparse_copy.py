@@ -1,5 +1,5 @@
 """Token and page copies between paged DSV4 KV buffers, all layers per call (kernels in
-``csrc/hisparse_copy.cuh``, byte layout in :mod:`sparsekv.jit_kernel.kv_layout`).
+``csrc/hisparse_copy.cuh``, byte layout in :mod:`sparsekv.kv_layout`).
 
 * :func:`transfer_cache_dsv4_mla` moves single tokens. A V4 token (584 B) is two byte ranges of
   its page, its 576-byte value record and its 8-byte scale record, so it cannot be moved as a row.
@@ -18,12 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
-#: Slots per C4 page for full-token page sizes 128, 256 and 512 (the C4 page is page_size / 4).
-PAGE_SLOTS = (32, 64, 128)
+#: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.kv_layout`).
+PAGE_SLOTS = C4_PAGE_SLOTS
 _PAGE_BYTES = {p: V4.page_bytes(p) for p in PAGE_SLOTS}
+
+
+def _complete(*, page_slots: int) -> tuple:
+    """Template arguments ``<Layout, PageSlots>``: the V4 token layout and a C4 page-slot count."""
+    return V4.cpp_type, check_choice("hisparse_copy", "page_slots", page_slots, PAGE_SLOTS)
+
 
 HISPARSE_COPY = register(
     KernelFamily(
@@ -34,8 +40,9 @@ HISPARSE_COPY = register(
             "copy_pages": "sparsekv::hisparse_copy::copy_pages",
         },
         kernels=("sparsekv::hisparse_copy::TransferTokens", "sparsekv::hisparse_copy::CopyPages"),
-        params=("layout", "page_slots"),
-        instances=tuple((V4.cpp_type, p) for p in PAGE_SLOTS),
+        params=("page_slots",),
+        complete=_complete,
+        instances=tuple({"page_slots": p} for p in PAGE_SLOTS),
     )
 )
 
@@ -76,20 +83,29 @@ def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int 
             page_bytes if dst_page_stride is None else dst_page_stride)
 
 
-def check_copy_ids_on_device(src_ids: torch.Tensor, dst_ids: torch.Tensor, src_count: int | None,
-                             dst_count: int | None, names: tuple[str, str]) -> None:
-    """Validate id pairs with torch on their own device (the CUDA path; the C++ entry checks host ids).
+def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids: torch.Tensor,
+                         dst_ids: torch.Tensor, src_count: int | None, dst_count: int | None,
+                         names: tuple[str, str]) -> None:
+    """Validate tables and id pairs with torch on their own device (the CUDA path; the C++ entry
+    checks host-readable ones the same way, rules 3-5 of ``csrc/include/sparsekv/ffi.h``).
 
-    Every id must be in ``[0, count)`` (``count`` None: only non-negative), and a destination may
-    repeat only with the same source.
+    Every base address must be non-null; every id in ``[0, count)`` (``count`` None: only
+    non-negative); a destination may repeat only with the same source; and when the two tables
+    share a buffer in some layer, no id may be both a source and another pair's destination.
 
     Raises
     ------
     IndexError
         An id out of range (the message names the argument, position and value).
     ValueError
-        A destination named twice with different sources.
+        A null base address, a destination named twice with different sources, or a chained id.
     """
+    # Compared as int64 (same bits): torch's uint64 support is partial.
+    src_ptrs, dst_ptrs = src_ptrs.view(torch.int64), dst_ptrs.view(torch.int64)
+    for name, ptrs in (("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs)):
+        null = ptrs == 0
+        if bool(null.any()):
+            raise ValueError(f"sparsekv: argument `{name}`[{int(null.nonzero()[0, 0])}] is a null base address")
     src_name, dst_name = names
     for name, ids, count in ((src_name, src_ids, src_count), (dst_name, dst_ids, dst_count)):
         bad = ids < 0 if count is None else (ids < 0) | (ids >= count)
@@ -97,6 +113,13 @@ def check_copy_ids_on_device(src_ids: torch.Tensor, dst_ids: torch.Tensor, src_c
             pos = int(bad.nonzero()[0, 0])
             bound = "non-negative" if count is None else f"in range [0, {count})"
             raise IndexError(f"sparsekv: argument `{name}`[{pos}] = {int(ids[pos])} is not {bound}")
+    if src_ptrs.shape == dst_ptrs.shape and bool((src_ptrs == dst_ptrs).any()):
+        chained = (dst_ids != src_ids) & torch.isin(dst_ids, src_ids)
+        if bool(chained.any()):
+            pos = int(chained.nonzero()[0, 0])
+            raise ValueError(f"sparsekv: argument `{dst_name}`[{pos}] = {int(dst_ids[pos])} is also a source in "
+                             f"`{src_name}` while source and destination share a buffer (the result would depend "
+                             f"on the copy order)")
     if dst_ids.numel() < 2:
         return
     # Sorting by destination puts repeats side by side; a run is consistent iff adjacent sources agree.
@@ -121,9 +144,9 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
         for name, ids in zip(names, (src_ids, dst_ids)):
             if ids.dtype != torch.int64:
                 raise TypeError(f"sparsekv: argument `{name}` must have dtype int64, got {ids.dtype}")
-        if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape:
-            check_copy_ids_on_device(src_ids, dst_ids, src_count, dst_count, names)
-    module = HISPARSE_COPY.module(V4.cpp_type, page_slots, backend=backend)
+        if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape and src_ptrs.dtype == dst_ptrs.dtype == torch.uint64:
+            check_copy_on_device(src_ptrs, dst_ptrs, src_ids, dst_ids, src_count, dst_count, names)
+    module = HISPARSE_COPY.module(page_slots=page_slots, backend=backend)
     getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride,
                             torch.get_num_threads())
 

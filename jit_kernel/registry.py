@@ -1,16 +1,50 @@
-"""Kernel families: what each wrapper module compiles, and the table of instances it supports.
+"""Kernel families: what each wrapper module compiles, from plain Python values, at first use.
 
 A wrapper module declares one :class:`KernelFamily` per header and registers it at import. The CLI
 (``sparsekv jit list/build``) discovers families by importing every module of this package, so
-there is no hand-kept list; property tests draw template arguments from the same tables, so a test
-run compiles a bounded, known set of modules.
+there is no hand-kept list.
+
+Open instantiation
+------------------
+Callers never name C++ types. A family declares
+
+* ``params``: the names of the plain values a caller passes (ints, bools, short strings such as
+  ``"dsv4"``, torch dtypes), e.g. ``("num_top_k", "hot_buffer_size", "layout")``;
+* ``complete(**values) -> tuple``: validates those values and returns the full C++ template-argument
+  tuple of the header's templates (ints, bools and C++ type strings the *family* writes), deriving
+  whatever the caller does not choose (a block size, a page-slot count's layout struct). It raises
+  ``ValueError`` naming the argument and the limit (``check_int`` below does the common case);
+* ``instances``: a table of value dicts with two jobs only: what ``sparsekv jit build --all``
+  prebuilds and what property tests draw from. It is *not* a whitelist: any values that
+  ``complete`` accepts compile at first use and are cached like the table's.
+
+The pattern, for a new family (``jit_kernel/gather_rows.py`` is the smallest complete example)::
+
+    def _complete(*, index_dtype) -> tuple:
+        if index_dtype not in INDEX_TYPES:
+            raise ValueError(f"sparsekv: gather_rows argument `index_dtype` must be one of ..., got {index_dtype!r}")
+        return (INDEX_TYPES[index_dtype],)                      # C++ template arguments, in header order
+
+    GATHER_ROWS = register(KernelFamily(
+        name="gather_rows", header="gather_rows.cuh",
+        exports={"gather_rows": "sparsekv::gather_rows::gather_rows"},
+        kernels=("sparsekv::gather_rows::GatherRows",),
+        params=("index_dtype",), complete=_complete,
+        instances=({"index_dtype": torch.int32}, {"index_dtype": torch.int64}),
+    ))
+
+    module = GATHER_ROWS.module(index_dtype=idx.dtype, backend=backend_of(dst))   # the hot path
+
+``module`` memoizes on the caller's values, so a repeated call is one dict lookup and ``complete``
+runs once per distinct instance per process. ``template_args(values)`` runs ``complete`` alone
+(nothing compiles), which is how a caller or a test checks an instance before any build.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import tvm_ffi
@@ -18,9 +52,31 @@ import tvm_ffi
 from sparsekv.jit_kernel.loader import load_jit
 
 
+def _no_params() -> tuple:
+    return ()
+
+
+def check_int(family: str, name: str, value: object, lo: int, hi: int, why: str = "") -> int:
+    """``value`` as an int in ``[lo, hi)``, else ``ValueError`` naming the argument, the range and ``why``.
+
+    For ``complete`` callables: ``why`` says what sets the limit (e.g. "int16 slot ids").
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"sparsekv: {family} argument `{name}` must be an int in [{lo}, {hi}){reason}, got {value!r}")
+    return value
+
+
+def check_choice(family: str, name: str, value: object, choices) -> object:
+    """``value`` if it is one of ``choices``, else ``ValueError`` naming the argument and the choices."""
+    if isinstance(value, bool) or value not in tuple(choices):
+        raise ValueError(f"sparsekv: {family} argument `{name}` must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class KernelFamily:
-    """One kernel header, its exports, and the template instances it is built for.
+    """One kernel header, its exports, and how plain values become its template arguments.
 
     Attributes
     ----------
@@ -33,9 +89,12 @@ class KernelFamily:
     kernels : tuple[str, ...]
         Kernel structs whose CUDA launchers the cuda backend instantiates.
     params : tuple[str, ...]
-        Names of the template parameters, e.g. ``("index_type",)``.
-    instances : tuple[tuple, ...]
-        Supported template-argument tuples (the instantiation table).
+        Names of the plain values a caller passes to :meth:`module`.
+    complete : callable
+        ``complete(**values) -> tuple`` of C++ template arguments (bool, int or C++ string) shared by
+        every export and kernel; raises ``ValueError`` for invalid values. Default: no parameters.
+    instances : tuple[dict, ...]
+        Value dicts prebuilt by ``sparsekv jit build --all`` and drawn from by property tests.
     """
 
     name: str
@@ -43,36 +102,50 @@ class KernelFamily:
     exports: Mapping[str, str]
     kernels: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
-    instances: tuple[tuple, ...] = field(default=((),))
-    # Modules loaded in this process, by (template args, backend, arch): the hot path of every
-    # wrapper call is one dict lookup. Environment inputs of the key (SPARSEKV_CUDA_ARCH,
-    # SPARSEKV_EXTRA_CFLAGS) are therefore read at a module's first load in a process.
+    complete: Callable[..., tuple] = _no_params
+    instances: tuple[Mapping[str, object], ...] = field(default=({},))
+    # Modules loaded in this process, by (values, backend, arch): the hot path of every wrapper call
+    # is one dict lookup. Environment inputs of the key (SPARSEKV_CUDA_ARCH, SPARSEKV_EXTRA_CFLAGS)
+    # are therefore read at a module's first load in a process.
     _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
-    def module(self, *template_args: object, backend: str = "cpu", arch: str | None = None) -> tvm_ffi.Module:
-        """Load (building at first use) one instance from the table.
+    def template_args(self, values: Mapping[str, object]) -> tuple:
+        """Validate ``values`` and return the C++ template arguments (compiles nothing).
 
         Raises
         ------
         ValueError
-            ``template_args`` is not in the instantiation table.
+            An unknown or missing parameter, or a value ``complete`` rejects (the message names it).
         """
-        loaded = self._loaded.get((template_args, backend, arch))
+        unknown = sorted(set(values) - set(self.params))
+        if unknown:
+            raise ValueError(f"sparsekv: {self.name} has no parameter {unknown[0]!r}; parameters: {list(self.params)}")
+        try:
+            return tuple(self.complete(**values))
+        except TypeError as e:  # a missing keyword: name it as a bad argument, not a Python error
+            raise ValueError(f"sparsekv: {self.name} needs the parameters {list(self.params)}: {e}") from None
+
+    def module(self, *, backend: str = "cpu", arch: str | None = None, **values: object) -> tvm_ffi.Module:
+        """Load (building at first use) the instance for ``values``.
+
+        Raises
+        ------
+        ValueError
+            ``values`` fail the family's validation; nothing is compiled.
+        """
+        memo = (tuple(values.items()), backend, arch)
+        loaded = self._loaded.get(memo)
         if loaded is not None:
             return loaded
-        if template_args not in self.instances:
-            raise ValueError(
-                f"sparsekv: {self.name} has no instance {dict(zip(self.params, template_args))}; "
-                f"supported: {[dict(zip(self.params, i)) for i in self.instances]}"
-            )
-        module = load_jit(self.name, *template_args, header=self.header, exports=self.exports, kernels=self.kernels,
+        args = self.template_args(values)
+        module = load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
                           backend=backend, arch=arch)
-        self._loaded[(template_args, backend, arch)] = module
+        self._loaded[memo] = module
         return module
 
-    def describe(self, instance: tuple) -> str:
-        """``name<arg=value, ...>`` for logs and the CLI."""
-        return f"{self.name}<{', '.join(f'{k}={v}' for k, v in zip(self.params, instance))}>"
+    def describe(self, values: Mapping[str, object]) -> str:
+        """``name<arg=value, ...>`` of plain values, for logs and the CLI."""
+        return f"{self.name}<{', '.join(f'{k}={v}' for k, v in values.items())}>"
 
 
 def backend_of(tensor) -> str:
@@ -84,10 +157,15 @@ REGISTRY: dict[str, KernelFamily] = {}
 
 
 def register(family: KernelFamily) -> KernelFamily:
-    """Add ``family`` to the registry (idempotent for the same declaration)."""
+    """Add ``family`` to the registry (idempotent for the same declaration).
+
+    Every table instance must pass the family's own validation (checked here, at import).
+    """
     existing = REGISTRY.get(family.name)
     if existing is not None and existing != family:
         raise ValueError(f"sparsekv: two different kernel families are named {family.name!r}")
+    for values in family.instances:
+        family.template_args(values)
     REGISTRY[family.name] = family
     return family
 

@@ -34,3 +34,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    # A backend that was asked for (SPARSEKV_TEST_BACKENDS) but cannot run here fails with the
+    # reason, rather than vanishing from the run or breaking collection.
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("backend") if callspec else None
+    if backend is not None:
+        from sparsekv.testing.backends import unavailable_reason
+
+        reason = unavailable_reason(backend)
+        if reason:
+            import pytest
+
+            pytest.fail(reason, pytrace=False)

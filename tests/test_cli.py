@@ -62,3 +62,17 @@ def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, mo
     assert "removed 2 stale entries" in cleaned.stdout
     lines = [line for line in run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines() if "gather_rows<" in line]
     assert all(line.rstrip().endswith("cached: cpu") for line in lines), lines
+
+
+def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path):
+    # Open instantiation: a (K, H) no table lists compiles at first use, and is not stale for that.
+    cache_dir = tmp_path / "cache"
+    code = ("from sparsekv.jit_kernel.hisparse import SWAP_IN; "
+            "SWAP_IN.module(num_top_k=4, hot_buffer_size=4)")
+    import os
+
+    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir))
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=600).returncode == 0
+    cleaned = run_cli("jit", "clean", "--stale", cache_dir=cache_dir)
+    assert "removed 0 stale entries" in cleaned.stdout
+    assert json.loads(run_cli("jit", "info", cache_dir=cache_dir).stdout)["entries"] == 1

@@ -25,7 +25,7 @@ import torch
 
 from sparsekv.cli import main as cli_main
 from sparsekv.jit_kernel.hisparse import swap_in_module
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4, c4_page_slots
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
@@ -33,6 +33,7 @@ from sparsekv.srt.streams import CpuStreams
 from sparsekv.testing.hisparse_traces import RequestTrace, Trace, replay
 
 TOP_K, HOT, C4_LAYERS, PAGE = 512, 1024, 4, 256
+SLOTS = c4_page_slots(PAGE)  # C4 slots per page
 PROMPTS = (16384, 12288, 20480, 8192)
 DECODE_STEPS = 64
 DRIFT = 0.05  # fraction of a layer's top-k replaced each step
@@ -66,14 +67,14 @@ class DriftingTopK:
 
 def token_rows(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """uint8 ``[n, 584]``: value and scale bytes of V4 slots of a page buffer."""
-    page, slot = slots // 64, slots % 64
-    return torch.cat([V4.value_view(pages, 64)[page, slot], V4.scale_view(pages, 64)[page, slot]], dim=1)
+    page, slot = slots // SLOTS, slots % SLOTS
+    return torch.cat([V4.value_view(pages, SLOTS)[page, slot], V4.scale_view(pages, SLOTS)[page, slot]], dim=1)
 
 
 def write_rows(pages: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    page, slot = slots // 64, slots % 64
-    V4.value_view(pages, 64)[page, slot] = rows[:, : V4.value_bytes]
-    V4.scale_view(pages, 64)[page, slot] = rows[:, V4.value_bytes :]
+    page, slot = slots // SLOTS, slots % SLOTS
+    V4.value_view(pages, SLOTS)[page, slot] = rows[:, : V4.value_bytes]
+    V4.scale_view(pages, SLOTS)[page, slot] = rows[:, V4.value_bytes :]
 
 
 def check(condition: bool, what: str) -> None:

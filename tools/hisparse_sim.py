@@ -23,8 +23,10 @@ import argparse
 import json
 import sys
 
-from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import add_common_args, progress
+from tqdm import tqdm
+
+from sparsekv.kv_layout import V4
+from sparsekv.testing.bench import add_common_args
 from sparsekv.testing.hisparse_traces import POLICIES, Trace, replay, synthetic_trace
 
 
@@ -65,8 +67,7 @@ def load_or_make_trace(args: argparse.Namespace) -> Trace:
 def simulate(trace: Trace, hots: list[int], item_bytes: int) -> list[dict]:
     """One row per H: overall hit rates and bytes, and every per-step series, for both policies."""
     rows = []
-    for i, hot in enumerate(hots):
-        progress(i, len(hots), f"H={hot}")
+    for hot in tqdm(hots, desc="hisparse_sim", unit="H"):
         row: dict = {"hot": hot}
         for policy in POLICIES:
             result = replay(trace, hot, policy)
@@ -76,7 +77,6 @@ def simulate(trace: Trace, hots: list[int], item_bytes: int) -> list[dict]:
             row[f"{policy}_steps"] = [{"hit_rate": s.hit_rate, "bytes": s.loads * item_bytes} for s in result.steps]
         row["belady_over_lru_bytes"] = row["belady_bytes"] / row["lru_bytes"] if row["lru_bytes"] else 1.0
         rows.append(row)
-    progress(len(hots), len(hots), "done")
     return rows
 
 

@@ -1,27 +1,80 @@
-"""Which backends kernel tests run on.
+"""Which backends kernel tests run on, and how a test moves its tensors there.
 
 ``SPARSEKV_TEST_BACKENDS`` (comma list) forces a set, e.g. ``cpu,cuda`` for ``make test-gpu``;
-otherwise ``cpu`` always, plus ``cuda`` when torch sees a GPU.
+otherwise ``cpu`` always, plus ``cuda`` when torch sees a GPU. Forcing ``cuda`` without a GPU still
+collects the cuda tests (so the set of tests can be checked anywhere); they fail at run time with
+the reason (``tests/conftest.py``).
+
+On a non-cpu backend, :func:`run_on_backend` first runs the cpu build of the same header on copies
+of the inputs: the cpu build is the reference the cuda build must match bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 
 import torch
 
+BACKENDS = ("cpu", "cuda")
+
 
 def kernel_backends() -> list[str]:
-    """Backends to parametrize kernel tests over."""
+    """Backends to parametrize kernel tests over.
+
+    Raises
+    ------
+    ValueError
+        ``SPARSEKV_TEST_BACKENDS`` names an unknown backend.
+    """
     forced = os.environ.get("SPARSEKV_TEST_BACKENDS")
     if forced:
         backends = [b.strip() for b in forced.split(",") if b.strip()]
-        if "cuda" in backends and not torch.cuda.is_available():
-            raise RuntimeError("SPARSEKV_TEST_BACKENDS asks for cuda, but torch sees no GPU")
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"SPARSEKV_TEST_BACKENDS names unknown backends {unknown}; known: {list(BACKENDS)}")
         return backends
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot run here, or None when it can."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        return "SPARSEKV_TEST_BACKENDS asks for cuda, but torch sees no GPU"
+    return None
 
 
 def device_of(backend: str) -> torch.device:
     """The torch device a backend's tensors live on."""
     return torch.device("cuda" if backend == "cuda" else "cpu")
+
+
+def to_backend(backend: str, values: Mapping[str, object]) -> dict[str, object]:
+    """``values`` with every tensor moved to ``backend``'s device (others unchanged)."""
+    device = device_of(backend)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def run_on_backend(backend: str, fn: Callable[..., object], tensors: Mapping[str, object], **scalars: object) -> None:
+    """Call ``fn(**tensors, **scalars)`` on ``backend``; updated tensors are copied back in place.
+
+    ``tensors`` live on the CPU (None entries pass through). On a non-cpu backend the same call first
+    runs on CPU clones (the cpu build), and afterwards every tensor must equal the cpu build's.
+
+    Raises
+    ------
+    AssertionError
+        The two builds disagree on some tensor (the message names it).
+    """
+    if backend == "cpu":
+        fn(**tensors, **scalars)
+        return
+    reference = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    fn(**reference, **scalars)
+    moved = to_backend(backend, tensors)
+    fn(**moved, **scalars)
+    torch.cuda.synchronize()
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(moved[name].cpu())
+            assert torch.equal(value, reference[name]), f"the {backend} and cpu builds disagree on `{name}`"

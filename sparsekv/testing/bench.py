@@ -1,8 +1,9 @@
 """The one sweep helper every benchmark in ``tools/`` uses: time callables, print JSON, draw a PNG.
 
-A benchmark builds a list of cases; each case times its candidates (our kernel, the raw module
-call, the baseline measured in the same run) with :func:`time_call`, and :func:`report` prints one
-JSON document and optionally plots it.
+A benchmark builds a list of cases (shown with a tqdm progress bar); each case times its candidates
+(our kernel, the raw module call, the baseline measured in the same run) with :func:`time_call` on
+the host, or :func:`time_cuda` (CUDA events, never host clocks) for the cuda backend; :func:`report`
+prints one JSON document and optionally plots it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterable
@@ -53,14 +53,33 @@ class BenchResult:
     notes: dict = field(default_factory=dict)
 
 
-def progress(i: int, total: int, label: str) -> None:
-    """A one-line progress indicator on stderr (long sweeps show where they are)."""
-    width = 30
-    done = int(width * i / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label[:60]:<60}")
-    if i == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def time_cuda(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.05) -> Timing:
+    """Time ``fn()`` on the current CUDA stream with CUDA events: warm up, then ``repeats`` samples,
+    each a run of calls between two events, sized from the warm-up to last about ``min_time_s``."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(warmup):
+        fn()
+    end.record()
+    end.synchronize()
+    per_call_s = max(start.elapsed_time(end) / 1e3 / max(warmup, 1), 1e-7)
+    loops = max(1, round(min_time_s / per_call_s))
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(loops):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / loops)
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), repeats=repeats)
+
+
+def timer(backend: str) -> Callable[..., Timing]:
+    """:func:`time_call` for the cpu backend, :func:`time_cuda` for the cuda backend."""
+    return time_cuda if backend == "cuda" else time_call
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +87,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="also write the JSON result to this file")
     parser.add_argument("--plot", help="draw a PNG plot to this path")
     parser.add_argument("--quick", action="store_true", help="a short sweep (smaller cases, fewer repeats)")
+
+
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """``--backend {cpu,cuda}``: which build of the kernels a benchmark runs (default cpu)."""
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                        help="kernel backend (cuda: tensors on the GPU, timed with CUDA events)")
 
 
 def report(result: BenchResult, args: argparse.Namespace,

@@ -2,7 +2,7 @@
 
 One :class:`HotBuffer` is one request's hot buffer in one layer: ``H`` slots, the token each holds
 and the LRU order of the slots. :func:`swap_in_step` applies one decode step's top-k to it with
-lists and sets only, the way the policy is stated in reference/sglang_jit_hisparse.md §3.4:
+lists and sets only, the way the contract at the top of ``csrc/hisparse.cuh`` states it:
 
 * ``seq_len <= H``: every position sits in its own slot; nothing changes.
 * otherwise the newest token has the reserved slot ``H``; a requested token already held by a slot

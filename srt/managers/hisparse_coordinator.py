@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
@@ -80,7 +80,7 @@ class HiSparseCoordinator:
 
     Examples
     --------
-    A request's life on the CPU (tests/test_hisparse_coordinator.py runs this for real)::
+    A request's life on the CPU (tests/runtime/test_hisparse_coordinator.py runs this for real)::
 
         coord = HiSparseCoordinator(req_pool, allocator, device_pool, top_k=5, device_buffer_size=7)
         allocator.alloc_extend(req_pool.req_to_token, req.req_pool_idx, 0, prompt_len)
@@ -383,7 +383,8 @@ class HiSparseCoordinator:
             self.req_device_buffer_token_locs[layer_id], self.mem_pool_host.kv_buffer[layer_id],
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
-            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size)
+            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
+            page_slots=self.page_size)
         return out
 
     # ---- release ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``DeepSeekV4PagedHostPool``: the host mirror of DSV4 paged KV buffers (the HiSparse C4 pool).
 
-The host keeps the device's page-padded layout (:data:`sparsekv.jit_kernel.kv_layout.V4`, 37,440
+The host keeps the device's page-padded layout (:data:`sparsekv.kv_layout.V4`, 37,440
 bytes per 64-slot page), so a whole page moves as one opaque row and only token-granular moves
 need layout-aware code:
 
@@ -28,12 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from sparsekv.jit_kernel.hisparse_copy import (
-    PAGE_SLOTS,
     pointer_table,
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache
@@ -74,8 +73,9 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
                  slot_page_size: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
                  page_aligned_only: bool = False) -> None:
-        if slot_page_size not in PAGE_SLOTS:
-            raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {PAGE_SLOTS}, got {slot_page_size!r}")
+        if slot_page_size not in C4_PAGE_SLOTS:
+            raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {C4_PAGE_SLOTS}, got "
+                             f"{slot_page_size!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"sparsekv: argument `layout` must be one of {LAYOUTS}, got {layout!r}")
         self.item_bytes = V4.page_bytes(slot_page_size)

@@ -2,7 +2,7 @@
 
 With HiSparse the C4 KV of each request lives in the host pool; the device keeps only the hot
 buffers (and each prefill until it is backed up). The pool is a per-layer stack of V4 page rows
-(:data:`sparsekv.jit_kernel.kv_layout.V4`, 64 slots, 37,440 bytes per page), exactly the host
+(:data:`sparsekv.kv_layout.V4`, 64 slots, 37,440 bytes per page), exactly the host
 pool's rows, so whole pages and single tokens move with the same addressing on both sides.
 
 Writes are addressed through the allocator's ``full_to_hisparse_device_index_mapping``: the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.ids import DeviceSlots
 

@@ -4,7 +4,7 @@ Pure integer arithmetic, no torch: the planner (``sparsekv plan-memory``) and
 ``DeepSeekV4TokenToKVPool`` price and allocate from these same functions, so a pool can never
 allocate a layout that the configurator priced differently.
 
-Layouts (reference/dsv4_compressed_attention.md §3, sglang_jit_hisparse.md §4):
+Layouts (the table of ``csrc/include/sparsekv/kv_layout.h`` and its Python mirror ``kv_layout``):
 
 * Main KV (SWA, C4 and C128 alike), FlashMLA "fp8_ds_mla" V4: 584 B per token = 448 e4m3 nope
   + 64 bf16 rope (576 B of value) + 7 UE8M0 scales + 1 pad byte. A page of P tokens stores the P
@@ -19,7 +19,7 @@ Layouts (reference/dsv4_compressed_attention.md §3, sglang_jit_hisparse.md §4)
 
 from __future__ import annotations
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 
 # FlashMLA V4 token layout, from the one layout table the kernels also use (torch-free).
 KV_LAYOUT = V4

@@ -1,4 +1,4 @@
-"""A memory-planning case (the ``shared/golden/memory_plans.json`` schema).
+"""A memory-planning case (the schema of ``tests/golden/memory_plans.json``).
 
 :func:`parse_case` turns one case object into typed specs, rejecting malformed input with a
 ``ValueError`` / ``TypeError`` that names the field (``model.head_dim``, ``server.page_size``...)

@@ -11,7 +11,7 @@ entry points over one core computation:
 ``finalize_with_max_running_requests(config)`` sizes what depends on the request count once the
 consumer has resolved it (DSV4's request-scoped C128 compressor state).
 
-The numbers follow sglang 0.5.23's configurators (reference/peer_wheel_map.md §5, §6), including
+The numbers follow sglang 0.5.23's configurators (its DSV4, hybrid-SWA and default ones), including
 its float arithmetic, so that a plan computed here equals the one an sglang server derives. Pure
 planning: nothing here imports torch or touches a device.
 """

@@ -43,7 +43,7 @@ def test_every_registered_module_compiles_for_sm90a_and_sm100a(tmp_path):
 def test_cuda_module_without_a_driver_raises_runtime_error():
     from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 
-    module = GATHER_ROWS.module("int64_t", backend="cuda", arch="9.0a")
+    module = GATHER_ROWS.module(index_dtype=torch.int64, backend="cuda", arch="9.0a")
     dst = torch.zeros(4, 8, dtype=torch.uint8)
     before = dst.clone()
     with pytest.raises(RuntimeError, match="CUDA runtime cannot run here"):

@@ -1,32 +1,46 @@
-"""HiSparse swap-in and miss-plan replay: hand-computed cases, the reference, and the bad-input contract.
+"""HiSparse swap-in and miss-plan replay: hand-computed cases, the reference, open instances, and
+the input contract (bad input, aliasing, duplicate destinations, index checks). Every test runs on
+each kernel backend (tests/kernels/conftest.py); on a GPU the cuda build is also compared with the
+cpu build of the same call.
 
-The long-running policy check (many steps, many requests) is tests/test_hisparse_stateful.py.
+The long-running policy check (many steps, many requests) is tests/kernels/test_hisparse_stateful.py.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
 import torch
 
 from sparsekv.jit_kernel.hisparse import (
+    CHECK_ONLY,
     PLANNED,
+    SHARED_MEMORY_LIMIT,
     SWAP_IN,
+    SWAP_IN_ARGS,
     copy_cache_planned_mla,
+    default_block_size,
+    host_check_args,
     load_cache_to_device_buffer_mla,
-    resolve_block_size,
+    swap_in_args,
+    swap_in_module,
+    swap_in_shared_bytes,
 )
 from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
+from sparsekv.testing.backends import device_of, run_on_backend, to_backend
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.reference.hisparse import copy_cache_planned_reference
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes
 
 K, H = 5, 7
 
 
-def world(is_dsv4_layout=False, seed=0, max_reqs=3, max_len=40):
-    return make_world(K, H, is_dsv4_layout=is_dsv4_layout, max_reqs=max_reqs, max_len=max_len, seed=seed)
+def world(backend, is_dsv4_layout=False, seed=0, max_reqs=3, max_len=40):
+    return make_world(K, H, is_dsv4_layout=is_dsv4_layout, max_reqs=max_reqs, max_len=max_len, seed=seed,
+                      backend=backend)
 
 
 def hold(w, rid, tokens):
@@ -42,8 +56,8 @@ def locs(w, rid, slots):
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-def test_fast_path_maps_position_to_slot_and_changes_nothing(index_dtype):
-    w = world()
+def test_fast_path_maps_position_to_slot_and_changes_nothing(backend, index_dtype):
+    w = world(backend)
     w.reset_request(1, resident=True)
     before = (w.device_buffer_tokens.clone(), w.lru_slots.clone(), w.device_buffer.clone())
     # seq_len 4 <= H: entries 0..3 are used; -1 and 4 (>= seq_len) are "no token"; entry 4 is past min(seq_len, K).
@@ -54,8 +68,8 @@ def test_fast_path_maps_position_to_slot_and_changes_nothing(index_dtype):
         assert torch.equal(now, then)
 
 
-def test_hits_newest_and_lru_then_misses_take_lru_slots():
-    w = world()
+def test_hits_newest_and_lru_then_misses_take_lru_slots(backend):
+    w = world(backend)
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
     # Step 1: 7 and 5 hit, 19 is the newest (reserved column H), -1 and 25 (>= seq_len) are no token.
     res = w.swap_in([[7, 19, 5, -1, 25]], [0], [20], plan=True)
@@ -75,8 +89,8 @@ def test_hits_newest_and_lru_then_misses_take_lru_slots():
         assert torch.equal(w.device_token(locs(w, 0, [slot])[0]), w.host_token(0, tok))
 
 
-def test_padding_rows_get_minus_one_and_leave_tables_alone():
-    w = world()
+def test_padding_rows_get_minus_one_and_leave_tables_alone(backend):
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     w.reset_request(1, resident=True)
     before = (w.device_buffer_tokens.clone(), w.lru_slots.clone())
@@ -89,8 +103,8 @@ def test_padding_rows_get_minus_one_and_leave_tables_alone():
     assert torch.equal(w.lru_slots[1], before[1][1])
 
 
-def test_all_invalid_entries_on_the_slow_path_load_nothing():
-    w = world()
+def test_all_invalid_entries_on_the_slow_path_load_nothing(backend):
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     before = (w.device_buffer_tokens.clone(), w.lru_slots.clone(), w.device_buffer.clone())
     res = w.swap_in([[-1, -5, 30, 31, 2**31 - 1]], [0], [30], plan=True)
@@ -102,8 +116,8 @@ def test_all_invalid_entries_on_the_slow_path_load_nothing():
 
 
 @pytest.mark.parametrize("is_dsv4_layout", [False, True], ids=["generic", "dsv4"])
-def test_kernel_matches_reference_on_a_mixed_batch(is_dsv4_layout):
-    w = world(is_dsv4_layout, seed=3, max_reqs=4)
+def test_kernel_matches_reference_on_a_mixed_batch(backend, is_dsv4_layout):
+    w = world(backend, is_dsv4_layout, seed=3, max_reqs=4)
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
     w.reset_request(2, resident=True)
     hold(w, 3, [-1] * H)
@@ -119,10 +133,10 @@ def test_kernel_matches_reference_on_a_mixed_batch(is_dsv4_layout):
         assert list(zip(res["miss_src"][b].tolist(), res["miss_dst"][b].tolist()))[: len(pairs)] == pairs
 
 
-def test_dsv4_miss_reads_and_writes_paged_addresses():
+def test_dsv4_miss_reads_and_writes_paged_addresses(backend):
     # A miss from host slot 65 (page 1, offset 1) into device slot 76 (page 1, offset 12): the value and
     # scale records sit 36,864 bytes apart in the page row; nothing else in either page changes.
-    w = world(True)
+    w = world(backend, True)
     w.host_cache_locs[0, 3] = 65
     w.device_buffer_locs[0, :H + 1] = torch.arange(76, 76 + H + 1, dtype=torch.int32)
     device_before = w.device_buffer.clone()
@@ -141,8 +155,8 @@ def test_dsv4_miss_reads_and_writes_paged_addresses():
 
 @pytest.mark.parametrize("is_dsv4_layout", [False, True], ids=["generic", "dsv4"])
 @pytest.mark.parametrize("miss_dst_dtype", [torch.int64, torch.int32], ids=str)
-def test_replaying_the_plan_into_a_second_layer_moves_the_same_tokens(is_dsv4_layout, miss_dst_dtype):
-    w = world(is_dsv4_layout, seed=5)
+def test_replaying_the_plan_into_a_second_layer_moves_the_same_tokens(backend, is_dsv4_layout, miss_dst_dtype):
+    w = world(backend, is_dsv4_layout, seed=5)
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
     w.reset_request(1, resident=False)
     host2 = random_bytes(tuple(w.host_cache.shape), 99)
@@ -154,14 +168,14 @@ def test_replaying_the_plan_into_a_second_layer_moves_the_same_tokens(is_dsv4_la
     res["miss_count"][2] = K
     res["miss_src"][2] = 0
     res["miss_dst"][2] = 0
-    copy_cache_planned_mla(miss_src=res["miss_src"], miss_dst=res["miss_dst"], miss_count=res["miss_count"],
-                           num_real_reqs=torch.tensor([2], dtype=torch.int32), host_cache=host2,
-                           device_buffer=device2, item_size_bytes=w.item_size_bytes, is_dsv4_layout=is_dsv4_layout)
+    run_on_backend(backend, copy_cache_planned_mla,
+                   dict(miss_src=res["miss_src"], miss_dst=res["miss_dst"], miss_count=res["miss_count"],
+                        num_real_reqs=torch.tensor([2], dtype=torch.int32), host_cache=host2, device_buffer=device2),
+                   item_size_bytes=w.item_size_bytes, is_dsv4_layout=is_dsv4_layout)
     plan = [list(zip(res["miss_src"][b, : res["miss_count"][b]].tolist(),
                      res["miss_dst"][b, : res["miss_count"][b]].tolist())) for b in range(2)]
     assert sum(len(p) for p in plan) == 3 + 5
-    assert torch.equal(device2, copy_cache_planned_reference(plan, host2, device2_before,
-                                                             is_dsv4_layout=is_dsv4_layout))
+    assert torch.equal(device2, copy_cache_planned_reference(plan, host2, device2_before, page_slots=w.page_slots))
     for b, rid in enumerate([0, 1]):
         for i, tok in enumerate([[8, 3, 9, 8, 13], [30, 31, 2, 33, 34]][b]):
             if (rid, tok) in ((0, 3),):
@@ -169,8 +183,8 @@ def test_replaying_the_plan_into_a_second_layer_moves_the_same_tokens(is_dsv4_la
             assert torch.equal(w.device_token(int(res["out"][b, i]), device2), w.host_token(rid, tok, host2))
 
 
-def test_counters_accumulate_hits_misses_and_bytes():
-    w = world()
+def test_counters_accumulate_hits_misses_and_bytes(backend):
+    w = world(backend)
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
     w.reset_request(1, resident=True)
     counters = torch.zeros(3, dtype=torch.int64)
@@ -181,9 +195,9 @@ def test_counters_accumulate_hits_misses_and_bytes():
     assert counters.tolist() == [4 + 5, 3, 3 * w.item_size_bytes]
 
 
-def test_without_checks_a_bad_host_loc_is_skipped_not_followed(monkeypatch):
+def test_without_checks_a_bad_host_loc_is_skipped_not_followed(backend, monkeypatch):
     monkeypatch.delenv("SPARSEKV_CHECK_INDICES", raising=False)
-    w = world()
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     w.host_cache_locs[0, 20] = -1
     w.host_cache_locs[0, 21] = 10**12
@@ -203,9 +217,9 @@ def test_without_checks_a_bad_host_loc_is_skipped_not_followed(monkeypatch):
     (lambda w: w.device_buffer_locs.__setitem__((0, H), -2), IndexError, "device_buffer_locs"),
     (lambda w: w.device_buffer_locs.__setitem__((0, 2), 10**6), IndexError, "device_buffer_locs"),
 ])
-def test_check_indices_mode_rejects_a_bad_index_before_writing(monkeypatch, mutate, exc, name):
+def test_check_indices_mode_rejects_a_bad_index_before_writing(backend, monkeypatch, mutate, exc, name):
     monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
-    w = world()
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     mutate(w)
     before = (w.device_buffer_tokens.clone(), w.lru_slots.clone(), w.device_buffer.clone())
@@ -215,9 +229,9 @@ def test_check_indices_mode_rejects_a_bad_index_before_writing(monkeypatch, muta
         assert torch.equal(now, then)
 
 
-def test_check_indices_mode_accepts_a_valid_call(monkeypatch):
+def test_check_indices_mode_accepts_a_valid_call(backend, monkeypatch):
     monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
-    w = world()
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     w.host_cache_locs[0, 2] = -1  # a hit: its host slot is never read
     w.host_cache_locs[0, 29] = -1  # the newest token: never read either
@@ -236,10 +250,14 @@ def _call_args(w, **overrides):
     return args
 
 
-def _sharing(offset):
+def _sharing(offset, device="cpu"):
     """``top_k_tokens`` and a ``top_k_device_locs`` starting ``offset`` entries into it, in one buffer."""
-    buffer = torch.tensor([20, 2, 21, -1, 29] * 2, dtype=torch.int32)
+    buffer = torch.tensor([20, 2, 21, -1, 29] * 2, dtype=torch.int32, device=device)
     return dict(top_k_tokens=buffer[:K].view(1, K), top_k_device_locs=buffer[offset : offset + K].view(1, K))
+
+
+def _written(args):
+    return [args[k].cpu().clone() for k in ("device_buffer_tokens", "lru_slots", "device_buffer", "top_k_device_locs")]
 
 
 BAD_INPUTS = [
@@ -276,29 +294,75 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("mutate, exc, name", BAD_INPUTS)
-def test_bad_input_raises_naming_the_argument_and_writes_nothing(mutate, exc, name):
-    w = world()
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(backend, mutate, exc, name):
+    w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
-    args = _call_args(w)
-    args.update(mutate(w))
-    before = [t.clone() for t in (w.device_buffer_tokens, w.lru_slots, w.device_buffer, args["top_k_device_locs"])]
+    args = to_backend(backend, _call_args(w))
+    args.update(to_backend(backend, mutate(w)))
+    before = _written(args)
     with pytest.raises(exc, match=f"`{name}`"):
         load_cache_to_device_buffer_mla(**args)
-    after = (w.device_buffer_tokens, w.lru_slots, w.device_buffer, args["top_k_device_locs"])
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.equal(a, b) for a, b in zip(_written(args), before))
 
 
-def test_top_k_and_output_may_be_adjacent_views_of_one_buffer():
-    separate, shared = world(), world()
+# Each: overrides that alias two arguments, named in the order the entry lists them; the kernel
+# writes one of the two while it reads (or writes) the other.
+ALIASED = [
+    (lambda a: {"miss_dst": a["top_k_tokens"]}, "top_k_tokens", "miss_dst"),
+    (lambda a: {"device_buffer_locs": a["device_buffer_tokens"]}, "device_buffer_tokens", "device_buffer_locs"),
+    (lambda a: {"host_cache": a["device_buffer"]}, "host_cache", "device_buffer"),
+    (lambda a: {"host_cache": a["device_buffer"][1:]}, "host_cache", "device_buffer"),
+    (lambda a: {"miss_src": a["host_cache_locs"][:1]}, "host_cache_locs", "miss_src"),
+    (lambda a: {"counters": a["host_cache_locs"][0, :3]}, "host_cache_locs", "counters"),
+    (lambda a: {"miss_count": a["top_k_device_locs"][0, :1]}, "top_k_device_locs", "miss_count"),
+]
+
+
+@pytest.mark.parametrize("alias, first, second", ALIASED, ids=[f"{f}-{s}" for _, f, s in ALIASED])
+def test_arguments_that_share_memory_with_a_written_one_are_rejected(backend, alias, first, second):
+    w = world(backend)
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    args = to_backend(backend, _call_args(w, miss_src=torch.zeros(1, K, dtype=torch.int64),
+                                          miss_dst=torch.zeros(1, K, dtype=torch.int32),
+                                          miss_count=torch.zeros(1, dtype=torch.int32),
+                                          counters=torch.zeros(3, dtype=torch.int64)))
+    args.update(alias(args))
+    before = _written(args)
+    with pytest.raises(ValueError, match=f"`{first}` and `{second}` must not share memory"):
+        load_cache_to_device_buffer_mla(**args)
+    assert all(torch.equal(a, b) for a, b in zip(_written(args), before))
+
+
+@pytest.mark.parametrize("name, dtype", [("num_real_reqs", torch.int32), ("miss_count", torch.int32),
+                                         ("counters", torch.int64)])
+def test_a_0_dim_tensor_for_an_optional_argument_is_rejected(backend, name, dtype):
+    # It used to mean "omitted": a real 0-dim num_real_reqs ran the padding rows, a 0-dim miss_count
+    # dropped the plan.
+    w = world(backend)
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    extra = {name: torch.tensor(1, dtype=dtype)}
+    if name == "miss_count":
+        extra.update(miss_src=torch.zeros(1, K, dtype=torch.int64), miss_dst=torch.zeros(1, K, dtype=torch.int64))
+    args = to_backend(backend, _call_args(w, **extra))
+    before = _written(args)
+    with pytest.raises(ValueError, match=f"`{name}` is a 0-dim tensor; pass None"):
+        load_cache_to_device_buffer_mla(**args)
+    assert all(torch.equal(a, b) for a, b in zip(_written(args), before))
+
+
+def test_top_k_and_output_may_be_adjacent_views_of_one_buffer(backend):
+    separate, shared = world(backend), world(backend)
     for w in (separate, shared):
         hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
-    args = _call_args(separate)
+    args = to_backend(backend, _call_args(separate))
     load_cache_to_device_buffer_mla(**args)
-    views = _sharing(K)
-    load_cache_to_device_buffer_mla(**_call_args(shared, **views))
+    views = _sharing(K, device_of(backend))
+    shared_args = to_backend(backend, _call_args(shared))
+    shared_args.update(views)
+    load_cache_to_device_buffer_mla(**shared_args)
     assert torch.equal(views["top_k_device_locs"], args["top_k_device_locs"])
     assert views["top_k_tokens"].tolist() == args["top_k_tokens"].tolist()
-    assert torch.equal(shared.device_buffer, separate.device_buffer)
+    assert torch.equal(shared_args["device_buffer"], args["device_buffer"])
 
 
 def test_a_swap_in_instance_too_large_for_shared_memory_fails_to_compile(tmp_path):
@@ -313,45 +377,227 @@ def test_a_swap_in_instance_too_large_for_shared_memory_fails_to_compile(tmp_pat
                str(source)]
         return subprocess.run(cmd, capture_output=True, text=True)
 
-    largest = max(SWAP_IN.instances)
-    assert compile_instance(largest[0], largest[1]).returncode == 0
+    largest = max((v["num_top_k"], v["hot_buffer_size"]) for v in SWAP_IN.instances)
+    assert compile_instance(*largest).returncode == 0
     # A 32,768-entry hash table alone is 320 KiB.
     result = compile_instance(16384, 16384)
     assert result.returncode != 0 and "exceeds the 227 KiB of shared memory" in result.stderr
 
 
-def test_dsv4_rejects_a_non_page_row_cache_and_a_wrong_item_size():
-    w = world(True)
+def test_dsv4_rejects_a_non_page_row_cache_and_a_wrong_item_size(backend):
+    w = world(backend, True)
     from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
 
     with pytest.raises(ValueError, match="`device_buffer`"):
-        load_cache_to_device_buffer_dsv4_mla(**_call_args(w, device_buffer=w.device_buffer[:, :584]))
+        load_cache_to_device_buffer_dsv4_mla(**to_backend(backend,
+                                                          _call_args(w, device_buffer=w.device_buffer[:, :584])))
     with pytest.raises(ValueError, match="`item_size_bytes`"):
-        load_cache_to_device_buffer_dsv4_mla(**_call_args(w, item_size_bytes=576))
+        load_cache_to_device_buffer_dsv4_mla(**to_backend(backend, _call_args(w, item_size_bytes=576)))
 
 
-def test_an_unsupported_shape_names_the_supported_instances():
-    with pytest.raises(ValueError, match="no instance"):
-        resolve_block_size(6, 7, False, None)
-    assert all(k <= h < 32768 for k, h, *_ in SWAP_IN.instances)
-    assert {layout for (layout,) in PLANNED.instances} == {layout for *_, layout in SWAP_IN.instances}
+def test_every_table_layout_has_a_plan_replay_instance():
+    def layout(values):
+        return values["layout"], values.get("page_slots")
+
+    assert {layout(v) for v in SWAP_IN.instances} <= {layout(v) for v in PLANNED.instances}
 
 
 def test_index_check_reads_only_the_shapes_of_the_caches():
-    # On the GPU the debug check runs on host copies of the tables and one-row stand-ins of the
-    # caches; the stand-ins must pass the same checks and the verdict must be the same.
-    from sparsekv.jit_kernel.hisparse import _stand_in, swap_in_module
-
-    w = world()
+    # On the GPU the check pass runs in the cpu build on host copies of the tables and one-row
+    # stand-ins of the caches; the stand-ins must pass the same checks and the verdict must be the same.
+    w = world("cpu")
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
     w.host_cache_locs[0, 21] = -1
     a = _call_args(w)
-    empty = [torch.empty((), dtype=d) for d in (torch.int32, torch.int64, torch.int64, torch.int32, torch.int64)]
-    args = [a["top_k_tokens"], a["device_buffer_tokens"], a["host_cache_locs"], a["device_buffer_locs"],
-            _stand_in(w.host_cache), _stand_in(w.device_buffer), a["top_k_device_locs"], a["req_pool_indices"],
-            a["seq_lens"], a["lru_slots"], a["item_size_bytes"], *empty]
-    assert args[4].untyped_storage().nbytes() == w.item_size_bytes
+    del a["num_top_k"], a["hot_buffer_size"]
+    args = host_check_args(swap_in_args(**a))
+    assert args[SWAP_IN_ARGS.index("host_cache")].untyped_storage().nbytes() == w.item_size_bytes
+    assert args[-1] == CHECK_ONLY
+    before = _written(a)
+    module = swap_in_module(K, H)
     with pytest.raises(IndexError, match=r"`host_cache_locs`\[0, 21\] = -1"):
-        swap_in_module(K, H).check_load_cache_indices(*args)
+        module.load_cache_to_device_buffer(*args)
     w.host_cache_locs[0, 21] = 5
-    swap_in_module(K, H).check_load_cache_indices(*args)
+    module.load_cache_to_device_buffer(*host_check_args(swap_in_args(**a)))
+    # Check-only moves nothing.
+    assert all(torch.equal(x, y) for x, y in zip(_written(a), before))
+
+
+# -- open instantiation ---------------------------------------------------------------------------
+# (K, H, layout, page slots), none of them in the SWAP_IN table: each compiles at first use.
+OPEN_INSTANCES = [(4, 4, "generic", None), (16, 48, "generic", None), (64, 128, "generic", None),
+                  (12, 70, "dsv4", 64)]
+
+
+def _in_table(k, h, layout):
+    return any((v["num_top_k"], v["hot_buffer_size"], v["layout"]) == (k, h, layout) for v in SWAP_IN.instances)
+
+
+@pytest.mark.parametrize("k, h, layout, page_slots", OPEN_INSTANCES, ids=[f"K{k}-H{h}-{lay}" for k, h, lay, _ in
+                                                                           OPEN_INSTANCES])
+def test_any_valid_instance_compiles_and_follows_the_policy_model(backend, k, h, layout, page_slots):
+    assert not _in_table(k, h, layout)
+    max_len = 3 * h + 8
+    w = make_world(k, h, is_dsv4_layout=layout == "dsv4", max_reqs=2, max_len=max_len, seed=k + h,
+                   page_slots=page_slots or 64, backend=backend)
+    gen = torch.Generator().manual_seed(h)
+    w.reset_request(0, resident=True)
+    models = {0: HotBuffer.resident_prefix(h), 1: HotBuffer.empty(h)}
+    seq = {0: h + 1, 1: 2 * h}
+    for rid, n in seq.items():  # the model writes every resident token and the newest one
+        for pos in range(min(n, h) if rid == 0 else 0):
+            w.place(rid, pos, pos)
+        w.place(rid, h, n - 1)
+    for _ in range(4):
+        rids = [0, 1]
+        top_k = []
+        for rid in rids:
+            n = seq[rid]
+            held = [t for t in models[rid].tokens if t >= 0]
+            row = torch.randint(0, n, (k,), generator=gen).tolist()
+            for i in range(0, k, 3):  # a third of the entries ask for held tokens: hits
+                if held:
+                    row[i] = held[int(torch.randint(0, len(held), (1,), generator=gen))]
+            row[-1] = n - 1 if k > 1 else row[-1]
+            if k > 2:
+                row[1] = -1
+            top_k.append(row)
+        expected = w.reference(top_k, rids, [seq[r] for r in rids])
+        res = w.swap_in(top_k, rids, [seq[r] for r in rids], plan=True)
+        assert torch.equal(res["out"], expected.top_k_device_locs)
+        assert torch.equal(w.device_buffer, expected.device_buffer)
+        for b, rid in enumerate(rids):
+            step = swap_in_step(models[rid], top_k[b], seq[rid])
+            locs_row = w.device_buffer_locs[rid]
+            assert res["out"][b].tolist() == [int(locs_row[s]) if s >= 0 else -1 for s in step.slots]
+            assert w.device_buffer_tokens[rid, :h].tolist() == models[rid].tokens
+            assert w.lru_slots[rid].tolist() == models[rid].lru
+            assert int(res["miss_count"][b]) == len(step.misses)
+            for i, tok in enumerate(top_k[b]):
+                loc = int(res["out"][b, i])
+                if loc >= 0:
+                    assert torch.equal(w.device_token(loc), w.host_token(rid, tok))
+        for rid in rids:  # one new token per step, written by the model into the reserved column
+            seq[rid] += 1
+            w.place(rid, h, seq[rid] - 1)
+
+
+INVALID_INSTANCES = [
+    (dict(num_top_k=0, hot_buffer_size=4), "`num_top_k` must be an int in [1, 32768)"),
+    (dict(num_top_k=8, hot_buffer_size=7), "`hot_buffer_size` must be an int in [8, 32768) (at least num_top_k"),
+    (dict(num_top_k=8, hot_buffer_size=40000), "`hot_buffer_size` must be an int in [8, 32768)"),
+    (dict(num_top_k=True, hot_buffer_size=4), "`num_top_k` must be an int"),
+    (dict(num_top_k=16384, hot_buffer_size=16384), "bytes (227 KiB) of shared memory"),
+    (dict(num_top_k=8, hot_buffer_size=8, block_size=48), "`block_size` must be a multiple of 32"),
+    (dict(num_top_k=8, hot_buffer_size=8, block_size=2048), "`block_size` must be a multiple of 32"),
+    (dict(num_top_k=8, hot_buffer_size=8, layout="paged"), "`layout` must be one of"),
+    (dict(num_top_k=8, hot_buffer_size=8, layout="dsv4", page_slots=48), "`page_slots` must be one of"),
+    (dict(num_top_k=8, hot_buffer_size=8, layout="dsv4"), "`page_slots` must be one of"),
+    (dict(num_top_k=8, hot_buffer_size=8, page_slots=64), "applies to layout 'dsv4' only"),
+    (dict(num_top_k=8), "needs the parameters"),
+    (dict(num_top_k=8, hot_buffer_size=8, top_k=3), "has no parameter 'top_k'"),
+]
+
+
+@pytest.mark.parametrize("values, message", INVALID_INSTANCES, ids=[m[:32] for _, m in INVALID_INSTANCES])
+def test_an_invalid_instance_raises_before_compiling_anything(monkeypatch, values, message):
+    import sparsekv.jit_kernel.registry as registry
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("an invalid instance reached the compiler")
+
+    monkeypatch.setattr(registry, "load_jit", no_compile)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SWAP_IN.module(**values)
+
+
+def test_the_shared_memory_bound_is_what_the_compiler_says(tmp_path):
+    """swap_in_shared_bytes (the Python bound on K and H) equals sizeof(SwapIn<...>::Shared)."""
+    cases = [(1, 1, 64), (4, 4, 64), (5, 7, 64), (12, 70, 64), (16, 48, 64), (64, 128, 64), (100, 333, 128),
+             (512, 1024, 512), (2048, 4096, 1024), (7000, 9000, 1024)]
+    lines = ['#include "hisparse.cuh"']
+    for k, h, block in cases:
+        lines.append(f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, {block}, "
+                     f"sparsekv::hisparse::LinearRows>::Shared) == {swap_in_shared_bytes(k, h, block)});")
+    source = tmp_path / "shared_bytes.cpp"
+    source.write_text("\n".join(lines) + "\n")
+    root = csrc_root()
+    done = subprocess.run([host_compiler(None).path, "-std=c++17", "-fsyntax-only", f"-I{root}",
+                           f"-I{root / 'include'}", str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert swap_in_shared_bytes(7000, 9000, 1024) <= SHARED_MEMORY_LIMIT < swap_in_shared_bytes(16384, 16384, 1024)
+
+
+def test_default_block_size_covers_the_table():
+    assert [default_block_size(k) for k in (1, 5, 64, 65, 512, 1024, 2048, 30000)] == [64, 64, 64, 128, 512, 1024,
+                                                                                         1024, 1024]
+
+
+def test_check_mode_rejects_a_device_slot_named_by_two_hot_slots(backend, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    w = world(backend)
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    w.reset_request(1, resident=False)
+    w.device_buffer_locs[1, 3] = w.device_buffer_locs[0, 5]  # two requests' hot slots share a device slot
+    before = (w.device_buffer_tokens.clone(), w.lru_slots.clone(), w.device_buffer.clone())
+    with pytest.raises(ValueError, match="`device_buffer_locs` names device slot .* twice"):
+        w.swap_in([[20, 2, 21, -1, 29], [30, 31, 32, 33, 34]], [0, 1], [30, 36], plan=True)
+    for now, then in zip((w.device_buffer_tokens, w.lru_slots, w.device_buffer), before):
+        assert torch.equal(now, then)
+
+
+# -- the plan replay's input contract -------------------------------------------------------------
+def _plan(backend, src, dst, *, count=None):
+    w = world(backend)
+    args = dict(miss_src=torch.tensor([src], dtype=torch.int64), miss_dst=torch.tensor([dst], dtype=torch.int64),
+                miss_count=torch.tensor([len(src) if count is None else count], dtype=torch.int32),
+                num_real_reqs=torch.tensor([1], dtype=torch.int32), host_cache=w.host_cache,
+                device_buffer=w.device_buffer)
+    return w, to_backend(backend, args)
+
+
+def test_plan_replay_rejects_a_destination_named_twice_with_different_sources(backend):
+    w, args = _plan(backend, [3, 4, 3], [9, 9, 10])
+    before = args["device_buffer"].cpu().clone()
+    if backend == "cpu":  # host-readable plan: rejected; on the device, distinct destinations are the caller's duty
+        with pytest.raises(ValueError, match="`miss_dst` names destination 9 twice"):
+            copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
+        assert torch.equal(args["device_buffer"].cpu(), before)
+    # The same destination with the same source is harmless (same bytes whatever the order).
+    w, args = _plan(backend, [3, 4, 3], [9, 10, 9])
+    copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
+    device = args["device_buffer"].cpu()
+    assert torch.equal(device[9], w.host_cache[3]) and torch.equal(device[10], w.host_cache[4])
+
+
+@pytest.mark.parametrize("field", ["host_cache", "miss_count", "num_real_reqs"])
+def test_plan_replay_rejects_a_device_buffer_sharing_memory(backend, field):
+    w, args = _plan(backend, [3], [9])
+    device_buffer = args["device_buffer"]
+    args[field] = device_buffer if field == "host_cache" else device_buffer.view(torch.int32).view(-1)[:1]
+    before = device_buffer.cpu().clone()
+    with pytest.raises(ValueError, match=f"`{field}` and `device_buffer` must not share memory"):
+        copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
+    assert torch.equal(device_buffer.cpu(), before)
+
+
+@pytest.mark.parametrize("src, dst, count, name", [([-1, 4], [9, 10], None, "miss_src"),
+                                                   ([3, 4], [9, -1], None, "miss_dst"),
+                                                   ([3, 10**6], [9, 10], None, "miss_src"),
+                                                   ([3, 4], [9, 10], 3, "miss_count")])
+def test_plan_replay_check_mode_rejects_every_bad_entry(backend, monkeypatch, src, dst, count, name):
+    w, args = _plan(backend, src, dst, count=count)
+    before = args["device_buffer"].cpu().clone()
+    monkeypatch.delenv("SPARSEKV_CHECK_INDICES", raising=False)
+    if count is None:  # without the check, bad entries are skipped (the swap-in records -1 for skipped copies)
+        copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
+        device = args["device_buffer"].cpu()
+        good = [(s, d) for s, d in zip(src, dst) if 0 <= s < w.host_cache.shape[0] and d >= 0]
+        for s, d in good:
+            assert torch.equal(device[d], w.host_cache[s])
+        assert int((device != before).any(dim=1).sum()) == len(good)
+        args["device_buffer"].copy_(before)
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    with pytest.raises(IndexError, match=f"`{name}`"):
+        copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
+    assert torch.equal(args["device_buffer"].cpu(), before)

@@ -1,5 +1,6 @@
-"""transfer_cache_dsv4_mla and transfer_pages_dsv4_mla (cpu backend) against the torch references:
-bytes equal, nothing outside the destination records written, bad input rejected before any byte moves."""
+"""transfer_cache_dsv4_mla and transfer_pages_dsv4_mla (every test backend) against the torch references:
+bytes equal, nothing outside the destination records written, bad input (null base addresses and
+chained ids in one buffer included) rejected before any byte moves."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.hisparse_copy import (
     PAGE_SLOTS,
-    check_copy_ids_on_device,
+    check_copy_on_device,
     pointer_table,
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
+from sparsekv.testing.backends import device_of
 from sparsekv.testing.reference.hisparse_copy import (
     read_token,
     token_pattern,
@@ -26,6 +28,18 @@ from sparsekv.testing.reference.hisparse_copy import (
 from sparsekv.testing.strategies.hisparse_copy import page_copy_case, paged_side, token_copy_case
 
 PAGE = V4.page_bytes(64)
+
+
+def run(backend, fn, src, dst, src_ids, dst_ids, **kw):
+    """``fn`` on ``backend``: both sides and the ids moved there (pointer tables of the moved layers),
+    ``dst.owner`` updated from the backend's copy afterwards, also when ``fn`` raises."""
+    device = device_of(backend)
+    s, d = (src, dst) if backend == "cpu" else (src.to(device), dst.to(device))
+    try:
+        fn(pointer_table(s.layers), pointer_table(d.layers), src_ids.to(device), dst_ids.to(device), **kw)
+    finally:
+        if d is not dst:
+            dst.owner.copy_(d.owner.cpu())
 
 
 def _destination_mask(side, dst_ids, page_slots):
@@ -39,15 +53,15 @@ def _destination_mask(side, dst_ids, page_slots):
 
 
 @given(data=st.data(), page_slots=st.sampled_from(PAGE_SLOTS))
-def test_token_copy_matches_reference(data, page_slots):
+def test_token_copy_matches_reference(backend, data, page_slots):
     src, dst, src_ids, dst_ids = data.draw(token_copy_case(page_slots))
     src_before, dst_before = src.owner.clone(), dst.owner.clone()
     expected = dst.owner.clone()
     transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids, page_slots=page_slots)
 
-    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
-                            src_num_slots=src.num_pages * page_slots, dst_num_slots=dst.num_pages * page_slots,
-                            page_slots=page_slots, src_page_stride=src.page_stride, dst_page_stride=dst.page_stride)
+    run(backend, transfer_cache_dsv4_mla, src, dst, src_ids, dst_ids, src_num_slots=src.num_pages * page_slots,
+        dst_num_slots=dst.num_pages * page_slots, page_slots=page_slots, src_page_stride=src.page_stride,
+        dst_page_stride=dst.page_stride)
 
     assert torch.equal(dst.owner, expected)
     assert torch.equal(src.owner, src_before)
@@ -61,15 +75,15 @@ def test_token_copy_matches_reference(data, page_slots):
 
 
 @given(data=st.data(), page_slots=st.sampled_from(PAGE_SLOTS))
-def test_page_copy_matches_reference(data, page_slots):
+def test_page_copy_matches_reference(backend, data, page_slots):
     src, dst, src_pages, dst_pages = data.draw(page_copy_case(page_slots))
     src_before, dst_before = src.owner.clone(), dst.owner.clone()
     expected = dst.owner.clone()
     transfer_pages_(dst.layers_of(expected), src.layers, src_pages, dst_pages)
 
-    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_pages, dst_pages,
-                            src_num_pages=src.num_pages, dst_num_pages=dst.num_pages, page_slots=page_slots,
-                            src_page_stride=src.page_stride, dst_page_stride=dst.page_stride)
+    run(backend, transfer_pages_dsv4_mla, src, dst, src_pages, dst_pages, src_num_pages=src.num_pages,
+        dst_num_pages=dst.num_pages, page_slots=page_slots, src_page_stride=src.page_stride,
+        dst_page_stride=dst.page_stride)
 
     assert torch.equal(dst.owner, expected)
     assert torch.equal(src.owner, src_before)
@@ -87,7 +101,7 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_large_copies_stream_on_two_threads(two_threads):
+def test_large_copies_stream_on_two_threads(backend, two_threads):
     """Past 1 MiB the host path streams its stores, past 2 x 4 MiB it splits over threads: the
     bytes must be the same as for the small in-cache path the property tests cover."""
     slots = 300 * 64  # 11 MB per side and layer: streaming, two chunks
@@ -97,27 +111,28 @@ def test_large_copies_stream_on_two_threads(two_threads):
     src_ids, dst_ids = torch.randperm(slots, generator=gen), torch.randperm(slots, generator=gen)
     expected = dst.owner.clone()
     transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids)
-    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
-                            src_num_slots=slots, dst_num_slots=slots)
+    run(backend, transfer_cache_dsv4_mla, src, dst, src_ids, dst_ids, src_num_slots=slots, dst_num_slots=slots)
     assert torch.equal(dst.owner, expected)
 
     src_pages, dst_pages = torch.randperm(300, generator=gen), torch.randperm(300, generator=gen)
     expected = dst.owner.clone()
     transfer_pages_(dst.layers_of(expected), src.layers, src_pages, dst_pages)
-    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_pages, dst_pages,
-                            src_num_pages=300, dst_num_pages=300)
+    run(backend, transfer_pages_dsv4_mla, src, dst, src_pages, dst_pages, src_num_pages=300, dst_num_pages=300)
     assert torch.equal(dst.owner, expected)
 
 
-def test_transfer_cache_dsv4_mla_copies_paged_token():
-    """Our take on sglang's test of the same name: a token at slot 70 (page 1, offset 6) lands in
-    slot 65 (page 1, offset 1), all 584 bytes, and nothing else of the destination changes."""
+def test_transfer_cache_dsv4_mla_copies_paged_token(backend):
+    """A token at slot 70 (page 1, offset 6) lands in slot 65 (page 1, offset 1), all 584 bytes,
+    and nothing else of the destination changes."""
+    device = device_of(backend)
     src = torch.zeros(2, PAGE, dtype=torch.uint8)
-    dst = torch.zeros(2, PAGE, dtype=torch.uint8)
     write_token(src, 70, token_pattern(41))
+    src = src.to(device)
+    dst = torch.zeros(2, PAGE, dtype=torch.uint8, device=device)
 
-    transfer_cache_dsv4_mla(pointer_table([src]), pointer_table([dst]), torch.tensor([70]), torch.tensor([65]),
-                            src_num_slots=128, dst_num_slots=128)
+    transfer_cache_dsv4_mla(pointer_table([src]), pointer_table([dst]), torch.tensor([70], device=device),
+                            torch.tensor([65], device=device), src_num_slots=128, dst_num_slots=128)
+    src, dst = src.cpu(), dst.cpu()
 
     assert torch.equal(read_token(dst, 65), token_pattern(41))
     assert torch.equal(read_token(dst, 65), read_token(src, 70))
@@ -126,38 +141,37 @@ def test_transfer_cache_dsv4_mla_copies_paged_token():
     assert torch.equal(dst, expected)
 
 
-def test_repeated_destination_with_same_source_is_allowed():
+def test_repeated_destination_with_same_source_is_allowed(backend):
     src = paged_side(2, 2, 64, page_first=False, seed=1)
     dst = paged_side(2, 2, 64, page_first=True, seed=2)
     src_ids, dst_ids = torch.tensor([3, 70, 3, 3]), torch.tensor([127, 0, 127, 64])
     expected = dst.owner.clone()
     transfer_tokens_(dst.layers_of(expected), src.layers, src_ids, dst_ids)
-    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), src_ids, dst_ids,
-                            src_num_slots=128, dst_num_slots=128, dst_page_stride=dst.page_stride)
+    run(backend, transfer_cache_dsv4_mla, src, dst, src_ids, dst_ids, src_num_slots=128, dst_num_slots=128,
+        dst_page_stride=dst.page_stride)
     assert torch.equal(dst.owner, expected)
 
 
-def test_empty_copy_is_a_no_op():
+def test_empty_copy_is_a_no_op(backend):
     src = paged_side(3, 1, 64, page_first=False, seed=3)
     dst = paged_side(3, 1, 64, page_first=False, seed=4)
     before = dst.owner.clone()
     empty = torch.empty(0, dtype=torch.int64)
-    transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), empty, empty)
-    transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), empty, empty)
+    run(backend, transfer_cache_dsv4_mla, src, dst, empty, empty)
+    run(backend, transfer_pages_dsv4_mla, src, dst, empty, empty)
     assert torch.equal(dst.owner, before)
 
 
 @pytest.mark.parametrize("dst_ids", [(3, 9, 3), (200, 2, 200)], ids=["dense ids", "sparse ids"])
-def test_repeated_destination_conflicts_are_found_dense_or_sparse(dst_ids):
+def test_repeated_destination_conflicts_are_found_dense_or_sparse(backend, dst_ids):
     """Dense destination ids take the bitmap pass, sparse ones (max id >= 64 N) go straight to sorting."""
     src = paged_side(1, 3, 64, page_first=False, seed=9)
     dst = paged_side(1, 4, 64, page_first=False, seed=10)
     before = dst.owner.clone()
-    args = (pointer_table(src.layers), pointer_table(dst.layers))
     with pytest.raises(ValueError, match="`dst_indices` names destination"):
-        transfer_cache_dsv4_mla(*args, torch.tensor([0, 1, 2]), torch.tensor(dst_ids))
+        run(backend, transfer_cache_dsv4_mla, src, dst, torch.tensor([0, 1, 2]), torch.tensor(dst_ids))
     assert torch.equal(dst.owner, before)
-    transfer_cache_dsv4_mla(*args, torch.tensor([0, 1, 0]), torch.tensor(dst_ids))
+    run(backend, transfer_cache_dsv4_mla, src, dst, torch.tensor([0, 1, 0]), torch.tensor(dst_ids))
     assert torch.equal(read_token(dst.layers[0], dst_ids[0]), read_token(src.layers[0], 0))
 
 
@@ -191,18 +205,20 @@ TOKEN_BAD = {
 
 
 @pytest.mark.parametrize("case", TOKEN_BAD.values(), ids=TOKEN_BAD.keys())
-def test_token_copy_rejects_bad_input(case):
+def test_token_copy_rejects_bad_input(backend, case):
     call, error, name = case
     kw = {"src_num_slots": 128, "dst_num_slots": 128, **call["kw"]}
-    src = paged_side(2, 2, 64, page_first=False, seed=5)
-    dst = paged_side(2, 2, 64, page_first=False, seed=6)
+    device = device_of(backend)
+    src = paged_side(2, 2, 64, page_first=False, seed=5).to(device)
+    dst = paged_side(2, 2, 64, page_first=False, seed=6).to(device)
     dst_layers = dst.layers + ([dst.layers[0]] if kw.pop("extra_dst_layer", False) else [])
     src_ptrs = pointer_table(src.layers)
     if kw.pop("int64_ptrs", False):
         src_ptrs = src_ptrs.to(torch.int64)
     before = dst.owner.clone()
     with pytest.raises(error, match=f"`{name}`"):
-        transfer_cache_dsv4_mla(src_ptrs, pointer_table(dst_layers), call["src_ids"], call["dst_ids"], **kw)
+        transfer_cache_dsv4_mla(src_ptrs, pointer_table(dst_layers), call["src_ids"].to(device),
+                                call["dst_ids"].to(device), **kw)
     assert torch.equal(dst.owner, before)
 
 
@@ -215,16 +231,57 @@ PAGE_BAD = {
 
 
 @pytest.mark.parametrize("case", PAGE_BAD.values(), ids=PAGE_BAD.keys())
-def test_page_copy_rejects_bad_input(case):
+def test_page_copy_rejects_bad_input(backend, case):
     src_pages, dst_pages, extra, error, name = case
     src = paged_side(2, 2, 64, page_first=False, seed=7)
     dst = paged_side(2, 2, 64, page_first=True, seed=8)
     before = dst.owner.clone()
     with pytest.raises(error, match=f"`{name}`"):
-        transfer_pages_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers), torch.tensor(src_pages),
-                                torch.tensor(dst_pages), **({"src_num_pages": 2, "dst_num_pages": 2} | extra),
-                                dst_page_stride=dst.page_stride)
+        run(backend, transfer_pages_dsv4_mla, src, dst, torch.tensor(src_pages), torch.tensor(dst_pages),
+            **({"src_num_pages": 2, "dst_num_pages": 2} | extra), dst_page_stride=dst.page_stride)
     assert torch.equal(dst.owner, before)
+
+
+@pytest.mark.parametrize("table", ["src_ptrs", "dst_ptrs"])
+def test_a_null_base_address_is_rejected_before_any_byte_moves(backend, table):
+    # A 0 in a pointer table used to crash the process (SIGSEGV).
+    device = device_of(backend)
+    src = paged_side(2, 2, 64, page_first=False, seed=21).to(device)
+    dst = paged_side(2, 2, 64, page_first=False, seed=22).to(device)
+    ptrs = {"src_ptrs": pointer_table(src.layers), "dst_ptrs": pointer_table(dst.layers)}
+    ptrs[table][1] = 0
+    before = dst.owner.clone()
+    ids = torch.tensor([0, 5], device=device), torch.tensor([1, 6], device=device)
+    with pytest.raises(ValueError, match=rf"`{table}`\[1\] is a null base address"):
+        transfer_cache_dsv4_mla(ptrs["src_ptrs"], ptrs["dst_ptrs"], *ids, src_num_slots=128, dst_num_slots=128)
+    with pytest.raises(ValueError, match=rf"`{table}`\[1\] is a null base address"):
+        transfer_pages_dsv4_mla(ptrs["src_ptrs"], ptrs["dst_ptrs"], torch.tensor([0], device=device),
+                                torch.tensor([1], device=device), src_num_pages=2, dst_num_pages=2)
+    assert torch.equal(dst.owner, before)
+
+
+@pytest.mark.parametrize("fn, src_ids, dst_ids, name", [
+    (transfer_cache_dsv4_mla, [1, 2], [2, 3], "dst_indices"),
+    (transfer_cache_dsv4_mla, [5, 9, 1], [7, 5, 8], "dst_indices"),
+    (transfer_pages_dsv4_mla, [0, 1], [1, 2], "dst_pages"),
+], ids=["token chain", "token read after write", "page chain"])
+def test_one_buffer_as_source_and_destination_rejects_chained_ids(backend, fn, src_ids, dst_ids, name):
+    # 1 -> 2, 2 -> 3 in one buffer: slot 2 is read by one pair and written by another, so the result
+    # depends on the order the kernel runs them in.
+    side = paged_side(2, 4, 64, page_first=False, seed=23)
+    before = side.owner.clone()
+    with pytest.raises(ValueError, match=f"`{name}`.* is also a source"):
+        run(backend, fn, side, side, torch.tensor(src_ids), torch.tensor(dst_ids))
+    assert torch.equal(side.owner, before)
+
+
+def test_one_buffer_as_source_and_destination_with_disjoint_ids_is_fine(backend):
+    side = paged_side(2, 4, 64, page_first=False, seed=24)
+    expected = side.owner.clone()
+    src_ids, dst_ids = torch.tensor([1, 2, 9]), torch.tensor([5, 6, 9])  # 9 -> 9 copies a token onto itself
+    transfer_tokens_(side.layers_of(expected), side.layers_of(side.owner.clone()), src_ids, dst_ids)
+    run(backend, transfer_cache_dsv4_mla, side, side, src_ids, dst_ids)
+    assert torch.equal(side.owner, expected)
 
 
 ID_BAD = {k: TOKEN_BAD[k] for k in ("negative src", "negative dst, no counts", "src beyond src_num_slots",
@@ -232,14 +289,27 @@ ID_BAD = {k: TOKEN_BAD[k] for k in ("negative src", "negative dst, no counts", "
 
 
 @pytest.mark.parametrize("case", ID_BAD.values(), ids=ID_BAD.keys())
-def test_device_side_id_check_agrees(case):
+def test_device_side_id_check_agrees(backend, case):
     """The torch checker the CUDA path runs before launch rejects the same ids with the same error."""
     call, error, name = case
     kw = {"src_num_slots": 128, "dst_num_slots": 128, **call["kw"]}
+    device = device_of(backend)
+    tables = torch.tensor([4096, 8192], dtype=torch.uint64, device=device), torch.tensor([12288, 16384],
+                                                                                         dtype=torch.uint64,
+                                                                                         device=device)
     with pytest.raises(error, match=f"`{name}`"):
-        check_copy_ids_on_device(call["src_ids"], call["dst_ids"], kw["src_num_slots"], kw["dst_num_slots"],
-                                 ("src_indices", "dst_indices"))
+        check_copy_on_device(*tables, call["src_ids"].to(device), call["dst_ids"].to(device), kw["src_num_slots"],
+                             kw["dst_num_slots"], ("src_indices", "dst_indices"))
 
 
-def test_device_side_id_check_accepts_valid_repeats():
-    check_copy_ids_on_device(torch.tensor([4, 9, 4]), torch.tensor([7, 1, 7]), 16, 16, ("src", "dst"))
+def test_device_side_check_accepts_valid_repeats_and_rejects_chains_in_one_buffer(backend):
+    device = device_of(backend)
+    table = torch.tensor([4096, 8192], dtype=torch.uint64, device=device)
+    other = torch.tensor([12288, 16384], dtype=torch.uint64, device=device)
+    src, dst = torch.tensor([4, 9, 4], device=device), torch.tensor([7, 1, 7], device=device)
+    check_copy_on_device(table, other, src, dst, 16, 16, ("src", "dst"))
+    with pytest.raises(ValueError, match="null base address"):
+        check_copy_on_device(table, torch.zeros_like(other), src, dst, 16, 16, ("src", "dst"))
+    check_copy_on_device(table, table, src, dst, 16, 16, ("src", "dst"))  # disjoint ids: fine in one buffer
+    with pytest.raises(ValueError, match="`dst`.* is also a source"):
+        check_copy_on_device(table, table, src, torch.tensor([7, 4, 7], device=device), 16, 16, ("src", "dst"))

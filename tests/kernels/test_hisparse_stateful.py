@@ -3,7 +3,10 @@
 Each machine runs requests that are admitted (prefill resident on the device, or PD-style with every
 lookup missing), grow by a few tokens per step, draw random top-k sets (hot tokens, cold ones, the
 newest, repeats, -1, out of range), sometimes ride in a batch with CUDA-graph padding rows, and
-finish. After every step the kernel (cpu backend) must agree with
+finish. The machine runs for the generic layout and for the DSV4 C4 layout at every page size (C4
+page slots 32, 64 and 128: full-token pages of 128, 256 and 512), on every kernel backend (on a
+GPU the cuda build is also compared with the cpu build at every step). After every step the kernel
+must agree with
 
 * the plain-Python policy model (:mod:`sparsekv.testing.hisparse_policy`), whose per-request state
   evolves on its own, never read back from the kernel: output slots, slot tokens, LRU order;
@@ -16,12 +19,22 @@ the swap-in layer and in a second layer fed only by replaying the miss plan.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla
+from sparsekv.kv_layout import C4_PAGE_SLOTS, DSV4_PAGE_SIZES
+from sparsekv.testing.backends import run_on_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
 
@@ -30,17 +43,18 @@ MAX_REQS, MAX_LEN = 3, 48
 
 
 class SwapInMachine(RuleBasedStateMachine):
-    is_dsv4_layout = False
-
-    def __init__(self):
+    def __init__(self, backend: str, page_slots: int | None):
         super().__init__()
+        self.backend = backend
+        self.page_slots = page_slots  # None: the generic layout
+        self.is_dsv4_layout = page_slots is not None
         self.seq: dict[int, int] = {}
         self.model: dict[int, HotBuffer] = {}
 
     @initialize(seed=st.integers(0, 2**20))
     def build(self, seed):
         self.world = make_world(K, H, is_dsv4_layout=self.is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN,
-                                seed=seed)
+                                seed=seed, page_slots=self.page_slots or 64, backend=self.backend)
         self.host2 = random_bytes(tuple(self.world.host_cache.shape), seed + 11)
         self.device2 = random_bytes(tuple(self.world.device_buffer.shape), seed + 12)
         self.counters = torch.zeros(3, dtype=torch.int64)
@@ -115,10 +129,12 @@ class SwapInMachine(RuleBasedStateMachine):
         assert res["out"][len(rows):].eq(-1).all()
 
         # The second layer only sees the plan replayed.
-        copy_cache_planned_mla(miss_src=res["miss_src"], miss_dst=res["miss_dst"], miss_count=res["miss_count"],
-                               num_real_reqs=torch.tensor([len(rows)], dtype=torch.int32), host_cache=self.host2,
-                               device_buffer=self.device2, item_size_bytes=self.world.item_size_bytes,
-                               is_dsv4_layout=self.is_dsv4_layout)
+        run_on_backend(self.backend, copy_cache_planned_mla,
+                       dict(miss_src=res["miss_src"], miss_dst=res["miss_dst"], miss_count=res["miss_count"],
+                            num_real_reqs=torch.tensor([len(rows)], dtype=torch.int32), host_cache=self.host2,
+                            device_buffer=self.device2),
+                       item_size_bytes=self.world.item_size_bytes, is_dsv4_layout=self.is_dsv4_layout,
+                       page_slots=self.page_slots)
         for b, rid in enumerate(rows):
             for i, tok in enumerate(top_k[b]):
                 loc = int(res["out"][b, i])
@@ -135,11 +151,12 @@ class SwapInMachine(RuleBasedStateMachine):
                 assert sorted(row) == list(range(H))
 
 
-class Dsv4SwapInMachine(SwapInMachine):
-    is_dsv4_layout = True
+# The generic layout, then DSV4 C4 at full-token page sizes 128, 256 and 512.
+LAYOUTS = [None, *C4_PAGE_SLOTS]
+LAYOUT_IDS = ["generic", *(f"dsv4-page{p}" for p in DSV4_PAGE_SIZES)]
 
 
-TestGenericSwapIn = SwapInMachine.TestCase
-TestGenericSwapIn.settings = settings(settings.default, stateful_step_count=40)
-TestDsv4SwapIn = Dsv4SwapInMachine.TestCase
-TestDsv4SwapIn.settings = settings(settings.default, stateful_step_count=40)
+@pytest.mark.parametrize("page_slots", LAYOUTS, ids=LAYOUT_IDS)
+def test_swap_in_state_machine(backend, page_slots):
+    run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots),
+                              settings=settings(settings.default, stateful_step_count=40))

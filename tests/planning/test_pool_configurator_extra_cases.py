@@ -4,9 +4,9 @@ Each expected number was derived from sglang's own code path (named per case), i
 this project's code: ``pool_configurator.py`` (``DSV4PoolConfigurator``,
 ``compute_swa_request_cap``, ``HybridSWAPoolConfigurator``, ``DefaultPoolConfigurator``) and the
 consumer flow around it (profile, ``--max-total-tokens``, MIN over PP ranks, re-size,
-``resolve_max_num_reqs``, ``finalize_with_max_running_requests``), as described in
-reference/peer_wheel_map.md §5-§6. Where the GitHub copy of sglang and those notes differ, the
-notes (verified by running 0.5.23) win; the cases that depend on such a difference say so.
+``resolve_max_num_reqs``, ``finalize_with_max_running_requests``). Where the GitHub copy of sglang
+and a running 0.5.23 server differ, the running server wins; the cases that depend on such a
+difference say so.
 
 Flash numbers used in the comments: bytes per SWA token 585*43 + 8/256*10240*21 = 31875 (spec:
 ring 16, 585*43 + 16/256*10240*21 = 38595, times (43+1)/43).

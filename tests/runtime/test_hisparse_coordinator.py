@@ -16,6 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from sparsekv.kv_layout import DSV4_PAGE_SIZES, c4_page_slots
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
@@ -64,12 +65,14 @@ class RecordingStreams(CpuStreams):
 
 class World:
     def __init__(self, *, deferred: bool = False, size: int = 2048, host_pages: int | None = None,
-                 streams: CpuStreams | None = None):
+                 streams: CpuStreams | None = None, page_size: int = 256):
         self.pool = ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT, dtype=torch.int64))
-        self.allocator = HiSparseTokenToKVPoolAllocator(size, 256, host_to_device_ratio=2)
+        self.page_size = page_size
+        self.slots = c4_page_slots(page_size)  # C4 slots per page, on the device and the host
+        self.allocator = HiSparseTokenToKVPoolAllocator(size, page_size, host_to_device_ratio=2)
         self.device_pool = HiSparseC4DevicePool(self.allocator, LAYERS, "cpu")
         host_pool = None if host_pages is None else \
-            DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, host_pages)
+            DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, host_pages, slot_page_size=self.slots)
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
                                          device_buffer_size=HOT, host_pool=host_pool,
                                          streams=streams if streams is not None else CpuStreams(deferred=deferred),
@@ -82,7 +85,7 @@ class World:
         for layer in range(LAYERS):
             for pos, slot in zip(positions, slots):
                 write_token(self.device_pool.kv_buffer[layer], int(slot), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=self.slots)
 
     def prefill(self, req: Req, prompt_len: int) -> None:
         self.allocator.alloc_extend(self.pool.req_to_token, req.req_pool_idx, 0, prompt_len)
@@ -99,7 +102,7 @@ class World:
         for layer in range(LAYERS):
             for pos in range(n):
                 write_token(self.host.kv_buffer[layer], int(host[pos]), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=self.slots)
 
     def decode_step(self, reqs: list[Req]) -> list[tuple[Req, int, list[int], list[int]]]:
         """One decode step for ``reqs``: allocate, route, write the new C4 entry, swap in every layer."""
@@ -140,7 +143,7 @@ class World:
                 if not (0 <= tok < n and fast_used):
                     assert loc == -1, (req, layer, top_k, out)
                     continue
-                got = token_bytes(self.device_pool.kv_buffer[layer], loc, is_dsv4_layout=True)
+                got = token_bytes(self.device_pool.kv_buffer[layer], loc, page_slots=self.slots)
                 assert torch.equal(got, entry_bytes(req.uid, tok, layer)), (req.uid, tok, layer, loc)
                 loaded += 1
         return loaded
@@ -157,8 +160,9 @@ class World:
     def check_ownership(self, live: list[Req]) -> None:
         device = [self.owned_device_pages(r) for r in live]
         host = [set((self.coord.req_to_host_pool[r.req_pool_idx][self.coord.req_to_host_pool[r.req_pool_idx] >= 0]
-                     // 64).tolist()) for r in live]
-        logical = [set((self.pool.req_to_token[r.req_pool_idx, : r.kv_allocated_len] // 256).tolist()) for r in live]
+                     // self.slots).tolist()) for r in live]
+        logical = [set((self.pool.req_to_token[r.req_pool_idx, : r.kv_allocated_len] // self.page_size).tolist())
+                   for r in live]
         for sets, used in ((device, self.allocator.device_alloc.used_pages),
                            (logical, self.allocator.logical.used_pages)):
             assert sum(len(s) for s in sets) == len(set().union(*sets)), "a page has two owners"
@@ -177,9 +181,15 @@ class World:
         assert bool((self.allocator.full_to_hisparse_device_index_mapping == -1).all())
 
 
+# DSV4 full-token page sizes: C4 pages of 32, 64 and 128 slots, end to end (allocator, host pool,
+# coordinator, swap-in).
+PAGE_SIZES = pytest.mark.parametrize("page_size", DSV4_PAGE_SIZES, ids=[f"page{p}" for p in DSV4_PAGE_SIZES])
+
+
+@PAGE_SIZES
 @pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred-streams"])
-def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(deferred):
-    w = World(deferred=deferred)
+def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(deferred, page_size):
+    w = World(deferred=deferred, page_size=page_size, size=max(2048, 8 * page_size))  # at least 8 device pages
     long_req, short_req = Req(0, 0, uid=11), Req(2, 0, uid=12)
     w.prefill(long_req, 1100)  # 275 C4 entries in 5 device pages: far more than the hot buffer
     w.prefill(short_req, 20)   # 5 entries: the fast path until it grows past H
@@ -191,10 +201,15 @@ def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(defer
         w.coord.write_staging_stream.synchronize()
     used_while_staging = len(w.allocator.device_alloc.used_pages)
     assert w.coord.collect_ready_reqs() == [long_req, short_req]
-    # The long prefill shrank to its hot buffer: positions 0..6 and 8..70 (pages 1-2 of the prefill)
-    # plus the newest entry's slot (page 5) in column H; pages 3-4 were freed. The short one grew by a page.
-    assert len(w.owned_device_pages(long_req)) == 3
-    assert len(w.allocator.device_alloc.used_pages) == used_while_staging - 2 + 1
+    # The long prefill (275 entries) shrank to its hot buffer of H + P slots: the prefill pages holding
+    # positions 0..H+P-2 plus the page of the newest entry (column H); the pages between were freed.
+    # The short one (5 entries) grew by a page when its buffer of H + P slots no longer fit one page.
+    slots, entries = w.slots, 1100 // 4
+    kept = -(-(HOT + slots - 1) // slots) + 1
+    prefill_pages = -(-entries // slots)
+    short_growth = 1 if HOT + slots > slots else 0
+    assert len(w.owned_device_pages(long_req)) == kept
+    assert len(w.allocator.device_alloc.used_pages) == used_while_staging - (prefill_pages - kept) + short_growth
     loaded = 0
     for _ in range(45):
         loaded += w.check_results(w.decode_step([long_req, short_req]))
@@ -209,9 +224,10 @@ def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(defer
     w.check_all_free()
 
 
+@PAGE_SIZES
 @pytest.mark.parametrize("prompt_len", [24, 200], ids=["short-preloaded", "long-all-miss"])
-def test_admit_request_direct_then_decode(prompt_len):
-    w = World()
+def test_admit_request_direct_then_decode(prompt_len, page_size):
+    w = World(page_size=page_size)
     req = Req(1, 0, uid=21)
     w.direct_transfer(req, prompt_len)
     w.coord.admit_request_direct(req)
@@ -231,8 +247,9 @@ def test_admit_request_direct_then_decode(prompt_len):
     w.check_all_free()
 
 
-def test_finishing_while_staging_frees_the_prefill():
-    w = World(deferred=True)
+@PAGE_SIZES
+def test_finishing_while_staging_frees_the_prefill(page_size):
+    w = World(deferred=True, page_size=page_size)
     req, other = Req(0, 0, uid=31), Req(3, 0, uid=32)
     w.prefill(req, 600)
     w.prefill(other, 40)
@@ -328,7 +345,7 @@ def test_a_step_whose_backups_do_not_fit_in_the_host_pool_changes_nothing():
     w.coord.decode_backup_stream.synchronize()
     host_slot = int(w.coord.req_to_host_pool[0, 64])
     for layer in range(LAYERS):
-        assert torch.equal(token_bytes(w.host.kv_buffer[layer], host_slot, is_dsv4_layout=True),
+        assert torch.equal(token_bytes(w.host.kv_buffer[layer], host_slot, page_slots=w.slots),
                            entry_bytes(a.uid, 64, layer))
     w.finish(a)
     w.check_all_free()

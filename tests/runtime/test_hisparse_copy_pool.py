@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots, HostPages, HostSlots

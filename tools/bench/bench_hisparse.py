@@ -1,4 +1,4 @@
-"""Benchmark one HiSparse swap-in step on the CPU backend against the plain-Python/torch model.
+"""Benchmark one HiSparse swap-in step (``--backend cpu`` or ``cuda``) against the plain-Python/torch model.
 
 Sweep: (K, H) in {(512, 1024), (2048, 4096)} (plus the DSV4 C4 layout at 512/1024), batch 1 / 8 / 64,
 miss rates 0.1 % / 5 % / 20 %. As in sglang's bench, every request row holds tokens ``0..H-1``
@@ -9,8 +9,9 @@ same misses; the restore alone is timed too and subtracted.
 
 Candidates, all measured in the same run on the same state:
 
-* ``kernel``: the public wrapper ``load_cache_to_device_buffer_{,dsv4_}mla`` (cpu backend, one
-  thread);
+* ``kernel``: the public wrapper ``load_cache_to_device_buffer_{,dsv4_}mla`` (cpu backend: one
+  thread; cuda backend: tables and device buffer on the GPU, host cache in pinned memory, timed
+  with CUDA events);
 * ``raw``: the compiled module's export called directly (the wrapper's Python overhead is the gap);
 * ``model`` (baseline): the plain-Python policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`,
   per request) plus one torch indexing copy of all miss tokens, in place.
@@ -26,24 +27,27 @@ import argparse
 import copy
 
 import torch
+from tqdm import tqdm
 
 from sparsekv.jit_kernel.hisparse import (
-    DSV4_PAGE_SLOTS,
     load_cache_to_device_buffer_dsv4_mla,
     load_cache_to_device_buffer_mla,
+    swap_in_args,
     swap_in_module,
 )
-from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.kv_layout import V4, c4_page_slots
+from sparsekv.testing.backends import device_of
+from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 ITEM_BYTES = V4.bytes_per_token
+DSV4_PAGE_SLOTS = c4_page_slots(256)
 
 
 class Case:
     """One batch of requests in the slow path, with the tables, the caches and the model's state."""
 
-    def __init__(self, k: int, h: int, bs: int, miss_rate: float, dsv4: bool, seed: int = 0) -> None:
+    def __init__(self, k: int, h: int, bs: int, miss_rate: float, dsv4: bool, backend: str, seed: int = 0) -> None:
         self.k, self.h, self.bs, self.dsv4 = k, h, bs, dsv4
         gen = torch.Generator().manual_seed(seed)
         columns = h + (DSV4_PAGE_SLOTS if dsv4 else 1)
@@ -77,12 +81,18 @@ class Case:
         self.locs_lists, self.host_locs_lists = self.device_buffer_locs.tolist(), self.host_cache_locs.tolist()
         self.model0 = [HotBuffer(tokens=list(range(h))) for _ in range(bs)]
         self.model = copy.deepcopy(self.model0)
-        self.module = swap_in_module(k, h, is_dsv4_layout=dsv4)
-        absent = (torch.empty((), dtype=torch.int32), torch.empty((), dtype=torch.int64),
-                  torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int32),
-                  torch.empty((), dtype=torch.int64))
-        self.raw_args = (self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
-                         self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, *absent)
+        # The model moves bytes in host copies of the caches (its native form on any backend).
+        self.model_host, self.model_device = self.host_cache, self.device_buffer.clone()
+        if backend == "cuda":  # the kernel's side: tables and device buffer on the GPU, host cache pinned
+            device = device_of(backend)
+            for name in ("top_k", "tokens0", "lru0", "tokens", "lru", "out", "req", "seq", "host_cache_locs",
+                         "device_buffer_locs", "device_buffer"):
+                setattr(self, name, getattr(self, name).to(device))
+            self.host_cache = self.host_cache.pin_memory()
+        self.module = swap_in_module(k, h, is_dsv4_layout=dsv4, backend=backend)
+        self.raw_args = swap_in_args(self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs,
+                                     self.host_cache, self.device_buffer, self.out, self.req, self.seq, self.lru,
+                                     ITEM_BYTES)
         self.bytes_moved = bs * self.misses * ITEM_BYTES
 
     # ---- the candidates -------------------------------------------------------------
@@ -117,19 +127,18 @@ class Case:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if not self.dsv4:
-            self.device_buffer[dst] = self.host_cache[src]
+            self.model_device[dst] = self.model_host[src]
             return
         for view in (V4.value_view, V4.scale_view):
-            d, h = view(self.device_buffer, DSV4_PAGE_SLOTS), view(self.host_cache, DSV4_PAGE_SLOTS)
+            d, h = view(self.model_device, DSV4_PAGE_SLOTS), view(self.model_host, DSV4_PAGE_SLOTS)
             d[dst // DSV4_PAGE_SLOTS, dst % DSV4_PAGE_SLOTS] = h[src // DSV4_PAGE_SLOTS, src % DSV4_PAGE_SLOTS]
 
     def check(self) -> None:
         """Kernel and model agree on the outputs and on the bytes they moved."""
         self.kernel()
-        kernel_out, kernel_bytes = self.out.clone(), self.device_buffer.clone()
-        self.device_buffer.zero_()
+        kernel_out, kernel_bytes = self.out.cpu(), self.device_buffer.cpu()
         model_out = self.model_step()
-        if kernel_out.tolist() != model_out or not torch.equal(kernel_bytes, self.device_buffer):
+        if kernel_out.tolist() != model_out or not torch.equal(kernel_bytes, self.model_device):
             raise SystemExit(f"bench_hisparse: kernel and model disagree on {self.describe()}")
 
     def describe(self) -> str:
@@ -146,25 +155,26 @@ def sweep(quick: bool) -> list[tuple[int, int, bool, int, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    add_backend_arg(parser)
     args = parser.parse_args()
     # One thread for everything: the kernel's cpu backend runs one request after another on one
     # thread, and torch's pool would only add spin-wait noise to the table restores on a busy machine.
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
-    result = BenchResult(name="hisparse swap-in step (cpu backend, 1 thread)", baseline="model",
-                         notes={"item_bytes": ITEM_BYTES, "threads": 1,
+    result = BenchResult(name=f"hisparse swap-in step ({args.backend} backend, 1 host thread)", baseline="model",
+                         notes={"item_bytes": ITEM_BYTES, "threads": 1, "backend": args.backend,
+                                "timer": "CUDA events" if args.backend == "cuda" else "perf_counter",
                                 "latency": "per step, table restore subtracted"})
-    cases = sweep(args.quick)
-    for i, (k, h, dsv4, bs, rate) in enumerate(cases):
-        case = Case(k, h, bs, rate, dsv4)
-        progress(i, len(cases), case.describe())
+    time_kernel = timer(args.backend)
+    for k, h, dsv4, bs, rate in tqdm(sweep(args.quick), desc="bench_hisparse", unit="case"):
+        case = Case(k, h, bs, rate, dsv4, args.backend)
         case.check()
         # The model takes up to seconds per step at bs 64: fewer, single-call samples there.
         slow = dict(repeats=repeats, warmup=1, min_time_s=0.0)
-        restore_s = time_call(case.restore_tables, repeats=repeats).median_s
+        restore_s = time_kernel(case.restore_tables, repeats=repeats).median_s
         restore_model_s = time_call(case.restore_model, **slow).median_s
-        kernel_s = time_call(case.kernel, repeats=repeats).median_s - restore_s
-        raw_s = time_call(case.raw, repeats=repeats).median_s - restore_s
+        kernel_s = time_kernel(case.kernel, repeats=repeats).median_s - restore_s
+        raw_s = time_kernel(case.raw, repeats=repeats).median_s - restore_s
         model_s = time_call(case.model_step, **slow).median_s - restore_model_s
         result.rows.append({
             "case": f"K{k}/H{h}{'/dsv4' if dsv4 else ''} bs{bs} miss{rate:g}",
@@ -173,7 +183,6 @@ def main() -> None:
             "kernel_us": kernel_s * 1e6, "raw_us": raw_s * 1e6, "model_us": model_s * 1e6,
             "speedup_vs_model": model_s / kernel_s, "kernel_gbps": case.bytes_moved / kernel_s / 1e9,
         })
-    progress(len(cases), len(cases), "done")
     report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
                                                         value_keys=("kernel_us", "raw_us", "model_us"),
                                                         ylabel="step latency (us, log)", log=True))

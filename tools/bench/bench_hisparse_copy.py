@@ -1,4 +1,4 @@
-"""Benchmark the DSV4 token copy (``transfer_cache_dsv4_mla``) and page-row copy on the CPU backend.
+"""Benchmark the DSV4 token copy (``transfer_cache_dsv4_mla``) and page-row copy (``--backend cpu`` or ``cuda``).
 
 For N tokens x L layers (N x L in {1k x 1, 64k x 1, 64k x 21, 1M x 1}; 1M x 21 would need ~25 GB
 and does not fit in 24 GiB), random distinct source and destination slots over pools of N slots:
@@ -11,7 +11,10 @@ and does not fit in 24 GiB), random distinct source and destination slots over p
   limit of this machine. Both are reported (``memmove_gbps``, ``copy_gbps``);
 * ``pages``: the page-row copy of the same tokens as N / 64 whole pages.
 
-Everything runs on the same threads (``--threads``, default torch's): the kernel's cpu backend and
+With ``--backend cuda`` every buffer lives on the GPU, ``memcpy`` is a device-to-device
+``Tensor.copy_`` of the same bytes, and every candidate is timed with CUDA events.
+
+On the cpu backend everything runs on the same threads (``--threads``, default torch's): the kernel's cpu backend and
 torch's indexing use ``torch.get_num_threads()``. Buffers are 2 MiB-aligned and advised for
 transparent huge pages (``--no-thp`` to opt out): random slots over hundreds of MB otherwise cost a
 page walk per token.
@@ -36,6 +39,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from sparsekv.jit_kernel.hisparse_copy import (
     HISPARSE_COPY,
@@ -43,8 +47,9 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
-from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, Timing, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.kv_layout import V4
+from sparsekv.testing.backends import device_of
+from sparsekv.testing.bench import BenchResult, Timing, add_backend_arg, add_common_args, bar_plot, report, timer
 from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
 
 PAGE_SLOTS = 64
@@ -61,8 +66,11 @@ def _label(n: int, layers: int) -> str:
     return f"{n // 1024}k x {layers}" if n < 1 << 20 else f"{n >> 20}M x {layers}"
 
 
-def host_buffer(shape: tuple[int, ...], thp: bool) -> torch.Tensor:
-    """An untouched uint8 buffer starting on a 2 MiB boundary, advised for huge pages before first touch."""
+def host_buffer(shape: tuple[int, ...], thp: bool, backend: str = "cpu") -> torch.Tensor:
+    """An untouched uint8 buffer starting on a 2 MiB boundary, advised for huge pages before first touch
+    (cpu backend); a plain GPU allocation (cuda backend)."""
+    if backend == "cuda":
+        return torch.empty(shape, dtype=torch.uint8, device="cuda")
     nbytes = math.prod(shape)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
@@ -72,19 +80,20 @@ def host_buffer(shape: tuple[int, ...], thp: bool) -> torch.Tensor:
     return raw[start : start + nbytes].view(shape)
 
 
-def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool) -> dict:
+def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, backend: str) -> dict:
     pages = n // PAGE_SLOTS
     page_bytes = V4.page_bytes(PAGE_SLOTS)
-    gen = torch.Generator().manual_seed(n + layers)
-    src = [host_buffer((pages, page_bytes), thp).random_(0, 256, generator=gen) for _ in range(layers)]
-    dst = [host_buffer((pages, page_bytes), thp).fill_(1) for _ in range(layers)]  # touched: no first-write faults
-    src_ids, dst_ids = torch.randperm(n, generator=gen), torch.randperm(n, generator=gen)
-    src_pages, dst_pages = torch.randperm(pages, generator=gen), torch.randperm(pages, generator=gen)
+    gen = torch.Generator(device=device_of(backend)).manual_seed(n + layers)
+    src = [host_buffer((pages, page_bytes), thp, backend).random_(0, 256, generator=gen) for _ in range(layers)]
+    dst = [host_buffer((pages, page_bytes), thp, backend).fill_(1) for _ in range(layers)]  # no first-write faults
+    device = src[0].device
+    src_ids, dst_ids = (torch.randperm(n, generator=gen, device=device) for _ in range(2))
+    src_pages, dst_pages = (torch.randperm(pages, generator=gen, device=device) for _ in range(2))
     src_ptrs, dst_ptrs = pointer_table(src), pointer_table(dst)
-    module = HISPARSE_COPY.module(V4.cpp_type, PAGE_SLOTS)
+    module = HISPARSE_COPY.module(page_slots=PAGE_SLOTS, backend=backend)
     payload = n * layers * V4.bytes_per_token
-    a = host_buffer((payload,), thp).fill_(1)
-    b = host_buffer((payload,), thp).fill_(0)
+    a = host_buffer((payload,), thp, backend).fill_(1)
+    b = host_buffer((payload,), thp, backend).fill_(0)
 
     # The kernel moves the bytes the reference moves (checked once, before anything is timed).
     expected = [t.clone() for t in dst]
@@ -99,22 +108,24 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool) -
                                                   dst_num_slots=n),
         "raw": lambda: module.transfer_tokens(src_ptrs, dst_ptrs, src_ids, dst_ids, n, n, page_bytes, page_bytes,
                                               torch.get_num_threads()),
-        "memmove": lambda: ctypes.memmove(b.data_ptr(), a.data_ptr(), payload),
         "copy": lambda: b.copy_(a),
         "pages": lambda: transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, src_pages, dst_pages, src_num_pages=pages,
                                                  dst_num_pages=pages),
         "torch": lambda: transfer_tokens_(dst, src, src_ids, dst_ids),
     }
+    if backend == "cpu":
+        candidates["memmove"] = lambda: ctypes.memmove(b.data_ptr(), a.data_ptr(), payload)
+    time_fn = timer(backend)
     # Round-robin: each round times every candidate back to back, so a load spike from another
     # process hits all of them alike instead of one; the median over rounds is reported.
     samples: dict[str, list[float]] = {k: [] for k in candidates}
     for r in range(repeats):
         for k, fn in candidates.items():
             if k != "torch" or r < torch_repeats:
-                samples[k].append(time_call(fn, repeats=1, warmup=int(r == 0), min_time_s=0.02).median_s)
+                samples[k].append(time_fn(fn, repeats=1, warmup=int(r == 0), min_time_s=0.02).median_s)
     timings = {k: Timing(median_s=statistics.median(v), min_s=min(v), repeats=len(v)) for k, v in samples.items()}
 
-    timings["memcpy"] = min(timings["memmove"], timings["copy"], key=lambda t: t.median_s)
+    timings["memcpy"] = min((timings[k] for k in ("memmove", "copy") if k in timings), key=lambda t: t.median_s)
     gbps = {k: payload / t.median_s / 1e9 for k, t in timings.items()}
     pages_payload = pages * layers * page_bytes
     gbps["pages"] = pages_payload / timings["pages"].median_s / 1e9
@@ -137,6 +148,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    add_backend_arg(parser)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="threads of the kernel's cpu backend and of torch (default: torch's)")
     parser.add_argument("--no-thp", dest="thp", action="store_false", help="do not advise huge pages")
@@ -146,11 +158,11 @@ def main() -> None:
     repeats, torch_repeats = (3, 1) if args.quick else (7, 3)
     result = BenchResult(name="bench_hisparse_copy",
                          baseline="memcpy of the same bytes; torch indexing")
-    for i, (n, layers) in enumerate(cases):
-        progress(i, len(cases), _label(n, layers))
-        result.rows.append(run_case(n, layers, repeats, torch_repeats, args.thp))
-    progress(len(cases), len(cases), "done")
+    for n, layers in tqdm(cases, desc="bench_hisparse_copy", unit="case"):
+        result.rows.append(run_case(n, layers, repeats, torch_repeats, args.thp, args.backend))
     result.notes = {
+        "backend": args.backend,
+        "timer": "CUDA events" if args.backend == "cuda" else "perf_counter",
         "bytes_per_token_layer": V4.bytes_per_token,
         "page_bytes": V4.page_bytes(PAGE_SLOTS),
         "threads": args.threads,

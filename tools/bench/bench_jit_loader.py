@@ -19,17 +19,19 @@ import textwrap
 import time
 from pathlib import Path
 
+import torch
 import tvm_ffi.cpp
+from tqdm import tqdm
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 
 FRESH_PROCESS = textwrap.dedent("""
     import time, torch
     from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
     start = time.perf_counter()
-    GATHER_ROWS.module("int64_t", backend={backend!r}, arch={arch!r})
+    GATHER_ROWS.module(index_dtype=torch.int64, backend={backend!r}, arch={arch!r})
     print((time.perf_counter() - start) * 1e6)
 """)
 
@@ -70,23 +72,19 @@ def main() -> None:
     has_nvcc = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
     backends = [("cpu", None)] + ([("cuda", "9.0a")] if has_nvcc else [])
     result = BenchResult(name="bench_jit_loader", baseline="tvm_ffi.cpp.load on the same source (ninja every call)")
-    steps = len(backends) + 1
-    for i, (backend, arch) in enumerate(backends):
-        progress(i, steps, f"{backend}: cold build + warm loads")
+    for backend, arch in tqdm(backends, desc="bench_jit_loader: cold build + warm loads", unit="backend"):
         cold = cold_build_s(backend, arch)
-        GATHER_ROWS.module("int64_t", backend=backend, arch=arch)
-        in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module("int64_t", backend=b, arch=a))
+        GATHER_ROWS.module(index_dtype=torch.int64, backend=backend, arch=arch)
+        in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module(index_dtype=torch.int64, backend=b, arch=a))
         fresh = fresh_process_warm_us(backend, arch, 2 if args.quick else args.fresh_runs)
         result.rows.append({"backend": backend, "arch": arch, "cold_build_s": round(cold, 3),
                             "warm_in_process_us": round(in_process.median_s * 1e6, 3),
                             "warm_fresh_process_us": round(fresh, 1)})
-    progress(len(backends), steps, "tvm_ffi.cpp.load baseline")
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "module.cpp"
         source.write_text(loader.generate_sources(GATHER_ROWS.header, GATHER_ROWS.exports, GATHER_ROWS.kernels,
                                                   ("int64_t",), "cpu")["module.cpp"])
         baseline_us = tvm_ffi_load_us(Path(tmp) / "build", source)
-    progress(steps, steps, "done")
     cpu = result.rows[0]
     result.notes = {
         "tvm_ffi_cpp_load_warm_us": round(baseline_us, 1),

@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import fixes
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "memory_plans.json"
 CASES = ("flash-pp1-40GiB", "flash-pp4-40GiB", "mixed-09", "gemma-like-hybrid-swa-40GiB",
@@ -43,8 +45,7 @@ def main() -> None:
     result = BenchResult(name="plan_memory", baseline="fresh `python -c 'import sparsekv'`")
     baseline_ms = fresh_process_ms(["-c", "import sparsekv"], runs)
     result.notes["baseline_fresh_process_ms"] = baseline_ms
-    for i, name in enumerate(CASES):
-        progress(i, len(CASES), name)
+    for name in tqdm(CASES, desc="bench_plan_memory", unit="case"):
         case = parse_case(by_name[name])
         try:
             case.plan()
@@ -61,7 +62,6 @@ def main() -> None:
         row["cli_human_fresh_process_ms"] = fresh_process_ms(human, runs)
         row["cli_over_baseline"] = row["cli_fresh_process_ms"] / baseline_ms
         result.rows.append(row)
-    progress(len(CASES), len(CASES), "done")
     report(result, args, plot=lambda r, path: bar_plot(
         r, path, label_key="case", value_keys=("cli_fresh_process_ms", "cli_human_fresh_process_ms"),
         ylabel="ms (fresh process)"))

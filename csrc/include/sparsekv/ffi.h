@@ -1,6 +1,25 @@
 // Host-side glue, compiled only in the tvm-ffi translation unit the loader generates: argument
 // checks that raise Python TypeError / ValueError / IndexError naming the argument, and launch(),
 // which runs a kernel on the module's backend (SPARSEKV_BACKEND_CUDA, set by the loader).
+//
+// THE INPUT CONTRACT of every host entry (every kernel family follows it; each rule has a helper
+// below). All checks run before any byte moves.
+//   1. Types, shapes, strides, devices: `check(t, "name")...` (TypeError / ValueError naming it).
+//   2. Memory: an argument the kernel writes must not share memory with any other argument it
+//      reads or writes, or it would read its own writes or write twice (`check_disjoint`,
+//      ValueError naming both). Byte spans are compared, so interleaved views of one buffer count.
+//   3. Destinations: a destination named twice must come with the same source
+//      (`check_no_conflicting_destinations`). Checked where the ids are host-readable; for
+//      device-resident ids it is the caller's duty (say so in the kernel's contract) unless the
+//      entry's index-check mode runs on host copies.
+//   4. Pointer tables (uint64 per-layer base addresses): no null entry (`check_pointer_table`);
+//      when source and destination tables share a base address, no id may be both a source and
+//      another pair's destination (`check_no_chained_ids`), since the result would depend on order.
+//   5. Indices: O(1) checks always; kernels skip out-of-range entries (safe by construction);
+//      every index is validated in full before anything moves when host-readable, or on request
+//      (`IndexCheck`, driven by SPARSEKV_CHECK_INDICES=1).
+//   6. Optional tensors are `OptionalTensor` (Python None = absent); a 0-dim tensor passed for one
+//      is rejected (`optional_arg`), never mistaken for "absent".
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -8,9 +27,11 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +51,7 @@ extern "C" int sparsekv_cuda_device_count(int* count);
 namespace sparsekv {
 
 using tvm::ffi::TensorView;
+using OptionalTensor = tvm::ffi::Optional<TensorView>;
 
 inline constexpr DLDeviceType kBackendDevice = SPARSEKV_BACKEND_CUDA ? kDLCUDA : kDLCPU;
 inline constexpr const char* kBackendName = SPARSEKV_BACKEND_CUDA ? "cuda" : "cpu";
@@ -243,6 +265,82 @@ void check_no_conflicting_destinations(const Index* dst, const Index* src, int64
   }
 }
 
+// Rule 6: the tensor of an optional argument, or nullptr when absent (Python None).
+inline const TensorView* optional_arg(const OptionalTensor& t, const char* name) {
+  if (!t.has_value()) return nullptr;
+  if ((*t).ndim() == 0) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` is a 0-dim tensor; pass None to omit it";
+  }
+  return &*t;
+}
+
+// One argument of a check_disjoint call: a tensor (nullptr = an absent optional one), its name and
+// whether the kernel writes it.
+struct Operand {
+  const TensorView* tensor;
+  const char* name;
+  bool written;
+};
+inline Operand written(const TensorView& t, const char* name) { return {&t, name, true}; }
+inline Operand written(const TensorView* t, const char* name) { return {t, name, true}; }
+inline Operand read(const TensorView& t, const char* name) { return {&t, name, false}; }
+inline Operand read(const TensorView* t, const char* name) { return {t, name, false}; }
+
+// Rule 2: no written argument shares memory with any other argument.
+inline void check_disjoint(std::initializer_list<Operand> args) {
+  for (auto a = args.begin(); a != args.end(); ++a) {
+    for (auto b = a + 1; b != args.end(); ++b) {
+      if ((a->written || b->written) && a->tensor && b->tensor) {
+        check_no_overlap(*a->tensor, a->name, *b->tensor, b->name);
+      }
+    }
+  }
+}
+
+// Rule 4: every base address of a host-readable pointer table is non-null.
+inline void check_pointer_table(const uint64_t* ptrs, int64_t n, const char* name) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (ptrs[l] == 0) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "`[" << l << "] is a null base address";
+    }
+  }
+}
+
+// Whether two per-layer pointer tables name the same buffer in some layer.
+inline bool tables_share_a_buffer(const uint64_t* a, const uint64_t* b, int64_t n) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (a[l] == b[l]) return true;
+  }
+  return false;
+}
+
+// Rule 4: within one buffer, no id is both a source and the destination of another pair (a chain
+// such as 1 -> 2, 2 -> 3 reads a slot another pair writes). A pair copying an id onto itself is fine.
+template <class Index>
+void check_no_chained_ids(const Index* src, const Index* dst, int64_t n, const char* src_name, const char* dst_name) {
+  std::vector<Index> sources(src, src + n);
+  std::sort(sources.begin(), sources.end());
+  for (int64_t i = 0; i < n; ++i) {
+    if (dst[i] != src[i] && std::binary_search(sources.begin(), sources.end(), dst[i])) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << dst_name << "`[" << i << "] = " << dst[i]
+                                << " is also a source in `" << src_name << "` while source and destination share "
+                                << "a buffer (the result would depend on the copy order)";
+    }
+  }
+}
+
+// Rule 5: the index-check mode of an entry that has one (Python passes SPARSEKV_CHECK_INDICES).
+enum class IndexCheck : int64_t {
+  kOff = 0,      // O(1) checks, then run (kernels skip bad entries)
+  kOnly = 1,     // validate every index, move nothing (host copies of device tables)
+  kThenRun = 2,  // validate every index, then run (host-readable tables)
+};
+
+inline IndexCheck index_check_mode(int64_t mode) {
+  check_range(mode, 0, 3, "index_check");
+  return static_cast<IndexCheck>(mode);
+}
+
 // Runs kernel K on the module's backend: a host loop, or a launch on the caller's current stream.
 template <class K>
 void launch(const typename K::Params& params, DLDevice device) {
@@ -253,6 +351,20 @@ void launch(const typename K::Params& params, DLDevice device) {
 #else
   (void)device;
   run_on_host<K>(params);
+#endif
+}
+
+// launch(), except that the cpu backend runs the items on up to num_threads host threads (see
+// run_on_host_threads) and calls on_chunk_end on each thread after its share.
+template <class K, class OnChunkEnd>
+void launch_threaded(const typename K::Params& params, DLDevice device, int64_t num_threads, int64_t bytes_per_item,
+                     OnChunkEnd on_chunk_end) {
+#if SPARSEKV_BACKEND_CUDA
+  (void)num_threads, (void)bytes_per_item, (void)on_chunk_end;
+  launch<K>(params, device);
+#else
+  (void)device;
+  run_on_host_threads<K>(params, num_threads, bytes_per_item, on_chunk_end);
 #endif
 }
 

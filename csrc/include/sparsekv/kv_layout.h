@@ -1,5 +1,5 @@
 // kv_layout: the byte layouts of the DSV4 KV caches, the single C++ source every kernel addresses
-// tokens through (mirrored in Python by sparsekv.jit_kernel.kv_layout; tests/test_kv_layout.py
+// tokens through (mirrored in Python by sparsekv.kv_layout; tests/kernels/test_kv_layout.py
 // checks that the two agree).
 //
 // A token of every layout is a value record followed, logically, by a scale record. A page of P
@@ -9,8 +9,7 @@
 //   value of slot s: page + s * kValueBytes
 //   scale of slot s: page + P * kValueBytes + s * kScaleBytes
 //
-// so one token is two byte ranges, never one. Layouts (reference: dsv4_compressed_attention.md §3,
-// peer_wheel_map.md (c)):
+// so one token is two byte ranges, never one. Layouts:
 //
 //   layout         value                         scale                         bytes  page align
 //   V4             448 e4m3 nope + 64 bf16 rope  7 UE8M0 + 1 pad               584    576 (FlashMLA)
@@ -19,7 +18,7 @@
 //   IndexerFp8     128 e4m3                      1 fp32                        132    1 (no padding)
 //   IndexerFp4     64 packed e2m1                4 UE8M0                       68     1 (our choice)
 //
-// The reference gives no alignment for V41Fp4 and IndexerFp4: V41Fp4 follows the rule of the other
+// No published page alignment exists for V41Fp4 and IndexerFp4: V41Fp4 follows the rule of the other
 // main-KV layouts (a page is a whole number of value records), IndexerFp4 that of the FP8 indexer
 // (no padding; at any power-of-two P >= 4 a page is a multiple of 16 bytes anyway).
 //

@@ -11,10 +11,14 @@
 // cheap to compile.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
+#include <thread>
 #include <type_traits>
+#include <vector>
 
 #ifdef __CUDACC__
 #include <cuda_runtime.h>
@@ -64,6 +68,39 @@ template <class K>
 void run_on_host(const typename K::Params& params) {
   const int64_t n = K::num_items(params);
   for (int64_t i = 0; i < n; ++i) K::item(params, i, Lanes{0, 1});
+}
+
+// Threaded host driver: the items in contiguous chunks over up to num_threads threads (the caller's
+// included), one chunk per kMinBytesPerThread of work at most. For copies bound by memory latency
+// (scattered records), each core adds outstanding misses. on_chunk_end() runs on each thread after
+// its chunk (e.g. a fence for non-temporal stores).
+inline constexpr int64_t kMinBytesPerThread = int64_t{4} << 20;
+
+template <class K, class OnChunkEnd>
+void run_on_host_threads(const typename K::Params& params, int64_t num_threads, int64_t bytes_per_item,
+                         OnChunkEnd on_chunk_end) {
+  const int64_t n = K::num_items(params);
+  const int64_t by_work = n * bytes_per_item / kMinBytesPerThread;
+  const int64_t chunks = std::max<int64_t>(1, std::min({num_threads, by_work, n}));
+  auto chunk = [&params, &on_chunk_end, n, chunks](int64_t c) {
+    for (int64_t i = n * c / chunks; i < n * (c + 1) / chunks; ++i) K::item(params, i, Lanes{0, 1});
+    on_chunk_end();
+  };
+  std::vector<std::thread> workers;
+  // Reserved up front, so emplace_back never reallocates: a bad_alloc thrown while the vector
+  // holds joinable threads would destroy them unjoined, which calls std::terminate.
+  workers.reserve(static_cast<size_t>(chunks));
+  int64_t spawned = 1;
+  for (; spawned < chunks; ++spawned) {
+    try {
+      workers.emplace_back(chunk, spawned);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the caller runs the remaining chunks
+    }
+  }
+  chunk(0);
+  for (int64_t c = spawned; c < chunks; ++c) chunk(c);
+  for (auto& w : workers) w.join();
 }
 
 // CUDA driver: declared for the host side, defined (and explicitly instantiated by the loader's

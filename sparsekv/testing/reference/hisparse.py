@@ -2,7 +2,7 @@
 
 Row by row it runs the plain-Python policy (:mod:`sparsekv.testing.hisparse_policy`) on the request's
 tables, maps hot slots to device locations and copies token bytes with torch indexing, through the
-layout views of :mod:`sparsekv.jit_kernel.kv_layout` for DSV4. It works on copies and returns the
+layout views of :mod:`sparsekv.kv_layout` for DSV4. It works on copies and returns the
 expected state, so a test compares the kernel's in-place results with it.
 """
 
@@ -12,43 +12,42 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
+# ``page_slots`` below: None for generic rows (one token per row), else the slots of a DSV4 C4 page.
 
-def token_bytes(cache: torch.Tensor, slot: int, *, is_dsv4_layout: bool) -> torch.Tensor:
+
+def token_bytes(cache: torch.Tensor, slot: int, *, page_slots: int | None) -> torch.Tensor:
     """The bytes of token slot ``slot`` of a cache: one row, or the value then scale record of a DSV4 page."""
-    if not is_dsv4_layout:
+    if page_slots is None:
         return cache[slot]
-    page, offset = divmod(slot, DSV4_PAGE_SLOTS)
-    value = V4.value_view(cache, DSV4_PAGE_SLOTS)[page, offset]
-    scale = V4.scale_view(cache, DSV4_PAGE_SLOTS)[page, offset]
+    page, offset = divmod(slot, page_slots)
+    value = V4.value_view(cache, page_slots)[page, offset]
+    scale = V4.scale_view(cache, page_slots)[page, offset]
     return torch.cat([value, scale])
 
 
-def write_token(cache: torch.Tensor, slot: int, data: torch.Tensor, *, is_dsv4_layout: bool) -> None:
+def write_token(cache: torch.Tensor, slot: int, data: torch.Tensor, *, page_slots: int | None) -> None:
     """Write ``data`` (the bytes :func:`token_bytes` returns) into token slot ``slot`` of ``cache``."""
-    if not is_dsv4_layout:
+    if page_slots is None:
         cache[slot] = data
         return
-    page, offset = divmod(slot, DSV4_PAGE_SLOTS)
-    V4.value_view(cache, DSV4_PAGE_SLOTS)[page, offset] = data[: V4.value_bytes]
-    V4.scale_view(cache, DSV4_PAGE_SLOTS)[page, offset] = data[V4.value_bytes :]
+    page, offset = divmod(slot, page_slots)
+    V4.value_view(cache, page_slots)[page, offset] = data[: V4.value_bytes]
+    V4.scale_view(cache, page_slots)[page, offset] = data[V4.value_bytes :]
 
 
-def cache_slots(cache: torch.Tensor, *, is_dsv4_layout: bool) -> int:
-    """Token slots of a cache: rows, or pages x 64."""
-    return cache.shape[0] * (DSV4_PAGE_SLOTS if is_dsv4_layout else 1)
+def cache_slots(cache: torch.Tensor, *, page_slots: int | None) -> int:
+    """Token slots of a cache: rows, or pages x ``page_slots``."""
+    return cache.shape[0] * (1 if page_slots is None else page_slots)
 
 
-def _copy_token(dst: torch.Tensor, d: int, src: torch.Tensor, s: int, is_dsv4_layout: bool) -> bool:
+def _copy_token(dst: torch.Tensor, d: int, src: torch.Tensor, s: int, page_slots: int | None) -> bool:
     # The kernel skips a copy with an out-of-range slot instead of faulting; so does the reference.
-    if not (0 <= s < cache_slots(src, is_dsv4_layout=is_dsv4_layout)
-            and 0 <= d < cache_slots(dst, is_dsv4_layout=is_dsv4_layout)):
+    if not (0 <= s < cache_slots(src, page_slots=page_slots) and 0 <= d < cache_slots(dst, page_slots=page_slots)):
         return False
-    write_token(dst, d, token_bytes(src, s, is_dsv4_layout=is_dsv4_layout).to(dst.device),
-                is_dsv4_layout=is_dsv4_layout)
+    write_token(dst, d, token_bytes(src, s, page_slots=page_slots).to(dst.device), page_slots=page_slots)
     return True
 
 
@@ -81,11 +80,12 @@ def load_cache_to_device_buffer_reference(
     hot_buffer_size: int,
     *,
     num_real_reqs: int | None = None,
-    is_dsv4_layout: bool = False,
+    page_slots: int | None = None,
 ) -> SwapInExpected:
     """Expected result of ``load_cache_to_device_buffer_{dsv4_}mla`` on the same inputs (not modified).
 
-    Arguments as for the kernel wrapper; ``num_real_reqs`` is a plain int here. LRU rows of the
+    Arguments as for the kernel wrapper; ``num_real_reqs`` is a plain int here; ``page_slots`` is None
+    for the generic layout, else the DSV4 C4 page's slot count. LRU rows of the
     requests in the batch must be permutations of ``0..H-1`` and real rows must name distinct requests.
     """
     hot = hot_buffer_size
@@ -113,7 +113,7 @@ def load_cache_to_device_buffer_reference(
             src = int(host_locs[rid, token]) if token < host_locs.shape[1] else -1
             dst = int(locs[rid, slot])
             plan[b].append((src, dst))
-            copies += _copy_token(device, dst, host, src, is_dsv4_layout)
+            copies += _copy_token(device, dst, host, src, page_slots)
         miss_count[b] = len(step.misses)
         hits += step.hits
         misses += len(step.misses)
@@ -123,11 +123,11 @@ def load_cache_to_device_buffer_reference(
 
 
 def copy_cache_planned_reference(plan: list[list[tuple[int, int]]], host_cache: torch.Tensor,
-                                 device_buffer: torch.Tensor, *, is_dsv4_layout: bool = False) -> torch.Tensor:
+                                 device_buffer: torch.Tensor, *, page_slots: int | None = None) -> torch.Tensor:
     """``device_buffer`` (a copy) after replaying ``plan``: per row, ``(host slot, device slot)`` pairs."""
     device = device_buffer.cpu().clone()
     host = host_cache.cpu()
     for row in plan:
         for src, dst in row:
-            _copy_token(device, dst, host, src, is_dsv4_layout)
+            _copy_token(device, dst, host, src, page_slots)
     return device

@@ -2,7 +2,7 @@
 
 A paged layer is a uint8 ``[pages, page_bytes]`` tensor with a unit last stride and any page
 stride (so ``buf[:, l]`` of a page-first ``[pages, L, page_bytes]`` buffer is a layer too).
-Addressing goes through the zero-copy value/scale views of :mod:`sparsekv.jit_kernel.kv_layout`,
+Addressing goes through the zero-copy value/scale views of :mod:`sparsekv.kv_layout`,
 never through the kernel's own offset arithmetic. The copies work in place on the given
 destination layers (clone first to keep the original); the benchmark times them as the torch
 baseline.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4, KVLayout
+from sparsekv.kv_layout import V4, KVLayout
 
 
 def _split(slots: torch.Tensor, page_slots: int) -> tuple[torch.Tensor, torch.Tensor]:

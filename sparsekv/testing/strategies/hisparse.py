@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.hisparse import DSV4_PAGE_SLOTS
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 
@@ -30,7 +29,7 @@ class SwapInWorld:
 
     num_top_k: int
     hot: int
-    is_dsv4_layout: bool
+    page_slots: int | None  # None: generic rows; else slots per DSV4 C4 page
     item_size_bytes: int
     host_cache: torch.Tensor
     device_buffer: torch.Tensor
@@ -38,6 +37,11 @@ class SwapInWorld:
     device_buffer_locs: torch.Tensor
     device_buffer_tokens: torch.Tensor
     lru_slots: torch.Tensor
+    backend: str = "cpu"  # where swap_in runs the kernel (the world's tensors stay on the CPU)
+
+    @property
+    def is_dsv4_layout(self) -> bool:
+        return self.page_slots is not None
 
     @property
     def max_reqs(self) -> int:
@@ -50,12 +54,12 @@ class SwapInWorld:
     def host_token(self, rid: int, token: int, host_cache: torch.Tensor | None = None) -> torch.Tensor:
         """The host bytes of position ``token`` of request row ``rid``."""
         cache = self.host_cache if host_cache is None else host_cache
-        return token_bytes(cache, int(self.host_cache_locs[rid, token]), is_dsv4_layout=self.is_dsv4_layout)
+        return token_bytes(cache, int(self.host_cache_locs[rid, token]), page_slots=self.page_slots)
 
     def device_token(self, loc: int, device_buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The bytes at device slot ``loc``."""
         cache = self.device_buffer if device_buffer is None else device_buffer
-        return token_bytes(cache, loc, is_dsv4_layout=self.is_dsv4_layout)
+        return token_bytes(cache, loc, page_slots=self.page_slots)
 
     def place(self, rid: int, column: int, token: int, *, host_cache: torch.Tensor | None = None,
               device_buffer: torch.Tensor | None = None) -> None:
@@ -63,16 +67,19 @@ class SwapInWorld:
         when it produces a token: into its own slot while ``pos < H``, else into the reserved column H)."""
         loc = int(self.device_buffer_locs[rid, column])
         cache = self.device_buffer if device_buffer is None else device_buffer
-        write_token(cache, loc, self.host_token(rid, token, host_cache), is_dsv4_layout=self.is_dsv4_layout)
+        write_token(cache, loc, self.host_token(rid, token, host_cache), page_slots=self.page_slots)
 
     def swap_in(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                 num_real_reqs: int | None = None, plan: bool = False, miss_dst_dtype: torch.dtype = torch.int64,
                 counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> dict:
-        """Run the kernel (cpu backend) on this world, in place; return its outputs.
+        """Run the kernel on this world's backend, in place; return its outputs.
 
-        The output starts filled with a stale value, so an entry the kernel forgets shows up.
+        The output starts filled with a stale value, so an entry the kernel forgets shows up. On a
+        non-cpu backend the cpu build runs first on copies and must agree on every tensor
+        (:func:`~sparsekv.testing.backends.run_on_backend`).
         """
         from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
+        from sparsekv.testing.backends import run_on_backend
 
         bs = len(rids)
         out = torch.full((bs, self.num_top_k), 31337, dtype=torch.int32)
@@ -84,10 +91,16 @@ class SwapInWorld:
         if num_real_reqs is not None:
             extra["num_real_reqs"] = torch.tensor([num_real_reqs], dtype=torch.int32)
         fn = load_cache_to_device_buffer_dsv4_mla if self.is_dsv4_layout else load_cache_to_device_buffer_mla
-        fn(torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
-           self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer, out,
-           torch.tensor(rids, dtype=index_dtype), torch.tensor(seq_lens, dtype=index_dtype), self.lru_slots,
-           self.item_size_bytes, self.num_top_k, self.hot, counters=counters, **extra)
+        layout = {"page_slots": self.page_slots} if self.is_dsv4_layout else {}
+        tensors = dict(top_k_tokens=torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k),
+                       device_buffer_tokens=self.device_buffer_tokens, host_cache_locs=self.host_cache_locs,
+                       device_buffer_locs=self.device_buffer_locs, host_cache=self.host_cache,
+                       device_buffer=self.device_buffer, top_k_device_locs=out,
+                       req_pool_indices=torch.tensor(rids, dtype=index_dtype),
+                       seq_lens=torch.tensor(seq_lens, dtype=index_dtype), lru_slots=self.lru_slots,
+                       counters=counters, **extra)
+        run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
+                       hot_buffer_size=self.hot, **layout)
         return dict(out=out, **extra)
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
@@ -100,7 +113,7 @@ class SwapInWorld:
             torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
             self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer,
             torch.tensor(rids), torch.tensor(seq_lens), self.lru_slots, self.item_size_bytes, self.hot,
-            num_real_reqs=num_real_reqs, is_dsv4_layout=self.is_dsv4_layout)
+            num_real_reqs=num_real_reqs, page_slots=self.page_slots)
 
     def reset_request(self, rid: int, *, resident: bool) -> None:
         """Fresh tables for row ``rid``: slot i holds position i (``resident``) or nothing; LRU 0..H-1."""
@@ -116,34 +129,38 @@ def random_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def make_world(num_top_k: int, hot: int, *, is_dsv4_layout: bool, max_reqs: int, max_len: int, seed: int,
-               item_size_bytes: int = 12, columns: int | None = None) -> SwapInWorld:
+               item_size_bytes: int = 12, columns: int | None = None, page_slots: int = 64,
+               backend: str = "cpu") -> SwapInWorld:
     """Build a :class:`SwapInWorld` with shuffled, distinct host and device slots.
 
-    ``columns`` is the width of the buffer tables (``H + 64`` for DSV4, default ``H + 2`` otherwise).
+    ``columns`` is the width of the buffer tables (``H + page_slots`` for DSV4, default ``H + 2``
+    otherwise); ``page_slots`` is the DSV4 C4 page's slot count (ignored for the generic layout);
+    ``backend`` is where :meth:`SwapInWorld.swap_in` runs the kernel.
     """
     gen = torch.Generator().manual_seed(seed)
     if is_dsv4_layout:
         item_size_bytes = V4.bytes_per_token
-        columns = hot + DSV4_PAGE_SLOTS
+        columns = hot + page_slots
     elif columns is None:
         columns = hot + 2
     host_slots = max_reqs * max_len + 3
     device_slots = max_reqs * columns + 5
     if is_dsv4_layout:
-        page_bytes = V4.page_bytes(DSV4_PAGE_SLOTS)
-        host_cache = random_bytes((-(-host_slots // DSV4_PAGE_SLOTS), page_bytes), seed + 1)
-        device_buffer = random_bytes((-(-device_slots // DSV4_PAGE_SLOTS), page_bytes), seed + 2)
+        page_bytes = V4.page_bytes(page_slots)
+        host_cache = random_bytes((-(-host_slots // page_slots), page_bytes), seed + 1)
+        device_buffer = random_bytes((-(-device_slots // page_slots), page_bytes), seed + 2)
     else:
         host_cache = random_bytes((host_slots, item_size_bytes), seed + 1)
         device_buffer = random_bytes((device_slots, item_size_bytes), seed + 2)
     host_locs = torch.randperm(host_slots, generator=gen)[: max_reqs * max_len].reshape(max_reqs, max_len)
     device_locs = torch.randperm(device_slots, generator=gen)[: max_reqs * columns].reshape(max_reqs, columns)
     world = SwapInWorld(
-        num_top_k=num_top_k, hot=hot, is_dsv4_layout=is_dsv4_layout, item_size_bytes=item_size_bytes,
+        num_top_k=num_top_k, hot=hot, page_slots=page_slots if is_dsv4_layout else None,
+        item_size_bytes=item_size_bytes,
         host_cache=host_cache, device_buffer=device_buffer, host_cache_locs=host_locs.to(torch.int64).contiguous(),
         device_buffer_locs=device_locs.to(torch.int32).contiguous(),
         device_buffer_tokens=torch.full((max_reqs, columns), -1, dtype=torch.int32),
-        lru_slots=torch.zeros((max_reqs, hot), dtype=torch.int16),
+        lru_slots=torch.zeros((max_reqs, hot), dtype=torch.int16), backend=backend,
     )
     for rid in range(max_reqs):
         world.reset_request(rid, resident=False)

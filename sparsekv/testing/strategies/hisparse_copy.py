@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
-PAGE_SLOTS = (32, 64, 128)
+PAGE_SLOTS = C4_PAGE_SLOTS
 
 
 @dataclass
@@ -31,6 +31,10 @@ class PagedSide:
     def layers_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer ``[pages, page_bytes]`` views of ``buf``, a tensor shaped like ``owner``."""
         return [buf[:, layer] for layer in range(self.num_layers)] if self.page_first else list(buf.unbind(0))
+
+    def to(self, device: torch.device | str) -> PagedSide:
+        """The same side with its buffer copied to ``device``."""
+        return PagedSide(self.owner.to(device), self.num_layers, self.num_pages, self.page_first)
 
     @property
     def layers(self) -> list[torch.Tensor]:

@@ -1,0 +1,52 @@
+"""Every kernel test runs on every backend, checked on the ids pytest collects (so it is verified
+on a machine without a GPU): forcing ``cpu,cuda`` collects each kernel test twice, and every
+registered kernel family has a backend-parametrized test file sharing its header's stem."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sparsekv.jit_kernel.registry import discover
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL_TESTS = REPO / "tests" / "kernels"
+
+
+@functools.cache
+def _collect(backends: str) -> list[str]:
+    env = dict(os.environ, SPARSEKV_TEST_BACKENDS=backends)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                           str(KERNEL_TESTS.relative_to(REPO))], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def _on(backend: str, test_id: str) -> str:
+    """``test_id`` with its backend parameter replaced by ``backend``."""
+    name, _, params = test_id.partition("[")
+    parts = params.rstrip("]").split("-")
+    assert "cpu" in parts, f"{test_id} is not parametrized by backend"
+    return f"{name}[{'-'.join(backend if p == 'cpu' else p for p in parts)}]"
+
+
+def test_forcing_cpu_and_cuda_collects_every_kernel_test_twice():
+    cpu = _collect("cpu")
+    both = _collect("cpu,cuda")
+    assert cpu, "no kernel tests collected"
+    assert all("[" in test_id for test_id in cpu), [t for t in cpu if "[" not in t]
+    assert sorted(both) == sorted(cpu + [_on("cuda", t) for t in cpu])
+
+
+def test_every_registered_family_has_a_backend_parametrized_test_file():
+    collected = _collect("cpu")
+    stems = {Path(family.header).stem for family in discover().values()}
+    for stem in sorted(stems):
+        path = f"tests/kernels/test_{stem}.py::"
+        ids = [t for t in collected if t.startswith(path)]
+        assert ids, f"kernel family header {stem}.cuh has no backend-parametrized tests in {path[:-2]}"
+        assert all(_on("cpu", t) == t for t in ids)
