@@ -34,7 +34,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.srt.checks import index_in
+from sparsekv.srt.checks import as_int, index_in, int_in
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache
@@ -75,6 +75,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
                  slot_page_size: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
                  page_aligned_only: bool = False) -> None:
+        slot_page_size, num_host_pages = as_int(slot_page_size, "slot_page_size"), int_in(num_host_pages,
+                                                                                          "num_host_pages", 1)
         if slot_page_size not in PAGE_SLOTS:
             raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {PAGE_SLOTS}, got {slot_page_size!r}")
         if layout not in LAYOUTS:
