@@ -170,6 +170,9 @@ class HiSparseTokenToKVPoolAllocator:
         self.compress_ratio = compress_ratio
         self.device_page_size = page_size // compress_ratio
         self.logical = PagedAllocator(self.size_full // page_size + 1, page_size, "logical")
+        # The request row each logical page was allocated to (-1: none): a row may continue only its own
+        # last page, never one a stale row entry points into.
+        self._logical_row = [-1] * self.logical.num_pages
         self.num_device_pages = size // compress_ratio // self.device_page_size + 1
         self.device_alloc = PagedAllocator(self.num_device_pages, self.device_page_size, "device")
         self.full_to_hisparse_device_index_mapping = torch.full(
@@ -207,6 +210,9 @@ class HiSparseTokenToKVPoolAllocator:
             if not self.logical.is_allocated(page):
                 raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues a logical page, but "
                                  f"req_to_token[{rid}, {prefix_len - 1}] = {last} is not in an allocated page")
+            if self._logical_row[page] != rid:
+                raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues logical page {page}, "
+                                 f"which belongs to request row {self._logical_row[page]}, not row {rid}")
             first_entry = prefix_len // self.compress_ratio
             if with_device and seq_len // self.compress_ratio > first_entry and first_entry % self.device_page_size:
                 locs = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())
@@ -222,6 +228,8 @@ class HiSparseTokenToKVPoolAllocator:
         page = self.page_size
         new_pages = -(-seq_len // page) - -(-prefix_len // page)
         pages = self.logical.alloc(new_pages)
+        for p in pages.tolist():
+            self._logical_row[p] = rid
         if prefix_len % page:
             last = int(req_to_token[rid, prefix_len - 1]) // page
             pages = torch.cat([torch.tensor([last]), pages])
@@ -252,8 +260,9 @@ class HiSparseTokenToKVPoolAllocator:
             ``rid`` is not a row of ``req_to_token``.
         ValueError
             Not ``0 <= prefix_len <= seq_len <= req_to_token.shape[1]``, or a prefix ending inside a
-            page that the row does not hold (its last location is not allocated, or its last C4
-            entry is not on the device when device slots are wanted); nothing was allocated.
+            page that the row does not hold (its last location is not allocated or was allocated
+            to another row, or its last C4 entry is not on the device when device slots are
+            wanted); nothing was allocated.
         AllocatorExhaustedError
             Not enough logical or device pages; nothing was allocated.
         """
@@ -310,7 +319,10 @@ class HiSparseTokenToKVPoolAllocator:
         ValueError
             A page that is not allocated; nothing is freed then.
         """
-        self.logical.free(self.logical.pages_of(id_tensor(full_locs, "full_locs", allow_negative=True)))
+        pages = self.logical.pages_of(id_tensor(full_locs, "full_locs", allow_negative=True))
+        self.logical.free(pages)
+        for p in pages.tolist():
+            self._logical_row[p] = -1
 
     # ---- device space -------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
+from sparsekv.testing.runtime_snapshot import changed, snapshot
 
 TOP_K, HOT, LAYERS = 5, 7, 2
 MAX_REQS, MAX_CONTEXT = 4, 2048
@@ -505,25 +506,13 @@ def test_alloc_device_buffer_hands_out_distinct_slots_of_pages_it_owns(hot, coun
 # ---- misuse: each a case a careless caller found; refused before anything changes ------------
 
 
-def _world_snapshot(w: World) -> list:
-    """Everything a refused call must leave as it was: allocators, host pool, tables, queue, bytes."""
-    c, a = w.coord, w.allocator
-    return [sorted(a.logical._free), list(a.logical._owned), sorted(a.device_alloc._free), list(a.device_alloc._owned),
-            a.full_to_hisparse_device_index_mapping.clone(), w.pool.req_to_token.clone(),
-            w.host._free_pages.clone(), [t.clone() for t in w.host._released], w.host._allocated.clone(),
-            c.req_to_host_pool.clone(), c.req_to_host_pool_allocated_len.clone(), c.req_to_device_buffer.clone(),
-            c.req_device_buffer_tokens.clone(), c.req_device_buffer_token_locs.clone(), c.lru_slots.clone(),
-            {rid: repr(s) for rid, s in c._reqs.items()}, [q.req_pool_idx for _, q in c.ack_staging_queue],
-            c._pending_backup, [b.clone() for b in w.device_pool.kv_buffer], w.host.buffer.clone()]
+def _world_snapshot(w: World) -> dict:
+    return snapshot(w.coord, w.pool.req_to_token)
 
 
-def _same(a: list, b: list) -> bool:
-    def eq(x, y):
-        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
-            return len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y))
-        return _equal(x, y)
-
-    return all(eq(x, y) for x, y in zip(a, b))
+def _same(a: dict, b: dict) -> bool:
+    assert changed(a, b) == []
+    return True
 
 
 def test_admit_request_direct_twice_or_while_staging_is_a_request_state_error():
@@ -630,6 +619,20 @@ def test_alloc_extend_refuses_a_bad_row_or_a_prefix_the_row_does_not_hold():
     with pytest.raises(ValueError, match="prefix_len"):
         w.allocator.alloc_extend(w.pool.req_to_token, 0, 10, 300)
     assert _same(_world_snapshot(w), before)
+
+
+def test_a_stale_row_cannot_continue_a_page_another_row_holds():
+    # A row reused after its request finished still names old locations; if their page now belongs to
+    # another row, continuing it would hand out that row's next locations a second time.
+    w = World()
+    w.allocator.alloc_extend(w.pool.req_to_token, 1, 0, 20)
+    w.pool.req_to_token[0, :20] = w.pool.req_to_token[1, :20]
+    before = _world_snapshot(w)
+    for call in (lambda: w.allocator.alloc_extend(w.pool.req_to_token, 0, 20, 40),
+                 lambda: w.allocator.alloc_decode(w.pool.req_to_token, 0, 21)):
+        with pytest.raises(ValueError, match="row 1"):
+            call()
+        assert _same(_world_snapshot(w), before)
 
 
 @pytest.mark.parametrize("call", [
