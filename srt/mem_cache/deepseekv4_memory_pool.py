@@ -260,13 +260,17 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         return compressed_locs_of(full_loc, compress_ratio)
 
     def c4_state_loc(self, swa_loc: torch.Tensor) -> torch.Tensor:
-        """Ring rows of SWA locations: ``(swa_loc // page) * ring + swa_loc % ring``; -1 stays -1."""
+        """Ring rows of SWA locations (an integer tensor): ``(swa_loc // page) * ring + swa_loc % ring``;
+        -1 stays -1."""
+        int_tensor(swa_loc, "swa_loc")
         ring = self.ring_sizes.get(4, 0)
         rows = swa_loc // self.page_size * ring + swa_loc % max(ring, 1)
         return torch.where(swa_loc < 0, torch.full_like(swa_loc, -1), rows)
 
     def c128_state_loc(self, req_pool_idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Ring rows of request slots and positions: ``req * ring + position % ring``."""
+        """Ring rows of request slots and positions (integer tensors): ``req * ring + position % ring``."""
+        int_tensor(req_pool_idx, "req_pool_idx")
+        int_tensor(position, "position")
         ring = self.ring_sizes.get(128, 0)
         return req_pool_idx * ring + position % max(ring, 1)
 

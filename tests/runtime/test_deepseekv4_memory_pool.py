@@ -215,3 +215,11 @@ def test_swa_mapping_must_be_an_integer_table(flash_stage):
     assert pool.full_to_swa_index_mapping is mapping
     with pytest.raises(TypeError, match="full_loc"):
         pool.translate_loc_from_full_to_swa(torch.tensor([1.0]))
+
+
+def test_state_locations_take_integer_tensors(flash_stage):
+    _, pool = flash_stage
+    with pytest.raises(TypeError, match="swa_loc"):
+        pool.c4_state_loc(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="position"):
+        pool.c128_state_loc(torch.tensor([0]), torch.tensor([5.5]))

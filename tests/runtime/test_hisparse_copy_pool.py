@@ -319,3 +319,10 @@ def test_host_table_rows_are_checked_before_allocation():
     with pytest.raises(ValueError, match="allocated_len"):
         pool.alloc_paged_token_slots(table, allocated, 1, 0, 4)
     assert pool.available_pages == 4 and bool((table == -1).all())
+
+
+def test_page_slots_of_id_conversions_must_be_positive_ints():
+    with pytest.raises(ValueError, match="page_slots"):
+        HostSlots(torch.arange(4)).whole_pages(0)
+    with pytest.raises(TypeError, match="page_slots"):
+        HostPages(torch.tensor([1])).slots(64.0)
