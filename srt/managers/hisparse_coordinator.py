@@ -408,8 +408,8 @@ class HiSparseCoordinator:
         ValueError
             The three lists differ in length; a row appears twice; a sequence length outside
             ``[1, max_context]`` or one that skips C4 entries the host never received; a location
-            in an unallocated logical page, or one that does not produce the C4 entry its sequence
-            length says it does. Nothing changed.
+            outside the row's logical pages (those ``alloc_extend`` / ``alloc_decode`` gave it), or
+            one that does not produce the C4 entry its sequence length says it does. Nothing changed.
         HostPoolExhaustedError
             The step's backups need more host pages than are free; nothing changed.
         """
@@ -438,9 +438,10 @@ class HiSparseCoordinator:
             # The mapping's last entry is the -1 sentinel that padded writes read: never a target.
             if not 0 <= out_loc < locs_end:
                 raise IndexError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is out of range [0, {locs_end})")
-            if not self.allocator.logical.is_allocated(out_loc // self.allocator.page_size):
-                raise ValueError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is not in an allocated logical "
-                                 "page")
+            owner = self.allocator.logical_row(out_loc)
+            if owner != rid:
+                raise ValueError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is not in a logical page of "
+                                 f"request row {rid} " + ("(not allocated)" if owner < 0 else f"(row {owner}'s)"))
             if (seq_len % ratio == 0) != ((out_loc + 1) % ratio == 0):
                 raise ValueError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is not the location of token "
                                  f"{seq_len - 1} (of `seq_lens[{i}]`): one produces a C4 entry, the other does not")

@@ -185,6 +185,12 @@ class HiSparseTokenToKVPoolAllocator:
         return min(self.logical.available_pages * self.page_size,
                    self.device_alloc.available_pages * self.device_page_size * self.compress_ratio)
 
+    def logical_row(self, loc: int) -> int:
+        """The request row whose allocation took the logical page of location ``loc``; -1 when that
+        page is not allocated (or ``loc`` is outside the logical space)."""
+        page = as_int(loc, "loc") // self.page_size
+        return self._logical_row[page] if self.logical.is_allocated(page) else -1
+
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Logical compressed locations produced by ``full_locs`` (an integer tensor): keep
         ``(loc + 1) % ratio == 0``, store at ``loc // ratio``."""
@@ -206,13 +212,13 @@ class HiSparseTokenToKVPoolAllocator:
         seq_len = int_in(seq_len, "seq_len", prefix_len, width)
         if prefix_len % self.page_size:
             last = int(req_to_token[rid, prefix_len - 1])
-            page = last // self.page_size
-            if not self.logical.is_allocated(page):
+            owner = self.logical_row(last)
+            if owner < 0:
                 raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues a logical page, but "
                                  f"req_to_token[{rid}, {prefix_len - 1}] = {last} is not in an allocated page")
-            if self._logical_row[page] != rid:
-                raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues logical page {page}, "
-                                 f"which belongs to request row {self._logical_row[page]}, not row {rid}")
+            if owner != rid:
+                raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues logical page "
+                                 f"{last // self.page_size}, which belongs to request row {owner}, not row {rid}")
             first_entry = prefix_len // self.compress_ratio
             if with_device and seq_len // self.compress_ratio > first_entry and first_entry % self.device_page_size:
                 locs = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())

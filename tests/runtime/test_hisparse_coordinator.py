@@ -587,7 +587,7 @@ def test_map_last_loc_to_buffer_refuses_a_negative_location_and_a_bad_second_row
     loc_a = w.allocator.alloc_decode(w.pool.req_to_token, 0, 28)
     loc_b = w.allocator.alloc_decode(w.pool.req_to_token, 1, 28)
     before = _world_snapshot(w)
-    for bad in (-4, w.allocator.size_full + 10 * 256 + 3, loc_b - 1, 1.5, True):
+    for bad in (-4, w.allocator.size_full + 10 * 256 + 3, loc_b - 1, 1.5, True, loc_a):  # loc_a: row 0's
         with pytest.raises((IndexError, ValueError, TypeError), match="out_cache_loc"):
             w.coord.map_last_loc_to_buffer([0, 1], [28, 28], [loc_a, bad])
         assert _same(_world_snapshot(w), before)

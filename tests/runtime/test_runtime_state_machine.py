@@ -428,6 +428,10 @@ class HiSparseRuntime(RuleBasedStateMachine):
             if unowned:
                 bad_locs["map_last_loc unallocated page"] = (unowned[0] * PAGE + residue, (ValueError,))
             others = [r for r in decoding if r != dec_rid]
+            if others:  # the other row's newest location has the right residue but the wrong owner
+                other_last = int(self.pool.req_to_token[others[0], self.rows[others[0]].req.kv_allocated_len - 1])
+                other_loc = other_last // PAGE * PAGE + residue
+                bad_locs["map_last_loc another row's location"] = (other_loc, (ValueError,))
             first = [others[0]] if others else []
             first_seq = [self.rows[others[0]].req.kv_allocated_len] if others else []
             first_loc = [int(self.pool.req_to_token[others[0], self.rows[others[0]].req.kv_allocated_len - 1])] \
