@@ -274,9 +274,9 @@ class HiSparseCoordinator:
         Raises
         ------
         ValueError
-            A queued request's C4 entries are no longer on the device (its slots were freed outside
-            the coordinator). It and the ones behind it stay queued; the ones installed before it
-            by this call are decode-ready but not returned (:meth:`request_finished` releases them).
+            A completed request's C4 entries are no longer on the device (its slots were freed
+            outside the coordinator). Checked for every completed request before any hot buffer is
+            installed, so nothing changed and the queue stays as it was.
         """
         ready = 0
         for event, _ in self.ack_staging_queue:
@@ -289,6 +289,12 @@ class HiSparseCoordinator:
             count = torch.tensor([ready], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
             ready = int(count)
+        for _, req in self.ack_staging_queue[:ready]:
+            slots = self.allocator.device_slots(self._compressed_locs(req)).tensor
+            pages = self.allocator.device_alloc.pages_of(slots).tolist()
+            if bool((slots < 0).any()) or not all(self.allocator.device_alloc.is_allocated(p) for p in pages):
+                raise ValueError(f"sparsekv: request row {req.req_pool_idx} was staged, but its C4 entries are no "
+                                 "longer in allocated device slots (freed outside the coordinator?)")
         collected = []
         while len(collected) < ready:
             _, req = self.ack_staging_queue[0]

@@ -621,6 +621,20 @@ def test_alloc_extend_refuses_a_bad_row_or_a_prefix_the_row_does_not_hold():
     assert _same(_world_snapshot(w), before)
 
 
+def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_lost_its_slots():
+    w = World()
+    first, second = Req(0, 0, uid=201), Req(1, 0, uid=202)
+    for req in (first, second):
+        w.prefill(req, 40)
+        w.coord.admit_request_into_staging(req)
+    # The scheduler frees the second prefill's device pages behind the coordinator's back.
+    w.allocator.free_device_buffer(w.allocator.device_slots(w.coord._compressed_locs(second)))
+    before = _world_snapshot(w)
+    with pytest.raises(ValueError, match="request row 1"):
+        w.coord.collect_ready_reqs()
+    assert _same(_world_snapshot(w), before)  # the first is not left installed but unreported
+
+
 def test_a_stale_row_cannot_continue_a_page_another_row_holds():
     # A row reused after its request finished still names old locations; if their page now belongs to
     # another row, continuing it would hand out that row's next locations a second time.
