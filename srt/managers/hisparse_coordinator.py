@@ -22,7 +22,7 @@ import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.srt.checks import as_bool, as_int, index_in, int_in
+from sparsekv.srt.checks import as_bool, as_int, index_in, index_table, int_in
 from sparsekv.srt.errors import RequestStateError
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
@@ -93,6 +93,14 @@ class HiSparseCoordinator:
     collect_counters : bool
         Accumulate device-side ``(hits, misses, bytes)`` counters over swap-ins (:meth:`read_counters`).
 
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind: a non-integer ``req_to_token``, an allocator of another
+        class, a bool or float where an int is meant.
+    ValueError
+        ``top_k < 1``, ``device_buffer_size < top_k``, or ``device_pool`` not the allocator's pool.
+
     Examples
     --------
     A request's life on the CPU (tests/test_hisparse_coordinator.py runs this for real)::
@@ -127,6 +135,10 @@ class HiSparseCoordinator:
                  device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
                  host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
                  tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False) -> None:
+        if not isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+            raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
+                            f"{type(allocator).__name__}")
+        index_table(getattr(req_to_token_pool, "req_to_token", None), "req_to_token_pool.req_to_token", ndim=2)
         top_k = int_in(top_k, "top_k", 1)
         device_buffer_size = int_in(device_buffer_size, "device_buffer_size", 1)
         if swap_in_block_size is not None:

@@ -635,6 +635,20 @@ def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_
     assert _same(_world_snapshot(w), before)  # the first is not left installed but unreported
 
 
+@pytest.mark.parametrize("change, error, match", [
+    ({"top_k": True}, TypeError, "top_k"), ({"device_buffer_size": 7.0}, TypeError, "device_buffer_size"),
+    ({"top_k": 0}, ValueError, "top_k"), ({"collect_counters": 1}, TypeError, "collect_counters"),
+    ({"req_to_token_pool": ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT))}, TypeError, "req_to_token"),
+    ({"allocator": object()}, TypeError, "allocator"),
+])
+def test_coordinator_arguments_are_checked(change, error, match):
+    w = World()
+    args = {"req_to_token_pool": w.pool, "allocator": w.allocator, "device_pool": w.device_pool, "top_k": TOP_K,
+            "device_buffer_size": HOT, **change}
+    with pytest.raises(error, match=match):
+        HiSparseCoordinator(**args)
+
+
 def test_a_stale_row_cannot_continue_a_page_another_row_holds():
     # A row reused after its request finished still names old locations; if their page now belongs to
     # another row, continuing it would hand out that row's next locations a second time.
