@@ -139,6 +139,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
         req = self.new_req(rid, prompt_len)
         locs = self.allocator.compressed_locs(self.pool.req_to_token[rid, :prompt_len])
         self.write_device_entries(req, range(locs.numel()), self.allocator.device_slots(locs).tensor)
+        if locs.numel():
+            self.refused(lambda: self.coord.admit_request_direct(req), (ValueError,),
+                         "admit_direct a prefill with device slots")
         before = self.snap()
         try:
             self.coord.admit_request_into_staging(req)
@@ -167,6 +170,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
             return
         req = self.new_req(rid, prompt_len)
         n = prompt_len // RATIO
+        if n:
+            self.refused(lambda: self.coord.admit_request_direct(req), (ValueError,),
+                         "admit_direct before the host slots")
         before = self.snap()
         try:
             host = self.coord.alloc_direct_host_slots(req, n).tensor
@@ -324,6 +330,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             "alloc_extend seq_len < prefix_len": (lambda: a.alloc_extend(rtt, 0, 300, 10), (ValueError,)),
             "alloc_extend beyond the table": (lambda: a.alloc_extend(rtt, 0, 0, MAX_CONTEXT + 1), (ValueError,)),
             "alloc_extend float table": (lambda: a.alloc_extend(rtt.float(), 0, 0, 8), (TypeError,)),
+            "alloc_extend int with_device": (lambda: a.alloc_extend(rtt, 0, 0, 8, with_device=1), (TypeError,)),
             "alloc_extend too big": (lambda: a.alloc_extend(torch.zeros(1, 1 << 14, dtype=torch.int64), 0, 0,
                                                             1 << 14), (AllocatorExhaustedError,)),
             "alloc_decode negative row": (lambda: a.alloc_decode(rtt, -1, 5), (IndexError,)),
@@ -337,6 +344,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             "device free reserved page": (lambda: a.device_alloc.free(torch.tensor([0])), (ValueError,)),
             "free_logical float locs": (lambda: a.free_logical(torch.tensor([256.0])), (TypeError,)),
             "device_slots negative loc": (lambda: a.device_slots(torch.tensor([-1])), (IndexError,)),
+            "free_device_buffer bare tensor": (lambda: a.free_device_buffer(torch.tensor([64])), (TypeError,)),
             "alloc_device_buffer need too small": (lambda: a.alloc_device_buffer(torch.zeros(0, dtype=torch.int64),
                                                                                  DPAGE), (ValueError,)),
             # host pool
@@ -354,6 +362,8 @@ class HiSparseRuntime(RuleBasedStateMachine):
                 HostSlots(torch.arange(4)), DeviceSlots(torch.arange(4)), -1), (IndexError,)),
             "host load bool layer": (lambda: self.host.load_to_device_per_layer(
                 HostSlots(torch.arange(4)), DeviceSlots(torch.arange(4)), True), (TypeError,)),
+            "host load layer beyond": (lambda: self.host.load_to_device_per_layer(
+                HostSlots(torch.arange(4)), DeviceSlots(torch.arange(4)), LAYERS), (IndexError,)),
             "host backup slot out of range": (lambda: self.host.backup_from_device_all_layer(
                 HostSlots(torch.tensor([HOST_PAGES * DPAGE])), DeviceSlots(torch.tensor([1]))), (IndexError,)),
             "host backup bare tensor": (lambda: self.host.backup_from_device_all_layer(
@@ -362,6 +372,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
             "map_last_loc length mismatch": (lambda: c.map_last_loc_to_buffer([0], [5, 6], [3]), (ValueError,)),
             "map_last_loc negative row": (lambda: c.map_last_loc_to_buffer([-1], [5], [3]), (IndexError,)),
             "map_last_loc float seq_len": (lambda: c.map_last_loc_to_buffer([0], [5.0], [3]), ARGUMENT_ERRORS),
+            "map_last_loc float tensor rows": (lambda: c.map_last_loc_to_buffer(torch.tensor([0.0]), [5], [3]),
+                                               (TypeError,)),
+            "map_last_loc a string": (lambda: c.map_last_loc_to_buffer("0", [5], [3]), (TypeError,)),
             "swap_in negative layer": (lambda: c.swap_in_selected_pages(
                 torch.tensor([0]), torch.tensor([1], dtype=torch.int32), torch.zeros(1, TOP_K, dtype=torch.int32),
                 -1), (IndexError,)),
@@ -369,6 +382,10 @@ class HiSparseRuntime(RuleBasedStateMachine):
                 torch.tensor([0]), torch.tensor([1], dtype=torch.int32), torch.zeros(1, TOP_K, dtype=torch.int32),
                 True), (TypeError,)),
             "finish negative row": (lambda: c.request_finished(Req(-1, 0, 0)), (IndexError,)),
+            "finish not a request": (lambda: c.request_finished(0), (TypeError,)),
+            "swap_in more rows than requests": (lambda: c.swap_in_selected_pages(
+                torch.zeros(MAX_REQS + 1, dtype=torch.int64), torch.ones(MAX_REQS + 1, dtype=torch.int32),
+                torch.zeros(MAX_REQS + 1, TOP_K, dtype=torch.int32), 0), (ValueError,)),
             "admit bool row": (lambda: c.admit_request_into_staging(Req(True, 8, 0)), (TypeError,)),
             "admit float kv_allocated_len": (lambda: c.admit_request_direct(Req(0, 8.0, 0)), (TypeError,)),
             "host_token_len bool": (lambda: c.host_token_len(True), (TypeError,)),
@@ -407,6 +424,13 @@ class HiSparseRuntime(RuleBasedStateMachine):
                     lambda: c.map_last_loc_to_buffer([live_rid], [live.req.kv_allocated_len + 1], [3]), state)
             owned = sorted(a.logical.used_pages)
             calls["logical double free"] = (lambda: a.logical.free(torch.tensor([owned[0], owned[0]])), (ValueError,))
+            table = c.req_to_host_pool[live_rid]
+            host_pages = sorted(set((table[table >= 0] // DPAGE).tolist()))
+            if host_pages:
+                calls["host double free"] = (
+                    lambda: self.host.free_pages(HostPages(torch.tensor([host_pages[0]] * 2))), (ValueError,))
+            calls["direct host slots beyond the table"] = (
+                lambda: c.alloc_direct_host_slots(live.req, c.req_to_host_pool.shape[1]), ARGUMENT_ERRORS)
         decoding = self.rows_in("decode")
         if decoding:
             calls = groups["decoding row"]
