@@ -127,15 +127,22 @@ class HiSparseRuntime(RuleBasedStateMachine):
     # ---- what a scheduler does ----------------------------------------------------------
 
     @precondition(lambda self: len(self.rows) < MAX_REQS)
-    @rule(data=st.data(), prompt_len=st.integers(1, 700), collect=st.booleans())
-    def prefill_and_stage(self, data, prompt_len, collect):
+    @rule(data=st.data(), prompt_len=st.integers(1, 700), collect=st.booleans(),
+          cuts=st.lists(st.integers(1, 699), max_size=2))
+    def prefill_and_stage(self, data, prompt_len, collect, cuts):
+        """A prefill in chunks (ending at ``cuts`` below ``prompt_len``), then staging."""
         rid = data.draw(st.sampled_from(self.free_rows()))
-        before = self.snap()
-        try:
-            self.allocator.alloc_extend(self.pool.req_to_token, rid, 0, prompt_len)
-        except AllocatorExhaustedError:
-            assert changed(before, self.snap()) == []
-            return
+        ends = sorted({c for c in cuts if c < prompt_len}) + [prompt_len]
+        start = 0
+        for end in ends:
+            before = self.snap()
+            try:
+                self.allocator.alloc_extend(self.pool.req_to_token, rid, start, end)
+            except AllocatorExhaustedError:
+                assert changed(before, self.snap()) == []
+                self.abort_prefill(rid, start)
+                return
+            start = end
         req = self.new_req(rid, prompt_len)
         locs = self.allocator.compressed_locs(self.pool.req_to_token[rid, :prompt_len])
         self.write_device_entries(req, range(locs.numel()), self.allocator.device_slots(locs).tensor)
@@ -147,16 +154,20 @@ class HiSparseRuntime(RuleBasedStateMachine):
             self.coord.admit_request_into_staging(req)
         except HostPoolExhaustedError:
             assert changed(before, self.snap()) == []
-            # The scheduler takes the prefill back: its device slots, mapping entries and locations.
-            self.allocator.free_device_buffer(self.allocator.device_slots(locs))
-            self.allocator.full_to_hisparse_device_index_mapping[locs] = -1
-            self.allocator.free_logical(self.pool.req_to_token[rid, :prompt_len])
+            self.abort_prefill(rid, prompt_len)
             return
         self.rows[rid] = Row(req, "staging", prompt_len)
         self.staging_order.append(rid)
         if collect:  # the backup completes at once and the scheduler collects (the common case)
             self.staging_backups_complete()
             self.collect()
+
+    def abort_prefill(self, rid: int, length: int) -> None:
+        """The scheduler takes an unadmitted prefill back: device slots, mapping entries, locations."""
+        locs = self.allocator.compressed_locs(self.pool.req_to_token[rid, :length])
+        self.allocator.free_device_buffer(self.allocator.device_slots(locs))
+        self.allocator.full_to_hisparse_device_index_mapping[locs] = -1
+        self.allocator.free_logical(self.pool.req_to_token[rid, :length])
 
     @precondition(lambda self: len(self.rows) < MAX_REQS)
     @rule(data=st.data(), prompt_len=st.integers(1, 500), admit=st.booleans())
