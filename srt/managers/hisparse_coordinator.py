@@ -61,10 +61,6 @@ class _ReqState:
     phase: Phase
     skip_first_backup: bool = False
 
-    @property
-    def staging(self) -> bool:
-        return self.phase == "staging"
-
 
 class HiSparseCoordinator:
     """Per-request C4 hot buffers of a HiSparse DSV4 model: admission, backups, swap-in, release.
@@ -633,9 +629,9 @@ class HiSparseCoordinator:
 
 
 def _int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
-    """A sequence (or 1-D tensor) of ints as a list of Python ints (bools and floats refused)."""
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
+    """A sequence (or 1-D tensor or array) of ints as a list of Python ints (bools and floats refused)."""
+    if hasattr(values, "tolist") and hasattr(values, "ndim"):  # a tensor or a numpy array
+        if values.ndim != 1:
             raise TypeError(f"sparsekv: argument `{name}` must be 1-D, got shape {list(values.shape)}")
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):

@@ -151,7 +151,7 @@ class World:
     # -- invariants -------------------------------------------------------------------
     def owned_device_pages(self, req: Req) -> set[int]:
         rid = req.req_pool_idx
-        if self.coord._reqs[rid].staging:
+        if self.coord._reqs[rid].phase == "staging":
             slots = self.allocator.device_slots(self.coord._compressed_locs(req)).tensor
         else:
             slots = self.coord.req_to_device_buffer[rid]
@@ -288,7 +288,7 @@ def test_a_hot_buffer_that_does_not_fit_stops_collection_and_keeps_the_rest_queu
     # The first hot buffer (7 + 64 slots) grows into the last free page; the second cannot grow yet.
     assert w.coord.collect_ready_reqs() == [first]
     assert [queued for _, queued in w.coord.ack_staging_queue] == [second]
-    assert w.coord._reqs[second.req_pool_idx].staging
+    assert w.coord._reqs[second.req_pool_idx].phase == "staging"
     w.check_ownership([first, second])
     w.check_results(w.decode_step([first]))
     w.finish(first)
@@ -302,7 +302,7 @@ def _decode_snapshot(w: World) -> list:
     c = w.coord
     return [c.req_to_host_pool.clone(), c.req_to_host_pool_allocated_len.clone(), w.host.available_pages,
             w.allocator.full_to_hisparse_device_index_mapping.clone(),
-            {rid: (s.staging, s.skip_first_backup) for rid, s in c._reqs.items()}, c._pending_backup]
+            {rid: (s.phase, s.skip_first_backup) for rid, s in c._reqs.items()}, c._pending_backup]
 
 
 def _equal(a, b) -> bool:
