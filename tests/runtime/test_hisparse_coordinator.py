@@ -24,8 +24,8 @@ from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
+from sparsekv.testing.hisparse_runtime import changed, entry_bytes, snapshot
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
-from sparsekv.testing.runtime_snapshot import changed, snapshot
 
 TOP_K, HOT, LAYERS = 5, 7, 2
 MAX_REQS, MAX_CONTEXT = 4, 2048
@@ -41,11 +41,6 @@ class Req:
 @dataclass
 class ReqToTokenPool:
     req_to_token: torch.Tensor
-
-
-def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(uid * 1_000_003 + pos * 31 + layer)
-    return torch.randint(0, 256, (584,), dtype=torch.uint8, generator=gen)
 
 
 class RecordingStream(CpuStream):

@@ -35,8 +35,8 @@ from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostPages, HostSlots
 from sparsekv.srt.streams import CpuStreams
+from sparsekv.testing.hisparse_runtime import changed, entry_bytes, snapshot
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
-from sparsekv.testing.runtime_snapshot import changed, snapshot
 
 # Small on purpose: 4 device pages, 8 logical pages and 6 host pages run out often.
 TOP_K, HOT, LAYERS = 5, 7, 2
@@ -66,11 +66,6 @@ class Row:
     prompt_len: int  # entries below prompt_len // 4 reached the host at admission
 
 
-def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(uid * 1_000_003 + pos * 31 + layer)
-    return torch.randint(0, 256, (584,), dtype=torch.uint8, generator=gen)
-
-
 class HiSparseRuntime(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -85,7 +80,6 @@ class HiSparseRuntime(RuleBasedStateMachine):
         self.rows: dict[int, Row] = {}
         self.staging_order: list[int] = []
         self.next_uid = 1
-        self.misuse_kinds: set[str] = set()
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -116,7 +110,6 @@ class HiSparseRuntime(RuleBasedStateMachine):
         else:
             raise AssertionError(f"misuse {kind!r} was accepted")
         assert changed(before, self.snap()) == [], (kind, changed(before, self.snap()))
-        self.misuse_kinds.add(kind)
 
     def write_device_entries(self, req: Req, positions, slots) -> None:
         for layer in range(LAYERS):

@@ -1,4 +1,7 @@
-"""The whole observable state of a HiSparse runtime, to show that a refused call changed nothing.
+"""Helpers for tests of the HiSparse runtime (allocator, pools, coordinator).
+
+:func:`entry_bytes` is the deterministic content a test's "model" writes for each C4 entry, so any
+slot can be checked against the entry it should hold.
 
 A rejected call must leave every allocator, table, queue and byte as it was. :func:`snapshot`
 copies all of it from a :class:`~sparsekv.srt.managers.hisparse_coordinator.HiSparseCoordinator`
@@ -16,6 +19,12 @@ Example
 from __future__ import annotations
 
 import torch
+
+
+def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:
+    """The 584 bytes of C4 entry ``pos`` of layer ``layer`` of request ``uid`` (a fixed pseudo-random pattern)."""
+    gen = torch.Generator().manual_seed(uid * 1_000_003 + pos * 31 + layer)
+    return torch.randint(0, 256, (584,), dtype=torch.uint8, generator=gen)
 
 
 def _copy(value: object) -> object:
