@@ -54,6 +54,11 @@ class Stream(Protocol):
         """Block until everything submitted so far has completed."""
 
 
+def _check_callable(fn: object) -> None:
+    if not callable(fn):
+        raise TypeError(f"sparsekv: argument `fn` must be callable, got {type(fn).__name__}")
+
+
 class CpuEvent:
     """Completion of the first ``index`` work items of a :class:`CpuStream`."""
 
@@ -79,6 +84,7 @@ class CpuStream:
     def submit(self, fn: Callable[[], object], *, uses: Sequence[torch.Tensor] = ()) -> None:
         # ``uses`` needs nothing here: host memory is not recycled behind a live reference, and a
         # deferred ``fn`` keeps its tensors referenced until it has run.
+        _check_callable(fn)
         self._pending.append(fn)
         if not self.deferred:
             self.synchronize()
@@ -91,10 +97,17 @@ class CpuStream:
         event.synchronize()
 
     def run_until(self, index: int) -> None:
-        """Run queued work (in order) until ``index`` items have completed."""
+        """Run queued work (in order) until ``index`` items have completed.
+
+        An item that raises still counts as completed (its exception reaches the caller that waited),
+        so the events behind it complete once their own work has run.
+        """
         while self.completed < index and self._pending:
-            self._pending.pop(0)()
-            self.completed += 1
+            fn = self._pending.pop(0)
+            try:
+                fn()
+            finally:
+                self.completed += 1
 
     def synchronize(self) -> None:
         self.run_until(self.completed + len(self._pending))
@@ -107,6 +120,7 @@ class CudaStream:
         self.stream = stream if stream is not None else torch.cuda.current_stream()
 
     def submit(self, fn: Callable[[], object], *, uses: Sequence[torch.Tensor] = ()) -> None:
+        _check_callable(fn)
         try:
             with torch.cuda.stream(self.stream):
                 fn()

@@ -10,10 +10,12 @@ import sys
 import pytest
 
 import sparsekv.jit_kernel
+import sparsekv.srt
 import sparsekv.srt.mem_cache
 
 
-@pytest.mark.parametrize("package", [sparsekv.jit_kernel, sparsekv.srt.mem_cache], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("package", [sparsekv.jit_kernel, sparsekv.srt, sparsekv.srt.mem_cache],
+                         ids=lambda p: p.__name__)
 def test_every_lazy_name_resolves(package):
     for name in package.__all__:
         assert getattr(package, name).__name__ == name

@@ -1,2 +1,4 @@
-"""Shared test helpers: torch references (``reference``), hypothesis strategies (``strategies``)
-and the backends a kernel test runs on (``backends``). Reusable by anyone testing these kernels."""
+"""Shared test helpers: torch references (``reference``), hypothesis strategies (``strategies``),
+the backends a kernel test runs on (``backends``) and helpers for HiSparse runtime tests
+(``hisparse_runtime``: entry bytes, snapshots of the whole state). Reusable by anyone testing these
+kernels."""

@@ -14,13 +14,16 @@ neither allocates nor synchronizes. Copies run on side streams ordered by events
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
 from sparsekv.kv_layout import V4
+from sparsekv.srt.checks import as_bool, as_int, index_in, index_table, int_in
+from sparsekv.srt.errors import RequestStateError
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
@@ -45,9 +48,17 @@ class ReqToTokenPool(Protocol):
     req_to_token: torch.Tensor
 
 
+Phase = Literal["transfer", "staging", "decode"]
+
+#: How a message names each phase (``None``: the row holds nothing of the coordinator's).
+_PHASE_WORDS = {None: "not admitted (unknown, or already finished)",
+                "transfer": "holding host slots for a direct transfer (admit it with admit_request_direct)",
+                "staging": "still staging (its backup is in flight)", "decode": "already admitted for decode"}
+
+
 @dataclass
 class _ReqState:
-    staging: bool
+    phase: Phase
     skip_first_backup: bool = False
 
 
@@ -78,6 +89,14 @@ class HiSparseCoordinator:
     collect_counters : bool
         Accumulate device-side ``(hits, misses, bytes)`` counters over swap-ins (:meth:`read_counters`).
 
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind: a non-integer ``req_to_token``, an allocator of another
+        class, a bool or float where an int is meant.
+    ValueError
+        ``top_k < 1``, ``device_buffer_size < top_k``, or ``device_pool`` not the allocator's pool.
+
     Examples
     --------
     A request's life on the CPU (tests/runtime/test_hisparse_coordinator.py runs this for real)::
@@ -99,14 +118,28 @@ class HiSparseCoordinator:
     flight) -> ``collect_ready_reqs`` (hot buffer allocated, prefill pages beyond it freed), or
     ``admit_request_direct`` (PD: the KV is already in the host pool) -> decode steps
     (``map_last_loc_to_buffer`` once per step, ``swap_in_selected_pages`` per layer) ->
-    ``request_finished`` (also valid while staging). The logical full-token locations belong to
-    the scheduler, which frees them with ``allocator.free_logical``.
+    ``request_finished`` (also valid while staging, and after ``alloc_direct_host_slots`` for a
+    transfer that is abandoned). The logical full-token locations belong to the scheduler, which
+    frees them with ``allocator.free_logical``.
+
+    A call out of that order (admitted twice, admitted while staging, finished twice, decoded
+    before admission) raises :class:`~sparsekv.srt.errors.RequestStateError`; bad arguments raise
+    ``TypeError`` / ``ValueError`` / ``IndexError`` naming them. Either way nothing has changed.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: HiSparseTokenToKVPoolAllocator,
                  device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
                  host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
                  tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False) -> None:
+        if not isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+            raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
+                            f"{type(allocator).__name__}")
+        index_table(getattr(req_to_token_pool, "req_to_token", None), "req_to_token_pool.req_to_token", ndim=2)
+        top_k = int_in(top_k, "top_k", 1)
+        device_buffer_size = int_in(device_buffer_size, "device_buffer_size", 1)
+        if swap_in_block_size is not None:
+            swap_in_block_size = int_in(swap_in_block_size, "swap_in_block_size", 1)
+        collect_counters = as_bool(collect_counters, "collect_counters")
         if device_buffer_size < top_k:
             raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "
                              f"({top_k})")
@@ -154,8 +187,39 @@ class HiSparseCoordinator:
     # ---- sizes ------------------------------------------------------------------------
 
     def host_token_len(self, kv_allocated_len: int) -> int:
-        """C4 entries of ``kv_allocated_len`` full tokens: ``len // 4`` (one per 4 tokens)."""
-        return kv_allocated_len // self.compress_ratio
+        """C4 entries of ``kv_allocated_len`` full tokens: ``len // 4`` (one per 4 tokens).
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``kv_allocated_len`` is not a non-negative int.
+        """
+        return int_in(kv_allocated_len, "kv_allocated_len", 0) // self.compress_ratio
+
+    # ---- validation -------------------------------------------------------------------
+
+    def _check_req(self, req: Request, allowed: tuple[Phase | None, ...], action: str) -> int:
+        """``req``'s row after checking its fields and that its phase allows ``action``.
+
+        Raises ``TypeError`` / ``IndexError`` / ``ValueError`` for bad fields and
+        :class:`RequestStateError` for a phase not in ``allowed``.
+        """
+        for field in ("req_pool_idx", "kv_allocated_len"):
+            if not hasattr(req, field):
+                raise TypeError(f"sparsekv: argument `req` must have a `{field}` (a scheduler request), got "
+                                f"{type(req).__name__}")
+        rows, width = self.req_to_token.shape
+        rid = index_in(req.req_pool_idx, "req.req_pool_idx", rows)
+        int_in(req.kv_allocated_len, "req.kv_allocated_len", 0, width)
+        self._check_phase(rid, allowed, action)
+        return rid
+
+    def _check_phase(self, rid: int, allowed: tuple[Phase | None, ...], action: str) -> _ReqState | None:
+        state = self._reqs.get(rid)
+        phase = state.phase if state is not None else None
+        if phase not in allowed:
+            raise RequestStateError(f"sparsekv: request row {rid} is {_PHASE_WORDS[phase]}; it cannot be {action}")
+        return state
 
     def _compressed_locs(self, req: Request) -> torch.Tensor:
         return self.allocator.compressed_locs(self.req_to_token[req.req_pool_idx, : req.kv_allocated_len].cpu())
@@ -172,16 +236,21 @@ class HiSparseCoordinator:
 
         Raises
         ------
+        TypeError, IndexError
+            ``req.req_pool_idx`` is not a row, or ``req.kv_allocated_len`` not an int.
+        RequestStateError
+            The row is already admitted (staging or decoding) or holds direct-transfer host slots.
         ValueError
             Some of the request's C4 entries are not on the device (a prefill allocated with
-            ``with_device=False`` is admitted with :meth:`admit_request_direct`); nothing changed.
+            ``with_device=False`` is admitted with :meth:`admit_request_direct`), or
+            ``req.kv_allocated_len`` is beyond the table; nothing changed.
         HostPoolExhaustedError
             Not enough host pages; nothing changed.
         Exception
             Whatever submitting the backup raised; the host pages allocated for it are freed again
             and the request is not admitted (its prefill slots stay the caller's).
         """
-        rid = req.req_pool_idx
+        rid = self._check_req(req, (None,), "admitted into staging")
         locs = self._compressed_locs(req)
         device_idx = self.allocator.device_slots(locs)
         if bool((device_idx.tensor < 0).any()):
@@ -199,7 +268,7 @@ class HiSparseCoordinator:
             self._free_host_slots(rid, keep=allocated_before)
             raise
         self.ack_staging_queue.append((self.write_staging_stream.record_event(), req))
-        self._reqs[rid] = _ReqState(staging=True)
+        self._reqs[rid] = _ReqState("staging")
 
     def collect_ready_reqs(self) -> list[Request]:
         """Requests whose staging backup has completed, in admission order, now ready to decode.
@@ -213,9 +282,9 @@ class HiSparseCoordinator:
         Raises
         ------
         ValueError
-            A queued request's C4 entries are no longer on the device (its slots were freed outside
-            the coordinator). It and the ones behind it stay queued; the ones installed before it
-            by this call are decode-ready but not returned (:meth:`request_finished` releases them).
+            A completed request's C4 entries are no longer on the device (its slots were freed
+            outside the coordinator). Checked for every completed request before any hot buffer is
+            installed, so nothing changed and the queue stays as it was.
         """
         ready = 0
         for event, _ in self.ack_staging_queue:
@@ -228,6 +297,12 @@ class HiSparseCoordinator:
             count = torch.tensor([ready], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
             ready = int(count)
+        for _, req in self.ack_staging_queue[:ready]:
+            slots = self.allocator.device_slots(self._compressed_locs(req)).tensor
+            pages = self.allocator.device_alloc.pages_of(slots).tolist()
+            if bool((slots < 0).any()) or not all(self.allocator.device_alloc.is_allocated(p) for p in pages):
+                raise ValueError(f"sparsekv: request row {req.req_pool_idx} was staged, but its C4 entries are no "
+                                 "longer in allocated device slots (freed outside the coordinator?)")
         collected = []
         while len(collected) < ready:
             _, req = self.ack_staging_queue[0]
@@ -242,10 +317,26 @@ class HiSparseCoordinator:
     def alloc_direct_host_slots(self, req: Request, num_entries: int) -> HostSlots:
         """Host slots for a PD direct-to-host transfer of ``num_entries`` C4 entries (positions 0..).
 
-        The transfer engine writes the entries there; then call :meth:`admit_request_direct`.
+        The transfer engine writes the entries there; then call :meth:`admit_request_direct` (or
+        :meth:`request_finished` to abandon the transfer). The row is in its transfer phase from now.
+
+        Raises
+        ------
+        TypeError, IndexError
+            A bad ``req`` (see :meth:`admit_request_into_staging`) or ``num_entries`` not an int.
+        RequestStateError
+            The row is staging or decoding.
+        ValueError
+            ``num_entries`` is negative or more than a row of the host table holds.
+        HostPoolExhaustedError
+            Not enough host pages; nothing changed.
         """
-        return self.mem_pool_host.alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, req.req_pool_idx, 0, num_entries)
+        rid = self._check_req(req, (None, "transfer"), "given direct-transfer host slots")
+        num_entries = int_in(num_entries, "num_entries", 0, self.req_to_host_pool.shape[1] - self.page_size)
+        slots = self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, num_entries)
+        self._reqs.setdefault(rid, _ReqState("transfer"))
+        return slots
 
     def admit_request_direct(self, req: Request) -> None:
         """Admit a request whose C4 KV was written straight into the host pool (PD decode side).
@@ -254,9 +345,29 @@ class HiSparseCoordinator:
         preloaded into its own hot slot (the kernel's fast path never loads); otherwise the hot
         slots start empty, so every lookup misses, and only the newest entry is loaded, into the
         reserved column ``H``. The first decode step's backup is skipped (the host has it all).
+
+        Raises
+        ------
+        TypeError, IndexError
+            A bad ``req`` (see :meth:`admit_request_into_staging`).
+        RequestStateError
+            The row is staging or already decoding.
+        ValueError
+            ``req.kv_allocated_len`` needs more C4 entries than the row's host slots hold
+            (:meth:`alloc_direct_host_slots`), or some of its entries are on the device (a prefill
+            with device slots is admitted with :meth:`admit_request_into_staging`); nothing changed.
+        AllocatorExhaustedError
+            The hot buffer does not fit in the device pool; nothing changed.
         """
-        rid = req.req_pool_idx
+        rid = self._check_req(req, (None, "transfer"), "admitted directly")
         n = self.host_token_len(req.kv_allocated_len)
+        held = int(self.req_to_host_pool_allocated_len[rid])
+        if n > held:
+            raise ValueError(f"sparsekv: argument `req.kv_allocated_len` = {req.kv_allocated_len} needs {n} C4 "
+                             f"entries, but request row {rid} holds {held} host slots (alloc_direct_host_slots)")
+        if bool((self.allocator.device_slots(self._compressed_locs(req)).tensor >= 0).any()):
+            raise ValueError(f"sparsekv: request row {rid} has C4 entries on the device; a prefill allocated with "
+                             "device slots is admitted with admit_request_into_staging")
         self._install_buffer(req, torch.empty(0, dtype=torch.int64), resident=n <= self.device_buffer_size)
         host = self.req_to_host_pool[rid, :n]
         buffer = self.req_to_device_buffer[rid]
@@ -279,7 +390,7 @@ class HiSparseCoordinator:
         if resident:
             self.req_device_buffer_tokens[:, rid, :hot] = torch.arange(hot, dtype=torch.int32)
         self.lru_slots[:, rid] = torch.arange(hot, dtype=torch.int16)
-        self._reqs[rid] = _ReqState(staging=False, skip_first_backup=True)
+        self._reqs[rid] = _ReqState("decode", skip_first_backup=True)
 
     # ---- decode -----------------------------------------------------------------------
 
@@ -302,12 +413,23 @@ class HiSparseCoordinator:
 
         Raises
         ------
+        TypeError
+            An argument is not a sequence of ints (a bool or a float included).
+        IndexError
+            A row outside the tables, or a location outside the logical space (a negative one included).
+        RequestStateError
+            A row is not admitted for decode (unknown, staging, or holding transfer slots).
         ValueError
-            The three lists differ in length, a row appears twice, or a row is unknown or still
-            staging; nothing changed.
+            The three lists differ in length; a row appears twice; a sequence length outside
+            ``[1, max_context]`` or one that skips C4 entries the host never received; a location
+            outside the row's logical pages (those ``alloc_extend`` / ``alloc_decode`` gave it), or
+            one that does not produce the C4 entry its sequence length says it does. Nothing changed.
         HostPoolExhaustedError
             The step's backups need more host pages than are free; nothing changed.
         """
+        req_pool_indices = _int_list(req_pool_indices, "req_pool_indices")
+        seq_lens = _int_list(seq_lens, "seq_lens")
+        out_cache_loc = _int_list(out_cache_loc, "out_cache_loc")
         if not len(req_pool_indices) == len(seq_lens) == len(out_cache_loc):
             raise ValueError(f"sparsekv: arguments `req_pool_indices`, `seq_lens` and `out_cache_loc` must have equal "
                              f"lengths, got {len(req_pool_indices)}, {len(seq_lens)} and {len(out_cache_loc)}")
@@ -318,15 +440,33 @@ class HiSparseCoordinator:
         # a row failing halfway would leave earlier rows with host slots no backup fills and with
         # their first-backup skip spent.
         rows, pages_needed = [], 0
-        for rid, seq_len, out_loc in zip(req_pool_indices, seq_lens, out_cache_loc):
+        num_rows, width = self.req_to_token.shape
+        locs_end = (self.allocator.full_to_hisparse_device_index_mapping.numel() - 1) * ratio
+        for i, (rid, seq_len, out_loc) in enumerate(zip(req_pool_indices, seq_lens, out_cache_loc)):
+            index_in(rid, f"req_pool_indices[{i}]", num_rows)
             state = self._reqs.get(rid)
-            if state is None or state.staging:
-                raise ValueError(f"sparsekv: request row {rid} is not admitted for decode (unknown or still staging)")
+            if state is None or state.phase != "decode":
+                raise RequestStateError(f"sparsekv: request row {rid} is not admitted for decode (it is "
+                                        f"{_PHASE_WORDS[state.phase if state else None]})")
+            int_in(seq_len, f"seq_lens[{i}]", 1, width)
+            # The mapping's last entry is the -1 sentinel that padded writes read: never a target.
+            if not 0 <= out_loc < locs_end:
+                raise IndexError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is out of range [0, {locs_end})")
+            owner = self.allocator.logical_row(out_loc)
+            if owner != rid:
+                raise ValueError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is not in a logical page of "
+                                 f"request row {rid} " + ("(not allocated)" if owner < 0 else f"(row {owner}'s)"))
+            if (seq_len % ratio == 0) != ((out_loc + 1) % ratio == 0):
+                raise ValueError(f"sparsekv: argument `out_cache_loc[{i}]` = {out_loc} is not the location of token "
+                                 f"{seq_len - 1} (of `seq_lens[{i}]`): one produces a C4 entry, the other does not")
             completed = seq_len > 1 and (seq_len - 1) % ratio == 0  # the previous token produced an entry
             backup = (seq_len - 1) // ratio - 1 if completed and not state.skip_first_backup else None
             if backup is not None:
-                pages_needed += self.mem_pool_host.host_pages_needed(
-                    backup, 1, int(self.req_to_host_pool_allocated_len[rid]))
+                held = int(self.req_to_host_pool_allocated_len[rid])
+                if backup > held:
+                    raise ValueError(f"sparsekv: argument `seq_lens[{i}]` = {seq_len} backs up C4 entry {backup} of "
+                                     f"request row {rid}, whose host slots end at {held}: entries would be skipped")
+                pages_needed += self.mem_pool_host.host_pages_needed(backup, 1, held)
             produced = seq_len // ratio - 1 if seq_len % ratio == 0 else None
             rows.append((rid, state, backup, produced, out_loc))
         if pages_needed > self.mem_pool_host.available_pages:
@@ -375,8 +515,23 @@ class HiSparseCoordinator:
         -------
         torch.Tensor
             int32 ``[bs, top_k]`` device slots (a view of ``top_k_device_locs_buffer``), -1 for none.
+
+        Raises
+        ------
+        TypeError
+            ``layer_id`` is not an int (a bool included); tensors of the wrong dtype (the kernel's checks).
+        IndexError
+            ``layer_id`` is not a C4 layer (a negative one included).
+        ValueError
+            More rows than the coordinator's tables, or the kernel's shape and device checks.
         """
+        layer_id = index_in(layer_id, "layer_id", self.device_pool.layer_num)
+        if not isinstance(top_k_result, torch.Tensor) or top_k_result.dim() != 2:
+            raise TypeError("sparsekv: argument `top_k_result` must be a 2-D tensor")
         bs = top_k_result.shape[0]
+        if bs > self.top_k_device_locs_buffer.shape[0]:
+            raise ValueError(f"sparsekv: argument `top_k_result` has {bs} rows, the coordinator holds "
+                             f"{self.top_k_device_locs_buffer.shape[0]} requests")
         out = self.top_k_device_locs_buffer[:bs]
         load_cache_to_device_buffer_dsv4_mla(
             top_k_result, self.req_device_buffer_tokens[layer_id], self.req_to_host_pool,
@@ -398,15 +553,20 @@ class HiSparseCoordinator:
 
         Raises
         ------
+        TypeError, IndexError
+            A bad ``req`` (see :meth:`admit_request_into_staging`); nothing changed.
+        RequestStateError
+            The request row is not admitted (unknown or already finished); nothing changed.
         ValueError
-            The request row is not admitted (unknown or already finished); or an allocator refuses
-            a free (a page it does not hold as allocated). The request stays admitted then, and a
-            retry frees only what is left.
+            An allocator refuses a free (a page it does not hold as allocated). The request stays
+            admitted then, and a retry frees only what is left.
         """
-        rid = req.req_pool_idx
-        state = self._reqs.get(rid)
-        if state is None:
-            raise ValueError(f"sparsekv: request row {rid} is not admitted (unknown or already finished)")
+        rid = self._check_req(req, ("transfer", "staging", "decode"), "finished")
+        state = self._reqs[rid]
+        if state.phase == "transfer":  # an abandoned direct transfer: only its host slots are held
+            self._free_host_slots(rid)
+            del self._reqs[rid]
+            return
         for event, queued in list(self.ack_staging_queue):
             if queued.req_pool_idx == rid:
                 event.synchronize()
@@ -418,7 +578,7 @@ class HiSparseCoordinator:
         # state goes last: when a free raises, a retry finds only what is still held.
         locs = self._compressed_locs(req)
         mapping = self.allocator.full_to_hisparse_device_index_mapping
-        if state.staging:
+        if state.phase == "staging":
             self.allocator.free_device_buffer(self.allocator.device_slots(locs))
         else:
             self.allocator.free_device_buffer(DeviceSlots(self.req_to_device_buffer[rid].cpu()))
@@ -446,9 +606,12 @@ class HiSparseCoordinator:
 
         Raises
         ------
+        TypeError
+            ``reset`` is not a bool.
         RuntimeError
             The coordinator was built without ``collect_counters=True``.
         """
+        reset = as_bool(reset, "reset")
         if self.counters is None:
             raise RuntimeError("sparsekv: HiSparseCoordinator was built without collect_counters=True")
         values = dict(zip(COUNTERS, self.counters.tolist()))
@@ -464,3 +627,14 @@ class HiSparseCoordinator:
             "host_used": (self.mem_pool_host.num_pages - self.mem_pool_host.available_pages) * self.page_size,
             "host_total": self.mem_pool_host.size,
         }
+
+
+def _int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    """A sequence (or 1-D tensor or array) of ints as a list of Python ints (bools and floats refused)."""
+    if hasattr(values, "tolist") and hasattr(values, "ndim"):  # a tensor or a numpy array
+        if values.ndim != 1:
+            raise TypeError(f"sparsekv: argument `{name}` must be 1-D, got shape {list(values.shape)}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"sparsekv: argument `{name}` must be a sequence of ints, got {type(values).__name__}")
+    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(values)]

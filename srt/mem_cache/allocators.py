@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.srt.checks import as_bool, as_int, id_tensor, index_in, index_table, int_in, int_tensor
 from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots
 
 
@@ -47,9 +48,7 @@ class PagedAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, name: str) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"sparsekv: {name} allocator needs num_pages >= 1 and page_size >= 1, got "
-                             f"{num_pages}, {page_size}")
+        num_pages, page_size = int_in(num_pages, "num_pages", 1), int_in(page_size, "page_size", 1)
         self.num_pages = num_pages
         self.page_size = page_size
         self.name = name
@@ -66,6 +65,10 @@ class PagedAllocator:
         """Pages currently allocated."""
         return {p for p, owned in enumerate(self._owned) if owned}
 
+    def is_allocated(self, page: int) -> bool:
+        """Whether ``page`` is an allocated page (False for the reserved page and out-of-range ids)."""
+        return 0 < page < self.num_pages and self._owned[page]
+
     def alloc(self, num_pages: int) -> torch.Tensor:
         """Allocate ``num_pages`` pages (lowest free ids first).
 
@@ -76,11 +79,14 @@ class PagedAllocator:
 
         Raises
         ------
+        TypeError
+            ``num_pages`` is not an int (a bool or a float included).
+        ValueError
+            ``num_pages`` is negative.
         AllocatorExhaustedError
             Fewer pages are free; nothing was allocated.
         """
-        if num_pages < 0:
-            raise ValueError(f"sparsekv: cannot allocate {num_pages} {self.name} pages")
+        num_pages = int_in(num_pages, "num_pages", 0)
         if num_pages > len(self._free):
             raise AllocatorExhaustedError(f"sparsekv: {self.name} allocator needs {num_pages} pages, "
                                           f"{len(self._free)} free")
@@ -94,12 +100,14 @@ class PagedAllocator:
 
         Raises
         ------
+        TypeError
+            ``pages`` is not an integer tensor (float ids are never truncated).
         ValueError
             A page that is not allocated (a double free, the reserved page, out of range) or named
             twice; nothing is freed then.
         """
-        ids = [int(p) for p in pages.reshape(-1).tolist()]
-        if len(set(ids)) != len(ids) or any(not (0 < p < self.num_pages) or not self._owned[p] for p in ids):
+        ids = id_tensor(pages, "pages", allow_negative=True).tolist()
+        if len(set(ids)) != len(ids) or not all(self.is_allocated(p) for p in ids):
             raise ValueError(f"sparsekv: {self.name} allocator: freeing pages that are not allocated "
                              f"(or named twice): {ids}")
         for p in ids:
@@ -107,8 +115,8 @@ class PagedAllocator:
         self._free.extend(sorted(ids))
 
     def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The distinct pages holding ``slots`` (negative slots ignored), ascending."""
-        slots = slots.reshape(-1).to("cpu", torch.int64)
+        """The distinct pages holding ``slots`` (an integer tensor; negative slots ignored), ascending."""
+        slots = id_tensor(slots, "slots", allow_negative=True)
         return torch.unique(slots[slots >= 0] // self.page_size)
 
 
@@ -150,17 +158,21 @@ class HiSparseTokenToKVPoolAllocator:
 
     def __init__(self, size: int, page_size: int, *, host_to_device_ratio: int = 2, compress_ratio: int = 4,
                  device: torch.device | str = "cpu") -> None:
-        if compress_ratio < 1 or page_size % compress_ratio:
+        size, page_size = int_in(size, "size", 0), int_in(page_size, "page_size", 1)
+        compress_ratio = int_in(compress_ratio, "compress_ratio", 1)
+        host_to_device_ratio = int_in(host_to_device_ratio, "host_to_device_ratio", 1)
+        if page_size % compress_ratio:
             raise ValueError(f"sparsekv: argument `page_size` ({page_size}) must be a multiple of `compress_ratio` "
                              f"({compress_ratio})")
-        if host_to_device_ratio < 1:
-            raise ValueError(f"sparsekv: argument `host_to_device_ratio` must be >= 1, got {host_to_device_ratio}")
         self.size = size
         self.size_full = size * host_to_device_ratio
         self.page_size = page_size
         self.compress_ratio = compress_ratio
         self.device_page_size = page_size // compress_ratio
         self.logical = PagedAllocator(self.size_full // page_size + 1, page_size, "logical")
+        # The request row each logical page was allocated to (-1: none): a row may continue only its own
+        # last page, never one a stale row entry points into.
+        self._logical_row = [-1] * self.logical.num_pages
         self.num_device_pages = size // compress_ratio // self.device_page_size + 1
         self.device_alloc = PagedAllocator(self.num_device_pages, self.device_page_size, "device")
         self.full_to_hisparse_device_index_mapping = torch.full(
@@ -173,16 +185,57 @@ class HiSparseTokenToKVPoolAllocator:
         return min(self.logical.available_pages * self.page_size,
                    self.device_alloc.available_pages * self.device_page_size * self.compress_ratio)
 
+    def logical_row(self, loc: int) -> int:
+        """The request row whose allocation took the logical page of location ``loc``; -1 when that
+        page is not allocated (or ``loc`` is outside the logical space)."""
+        page = as_int(loc, "loc") // self.page_size
+        return self._logical_row[page] if self.logical.is_allocated(page) else -1
+
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
-        """Logical compressed locations produced by ``full_locs``: keep ``(loc + 1) % ratio == 0``,
-        store at ``loc // ratio``."""
+        """Logical compressed locations produced by ``full_locs`` (an integer tensor): keep
+        ``(loc + 1) % ratio == 0``, store at ``loc // ratio``."""
+        int_tensor(full_locs, "full_locs")
         return compressed_locs_of(full_locs, self.compress_ratio)
+
+    def _check_row(self, req_to_token: torch.Tensor, rid: int, prefix_len: int, seq_len: int,
+                   with_device: bool, prefix_name: str = "prefix_len") -> tuple[int, int, int]:
+        """Validate an extend of row ``rid`` from ``prefix_len`` to ``seq_len`` (nothing allocated yet).
+
+        A prefix ending inside a logical page continues that page, so its last location must be in a
+        page this allocator holds; with device slots, a prefix whose last C4 entry ends inside a
+        device page continues that page too, so the entry must be on the device.
+        """
+        index_table(req_to_token, "req_to_token", ndim=2)
+        rows, width = req_to_token.shape
+        rid = index_in(rid, "rid", rows)
+        prefix_len = int_in(prefix_len, prefix_name, 0, width)
+        seq_len = int_in(seq_len, "seq_len", prefix_len, width)
+        if prefix_len % self.page_size:
+            last = int(req_to_token[rid, prefix_len - 1])
+            owner = self.logical_row(last)
+            if owner < 0:
+                raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues a logical page, but "
+                                 f"req_to_token[{rid}, {prefix_len - 1}] = {last} is not in an allocated page")
+            if owner != rid:
+                raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues logical page "
+                                 f"{last // self.page_size}, which belongs to request row {owner}, not row {rid}")
+            first_entry = prefix_len // self.compress_ratio
+            if with_device and seq_len // self.compress_ratio > first_entry and first_entry % self.device_page_size:
+                locs = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())
+                slot = int(self.full_to_hisparse_device_index_mapping[locs[-1]]) if locs.numel() else -1
+                dpage = slot // self.device_page_size
+                if not self.device_alloc.is_allocated(dpage):
+                    raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues a device page, but "
+                                     f"the prefix's last C4 entry of row {rid} is not on the device")
+        return rid, prefix_len, seq_len
 
     def _logical_locs(self, req_to_token: torch.Tensor, rid: int, prefix_len: int, seq_len: int) -> torch.Tensor:
         """Full locations for positions ``[prefix_len, seq_len)``, continuing the last logical page."""
         page = self.page_size
         new_pages = -(-seq_len // page) - -(-prefix_len // page)
         pages = self.logical.alloc(new_pages)
+        for p in pages.tolist():
+            self._logical_row[p] = rid
         if prefix_len % page:
             last = int(req_to_token[rid, prefix_len - 1]) // page
             pages = torch.cat([torch.tensor([last]), pages])
@@ -207,9 +260,20 @@ class HiSparseTokenToKVPoolAllocator:
 
         Raises
         ------
+        TypeError
+            ``req_to_token`` is not an integer tensor, or an int argument is not an int.
+        IndexError
+            ``rid`` is not a row of ``req_to_token``.
+        ValueError
+            Not ``0 <= prefix_len <= seq_len <= req_to_token.shape[1]``, or a prefix ending inside a
+            page that the row does not hold (its last location is not allocated or was allocated
+            to another row, or its last C4 entry is not on the device when device slots are
+            wanted); nothing was allocated.
         AllocatorExhaustedError
             Not enough logical or device pages; nothing was allocated.
         """
+        with_device = as_bool(with_device, "with_device")
+        rid, prefix_len, seq_len = self._check_row(req_to_token, rid, prefix_len, seq_len, with_device)
         page, dpage, ratio = self.page_size, self.device_page_size, self.compress_ratio
         logical_pages = -(-seq_len // page) - -(-prefix_len // page)
         first_entry, end_entry = prefix_len // ratio, seq_len // ratio
@@ -240,23 +304,47 @@ class HiSparseTokenToKVPoolAllocator:
 
         Raises
         ------
+        TypeError, IndexError, ValueError
+            As :meth:`alloc_extend` (``seq_len >= 1``).
         AllocatorExhaustedError
             The token starts a page and no logical page is free.
         """
+        seq_len = int_in(seq_len, "seq_len", 1)
+        rid, _, seq_len = self._check_row(req_to_token, rid, seq_len - 1, seq_len, False, "seq_len - 1")
         loc = int(self._logical_locs(req_to_token, rid, seq_len - 1, seq_len)[0])
         req_to_token[rid, seq_len - 1] = loc
         return loc
 
     def free_logical(self, full_locs: torch.Tensor) -> None:
-        """Free the logical pages of a finished request (``full_locs``: all its locations)."""
-        self.logical.free(self.logical.pages_of(full_locs))
+        """Free the logical pages of a finished request (``full_locs``: all its locations).
+
+        Raises
+        ------
+        TypeError
+            ``full_locs`` is not an integer tensor.
+        ValueError
+            A page that is not allocated; nothing is freed then.
+        """
+        pages = self.logical.pages_of(id_tensor(full_locs, "full_locs", allow_negative=True))
+        self.logical.free(pages)
+        for p in pages.tolist():
+            self._logical_row[p] = -1
 
     # ---- device space -------------------------------------------------------------------
 
     def device_slots(self, compressed_locs: torch.Tensor) -> DeviceSlots:
-        """Device slots of logical compressed locations, through the mapping."""
+        """Device slots of logical compressed locations, through the mapping.
+
+        Raises
+        ------
+        TypeError
+            ``compressed_locs`` is not an integer tensor.
+        IndexError
+            A location outside the mapping (a negative one included).
+        """
         mapping = self.full_to_hisparse_device_index_mapping
-        return DeviceSlots(mapping[compressed_locs.to(mapping.device)].cpu())
+        locs = id_tensor(compressed_locs, "compressed_locs", size=mapping.numel())
+        return DeviceSlots(mapping[locs.to(mapping.device)].cpu())
 
     def alloc_device_buffer(self, compressed_locs: torch.Tensor, need: int) -> DeviceSlots:
         """Turn a request's device slots into its hot buffer of ``need`` slots.
@@ -279,20 +367,31 @@ class HiSparseTokenToKVPoolAllocator:
 
         Raises
         ------
+        TypeError
+            ``compressed_locs`` is not an integer tensor or ``need`` not an int.
+        IndexError
+            A location outside the mapping.
         ValueError
-            An entry is not on the device, or ``need`` is not ``H + device_page_size`` with ``H >= 1``.
+            An entry is not on the device (or its slot is in a page the allocator does not hold), an
+            entry named twice, or ``need`` is not ``H + device_page_size`` with ``H >= 1``; nothing changed.
         AllocatorExhaustedError
             A top-up needs more pages than are free; nothing changed.
         """
         dpage = self.device_page_size
+        need = as_int(need, "need")
         hot = need - dpage
         if hot < 1:
             raise ValueError(f"sparsekv: argument `need` ({need}) must be a hot buffer plus one page of {dpage}")
         mapping = self.full_to_hisparse_device_index_mapping
-        locs = compressed_locs.to(mapping.device)
+        cpu_locs = id_tensor(compressed_locs, "compressed_locs", size=mapping.numel())
+        if torch.unique(cpu_locs).numel() != cpu_locs.numel():
+            raise ValueError("sparsekv: argument `compressed_locs` names an entry twice")
+        locs = cpu_locs.to(mapping.device)
         slots = mapping[locs].cpu().clone()
         if bool((slots < 0).any()):
             raise ValueError("sparsekv: argument `compressed_locs` names entries that are not on the device")
+        if not all(self.device_alloc.is_allocated(p) for p in self.device_alloc.pages_of(slots).tolist()):
+            raise ValueError("sparsekv: argument `compressed_locs` names entries in unallocated device pages")
         count = slots.numel()
         owned = self.device_alloc.pages_of(slots)
         # Entries fill their pages in position order, so only the newest entry's page has spare
@@ -321,7 +420,15 @@ class HiSparseTokenToKVPoolAllocator:
         return DeviceSlots(buffer)
 
     def free_device_buffer(self, slots: DeviceSlots) -> None:
-        """Free the pages of a request's device slots (its hot buffer, or its prefill while staging)."""
+        """Free the pages of a request's device slots (its hot buffer, or its prefill while staging).
+
+        Raises
+        ------
+        TypeError
+            ``slots`` is not :class:`DeviceSlots`.
+        ValueError
+            A page that is not allocated; nothing is freed then.
+        """
         self.device_alloc.free(self.device_alloc.pages_of(DeviceSlots.require(slots, "slots").tensor))
 
     def device_pages_of(self, slots: DeviceSlots) -> DevicePages:

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from sparsekv.srt.checks import index_table, int_tensor
+
 
 class BufInfos(NamedTuple):
     """Registered memory regions: base pointers, byte lengths and the bytes of one item each.
@@ -45,16 +47,11 @@ class BaseSWAKVPool(ABC):
         Raises
         ------
         TypeError
-            The table is not an integer tensor.
+            The table is not an integer tensor (a bool one included).
         ValueError
             The table is not one-dimensional.
         """
-        if not isinstance(full_to_swa_index_mapping, torch.Tensor) or full_to_swa_index_mapping.is_floating_point():
-            raise TypeError("full_to_swa_index_mapping must be an integer tensor")
-        if full_to_swa_index_mapping.dim() != 1:
-            raise ValueError(
-                f"full_to_swa_index_mapping must be 1-D, got shape {list(full_to_swa_index_mapping.shape)}"
-            )
+        index_table(full_to_swa_index_mapping, "full_to_swa_index_mapping", ndim=1)
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
 
     def translate_loc_from_full_to_swa(self, full_loc: torch.Tensor) -> torch.Tensor:
@@ -62,9 +59,12 @@ class BaseSWAKVPool(ABC):
 
         Raises
         ------
+        TypeError
+            ``full_loc`` is not an integer tensor.
         RuntimeError
             No mapping was registered.
         """
+        int_tensor(full_loc, "full_loc")
         if self.full_to_swa_index_mapping is None:
             raise RuntimeError("register_mapping() must be called before translating full -> SWA locations")
         return self.full_to_swa_index_mapping[full_loc]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.srt.checks import as_int, int_tensor
 from sparsekv.srt.mem_cache.allocators import compressed_locs_of
 from sparsekv.srt.mem_cache.base_swa_pool import BaseSWAKVPool, BufInfos
 from sparsekv.srt.model_executor import dsv4_geometry as geo
@@ -202,8 +203,12 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
     # ---- layers -----------------------------------------------------------------------
 
     def _layer(self, layer_id: int) -> tuple[int, int]:
+        """(ratio, index among the stage's layers of that ratio) of ``layer_id``; ``TypeError`` for a
+        non-int (``22.0`` and ``True`` would hash like ints), ``IndexError`` outside the stage."""
+        layer_id = as_int(layer_id, "layer_id")
         if layer_id not in self.layer_mapping:
-            raise IndexError(f"layer {layer_id} is not in this stage's layers [{self.start_layer},{self.end_layer})")
+            raise IndexError(f"sparsekv: argument `layer_id`: layer {layer_id} is not in this stage's layers "
+                             f"[{self.start_layer},{self.end_layer})")
         return self.layer_mapping[layer_id]
 
     def get_swa_kv_buffer(self, layer_id: int) -> torch.Tensor:
@@ -244,21 +249,28 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
 
         Raises
         ------
+        TypeError
+            ``full_loc`` is not an integer tensor or ``compress_ratio`` not an int.
         ValueError
             ``compress_ratio`` is not 4 or 128.
         """
-        if compress_ratio not in geo.COMPRESS_RATIOS:
+        int_tensor(full_loc, "full_loc")
+        if as_int(compress_ratio, "compress_ratio") not in geo.COMPRESS_RATIOS:
             raise ValueError(f"compress_ratio must be one of {geo.COMPRESS_RATIOS}, got {compress_ratio}")
         return compressed_locs_of(full_loc, compress_ratio)
 
     def c4_state_loc(self, swa_loc: torch.Tensor) -> torch.Tensor:
-        """Ring rows of SWA locations: ``(swa_loc // page) * ring + swa_loc % ring``; -1 stays -1."""
+        """Ring rows of SWA locations (an integer tensor): ``(swa_loc // page) * ring + swa_loc % ring``;
+        -1 stays -1."""
+        int_tensor(swa_loc, "swa_loc")
         ring = self.ring_sizes.get(4, 0)
         rows = swa_loc // self.page_size * ring + swa_loc % max(ring, 1)
         return torch.where(swa_loc < 0, torch.full_like(swa_loc, -1), rows)
 
     def c128_state_loc(self, req_pool_idx: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Ring rows of request slots and positions: ``req * ring + position % ring``."""
+        """Ring rows of request slots and positions (integer tensors): ``req * ring + position % ring``."""
+        int_tensor(req_pool_idx, "req_pool_idx")
+        int_tensor(position, "position")
         ring = self.ring_sizes.get(128, 0)
         return req_pool_idx * ring + position % max(ring, 1)
 

@@ -33,6 +33,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
+from sparsekv.srt.checks import as_int, index_in, int_in
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache
@@ -73,6 +74,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
                  slot_page_size: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
                  page_aligned_only: bool = False) -> None:
+        slot_page_size, num_host_pages = as_int(slot_page_size, "slot_page_size"), int_in(num_host_pages,
+                                                                                          "num_host_pages", 1)
         if slot_page_size not in C4_PAGE_SLOTS:
             raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {C4_PAGE_SLOTS}, got "
                              f"{slot_page_size!r}")
@@ -144,7 +147,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             Different lengths; a token-granular request with ``page_aligned_only``; conflicting
             destinations.
         IndexError
-            A slot outside its pool.
+            A slot outside its pool (a negative one included).
         """
         if self._has_transfer_indices(host_indices, device_indices):
             self._copy(host_indices, device_indices, to_host=True, layers=slice(None))
@@ -152,10 +155,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int) -> None:
         """Copy host slots to device slots of layer ``layer_id`` (``host_indices[i]`` -> ``device_indices[i]``).
 
-        Paths and errors as :meth:`backup_from_device_all_layer`, plus ``IndexError`` for a bad layer.
+        Paths and errors as :meth:`backup_from_device_all_layer`, plus ``IndexError`` for a bad layer
+        (a negative one included) and ``TypeError`` for a ``layer_id`` that is not an int.
         """
-        if not 0 <= layer_id < self.layer_num:
-            raise IndexError(f"sparsekv: argument `layer_id` = {layer_id} is out of range [0, {self.layer_num})")
+        layer_id = index_in(layer_id, "layer_id", self.layer_num)
         if self._has_transfer_indices(host_indices, device_indices):
             self._copy(host_indices, device_indices, to_host=False, layers=slice(layer_id, layer_id + 1))
 

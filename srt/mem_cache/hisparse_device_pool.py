@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.kv_layout import V4
+from sparsekv.srt.checks import int_in
 from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.ids import DeviceSlots
 
@@ -41,16 +42,20 @@ class HiSparseC4DevicePool:
 
     Raises
     ------
+    TypeError
+        ``allocator`` is not a :class:`HiSparseTokenToKVPoolAllocator` or ``num_layers`` not an int.
     ValueError
         The allocator is not a C4 (ratio 4) allocator, or ``num_layers < 1``.
     """
 
     def __init__(self, allocator: HiSparseTokenToKVPoolAllocator, num_layers: int, device: torch.device | str) -> None:
+        if not isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+            raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
+                            f"{type(allocator).__name__}")
         if allocator.compress_ratio != COMPRESS_RATIO:
             raise ValueError(f"sparsekv: HiSparseC4DevicePool needs a compress_ratio {COMPRESS_RATIO} allocator, got "
                              f"{allocator.compress_ratio}")
-        if num_layers < 1:
-            raise ValueError(f"sparsekv: argument `num_layers` must be >= 1, got {num_layers}")
+        num_layers = int_in(num_layers, "num_layers", 1)
         self.allocator = allocator
         self.page_size = allocator.device_page_size
         self.page_bytes = V4.page_bytes(self.page_size)

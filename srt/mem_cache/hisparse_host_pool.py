@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.srt.checks import index_in, index_table, int_in
 from sparsekv.srt.mem_cache.ids import HostPages, HostSlots
 
 
@@ -46,18 +47,19 @@ class HiSparseHostPoolMixin:
 
         Raises
         ------
+        TypeError
+            ``num_pages`` is not an int (a bool or a float included).
         ValueError
             ``num_pages`` is negative.
         HostPoolExhaustedError
-            Fewer pages are available.
+            Fewer pages are available; nothing changed (the lazily released pages stay where they are).
         """
-        if num_pages < 0:
-            raise ValueError(f"sparsekv: argument `num_pages` must be non-negative, got {num_pages}")
-        if num_pages > self._free_pages.numel() and self._released:
+        num_pages = int_in(num_pages, "num_pages", 0)
+        if num_pages > self.available_pages:
+            raise HostPoolExhaustedError(f"sparsekv: host pool needs {num_pages} pages, {self.available_pages} free")
+        if num_pages > self._free_pages.numel():
             self._free_pages = torch.cat([self._free_pages, torch.sort(torch.cat(self._released)).values])
             self._released = []
-        if num_pages > self._free_pages.numel():
-            raise HostPoolExhaustedError(f"sparsekv: host pool needs {num_pages} pages, {self.available_pages} free")
         pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
         self._allocated[pages] = True
         return HostPages(pages.clone())
@@ -82,7 +84,15 @@ class HiSparseHostPoolMixin:
         self._released.append(ids)
 
     def host_pages_needed(self, start_pos: int, num_tokens: int, allocated_len: int) -> int:
-        """Pages :meth:`alloc_paged_token_slots` would allocate for this request (admission pre-check)."""
+        """Pages :meth:`alloc_paged_token_slots` would allocate for this request (admission pre-check).
+
+        Raises
+        ------
+        TypeError, ValueError
+            An argument is not a non-negative int.
+        """
+        start_pos, num_tokens = int_in(start_pos, "start_pos", 0), int_in(num_tokens, "num_tokens", 0)
+        allocated_len = int_in(allocated_len, "allocated_len", 0)
         page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
         return max(0, page_end - allocated_len) // self.page_size
 
@@ -110,16 +120,24 @@ class HiSparseHostPoolMixin:
 
         Raises
         ------
+        TypeError
+            A table that is not an integer tensor, or an int argument that is not an int.
+        IndexError
+            ``req_pool_idx`` is not a row of both tables.
         ValueError
-            ``start_pos`` is beyond the allocated length (positions would be skipped), or the
-            table is too narrow.
+            ``start_pos`` is beyond the allocated length (positions would be skipped), ``num_tokens``
+            is negative, the table is too narrow, or the row's allocated length is not a multiple of
+            the page size within the table; nothing changed.
         HostPoolExhaustedError
             Not enough free pages; nothing was allocated.
         """
+        req_pool_idx = self._check_row(req_to_host_pool, allocated_len, req_pool_idx)
         allocated = int(allocated_len[req_pool_idx])
-        if start_pos < 0 or start_pos > allocated:
+        start_pos = int_in(start_pos, "start_pos", 0)
+        if start_pos > allocated:
             raise ValueError(f"sparsekv: argument `start_pos` = {start_pos} must be in [0, {allocated}], the "
                              f"slots allocated to request {req_pool_idx}")
+        num_tokens = int_in(num_tokens, "num_tokens", 0)
         page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
         if page_end > req_to_host_pool.shape[1]:
             raise ValueError(f"sparsekv: argument `req_to_host_pool` has {req_to_host_pool.shape[1]} positions per "
@@ -130,9 +148,36 @@ class HiSparseHostPoolMixin:
             allocated_len[req_pool_idx] = page_end
         return HostSlots(req_to_host_pool[req_pool_idx, start_pos : start_pos + num_tokens].clone())
 
+    def _check_row(self, req_to_host_pool: torch.Tensor, allocated_len: torch.Tensor, req_pool_idx: int) -> int:
+        """Validate a request row of the two tables (see :meth:`alloc_paged_token_slots`); its index."""
+        index_table(req_to_host_pool, "req_to_host_pool", ndim=2)
+        index_table(allocated_len, "allocated_len", ndim=1)
+        if allocated_len.device.type != "cpu":
+            raise ValueError(f"sparsekv: argument `allocated_len` must be on the CPU, got {allocated_len.device}")
+        rows = min(req_to_host_pool.shape[0], allocated_len.shape[0])
+        req_pool_idx = index_in(req_pool_idx, "req_pool_idx", rows)
+        allocated = int(allocated_len[req_pool_idx])
+        if allocated < 0 or allocated % self.page_size or allocated > req_to_host_pool.shape[1]:
+            raise ValueError(f"sparsekv: argument `allocated_len`[{req_pool_idx}] = {allocated} must be a multiple "
+                             f"of {self.page_size} in [0, {req_to_host_pool.shape[1]}]")
+        return req_pool_idx
+
     def allocated_host_indices(self, req_to_host_pool: torch.Tensor, req_pool_idx: int,
                                allocated_len: int) -> HostSlots:
-        """Every host slot allocated to a request (whole pages), e.g. to free them."""
+        """Every host slot allocated to a request (whole pages), e.g. to free them.
+
+        Raises
+        ------
+        TypeError
+            ``req_to_host_pool`` is not an integer tensor, or an int argument is not an int.
+        IndexError
+            ``req_pool_idx`` is not a row of the table.
+        ValueError
+            ``allocated_len`` is negative.
+        """
+        index_table(req_to_host_pool, "req_to_host_pool", ndim=2)
+        req_pool_idx = index_in(req_pool_idx, "req_pool_idx", req_to_host_pool.shape[0])
+        allocated_len = int_in(allocated_len, "allocated_len", 0)
         row = req_to_host_pool[req_pool_idx, :allocated_len]
         return HostSlots(row[row >= 0].clone())
 

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from sparsekv.srt.checks import int_in
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 
@@ -39,6 +40,8 @@ class HostKVCache(ABC):
 
     Raises
     ------
+    TypeError
+        A size that is not an int (a bool or a float included).
     ValueError
         A non-positive size, ``pin_memory=True`` without CUDA, or ``pin_memory=False`` for CUDA
         device buffers.
@@ -46,9 +49,8 @@ class HostKVCache(ABC):
 
     def __init__(self, *, layer_num: int, page_size: int, num_pages: int, pin_memory: bool | None = None,
                  device: torch.device | str = "cpu") -> None:
-        for name, value in (("layer_num", layer_num), ("page_size", page_size), ("num_pages", num_pages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"sparsekv: argument `{name}` must be a positive int, got {value!r}")
+        layer_num, page_size = int_in(layer_num, "layer_num", 1), int_in(page_size, "page_size", 1)
+        num_pages = int_in(num_pages, "num_pages", 1)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         elif pin_memory and not torch.cuda.is_available():

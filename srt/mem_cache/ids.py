@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.srt.checks import int_in
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -58,7 +60,8 @@ class _Slots(_Ids):
 
     def whole_pages(self, page_slots: int) -> _Ids | None:
         """The page ids, when these slots are whole aligned pages in order (``[64p, 64p + 64)`` runs
-        for 64-slot pages); None otherwise (a token-granular set)."""
+        for 64-slot pages); None otherwise (a token-granular set). ``page_slots``: a positive int."""
+        page_slots = int_in(page_slots, "page_slots", 1)
         n = len(self)
         if n == 0 or n % page_slots:
             return None
@@ -74,7 +77,8 @@ class _Pages(_Ids):
     _slots_type: type[_Ids]
 
     def slots(self, page_slots: int) -> _Ids:
-        """Every slot of these pages, page by page."""
+        """Every slot of these pages, page by page (``page_slots``: a positive int)."""
+        page_slots = int_in(page_slots, "page_slots", 1)
         offsets = torch.arange(page_slots, device=self.tensor.device, dtype=self.tensor.dtype)
         return self._slots_type((self.tensor[:, None] * page_slots + offsets).reshape(-1))
 

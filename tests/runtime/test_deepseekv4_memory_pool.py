@@ -190,3 +190,36 @@ def test_geometry_matches_the_layout_constants():
     assert [geo.kv_page_bytes(n) for n in (64, 256, 2, 1)] == [37440, 149760, 1728, 1152]
     assert geo.indexer_bytes_per_entry(128) == 132
     assert geo.compress_state_write_pad(4, 16) == 10 and geo.compress_state_write_pad(128, 256) == 130
+
+
+def test_layer_ids_and_ratios_must_be_ints(flash_stage):
+    _, pool = flash_stage
+    # 22.0 == 22 and True == 1 hash alike, so a dict lookup alone would take them.
+    for bad in (22.0, True):
+        with pytest.raises(TypeError, match="layer_id"):
+            pool.get_compressed_kv_buffer(bad)
+    with pytest.raises(IndexError, match="layer_id"):
+        pool.get_swa_kv_buffer(-1)
+    with pytest.raises(TypeError, match="compress_ratio"):
+        DeepSeekV4TokenToKVPool.translate_loc_from_full_to_compressed(torch.arange(8), 4.0)
+    with pytest.raises(TypeError, match="full_loc"):
+        DeepSeekV4TokenToKVPool.translate_loc_from_full_to_compressed(torch.arange(8.0), 4)
+
+
+def test_swa_mapping_must_be_an_integer_table(flash_stage):
+    _, pool = flash_stage
+    mapping = torch.arange(10, dtype=torch.int64)
+    pool.register_mapping(mapping)
+    with pytest.raises(TypeError, match="full_to_swa_index_mapping"):
+        pool.register_mapping(torch.ones(4, dtype=torch.bool))
+    assert pool.full_to_swa_index_mapping is mapping
+    with pytest.raises(TypeError, match="full_loc"):
+        pool.translate_loc_from_full_to_swa(torch.tensor([1.0]))
+
+
+def test_state_locations_take_integer_tensors(flash_stage):
+    _, pool = flash_stage
+    with pytest.raises(TypeError, match="swa_loc"):
+        pool.c4_state_loc(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="position"):
+        pool.c128_state_loc(torch.tensor([0]), torch.tensor([5.5]))

@@ -17,12 +17,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sparsekv.kv_layout import DSV4_PAGE_SIZES, c4_page_slots
+from sparsekv.srt.errors import RequestStateError
 from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
+from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
+from sparsekv.testing.hisparse_runtime import changed, entry_bytes, snapshot
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 TOP_K, HOT, LAYERS = 5, 7, 2
@@ -39,11 +42,6 @@ class Req:
 @dataclass
 class ReqToTokenPool:
     req_to_token: torch.Tensor
-
-
-def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(uid * 1_000_003 + pos * 31 + layer)
-    return torch.randint(0, 256, (584,), dtype=torch.uint8, generator=gen)
 
 
 class RecordingStream(CpuStream):
@@ -151,7 +149,7 @@ class World:
     # -- invariants -------------------------------------------------------------------
     def owned_device_pages(self, req: Req) -> set[int]:
         rid = req.req_pool_idx
-        if self.coord._reqs[rid].staging:
+        if self.coord._reqs[rid].phase == "staging":
             slots = self.allocator.device_slots(self.coord._compressed_locs(req)).tensor
         else:
             slots = self.coord.req_to_device_buffer[rid]
@@ -302,7 +300,7 @@ def test_a_hot_buffer_that_does_not_fit_stops_collection_and_keeps_the_rest_queu
     # The first hot buffer (7 + 64 slots) grows into the last free page; the second cannot grow yet.
     assert w.coord.collect_ready_reqs() == [first]
     assert [queued for _, queued in w.coord.ack_staging_queue] == [second]
-    assert w.coord._reqs[second.req_pool_idx].staging
+    assert w.coord._reqs[second.req_pool_idx].phase == "staging"
     w.check_ownership([first, second])
     w.check_results(w.decode_step([first]))
     w.finish(first)
@@ -316,7 +314,7 @@ def _decode_snapshot(w: World) -> list:
     c = w.coord
     return [c.req_to_host_pool.clone(), c.req_to_host_pool_allocated_len.clone(), w.host.available_pages,
             w.allocator.full_to_hisparse_device_index_mapping.clone(),
-            {rid: (s.staging, s.skip_first_backup) for rid, s in c._reqs.items()}, c._pending_backup]
+            {rid: (s.phase, s.skip_first_backup) for rid, s in c._reqs.items()}, c._pending_backup]
 
 
 def _equal(a, b) -> bool:
@@ -439,12 +437,18 @@ def test_cuda_stream_submit_records_the_cuda_tensors_it_uses_even_when_fn_fails(
 def test_a_prefill_not_on_the_device_is_refused_before_host_pages_are_taken():
     w = World()
     req = Req(0, 0, uid=101)
-    w.direct_transfer(req, 16)  # logical locations only, and host slots for direct admission
-    free, row = w.host.available_pages, w.coord.req_to_host_pool[0].clone()
+    w.allocator.alloc_extend(w.pool.req_to_token, 0, 0, 16, with_device=False)  # logical locations only
+    req.kv_allocated_len = 16
     with pytest.raises(ValueError, match="not on the device"):
         w.coord.admit_request_into_staging(req)
-    assert w.host.available_pages == free and torch.equal(w.coord.req_to_host_pool[0], row)
+    assert w.host.available_pages == w.host.num_pages and bool((w.coord.req_to_host_pool[0] == -1).all())
     assert 0 not in w.coord._reqs and w.coord.ack_staging_queue == []
+    w.coord.alloc_direct_host_slots(req, 4)  # now a direct transfer: staging is the wrong door
+    free, row = w.host.available_pages, w.coord.req_to_host_pool[0].clone()
+    with pytest.raises(RequestStateError, match="direct transfer"):
+        w.coord.admit_request_into_staging(req)
+    assert w.host.available_pages == free and torch.equal(w.coord.req_to_host_pool[0], row)
+    assert w.coord.ack_staging_queue == []
 
 
 def test_a_failed_staging_backup_frees_its_host_pages_and_admits_nothing(monkeypatch):
@@ -509,3 +513,237 @@ def test_alloc_device_buffer_hands_out_distinct_slots_of_pages_it_owns(hot, coun
     assert buffer[:kept].tolist() == before[:kept].tolist()
     if count > hot:
         assert int(buffer[hot]) == int(before[-1])
+
+
+# ---- misuse: each a case a careless caller found; refused before anything changes ------------
+
+
+def _world_snapshot(w: World) -> dict:
+    return snapshot(w.coord, w.pool.req_to_token)
+
+
+def _same(a: dict, b: dict) -> bool:
+    assert changed(a, b) == []
+    return True
+
+
+def test_admit_request_direct_twice_or_while_staging_is_a_request_state_error():
+    w = World()
+    req, staged = Req(0, 0, uid=131), Req(1, 0, uid=132)
+    w.direct_transfer(req, 24)
+    w.coord.admit_request_direct(req)
+    w.prefill(staged, 40)
+    w.coord.admit_request_into_staging(staged)
+    before = _world_snapshot(w)
+    for again in (req, staged):
+        with pytest.raises(RequestStateError, match=f"request row {again.req_pool_idx}"):
+            w.coord.admit_request_direct(again)
+        assert _same(_world_snapshot(w), before)
+    assert w.coord.collect_ready_reqs() == [staged]
+    w.finish(req)
+    w.finish(staged)
+    w.check_all_free()
+
+
+def test_admit_request_into_staging_twice_is_refused_and_the_queue_keeps_flowing():
+    w = World()
+    req, behind = Req(0, 0, uid=141), Req(1, 0, uid=142)
+    w.prefill(req, 40)
+    w.prefill(behind, 40)
+    w.coord.admit_request_into_staging(req)
+    before = _world_snapshot(w)
+    with pytest.raises(RequestStateError, match="request row 0"):
+        w.coord.admit_request_into_staging(req)
+    assert _same(_world_snapshot(w), before)
+    w.coord.admit_request_into_staging(behind)
+    assert w.coord.collect_ready_reqs() == [req, behind]
+    with pytest.raises(RequestStateError, match="request row 0"):  # decoding now: still not twice
+        w.coord.admit_request_into_staging(req)
+    w.finish(req)
+    w.finish(behind)
+    w.check_all_free()
+    with pytest.raises(RequestStateError, match="request row 0"):
+        w.coord.request_finished(req)
+
+
+def test_admit_request_direct_beyond_the_host_entries_is_refused_before_the_hot_buffer():
+    w = World()
+    req = Req(0, 0, uid=151)
+    w.direct_transfer(req, 200)  # 50 host entries
+    req.kv_allocated_len = 600   # claims 150
+    before = _world_snapshot(w)
+    with pytest.raises(ValueError, match="kv_allocated_len"):
+        w.coord.admit_request_direct(req)
+    assert _same(_world_snapshot(w), before)
+    req.kv_allocated_len = 200
+    w.coord.admit_request_direct(req)
+    w.check_results(w.decode_step([req]))
+    w.finish(req)
+    w.check_all_free()
+
+
+def test_map_last_loc_to_buffer_refuses_a_negative_location_and_a_bad_second_row():
+    w = World()
+    a, b = Req(0, 0, uid=161), Req(1, 0, uid=162)
+    for req in (a, b):
+        w.direct_transfer(req, 24)
+        w.coord.admit_request_direct(req)
+        w.check_results(w.decode_step([req]))  # the skipped first backup is behind us
+    before = _world_snapshot(w)
+    with pytest.raises(IndexError, match="out_cache_loc"):
+        w.coord.map_last_loc_to_buffer([0], [28], [-4])  # would turn the mapping's -1 sentinel into a slot
+    assert _same(_world_snapshot(w), before)
+    for _ in range(2):
+        w.check_results(w.decode_step([a, b]))  # to 27 tokens: the next step backs up entry 6
+    a.kv_allocated_len, b.kv_allocated_len = 28, 28
+    loc_a = w.allocator.alloc_decode(w.pool.req_to_token, 0, 28)
+    loc_b = w.allocator.alloc_decode(w.pool.req_to_token, 1, 28)
+    before = _world_snapshot(w)
+    for bad in (-4, w.allocator.size_full + 10 * 256 + 3, loc_b - 1, 1.5, True, loc_a):  # loc_a: row 0's
+        with pytest.raises((IndexError, ValueError, TypeError), match="out_cache_loc"):
+            w.coord.map_last_loc_to_buffer([0, 1], [28, 28], [loc_a, bad])
+        assert _same(_world_snapshot(w), before)
+    w.coord.map_last_loc_to_buffer([0, 1], [28, 28], [loc_a, loc_b])
+    w.finish(a)
+    w.finish(b)
+    w.check_all_free()
+
+
+def test_alloc_extend_refuses_a_bad_row_or_a_prefix_the_row_does_not_hold():
+    w = World()
+    before = _world_snapshot(w)
+    with pytest.raises(IndexError, match="rid"):
+        w.allocator.alloc_extend(w.pool.req_to_token, 99, 0, 300)
+    assert _same(_world_snapshot(w), before)
+    with pytest.raises(ValueError, match="prefix_len"):  # row 0 holds nothing to continue
+        w.allocator.alloc_extend(w.pool.req_to_token, 0, 10, 300)
+    assert _same(_world_snapshot(w), before)
+    for args, error, name in [((0, 300, 10), ValueError, "seq_len"), ((0, 0, MAX_CONTEXT + 1), ValueError, "seq_len"),
+                              ((0, -4, 10), ValueError, "prefix_len"), ((0, 0, 10.0), TypeError, "seq_len")]:
+        with pytest.raises(error, match=name):
+            w.allocator.alloc_extend(w.pool.req_to_token, *args)
+        assert _same(_world_snapshot(w), before)
+    with pytest.raises(TypeError, match="req_to_token"):
+        w.allocator.alloc_extend(w.pool.req_to_token.float(), 0, 0, 10)
+    # A prefix allocated without device slots cannot continue with them (its last device page is unknown).
+    w.allocator.alloc_extend(w.pool.req_to_token, 0, 0, 10, with_device=False)
+    before = _world_snapshot(w)
+    with pytest.raises(ValueError, match="prefix_len"):
+        w.allocator.alloc_extend(w.pool.req_to_token, 0, 10, 300)
+    assert _same(_world_snapshot(w), before)
+
+
+def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_lost_its_slots():
+    w = World()
+    first, second = Req(0, 0, uid=201), Req(1, 0, uid=202)
+    for req in (first, second):
+        w.prefill(req, 40)
+        w.coord.admit_request_into_staging(req)
+    # The scheduler frees the second prefill's device pages behind the coordinator's back.
+    w.allocator.free_device_buffer(w.allocator.device_slots(w.coord._compressed_locs(second)))
+    before = _world_snapshot(w)
+    with pytest.raises(ValueError, match="request row 1"):
+        w.coord.collect_ready_reqs()
+    assert _same(_world_snapshot(w), before)  # the first is not left installed but unreported
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"top_k": True}, TypeError, "top_k"), ({"device_buffer_size": 7.0}, TypeError, "device_buffer_size"),
+    ({"top_k": 0}, ValueError, "top_k"), ({"collect_counters": 1}, TypeError, "collect_counters"),
+    ({"req_to_token_pool": ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT))}, TypeError, "req_to_token"),
+    ({"allocator": object()}, TypeError, "allocator"),
+])
+def test_coordinator_arguments_are_checked(change, error, match):
+    w = World()
+    args = {"req_to_token_pool": w.pool, "allocator": w.allocator, "device_pool": w.device_pool, "top_k": TOP_K,
+            "device_buffer_size": HOT, **change}
+    with pytest.raises(error, match=match):
+        HiSparseCoordinator(**args)
+
+
+def test_a_stale_row_cannot_continue_a_page_another_row_holds():
+    # A row reused after its request finished still names old locations; if their page now belongs to
+    # another row, continuing it would hand out that row's next locations a second time.
+    w = World()
+    w.allocator.alloc_extend(w.pool.req_to_token, 1, 0, 20)
+    w.pool.req_to_token[0, :20] = w.pool.req_to_token[1, :20]
+    before = _world_snapshot(w)
+    for call in (lambda: w.allocator.alloc_extend(w.pool.req_to_token, 0, 20, 40),
+                 lambda: w.allocator.alloc_decode(w.pool.req_to_token, 0, 21)):
+        with pytest.raises(ValueError, match="row 1"):
+            call()
+        assert _same(_world_snapshot(w), before)
+
+
+@pytest.mark.parametrize("call", [
+    "alloc_extend", "alloc_decode", "admit_staging", "admit_direct", "alloc_direct_host_slots", "finish",
+    "map_last_loc", "swap_in_layer", "host_alloc_row", "load_layer",
+])
+def test_negative_indices_are_refused_not_wrapped(call):
+    w = World()
+    last = Req(MAX_REQS - 1, 0, uid=171)  # what row -1 would wrap to
+    w.prefill(last, 40)
+    w.coord.admit_request_into_staging(last)
+    assert w.coord.collect_ready_reqs() == [last]
+    neg = Req(-1, 40, uid=172)
+    host_slots = HostSlots(torch.arange(4))
+    calls = {
+        "alloc_extend": lambda: w.allocator.alloc_extend(w.pool.req_to_token, -1, 40, 300),
+        "alloc_decode": lambda: w.allocator.alloc_decode(w.pool.req_to_token, -1, 41),
+        "admit_staging": lambda: w.coord.admit_request_into_staging(neg),
+        "admit_direct": lambda: w.coord.admit_request_direct(neg),
+        "alloc_direct_host_slots": lambda: w.coord.alloc_direct_host_slots(neg, 4),
+        "finish": lambda: w.coord.request_finished(neg),
+        "map_last_loc": lambda: w.coord.map_last_loc_to_buffer([-1], [41], [0]),
+        "swap_in_layer": lambda: w.coord.swap_in_selected_pages(
+            torch.tensor([MAX_REQS - 1]), torch.tensor([10], dtype=torch.int32),
+            torch.zeros(1, TOP_K, dtype=torch.int32), -1),
+        "host_alloc_row": lambda: w.host.alloc_paged_token_slots(
+            w.coord.req_to_host_pool, w.coord.req_to_host_pool_allocated_len, -1, 0, 4),
+        "load_layer": lambda: w.host.load_to_device_per_layer(host_slots, DeviceSlots(torch.arange(4)), -1),
+    }
+    before = _world_snapshot(w)
+    with pytest.raises(IndexError, match="req_pool_idx|rid|layer_id|req_pool_indices"):
+        calls[call]()
+    assert _same(_world_snapshot(w), before)
+    w.finish(last)
+    w.check_all_free()
+
+
+def test_bools_floats_and_negative_counts_are_refused():
+    w = World()
+    alloc = w.allocator.device_alloc
+    pages = alloc.alloc(2)
+    before = _world_snapshot(w)
+    with pytest.raises(TypeError, match="pages"):
+        alloc.free(torch.tensor([float(pages[0]) + 0.7]))  # would truncate to a live page
+    with pytest.raises(TypeError, match="pages"):
+        alloc.free(torch.tensor([True]))
+    with pytest.raises(TypeError, match="num_pages"):
+        alloc.alloc(True)
+    with pytest.raises(TypeError, match="num_pages"):
+        alloc.alloc(1.0)
+    with pytest.raises(TypeError, match="num_pages"):
+        w.host.alloc_page(True)
+    with pytest.raises(ValueError, match="num_tokens"):
+        w.host.alloc_paged_token_slots(w.coord.req_to_host_pool, w.coord.req_to_host_pool_allocated_len, 0, 0, -5)
+    with pytest.raises(ValueError, match="num_entries"):
+        w.coord.alloc_direct_host_slots(Req(0, 0, uid=181), -5)
+    with pytest.raises(TypeError, match="layer_id"):
+        w.host.load_to_device_per_layer(HostSlots(torch.arange(4)), DeviceSlots(torch.arange(4)), True)
+    with pytest.raises(TypeError, match="kv_allocated_len"):
+        w.coord.host_token_len(8.0)
+    assert _same(_world_snapshot(w), before)
+    alloc.free(pages)
+    w.check_all_free()
+
+
+def test_request_finished_releases_host_slots_of_an_abandoned_direct_transfer():
+    w = World()
+    req = Req(2, 0, uid=191)
+    w.direct_transfer(req, 300)  # host slots taken, then the transfer is abandoned before admission
+    assert w.host.available_pages < w.host.num_pages
+    w.finish(req)
+    w.check_all_free()
+    with pytest.raises(RequestStateError, match="request row 2"):
+        w.coord.request_finished(req)

@@ -279,3 +279,50 @@ def test_docstring_examples_run():
     for module in (ids_module, pool_module):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_an_exhausted_alloc_page_leaves_the_free_and_released_lists_as_they_were():
+    pool = _pool(3)
+    a, _ = pool.alloc_page(1), pool.alloc_page(1)
+    pool.free_pages(a)
+    free, released = pool._free_pages.clone(), [t.clone() for t in pool._released]
+    with pytest.raises(HostPoolExhaustedError):
+        pool.alloc_page(3)
+    assert torch.equal(pool._free_pages, free)
+    assert len(pool._released) == len(released) and all(torch.equal(x, y) for x, y in zip(pool._released, released))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"num_host_pages": True}, TypeError, "num_host_pages"),
+    ({"num_host_pages": 2.0}, TypeError, "num_host_pages"),
+    ({"num_host_pages": 0}, ValueError, "num_host_pages"),
+    ({"slot_page_size": 32.0}, TypeError, "slot_page_size"),
+])
+def test_pool_sizes_must_be_ints(kwargs, error, match):
+    args = {"num_host_pages": 2, "slot_page_size": 32, **kwargs}
+    with pytest.raises(error, match=match):
+        DeepSeekV4PagedHostPool("c4", [torch.zeros(1, V4.page_bytes(32), dtype=torch.uint8)], **args)
+
+
+def test_host_table_rows_are_checked_before_allocation():
+    pool = _pool(4)
+    table = torch.full((2, 4 * 32), -1, dtype=torch.int64)
+    allocated = torch.zeros(2, dtype=torch.int64)
+    for args, error, match in [((2, 0, 4), IndexError, "req_pool_idx"), ((-1, 0, 4), IndexError, "req_pool_idx"),
+                               ((True, 0, 4), TypeError, "req_pool_idx"), ((0, 0, -5), ValueError, "num_tokens"),
+                               ((0, 0, 4.0), TypeError, "num_tokens")]:
+        with pytest.raises(error, match=match):
+            pool.alloc_paged_token_slots(table, allocated, *args)
+    with pytest.raises(TypeError, match="req_to_host_pool"):
+        pool.alloc_paged_token_slots(table.float(), allocated, 0, 0, 4)
+    allocated[1] = 5  # not whole pages: the table is corrupt
+    with pytest.raises(ValueError, match="allocated_len"):
+        pool.alloc_paged_token_slots(table, allocated, 1, 0, 4)
+    assert pool.available_pages == 4 and bool((table == -1).all())
+
+
+def test_page_slots_of_id_conversions_must_be_positive_ints():
+    with pytest.raises(ValueError, match="page_slots"):
+        HostSlots(torch.arange(4)).whole_pages(0)
+    with pytest.raises(TypeError, match="page_slots"):
+        HostPages(torch.tensor([1])).slots(64.0)

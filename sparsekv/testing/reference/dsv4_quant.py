@@ -1,6 +1,6 @@
 """Torch references for the DSV4 block quantizers: the byte oracles of every store and load kernel.
 
-``fp8_ds_mla`` (the 584-byte ``V4`` token of :mod:`sparsekv.jit_kernel.kv_layout`) stores a 512-wide
+``fp8_ds_mla`` (the 584-byte ``V4`` token of :mod:`sparsekv.kv_layout`) stores a 512-wide
 row as:
 
 * dims 0-447: 7 blocks of 64. For each block ``a = max(amax over the block (in float32), 1e-4)``,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 
 NOPE_DIMS = 448
 ROPE_DIMS = 64
