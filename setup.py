@@ -17,9 +17,17 @@ def packages_under(prefix: str, folder: str) -> list[str]:
 packages = find_packages(include=["sparsekv", "sparsekv.*"])
 for prefix, folder in FOLDER_OF.items():
     packages += packages_under(prefix, folder)
+# Header folders hold no Python; they are listed as (namespace) packages so setuptools ships them
+# as data without warning that an importable folder is missing from `packages`.
+packages += ["sparsekv.csrc.include", "sparsekv.csrc.include.sparsekv"]
 
 setup(
     packages=packages,
     package_dir={"sparsekv": "sparsekv", **FOLDER_OF},
-    package_data={"sparsekv.csrc": ["*.cuh", "*.h", "include/sparsekv/*.h", "include/sparsekv/*.cuh"]},
+    package_data={
+        "sparsekv": ["py.typed"],
+        "sparsekv.csrc": ["*.cuh", "*.h"],
+        "sparsekv.csrc.include.sparsekv": ["*.h", "*.cuh"],
+        "sparsekv.srt.model_executor.cases": ["*.json"],
+    },
 )

@@ -65,11 +65,11 @@ def test_flags_build_the_same_case_as_json(capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], "server.page_size"),
+        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], "--page-size"),
         (["--model", "dsv4-flash", "--kv-budget", "forty"], "--kv-budget"),
         (["--model", "dsv4-flash"], "--kv-budget"),
-        (["--model", "dsv4-flash", "--kv-budget", "1GiB", "--pp", "99"], "pp_size"),
-        (["--model", "dsv4-mega", "--kv-budget", "1GiB"], "model.preset"),
+        (["--model", "dsv4-flash", "--kv-budget", "1GiB", "--pp", "99"], "--pp"),
+        (["--model", "dsv4-mega", "--kv-budget", "1GiB"], "--model"),
         ([], "exactly one of"),
     ],
 )
@@ -108,7 +108,7 @@ def test_human_breakdown_names_components_and_limit(capsys):
 def test_infeasible_plan_explains_and_fixes(capsys):
     code, out, err = run_cli(capsys, "--case", str(GOLDEN_PATH), "--name", "flash-pp1-20GiB-cap-mode")
     assert code == 1 and "SWA pool cap" in err
-    assert "No plan: RuntimeError" in out and "lower max_running_requests to <=" in out
+    assert "No plan: RuntimeError" in out and "lower server.max_running_requests to <=" in out
     assert "raise the KV budget to >=" in out
 
 
