@@ -114,7 +114,7 @@ class Fix:
         """The fix in words, naming the setting as the user wrote it (``names``: field -> flag)."""
         name = (names or {}).get(self.field, self.field)
         if self.field == "available_bytes":
-            return f"raise {name} to >= {self.value / (1 << 30):.2f} GiB per rank ({self.value} bytes)"
+            return f"raise the KV budget ({name}) to >= {self.value / (1 << 30):.2f} GiB per rank ({self.value} bytes)"
         if self.bound == "exact":
             return f"set {name} explicitly to {self.value} (size SWA by ratio instead of the request cap)"
         verb = "raise" if self.bound == "minimum" else "lower"
