@@ -109,7 +109,7 @@ def test_infeasible_plan_explains_and_fixes(capsys):
     code, out, err = run_cli(capsys, "--case", str(GOLDEN_PATH), "--name", "flash-pp1-20GiB-cap-mode")
     assert code == 1 and "SWA pool cap" in err
     assert "No plan: RuntimeError" in out and "lower server.max_running_requests to <=" in out
-    assert "raise the KV budget to >=" in out
+    assert "raise the KV budget (available_bytes) to >=" in out
 
 
 @pytest.mark.parametrize("name", ["flash-pp1-2.55GiB-swa-floor", "flash-pp1-20GiB-cap-mode", "mixed-02"])
