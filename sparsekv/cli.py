@@ -97,14 +97,16 @@ def _nested_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.Argume
             yield from action.choices.values()
 
 
-def _attach_examples(parser: argparse.ArgumentParser, examples: tuple[str, ...]) -> None:
-    """Give each nested subcommand (``sparsekv jit build``) the examples that start with its name."""
+def _finish_nested(parser: argparse.ArgumentParser, examples: tuple[str, ...]) -> None:
+    """Give each nested subcommand (``sparsekv jit build``) the global options and the examples
+    that start with its name."""
     for nested in _nested_parsers(parser):
+        _add_global_options(nested, defaults=False)
         mine = tuple(e for e in examples if e == nested.prog or e.startswith(nested.prog + " "))
         if mine and nested.epilog is None:
             nested.epilog = _examples_epilog(mine)
             nested.formatter_class = argparse.RawDescriptionHelpFormatter
-        _attach_examples(nested, examples)
+        _finish_nested(nested, examples)
 
 
 def build_parser(load: str | tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -131,7 +133,7 @@ def build_parser(load: str | tuple[str, ...] = ()) -> argparse.ArgumentParser:
         _add_global_options(sub_parser, defaults=False)
         if name in load:
             importlib.import_module(sub.module).add_arguments(sub_parser)
-            _attach_examples(sub_parser, sub.examples)
+            _finish_nested(sub_parser, sub.examples)
     return parser
 
 
@@ -154,6 +156,16 @@ def _chosen_subcommand(argv: list[str]) -> str | None:
     return None
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost parser ``args`` went through (``sparsekv jit build``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return _chosen_parser(chosen, args)
+    return parser
+
+
 def _quiet_broken_pipe() -> int:
     # The reader went away (`| head`): point stdout at /dev/null so the interpreter's final flush
     # cannot raise again, and end without a message.
@@ -167,12 +179,27 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``sparsekv`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    try:
+        try:
+            code = _run(sys.argv[1:] if argv is None else list(argv))
+        except SystemExit as e:  # argparse: --help, --version, a usage error (already printed)
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else EXIT_FAILURE
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+
+
+def _run(argv: list[str]) -> int:
     from sparsekv import log
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(load=_chosen_subcommand(argv) or ())
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
     prog = f"sparsekv {args.command}" if args.command else "sparsekv"
+    if extras:  # reported here, so the message names the (nested) command they were given to
+        where = _chosen_parser(parser, args).prog
+        print(f"{where}: error: unrecognized arguments: {' '.join(extras)} (see {where} --help)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         log.configure({0: None, 1: "INFO"}.get(args.verbose, "DEBUG"))
     except ValueError as e:
@@ -182,11 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        code = int(importlib.import_module(SUBCOMMANDS[args.command].module).run(args) or 0)
-        sys.stdout.flush()
-        return code
+        return int(importlib.import_module(SUBCOMMANDS[args.command].module).run(args) or 0)
     except BrokenPipeError:
-        return _quiet_broken_pipe()
+        raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -195,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"{prog}: error: {e} (see {prog} --help)", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 - the one place every failure becomes a message
+    except Exception as e:  # the one place every other failure becomes a message
         if args.debug:
             traceback.print_exc()
-        print(f"{prog}: error: {type(e).__name__}: {e}" + ("" if args.debug else " (--debug shows the traceback)"),
-              file=sys.stderr)
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        print(f"{prog}: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return EXIT_FAILURE
 
 
