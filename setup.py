@@ -5,7 +5,15 @@
 install and a wheel; everything else is in pyproject.toml.
 """
 
+import warnings
+
 from setuptools import find_packages, setup
+from setuptools.warnings import InformationOnly
+
+# An editable install of mapped folders uses a meta-path finder, and setuptools then notes that a
+# folder named like the package in the working directory may shadow it. Here `sparsekv/` is the
+# package itself, so the note (printed on every `pip install -e .`) says nothing; silence only it.
+warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
 
 FOLDER_OF = {"sparsekv.jit_kernel": "jit_kernel", "sparsekv.srt": "srt", "sparsekv.csrc": "csrc"}
 
