@@ -7,7 +7,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: demo lint test test-gpu test-slow clean-venv
+.PHONY: install demo lint test test-gpu test-slow clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
 	touch $(STAMP)
+
+# The venv the README's first command creates; `source .venv/bin/activate` enters it.
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -12,10 +12,16 @@
    same trace, then finish every request and check that nothing leaked.
 
 Everything printed is measured in this run. Exits non-zero if any check fails.
+
+Example::
+
+    make demo              # or, in the activated venv:
+    python tools/demo.py
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.cli import CliParser
 from sparsekv.cli import main as cli_main
 from sparsekv.jit_kernel.hisparse import swap_in_module
 from sparsekv.kv_layout import V4, c4_page_slots
@@ -82,7 +89,15 @@ def check(condition: bool, what: str) -> None:
         raise SystemExit(f"demo: check failed: {what}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = CliParser(prog="tools/demo.py", description=__doc__.split("\n\n")[0],
+                       epilog="example:\n  python tools/demo.py   (or: make demo)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parse_args(argv)
     print("[1] Plan: DSV4-Flash, one rank, 60 GiB for KV, HiSparse host:device 2 (sparsekv plan-memory --json)")
     check(cli_main(["plan-memory", "--model", "dsv4-flash", "--kv-budget", "60GiB", "--hisparse", "2", "--json"]) == 0,
           "plan-memory")

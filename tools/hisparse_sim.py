@@ -25,13 +25,16 @@ import sys
 
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.kv_layout import V4
 from sparsekv.testing.bench import add_common_args
 from sparsekv.testing.hisparse_traces import POLICIES, Trace, replay, synthetic_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CliParser(prog="tools/hisparse_sim.py", description=__doc__.splitlines()[0],
+                  epilog="example:\n  python tools/hisparse_sim.py --hot 512,640,768,1024,2048 --plot hit_rate.png",
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--trace", help="replay this JSON trace instead of a synthetic one")
     p.add_argument("--save-trace", help="write the (synthetic) trace to this JSON file")

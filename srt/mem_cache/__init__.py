@@ -15,6 +15,8 @@ _LAZY = {
     "DeepSeekV4PagedHostPool": "dsv4_paged_host_pool",
     "HiSparseC4DevicePool": "hisparse_device_pool",
     "PagedAllocator": "allocators",
+    "AllocatorExhaustedError": "allocators",
+    "HostPoolExhaustedError": "hisparse_host_pool",
     "HiSparseTokenToKVPoolAllocator": "allocators",
     "HostSlots": "ids",
     "HostPages": "ids",

@@ -1,8 +1,11 @@
-"""A memory-planning case (the schema of ``tests/golden/memory_plans.json``).
+"""A memory-planning case: the JSON object ``sparsekv plan-memory --case`` answers.
 
-:func:`parse_case` turns one case object into typed specs, rejecting malformed input with a
-``ValueError`` / ``TypeError`` that names the field (``model.head_dim``, ``server.page_size``...)
-before anything is planned; :func:`rank_answer` renders a plan as the expected-answer JSON.
+The schema is documented in ``docs/memory_cases.md`` (and the cases shipped with the package are
+in :mod:`sparsekv.srt.model_executor.cases`). :func:`parse_case` turns one case object into typed
+specs, rejecting malformed input with a ``ValueError`` / ``TypeError`` that names the field
+(``model.head_dim``, ``server.page_size``...) before anything is planned. Numbers outside
+:data:`LIMITS` are malformed input too: a 400-digit ``head_dim`` is a typo, not a plan.
+:func:`rank_answer` renders a plan as the expected-answer JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +45,23 @@ MHA_SERVER_DEFAULTS = dict(page_size=1, swa_full_tokens_ratio=0.8, max_running_r
 
 ModelSpec = DSV4ModelSpec | MHAModelSpec
 
+# Inclusive upper bounds of the integer (and ratio) fields, far beyond any real deployment; a value
+# above one is rejected as malformed instead of being planned (or overflowing a float).
+PIB = 1 << 50
+LIMITS = {
+    "available_bytes": PIB,
+    "pp_size": 1024,
+    "num_hidden_layers": 4096, "num_layers": 4096,
+    "head_dim": 1 << 16, "qk_rope_head_dim": 1 << 16, "index_head_dim": 1 << 16,
+    "kv_heads": 1 << 16, "dtype_bytes": 64, "swa_layers": 4096,
+    "sliding_window": 1 << 31, "swa_window": 1 << 31, "context_len": 1 << 31,
+    "page_size": 1 << 20, "max_running_requests": 1 << 24, "chunked_prefill_size": 1 << 31,
+    "max_total_tokens": 1 << 40, "hisparse_host_to_device_ratio": 1024,
+    "disaggregation_decode_extra_slots": 1 << 24, "attn_dp_size": 1024,
+    "num_steps": 64, "eagle_topk": 64, "num_draft_tokens": 4096,
+    "swa_full_tokens_ratio": 1.0,
+}
+
 
 @dataclass(frozen=True)
 class MemoryCase:
@@ -70,6 +90,24 @@ class MemoryCase:
         return plan_stages(configurators, self.server, self.available_bytes, self.attn_dp_size, self.model.context_len)
 
 
+def _check_limits(name: str, obj: dict) -> None:
+    """Reject a number of ``obj`` above its :data:`LIMITS` entry (types are the specs' job)."""
+    for key, value in obj.items():
+        limit = LIMITS.get(key)
+        if limit is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value > limit:  # NaN and negatives fall through to the specs' own checks
+            shown = f"{value:.3g}" if isinstance(value, float) else (str(value) if value < 10**30 else
+                                                                      f"a {len(str(value))}-digit number")
+            raise ValueError(f"{name}{key} must be <= {limit}, got {shown}")
+
+
+def _string(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
 def _object(name: str, value: Any) -> dict:
     if not isinstance(value, dict):
         raise TypeError(f"{name} must be a JSON object, got {type(value).__name__}")
@@ -93,7 +131,8 @@ def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
         if "kind" in model:
             raise ValueError("model must have either 'preset' or 'kind', not both")
         _reject_unknown("model", model, ("preset",) + DSV4_MODEL_OVERRIDES)
-        preset = model["preset"]
+        _check_limits("model.", model)
+        preset = _string("model.preset", model["preset"])
         if preset not in DSV4_PRESETS:
             raise ValueError(f"model.preset must be one of {sorted(DSV4_PRESETS)}, got {preset!r}")
         overrides = {k: model[k] for k in DSV4_MODEL_OVERRIDES if k in model}
@@ -102,8 +141,9 @@ def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
         except (TypeError, ValueError) as e:
             raise _prefixed("model", e) from None
     if model.get("kind") != "mha":
-        raise ValueError(f"model needs 'preset' (dsv4-flash, dsv4-pro) or kind 'mha', got {model!r}")
+        raise ValueError("model needs 'preset' (dsv4-flash, dsv4-pro) or 'kind': 'mha'")
     _reject_unknown("model", model, ("kind",) + MHA_MODEL_FIELDS)
+    _check_limits("model.", model)
     for key in MHA_REQUIRED:
         if key not in model:
             raise ValueError(f"model.{key} is required for kind 'mha'")
@@ -120,6 +160,7 @@ def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
         return None
     spec = _object("server.speculative", raw)
     _reject_unknown("server.speculative", spec, SPECULATIVE_FIELDS)
+    _check_limits("server.speculative.", spec)
     if "algorithm" not in spec:
         raise ValueError("server.speculative.algorithm is required")
     fields = {k: spec[k] for k in SPECULATIVE_FIELDS if k in spec}
@@ -138,21 +179,22 @@ def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
 def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
     server = dict(_object("server", raw))
     _reject_unknown("server", server, SERVER_FIELDS)
+    _check_limits("server.", server)
     is_dsv4 = isinstance(model, DSV4ModelSpec)
     fields = dict(DSV4_SERVER_DEFAULTS if is_dsv4 else MHA_SERVER_DEFAULTS)
     attn_dp_size = check_int("server.attn_dp_size", server.pop("attn_dp_size", 1), minimum=1)
-    sizing = server.pop("swa_sizing", "ratio")
+    sizing = _string("server.swa_sizing", server.pop("swa_sizing", "ratio"))
     if sizing not in ("ratio", "cap"):
         raise ValueError(f"server.swa_sizing must be 'ratio' or 'cap', got {sizing!r}")
     speculative = _parse_speculative(server.pop("speculative", None))
     if speculative is not None and not is_dsv4:
         raise ValueError("server.speculative is supported for DSV4 presets only (an MHA draft's layers are unknown)")
     mode = server.pop("disaggregation_mode", "null")
-    fields["disaggregation_mode"] = "null" if mode is None else mode
+    fields["disaggregation_mode"] = "null" if mode is None else _string("server.disaggregation_mode", mode)
     extra_slots = server.pop("disaggregation_decode_extra_slots", 0)
     fields["disaggregation_decode_extra_slots"] = 0 if extra_slots is None else extra_slots
     if "compress_state_dtype" in server:
-        dtype = server.pop("compress_state_dtype")
+        dtype = _string("server.compress_state_dtype", server.pop("compress_state_dtype"))
         if dtype not in STATE_DTYPE_ALIASES:
             raise ValueError(f"server.compress_state_dtype must be 'fp32' or 'bf16', got {dtype!r}")
         fields["compress_state_dtype"] = STATE_DTYPE_ALIASES[dtype]
@@ -186,9 +228,8 @@ def parse_case(raw: Any) -> MemoryCase:
     for key in ("model", "available_bytes"):
         if key not in case:
             raise ValueError(f"case field {key!r} is required")
-    name = case.get("name", "case")
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a string, got {name!r}")
+    name = _string("name", case.get("name", "case"))
+    _check_limits("", case)
     model, label = _parse_model(case["model"])
     server, attn_dp_size = _parse_server(case.get("server", {}), model)
     available = check_int("available_bytes", case["available_bytes"], minimum=0)

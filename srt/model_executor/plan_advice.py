@@ -7,8 +7,8 @@ re-checked by planning with it, so a suggestion is never a guess.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 from .memory_case import MemoryCase
 from .pool_planner import PoolPlan
@@ -100,36 +100,62 @@ def min_max_total_tokens(case: MemoryCase) -> int | None:
     return _smallest_int(cap, hi, lambda n: _feasible(replace(case, server=replace(case.server, max_total_tokens=n))))
 
 
-def fixes(case: MemoryCase) -> list[str]:
+@dataclass(frozen=True)
+class Fix:
+    """One change that turns an infeasible case into a plan: set ``field`` (a case path such as
+    ``server.swa_full_tokens_ratio``) to ``value``; ``bound`` says whether ``value`` is the
+    ``minimum`` or ``maximum`` that plans, or ``exact``."""
+
+    field: str
+    value: int | float
+    bound: str
+
+    def describe(self, names: Mapping[str, str] | None = None) -> str:
+        """The fix in words, naming the setting as the user wrote it (``names``: field -> flag)."""
+        name = (names or {}).get(self.field, self.field)
+        if self.field == "available_bytes":
+            return f"raise the KV budget ({name}) to >= {self.value / (1 << 30):.2f} GiB per rank ({self.value} bytes)"
+        if self.bound == "exact":
+            return f"set {name} explicitly to {self.value} (size SWA by ratio instead of the request cap)"
+        verb = "raise" if self.bound == "minimum" else "lower"
+        return f"{verb} {name} to {'>=' if self.bound == 'minimum' else '<='} {self.value}"
+
+
+def fixes(case: MemoryCase) -> list[Fix]:
     """The smallest changes, each on its own, that turn an infeasible ``case`` into a plan."""
     found = []
     budget = min_budget_bytes(case)
     if budget is not None:
-        found.append(f"raise the KV budget to >= {budget / (1 << 30):.2f} GiB per rank ({budget} bytes)")
+        found.append(Fix("available_bytes", budget, "minimum"))
     ratio = min_swa_ratio(case)
     if ratio is not None:
-        found.append(f"raise swa_full_tokens_ratio to >= {ratio}")
+        found.append(Fix("server.swa_full_tokens_ratio", ratio, "minimum"))
     cap = min_max_total_tokens(case)
     if cap is not None:
-        found.append(f"raise max_total_tokens to >= {cap}")
+        found.append(Fix("server.max_total_tokens", cap, "minimum"))
     if case.is_dsv4 and (case.server.swa_full_tokens_ratio is None or case.server.max_running_requests is None):
         requests = max_running_requests_that_fit(case)
         if requests is not None:
-            verb = "set" if case.server.max_running_requests is None else "lower"
-            found.append(f"{verb} max_running_requests to <= {requests}")
+            found.append(Fix("server.max_running_requests", requests, "maximum"))
     if case.is_dsv4 and case.server.swa_full_tokens_ratio is None:
         explicit = replace(case, server=replace(case.server, swa_full_tokens_ratio=0.1))
         if _feasible(explicit):
-            found.append("set swa_full_tokens_ratio explicitly (e.g. 0.1) to size SWA by ratio instead of the cap")
+            found.append(Fix("server.swa_full_tokens_ratio", 0.1, "exact"))
     return found
 
 
-def limiting_factor(case: MemoryCase, plan: PoolPlan) -> str:
-    """What bounds the agreed full-pool size: the user cap, one PP rank's budget, or the budget."""
+def limiting_factor(case: MemoryCase, plan: PoolPlan, names: Mapping[str, str] | None = None) -> str:
+    """What bounds the agreed full-pool size: the user cap, one PP rank's budget, or the budget.
+
+    ``names`` maps case fields to the flags the user typed (``server.max_total_tokens`` ->
+    ``--max-total-tokens``).
+    """
+    names = names or {}
     profiled = [r.profiled_tokens for r in plan.ranks]
     cap = case.server.max_total_tokens
     if cap is not None and cap < min(profiled):
-        return f"the max_total_tokens cap ({cap}); the KV budget alone allows {min(profiled)}"
+        name = names.get("server.max_total_tokens", "max_total_tokens")
+        return f"the {name} cap ({cap}); the KV budget alone allows {min(profiled)}"
     if len(set(profiled)) > 1:
         worst = min(plan.ranks, key=lambda r: r.profiled_tokens)
         start, end = worst.layers

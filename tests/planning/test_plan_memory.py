@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from sparsekv.cli import main
+from sparsekv.srt.model_executor import cases as shipped_cases
+from sparsekv.srt.model_executor import memory_case
 from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import min_budget_bytes, min_swa_ratio
+from sparsekv.srt.model_executor.plan_memory import parse_size, render_text
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN_PATH = REPO / "tests" / "golden" / "memory_plans.json"
@@ -65,11 +68,11 @@ def test_flags_build_the_same_case_as_json(capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], "server.page_size"),
+        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], "--page-size"),
         (["--model", "dsv4-flash", "--kv-budget", "forty"], "--kv-budget"),
         (["--model", "dsv4-flash"], "--kv-budget"),
-        (["--model", "dsv4-flash", "--kv-budget", "1GiB", "--pp", "99"], "pp_size"),
-        (["--model", "dsv4-mega", "--kv-budget", "1GiB"], "model.preset"),
+        (["--model", "dsv4-flash", "--kv-budget", "1GiB", "--pp", "99"], "--pp"),
+        (["--model", "dsv4-mega", "--kv-budget", "1GiB"], "--model"),
         ([], "exactly one of"),
     ],
 )
@@ -108,8 +111,8 @@ def test_human_breakdown_names_components_and_limit(capsys):
 def test_infeasible_plan_explains_and_fixes(capsys):
     code, out, err = run_cli(capsys, "--case", str(GOLDEN_PATH), "--name", "flash-pp1-20GiB-cap-mode")
     assert code == 1 and "SWA pool cap" in err
-    assert "No plan: RuntimeError" in out and "lower max_running_requests to <=" in out
-    assert "raise the KV budget to >=" in out
+    assert "No plan: RuntimeError" in out and "lower server.max_running_requests to <=" in out
+    assert "raise the KV budget (available_bytes) to >=" in out
 
 
 @pytest.mark.parametrize("name", ["flash-pp1-2.55GiB-swa-floor", "flash-pp1-20GiB-cap-mode", "mixed-02"])
@@ -141,3 +144,125 @@ def test_console_script_and_import_stays_torch_free():
     assert json.loads(done.stdout)["ranks"][0]["c128_state_pool_size"] == BY_NAME["mixed-06"]["expected"]["ranks"][0][
         "c128_state_pool_size"
     ]
+
+
+# ---- issue 16: sizes with units, flag names, host bytes, one set of facts, shipped cases ----------
+
+
+def test_a_bare_number_budget_is_refused_with_a_hint(capsys):
+    code, out, err = run_cli(capsys, "--model", "dsv4-flash", "--kv-budget", "60")
+    assert code == 2 and out == ""
+    assert "--kv-budget" in err and "did you mean 60GiB" in err
+
+
+@pytest.mark.parametrize("text", ["60GiB", "60G", "60g", "60 GiB", "64424509440B", "61440MiB", "61440M", "0.05859375T"])
+def test_binary_sizes_with_units(text):
+    assert parse_size(text) == 60 * 2**30
+
+
+def test_decimal_units_and_fractions():
+    assert parse_size("40GB") == 40 * 10**9 and parse_size("1.5KB") == 1500
+    # the golden "2.55GiB" case's budget is exactly 2.55 * 2**30, rounded down
+    assert parse_size("2.55GiB") == BY_NAME["flash-pp1-2.55GiB-swa-floor"]["available_bytes"]
+
+
+def test_units_plan_the_same_case(capsys):
+    answers = {json.dumps(json.loads(run_cli(capsys, "--model", "dsv4-flash", "--kv-budget", b, "--json")[1])["ranks"])
+               for b in ("40GiB", "40G", "42949672960B")}
+    assert len(answers) == 1
+    ranks = json.loads(answers.pop())
+    expected = BY_NAME["flash-pp1-40GiB"]["expected"]["ranks"]
+    assert [{k: r[k] for k in e} for r, e in zip(ranks, expected)] == expected
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--page-size", "100"], "--page-size"),
+        (["--pp", "99"], "--pp"),
+        (["--pp", "0"], "--pp"),
+        (["--swa-full-tokens-ratio", "2"], "--swa-full-tokens-ratio"),
+        (["--max-running-requests", "0"], "--max-running-requests"),
+        (["--eagle-steps", "0"], "--eagle-steps"),
+        (["--attn-dp", "0"], "--attn-dp"),
+        (["--context-len", "0"], "--context-len"),
+        (["--hisparse", "0"], "--hisparse"),
+    ],
+)
+def test_errors_about_flags_name_the_flags_not_case_fields(capsys, argv, flag):
+    code, out, err = run_cli(capsys, "--model", "dsv4-flash", "--kv-budget", "40GiB", *argv)
+    assert code == 2 and out == ""
+    assert flag in err and "server." not in err and "model." not in err and "pp_size" not in err
+
+
+def test_fixes_of_a_flag_case_name_the_flags(capsys):
+    code, out, err = run_cli(capsys, "--model", "dsv4-flash", "--kv-budget", "20GiB", "--swa-cap")
+    assert code == 1
+    assert "raise the KV budget (--kv-budget) to >=" in out and "lower --max-running-requests to <=" in out
+    assert "set --swa-full-tokens-ratio explicitly" in out and "server." not in out
+
+
+def expected_host_bytes(full_tokens: int, c4_layers: int) -> int:
+    # every logical C4 entry lives in host memory: 64-entry V4 pages of 37,440 B, per C4 layer
+    return -(-(full_tokens // 4) // 64) * 37440 * c4_layers
+
+
+@pytest.mark.parametrize("name", ["flash-pp1-40GiB-hisparse2", "flash-pp1-40GiB-hisparse4"])
+def test_hisparse_plans_show_the_host_bytes_in_both_outputs(capsys, name):
+    full = BY_NAME[name]["expected"]["ranks"][0]["full_max_total_num_tokens"]
+    host = expected_host_bytes(full, c4_layers=21)
+    code, out, _ = run_cli(capsys, "--case", str(GOLDEN_PATH), "--name", name, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["host_bytes"] == report["ranks"][0]["host"]["bytes"] == host
+    code, out, _ = run_cli(capsys, "--case", str(GOLDEN_PATH), "--name", name)
+    assert code == 0 and f"Host (DRAM) memory for HiSparse: {host / 2**30:.2f} GiB ({host:,} B)" in out
+
+
+def test_plans_without_hisparse_need_no_host_bytes(capsys):
+    code, out, _ = run_cli(capsys, "--case", "flash-pp1-40GiB", "--json")
+    assert code == 0 and json.loads(out)["host_bytes"] is None and json.loads(out)["ranks"][0]["host"] is None
+
+
+SHIPPED = [c["name"] for c in shipped_cases.catalog()]
+
+
+@pytest.mark.parametrize("source", [("--case", str(GOLDEN_PATH), "--name", n) for n in sorted(BY_NAME)]
+                         + [("--case", n) for n in SHIPPED], ids=lambda s: s[-1])
+def test_text_and_json_carry_the_same_facts(capsys, source):
+    code_json, out_json, _ = run_cli(capsys, *source, "--json")
+    code_text, out_text, _ = run_cli(capsys, *source)
+    report = json.loads(out_json)
+    assert code_json == code_text
+    # The text is written from the JSON document alone, so it cannot say anything the JSON lacks.
+    assert out_text == render_text(report) + "\n"
+    if code_json == 0:
+        assert f"limited by {report['limited_by']}" in out_text
+    else:
+        assert report["message"] in out_text and all(f["text"] in out_text for f in report["fixes"])
+
+
+def test_list_cases_names_every_shipped_case(capsys):
+    code, out, _ = run_cli(capsys, "--list-cases")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == SHIPPED
+    code, out, _ = run_cli(capsys, "--list-cases", "--json")
+    assert code == 0 and [c["name"] for c in json.loads(out)] == SHIPPED
+    assert "flash-pp2-40GiB-hisparse" in SHIPPED  # the case the README plans
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n in BY_NAME])
+def test_shipped_cases_that_are_golden_give_the_golden_answer(capsys, name):
+    code, out, _ = run_cli(capsys, "--case", name, "--json")
+    got, expected = json.loads(out), BY_NAME[name]["expected"]
+    if "error" in expected:
+        assert code == 1 and got["error"] == expected["error"]
+        return
+    assert code == 0
+    assert [{k: r.get(k) for k in e} for r, e in zip(got["ranks"], expected["ranks"])] == expected["ranks"]
+
+
+def test_the_case_schema_document_names_every_field():
+    doc = (REPO / "docs" / "memory_cases.md").read_text()
+    fields = (memory_case.SERVER_FIELDS + memory_case.MHA_MODEL_FIELDS + memory_case.DSV4_MODEL_OVERRIDES
+              + memory_case.SPECULATIVE_FIELDS + ("preset", "kind", "available_bytes", "pp_size", "description"))
+    missing = [f for f in fields if f"`{f}`" not in doc]
+    assert missing == []

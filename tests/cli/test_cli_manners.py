@@ -1,0 +1,195 @@
+"""CLI manners of every ``sparsekv`` command and every tool script, run as a user runs them.
+
+The commands are discovered from the argparse parser (:func:`sparsekv.cli.iter_commands`), so a
+subcommand registered later is covered without touching this file: each prints ``--help`` with an
+example and rejects a bogus flag with one line on stderr and exit code 2. A table of bad
+arguments checks the exit code (2 usage, 1 failure) and that the message is one line. No output
+of any run contains a Python traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsekv.cli import build_parser, iter_commands, main
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = [prefix for prefix, _ in iter_commands(build_parser(load="all"))]
+TOOLS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tools").rglob("*.py"))
+
+
+def sparsekv(*argv: str, env: dict | None = None, cache_dir: Path | None = None) -> subprocess.CompletedProcess:
+    run_env = dict(os.environ, **(env or {}))
+    if cache_dir is not None:
+        run_env["SPARSEKV_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-m", "sparsekv", *argv], capture_output=True, text=True, env=run_env,
+                          timeout=300, cwd=REPO)
+
+
+def assert_no_traceback(done: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_discovery_sees_every_registered_command():
+    names = {c[0] for c in COMMANDS if c}
+    assert {"jit", "plan-memory"} <= names
+    assert ("jit", "build") in COMMANDS and ("jit", "list") in COMMANDS
+
+
+# These two run in-process (main() returns the exit code; an escaping exception fails the test).
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "sparsekv")
+def test_every_command_prints_help_with_an_example(command, capsys):
+    code = main([*command, "--help"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert out.startswith(f"usage: {' '.join(('sparsekv',) + command)}")
+    examples = out.split("examples:\n", 1)[1].splitlines()
+    assert any(line.strip().startswith(" ".join(("sparsekv",) + command)) for line in examples), out
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "sparsekv")
+def test_every_command_rejects_an_unknown_flag_in_one_line(command, capsys):
+    code = main([*command, "--no-such-flag"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(" ".join(("sparsekv",) + command) + ": error: ")
+
+
+BAD_ARGUMENTS = [
+    # (argv, exit code(s), words the one-line message must contain, any case)
+    (["no-such-command"], 2, "invalid choice"),
+    (["plan-memory"], 2, "exactly one of"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "60"], 2, "did you mean 60GiB"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "60 parsecs"], 2, "--kv-budget"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "1" * 400 + "GiB"], 2, "--kv-budget"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "2PiB"], 2, "1 PiB"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "40GiB", "--pp", "x"], 2, "--pp"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "40GiB", "--pp", "9" * 400], 2, "--pp"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], 2, "--page-size"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "40GiB", "--max-running-requests", "9" * 400], 2,
+     "--max-running-requests"),
+    (["plan-memory", "--case", "no-such-case"], 2, "--list-cases"),
+    (["plan-memory", "--case", "flash-pp1-40GiB", "--model", "dsv4-flash"], 2, "exactly one of"),
+    (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "1GiB"], 1, "SWA pool"),
+    (["jit"], 2, "ACTION"),
+    (["jit", "build"], 2, "--all"),
+    (["jit", "build", "no_such_kernel"], 2, "no_such_kernel"),
+    # no GPU and no arch given (or a GPU but a bogus arch list): a failure of ours, not a traceback
+    (["jit", "build", "gather_rows", "--backend", "cuda"], (1, 2), "arch"),
+]
+
+
+@pytest.mark.parametrize("argv, code, needle", BAD_ARGUMENTS, ids=lambda v: " ".join(v)[:60] if isinstance(v, list)
+                         else None)
+def test_bad_arguments_give_one_line_and_the_right_exit_code(argv, code, needle, tmp_path):
+    env = {"SPARSEKV_CUDA_ARCH": "", "TVM_FFI_CUDA_ARCH_LIST": "", "CUDA_VISIBLE_DEVICES": ""}
+    done = sparsekv(*argv, cache_dir=tmp_path / "cache", env=env)
+    assert_no_traceback(done)
+    assert done.returncode in (code if isinstance(code, tuple) else (code,)), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert needle.lower() in done.stderr.lower()
+
+
+def test_a_failure_shows_its_traceback_only_under_debug(tmp_path):
+    # The cuda backend with a malformed arch fails inside the JIT loader: an error of ours (exit 1).
+    argv = ["jit", "build", "gather_rows", "--backend", "cuda", "--arch", "banana"]
+    plain = sparsekv(*argv, cache_dir=tmp_path / "cache")
+    assert plain.returncode in (1, 2) and "Traceback" not in plain.stderr and "banana" in plain.stderr
+    debug = sparsekv("--debug", *argv, cache_dir=tmp_path / "cache")
+    assert debug.returncode == plain.returncode and "Traceback" in debug.stderr
+
+
+def test_a_closed_pipe_is_quiet():
+    # `sparsekv plan-memory ... | head -1`: the reader goes away before the output is written.
+    for argv in (["plan-memory", "--list-cases"], ["plan-memory", "--case", "flash-pp2-40GiB"], ["--help"],
+                 ["jit", "list"]):
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=REPO)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0 and err == "", (argv, err)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_script_prints_help_and_rejects_a_bogus_flag(tool):
+    done = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert_no_traceback(done)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
+    bad = subprocess.run([sys.executable, tool, "--no-such-flag"], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert_no_traceback(bad)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+
+
+@pytest.mark.parametrize("tool", ["tools/demo.py", "tools/hisparse_sim.py"])
+def test_top_level_tools_show_an_example(tool):
+    done = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert "example:\n  python " + tool in done.stdout
+
+
+# ---- logging -------------------------------------------------------------------------------------
+
+
+def compile_lines(stderr: str) -> list[str]:
+    # (searched, not matched at line start: a progress bar may share the terminal line)
+    return re.findall(r"sparsekv\.jit INFO: .*compiled .* in [0-9.]+ s", stderr)
+
+
+@pytest.mark.parametrize("how", ["-v", "SPARSEKV_LOG_LEVEL"])
+def test_verbose_shows_one_line_per_compile_with_its_time(how, tmp_path):
+    argv = ["jit", "build", "gather_rows"]
+    quiet = sparsekv(*argv, cache_dir=tmp_path / "quiet")
+    assert quiet.returncode == 0 and compile_lines(quiet.stderr) == []
+    if how == "-v":
+        loud = sparsekv("-v", *argv, cache_dir=tmp_path / "loud")
+    else:
+        loud = sparsekv(*argv, cache_dir=tmp_path / "loud", env={"SPARSEKV_LOG_LEVEL": "INFO"})
+    assert loud.returncode == 0, loud.stderr
+    lines = compile_lines(loud.stderr)
+    assert len(lines) == 2 and all("gather_rows" in line for line in lines), loud.stderr
+
+
+def test_a_bad_log_level_is_a_usage_error():
+    done = sparsekv("plan-memory", "--list-cases", env={"SPARSEKV_LOG_LEVEL": "chatty"})
+    assert done.returncode == 2 and "SPARSEKV_LOG_LEVEL" in done.stderr and done.stdout == ""
+
+
+def test_the_library_logs_once_configured_from_the_environment():
+    probe = ("import logging, sparsekv.log\n"
+             "logging.getLogger('sparsekv.jit').info('before')\n"
+             "sparsekv.log.configure()\n"
+             "logging.getLogger('sparsekv.jit').info('after')\n"
+             "logging.getLogger('other').warning('not ours')\n")
+    env = dict(os.environ, SPARSEKV_LOG_LEVEL="INFO")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stderr.splitlines() == ["sparsekv.jit INFO: after", "not ours"]
+
+
+@pytest.fixture
+def restore_sparsekv_logger():
+    logger = logging.getLogger("sparsekv")
+    saved = (logger.level, list(logger.handlers))
+    yield
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+
+
+def test_logging_configures_the_sparsekv_logger_never_the_root(restore_sparsekv_logger, capsys):
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    ours = logging.getLogger("sparsekv")
+    assert main(["-v", "plan-memory", "--list-cases"]) == 0
+    handlers = list(ours.handlers)
+    assert ours.level == logging.INFO and handlers
+    assert main(["-vv", "plan-memory", "--list-cases"]) == 0
+    assert ours.level == logging.DEBUG and ours.handlers == handlers  # configured again, not stacked
+    assert (root.level, list(root.handlers)) == before
+    logging.getLogger("sparsekv.jit").info("a record")
+    assert "sparsekv.jit INFO: a record" in capsys.readouterr().err
