@@ -81,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=_Parser)
 
     def add(name: str, help_text: str, json_flag: bool = True) -> argparse.ArgumentParser:
+        # "resolve": the top-level `sparsekv` parser may add its own -v/--debug to every subcommand.
         return sub.add_parser(name, help=help_text, description=help_text, parents=[_common(json_flag)],
-                              epilog=f"examples:\n  {EXAMPLES[name]}",
+                              epilog=f"examples:\n  {EXAMPLES[name]}", conflict_handler="resolve",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
     add("list", "every registered module instance and where it is cached")
@@ -563,7 +564,8 @@ ACTIONS = {"list": _list, "build": _build, "info": _info, "clean": _clean, "veri
 def _configure_logging(args) -> None:
     """``-v``/``--debug``/``SPARSEKV_JIT_VERBOSE=1``: show the ``sparsekv.jit`` logger on stderr (only it:
     the CLI never configures the root logger)."""
-    level = logging.DEBUG if args.debug else logging.INFO if args.verbose or env.verbose_build() else None
+    verbose, debug = getattr(args, "verbose", 0), getattr(args, "debug", False)
+    level = logging.DEBUG if debug else logging.INFO if verbose or env.verbose_build() else None
     if level is None or logger.handlers or logging.getLogger("sparsekv").handlers:
         if level is not None:
             logger.setLevel(level)
@@ -577,12 +579,11 @@ def _configure_logging(args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one ``sparsekv jit`` subcommand; returns the exit status (see the module docstring)."""
-    from sparsekv.jit_kernel import arch
-
     _configure_logging(args)
-    # Every error of ours is one of these (JitCompileError, ToolchainError, BundleError... are RuntimeErrors;
-    # CacheSecurityError and CacheUnwritableError are PermissionErrors).
-    expected = (RuntimeError, OSError, ValueError)
+    # Every failure of ours is one of these (JitCompileError, ToolchainError, BundleError... are RuntimeErrors;
+    # CacheSecurityError and CacheUnwritableError are PermissionErrors). A ValueError is a bad value
+    # given on the command line or in a SPARSEKV_* variable: a usage error.
+    debug = getattr(args, "debug", False)
     try:
         status = ACTIONS[args.action](args)
         sys.stdout.flush()
@@ -595,13 +596,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("sparsekv jit: interrupted\n")
         return 130
-    except (UsageError, arch.ArchError) as exc:
-        if args.debug:
+    except (UsageError, ValueError) as exc:
+        if debug:
             raise
         sys.stderr.write(f"sparsekv jit {args.action}: error: {str(exc).removeprefix('sparsekv: ')}\n")
         return 2
-    except expected as exc:
-        if args.debug:
+    except (RuntimeError, OSError) as exc:
+        if debug:
             raise
         sys.stderr.write(f"sparsekv jit {args.action}: error: {str(exc).removeprefix('sparsekv: ')}\n")
         return 1
