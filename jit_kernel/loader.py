@@ -89,7 +89,7 @@ _HINTS = (
     (re.compile(r"fatal error: .*: No such file or directory|cannot open source file", re.I),
      "a header was not found: check that csrc/ is complete (installed package or checkout) and, for system "
      "headers, that the compiler's development packages are installed"),
-    (re.compile(r"sanitizer|libasan|libubsan", re.I),
+    (re.compile(r"sanitizer|libasan|libubsan|-lasan|-lubsan", re.I),
      "the sanitizer runtime is missing: install the compiler's libasan/libubsan, or unset SPARSEKV_SANITIZE"),
     (re.compile(r"unrecognized command[- ]line option|unknown argument", re.I),
      "a flag is not accepted by this compiler: check SPARSEKV_EXTRA_CFLAGS and SPARSEKV_CXX"),
