@@ -28,13 +28,19 @@ PRELOAD = [_runtime("libasan.so"), _runtime("libstdc++.so")]
 needs_asan = pytest.mark.skipif(None in PRELOAD, reason="the compiler's libasan is not installed")
 
 
-@pytest.fixture
-def csrc(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def csrc(tmp_path_factory) -> Path:
     """The project's headers plus the planted kernel."""
-    root = tmp_path / "csrc"
+    root = tmp_path_factory.mktemp("planted") / "csrc"
     shutil.copytree(loader.csrc_root(), root)
     shutil.copy(HERE / "data" / PLANTED, root / PLANTED)
     return root
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """One cache for the module: each sanitizer setting is its own key, so each compiles once."""
+    return tmp_path_factory.mktemp("planted-cache")
 
 
 SCRIPT = textwrap.dedent("""
@@ -65,29 +71,29 @@ def run_planted(csrc: Path, cache_dir: Path, export: str, template: str, arg: st
 
 
 @needs_asan
-def test_a_planted_out_of_bounds_write_is_reported(csrc, tmp_path):
-    done = run_planted(csrc, tmp_path / "cache", "write_past_end", "int32_t", "7")
+def test_a_planted_out_of_bounds_write_is_reported(csrc, cache_dir):
+    done = run_planted(csrc, cache_dir, "write_past_end", "int32_t", "7")
     assert done.returncode != 0 and "survived" not in done.stdout
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in done.stderr
     assert "WRITE of size 4" in done.stderr and "write_past_end" in done.stderr  # names the kernel
 
 
 @needs_asan
-def test_a_planted_signed_overflow_is_reported(csrc, tmp_path):
-    ok = run_planted(csrc, tmp_path / "cache", "add_one", "int32_t", "41")
+def test_a_planted_signed_overflow_is_reported(csrc, cache_dir):
+    ok = run_planted(csrc, cache_dir, "add_one", "int32_t", "41")
     assert ok.returncode == 0 and ok.stdout.split() == ["42", "survived"], ok.stderr[-3000:]
-    bad = run_planted(csrc, tmp_path / "cache", "add_one", "int32_t", str(2**31 - 1))
+    bad = run_planted(csrc, cache_dir, "add_one", "int32_t", str(2**31 - 1))
     assert bad.returncode != 0 and "runtime error: signed integer overflow" in bad.stderr
 
 
-def test_without_sanitizers_the_planted_bug_goes_unnoticed(csrc, tmp_path):
+def test_without_sanitizers_the_planted_bug_goes_unnoticed(csrc, cache_dir):
     """The control: the same bug in a plain build is silent, which is why the sanitizer run exists."""
-    done = run_planted(csrc, tmp_path / "cache", "add_one", "int32_t", "41", preload=False, sanitize="")
+    done = run_planted(csrc, cache_dir, "add_one", "int32_t", "41", preload=False, sanitize="")
     assert done.returncode == 0 and done.stdout.split() == ["42", "survived"], done.stderr[-3000:]
 
 
-def test_asan_module_without_the_runtime_preloaded_is_a_clear_error(csrc, tmp_path):
-    done = run_planted(csrc, tmp_path / "cache", "add_one", "int32_t", "41", preload=False, sanitize="address")
+def test_asan_module_without_the_runtime_preloaded_is_a_clear_error(csrc, cache_dir):
+    done = run_planted(csrc, cache_dir, "add_one", "int32_t", "41", preload=False, sanitize="address")
     assert done.returncode == 1 and "JitSanitizerError" in done.stderr and "LD_PRELOAD" in done.stderr
     assert "AddressSanitizer" not in done.stderr  # refused before loading, not aborted by ASan
 
@@ -99,6 +105,7 @@ def test_sanitizers_are_part_of_the_key(monkeypatch):
         return loader.make_plan(GATHER_ROWS.name, ("int64_t",), header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
                                 kernels=(), backend="cpu", arch=None, probe_dir=None).entry_name()
 
+    monkeypatch.delenv("SPARSEKV_SANITIZE", raising=False)  # `make test-sanitize` sets it
     plain = entry()
     monkeypatch.setenv("SPARSEKV_SANITIZE", "address")
     asan = entry()
