@@ -53,6 +53,12 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _common(json_flag: bool) -> _Parser:
     parent = _Parser(add_help=False)
     parent.add_argument("-v", "--verbose", action="store_true", help="show each compile with its time")
@@ -91,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("names", nargs="*", help="kernel families whose whole instance table to build")
     build.add_argument("--all", action="store_true", help="every registered family's instance table")
     _instance_args(build)
-    build.add_argument("--jobs", "-j", type=int, metavar="N",
+    build.add_argument("--jobs", "-j", type=_positive_int, metavar="N",
                        help="parallel compiles (default: SPARSEKV_MAX_JOBS, else by free cores and memory)")
     add("info", "cache roots, entry counts and sizes")
     clean = add("clean", "delete cached modules (all, or only stale ones)")
@@ -183,7 +189,7 @@ def _family(families: dict, name: str):
 
 def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
     """``(family, instance)`` pairs named by ``names``/``--all``/``--instance``/``--model``, de-duplicated."""
-    from sparsekv.jit_kernel.deployment import model_instances
+    from sparsekv.deployment import model_instances
 
     chosen = []
     if getattr(args, "all", False):
@@ -296,6 +302,13 @@ def _list(args) -> int:
                     where.append({"backend": c["backend"], "archs": c["archs"], "state": state, "entry": c["entry"]})
             rows.append({"family": family.name, "header": family.header, "instance": family.describe(instance),
                          "params": dict(zip(family.params, instance)), "cached": where})
+    # Entries outside the tables (instances built on demand, families since removed) are listed too.
+    listed = {(r["family"], e["entry"]) for r in rows for e in r["cached"]}
+    for c in cached:
+        if (c["name"], c["entry"]) not in listed:
+            rows.append({"family": c["name"], "header": None, "instance": f"{c['name']}<{', '.join(c['args'])}>",
+                         "params": None, "cached": [{"backend": c["backend"], "archs": c["archs"],
+                                                     "state": "not in the instance table", "entry": c["entry"]}]})
 
     def text() -> str:
         lines = []

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from sparsekv.deployment import model_instances
 from sparsekv.jit_kernel import cli, resources
-from sparsekv.jit_kernel.deployment import model_instances
 from sparsekv.jit_kernel.registry import discover
 
 GIB = 1 << 30

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sparsekv.deployment import model_instances
 from sparsekv.jit_kernel import cache, cli
-from sparsekv.jit_kernel.deployment import model_instances
 from sparsekv.jit_kernel.registry import discover
 
 NO_ARCH_ENV = {"SPARSEKV_CUDA_ARCH": "", "TVM_FFI_CUDA_ARCH_LIST": ""}
@@ -53,6 +53,7 @@ BAD_ARGUMENTS = [
     (("build", "--instance", "gather_rows:index_type"), 2, "expected k=v"),
     (("build", "--hot-buffer", "8", "gather_rows"), 2, "go with --model"),
     (("build", "--model", "dsv4-pro", "--hot-buffer", "8"), 2, "must be >="),
+    (("build", "--jobs", "0", "gather_rows"), 2, "positive integer"),
     (("prune",), 2, "--older-than"),
     (("prune", "--max-size", "lots"), 2, "not a size"),
     (("explain-key",), 2, "name a kernel family"),

@@ -1,5 +1,9 @@
 """The kernel instances a model's serving path loads, so a deployment can prebuild exactly those
-(``sparsekv jit build --model dsv4-flash``) and serve with ``SPARSEKV_JIT_STRICT=1``."""
+(``sparsekv jit build --model dsv4-flash``) and serve with ``SPARSEKV_JIT_STRICT=1``.
+
+It joins the planner's model specs with the kernel families, so it lives above both: the kernel
+package never imports the pools or the planner.
+"""
 
 from __future__ import annotations
 
