@@ -152,11 +152,19 @@ def parse_values(items: list[str], what: str) -> dict[str, object]:
     return values
 
 
-def resolve_instance(family, values: dict[str, object]) -> tuple:
-    """The template-argument tuple of ``family`` for ``values`` (by parameter name).
+# --- the registry's instance representation: the only three functions that know it -------------------
+# Today a family's instance is a tuple of template arguments in ``params`` order, and only the table's
+# instances exist. With open instantiation (a family that validates and completes plain values), an
+# instance becomes the values themselves: ``resolve_instance`` then returns ``family.template_args``-
+# checked values, ``template_args`` calls ``family.template_args(instance)`` and ``instance_values``
+# returns the instance.
 
-    The one place that turns named values into an instance: it matches them against the family's
-    instance table, where a value left out is completed when exactly one table entry fits.
+
+def resolve_instance(family, values: dict[str, object]) -> tuple:
+    """The instance of ``family`` named by ``values`` (plain values by parameter name).
+
+    Matched against the family's instance table; a value left out is completed when exactly one
+    table entry fits (e.g. the swap-in's block size).
 
     Raises
     ------
@@ -179,6 +187,18 @@ def resolve_instance(family, values: dict[str, object]) -> tuple:
         raise ValueError(f"sparsekv: {family.name} has no instance {values}; supported: {supported}")
     raise ValueError(f"sparsekv: {family.name} instance {values} is ambiguous; name more of "
                      f"{', '.join(family.params)}; supported: {supported}")
+
+
+def template_args(family, instance) -> tuple:
+    """The C++ template arguments of one instance, rendered as the cache key records them."""
+    from sparsekv.jit_kernel.loader import cpp_template_arg
+
+    return tuple(cpp_template_arg(a) for a in instance)
+
+
+def instance_values(family, instance) -> dict[str, object]:
+    """One instance as ``{parameter: value}``."""
+    return dict(zip(family.params, instance))
 
 
 def _family(families: dict, name: str):
@@ -208,15 +228,16 @@ def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
             chosen.append((family, resolve_instance(family, values)))
     elif args.hot_buffer is not None or args.page_size is not None:
         raise UsageError("--hot-buffer and --page-size go with --model")
-    unique = dict.fromkeys((f.name, i) for f, i in chosen)
-    return [(families[name], instance) for name, instance in unique]
+    unique = {(f.name, template_args(f, i)): (f, i) for f, i in reversed(chosen)}  # first occurrence wins
+    return list(reversed(unique.values()))
 
 
-def _plan(family, instance: tuple, backend: str, arch, probe_dir=None):
+def _plan(family, args: tuple, backend: str, arch, probe_dir=None, csrc: Path | None = None):
+    """The build plan of ``family`` for C++ template arguments ``args`` (see :func:`template_args`)."""
     from sparsekv.jit_kernel import loader
 
-    return loader.make_plan(family.name, instance, header=family.header, exports=family.exports,
-                            kernels=family.kernels, backend=backend, arch=arch, probe_dir=probe_dir)
+    return loader.make_plan(family.name, args, header=family.header, exports=family.exports,
+                            kernels=family.kernels, backend=backend, arch=arch, probe_dir=probe_dir, csrc=csrc)
 
 
 # --- output helpers --------------------------------------------------------------------------------
@@ -274,34 +295,35 @@ def _cached_entries() -> list[dict]:
     return found
 
 
-def _is_current(family, instance: tuple, entry: dict) -> bool | None:
-    """Whether a cached entry is what a load would use now; None when its toolchain is not installed."""
+def _is_current(family, entry: dict) -> bool | None:
+    """Whether a cached entry is what a load would use now (judged from its own template arguments);
+    None when its toolchain is not installed."""
     from sparsekv.jit_kernel import arch as arch_mod
     from sparsekv.jit_kernel import toolchain
 
     try:
-        return _plan(family, instance, entry["backend"], tuple(entry["archs"]) or None).entry_name() == entry["entry"]
+        plan = _plan(family, entry["args"], entry["backend"], tuple(entry["archs"]) or None)
     except (toolchain.ToolchainError, arch_mod.ArchError):
         return None
+    return plan.entry_name() == entry["entry"]
 
 
 def _list(args) -> int:
-    from sparsekv.jit_kernel import loader
     from sparsekv.jit_kernel.registry import discover
 
     cached = _cached_entries()
     rows = []
     for family in discover().values():
         for instance in family.instances:
-            cpp = tuple(loader.cpp_template_arg(a) for a in instance)
+            cpp = template_args(family, instance)
             where = []
             for c in cached:
                 if c["name"] == family.name and c["args"] == cpp:
                     state = {True: "current", False: "stale", None: "toolchain missing"}[
-                        _is_current(family, instance, c)]
+                        _is_current(family, c)]
                     where.append({"backend": c["backend"], "archs": c["archs"], "state": state, "entry": c["entry"]})
             rows.append({"family": family.name, "header": family.header, "instance": family.describe(instance),
-                         "params": dict(zip(family.params, instance)), "cached": where})
+                         "params": instance_values(family, instance), "cached": where})
     # Entries outside the tables (instances built on demand, families since removed) are listed too.
     listed = {(r["family"], e["entry"]) for r in rows for e in r["cached"]}
     for c in cached:
@@ -331,7 +353,7 @@ def _build(args) -> int:
         raise UsageError("name families to build, or --all, --instance or --model")
     jobs = _selected(args, families)
     roots = cache.open_roots()
-    plans = [(f, i, _plan(f, i, args.backend, args.arch, roots.probe_dir())) for f, i in jobs]
+    plans = [(f, i, _plan(f, template_args(f, i), args.backend, args.arch, roots.probe_dir())) for f, i in jobs]
     workers = min(len(plans), resources.build_jobs(args.backend, args.jobs)) or 1
     start = time.perf_counter()
     with _bar(len(plans), f"building ({workers} jobs)") as bar, \
@@ -380,16 +402,13 @@ def _info(args) -> int:
 
 
 def _stale_entries() -> list[Path]:
-    from sparsekv.jit_kernel import loader
     from sparsekv.jit_kernel.registry import discover
 
     families = discover()
     stale = []
     for c in _cached_entries():
         family = families.get(c["name"])
-        instances = {tuple(loader.cpp_template_arg(a) for a in i): i for i in family.instances} if family else {}
-        instance = instances.get(c["args"])
-        if instance is None or _is_current(family, instance, c) is False:
+        if family is None or _is_current(family, c) is False:
             stale.append(Path(c["root"]) / c["entry"])
     return stale
 
@@ -482,10 +501,8 @@ def _doctor(args) -> int:
 
 def explain(family, instance: tuple, backend: str, arch, csrc: Path | None = None) -> dict:
     """Every input of ``family``'s cache key for ``instance`` (no absolute path: checkouts compare equal)."""
-    from sparsekv.jit_kernel import loader
 
-    plan = loader.make_plan(family.name, instance, header=family.header, exports=family.exports,
-                            kernels=family.kernels, backend=backend, arch=arch, probe_dir=None, csrc=csrc)
+    plan = _plan(family, template_args(family, instance), backend, arch, csrc=csrc)
     return {"family": family.name, "instance": family.describe(instance), "entry": plan.entry_name(),
             "key": plan.key_doc()}
 
@@ -549,7 +566,8 @@ def _export(args) -> int:
         if not (args.instance or args.model):
             raise UsageError("choose what to export: --all, --instance or --model")
         args.names = []
-        wanted = {_plan(f, i, args.backend, args.arch).entry_name() for f, i in _selected(args, discover())}
+        wanted = {_plan(f, template_args(f, i), args.backend, args.arch).entry_name()
+                  for f, i in _selected(args, discover())}
         dirs = [e for r in existing for e in cache.entries(r) if e.name in wanted]
         missing = wanted - {e.name for e in dirs}
         if missing:
