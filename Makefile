@@ -7,7 +7,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install demo lint test test-gpu test-slow clean-venv
+.PHONY: install demo lint test test-gpu test-slow test-sanitize clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,17 @@ test-slow: $(STAMP)
 # Runs the kernel tests on the cuda backend too, and fails if no GPU is visible.
 test-gpu: $(STAMP)
 	SPARSEKV_TEST_BACKENDS=cpu,cuda $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Every kernel property test (and the planted-bug test) against cpu modules built with ASan and
+# UBSan: "memcheck without a GPU". Python is not instrumented, so the compiler's ASan runtime is
+# preloaded, with libstdc++ (whose __cxa_throw ASan intercepts: kernels raise C++ exceptions for bad
+# input). Leak checking is off: the interpreter's own allocations are not leaks. Sanitized modules
+# have their own cache keys, so the cache stays warm across runs.
+SANITIZE_CXX ?= $(or $(SPARSEKV_CXX),$(CXX),c++)
+test-sanitize: $(STAMP)
+	LD_PRELOAD="$$($(SANITIZE_CXX) -print-file-name=libasan.so) $$($(SANITIZE_CXX) -print-file-name=libstdc++.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 SPARSEKV_SANITIZE=address,undefined \
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels tests/jit/test_jit_sanitize.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -62,7 +62,7 @@ def _visible_device_arch() -> str:
         from cuda.bindings import runtime
     except ImportError as exc:
         raise ArchError(
-            "sparsekv: no CUDA arch given and cuda-python is not installed; set SPARSEKV_CUDA_ARCH"
+            "sparsekv: no CUDA arch given and cuda-python is not installed; pass --arch or set SPARSEKV_CUDA_ARCH"
         ) from exc
     try:
         err, device = runtime.cudaGetDevice()
@@ -74,9 +74,11 @@ def _visible_device_arch() -> str:
                 # Hopper and Blackwell datacenter parts need the arch-specific ("a") target for their features.
                 return f"{major}.{minor}" + ("a" if major in (9, 10) else "")
     except RuntimeError as exc:  # cuda-python raises DynamicLibNotFoundError (a RuntimeError) without a driver
-        raise ArchError(f"sparsekv: no CUDA arch given and no device to ask ({exc}); set SPARSEKV_CUDA_ARCH") from exc
+        raise ArchError("sparsekv: no CUDA arch given and no NVIDIA driver to ask the GPU's; pass --arch or set "
+                        "SPARSEKV_CUDA_ARCH, e.g. '9.0a'") from exc
     raise ArchError(
-        f"sparsekv: no CUDA arch given and no visible CUDA device ({err}); set SPARSEKV_CUDA_ARCH, e.g. '9.0a'"
+        f"sparsekv: no CUDA arch given and no visible CUDA device ({getattr(err, 'name', err)}); pass --arch or "
+        f"set SPARSEKV_CUDA_ARCH, e.g. '9.0a'"
     )
 
 

@@ -6,8 +6,15 @@ Layout under a cache root::
     <root>/<entry>/key.json       every key input (no absolute path) + the artifact's size, mtime and sha256
     <root>/.index/                per-request stat signatures -> entry (the warm path's shortcut)
     <root>/.locks/<entry>.lock    serializes builders of one entry (readers never lock)
-    <root>/.staging/              private build directories, renamed into place when complete
+    <root>/.staging/<entry>.<host>.<pid>.<random>/
+                                  private build directories, renamed into place when complete
+    <root>/.trash/                entries being deleted (renamed here first, so removal is atomic)
     <root>/.toolchain/            compiler --version probes
+
+A build killed mid-compile (SIGKILL, OOM) or a failed compile leaves its staging directory behind;
+the next build in that root, ``sparsekv jit clean --stale`` and ``sparsekv jit prune`` remove every
+leftover whose builder is gone (same host: its pid is dead and its entry lock is free; another
+host sharing the cache: its entry lock is free and it is older than :data:`FOREIGN_STAGING_AGE_S`).
 
 Rules: a root, entry or artifact that another user owns or can write is never loaded (a library
 loaded from such a place runs someone else's code). An artifact whose size or hash disagrees with
@@ -23,10 +30,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import stat
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -42,6 +52,10 @@ KEY_FILE = "key.json"
 
 class CacheSecurityError(PermissionError):
     """A cache directory or file that another user could have written."""
+
+
+class CacheUnwritableError(PermissionError):
+    """Neither the configured cache root nor the private fallback accepts new modules."""
 
 
 def check_private(path: Path, what: str) -> None:
@@ -120,11 +134,24 @@ class CacheRoots:
             if _writable(self.primary):
                 return self.primary
         fallback = fallback_root()
-        if not _ensure_private_dir(fallback):
-            raise CacheSecurityError(f"sparsekv: cannot create a private JIT cache at {fallback}")
+        if not _ensure_private_dir(fallback) or not _writable(fallback):
+            raise CacheUnwritableError(
+                f"sparsekv: cannot write a JIT module: the cache {self.primary} is read-only and the fallback "
+                f"{fallback} is not writable by uid {os.getuid()}; set SPARSEKV_CACHE_DIR to a writable directory "
+                f"of your own, or prebuild the modules (`sparsekv jit build`) where the cache is writable"
+            )
         check_private(fallback, "fallback cache directory")
         logger.info("JIT cache %s is not writable; new modules go to %s", self.primary, fallback)
         return fallback
+
+
+    def probe_dir(self) -> Path | None:
+        """Where compiler probes are cached: ``<write root>/.toolchain``; None when nothing is writable
+        (a read-only deployment still loads its hits)."""
+        try:
+            return self.write / ".toolchain"
+        except PermissionError:
+            return None
 
 
 def _private_dir_or_absent(root: Path) -> bool:
@@ -182,16 +209,129 @@ def valid_artifact(entry_dir: Path) -> Path | None:
     return so
 
 
+def _lock_path(root: Path, entry: str) -> Path:
+    return root / ".locks" / f"{entry}.lock"
+
+
+def _open_locked(path: Path, blocking: bool):
+    """Open and flock ``path``; None if ``blocking`` is False and someone holds it.
+
+    A lock file may be unlinked by a cleaner (see :func:`sweep_leftovers`) between our open and
+    our flock; a lock on the unlinked inode excludes nobody, so we retry until the inode we locked
+    is the one the path names.
+    """
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()
+
+
 @contextmanager
 def _build_lock(root: Path, entry: str):
     locks = root / ".locks"
     locks.mkdir(mode=0o700, exist_ok=True)
-    with open(locks / f"{entry}.lock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    handle = _open_locked(_lock_path(root, entry), blocking=True)
+    try:
+        yield
+    finally:
+        handle.close()  # releases the flock
+
+
+#: A staging directory of another host is removed only when its lock is free and it is this old.
+FOREIGN_STAGING_AGE_S = 3600.0
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def staging_dir(root: Path, entry: str) -> Path:
+    """A new private build directory for ``entry``, named so a sweep can tell when its builder is gone."""
+    parent = root / ".staging"
+    parent.mkdir(mode=0o700, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{entry}.{_host_tag()}.{os.getpid()}.", dir=parent))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: Marks a staging directory whose build failed (kept for the reproduce command, then swept).
+FAILED_MARK = "FAILED"
+
+
+def _abandoned(staging: Path, root: Path, now: float) -> bool:
+    """Whether ``staging``'s builder is done with it (see the module docstring for the rule)."""
+    if (staging / FAILED_MARK).exists():
+        return True
+    parts = staging.name.split(".")
+    if len(parts) != 4 or not parts[2].isdigit():
+        return now - staging.stat().st_mtime > FOREIGN_STAGING_AGE_S  # not ours to parse: only by age
+    entry, host, pid = parts[0], parts[1], int(parts[2])
+    if host == _host_tag():
+        return not _pid_alive(pid)
+    if now - staging.stat().st_mtime < FOREIGN_STAGING_AGE_S:
+        return False
+    handle = _open_locked(_lock_path(root, entry), blocking=False) if _lock_path(root, entry).exists() else None
+    if handle is None:
+        return not _lock_path(root, entry).exists()
+    handle.close()
+    return True
+
+
+def sweep_leftovers(root: Path, *, dry_run: bool = False) -> list[Path]:
+    """Remove staging directories and trash of builds that died, and lock files nobody holds.
+
+    Returns
+    -------
+    list of Path
+        What was (or, with ``dry_run``, would be) removed.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    for sub in (".staging", ".trash"):
+        parent = root / sub
+        if not parent.is_dir():
+            continue
+        for child in sorted(parent.iterdir()):
+            try:
+                if sub == ".trash" or _abandoned(child, root, now):
+                    removed.append(child)
+                    if not dry_run:
+                        shutil.rmtree(child, ignore_errors=True)
+            except OSError:
+                continue  # vanished under us: another cleaner got it
+    locks = root / ".locks"
+    if locks.is_dir():
+        for lock in sorted(locks.glob("*.lock")):
+            try:
+                handle = _open_locked(lock, blocking=False)
+                if handle is None:
+                    continue
+                # Unlink while holding it: a builder that opened the old inode re-opens (see _open_locked).
+                removed.append(lock)
+                if not dry_run:
+                    lock.unlink()
+                handle.close()
+            except OSError:
+                continue
+    return removed
 
 
 def _fsync_tree(path: Path) -> None:
@@ -244,10 +384,15 @@ def build_and_publish(
             except Exception:  # noqa: BLE001 - an unloadable artifact is a miss, rebuilt below
                 logger.warning("JIT artifact %s does not load; rebuilding", so)
         _discard(final, root)
-        staging_parent = root / ".staging"
-        staging_parent.mkdir(mode=0o700, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{entry}.", dir=staging_parent))
-        built = build(staging)
+        sweep_leftovers(root)
+        staging = staging_dir(root, entry)
+        # A failed compile keeps its staging directory, so the reproduce command in the error works;
+        # the next build or `sparsekv jit clean --stale` sweeps it.
+        try:
+            built = build(staging)
+        except BaseException:
+            (staging / FAILED_MARK).touch()
+            raise
         if built.name != ARTIFACT:
             os.replace(built, staging / ARTIFACT)
         artifact = staging / ARTIFACT
@@ -258,11 +403,15 @@ def build_and_publish(
         try:
             os.rename(staging, final)  # atomic publish; the lock makes us the only writer
         except OSError:
-            # Another publisher won (flock does not span NFS clients). Its entry may not be visible
-            # here yet, so load our own complete copy rather than waiting for it.
+            # Another publisher won (flock does not span every NFS setup). Its entry may not be
+            # visible here yet, so load our own complete copy rather than waiting for it; the copy
+            # stays in .staging (our pid is alive) until a sweep after this process exits.
             logger.info("JIT entry %s was published by another process; using this process's build", entry)
             return load(staging / ARTIFACT)
-        return load(final / ARTIFACT)
+    cap = env.cache_max_size()
+    if cap is not None:
+        prune(root, max_bytes=cap, keep=(final,))
+    return load(final / ARTIFACT)
 
 
 def entries(root: Path) -> list[Path]:
@@ -270,3 +419,91 @@ def entries(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / KEY_FILE).exists())
+
+
+def mark_used(entry_dir: Path) -> None:
+    """Record a load of ``entry_dir`` (its directory mtime), for least-recently-loaded pruning.
+
+    Once per module and process; a read-only root keeps its publish time.
+    """
+    try:
+        os.utime(entry_dir)
+    except OSError:
+        pass
+
+
+def entry_bytes(entry_dir: Path) -> int:
+    """Bytes of the files of one entry."""
+    return sum(p.stat().st_size for p in entry_dir.iterdir() if p.is_file())
+
+
+def verify_entry(entry_dir: Path) -> str | None:
+    """Check one entry in full (unlike the warm path, the sha256 is always computed).
+
+    Returns
+    -------
+    str or None
+        What is wrong with the entry, or None when its artifact matches its key.json.
+    """
+    so = entry_dir / ARTIFACT
+    try:
+        recorded = json.loads((entry_dir / KEY_FILE).read_text())["artifact"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {KEY_FILE} ({exc})"
+    try:
+        check_private(entry_dir, "cache entry")
+        check_private(so, "artifact")
+    except CacheSecurityError as exc:
+        return str(exc).removeprefix("sparsekv: ")
+    except OSError as exc:
+        return f"missing {ARTIFACT} ({exc.strerror})"
+    size = so.stat().st_size
+    if size != recorded.get("size"):
+        return f"{ARTIFACT} has {size} bytes, key.json records {recorded.get('size')}"
+    digest = _sha256(so)
+    if digest != recorded.get("sha256"):
+        return f"{ARTIFACT} sha256 {digest[:16]}... differs from key.json's {str(recorded.get('sha256'))[:16]}..."
+    return None
+
+
+def discard(entry_dir: Path) -> None:
+    """Delete an entry atomically (renamed into ``.trash`` first, so no reader sees half of it)."""
+    _discard(entry_dir, entry_dir.parent)
+
+
+def prune(root: Path, *, older_than_s: float | None = None, max_bytes: int | None = None,
+          keep: tuple[Path, ...] = (), dry_run: bool = False) -> list[Path]:
+    """Remove entries not loaded for ``older_than_s``, then the least recently loaded ones until the
+    root holds at most ``max_bytes``; also sweeps leftovers of dead builds.
+
+    Returns
+    -------
+    list of Path
+        The entries removed (or, with ``dry_run``, that would be).
+    """
+    now = time.time()
+    found = []
+    for entry_dir in entries(root):
+        try:
+            found.append((entry_dir.stat().st_mtime, entry_bytes(entry_dir), entry_dir))
+        except OSError:
+            continue
+    found.sort()  # least recently loaded first
+    doomed = []
+    total = sum(size for _, size, _ in found)
+    for used, size, entry_dir in found:
+        if entry_dir in keep:
+            continue
+        too_old = older_than_s is not None and now - used > older_than_s
+        too_big = max_bytes is not None and total > max_bytes
+        if too_old or too_big:
+            doomed.append(entry_dir)
+            total -= size
+    if not dry_run:
+        for entry_dir in doomed:
+            try:
+                _discard(entry_dir, root)
+            except OSError:
+                continue  # removed by another process meanwhile
+        sweep_leftovers(root)
+    return doomed

@@ -55,11 +55,67 @@ def _included_names(text: str) -> list[tuple[bool, str]]:
 
 
 class JitCompileError(RuntimeError):
-    """The compiler rejected a module; carries its message and the command to reproduce it."""
+    """The compiler rejected a module.
+
+    The message holds the compiler's first errors, the command to reproduce them and, for common
+    causes, a hint. Attributes: ``what`` (module, arguments, backend), ``command``, ``cwd``,
+    ``output`` (the compiler's whole output) and ``hint``.
+    """
+
+    def __init__(self, message: str, *, what: str = "", command: list[str] | None = None, cwd: str = "",
+                 output: str = "", hint: str = "") -> None:
+        super().__init__(message)
+        self.what, self.command, self.cwd, self.output, self.hint = what, command or [], cwd, output, hint
 
 
 class JitCacheMissError(RuntimeError):
-    """``SPARSEKV_JIT_STRICT=1`` and the module is not in the cache."""
+    """``SPARSEKV_JIT_STRICT=1`` (or a CUDA-graph capture) and the module is not in the cache."""
+
+
+class JitSanitizerError(RuntimeError):
+    """``SPARSEKV_SANITIZE=address`` in a process that did not preload the compiler's ASan runtime."""
+
+
+#: Lines of compiler output an error message keeps (the first errors; the rest is on the exception).
+ERROR_LINES = 25
+_DIAGNOSTIC = re.compile(r"(error|fatal)", re.IGNORECASE)
+# (pattern in the compiler output, hint): the causes an operator meets most.
+_HINTS = (
+    (re.compile(r"unsupported gpu architecture|invalid value for --gpu-architecture|Unknown option '-arch'", re.I),
+     "the CUDA arch is not supported by this nvcc; check SPARSEKV_CUDA_ARCH / --arch against `nvcc --list-gpu-arch`"),
+    (re.compile(r"cuda_runtime\.h|cudart|libcudart", re.I),
+     "the CUDA toolkit's headers or runtime library were not found; point CUDA_HOME at the toolkit root "
+     "(the directory with bin/nvcc, include/ and lib64/libcudart.so)"),
+    (re.compile(r"fatal error: .*: No such file or directory|cannot open source file", re.I),
+     "a header was not found: check that csrc/ is complete (installed package or checkout) and, for system "
+     "headers, that the compiler's development packages are installed"),
+    (re.compile(r"sanitizer|libasan|libubsan|-lasan|-lubsan", re.I),
+     "the sanitizer runtime is missing: install the compiler's libasan/libubsan, or unset SPARSEKV_SANITIZE"),
+    (re.compile(r"unrecognized command[- ]line option|unknown argument", re.I),
+     "a flag is not accepted by this compiler: check SPARSEKV_EXTRA_CFLAGS and SPARSEKV_CXX"),
+)
+
+
+def trim_compiler_output(output: str, limit: int = ERROR_LINES) -> str:
+    """The compiler output from the first error on, at most ``limit`` lines (the first errors are the
+    actionable ones; later ones usually follow from them)."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if _DIAGNOSTIC.search(line)), 0)
+    # Keep the "In file included from" / "In instantiation of" context just above the first error.
+    while first > 0 and lines[first - 1].startswith(("In file included", "                 from", "In instantiation")):
+        first -= 1
+    kept = lines[first:first + limit]
+    more = len(lines) - first - len(kept)
+    return "\n".join(kept + ([f"... ({more} more lines; the whole output is on the exception's `output`)"]
+                             if more > 0 else []))
+
+
+def compile_hint(output: str) -> str:
+    """A hint for a common cause of ``output``, or ``""``."""
+    for pattern, hint in _HINTS:
+        if pattern.search(output):
+            return hint
+    return ""
 
 
 @functools.cache
@@ -163,6 +219,7 @@ class BuildPlan:
     nvcc: toolchain.Compiler | None
     extra_cflags: tuple[str, ...]
     csrc: Path  # where the headers are read from; not part of the key (two checkouts share keys)
+    sanitize: tuple[str, ...] = ()
 
     def key_doc(self) -> dict:
         return {
@@ -178,29 +235,84 @@ class BuildPlan:
             "cxx_flags": list(CXX_FLAGS),
             "nvcc_flags": list(NVCC_FLAGS) if self.nvcc else [],
             "extra_cflags": list(self.extra_cflags),
+            "sanitize": sanitizer_flags(self.sanitize),
             "tvm_ffi": tvm_ffi.__version__,
         }
 
+    def describe(self) -> str:
+        """``name<args> (backend[, archs])`` for messages."""
+        where = self.backend + (f", arch {','.join(self.archs)}" if self.archs else "")
+        return f"{self.name}<{', '.join(self.args)}> ({where})"
+
     def entry_name(self) -> str:
-        digest = hashlib.sha256(json.dumps(self.key_doc(), sort_keys=True).encode()).hexdigest()[:16]
-        readable = "_".join(re.sub(r"[^A-Za-z0-9]+", "", a) for a in self.args) or "noargs"
-        return f"{self.name}__{readable}__{self.backend}__{digest}"
+        return entry_name(self.key_doc())
+
+
+def entry_name(key_doc: Mapping) -> str:
+    """Cache entry directory of a key document: ``<name>__<readable args>__<backend>__<16 hex of its sha256>``
+    (an ``artifact`` field, added at publish, is not part of the key)."""
+    doc = {k: v for k, v in key_doc.items() if k != "artifact"}
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    readable = "_".join(re.sub(r"[^A-Za-z0-9]+", "", a) for a in doc["template_args"]) or "noargs"
+    return f"{doc['name']}__{readable}__{doc['backend']}__{digest}"
+
+
+def _compiler_env() -> dict[str, str]:
+    """The environment compilers run in: a sanitizer runtime preloaded into this process (see
+    ``make test-sanitize``) is not preloaded into them, where it only costs time and memory."""
+    environ = dict(os.environ)
+    preload = [p for p in environ.get("LD_PRELOAD", "").split() if "san" not in os.path.basename(p)]
+    if preload:
+        environ["LD_PRELOAD"] = " ".join(preload)
+    else:
+        environ.pop("LD_PRELOAD", None)
+    return environ
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    if env.verbose_build():
-        logger.info("JIT: %s", shlex.join(cmd))
-    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logger.debug("JIT: %s", shlex.join(cmd))
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_compiler_env())
 
 
 def _wait_all(jobs: list[tuple[list[str], subprocess.Popen]], cwd: Path, what: str) -> None:
+    failure = None
     for cmd, proc in jobs:
-        out, _ = proc.communicate()
-        if proc.returncode != 0:
-            raise JitCompileError(
-                f"sparsekv: compiling {what} failed (exit {proc.returncode}).\n"
-                f"Reproduce with:\n  cd {cwd} && {shlex.join(cmd)}\n\nCompiler output:\n{out}"
-            )
+        out, _ = proc.communicate()  # wait for every job, so none outlives a failure of another
+        if proc.returncode != 0 and failure is None:
+            failure = (cmd, proc.returncode, out)
+    if failure is not None:
+        cmd, code, out = failure
+        hint = compile_hint(out)
+        raise JitCompileError(
+            f"sparsekv: compiling {what} failed (exit {code}).\n"
+            f"Compiler output (first errors):\n{trim_compiler_output(out)}\n"
+            + (f"Hint: {hint}\n" if hint else "")
+            + f"Reproduce with:\n  cd {shlex.quote(str(cwd))} && {shlex.join(cmd)}",
+            what=what, command=cmd, cwd=str(cwd), output=out, hint=hint,
+        )
+
+
+def sanitizer_flags(names: Sequence[str]) -> list[str]:
+    """Compile and link flags of a sanitizer build (cpu backend): -O1 -g, as the sanitizers recommend
+    (exact reports, and several times faster to compile than -O3); every finding is fatal."""
+    if not names:
+        return []
+    return [f"-fsanitize={','.join(names)}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-O1", "-g"]
+
+
+def _check_sanitizer_runtime(names: Sequence[str]) -> None:
+    """An ASan module loaded into a process whose first library is not libasan aborts the process;
+    refuse with the fix instead."""
+    if "address" not in names:
+        return
+    with open("/proc/self/maps") as f:
+        if "libasan" in f.read():
+            return
+    raise JitSanitizerError(
+        "sparsekv: SPARSEKV_SANITIZE=address needs the compiler's ASan runtime loaded first; run with "
+        "LD_PRELOAD=$(c++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (as `make test-sanitize` does)"
+    )
 
 
 def build_module(plan: BuildPlan, staging: Path) -> Path:
@@ -212,11 +324,11 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     ffi_includes = [f"-I{p}" for p in dict.fromkeys(ffi_include_dirs)]
     ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
-    what = f"{plan.name}<{', '.join(plan.args)}> ({plan.backend})"
+    what = plan.describe()
     start = time.perf_counter()
     if plan.backend == "cpu":
-        cmd = [plan.cxx.path, *CXX_FLAGS, *plan.extra_cflags, *includes, *ffi_includes, "-shared", "module.cpp",
-               "-o", cache.ARTIFACT, *link]
+        cmd = [plan.cxx.path, *CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes,
+               *ffi_includes, "-shared", "module.cpp", "-o", cache.ARTIFACT, *link]
         _wait_all([(cmd, _run(cmd, staging))], staging, what)
     else:
         assert plan.nvcc is not None  # internal invariant: cuda plans always carry nvcc
@@ -232,6 +344,21 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
         _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what)
     logger.info("JIT: compiled %s in %.2f s", what, time.perf_counter() - start)
     return staging / cache.ARTIFACT
+
+
+def _show_compiles() -> None:
+    """``SPARSEKV_JIT_VERBOSE=1``: show the ``sparsekv.jit`` logger's compile lines and command lines,
+    giving it a stderr handler when it has none (an application that configured no logging still sees
+    them). The root logger is never touched."""
+    if not env.verbose_build():
+        return
+    logger.setLevel(logging.DEBUG)
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False  # shown once, not again by an application handler above
 
 
 def make_plan(
@@ -258,6 +385,7 @@ def make_plan(
     args = tuple(cpp_template_arg(a) for a in template_args)
     is_cuda = backend == "cuda"
     archs = arch_mod.resolve_arch_list(arch) if is_cuda else ()
+    cxx, nvcc = _compilers(is_cuda, probe_dir)
     return BuildPlan(
         name=name,
         args=args,
@@ -265,15 +393,71 @@ def make_plan(
         archs=archs,
         sources=generate_sources(header, exports, kernels, args, backend),
         closure=include_closure(header, csrc),
-        cxx=toolchain.host_compiler(probe_dir),
-        nvcc=toolchain.nvcc(probe_dir) if is_cuda else None,
+        cxx=cxx,
+        nvcc=nvcc,
         extra_cflags=tuple(env.extra_cflags()),
         csrc=csrc,
+        sanitize=() if is_cuda else env.sanitize(),
     )
 
 
+#: Identity of a compiler that is not installed (strict mode only: nothing will be compiled).
+ABSENT = toolchain.Compiler(path="", identity="<not installed>")
+
+
+def _compilers(is_cuda: bool, probe_dir: Path | None) -> tuple[toolchain.Compiler, toolchain.Compiler | None]:
+    """The host compiler and nvcc; in strict mode a missing one is :data:`ABSENT` (a prebuilt module
+    may still be found, see :func:`_find_compatible`)."""
+    try:
+        cxx = toolchain.host_compiler(probe_dir)
+    except toolchain.ToolchainError:
+        if not env.jit_strict():
+            raise
+        cxx = ABSENT
+    if not is_cuda:
+        return cxx, None
+    try:
+        return cxx, toolchain.nvcc(probe_dir)
+    except toolchain.ToolchainError:
+        if not env.jit_strict():
+            raise
+        return cxx, ABSENT
+
+
+# Key inputs that name the compilers rather than what they compile; a strict-mode process may load a
+# module built by another compiler version (a bundle from a build machine) when all else matches.
+_COMPILER_FIELDS = ("cxx", "nvcc")
+
+
+def _find_compatible(plan: BuildPlan, roots: cache.CacheRoots) -> Path | None:
+    """A valid artifact whose key equals ``plan``'s in everything but the compiler identities."""
+    want = {k: v for k, v in plan.key_doc().items() if k not in _COMPILER_FIELDS}
+    prefix = plan.entry_name().rsplit("__", 1)[0] + "__"
+    for root in roots.read:
+        for entry_dir in cache.entries(root):
+            if not entry_dir.name.startswith(prefix):
+                continue
+            try:
+                doc = json.loads((entry_dir / cache.KEY_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            if {k: v for k, v in doc.items() if k not in _COMPILER_FIELDS and k != "artifact"} == want:
+                so = cache.valid_artifact(entry_dir)
+                if so is not None:
+                    return so
+    return None
+
+
+# Entries whose compile failed in this process: a retry fails fast instead of recompiling (no
+# rebuild storm). The entry name is a content key, so editing the sources gives a new name and a
+# fresh attempt.
+_failed: dict[str, JitCompileError] = {}
+
+
 def _load(path: Path) -> tvm_ffi.Module:
-    return tvm_ffi.load_module(str(path))
+    module = tvm_ffi.load_module(str(path))
+    cache.mark_used(path.parent)
+    return module
 
 
 def _capturing_cuda_graph() -> bool:
@@ -285,6 +469,7 @@ def _capturing_cuda_graph() -> bool:
 def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
     """Load ``plan``'s artifact from any cache root, building and publishing it on a miss."""
     entry = plan.entry_name()
+    _check_sanitizer_runtime(plan.sanitize)
     for root in roots.read:
         so = cache.valid_artifact(root / entry)
         if so is None:
@@ -295,15 +480,36 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
             logger.warning("JIT artifact %s does not load; rebuilding", so)
     if _capturing_cuda_graph():
         raise JitCacheMissError(
-            f"sparsekv: {entry} is not in the JIT cache and the current CUDA stream is capturing a graph, where a "
-            f"compile would stall or break the capture; load the module (or `sparsekv jit build`) before capturing"
+            f"sparsekv: JIT module {plan.describe()} is not in the cache and the current CUDA stream is capturing "
+            f"a graph, where a compile would stall or break the capture; load the module (or `sparsekv jit build`) "
+            f"before capturing"
         )
     if env.jit_strict():
+        so = _find_compatible(plan, roots)
+        if so is not None:
+            logger.info("JIT: strict mode loads %s built by another compiler version", so.parent.name)
+            return _load(so)
         raise JitCacheMissError(
-            f"sparsekv: {entry} is not in the JIT cache ({', '.join(map(str, roots.read))}) and SPARSEKV_JIT_STRICT=1 "
-            f"forbids compiling; prebuild it with `sparsekv jit build --all` (with the same toolchain and flags)"
+            f"sparsekv: JIT module {plan.describe()} is not in the cache "
+            f"({', '.join(map(str, roots.read)) or 'none exists'}; entry {entry}) and SPARSEKV_JIT_STRICT=1 "
+            f"forbids compiling; prebuild it with `sparsekv jit build --instance '{plan.name}:...'` or import a "
+            f"bundle (`sparsekv jit import`); `sparsekv jit explain-key` shows the key inputs"
         )
-    return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging), _load)
+    if plan.cxx is ABSENT or plan.nvcc is ABSENT:  # only reachable when strict mode was switched off meanwhile
+        raise toolchain.ToolchainError(f"sparsekv: no compiler to build {plan.describe()}")
+    failed = _failed.get(entry)
+    if failed is not None:
+        raise JitCompileError(f"{failed} \n(remembered: this module failed to compile earlier in this process; "
+                              f"it is retried once its sources, flags or compiler change)",
+                              what=failed.what, command=failed.command, cwd=failed.cwd, output=failed.output,
+                              hint=failed.hint)
+    _show_compiles()
+    try:
+        return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging),
+                                       _load)
+    except JitCompileError as exc:
+        _failed[entry] = exc
+        raise
 
 
 # The warm path's shortcut ("direct mode"): a small index file per module request records the
@@ -327,6 +533,7 @@ class ModuleRequest:
     backend: str
     archs: tuple[str, ...]
     extra_cflags: tuple[str, ...]
+    sanitize: tuple[str, ...]
     csrc: str
     compilers: tuple[str, ...]
 
@@ -344,6 +551,7 @@ def _stat_signature(paths: Sequence[str]) -> dict[str, list[int]]:
 
 def _load_indexed(request: ModuleRequest, roots: cache.CacheRoots) -> tvm_ffi.Module | None:
     """The module the index names, if every recorded file is unchanged and the artifact is valid."""
+    _check_sanitizer_runtime(request.sanitize)
     for root in roots.read:
         try:
             index = json.loads((root / INDEX_DIR / f"{request.name}__{request.digest()}.json").read_text())
@@ -366,7 +574,7 @@ def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoot
     for root in roots.read:
         if cache.valid_artifact(root / entry) is None:
             continue
-        files = [str(plan.csrc / rel) for rel in plan.closure] + list(request.compilers)
+        files = [str(plan.csrc / rel) for rel in plan.closure] + [c for c in request.compilers if c]
         doc = {"entry": entry, "tvm_ffi": tvm_ffi.__version__, "files": _stat_signature(files)}
         try:
             index_dir = root / INDEX_DIR
@@ -384,12 +592,19 @@ def _resolve_request(name: str, template_args: tuple, header: str, exports: Mapp
     if backend not in BACKENDS:
         raise ValueError(f"sparsekv: backend must be one of {BACKENDS}, got {backend!r}")
     is_cuda = backend == "cuda"
-    compilers = (toolchain.host_compiler_path(),) + ((toolchain.nvcc_path(),) if is_cuda else ())
+    compilers = []
+    for find in (toolchain.host_compiler_path,) + ((toolchain.nvcc_path,) if is_cuda else ()):
+        try:
+            compilers.append(find())
+        except toolchain.ToolchainError:
+            if not env.jit_strict():
+                raise
+            compilers.append("")  # strict mode without a compiler: resolved against the cache only
     return ModuleRequest(
         name=name, template_args=tuple(cpp_template_arg(a) for a in template_args), header=header,
         exports=tuple(exports.items()), kernels=tuple(kernels), backend=backend,
         archs=arch_mod.resolve_arch_list(arch) if is_cuda else (), extra_cflags=tuple(env.extra_cflags()),
-        csrc=str(csrc_root()), compilers=compilers,
+        sanitize=() if is_cuda else env.sanitize(), csrc=str(csrc_root()), compilers=tuple(compilers),
     )
 
 
@@ -434,7 +649,10 @@ def load_jit(
     Raises
     ------
     JitCompileError
-        The compiler rejected the module (message and reproduce command included).
+        The compiler rejected the module (its first errors, a hint and the reproduce command included);
+        raised again without compiling for the rest of the process unless the sources change.
+    JitCacheMissError
+        Strict mode or CUDA-graph capture and the module is not cached (names module, args, backend, arch).
     sparsekv.jit_kernel.toolchain.ToolchainError
         A compiler or the CUDA toolkit is missing.
     sparsekv.jit_kernel.cache.CacheSecurityError
@@ -443,7 +661,7 @@ def load_jit(
     # The environment inputs of the key are part of the memo too, so changing them mid-process takes effect.
     memo = (name, template_args, header, tuple(exports.items()), tuple(kernels), backend,
             arch if arch is None or isinstance(arch, str) else tuple(arch),
-            env.cuda_arch() if backend == "cuda" else None, tuple(env.extra_cflags()))
+            env.cuda_arch() if backend == "cuda" else None, tuple(env.extra_cflags()), env.sanitize())
     module = _modules.get(memo)
     if module is not None:
         return module
@@ -455,7 +673,7 @@ def load_jit(
             module = _load_indexed(request, roots)
             if module is None:
                 plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels,
-                                 backend=backend, arch=request.archs, probe_dir=roots.write / ".toolchain")
+                                 backend=backend, arch=request.archs, probe_dir=roots.probe_dir())
                 module = find_or_build(plan, roots)
                 _write_index(request, plan, roots)
             _modules[memo] = module

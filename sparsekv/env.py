@@ -7,6 +7,7 @@ variable between calls. The README's configuration table lists the same variable
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -66,5 +67,55 @@ def jit_strict() -> bool:
 
 
 def verbose_build() -> bool:
-    """``SPARSEKV_JIT_VERBOSE=1``: log every compiler command line."""
+    """``SPARSEKV_JIT_VERBOSE=1``: show every compile on stderr (one line with its time, on the
+    ``sparsekv.jit`` logger) and the compiler command lines."""
     return _flag("SPARSEKV_JIT_VERBOSE")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """``"20G"``, ``"20GiB"``, ``"512MB"``, ``"1048576"`` -> bytes (binary units: ``G`` = ``GiB`` = 2**30).
+
+    Raises
+    ------
+    ValueError
+        Names ``what`` and shows the accepted forms.
+    """
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise ValueError(f"sparsekv: {what} {text!r} is not a size; use e.g. 20G, 512MiB or a byte count")
+    return int(float(match.group(1)) * 1024 ** _SIZE_UNITS[match.group(2).upper()])
+
+
+def cache_max_size() -> int | None:
+    """``SPARSEKV_CACHE_MAX_SIZE``: size cap of the JIT cache (e.g. ``20G``); after each build the least
+    recently loaded entries are removed until the cache fits. None (no cap) when unset."""
+    text = os.environ.get("SPARSEKV_CACHE_MAX_SIZE", "").strip()
+    return parse_size(text, "SPARSEKV_CACHE_MAX_SIZE") if text else None
+
+
+def max_jobs() -> int | None:
+    """``SPARSEKV_MAX_JOBS``: parallel compiles of ``sparsekv jit build`` (default: from free cores and
+    memory, cgroup limits included). None when unset."""
+    text = os.environ.get("SPARSEKV_MAX_JOBS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"sparsekv: SPARSEKV_MAX_JOBS must be a positive integer, got {text!r}")
+    return int(text)
+
+
+SANITIZERS = ("address", "undefined")
+
+
+def sanitize() -> tuple[str, ...]:
+    """``SPARSEKV_SANITIZE=address,undefined``: build cpu-backend modules with these sanitizers (part of
+    the cache key; ``address`` needs the compiler's libasan preloaded, see ``make test-sanitize``)."""
+    names = tuple(sorted({n.strip() for n in os.environ.get("SPARSEKV_SANITIZE", "").split(",") if n.strip()}))
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown:
+        raise ValueError(f"sparsekv: SPARSEKV_SANITIZE names unknown sanitizers {unknown}; supported: {SANITIZERS}")
+    return names

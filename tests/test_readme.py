@@ -126,8 +126,8 @@ def test_the_what_is_inside_table_names_importable_things():
 
 def test_the_readme_says_which_layouts_the_copy_supports():
     from sparsekv.jit_kernel.hisparse_copy import HISPARSE_COPY
-    from sparsekv.jit_kernel.kv_layout import V4
+    from sparsekv.kv_layout import V4
 
     row = next(line for line in README.splitlines() if line.startswith("| paged token / page copy"))
-    v4_only = {instance[0] for instance in HISPARSE_COPY.instances} == {V4.cpp_type}
+    v4_only = {HISPARSE_COPY.template_args(i)[0] for i in HISPARSE_COPY.instances} == {V4.cpp_type}
     assert ("V4 (584 B) layout only" in row) == v4_only
