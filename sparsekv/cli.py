@@ -17,6 +17,7 @@ import sparsekv
 SUBCOMMANDS = {
     "jit": ("sparsekv.jit_kernel.cli", "build, list, inspect and clean JIT kernel modules"),
     "plan-memory": ("sparsekv.srt.model_executor.plan_memory", "plan KV pool sizes for a model and budget"),
+    "pd-demo": ("sparsekv.srt.disaggregation.pd_demo", "loopback prefill -> decode KV transfer over NIXL, checked"),
 }
 
 

@@ -51,11 +51,11 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def connect(self, descriptor: bytes) -> str:
-        """Load a peer's descriptor; returns the peer's name."""
+        """Load a peer's descriptor; returns the peer's name. Connections to one peer are counted."""
 
     @abstractmethod
     def disconnect(self, peer: str) -> None:
-        """Forget a peer (its in-flight writes must have been released)."""
+        """Drop one connection to a peer; the last one forgets it (its writes must be released)."""
 
     @abstractmethod
     def write(self, peer: str, rows: np.ndarray, *, src_kind: str, dst_kind: str,

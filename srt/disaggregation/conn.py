@@ -10,7 +10,7 @@ every prefill PP stage). Each stage then
    index-length mismatch, an out-of-range index, a state type with no sender or a TP split the
    state cannot take fails the room here, with nothing written;
 2. posts the writes in batches of at most ``max_batch_rows`` rows, ``max_inflight`` at a time,
-   each batch carrying the notification ``b"<room>:<batch>:<batches>"``;
+   each batch carrying the notification ``b"<stage port>:<room>:<batch>:<batches>"``;
 3. reports the room's status on the bootstrap connection.
 
 The decode side declares a room done when every stage reported success *and* every batch's
@@ -232,11 +232,14 @@ class KVSender:
         Merge consecutive index runs into single writes.
     progress : callable, optional
         ``progress(room, batches_done, batches)`` after each completed batch.
+    close_backend : bool
+        Whether :meth:`close` also closes ``backend`` (False when PP stages of one process share
+        one engine endpoint, as they should: one agent per process).
     """
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, *, host: str = LOOPBACK, port: int = 0,
                  timeout_s: float = 30.0, max_batch_rows: int = 16384, max_inflight: int = 4, coalesce: bool = True,
-                 progress: Callable[[int, int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int, int], None] | None = None, close_backend: bool = True) -> None:
         if max_batch_rows < 1 or max_inflight < 1:
             raise ValueError("sparsekv: arguments `max_batch_rows` and `max_inflight` must be >= 1")
         self.kv_args = kv_args
@@ -247,6 +250,7 @@ class KVSender:
         self.max_inflight = max_inflight
         self.coalesce = coalesce
         self.progress = progress
+        self.close_backend = close_backend
         #: Why each refused decode connection was refused, in order.
         self.refusals: list[str] = []
         self._rooms: dict[int, _Room] = {}
@@ -301,6 +305,14 @@ class KVSender:
             r = self._rooms[room]
             return r.nbytes, r.seconds
 
+    def abort(self, room: int, reason: str) -> None:
+        """Fail a declared room that is still pending (e.g. its decode never asked for it in time);
+        its ``on_done`` runs. A room already finished is left as it is."""
+        with self._cond:
+            if room not in self._rooms:
+                return
+        self._finish(room, RoomStatus.FAILED, reason)
+
     def wait(self, room: int, timeout_s: float | None = None) -> RoomStatus:
         """Wait until the room is no longer pending, at most ``timeout_s`` (default: the sender's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -324,7 +336,8 @@ class KVSender:
             ch.close()
         for t in [self._accept_thread, *self._threads]:
             t.join(self.timeout_s)
-        self.backend.close()
+        if self.close_backend:
+            self.backend.close()
 
     # ---- connections ----
 
@@ -470,7 +483,7 @@ class KVSender:
                     if self.progress is not None:
                         self.progress(room, done, n)
                 inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind,
-                                                   notif=f"{room}:{i}:{n}".encode()))
+                                                   notif=f"{self.address[1]}:{room}:{i}:{n}".encode()))
             while inflight:
                 self._wait_one(ch, inflight.pop(0), deadline, room)
                 done += 1
@@ -506,7 +519,7 @@ class KVSender:
 @dataclass
 class _Stage:
     channel: Channel
-    peer: str
+    port: int
     manifest: Manifest
     statuses: dict[int, dict] = field(default_factory=dict)
     notifs: dict[int, set[int]] = field(default_factory=dict)
@@ -568,11 +581,12 @@ class KVReceiver:
                 raise ManifestMismatchError(f"sparsekv: unexpected handshake reply {reply.get('op')!r}")
             remote = Manifest.from_dict(reply.get("manifest", {}))
             check_manifests(remote, self.manifest)
-            peer = self.backend.connect(unb64(reply["agent"]))
         except BaseException:
             ch.close()
             raise
-        return _Stage(ch, peer, remote)
+        # Only the writing side loads the other's descriptor: when both sides connect to each
+        # other at once, the engine's two simultaneous connects can reset one another.
+        return _Stage(ch, address[1], remote)
 
     def _read_loop(self, stage: _Stage) -> None:
         while not stage.channel.closed:
@@ -624,18 +638,17 @@ class KVReceiver:
             stage.channel.send(message)
 
     def _drain_notifs(self) -> None:
-        by_peer = {s.peer: s for s in self._stages}
+        by_port = {s.port: s for s in self._stages}
         for peer, messages in self.backend.get_notifs().items():
-            stage = by_peer.get(peer)
-            if stage is None:
-                continue
             for m in messages:
                 try:
-                    room, batch, _ = (int(x) for x in m.decode().split(":"))
+                    port, room, batch, _ = (int(x) for x in m.decode().split(":"))
                 except ValueError:
                     logger.warning("ignoring an unexpected notification %r from %s", m, peer)
                     continue
-                stage.notifs.setdefault(room, set()).add(batch)
+                stage = by_port.get(port)
+                if stage is not None:
+                    stage.notifs.setdefault(room, set()).add(batch)
 
     def poll(self, room: int) -> tuple[RoomStatus, str]:
         """``(status, error)`` of a requested room, without waiting."""

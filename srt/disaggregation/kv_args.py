@@ -66,6 +66,10 @@ class KVArgs:
         Attention tensor parallelism of this side.
     is_mla : bool
         Whether the KV is MLA (one latent per token, replicated over TP ranks).
+    owners : list
+        The objects owning the regions (pools, host pools), kept alive as long as these args: the
+        pointers are raw, and a transfer engine writing into a collected pool's memory would
+        fault or corrupt whatever reused it.
     """
 
     kv_data_ptrs: list[int] = field(default_factory=list)
@@ -85,6 +89,7 @@ class KVArgs:
     attn_tp_size: int = 1
     attn_tp_rank: int = 0
     is_mla: bool = True
+    owners: list = field(default_factory=list, repr=False)
 
     def add_state(self, state_type: StateType, infos, labels: list[str], mem_kind: str) -> None:
         """Append one state component (``infos``: ``(ptrs, lens, item_lens)`` of its regions).
@@ -172,6 +177,6 @@ def kv_args_of(token_to_kv_pool, draft_token_to_kv_pool=None, *, attn_tp_size: i
     args = KVArgs(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=item_lens, kv_labels=labels,
                   kv_mem_kinds=[kind] * len(ptrs), layers=(start, end),
                   page_size=getattr(token_to_kv_pool, "page_size", 1), attn_tp_size=attn_tp_size,
-                  attn_tp_rank=attn_tp_rank, is_mla=is_mla)
+                  attn_tp_rank=attn_tp_rank, is_mla=is_mla, owners=[token_to_kv_pool])
     setup_state_kv_args(args, token_to_kv_pool, draft_token_to_kv_pool)
     return args

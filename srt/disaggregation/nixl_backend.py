@@ -111,13 +111,16 @@ class NixlBackend(TransferBackend):
         if tls is not None:
             os.environ["UCX_TLS"] = tls
         self.name = name or f"sparsekv-{uuid.uuid4().hex[:12]}"
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        # STRICT: the agent locks internally too; its progress thread and ours share the UCX worker.
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = api.nixl_agent(self.name, config)
         # The agent runs without NIXL's own locking (no listener thread); sender threads share it.
         self.lock = threading.RLock()
         self.registered: list[tuple[int, int, str]] = []
         self._reg_descs: list = []
-        self._peers: set[str] = set()
+        self._peers: dict[str, int] = {}  # peer -> connections using it
+        self._known: dict[bytes, str] = {}  # descriptor -> peer
         self._open: dict[int, NixlHandle] = {}
 
     @_locked
@@ -136,16 +139,23 @@ class NixlBackend(TransferBackend):
 
     @_locked
     def connect(self, descriptor: bytes) -> str:
-        peer = self.agent.add_remote_agent(descriptor)
-        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        self._peers.add(peer)
+        # Loading a peer's metadata again resets the engine's connection to it (a write another
+        # thread has in flight to that peer then fails), so a known descriptor is not reloaded.
+        peer = self._known.get(descriptor)
+        if peer is None or peer not in self._peers:
+            peer = self.agent.add_remote_agent(descriptor)
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._known[descriptor] = peer
+        self._peers[peer] = self._peers.get(peer, 0) + 1
         return peer
 
     @_locked
     def disconnect(self, peer: str) -> None:
         if peer in self._peers:
-            self._peers.discard(peer)
-            self.agent.remove_remote_agent(peer)
+            self._peers[peer] -= 1
+            if self._peers[peer] == 0:
+                del self._peers[peer]
+                self.agent.remove_remote_agent(peer)
 
     @_locked
     def write(self, peer: str, rows: np.ndarray, *, src_kind: str, dst_kind: str, notif: bytes = b"") -> NixlHandle:
@@ -194,6 +204,7 @@ class NixlBackend(TransferBackend):
         for h in list(self._open.values()):
             h.release()
         for peer in list(self._peers):
+            self._peers[peer] = 1
             try:
                 self.disconnect(peer)
             except Exception as e:

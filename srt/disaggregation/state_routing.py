@@ -91,6 +91,9 @@ def setup_state_kv_args(kv_args: KVArgs, token_to_kv_pool, draft_token_to_kv_poo
         pool's layer layout.
     """
     kv_args.clear_state()
+    for pool in (token_to_kv_pool, draft_token_to_kv_pool):
+        if pool is not None and all(pool is not owner for owner in kv_args.owners):
+            kv_args.owners.append(pool)
     start, ratios = _layout(token_to_kv_pool)
     kv_args.mla_compression_ratios = ratios
     draft = draft_token_to_kv_pool
