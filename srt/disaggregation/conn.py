@@ -489,6 +489,8 @@ class KVSender:
                 done += 1
                 if self.progress is not None:
                     self.progress(room, done, n)
+        except TransferError as e:
+            raise TransferError(f"sparsekv: room {room}: transfer failed after {done}/{n} batches: {e}") from e
         finally:
             for handle in inflight:  # aborted: cancel what is still posted
                 handle.release()
@@ -501,13 +503,13 @@ class KVSender:
                 if state == "DONE":
                     return
                 if state == "ERR":
-                    raise TransferError(f"sparsekv: room {room}: the transfer engine reported a failed write")
+                    raise TransferError("the transfer engine reported a failed write")
                 if ch.peer_closed():
-                    raise TransferError(f"sparsekv: room {room}: the decode side went away mid-transfer")
+                    raise TransferError("the decode side went away mid-transfer")
                 if self._closing:
-                    raise TransferError(f"sparsekv: room {room}: the sender is closing")
+                    raise TransferError("the sender is closing")
                 if time.monotonic() > deadline:
-                    raise TransferError(f"sparsekv: room {room}: writes did not complete within {self.timeout_s} s")
+                    raise TransferError(f"writes did not complete within {self.timeout_s} s")
                 time.sleep(0.0002)
         finally:
             handle.release()

@@ -174,7 +174,7 @@ def make_plan(spec: DemoSpec) -> list[dict]:
     from sparsekv.srt.disaggregation.kv_args import kv_args_of
 
     prefill = [kv_args_of(p) for p in prefill_pools(spec)]
-    dec_pool, _ = decode_pool(spec)
+    dec_pool, _ = decode_pool(replace(spec, decode_state_dtype=None))  # the plan is for a matching decode
     decode = [kv_args_of(dec_pool)]
     sides = prefill + decode
     n_states = len(decode[0].state_types)
