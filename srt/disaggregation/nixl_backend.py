@@ -195,6 +195,11 @@ class NixlBackend(TransferBackend):
         return {str(k): list(v) for k, v in self.agent.get_new_notifs().items()}
 
     @property
+    def peers(self) -> list[str]:
+        """Connected peers' names."""
+        return list(self._peers)
+
+    @property
     def open_handles(self) -> int:
         """Posted writes not yet released."""
         return len(self._open)
