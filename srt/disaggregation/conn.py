@@ -389,7 +389,8 @@ class KVSender:
                 raise ManifestMismatchError(f"sparsekv: expected a hello, got {hello.get('op')!r}")
             remote = Manifest.from_dict(hello.get("manifest", {}))
             check_manifests(self.manifest, remote)
-        except ManifestMismatchError as e:
+            descriptor = unb64(hello["agent"])
+        except (ManifestMismatchError, KeyError) as e:
             self.refusals.append(str(e))
             logger.error("refusing a decode connection: %s", e)
             try:
@@ -403,7 +404,7 @@ class KVSender:
             ch.close()
             return
         try:
-            peer = self.backend.connect(unb64(hello["agent"]))
+            peer = self.backend.connect(descriptor)
             ch.send({"op": "welcome", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
             while (message := self._next_message(ch)) is not None:
                 if message.get("op") == "transfer":

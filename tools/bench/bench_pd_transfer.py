@@ -60,6 +60,7 @@ def _wait(handle, deadline: float) -> None:
         while (state := handle.status()) == "PROC":
             if time.monotonic() > deadline:
                 raise TimeoutError("raw NIXL write did not complete in time")
+            time.sleep(0.0002)  # as KVSender polls: a spinning poll holds the agent lock its progress thread needs
         if state != "DONE":
             raise RuntimeError("raw NIXL write failed")
     finally:
