@@ -31,6 +31,7 @@ import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -343,8 +344,8 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
         allocator = HiSparseTokenToKVPoolAllocator(pool.size // ratio, pool.page_size, host_to_device_ratio=ratio)
         num_c4 = sum(1 for r in pool.stage_compress_ratios if r == 4)
         device_pool = HiSparseC4DevicePool(allocator, num_c4, "cpu")
-        req_table = type("ReqToToken", (), {})()
-        req_table.req_to_token = torch.zeros(len(plan) + 1, max(spec.seq_lens) + 256, dtype=torch.int64)
+        req_table = SimpleNamespace(req_to_token=torch.zeros(len(plan) + 1, max(spec.seq_lens) + 256,
+                                                             dtype=torch.int64))
         coord = HiSparseCoordinator(req_table, allocator, device_pool, top_k=16, device_buffer_size=64)
         args = hisparse_decode_kv_args(pool, coord, attn_tp_size=spec.decode_attn_tp_size, is_mla=spec.is_mla)
     else:
@@ -366,7 +367,7 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     for slot, room in enumerate(plan, start=1):
         room = dict(room, dst=[list(d) for d in room["dst"]])
         if spec.hisparse:
-            req = type("Req", (), {"req_pool_idx": slot, "kv_allocated_len": room["seq_len"]})()
+            req = SimpleNamespace(req_pool_idx=slot, kv_allocated_len=room["seq_len"])
             full = allocator.alloc_extend(req_table.req_to_token, slot, 0, room["seq_len"], with_device=False)
             room["dst"][0] = [int(p) for p in torch.unique_consecutive(full // pool.page_size)]
             room["groups"] = {"c4_kv": alloc_direct_host_pages(coord, req, len(room["dst"][0]))}
@@ -398,8 +399,31 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     result["bytes_checked"] = int(sum(v.size for v in expected.values()))
     if spec.hisparse:
         result["admitted"] = sorted(r for r in reqs if result["rooms"][r]["status"] == "success")
+        result["hot_entries_checked"], result["hot_entries_wrong"] = _check_hot_buffers(
+            coord, [reqs[r] for r in result["admitted"]])
     receiver.close()
     conn.send(result)
+
+
+def _check_hot_buffers(coord, reqs) -> tuple[int, int]:
+    """After ``admit_request_direct``: the C4 entries preloaded into each request's hot buffer (all
+    of them when they fit, else the newest one in column ``H``) equal the host entries, every layer."""
+    from sparsekv.testing.reference.hisparse import token_bytes
+
+    checked = wrong = 0
+    hot = coord.device_buffer_size
+    for req in reqs:
+        rid, n = req.req_pool_idx, coord.host_token_len(req.kv_allocated_len)
+        host = coord.req_to_host_pool[rid].tolist()
+        buffer = coord.req_to_device_buffer[rid].tolist()
+        pairs = list(zip(host[:n], buffer[:n])) if n <= hot else [(host[n - 1], buffer[hot])]
+        for layer in range(coord.device_pool.layer_num):
+            for host_slot, device_slot in pairs:
+                checked += 1
+                wrong += not bool((token_bytes(coord.mem_pool_host.kv_buffer[layer], host_slot, is_dsv4_layout=True)
+                                   == token_bytes(coord.device_pool.kv_buffer[layer], device_slot,
+                                                  is_dsv4_layout=True)).all())
+    return checked, wrong
 
 
 def _role(target, spec, plan, conn, *extra) -> None:
