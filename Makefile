@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
+	# The `pd` extra (NIXL), after torch and without its declared dependencies: see pyproject.toml.
+	$(PY) -m pip install -q -c constraints.txt --no-deps nixl-cu12 nixl
 	touch $(STAMP)
 
 # The venv the README's first command creates; `source .venv/bin/activate` enters it.

@@ -68,6 +68,15 @@ SUBCOMMANDS = {
             "sparsekv plan-memory --case my_case.json --json",
         ),
     ),
+    "pd-demo": Subcommand(
+        "sparsekv.srt.disaggregation.pd_demo",
+        "loopback prefill -> decode KV transfer over NIXL, checked byte for byte",
+        (
+            "sparsekv pd-demo",
+            "sparsekv pd-demo --hisparse on --pp-size 2 --json",
+            "sparsekv pd-demo --kill-decode-after 2",
+        ),
+    ),
 }
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130

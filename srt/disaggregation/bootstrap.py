@@ -1,0 +1,153 @@
+"""Rendezvous and control messages between the prefill and decode side, over TCP sockets.
+
+Mechanism: each prefill PP stage listens on a TCP address (its *bootstrap address*, here always
+``127.0.0.1:<port>``); a decode server connects to the bootstrap address of every stage that holds
+layers it needs. Messages are JSON objects, each framed by a 4-byte big-endian length; bytes
+(engine descriptors) travel base64-encoded. The exchange::
+
+    decode -> prefill   {"op": "hello", "agent": <descriptor>, "manifest": <Manifest.to_dict()>}
+    prefill -> decode   {"op": "welcome", "agent": <descriptor>}
+                     or {"op": "refused", "error": <why>}           (then the prefill closes)
+    decode -> prefill   {"op": "transfer", "room": r, "kv_indices": [...], "kv_group_indices": {...},
+                         "state_indices": [[...], ...]}            (any number, any order)
+    prefill -> decode   {"op": "status", "room": r, "ok": bool, "error": str, "batches": n, "bytes": b}
+
+Every receive has a deadline, so a peer that stops answering is an error, not a hang; a peer that
+closes its socket (or dies) is seen at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import select
+import socket
+import struct
+import threading
+import time
+
+LOOPBACK = "127.0.0.1"
+MAX_MESSAGE_BYTES = 256 << 20
+_HEADER = struct.Struct(">I")
+
+
+class PeerClosedError(ConnectionError):
+    """The other side closed the connection (or its process died)."""
+
+
+def b64(data: bytes) -> str:
+    """``data`` as base64 text."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    """Inverse of :func:`b64`."""
+    return base64.b64decode(text.encode("ascii"))
+
+
+class Channel:
+    """A framed-JSON connection; sends are serialized by a lock, receives have deadlines."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], timeout_s: float) -> Channel:
+        """Connect to ``address`` within ``timeout_s``.
+
+        Raises
+        ------
+        ConnectionError, TimeoutError
+            Nobody listens there, or the connection does not open in time.
+        """
+        sock = socket.create_connection(address, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock)
+
+    def send(self, message: dict) -> None:
+        """Send one message.
+
+        Raises
+        ------
+        PeerClosedError
+            The connection is gone.
+        """
+        data = json.dumps(message).encode()
+        with self._send_lock:
+            try:
+                self.sock.sendall(_HEADER.pack(len(data)) + data)
+            except OSError as e:
+                raise PeerClosedError(f"sparsekv: bootstrap peer is gone: {e}") from e
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("sparsekv: timed out waiting for the bootstrap peer")
+            try:
+                self.sock.settimeout(left)
+                chunk = self.sock.recv(min(n - got, 1 << 20))
+            except TimeoutError as e:
+                raise TimeoutError("sparsekv: timed out waiting for the bootstrap peer") from e
+            except OSError as e:
+                raise PeerClosedError(f"sparsekv: bootstrap peer is gone: {e}") from e
+            if not chunk:
+                raise PeerClosedError("sparsekv: bootstrap peer closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def recv(self, timeout_s: float) -> dict:
+        """The next message, waiting at most ``timeout_s``.
+
+        Raises
+        ------
+        TimeoutError
+            Nothing (whole) arrived in time; the stream is then out of step, close it.
+        PeerClosedError
+            The peer closed the connection.
+        ValueError
+            A frame over :data:`MAX_MESSAGE_BYTES` or not a JSON object.
+        """
+        deadline = time.monotonic() + timeout_s
+        (size,) = _HEADER.unpack(self._recv_exact(_HEADER.size, deadline))
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"sparsekv: bootstrap message of {size} B exceeds {MAX_MESSAGE_BYTES} B")
+        message = json.loads(self._recv_exact(size, deadline))
+        if not isinstance(message, dict):
+            raise ValueError("sparsekv: bootstrap message is not a JSON object")
+        return message
+
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed the connection (non-blocking; pending data is not consumed)."""
+        if self.closed:
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if not readable:
+                return False
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+
+def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free port; read it from ``getsockname()``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(16)
+    return sock

@@ -1,0 +1,703 @@
+"""``KVSender`` (prefill side) and ``KVReceiver`` (decode side): one request's KV and state, moved.
+
+A *room* is one request's transfer. The prefill scheduler declares where a room's data is
+(:meth:`KVSender.add_request`: its KV pages and, per state component, its state indices); the
+decode scheduler allocates destinations and asks for the room (:meth:`KVReceiver.request`, sent to
+every prefill PP stage). Each stage then
+
+1. plans every write before issuing any (:mod:`.transfer_plan`): KV regions by label through
+   ``get_contiguous_buf_infos``, then each state component through its :data:`SENDERS` entry; an
+   index-length mismatch, an out-of-range index, a state type with no sender or a TP split the
+   state cannot take fails the room here, with nothing written;
+2. posts the writes in batches of at most ``max_batch_rows`` rows, ``max_inflight`` at a time,
+   each batch carrying the notification ``b"<stage port>:<room>:<batch>:<batches>"``;
+3. reports the room's status on the bootstrap connection.
+
+The decode side declares a room done when every stage reported success *and* every batch's
+notification arrived (NIXL delivers a batch's notification after its data). Every wait is
+bounded (``timeout_s``); a peer that dies mid-transfer fails the room on the other side within it.
+
+Lifecycle: ``KVSender(kv_args, backend)`` registers its regions and listens; ``close()`` stops it
+and releases every handle and registration. ``KVReceiver(kv_args, backend, addresses)`` registers,
+connects and checks the manifests (raising :class:`~.manifest.ManifestMismatchError` on both
+sides); ``close()`` likewise.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle
+from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
+from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
+from sparsekv.srt.disaggregation.manifest import (
+    TP_SHARDED_STATES,
+    Manifest,
+    ManifestMismatchError,
+    Region,
+    check_manifests,
+)
+from sparsekv.srt.disaggregation.transfer_plan import check_index_pairs, plan_transfer
+
+logger = logging.getLogger(__name__)
+
+#: A plan: (source memory kind, destination memory kind) -> write rows (uint64 ``[N, 3]``).
+Plan = dict[tuple[str, str], list[np.ndarray]]
+
+
+class RoomStatus(str, Enum):
+    """Where a room's transfer stands."""
+
+    PENDING = "pending"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+# ---- planning ------------------------------------------------------------------------------------
+
+
+def plan_regions(plan: Plan, local: list[Region], remote: dict[str, Region], src_indices, dst_indices, *,
+                 coalesce: bool) -> None:
+    """Add the writes of ``src_indices -> dst_indices`` over the ``local`` regions to ``plan``.
+
+    Each local region goes to the ``remote`` region of the same label.
+
+    Raises
+    ------
+    ValueError
+        Index lists of different lengths; a local region without a remote one or with another
+        item size.
+    IndexError
+        An index outside a region.
+    """
+    by_kind: dict[tuple[str, str], list[tuple[Region, Region]]] = {}
+    for region in local:
+        other = remote.get(region.label)
+        if other is None or other.item_len != region.item_len:
+            raise ValueError(f"sparsekv: no matching destination region for {region.label!r}")
+        by_kind.setdefault((region.mem_kind, other.mem_kind), []).append((region, other))
+    for kinds, pairs in by_kind.items():
+        rows = plan_transfer([a.ptr for a, _ in pairs], [b.ptr for _, b in pairs], [a.item_len for a, _ in pairs],
+                             src_indices, dst_indices, src_lens=[a.nbytes for a, _ in pairs],
+                             dst_lens=[b.nbytes for _, b in pairs], coalesce=coalesce)
+        plan.setdefault(kinds, []).append(rows)
+
+
+@dataclass
+class SendContext:
+    """What a state sender needs: both manifests, the component, and the plan to extend."""
+
+    local: Manifest
+    remote: Manifest
+    component: int
+    plan: Plan
+    coalesce: bool
+
+    def generic(self, src_indices, dst_indices) -> None:
+        """The generic send of this component (lengths checked first)."""
+        check_index_pairs(src_indices, dst_indices)
+        plan_regions(self.plan, self.local.components[self.component][1], self.remote.region_map(self.component),
+                     src_indices, dst_indices, coalesce=self.coalesce)
+
+
+def _send_tp_sharded(ctx: SendContext, state_type: StateType, src_indices, dst_indices) -> None:
+    if (not ctx.local.is_mla or not ctx.remote.is_mla) and ctx.local.attn_tp_size != ctx.remote.attn_tp_size:
+        raise TransferError(f"sparsekv: PD transfer does not support different attention TP sizes (prefill "
+                            f"{ctx.local.attn_tp_size}, decode {ctx.remote.attn_tp_size}) for non-MLA "
+                            f"{state_type.value.upper()} hybrid models")
+    ctx.generic(src_indices, dst_indices)
+
+
+def _send_replicated(ctx: SendContext, state_type: StateType, src_indices, dst_indices) -> None:
+    ctx.generic(src_indices, dst_indices)
+
+
+def _send_same_tp(ctx: SendContext, state_type: StateType, src_indices, dst_indices) -> None:
+    if ctx.local.attn_tp_size != ctx.remote.attn_tp_size:
+        raise TransferError(f"sparsekv: PD transfer does not split {state_type.value.upper()} state across "
+                            f"attention TP sizes {ctx.local.attn_tp_size} -> {ctx.remote.attn_tp_size}")
+    ctx.generic(src_indices, dst_indices)
+
+
+#: The sender of each state type. SWA (DSV4 included: SWA pages plus the C4 rings on the same
+#: SWA page ids) and DSA use the generic send with the TP rule; the request-scoped C128 rings
+#: are the same on every TP rank; MAMBA state is sent whole, so TP sizes must match.
+SENDERS: dict[StateType, Callable[[SendContext, StateType, object, object], None]] = {
+    StateType.SWA: _send_tp_sharded,
+    StateType.DSA: _send_tp_sharded,
+    StateType.C128_STATE: _send_replicated,
+    StateType.MAMBA: _send_same_tp,
+}
+_UNSENT = (set(StateType) | set(TP_SHARDED_STATES)) - set(SENDERS)
+if _UNSENT:  # dispatch must be exhaustive: a state type without a sender would silently stay behind
+    raise ImportError(f"sparsekv: state types without a PD sender: {sorted(t.value for t in _UNSENT)}")
+
+
+def plan_room(local: Manifest, remote: Manifest, kv_args: KVArgs, src_kv, src_states: list, request: dict, *,
+              coalesce: bool = True) -> Plan:
+    """Every write of one room, planned and checked before any is issued.
+
+    Parameters
+    ----------
+    local, remote : Manifest
+        This (prefill) side's and the decode side's manifests.
+    kv_args : KVArgs
+        This side's state types (parallel to ``src_states``).
+    src_kv, src_states
+        The room's source KV pages and per-component state indices.
+    request : dict
+        The decode's ``transfer`` message: ``kv_indices``, optional ``kv_group_indices`` (a
+        region group's own destination indices, e.g. host pages for ``c4_kv`` under HiSparse),
+        ``state_indices`` (one list per component).
+
+    Raises
+    ------
+    ValueError, IndexError
+        Index lists of different lengths or out of range; a wrong number of state lists.
+    TransferError
+        A state type without a sender, or a TP split its sender refuses.
+    """
+    plan: Plan = {}
+    overrides = request.get("kv_group_indices") or {}
+    groups: dict[str, list[Region]] = {}
+    for region in local.components[0][1]:
+        groups.setdefault(region.label.split(":", 1)[0], []).append(region)
+    remote_kv = remote.region_map(0)
+    for group, regions in groups.items():
+        dst = overrides.get(group, request["kv_indices"])
+        check_index_pairs(src_kv, dst)
+        plan_regions(plan, regions, remote_kv, src_kv, dst, coalesce=coalesce)
+    dst_states = request.get("state_indices") or []
+    if len(dst_states) != len(kv_args.state_types) or len(src_states) != len(kv_args.state_types):
+        raise ValueError(f"sparsekv: {len(kv_args.state_types)} state components, but {len(src_states)} source and "
+                         f"{len(dst_states)} destination index lists")
+    for c, state_type in enumerate(kv_args.state_types):
+        sender = SENDERS.get(StateType(state_type))
+        if sender is None:
+            raise TransferError(f"sparsekv: no sender for state type {StateType(state_type).value!r}: refusing to "
+                                "transfer a request whose state would be left behind")
+        sender(SendContext(local, remote, c + 1, plan, coalesce), StateType(state_type), src_states[c],
+               dst_states[c])
+    return plan
+
+
+def plan_batches(plan: Plan, max_batch_rows: int) -> list[tuple[str, str, np.ndarray]]:
+    """The plan's rows as batches of at most ``max_batch_rows``, one memory-kind pair each."""
+    batches = []
+    for (src_kind, dst_kind), parts in plan.items():
+        rows = np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
+        for start in range(0, rows.shape[0], max_batch_rows):
+            batches.append((src_kind, dst_kind, rows[start : start + max_batch_rows]))
+    return batches
+
+
+# ---- prefill side --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Room:
+    kv_indices: np.ndarray
+    state_indices: list[np.ndarray]
+    on_done: Callable[[int, bool], None] | None
+    status: RoomStatus = RoomStatus.PENDING
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class KVSender:
+    """The prefill side of one PP stage: listens for decode servers and writes rooms into them.
+
+    Parameters
+    ----------
+    kv_args : KVArgs
+        This stage's regions (:func:`~.kv_args.kv_args_of`).
+    backend : TransferBackend
+        The engine endpoint; its lifetime becomes the sender's (closed by :meth:`close`).
+    host, port : str, int
+        Bootstrap address to listen on (port 0: any free port; see :attr:`address`).
+    timeout_s : float
+        Bound of every wait: a decode's next message, a room's source, a batch's completion.
+    max_batch_rows, max_inflight : int
+        Writes per posted batch, and batches in flight at once.
+    coalesce : bool
+        Merge consecutive index runs into single writes.
+    progress : callable, optional
+        ``progress(room, batches_done, batches)`` after each completed batch.
+    close_backend : bool
+        Whether :meth:`close` also closes ``backend`` (False when PP stages of one process share
+        one engine endpoint, as they should: one agent per process).
+    """
+
+    def __init__(self, kv_args: KVArgs, backend: TransferBackend, *, host: str = LOOPBACK, port: int = 0,
+                 timeout_s: float = 30.0, max_batch_rows: int = 16384, max_inflight: int = 4, coalesce: bool = True,
+                 progress: Callable[[int, int, int], None] | None = None, close_backend: bool = True) -> None:
+        if max_batch_rows < 1 or max_inflight < 1:
+            raise ValueError("sparsekv: arguments `max_batch_rows` and `max_inflight` must be >= 1")
+        self.kv_args = kv_args
+        self.manifest = Manifest.of(kv_args)
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.max_batch_rows = max_batch_rows
+        self.max_inflight = max_inflight
+        self.coalesce = coalesce
+        self.progress = progress
+        self.close_backend = close_backend
+        #: Why each refused decode connection was refused, in order.
+        self.refusals: list[str] = []
+        self._rooms: dict[int, _Room] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        backend.register(kv_args.regions())
+        self._listener = listen(host, port)
+        self.address: tuple[str, int] = self._listener.getsockname()
+        self._threads: list[threading.Thread] = []
+        self._channels: list[Channel] = []
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-sender-accept", daemon=True)
+        self._accept_thread.start()
+
+    # ---- scheduler API ----
+
+    def add_request(self, room: int, kv_indices, state_indices, on_done: Callable[[int, bool], None] | None = None
+                    ) -> None:
+        """Declare where room ``room``'s data is: KV pages and one index list per state component.
+
+        ``on_done(room, ok)`` runs once the room succeeded or failed (e.g. to free its pages).
+
+        Raises
+        ------
+        ValueError
+            The room is already declared, or the number of state lists is wrong.
+        """
+        if len(state_indices) != len(self.kv_args.state_types):
+            raise ValueError(f"sparsekv: {len(self.kv_args.state_types)} state components, got "
+                             f"{len(state_indices)} index lists")
+        with self._cond:
+            if room in self._rooms:
+                raise ValueError(f"sparsekv: room {room} is already declared")
+            self._rooms[room] = _Room(np.asarray(kv_indices, dtype=np.int64),
+                                      [np.asarray(s, dtype=np.int64) for s in state_indices], on_done)
+            self._cond.notify_all()
+
+    def status(self, room: int) -> RoomStatus:
+        """The room's status (``PENDING`` also for an unknown room)."""
+        with self._cond:
+            r = self._rooms.get(room)
+            return r.status if r is not None else RoomStatus.PENDING
+
+    def error(self, room: int) -> str:
+        """Why the room failed ("" otherwise)."""
+        with self._cond:
+            r = self._rooms.get(room)
+            return r.error if r is not None else ""
+
+    def stats(self, room: int) -> tuple[int, float]:
+        """``(bytes written, seconds from first post to last completion)`` of a finished room."""
+        with self._cond:
+            r = self._rooms[room]
+            return r.nbytes, r.seconds
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail a declared room that is still pending (e.g. its decode never asked for it in time);
+        its ``on_done`` runs. A room already finished is left as it is."""
+        with self._cond:
+            if room not in self._rooms:
+                return
+        self._finish(room, RoomStatus.FAILED, reason)
+
+    def wait(self, room: int, timeout_s: float | None = None) -> RoomStatus:
+        """Wait until the room is no longer pending, at most ``timeout_s`` (default: the sender's)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while self.status(room) == RoomStatus.PENDING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self.status(room)
+
+    def close(self) -> None:
+        """Stop listening, drop every connection, release every handle and registration (idempotent)."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._listener.close()
+        for ch in list(self._channels):
+            ch.close()
+        for t in [self._accept_thread, *self._threads]:
+            t.join(self.timeout_s)
+        if self.close_backend:
+            self.backend.close()
+
+    # ---- connections ----
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                readable, _, _ = select.select([self._listener], [], [], 0.1)
+                if not readable:
+                    continue
+                sock, _ = self._listener.accept()
+            except (OSError, ValueError):
+                return
+            ch = Channel(sock)
+            self._channels.append(ch)
+            t = threading.Thread(target=self._serve, args=(ch,), name="kv-sender-conn", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _finish(self, room: int, status: RoomStatus, error: str = "") -> None:
+        with self._cond:
+            r = self._rooms[room]
+            if r.status != RoomStatus.PENDING:
+                return
+            r.status, r.error = status, error
+            callback = r.on_done
+            self._cond.notify_all()
+        if callback is not None:
+            callback(room, status == RoomStatus.SUCCESS)
+
+    def _next_message(self, ch: Channel) -> dict | None:
+        """The decode's next message; None once it hung up or the sender closes."""
+        while not self._closing:
+            try:
+                readable, _, _ = select.select([ch.sock], [], [], 0.1)
+            except (OSError, ValueError):
+                return None
+            if readable:
+                try:
+                    return ch.recv(self.timeout_s)
+                except (PeerClosedError, TimeoutError, ValueError):
+                    return None
+        return None
+
+    def _serve(self, ch: Channel) -> None:
+        peer = None
+        try:
+            hello = ch.recv(self.timeout_s)
+            if hello.get("op") != "hello":
+                raise ManifestMismatchError(f"sparsekv: expected a hello, got {hello.get('op')!r}")
+            remote = Manifest.from_dict(hello.get("manifest", {}))
+            check_manifests(self.manifest, remote)
+            descriptor = unb64(hello["agent"])
+        except (ManifestMismatchError, KeyError) as e:
+            self.refusals.append(str(e))
+            logger.error("refusing a decode connection: %s", e)
+            try:
+                ch.send({"op": "refused", "error": str(e)})
+            except PeerClosedError:
+                pass
+            ch.close()
+            return
+        except (PeerClosedError, TimeoutError, ValueError) as e:
+            logger.error("decode connection failed during the handshake: %s", e)
+            ch.close()
+            return
+        try:
+            peer = self.backend.connect(descriptor)
+            ch.send({"op": "welcome", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
+            while (message := self._next_message(ch)) is not None:
+                if message.get("op") == "transfer":
+                    self._transfer(ch, peer, remote, message)
+                elif message.get("op") == "bye":
+                    break
+        except (PeerClosedError, TransferError) as e:
+            logger.error("decode connection lost: %s", e)
+        finally:
+            ch.close()
+            if peer is not None:
+                try:
+                    self.backend.disconnect(peer)
+                except Exception as e:  # the engine may already have dropped a dead peer
+                    logger.warning("could not disconnect %s: %s", peer, e)
+
+    def _wait_source(self, room: int) -> _Room | None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while room not in self._rooms and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._rooms.get(room)
+
+    def _transfer(self, ch: Channel, peer: str, remote: Manifest, message: dict) -> None:
+        room = int(message.get("room", -1))
+        source = self._wait_source(room)
+        if source is None:
+            ch.send({"op": "status", "room": room, "ok": False,
+                     "error": f"sparsekv: prefill has no room {room} (not declared within {self.timeout_s} s)"})
+            return
+        if source.status != RoomStatus.PENDING:
+            ch.send({"op": "status", "room": room, "ok": False, "error": f"sparsekv: room {room} is already "
+                     f"{source.status.value}"})
+            return
+        try:
+            plan = plan_room(self.manifest, remote, self.kv_args, source.kv_indices, source.state_indices, message,
+                             coalesce=self.coalesce)
+        except (ValueError, IndexError, TypeError, TransferError) as e:
+            self._fail(ch, room, f"sparsekv: room {room} refused before any write: {e}")
+            return
+        try:
+            batches, nbytes, seconds = self._write(ch, peer, room, plan)
+        except TransferError as e:
+            self._fail(ch, room, str(e))
+            raise
+        with self._cond:
+            source.nbytes, source.seconds = nbytes, seconds
+        self._finish(room, RoomStatus.SUCCESS)
+        ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes})
+
+    def _fail(self, ch: Channel, room: int, error: str) -> None:
+        logger.error("%s", error)
+        self._finish(room, RoomStatus.FAILED, error)
+        try:
+            ch.send({"op": "status", "room": room, "ok": False, "error": error})
+        except PeerClosedError:
+            pass
+
+    def _write(self, ch: Channel, peer: str, room: int, plan: Plan) -> tuple[int, int, float]:
+        batches = plan_batches(plan, self.max_batch_rows)
+        n = len(batches)
+        nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
+        if n == 0:
+            return 0, 0, 0.0
+        deadline = time.monotonic() + self.timeout_s
+        start = time.perf_counter()
+        inflight: list[TransferHandle] = []
+        done = 0
+        try:
+            for i, (src_kind, dst_kind, rows) in enumerate(batches):
+                while len(inflight) >= self.max_inflight:
+                    self._wait_one(ch, inflight.pop(0), deadline, room)
+                    done += 1
+                    if self.progress is not None:
+                        self.progress(room, done, n)
+                inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind,
+                                                   notif=f"{self.address[1]}:{room}:{i}:{n}".encode()))
+            while inflight:
+                self._wait_one(ch, inflight.pop(0), deadline, room)
+                done += 1
+                if self.progress is not None:
+                    self.progress(room, done, n)
+        except TransferError as e:
+            raise TransferError(f"sparsekv: room {room}: transfer failed after {done}/{n} batches: {e}") from e
+        finally:
+            for handle in inflight:  # aborted: cancel what is still posted
+                handle.release()
+        return n, nbytes, time.perf_counter() - start
+
+    def _wait_one(self, ch: Channel, handle: TransferHandle, deadline: float, room: int) -> None:
+        try:
+            while True:
+                state = handle.status()
+                if state == "DONE":
+                    return
+                if state == "ERR":
+                    raise TransferError("the transfer engine reported a failed write")
+                if ch.peer_closed():
+                    raise TransferError("the decode side went away mid-transfer")
+                if self._closing:
+                    raise TransferError("the sender is closing")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"writes did not complete within {self.timeout_s} s")
+                time.sleep(0.0002)
+        finally:
+            handle.release()
+
+
+# ---- decode side ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stage:
+    channel: Channel
+    port: int
+    manifest: Manifest
+    statuses: dict[int, dict] = field(default_factory=dict)
+    notifs: dict[int, set[int]] = field(default_factory=dict)
+    closed: bool = False
+    thread: threading.Thread | None = None
+
+
+class KVReceiver:
+    """The decode side: connects to every prefill stage, asks for rooms, waits for them.
+
+    Parameters
+    ----------
+    kv_args : KVArgs
+        The decode's regions (all layers); under HiSparse see :mod:`.hisparse_direct`.
+    backend : TransferBackend
+        The engine endpoint; closed by :meth:`close`.
+    bootstrap_addresses : list of (str, int)
+        One per prefill PP stage.
+    timeout_s : float
+        Bound of every wait (connecting, the handshake; the default of :meth:`wait`).
+
+    Raises
+    ------
+    ManifestMismatchError
+        A stage refused the manifest (or this side refuses the stage's); everything opened so far
+        is closed again.
+    ConnectionError, TimeoutError
+        A stage cannot be reached or does not answer in time; likewise cleaned up.
+    """
+
+    def __init__(self, kv_args: KVArgs, backend: TransferBackend, bootstrap_addresses: list[tuple[str, int]], *,
+                 timeout_s: float = 30.0) -> None:
+        self.kv_args = kv_args
+        self.manifest = Manifest.of(kv_args)
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._stages: list[_Stage] = []
+        backend.register(kv_args.regions())
+        try:
+            for address in bootstrap_addresses:
+                self._stages.append(self._connect(tuple(address)))
+        except BaseException:
+            self.close()
+            raise
+        for stage in self._stages:
+            stage.thread = threading.Thread(target=self._read_loop, args=(stage,), name="kv-receiver", daemon=True)
+            stage.thread.start()
+
+    def _connect(self, address: tuple[str, int]) -> _Stage:
+        ch = Channel.connect(address, self.timeout_s)
+        try:
+            ch.send({"op": "hello", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
+            reply = ch.recv(self.timeout_s)
+            if reply.get("op") == "refused":
+                raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} refused this "
+                                            f"decode: {reply.get('error')}")
+            if reply.get("op") != "welcome":
+                raise ManifestMismatchError(f"sparsekv: unexpected handshake reply {reply.get('op')!r}")
+            remote = Manifest.from_dict(reply.get("manifest", {}))
+            check_manifests(remote, self.manifest)
+        except BaseException:
+            ch.close()
+            raise
+        # Only the writing side loads the other's descriptor: when both sides connect to each
+        # other at once, the engine's two simultaneous connects can reset one another.
+        return _Stage(ch, address[1], remote)
+
+    def _read_loop(self, stage: _Stage) -> None:
+        while not stage.channel.closed:
+            try:
+                readable, _, _ = select.select([stage.channel.sock], [], [], 0.1)
+                if not readable:
+                    continue
+                message = stage.channel.recv(self.timeout_s)
+            except (PeerClosedError, TimeoutError, ValueError, OSError):
+                break
+            if message.get("op") == "status":
+                with self._lock:
+                    stage.statuses[int(message["room"])] = message
+        stage.closed = True
+
+    @property
+    def stage_manifests(self) -> list[Manifest]:
+        """Each connected prefill stage's manifest (e.g. to know which layers it sends)."""
+        return [s.manifest for s in self._stages]
+
+    def request(self, room: int, kv_indices, state_indices, kv_group_indices: dict[str, list[int]] | None = None
+                ) -> None:
+        """Ask every stage for room ``room`` into these destinations.
+
+        Parameters
+        ----------
+        kv_indices : sequence of int
+            Destination KV pages, paired with the prefill's source pages.
+        state_indices : list of sequences of int
+            One destination list per state component.
+        kv_group_indices : dict, optional
+            Destination indices of one KV region group instead of ``kv_indices`` (group = label
+            prefix, e.g. ``"c4_kv"`` -> host pages under HiSparse).
+
+        Raises
+        ------
+        ValueError
+            The number of state lists differs from this side's components.
+        PeerClosedError
+            A stage is gone.
+        """
+        if len(state_indices) != len(self.kv_args.state_types):
+            raise ValueError(f"sparsekv: {len(self.kv_args.state_types)} state components, got "
+                             f"{len(state_indices)} index lists")
+        message = {"op": "transfer", "room": int(room), "kv_indices": [int(i) for i in kv_indices],
+                   "state_indices": [[int(i) for i in s] for s in state_indices],
+                   "kv_group_indices": {k: [int(i) for i in v] for k, v in (kv_group_indices or {}).items()}}
+        for stage in self._stages:
+            stage.channel.send(message)
+
+    def _drain_notifs(self) -> None:
+        by_port = {s.port: s for s in self._stages}
+        for peer, messages in self.backend.get_notifs().items():
+            for m in messages:
+                try:
+                    port, room, batch, _ = (int(x) for x in m.decode().split(":"))
+                except ValueError:
+                    logger.warning("ignoring an unexpected notification %r from %s", m, peer)
+                    continue
+                stage = by_port.get(port)
+                if stage is not None:
+                    stage.notifs.setdefault(room, set()).add(batch)
+
+    def poll(self, room: int) -> tuple[RoomStatus, str]:
+        """``(status, error)`` of a requested room, without waiting."""
+        self._drain_notifs()
+        done = True
+        with self._lock:
+            for i, stage in enumerate(self._stages):
+                status = stage.statuses.get(room)
+                if status is not None and not status.get("ok"):
+                    return RoomStatus.FAILED, f"prefill stage {i}: {status.get('error')}"
+                if status is None:
+                    if stage.closed:
+                        return RoomStatus.FAILED, f"prefill stage {i} closed the connection before room {room} finished"
+                    done = False
+                elif len(stage.notifs.get(room, ())) < int(status.get("batches", 0)):
+                    done = False
+        return (RoomStatus.SUCCESS if done else RoomStatus.PENDING), ""
+
+    def wait(self, room: int, timeout_s: float | None = None) -> None:
+        """Wait until room ``room`` has fully arrived.
+
+        Raises
+        ------
+        TransferError
+            A stage reported a failure, went away, or the room did not arrive within the timeout.
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            status, error = self.poll(room)
+            if status == RoomStatus.SUCCESS:
+                return
+            if status == RoomStatus.FAILED:
+                raise TransferError(f"sparsekv: room {room} failed: {error}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"sparsekv: room {room} did not arrive within {timeout_s or self.timeout_s} s")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        """Say goodbye to every stage, close the connections, release the backend (idempotent)."""
+        for stage in self._stages:
+            try:
+                stage.channel.send({"op": "bye"})
+            except PeerClosedError:
+                pass
+            stage.channel.close()
+            if stage.thread is not None:
+                stage.thread.join(self.timeout_s)
+        self._stages = []
+        self.backend.close()

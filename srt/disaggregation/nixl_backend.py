@@ -1,0 +1,220 @@
+"""``NixlBackend``: the transfer backend on NVIDIA NIXL (UCX), host or device memory.
+
+Install: ``pip install --no-deps nixl-cu12 nixl`` *after* torch (``nixl-cu12`` requires torch and
+would pull a CUDA build; the ``nixl`` meta package requires both the cu12 and cu13 flavours). The
+meta package picks a flavour by the CUDA version it finds in the process and fails when that
+flavour is absent (a CPU torch beside ``cuda-python`` 13 asks for cu13), so :func:`load_nixl_api`
+falls back to whichever flavour is installed.
+
+UCX picks its transports itself; on one machine it uses cross-memory attach (``process_vm_writev``)
+for the data and TCP for control. ``net_devices="lo"`` keeps it on the loopback interface (tests,
+demos); ``tls="tcp"`` forces the TCP path (containers that forbid cross-memory attach).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import threading
+import uuid
+
+import numpy as np
+
+from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle
+
+FLAVOURS = ("nixl", "nixl_cu12", "nixl_cu13")
+
+
+def load_nixl_api():
+    """The NIXL Python API module (``nixl._api`` or an installed flavour's ``_api``).
+
+    Raises
+    ------
+    ImportError
+        No NIXL flavour can be imported; the message names what each attempt raised.
+    """
+    errors = []
+    for name in FLAVOURS:
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        # NIXL logs every agent and backend creation at INFO to stdout.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
+    raise ImportError("sparsekv: NIXL is not importable (pip install --no-deps nixl-cu12 nixl, after torch): "
+                      + "; ".join(errors))
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class NixlHandle(TransferHandle):
+    """A posted NIXL transfer request."""
+
+    def __init__(self, backend: NixlBackend, handle) -> None:
+        self._backend = backend
+        self._handle = handle
+
+    def status(self) -> str:
+        with self._backend.lock:
+            if self._handle is None:
+                return "ERR"
+            return self._backend.agent.check_xfer_state(self._handle)
+
+    def release(self) -> None:
+        with self._backend.lock:
+            self._release()
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._backend._open.pop(id(self), None)
+            try:
+                self._backend.agent.release_xfer_handle(handle)
+            except Exception as e:  # an un-cancellable request: NIXL keeps it, we must not reuse it
+                logging.getLogger(__name__).warning("NIXL could not release a transfer handle: %s", e)
+
+
+class NixlBackend(TransferBackend):
+    """A NIXL agent with the UCX backend.
+
+    Parameters
+    ----------
+    name : str, optional
+        Agent name, unique among the peers (default: random).
+    net_devices : str, optional
+        ``UCX_NET_DEVICES`` for this process (``"lo"``: loopback only). Set before the agent
+        starts; None leaves the environment alone.
+    tls : str, optional
+        ``UCX_TLS`` likewise (``"tcp"`` for a pure TCP path).
+
+    Raises
+    ------
+    ImportError
+        NIXL is not installed (see the module docstring).
+    """
+
+    def __init__(self, name: str | None = None, *, net_devices: str | None = None, tls: str | None = None) -> None:
+        api = load_nixl_api()
+        if net_devices is not None:
+            os.environ["UCX_NET_DEVICES"] = net_devices
+        if tls is not None:
+            os.environ["UCX_TLS"] = tls
+        self.name = name or f"sparsekv-{uuid.uuid4().hex[:12]}"
+        # STRICT: the agent locks internally too; its progress thread and ours share the UCX worker.
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = api.nixl_agent(self.name, config)
+        # The agent runs without NIXL's own locking (no listener thread); sender threads share it.
+        self.lock = threading.RLock()
+        self.registered: list[tuple[int, int, str]] = []
+        self._reg_descs: list = []
+        self._peers: dict[str, int] = {}  # peer -> connections using it
+        self._known: dict[bytes, str] = {}  # descriptor -> peer
+        self._open: dict[int, NixlHandle] = {}
+
+    @_locked
+    def register(self, regions: list[tuple[int, int, str]]) -> None:
+        by_kind: dict[str, list[tuple[int, int]]] = {}
+        for ptr, nbytes, kind in regions:
+            by_kind.setdefault(kind, []).append((int(ptr), int(nbytes)))
+        for kind, spans in by_kind.items():
+            descs = self.agent.register_memory([(p, n, 0, "") for p, n in spans], kind)
+            self._reg_descs.append(descs)
+            self.registered += [(p, n, kind) for p, n in spans]
+
+    @_locked
+    def descriptor(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    @_locked
+    def connect(self, descriptor: bytes) -> str:
+        # Loading a peer's metadata again resets the engine's connection to it (a write another
+        # thread has in flight to that peer then fails), so a known descriptor is not reloaded.
+        peer = self._known.get(descriptor)
+        if peer is None or peer not in self._peers:
+            peer = self.agent.add_remote_agent(descriptor)
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._known[descriptor] = peer
+        self._peers[peer] = self._peers.get(peer, 0) + 1
+        return peer
+
+    @_locked
+    def disconnect(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers[peer] -= 1
+            if self._peers[peer] == 0:
+                del self._peers[peer]
+                self.agent.remove_remote_agent(peer)
+
+    @_locked
+    def write(self, peer: str, rows: np.ndarray, *, src_kind: str, dst_kind: str, notif: bytes = b"") -> NixlHandle:
+        if peer not in self._peers:
+            raise TransferError(f"sparsekv: NIXL peer {peer!r} is not connected")
+        rows = np.ascontiguousarray(rows, dtype=np.uint64)
+        local = np.zeros((rows.shape[0], 3), dtype=np.uint64)
+        remote = np.zeros((rows.shape[0], 3), dtype=np.uint64)
+        local[:, 0], local[:, 1] = rows[:, 0], rows[:, 2]
+        remote[:, 0], remote[:, 1] = rows[:, 1], rows[:, 2]
+        try:
+            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, src_kind),
+                                                self.agent.get_xfer_descs(remote, dst_kind), peer, notif)
+        except Exception as e:
+            raise TransferError(f"sparsekv: NIXL refused a {rows.shape[0]}-row write to {peer!r}: {e}") from e
+        wrapped = NixlHandle(self, handle)
+        self._open[id(wrapped)] = wrapped
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as e:
+            wrapped.release()
+            raise TransferError(f"sparsekv: NIXL could not post a write to {peer!r}: {e}") from e
+        if state == "ERR":
+            wrapped.release()
+            raise TransferError(f"sparsekv: NIXL failed to post a write to {peer!r}")
+        return wrapped
+
+    @_locked
+    def send_notif(self, peer: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, message)
+        except Exception as e:
+            raise TransferError(f"sparsekv: NIXL could not notify {peer!r}: {e}") from e
+
+    @_locked
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return {str(k): list(v) for k, v in self.agent.get_new_notifs().items()}
+
+    @property
+    def peers(self) -> list[str]:
+        """Connected peers' names."""
+        return list(self._peers)
+
+    @property
+    def open_handles(self) -> int:
+        """Posted writes not yet released."""
+        return len(self._open)
+
+    @_locked
+    def close(self) -> None:
+        for h in list(self._open.values()):
+            h.release()
+        for peer in list(self._peers):
+            self._peers[peer] = 1
+            try:
+                self.disconnect(peer)
+            except Exception as e:
+                logging.getLogger(__name__).warning("NIXL could not forget peer %r: %s", peer, e)
+        for descs in self._reg_descs:
+            self.agent.deregister_memory(descs)
+        self._reg_descs.clear()
+        self.registered = []

@@ -1,0 +1,571 @@
+"""``sparsekv pd-demo``: a loopback prefill -> decode transfer of DSV4 pools, checked byte for byte.
+
+Two processes on 127.0.0.1 (spawned; every wait bounded):
+
+* **prefill** -- one :class:`~.conn.KVSender` per PP stage, each over its stage's
+  ``DeepSeekV4TokenToKVPool`` filled with seeded random bytes (each region's bytes follow from the
+  seed and the region's label, so the other side can recompute them);
+* **decode** -- one pool holding every layer (optionally with HiSparse: C4 KV straight into the
+  host pool, then ``admit_request_direct``), filled with other random bytes, and a
+  :class:`~.conn.KVReceiver` connected to every stage.
+
+Several requests of different lengths are transferred (KV pages, SWA pages with their C4 rings,
+the request's C128 rings). The decode then rebuilds what every registered region must hold --
+its own bytes, with each transferred item replaced by the prefill's -- and compares every byte,
+so a missing, misplaced or stray write is found. Exit code 0 only if every byte matched.
+
+``--kill-decode-after N`` shows the failure path instead: the prefill kills the decode process
+after N completed batches and reports the failed transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
+
+import numpy as np
+
+ROLE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """One demo session: model, pools, requests, and the faults to inject (tests)."""
+
+    num_layers: int = 6
+    budget_mib: int = 48
+    pp_size: int = 2
+    hisparse: bool = False
+    seq_lens: tuple[int, ...] = (1000, 3000, 700, 5000)
+    seed: int = 0
+    timeout_s: float = 30.0
+    max_batch_rows: int = 16384
+    max_inflight: int = 4
+    max_running_requests: int = 4
+    #: Decode built with another compressor-state dtype: a manifest mismatch.
+    decode_state_dtype: str | None = None
+    #: Attention TP of the decode side (the prefill has 1); with ``is_mla=False`` a TP mismatch.
+    decode_attn_tp_size: int = 1
+    is_mla: bool = True
+    #: Rooms whose decode asks for one SWA destination too many: an index-length mismatch.
+    bad_rooms: tuple[int, ...] = ()
+    #: The prefill kills the decode after this many completed batches (0: never).
+    kill_decode_after: int = 0
+
+
+# ---- pools and regions ---------------------------------------------------------------------------
+
+
+def _server(spec: DemoSpec, *, hisparse: bool = False, state_dtype: str | None = None):
+    from sparsekv.srt.model_executor.model_spec import ServerSpec
+
+    kwargs = {"max_running_requests": spec.max_running_requests, "enable_hisparse": hisparse}
+    if state_dtype is not None:
+        kwargs["compress_state_dtype"] = state_dtype
+    return ServerSpec(**kwargs)
+
+
+def _model(spec: DemoSpec):
+    from sparsekv.srt.model_executor.model_spec import dsv4_preset
+
+    return dsv4_preset("dsv4-flash", num_hidden_layers=spec.num_layers)
+
+
+def prefill_pools(spec: DemoSpec) -> list:
+    """One pool per PP stage."""
+    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+
+    plan = plan_pipeline(_model(spec), _server(spec), spec.budget_mib << 20, spec.pp_size)
+    return [DeepSeekV4TokenToKVPool(r.config, r.configurator, device="cpu") for r in plan.ranks]
+
+
+def decode_pool(spec: DemoSpec):
+    """The decode's pool (every layer) and its final config."""
+    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+
+    server = _server(spec, hisparse=spec.hisparse, state_dtype=spec.decode_state_dtype)
+    rank = plan_pipeline(_model(spec), server, spec.budget_mib * spec.pp_size << 20, 1).ranks[0]
+    return DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device="cpu"), rank.config
+
+
+def region_array(ptr: int, nbytes: int) -> np.ndarray:
+    """A uint8 numpy view of host memory ``[ptr, ptr + nbytes)`` (a registered region)."""
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
+
+
+def label_bytes(label: str, nbytes: int, seed: int) -> np.ndarray:
+    """The seeded random contents of a region: a function of the seed and the label only."""
+    return np.frombuffer(np.random.default_rng([seed, zlib.crc32(label.encode())]).bytes(nbytes), dtype=np.uint8)
+
+
+def _regions(kv_args) -> list[tuple[str, int, int]]:
+    """``(label, ptr, nbytes)`` of every region (labels are unique per component, so prefix them)."""
+    out = [(f"kv/{lb}", p, n) for lb, p, n in zip(kv_args.kv_labels, kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
+    for c, (labels, ptrs, lens) in enumerate(zip(kv_args.state_labels, kv_args.state_data_ptrs,
+                                                  kv_args.state_data_lens)):
+        out += [(f"{c + 1}/{lb}", p, n) for lb, p, n in zip(labels, ptrs, lens)]
+    return out
+
+
+def fill_regions(kv_args, seed: int) -> None:
+    """Write :func:`label_bytes` into every region."""
+    for label, ptr, nbytes in _regions(kv_args):
+        region_array(ptr, nbytes)[:] = label_bytes(label, nbytes, seed)
+
+
+# ---- the request plan ----------------------------------------------------------------------------
+
+
+class _Free:
+    """Free indices ``1 .. capacity - 1`` (0 is the reserved page/slot everywhere)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = np.ones(max(capacity, 1), dtype=bool)
+        self.free[0] = False
+
+    def run(self, n: int) -> list[int]:
+        """The lowest ``n`` consecutive free indices."""
+        start = 1
+        while start + n <= self.free.size:
+            window = self.free[start : start + n]
+            if window.all():
+                self.free[start : start + n] = False
+                return list(range(start, start + n))
+            start += int(np.flatnonzero(~window)[-1]) + 1
+        raise ValueError(f"sparsekv: pd-demo pools too small for a run of {n}")
+
+    def scattered(self, n: int, rng: np.random.Generator) -> list[int]:
+        """``n`` random free indices, in random order."""
+        choice = rng.permutation(np.flatnonzero(self.free))[:n]
+        if choice.size < n:
+            raise ValueError(f"sparsekv: pd-demo pools too small for {n} more indices")
+        self.free[choice] = False
+        return [int(i) for i in choice]
+
+
+def _capacity(kv_args_list, component: int) -> int:
+    """Items every region of a component holds on every side (0: the component has no regions)."""
+    items = []
+    for a in kv_args_list:
+        if component == 0:
+            items += [n // i for n, i in zip(a.kv_data_lens, a.kv_item_lens)]
+        else:
+            items += [n // i for n, i in zip(a.state_data_lens[component - 1], a.state_item_lens[component - 1])]
+    return min(items) if items else 1 << 30
+
+
+def make_plan(spec: DemoSpec) -> list[dict]:
+    """Per request: room id, length, source and destination indices of the KV and each state component.
+
+    Sources are runs of pages (a prefill allocator's pages); destinations alternate between runs
+    and scattered indices, so both the coalesced and the one-item writes happen.
+    """
+    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+
+    prefill = [kv_args_of(p) for p in prefill_pools(spec)]
+    dec_pool, _ = decode_pool(replace(spec, decode_state_dtype=None))  # the plan is for a matching decode
+    decode = [kv_args_of(dec_pool)]
+    sides = prefill + decode
+    n_states = len(decode[0].state_types)
+    rng = np.random.default_rng(spec.seed)
+    src = [_Free(_capacity(sides, c)) for c in range(n_states + 1)]
+    dst = [_Free(_capacity(sides, c)) for c in range(n_states + 1)]
+    rooms = []
+    for r, seq_len in enumerate(spec.seq_lens):
+        pages = math.ceil(seq_len / 256)
+        # KV pages, the SWA pages of the last window (at most two 256-token pages), one request slot.
+        counts = [pages, min(pages, 2), 1][: n_states + 1]
+        room = {"room": r + 1, "seq_len": seq_len, "src": [], "dst": []}
+        for c, n in enumerate(counts):
+            room["src"].append(src[c].run(n))
+            room["dst"].append(dst[c].run(n) if r % 2 == 0 else dst[c].scattered(n, rng))
+        rooms.append(room)
+    return rooms
+
+
+# ---- the two roles -------------------------------------------------------------------------------
+
+
+def _recv(conn, timeout_s: float):
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"sparsekv: pd-demo: no message from the parent within {timeout_s} s")
+    return conn.recv()
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
+    """The prefill process: one sender per PP stage, every room declared, statuses reported."""
+    from sparsekv.srt.disaggregation.conn import KVSender, RoomStatus
+    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+    from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
+
+    decode_pid: dict[str, int] = {}
+    batches_done = [0]
+    events: dict[str, float] = {}
+
+    def progress(room: int, done: int, total: int) -> None:
+        batches_done[0] += 1
+        if spec.kill_decode_after and batches_done[0] == spec.kill_decode_after and decode_pid:
+            os.kill(decode_pid["pid"], signal.SIGKILL)
+            events["killed"] = time.monotonic()
+            deadline = time.monotonic() + 10
+            while not _process_gone(decode_pid["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    senders, held = [], {}
+
+    def on_done(r: int, ok: bool) -> None:  # a real scheduler frees the room's source pages here
+        if not ok:
+            events.setdefault("first_failure", time.monotonic())
+        held[r] -= 1
+        if held[r] == 0:
+            del held[r]
+
+    backend = None
+    try:
+        # One engine endpoint per process, shared by the stages it hosts (a real deployment runs
+        # one process per stage; this demo hosts them all in one).
+        backend = NixlBackend(f"prefill-{os.getpid()}", net_devices="lo")
+        for pool in prefill_pools(spec):
+            args = kv_args_of(pool, is_mla=spec.is_mla)
+            fill_regions(args, spec.seed)
+            senders.append(KVSender(args, backend, timeout_s=spec.timeout_s, max_batch_rows=spec.max_batch_rows,
+                                    max_inflight=spec.max_inflight, progress=progress, close_backend=False))
+        conn.send({"addresses": [s.address for s in senders]})
+        decode_pid["pid"] = _recv(conn, ROLE_TIMEOUT_S)["decode_pid"]
+        for room in plan:
+            held[room["room"]] = len(senders)
+            for s in senders:
+                s.add_request(room["room"], room["src"][0], room["src"][1:], on_done=on_done)
+        t0 = time.perf_counter()
+        # Wait until every room is done, or the decode has finished (then the rest were never asked for).
+        deadline, decode_done = time.monotonic() + ROLE_TIMEOUT_S, None
+        while time.monotonic() < deadline:
+            if all(s.status(room["room"]) != RoomStatus.PENDING for s in senders for room in plan):
+                break
+            if decode_done is None and conn.poll(0.01):
+                conn.recv()
+                decode_done = time.monotonic()
+            if decode_done is not None and time.monotonic() - decode_done > 1.0:
+                break
+        elapsed = time.perf_counter() - t0
+        for s in senders:
+            for room in plan:
+                s.abort(room["room"], "sparsekv: the decode side never asked for this room")
+        rooms = {}
+        for room in plan:
+            r = room["room"]
+            statuses = [s.status(r) for s in senders]
+            ok = all(st == RoomStatus.SUCCESS for st in statuses)
+            rooms[r] = {"status": "success" if ok else "failed",
+                        "error": "; ".join(s.error(r) for s in senders if s.error(r)),
+                        "bytes": sum(s.stats(r)[0] for s in senders), "seconds": max(s.stats(r)[1] for s in senders)}
+        open_handles = backend.open_handles
+        refusals = [r for s in senders for r in s.refusals]
+        if decode_done is None and conn.poll(ROLE_TIMEOUT_S):  # the decode may still drain notifications
+            conn.recv()
+        for s in senders:
+            s.close()
+        backend.close()
+        report = {"rooms": rooms, "elapsed": elapsed, "refusals": refusals, "open_handles": open_handles,
+                  "registered_after_close": len(backend.registered),
+                  "rooms_still_held": sorted(held)}
+        if "killed" in events:
+            report["failure_detected_after_kill_s"] = events.get("first_failure", float("inf")) - events["killed"]
+        conn.send(report)
+    except BaseException as e:
+        for s in senders:
+            s.close()
+        if backend is not None:
+            backend.close()
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _expected_regions(receiver, kv_args, snapshot: dict, requested: list[dict], seed: int) -> dict:
+    """What every decode region must hold: its snapshot with each arrived room's items replaced."""
+    expected = {k: v.copy() for k, v in snapshot.items()}
+    cache: dict[str, np.ndarray] = {}
+    for manifest in receiver.stage_manifests:
+        for c, (_, regions) in enumerate(manifest.components):
+            for region in regions:
+                key = f"{'kv' if c == 0 else c}/{region.label}"
+                if key not in cache:
+                    cache[key] = label_bytes(key, region.nbytes, seed)
+                item = region.item_len
+                for room in requested:
+                    src = room["src"][c]
+                    dst = room["dst"][c]
+                    if c == 0 and region.label.split(":", 1)[0] in room.get("groups", {}):
+                        dst = room["groups"][region.label.split(":", 1)[0]]
+                    for s, d in zip(src, dst):
+                        expected[key][d * item : (d + 1) * item] = cache[key][s * item : (s + 1) * item]
+    return expected
+
+
+def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None:
+    """The decode process: allocate, request every room, wait, admit, verify every byte."""
+    import torch
+
+    from sparsekv.srt.disaggregation.backend import TransferError
+    from sparsekv.srt.disaggregation.conn import KVReceiver
+    from sparsekv.srt.disaggregation.hisparse_direct import alloc_direct_host_pages, hisparse_decode_kv_args
+    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+    from sparsekv.srt.disaggregation.manifest import ManifestMismatchError
+    from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
+
+    pool, _ = decode_pool(spec)
+    coord = allocator = req_table = None
+    if spec.hisparse:
+        from sparsekv.srt.managers.hisparse_coordinator import HiSparseCoordinator
+        from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
+        from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
+
+        ratio = 2
+        allocator = HiSparseTokenToKVPoolAllocator(pool.size // ratio, pool.page_size, host_to_device_ratio=ratio)
+        num_c4 = sum(1 for r in pool.stage_compress_ratios if r == 4)
+        device_pool = HiSparseC4DevicePool(allocator, num_c4, "cpu")
+        req_table = SimpleNamespace(req_to_token=torch.zeros(len(plan) + 1, max(spec.seq_lens) + 256,
+                                                             dtype=torch.int64))
+        coord = HiSparseCoordinator(req_table, allocator, device_pool, top_k=16, device_buffer_size=64)
+        args = hisparse_decode_kv_args(pool, coord, attn_tp_size=spec.decode_attn_tp_size, is_mla=spec.is_mla)
+    else:
+        args = kv_args_of(pool, attn_tp_size=spec.decode_attn_tp_size, is_mla=spec.is_mla)
+    decode_seed = spec.seed + 1_000_003
+    fill_regions(args, decode_seed)
+    snapshot = {label: region_array(p, n).copy() for label, p, n in _regions(args)}
+    result: dict = {"rooms": {}}
+    try:
+        receiver = KVReceiver(args, NixlBackend(f"decode-{os.getpid()}", net_devices="lo"), addresses,
+                              timeout_s=spec.timeout_s)
+    except ManifestMismatchError as e:
+        result["refused"] = str(e)
+        result["unchanged"] = all(np.array_equal(region_array(p, n), snapshot[lb]) for lb, p, n in _regions(args))
+        conn.send(result)
+        return
+    requested, reqs = [], {}
+    t0 = time.perf_counter()
+    for slot, room in enumerate(plan, start=1):
+        room = dict(room, dst=[list(d) for d in room["dst"]])
+        if spec.hisparse:
+            req = SimpleNamespace(req_pool_idx=slot, kv_allocated_len=room["seq_len"])
+            full = allocator.alloc_extend(req_table.req_to_token, slot, 0, room["seq_len"], with_device=False)
+            room["dst"][0] = [int(p) for p in torch.unique_consecutive(full // pool.page_size)]
+            room["groups"] = {"c4_kv": alloc_direct_host_pages(coord, req, len(room["dst"][0]))}
+            reqs[room["room"]] = req
+        if room["room"] in spec.bad_rooms:
+            room["dst"][1] = room["dst"][1] + [room["dst"][1][-1] + 1]
+        receiver.request(room["room"], room["dst"][0], room["dst"][1:], room.get("groups"))
+        requested.append(room)
+    arrived = []
+    for room in requested:
+        r = room["room"]
+        try:
+            receiver.wait(r)
+            result["rooms"][r] = {"status": "success", "error": ""}
+            arrived.append(room)
+            if spec.hisparse:
+                coord.admit_request_direct(reqs[r])
+        except TransferError as e:
+            result["rooms"][r] = {"status": "failed", "error": str(e)}
+    result["elapsed"] = time.perf_counter() - t0
+    expected = _expected_regions(receiver, args, snapshot, arrived, spec.seed)
+    mismatched = {}
+    for label, ptr, nbytes in _regions(args):
+        bad = int(np.count_nonzero(region_array(ptr, nbytes) != expected[label]))
+        if bad:
+            mismatched[label] = bad
+    result["mismatched"] = mismatched
+    result["regions_checked"] = len(expected)
+    result["bytes_checked"] = int(sum(v.size for v in expected.values()))
+    if spec.hisparse:
+        result["admitted"] = sorted(r for r in reqs if result["rooms"][r]["status"] == "success")
+        result["hot_entries_checked"], result["hot_entries_wrong"] = _check_hot_buffers(
+            coord, [reqs[r] for r in result["admitted"]])
+    receiver.close()
+    conn.send(result)
+
+
+def _check_hot_buffers(coord, reqs) -> tuple[int, int]:
+    """After ``admit_request_direct``: the C4 entries preloaded into each request's hot buffer (all
+    of them when they fit, else the newest one in column ``H``) equal the host entries, every layer."""
+    import torch
+
+    from sparsekv.kv_layout import V4
+
+    def entry(cache, slot: int):
+        page, offset = divmod(slot, coord.page_size)
+        return torch.cat([V4.value_view(cache, coord.page_size)[page, offset],
+                          V4.scale_view(cache, coord.page_size)[page, offset]])
+
+    checked = wrong = 0
+    hot = coord.device_buffer_size
+    for req in reqs:
+        rid, n = req.req_pool_idx, coord.host_token_len(req.kv_allocated_len)
+        host = coord.req_to_host_pool[rid].tolist()
+        buffer = coord.req_to_device_buffer[rid].tolist()
+        pairs = list(zip(host[:n], buffer[:n])) if n <= hot else [(host[n - 1], buffer[hot])]
+        for layer in range(coord.device_pool.layer_num):
+            for host_slot, device_slot in pairs:
+                checked += 1
+                wrong += not torch.equal(entry(coord.mem_pool_host.kv_buffer[layer], host_slot),
+                                         entry(coord.device_pool.kv_buffer[layer], device_slot))
+    return checked, wrong
+
+
+def _role(target, spec, plan, conn, *extra) -> None:
+    try:
+        target(spec, plan, conn, *extra)
+    finally:
+        conn.close()
+
+
+def run_session(spec: DemoSpec) -> dict:
+    """Run one prefill process and one decode process; the two sides' reports.
+
+    Returns
+    -------
+    dict
+        ``{"spec", "plan", "prefill", "decode"}``; ``decode`` is ``{"killed": True}`` when the
+        decode process was killed.
+
+    Raises
+    ------
+    TimeoutError
+        A role did not report within its bound.
+    """
+    plan = make_plan(spec)
+    ctx = mp.get_context("spawn")
+    p_parent, p_child = ctx.Pipe()
+    d_parent, d_child = ctx.Pipe()
+    prefill = ctx.Process(target=_role, args=(prefill_main, spec, plan, p_child), daemon=True)
+    prefill.start()
+    decode = None
+    try:
+        addresses = _recv(p_parent, ROLE_TIMEOUT_S)
+        if "error" in addresses:
+            raise RuntimeError(f"sparsekv: pd-demo prefill failed: {addresses['error']}")
+        decode = ctx.Process(target=_role, args=(decode_main, spec, plan, d_child, addresses["addresses"]),
+                             daemon=True)
+        decode.start()
+        p_parent.send({"decode_pid": decode.pid})
+        decode_report = None
+        deadline = time.monotonic() + ROLE_TIMEOUT_S
+        while decode_report is None and time.monotonic() < deadline:
+            if d_parent.poll(0.1):
+                try:
+                    decode_report = d_parent.recv()
+                except EOFError:
+                    decode_report = {"killed": True}
+            elif not decode.is_alive():
+                decode_report = {"killed": decode.exitcode == -signal.SIGKILL, "exitcode": decode.exitcode}
+        if decode_report is None:
+            raise TimeoutError(f"sparsekv: pd-demo decode did not report within {ROLE_TIMEOUT_S} s")
+        p_parent.send({"decode_done": True})
+        prefill_report = _recv(p_parent, ROLE_TIMEOUT_S)
+    finally:
+        for proc in (prefill, decode):
+            if proc is not None:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(10)
+    return {"spec": asdict(spec), "plan": plan, "prefill": prefill_report, "decode": decode_report}
+
+
+def verdict(report: dict) -> bool:
+    """Every room arrived on both sides and every decode byte is what it must be."""
+    d, p = report["decode"], report["prefill"]
+    if "rooms" not in d or "rooms" not in p or d.get("mismatched"):
+        return False
+    return all(r["status"] == "success" for r in d["rooms"].values()) and \
+        all(r["status"] == "success" for r in p["rooms"].values())
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``sparsekv pd-demo``."""
+    parser.add_argument("--seq-lens", default="1000,3000,700,5000,256",
+                        help="comma-separated request lengths in tokens (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=6, help="model layers (default: %(default)s)")
+    parser.add_argument("--pp-size", type=int, default=2, help="prefill PP stages (default: %(default)s)")
+    parser.add_argument("--budget-mib", type=int, default=48, help="KV budget per prefill stage (default: %(default)s)")
+    parser.add_argument("--hisparse", choices=("off", "on", "both"), default="both",
+                        help="HiSparse on the decode side (default: %(default)s)")
+    parser.add_argument("--kill-decode-after", type=int, default=0, metavar="N",
+                        help="kill the decode after N completed batches, to show the failure path")
+    parser.add_argument("--timeout", type=float, default=30.0, help="bound of every wait in seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sessions; 0 only if every byte of every session matched."""
+    try:
+        from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
+
+        load_nixl_api()
+    except ImportError as e:
+        print(f"pd-demo needs NIXL: {e}", file=sys.stderr)
+        return 2
+    base = DemoSpec(num_layers=args.layers, pp_size=args.pp_size, budget_mib=args.budget_mib,
+                    seq_lens=tuple(int(x) for x in args.seq_lens.split(",")), seed=args.seed,
+                    timeout_s=args.timeout, kill_decode_after=args.kill_decode_after,
+                    max_inflight=1 if args.kill_decode_after else 4,
+                    max_batch_rows=4 if args.kill_decode_after else 16384)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.hisparse]
+    reports, ok = [], True
+    for hisparse in modes:
+        report = run_session(replace(base, hisparse=hisparse))
+        reports.append(report)
+        good = verdict(report)
+        ok &= good
+        if not args.json:
+            _print_report(report, good)
+    if args.json:
+        print(json.dumps(reports, indent=1, default=str))
+    return 0 if ok else 1
+
+
+def _print_report(report: dict, good: bool) -> None:
+    spec, p, d = report["spec"], report["prefill"], report["decode"]
+    mode = "HiSparse decode (C4 KV -> host pool)" if spec["hisparse"] else "device decode"
+    print(f"== prefill PP={spec['pp_size']} -> {mode}, {len(report['plan'])} requests over 127.0.0.1 (NIXL/UCX)")
+    if d.get("killed"):
+        print("   decode process killed mid-transfer")
+    for r, room in sorted((p.get("rooms") or {}).items(), key=lambda kv: int(kv[0])):
+        status = room["status"] + (f" ({room['error'][:100]})" if room["error"] else "")
+        gbps = room["bytes"] / room["seconds"] / 1e9 if room["seconds"] else 0.0
+        print(f"   room {r}: {room['bytes'] / 2**20:8.2f} MiB  {room['seconds'] * 1e3:7.2f} ms  {gbps:6.2f} GB/s  "
+              f"{status}")
+    if "rooms" in p:
+        total = sum(room["bytes"] for room in p["rooms"].values())
+        wall = d.get("elapsed") or p["elapsed"]
+        print(f"   total {total / 2**20:.2f} MiB, first request to last arrival {wall * 1e3:.1f} ms "
+              f"({total / max(wall, 1e-9) / 1e9:.2f} GB/s); prefill handles left {p['open_handles']}, "
+              f"regions registered after close {p['registered_after_close']}")
+    if "mismatched" in d:
+        print(f"   decode checked {d['bytes_checked'] / 2**20:.1f} MiB in {d['regions_checked']} regions: "
+              f"{sum(d['mismatched'].values())} bytes differ")
+    print(f"   verdict: {'every byte matched' if good else 'FAILED'}")
