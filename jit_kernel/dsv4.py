@@ -1,0 +1,15 @@
+"""DeepSeek-V4 compressed-attention kernels: one import point for the public functions.
+
+Only re-exports; each function lives in its stem module (kernel header, wrapper, reference, test
+and benchmark share the stem).
+"""
+
+from __future__ import annotations
+
+# Compressors, streaming state, quantizer and fused norm + RoPE + store (issue 13).
+from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+
+__all__ = [
+    "dequantize_fp8_ds_mla",
+    "quantize_fp8_ds_mla",
+]
