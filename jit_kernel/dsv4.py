@@ -7,9 +7,12 @@ and benchmark share the stem).
 from __future__ import annotations
 
 # Compressors, streaming state, quantizer and fused norm + RoPE + store (issue 13).
+from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_pool
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 
 __all__ = [
+    "CompressorState",
+    "compress_pool",
     "dequantize_fp8_ds_mla",
     "quantize_fp8_ds_mla",
 ]
