@@ -9,10 +9,13 @@ from __future__ import annotations
 # Compressors, streaming state, quantizer and fused norm + RoPE + store (issue 13).
 from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_pool
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
 
 __all__ = [
     "CompressorState",
+    "RopeParams",
     "compress_pool",
     "dequantize_fp8_ds_mla",
+    "norm_rope_store",
     "quantize_fp8_ds_mla",
 ]
