@@ -31,6 +31,7 @@
 #include <cmath>
 
 #include "sparsekv/portability.h"
+#include "sparsekv/team.h"
 
 namespace sparsekv::dsv4_compress {
 
@@ -90,29 +91,34 @@ struct CompressEvents {
       return false;
     }
     value = kv_row[ch];
-    logit = score_row[ch] + p.ape[ape_row * coff * p.d + ch];
+    logit = team::add_rn(score_row[ch], p.ape[ape_row * coff * p.d + ch]);
     return true;
+  }
+
+  // Entry e at channel c: two passes over the slots (the maximum, then the weights exp(logit - max)),
+  // every step rounded as written so the fused store (dsv4_store.cuh) sees the same floats.
+  SPARSEKV_HOST_DEVICE static float pool_channel(const Params& p, int64_t e, int64_t c) {
+    const int64_t window = window_of(p.ratio);
+    float m = -INFINITY;
+    float value, logit;
+    for (int64_t j = 0; j < window; ++j) {
+      if (slot(p, e, j, c, value, logit) && logit > m) m = logit;
+    }
+    float sum = 0.0f, acc = 0.0f;
+    for (int64_t j = 0; j < window; ++j) {
+      if (!slot(p, e, j, c, value, logit)) continue;
+      const float w = expf(team::sub_rn(logit, m));
+      sum = team::add_rn(sum, w);
+      acc = team::add_rn(acc, team::mul_rn(w, value));
+    }
+    return sum > 0.0f ? acc / sum : 0.0f;
   }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t e = i / tiles(p);
     const int64_t first = (i - e * tiles(p)) * kTile;
-    const int64_t window = window_of(p.ratio);
     for (int64_t c = first + lanes.lane; c < first + kTile && c < p.d; c += lanes.count) {
-      // Two passes over the slots: the maximum, then the weights (exp of logit - max).
-      float m = -INFINITY;
-      float value, logit;
-      for (int64_t j = 0; j < window; ++j) {
-        if (slot(p, e, j, c, value, logit) && logit > m) m = logit;
-      }
-      float sum = 0.0f, acc = 0.0f;
-      for (int64_t j = 0; j < window; ++j) {
-        if (!slot(p, e, j, c, value, logit)) continue;
-        const float w = expf(logit - m);
-        sum += w;
-        acc += w * value;
-      }
-      p.out[e * p.d + c] = sum > 0.0f ? acc / sum : 0.0f;
+      p.out[e * p.d + c] = pool_channel(p, e, c);
     }
   }
 };
@@ -281,18 +287,21 @@ inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64
   launch<CompressEvents>(params, kv.device());
 }
 
-// Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
-inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
-                            TensorView sources, TensorView writes, TensorView out) {
-  // 1. Validate.
+struct ExtendPlan {
+  EventParams events;
+  WriteParams ring;
+};
+
+// Validates one streaming step of the raw ring (inputs, state, the event sources and ring writes)
+// and returns its launch parameters; events write to `out` (null for the fused store).
+inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                               TensorView sources, TensorView writes, float* out) {
   const int64_t d = check_inputs(kv, score, ape, ratio);
   const int64_t width = kv.size(1);
   check_state(state, kv, width);
   check(sources, "sources").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv");
   check(sources, "sources").size(1, window_of(ratio), "window slots");
   check(writes, "writes").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs");
-  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
-  check(out, "out").size(0, sources.size(0), "events").size(1, d, "d");
   const int64_t ring_rows = state.size(0);
   if (kv.device().device_type != kDLCUDA) {
     const auto* src = static_cast<const int64_t*>(sources.data_ptr());
@@ -311,18 +320,27 @@ inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int
       }
     }
   }
+  return {EventParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
+                      static_cast<const float*>(state.data_ptr()), ring_rows,
+                      static_cast<const int64_t*>(sources.data_ptr()), out, sources.size(0), d, ratio},
+          WriteParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), static_cast<float*>(state.data_ptr()), ring_rows,
+                      static_cast<const int64_t*>(writes.data_ptr()), writes.size(0), width}};
+}
+
+// Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
+inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                            TensorView sources, TensorView writes, TensorView out) {
+  // 1. Validate.
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  const ExtendPlan plan = check_extend(kv, score, ape, ratio, state, sources, writes,
+                                       static_cast<float*>(out.data_ptr()));
+  check(out, "out").size(0, sources.size(0), "events").size(1, plan.events.d, "d");
 
   // 2. Pool every event (reading ring rows as they were), then store the new ring rows.
-  const EventParams events{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
-                           kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
-                           static_cast<const float*>(state.data_ptr()), ring_rows,
-                           static_cast<const int64_t*>(sources.data_ptr()), static_cast<float*>(out.data_ptr()),
-                           sources.size(0), d, ratio};
-  if (events.num_events > 0) launch<CompressEvents>(events, kv.device());
-  const WriteParams ring{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
-                         kv.stride(0), score.stride(0), kv.size(0), static_cast<float*>(state.data_ptr()), ring_rows,
-                         static_cast<const int64_t*>(writes.data_ptr()), writes.size(0), width};
-  if (ring.num_writes > 0) launch<RingWrite>(ring, kv.device());
+  if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
+  if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
 }
 
 // Streaming step of the online C128 state.

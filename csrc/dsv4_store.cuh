@@ -29,6 +29,7 @@
 
 #include <cmath>
 
+#include "dsv4_compress.cuh"
 #include "dsv4_quant.cuh"
 #include "sparsekv/team.h"
 
@@ -145,16 +146,13 @@ struct NormRopeStore {
     }
   }
 
-  SPARSEKV_HOST_DEVICE static void item(const StoreParams& p, int64_t n, Lanes lanes) {
-    const int64_t slot = p.slots[n];
-    if (slot < 0 || slot >= p.num_slots) return;
-    const float* src = p.x + n * p.x_stride;
-    Row x;
+  // Rounds a loaded row to bf16, then norm, RoPE, (Hadamard,) quantize and store into slot `slot`.
+  SPARSEKV_HOST_DEVICE static void finish(Row& x, const StoreParams& p, int64_t pos, int64_t slot, Lanes lanes) {
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
-      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = round_bf16(src[Row::channel(lanes, j, k)]);
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = round_bf16(x.v[j][k]);
     }
     norm(x, p, lanes);
-    rope(x, p, p.positions[n], lanes);
+    rope(x, p, pos, lanes);
     const auto token = dsv4_quant::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_size, p.page_stride);
     if constexpr (Kind::kCache == Cache::kV4) {
       dsv4_quant::store_v4(x, token, lanes);
@@ -167,7 +165,51 @@ struct NormRopeStore {
       }
     }
   }
+
+  SPARSEKV_HOST_DEVICE static void item(const StoreParams& p, int64_t n, Lanes lanes) {
+    const int64_t slot = p.slots[n];
+    if (slot < 0 || slot >= p.num_slots) return;
+    const float* src = p.x + n * p.x_stride;
+    Row x;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = src[Row::channel(lanes, j, k)];
+    }
+    finish(x, p, p.positions[n], slot, lanes);
+  }
 };
+
+// The compressor and the store in one pass: event n pools its window (dsv4_compress.cuh) straight
+// into a team row and stores it at slots[n] with RoPE position positions[n]; no float entry is
+// written to memory.
+struct CompressStoreParams {
+  dsv4_compress::EventParams events;
+  StoreParams store;
+};
+
+template <class Kind>
+struct CompressStore {
+  using Params = CompressStoreParams;
+  using Store = NormRopeStore<Kind>;
+  using Row = typename Store::Row;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
+    const int64_t slot = p.store.slots[n];
+    if (slot < 0 || slot >= p.store.num_slots) return;
+    Row x;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) {
+        x.v[j][k] = dsv4_compress::CompressEvents::pool_channel(p.events, n, Row::channel(lanes, j, k));
+      }
+    }
+    Store::finish(x, p.store, p.store.positions[n], slot, lanes);
+  }
+};
+
+// The ring writes of a fused step, instantiated per Kind like the other kernels of the family.
+template <class Kind>
+struct StoreRingWrite : dsv4_compress::RingWrite {};
 
 }  // namespace sparsekv::dsv4_store
 
@@ -192,17 +234,16 @@ inline void rope_inv_freq(double theta, double factor, int64_t original_max_posi
   }
 }
 
+// Validates the store arguments for `entries` rows and returns the store parameters (x unset).
 template <class Kind>
-void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
-                     TensorView slots, int64_t page_size, double theta, double factor, int64_t original_max_positions,
-                     double beta_fast, double beta_slow) {
-  // 1. Validate.
-  check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
-  check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous().same_device(cache,
-                                                                                                          "cache");
-  check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, x.size(0), "rows of x");
+StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorView positions, TensorView cache,
+                        TensorView slots, int64_t page_size, double theta, double factor,
+                        int64_t original_max_positions, double beta_fast, double beta_slow) {
+  check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous();
+  check(weight, "weight").same_device(cache, "cache");
+  check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, entries, "entries");
   check(positions, "positions").same_device(cache, "cache");
-  check(slots, "slots").ndim(1).size(0, x.size(0), "rows of x");
+  check(slots, "slots").ndim(1).size(0, entries, "entries");
   if (!(theta > 1.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `theta` must be > 1, got " << theta;
   if (!(factor > 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `factor` must be > 0, got " << factor;
   if (factor > 1.0 && (original_max_positions <= 0 || !(beta_fast > 0.0) || !(beta_slow > 0.0))) {
@@ -212,26 +253,62 @@ void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView pos
   if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
   const auto [page_stride, num_slots] =
       dsv4_quant::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true);
+  StoreParams params{nullptr,
+                     0,
+                     static_cast<const float*>(weight.data_ptr()),
+                     static_cast<const int64_t*>(positions.data_ptr()),
+                     static_cast<const int64_t*>(slots.data_ptr()),
+                     static_cast<uint8_t*>(cache.data_ptr()),
+                     entries,
+                     page_size,
+                     page_stride,
+                     num_slots,
+                     static_cast<float>(eps),
+                     {}};
+  rope_inv_freq(theta, factor, original_max_positions, beta_fast, beta_slow, params.inv_freq);
+  return params;
+}
+
+template <class Kind>
+void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
+                     TensorView slots, int64_t page_size, double theta, double factor, int64_t original_max_positions,
+                     double beta_fast, double beta_slow) {
+  // 1. Validate.
+  check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
+  StoreParams params = check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, theta, factor,
+                                         original_max_positions, beta_fast, beta_slow);
   check_no_overlap(x, "x", cache, "cache");
 
-  // 2. Derive sizes.
-  StoreParams params{static_cast<const float*>(x.data_ptr()),
-                x.stride(0),
-                static_cast<const float*>(weight.data_ptr()),
-                static_cast<const int64_t*>(positions.data_ptr()),
-                static_cast<const int64_t*>(slots.data_ptr()),
-                static_cast<uint8_t*>(cache.data_ptr()),
-                x.size(0),
-                page_size,
-                page_stride,
-                num_slots,
-                static_cast<float>(eps),
-                {}};
-  rope_inv_freq(theta, factor, original_max_positions, beta_fast, beta_slow, params.inv_freq);
+  // 2. Derive sizes and launch.
+  params.x = static_cast<const float*>(x.data_ptr());
+  params.x_stride = x.stride(0);
   if (params.num_entries == 0) return;
-
-  // 3. Launch.
   launch<NormRopeStore<Kind>>(params, cache.device());
+}
+
+// One streaming step of the raw ring fused with the store: pool + norm + RoPE + quantize + store
+// of every planned event, then the ring writes.
+template <class Kind>
+void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                    TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
+                    TensorView cache, TensorView slots, int64_t page_size, double theta, double factor,
+                    int64_t original_max_positions, double beta_fast, double beta_slow) {
+  // 1. Validate.
+  const dsv4_compress::ExtendPlan plan = dsv4_compress::check_extend(kv, score, ape, ratio, state, sources, writes,
+                                                                     nullptr);
+  if (plan.events.d != Kind::kDim) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
+                              << ", but this cache stores " << Kind::kDim;
+  }
+  const StoreParams store = check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, theta,
+                                              factor, original_max_positions, beta_fast, beta_slow);
+  check(cache, "cache").same_device(kv, "kv");
+  check_no_overlap(kv, "kv", cache, "cache");
+  check_no_overlap(state, "state", cache, "cache");
+
+  // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
+  if (plan.events.num_events > 0) launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device());
+  if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
 }
 
 }  // namespace sparsekv::dsv4_store

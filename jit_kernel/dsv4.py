@@ -9,11 +9,12 @@ from __future__ import annotations
 # Compressors, streaming state, quantizer and fused norm + RoPE + store (issue 13).
 from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_pool
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import RopeParams, StoreTarget, norm_rope_store
 
 __all__ = [
     "CompressorState",
     "RopeParams",
+    "StoreTarget",
     "compress_pool",
     "dequantize_fp8_ds_mla",
     "norm_rope_store",

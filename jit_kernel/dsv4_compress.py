@@ -10,11 +10,12 @@ is position ``m*i``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_store_step
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 RATIOS = (4, 128)
@@ -185,7 +186,8 @@ class CompressorState:
 
     def extend(self, request_ids: Sequence[int], rings: Sequence[Sequence[int]], starts: Sequence[int],
                kv: torch.Tensor, score: torch.Tensor, ring_span: int | None = None,
-               lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               lengths: Sequence[int] | None = None, store: StoreTarget | None = None,
+               entry_slots: Callable[[int, int], int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed a ragged batch of chunks; return the entries they complete.
 
         Parameters
@@ -203,11 +205,17 @@ class CompressorState:
             Positions per ring id (None: one ring per request).
         lengths : sequence of int or None
             Tokens of each chunk (None: one request with all N rows).
+        store : StoreTarget or None
+            Raw ring only: pool, normalize, rotate, quantize and store each entry into
+            ``store.cache`` in the same pass (no float entry is written); ``entries`` is then None.
+        entry_slots : callable or None
+            With ``store``: ``entry_slots(b, anchor)`` is the cache slot of request ``b``'s entry
+            anchored at ``anchor`` (for a pool: ``full_loc(position anchor + m - 1) // m``).
 
         Returns
         -------
-        entries : torch.Tensor
-            float32 ``[E, d]``, request after request, position ascending.
+        entries : torch.Tensor or None
+            float32 ``[E, d]``, request after request, position ascending (None with ``store``).
         anchors : torch.Tensor
             int64 ``[E]``: each entry's RoPE position ``m * i``.
 
@@ -226,9 +234,14 @@ class CompressorState:
         if sum(lengths) != kv.shape[0] or any(n < 0 for n in lengths):
             raise ValueError(f"sparsekv: argument `lengths` must be non-negative and add up to the rows of kv "
                              f"({kv.shape[0]}), got {lengths}")
+        if store is not None and (self.online or entry_slots is None):
+            raise ValueError("sparsekv: argument `store` needs `entry_slots` and the raw ring (online=False)")
         progress = [self._check_start(int(r), int(s)) for r, s in zip(request_ids, starts)]
-        plan = self._plan_online if self.online else self._plan_raw
-        entries, anchors = plan(rings, [int(s) for s in starts], lengths, kv, score, ring_span)
+        if self.online:
+            entries, anchors = self._plan_online(rings, [int(s) for s in starts], lengths, kv, score, ring_span)
+        else:
+            entries, anchors = self._plan_raw(rings, [int(s) for s in starts], lengths, kv, score, ring_span, store,
+                                              entry_slots)
         for prog, s, n in zip(progress, starts, lengths):
             prog.valid = int(s) + n
             prog.high = max(prog.high, prog.valid)
@@ -238,30 +251,37 @@ class CompressorState:
         ring = ring_ids[0] if span is None else ring_ids[pos // span]
         return int(ring) * self.ring_size + pos % self.ring_size
 
-    def _plan_raw(self, rings, starts, lengths, kv, score, span):
+    def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots):
         m, win = self.ratio, window(self.ratio)
-        sources, writes, anchors = [], [], []
+        sources, writes, anchors, slot_ids = [], [], [], []
         row0 = 0
-        for ring_ids, s, n in zip(rings, starts, lengths):
+        for b, (ring_ids, s, n) in enumerate(zip(rings, starts, lengths)):
             e = s + n
             for i in range(s // m, e // m):  # entries whose last token is in [s, e)
                 first = m * i - (4 if m == 4 else 0)
-                slots = []
+                slot_src = []
                 for q in range(first, first + win):
                     if q < 0:
-                        slots.append(-1)
+                        slot_src.append(-1)
                     elif q >= s:
-                        slots.append(row0 + q - s)
+                        slot_src.append(row0 + q - s)
                     else:
-                        slots.append(-2 - self._row(ring_ids, q, span))
-                sources.append(slots)
+                        slot_src.append(-2 - self._row(ring_ids, q, span))
+                sources.append(slot_src)
                 anchors.append(m * i)
+                if store is not None:
+                    slot_ids.append(int(entry_slots(b, m * i)))
             for q in range(max(s, e - self.ring_size), e):
                 writes.append((row0 + q - s, self._row(ring_ids, q, span)))
             row0 += n
         device = kv.device
         src = torch.tensor(sources, dtype=torch.int64).reshape(-1, win).to(device)
         wr = torch.tensor(writes, dtype=torch.int64).reshape(-1, 2).to(device)
+        if store is not None:
+            positions = torch.tensor(anchors, dtype=torch.int64, device=device)
+            slots = torch.tensor(slot_ids, dtype=torch.int64, device=device)
+            compress_store_step(kv, score, self.ape, m, self.state, src, wr, positions, slots, store)
+            return None, positions.cpu()
         out = torch.empty(src.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=device)
         DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, self.ape, m, self.state, src, wr, out)
         return out, torch.tensor(anchors, dtype=torch.int64)

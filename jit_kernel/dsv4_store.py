@@ -24,8 +24,15 @@ DSV4_STORE = register(
     KernelFamily(
         name="dsv4_store",
         header="dsv4_store.cuh",
-        exports={"norm_rope_store": "sparsekv::dsv4_store::norm_rope_store"},
-        kernels=("sparsekv::dsv4_store::NormRopeStore",),
+        exports={
+            "norm_rope_store": "sparsekv::dsv4_store::norm_rope_store",
+            "compress_store": "sparsekv::dsv4_store::compress_store",
+        },
+        kernels=(
+            "sparsekv::dsv4_store::NormRopeStore",
+            "sparsekv::dsv4_store::CompressStore",
+            "sparsekv::dsv4_store::StoreRingWrite",
+        ),
         params=("cache",),
         instances=tuple((cpp,) for cpp in CACHE_KINDS.values()),
     )
@@ -99,3 +106,44 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     module.norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), float(rope.theta),
                            float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
                            float(rope.beta_slow))
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """Where and how :meth:`~sparsekv.jit_kernel.dsv4_compress.CompressorState.extend` stores entries.
+
+    Attributes
+    ----------
+    cache : torch.Tensor
+        uint8 page buffer (e.g. ``pool.get_compressed_kv_buffer(layer_id)`` or ``get_indexer_buffer``).
+    weight : torch.Tensor
+        float32 ``[D]`` RMSNorm weight.
+    eps : float
+        RMSNorm epsilon.
+    page_size : int
+        Slots per page of ``cache``.
+    rope : RopeParams
+        RoPE / YaRN parameters.
+    cache_kind : str
+        ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
+    """
+
+    cache: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    page_size: int
+    rope: RopeParams
+    cache_kind: str = "V4"
+
+
+def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions, slots, target: StoreTarget) -> None:
+    """One fused streaming step (pool + norm + RoPE + quantize + store, then the ring writes).
+
+    The planned ``sources`` / ``writes`` tables come from
+    :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
+    """
+    module = DSV4_STORE.module(*dsv4_store_instance(target.cache_kind), backend=backend_of(kv))
+    r = target.rope
+    module.compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
+                          target.cache, slots, int(target.page_size), float(r.theta), float(r.factor),
+                          int(r.original_max_positions), float(r.beta_fast), float(r.beta_slow))

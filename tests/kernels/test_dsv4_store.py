@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, compress_pool, dequantize_fp8_ds_mla, norm_rope_store
+from sparsekv.jit_kernel.dsv4 import (
+    CompressorState,
+    RopeParams,
+    StoreTarget,
+    compress_pool,
+    dequantize_fp8_ds_mla,
+    norm_rope_store,
+)
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
 from sparsekv.testing.strategies.dsv4_quant import slot_case
@@ -136,3 +143,35 @@ def test_bad_input_names_the_argument_and_leaves_the_cache(mutate, extra, exc, n
     with pytest.raises(exc, match=f"`{name}`"):
         norm_rope_store(*mutate(args), rope, extra.get("kind", "V4"))
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio, kind", [(4, "V4"), (4, "INDEXER_FP8"), (4, "INDEXER_FP4"), (128, "V4")])
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, data):
+    device = device_of(backend)
+    dim, coff = KINDS[kind], (2 if ratio == 4 else 1)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    t = data.draw(st.integers(0, 3 * ratio + 2))
+    kv, score = torch.randn(t, coff * dim, generator=gen), torch.randn(t, coff * dim, generator=gen)
+    ape, weight = torch.randn(ratio, coff * dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
+    kv, score, ape, weight = kv.to(device), score.to(device), ape.to(device), weight.to(device)
+    rope = RopeParams(160000, 16, 65536, 32, 1)
+    layout, page = LAYOUTS[kind], 4
+    ring = 2 * (8 if ratio == 4 else 128)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=3)) + [0, t]))
+    fused = torch.zeros(4, layout.page_bytes(page), dtype=torch.uint8, device=device)
+    two_pass = torch.zeros_like(fused)
+    target = StoreTarget(fused, weight, 1e-6, page, rope, kind)
+    a = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, device=device), ape, ratio, ring_size=ring)
+    b = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, device=device), ape, ratio, ring_size=ring)
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        none, anchors = a.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi], store=target,
+                                 entry_slots=lambda _b, anchor: anchor // ratio)
+        entries, anchors_b = b.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi])
+        assert none is None and torch.equal(anchors, anchors_b)
+        anchors_b = anchors_b.to(device)
+        norm_rope_store(entries, weight, 1e-6, anchors_b, two_pass, anchors_b // ratio, page, rope, kind)
+    assert torch.equal(fused.cpu(), two_pass.cpu())
+    assert torch.equal(a.state.cpu(), b.state.cpu())
