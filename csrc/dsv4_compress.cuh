@@ -35,7 +35,7 @@
 
 namespace sparsekv::dsv4_compress {
 
-inline constexpr int kTile = 32;
+inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lane
 
 struct EventParams {
   const float* kv;
@@ -62,63 +62,79 @@ struct CompressEvents {
   SPARSEKV_HOST_DEVICE static int64_t tiles(const Params& p) { return (p.d + kTile - 1) / kTile; }
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * tiles(p); }
 
-  // Value and logit of slot j of event e at channel c; false if the slot is masked or unreadable.
-  SPARSEKV_HOST_DEVICE static bool slot(const Params& p, int64_t e, int64_t j, int64_t c, float& value,
-                                        float& logit) {
+  // The rows of slot j of event e: value row (kv), logit rows (score, ape), already offset to the
+  // slot's half; false if the slot is masked or names a row outside its table.
+  struct SlotRows {
+    const float* kv;
+    const float* score;
+    const float* ape;
+  };
+  SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
     const int64_t coff = p.ratio == 4 ? 2 : 1;
-    const bool b_half = p.ratio == 4 && j >= 4;
+    const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
     const int64_t ape_row = p.ratio == 4 ? (j & 3) : j;
-    const int64_t ch = b_half ? p.d + c : c;
     int64_t src;
     if (p.sources != nullptr) {
       src = p.sources[e * window_of(p.ratio) + j];
     } else {
-      src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // -1.. for the masked A half of entry 0
+      src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
       if (src < 0) src = -1;
     }
-    const float* kv_row;
-    const float* score_row;
     if (src >= 0) {
       if (src >= p.num_inputs) return false;
-      kv_row = p.kv + src * p.kv_stride;
-      score_row = p.score + src * p.score_stride;
+      rows.kv = p.kv + src * p.kv_stride + half;
+      rows.score = p.score + src * p.score_stride + half;
     } else if (src <= -2) {
       const int64_t r = -src - 2;
       if (r >= p.num_ring_rows) return false;
-      kv_row = p.ring + r * 2 * coff * p.d;
-      score_row = kv_row + coff * p.d;
+      rows.kv = p.ring + r * 2 * coff * p.d + half;
+      rows.score = rows.kv + coff * p.d;
     } else {
       return false;
     }
-    value = kv_row[ch];
-    logit = team::add_rn(score_row[ch], p.ape[ape_row * coff * p.d + ch]);
+    rows.ape = p.ape + ape_row * coff * p.d + half;
     return true;
   }
 
-  // Entry e at channel c: two passes over the slots (the maximum, then the weights exp(logit - max)),
-  // every step rounded as written so the fused store (dsv4_store.cuh) sees the same floats.
-  SPARSEKV_HOST_DEVICE static float pool_channel(const Params& p, int64_t e, int64_t c) {
+  // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: two passes
+  // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
+  // so the fused store (dsv4_store.cuh) produces the same floats. On the host one call covers a
+  // whole 32-channel tile with the channel loop innermost.
+  SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                             float (&out)[team::kVirtualPerThread]) {
+    constexpr int kV = team::kVirtualPerThread;
     const int64_t window = window_of(p.ratio);
-    float m = -INFINITY;
-    float value, logit;
+    const int64_t c0 = first + lanes.lane;
+    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
+    float m[kV], sum[kV], acc[kV];
+    for (int v = 0; v < kV; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
+    SlotRows rows;
     for (int64_t j = 0; j < window; ++j) {
-      if (slot(p, e, j, c, value, logit) && logit > m) m = logit;
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float logit = team::add_rn(rows.score[c0 + v], rows.ape[c0 + v]);
+        m[v] = logit > m[v] ? logit : m[v];
+      }
     }
-    float sum = 0.0f, acc = 0.0f;
     for (int64_t j = 0; j < window; ++j) {
-      if (!slot(p, e, j, c, value, logit)) continue;
-      const float w = expf(team::sub_rn(logit, m));
-      sum = team::add_rn(sum, w);
-      acc = team::add_rn(acc, team::mul_rn(w, value));
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float w = expf(team::sub_rn(team::add_rn(rows.score[c0 + v], rows.ape[c0 + v]), m[v]));
+        sum[v] = team::add_rn(sum[v], w);
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, rows.kv[c0 + v]));
+      }
     }
-    return sum > 0.0f ? acc / sum : 0.0f;
+    for (int v = 0; v < kV; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
   }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t e = i / tiles(p);
     const int64_t first = (i - e * tiles(p)) * kTile;
-    for (int64_t c = first + lanes.lane; c < first + kTile && c < p.d; c += lanes.count) {
-      p.out[e * p.d + c] = pool_channel(p, e, c);
+    float out[team::kVirtualPerThread];
+    pool_tile(p, e, first, lanes, out);
+    for (int v = 0; v < team::kVirtualPerThread; ++v) {
+      const int64_t c = first + lanes.lane + v;
+      if (c < p.d) p.out[e * p.d + c] = out[v];
     }
   }
 };

@@ -197,11 +197,12 @@ struct CompressStore {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
     const int64_t slot = p.store.slots[n];
     if (slot < 0 || slot >= p.store.num_slots) return;
+    // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
     Row x;
-    for (int j = 0; j < team::kVirtualPerThread; ++j) {
-      for (int k = 0; k < Row::kPerLane; ++k) {
-        x.v[j][k] = dsv4_compress::CompressEvents::pool_channel(p.events, n, Row::channel(lanes, j, k));
-      }
+    for (int k = 0; k < Row::kPerLane; ++k) {
+      float tile[team::kVirtualPerThread];
+      dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
+      for (int j = 0; j < team::kVirtualPerThread; ++j) x.v[j][k] = tile[j];
     }
     Store::finish(x, p.store, p.store.positions[n], slot, lanes);
   }

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def compress_pool_reference(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
-    """float64 ``[T // ratio, d]`` entries of ``kv``, ``score`` ``[T, coff * d]`` and ``ape`` ``[ratio, coff * d]``."""
+def compress_pool_reference(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int,
+                            dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[T // ratio, d]`` entries of ``kv``, ``score`` ``[T, coff * d]`` and ``ape`` ``[ratio, coff * d]``.
+
+    Computed in ``dtype``: float64 is the test oracle, float32 the benchmark baseline.
+    """
     if ratio not in (4, 128):
         raise ValueError(f"ratio must be 4 or 128, got {ratio}")
-    kv, score, ape = kv.double(), score.double(), ape.double()
+    kv, score, ape = kv.to(dtype), score.to(dtype), ape.to(dtype)
     t = kv.shape[0]
     n = t // ratio
     if ratio == 128:
@@ -23,7 +27,7 @@ def compress_pool_reference(kv: torch.Tensor, score: torch.Tensor, ape: torch.Te
     else:
         d = kv.shape[1] // 2
         if n == 0:
-            return torch.zeros(0, d, dtype=torch.float64)
+            return torch.zeros(0, d, dtype=dtype)
         kv_w = kv[: n * 4].reshape(n, 4, 2 * d)
         logit_w = score[: n * 4].reshape(n, 4, 2 * d) + ape
         # A halves of the previous window (none before entry 0), then the own window's B halves.
