@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv import env
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 DSV4_QUANT = register(
@@ -34,6 +35,28 @@ DSV4_QUANT = register(
 def dsv4_quant_instance() -> tuple:
     """Template arguments of the ``dsv4_quant`` family: none (input dtype and page size are run-time values)."""
     return ()
+
+
+def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> None:
+    """With ``SPARSEKV_CHECK_INDICES=1``: validate CUDA-resident slots with torch (synchronizes).
+
+    Host-resident slots are always validated by the kernel's host entry instead.
+
+    Raises
+    ------
+    IndexError
+        A slot outside ``[0, num_slots)``.
+    ValueError
+        A repeated slot (when ``unique``).
+    """
+    if slots.device.type != "cuda" or not env.check_indices() or slots.dim() != 1 or slots.numel() == 0:
+        return
+    bad = (slots < 0) | (slots >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"sparsekv: argument `slots`[{i}] = {int(slots[i])} is out of range [0, {num_slots})")
+    if unique and torch.unique(slots).numel() != slots.numel():
+        raise ValueError("sparsekv: argument `slots` names a slot twice; slots must be unique")
 
 
 def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
@@ -64,6 +87,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
     DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, int(page_size))
 
 
@@ -90,6 +114,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
     TypeError, ValueError, IndexError
         As :func:`quantize_fp8_ds_mla`.
     """
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=False)
     out = torch.empty(slots.shape[0] if slots.dim() == 1 else 0, 512, dtype=torch.float32, device=cache.device)
     DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, int(page_size), out)
     return out

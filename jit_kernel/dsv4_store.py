@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
 CACHE_KINDS = {
@@ -103,6 +104,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         A slot outside the cache. Nothing is written when anything is raised.
     """
     module = DSV4_STORE.module(*dsv4_store_instance(cache_kind), backend=backend_of(cache))
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
     module.norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), float(rope.theta),
                            float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
                            float(rope.beta_slow))
@@ -143,6 +145,7 @@ def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions
     :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
     """
     module = DSV4_STORE.module(*dsv4_store_instance(target.cache_kind), backend=backend_of(kv))
+    check_device_slots(slots, target.cache.shape[0] * int(target.page_size), unique=True)
     r = target.rope
     module.compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
                           target.cache, slots, int(target.page_size), float(r.theta), float(r.factor),

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
+from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
 from sparsekv.testing.strategies.dsv4_compress import feeding, sequence
@@ -227,3 +228,65 @@ def test_pool_rings_are_used_in_place():
     comp.extend([0], [[1]], [0], torch.randn(6, buf.shape[1] // 2), torch.randn(6, buf.shape[1] // 2))
     changed = (buf != before).any(1).nonzero().flatten().tolist()
     assert changed and all(ring <= r < 2 * ring for r in changed)  # ring 1's rows, in the pool's own buffer
+
+
+MATRIX = [(ratio, t) for ratio in (0, 4, 128) for t in (0, 1, 3, 4, 5, 7, 8, 9, 127, 128, 129, 255, 256, 257)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio, t", MATRIX)
+def test_ratio_and_boundary_length_matrix_with_chunked_prefill_continuation(backend, ratio, t):
+    device = device_of(backend)
+    coff = 2 if ratio == 4 else 1
+    gen = torch.Generator().manual_seed(t)
+    kv, score = torch.randn(t, coff * 8, generator=gen), torch.randn(t, coff * 8, generator=gen)
+    ape = torch.randn(max(ratio, 1), coff * 8, generator=gen)
+    if ratio == 0:  # SWA-only layers have no compressor
+        with pytest.raises(ValueError, match="`ratio`"):
+            compress_pool(kv, score, ape, ratio)
+        return
+    kv, score, ape = kv.to(device), score.to(device), ape.to(device)
+    one_shot = compress_pool(kv, score, ape, ratio)
+    assert one_shot.shape == (t // ratio, 8)
+    torch.testing.assert_close(one_shot.cpu().double(), compress_pool_reference(kv.cpu(), score.cpu(), ape.cpu(),
+                                                                                ratio), atol=1e-5, rtol=1e-5)
+    for online in (False, True) if ratio == 128 else (False,):
+        # A prefill chunk, then its continuation from the stored state (cut just before a boundary).
+        cut = max(0, (t // 2) // ratio * ratio - 1)
+        ring = 2 * window_of(ratio)
+        comp = CompressorState(torch.zeros(2 * ring, 2 * coff * 8, device=device), ape, ratio, ring_size=ring,
+                               online=online)
+        first, _ = comp.extend([0], [[1]], [0], kv[:cut], score[:cut])
+        second, _ = comp.extend([0], [[1]], [cut], kv[cut:], score[cut:])
+        streamed = torch.cat([first, second]).cpu()
+        if online:
+            torch.testing.assert_close(streamed, one_shot.cpu(), atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(streamed, one_shot.cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_online_c128_uses_the_pool_request_rings_in_place(backend):
+    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
+    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+
+    model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
+    rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
+    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=device_of(backend))
+    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 128)
+    buf = pool.get_compress_state(layer)
+    ring, d = pool.ring_sizes[128], buf.shape[1] // 2
+    gen = torch.Generator().manual_seed(0)
+    kv, score, ape = (torch.randn(300, d, generator=gen).to(buf.device), torch.randn(300, d, generator=gen).to(
+        buf.device), torch.randn(128, d, generator=gen).to(buf.device))
+    comp = CompressorState(buf, ape, 128, ring_size=ring, online=True)
+    req = 1
+    rows = int(pool.c128_state_loc(torch.tensor(req), torch.tensor(0)))  # the request's first ring row
+    before = buf.clone()
+    out = torch.cat([comp.extend([req], [[rows // ring]], [s], kv[s:e], score[s:e])[0] for s, e in
+                     [(0, 100), (100, 200), (200, 300)]])
+    torch.testing.assert_close(out.cpu().double(), compress_pool_reference(kv.cpu(), score.cpu(), ape.cpu(), 128),
+                               atol=1e-5, rtol=1e-5)
+    changed = (buf != before).any(1).nonzero().flatten().tolist()
+    assert changed and all(rows <= r < rows + ring for r in changed)

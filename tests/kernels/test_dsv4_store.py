@@ -175,3 +175,19 @@ def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, d
         norm_rope_store(entries, weight, 1e-6, anchors_b, two_pass, anchors_b // ratio, page, rope, kind)
     assert torch.equal(fused.cpu(), two_pass.cpu())
     assert torch.equal(a.state.cpu(), b.state.cpu())
+
+
+def test_fused_store_with_a_bad_slot_changes_nothing():
+    gen = torch.Generator().manual_seed(2)
+    kv, score, ape = torch.randn(9, 1024, generator=gen), torch.randn(9, 1024, generator=gen), torch.randn(4, 1024)
+    cache = torch.full((2, LAYOUTS["V4"].page_bytes(4)), 7, dtype=torch.uint8)
+    state = torch.zeros(32, 2048)
+    target = StoreTarget(cache, torch.ones(512), 1e-6, 4, RopeParams(10000))
+    comp = CompressorState(state, ape, 4, ring_size=16)
+    before_cache, before_state = cache.clone(), state.clone()
+    with pytest.raises(IndexError, match="`slots`"):
+        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: 8 + anchor)
+    assert torch.equal(cache, before_cache) and torch.equal(state, before_state)
+    # The failed step did not count: the request still starts at 0.
+    comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // 4)
+    assert not torch.equal(cache, before_cache)
