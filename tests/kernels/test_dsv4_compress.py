@@ -290,3 +290,12 @@ def test_online_c128_uses_the_pool_request_rings_in_place(backend):
                                atol=1e-5, rtol=1e-5)
     changed = (buf != before).any(1).nonzero().flatten().tolist()
     assert changed and all(rows <= r < rows + ring for r in changed)
+
+
+def test_the_documented_streaming_example_holds():
+    import doctest
+
+    import sparsekv.jit_kernel.dsv4_compress as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
