@@ -129,6 +129,13 @@ class CompressorState:
         C128 only: keep a running (max, sum, accumulator) per request instead of raw rows.
         Snapshot after length ``L`` lives in rows ``2 (L % (ring_size // 2))`` and ``+1`` of the ring.
 
+    Raises
+    ------
+    ValueError
+        ``ratio`` not 4 or 128, ``online`` with ratio 4, or ``ring_size`` too small.
+    TypeError
+        ``state`` or ``ape`` not float32 (a pool with bf16 compress states is not supported yet).
+
     Raw ring: token at position ``p`` of a request lives in ring row ``ring_of(p) * ring_size +
     p % ring_size`` where ``ring_of(p) = rings[p // ring_span]`` (``ring_span=None``: one ring per
     request, ``rings[0]``). For the pool's C4 rings pass the request's SWA page ids and
@@ -160,6 +167,11 @@ class CompressorState:
         if ring_size < need or (online and ring_size % 2):
             raise ValueError(f"sparsekv: argument `ring_size` must be >= {need}{' and even' if online else ''}, "
                              f"got {ring_size}")
+        for name, tensor in (("state", state), ("ape", ape)):
+            if tensor.dtype != torch.float32:
+                # A pool built with bf16 compress states is not supported yet: rounding ring rows
+                # would make entries depend on how the sequence was chunked.
+                raise TypeError(f"sparsekv: argument `{name}` must have dtype float32, got {tensor.dtype}")
         self.state, self.ape, self.ring_size, self.online = state, ape, int(ring_size), online
         self.snapshots = ring_size // 2
         self.coff = 2 if ratio == 4 else 1

@@ -299,3 +299,12 @@ def test_the_documented_streaming_example_holds():
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_bf16_state_is_refused_at_construction():
+    with pytest.raises(TypeError, match="`state`"):
+        CompressorState(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 32), 4, ring_size=16)
+    with pytest.raises(ValueError, match="`ring_size`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=4)
+    with pytest.raises(ValueError, match="`online`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=16, online=True)
