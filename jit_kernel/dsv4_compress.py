@@ -234,10 +234,11 @@ class CompressorState:
         Raises
         ------
         ValueError
-            A start beyond what the request holds, a rollback past what its ring keeps, lengths
-            that do not add up to N, or a chunk longer than one ring can stage with rollback.
+            A start beyond what the request holds, a rollback past what its ring keeps (the ring was
+            overwritten since), or lengths that do not add up to N.
         IndexError
-            A ring row outside ``state``.
+            A ring id outside ``state`` or missing from ``rings`` (named ``rings``), or, with
+            ``store``, a slot outside the cache. Nothing is written when anything is raised.
         """
         lengths = [kv.shape[0]] if lengths is None else [int(n) for n in lengths]
         if not (len(request_ids) == len(rings) == len(starts) == len(lengths)):
@@ -260,8 +261,15 @@ class CompressorState:
         return entries, anchors
 
     def _row(self, ring_ids: Sequence[int], pos: int, span: int | None) -> int:
-        ring = ring_ids[0] if span is None else ring_ids[pos // span]
-        return int(ring) * self.ring_size + pos % self.ring_size
+        index = 0 if span is None else pos // span
+        if index >= len(ring_ids):
+            raise IndexError(f"sparsekv: argument `rings` has {len(ring_ids)} ring ids, position {pos} needs "
+                             f"id {index} (ring_span {span})")
+        ring = int(ring_ids[index])
+        if ring < 0 or (ring + 1) * self.ring_size > self.state.shape[0]:
+            raise IndexError(f"sparsekv: argument `rings`: ring {ring} is outside state "
+                             f"({self.state.shape[0] // self.ring_size} rings of {self.ring_size} rows)")
+        return ring * self.ring_size + pos % self.ring_size
 
     def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots):
         m, win = self.ratio, window(self.ratio)
@@ -303,7 +311,7 @@ class CompressorState:
         readers, others, anchors = [], [], []
         row0 = 0
         for ring_ids, s, n in zip(rings, starts, lengths):
-            base = int(ring_ids[0]) * self.ring_size
+            base = self._row(ring_ids, 0, None)
             e = s + n
             keep_from = max(s + 1, e - k_snap + 1)
             pos = s

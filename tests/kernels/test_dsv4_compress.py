@@ -206,7 +206,7 @@ def test_rollback_past_the_ring_is_refused_and_state_unchanged():
         comp.extend([0], [[1]], [7], torch.randn(1, 16), torch.randn(1, 16))
     with pytest.raises(ValueError, match="`starts`"):
         comp.extend([0], [[1]], [10], torch.randn(1, 16), torch.randn(1, 16))  # beyond what it holds
-    with pytest.raises(IndexError, match="`sources`|`writes`"):
+    with pytest.raises(IndexError, match="`rings`"):
         comp.extend([0], [[5]], [9], torch.randn(1, 16), torch.randn(1, 16))  # ring 5 is outside state
     assert torch.equal(state, before)
 
