@@ -9,7 +9,9 @@
 //   ratio 4:   slot j < 4 is token 4 (i - 1) + j with the A half: value kv[., c], logit
 //              score[., c] + ape[j, c] (masked out for i = 0); slot 4 + j is token 4 i + j with the
 //              B half: value kv[., d + c], logit score[., d + c] + ape[j, d + c].
-// The softmax subtracts the slot maximum first; masked slots take no part.
+// The softmax subtracts the slot maximum first; masked slots take no part. With a bf16 state ring
+// (the pool's bf16 compress-state option) every kv and score is rounded to bf16 before pooling,
+// input rows as well as ring rows, so entries still do not depend on how a sequence was chunked.
 //
 // Kernels:
 //   CompressEvents: one entry per event. A slot's token row comes from the ragged input or from
@@ -30,12 +32,15 @@
 
 #include <cmath>
 
+#include "sparsekv/fp8.h"
 #include "sparsekv/portability.h"
 #include "sparsekv/team.h"
 
 namespace sparsekv::dsv4_compress {
 
 inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lane
+
+SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
 
 struct EventParams {
   const float* kv;
@@ -44,8 +49,9 @@ struct EventParams {
   int64_t score_stride;
   int64_t num_inputs;
   const float* ape;      // [ratio, coff * d], contiguous
-  const float* ring;     // [ring_rows, 2 * coff * d], contiguous (may be null without sources)
+  const void* ring;      // [ring_rows, 2 * coff * d] float or bf16, contiguous (null without sources)
   int64_t num_ring_rows;
+  bool ring_bf16;  // a bf16 ring: every pooled kv and score (input rows too) is rounded to bf16 first
   const int64_t* sources;  // [num_events, window] or null (one-shot)
   float* out;              // [num_events, d]
   int64_t num_events;
@@ -65,10 +71,24 @@ struct CompressEvents {
   // The rows of slot j of event e: value row (kv), logit rows (score, ape), already offset to the
   // slot's half; false if the slot is masked or names a row outside its table.
   struct SlotRows {
-    const float* kv;
+    const float* kv;  // input rows (float32), or null when the slot is in a bf16 ring
     const float* score;
+    const uint16_t* kv16;  // bf16 ring rows
+    const uint16_t* score16;
     const float* ape;
   };
+
+  // Value (kv) and score of channel c of a slot; a bf16 ring (kBf16) rounds input rows alike.
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float kv_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.kv ? round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
+    return r.kv[c];
+  }
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float score_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.score ? round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
+    return r.score[c];
+  }
   SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
     const int64_t coff = p.ratio == 4 ? 2 : 1;
     const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
@@ -80,6 +100,7 @@ struct CompressEvents {
       src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
       if (src < 0) src = -1;
     }
+    rows = SlotRows{nullptr, nullptr, nullptr, nullptr, nullptr};
     if (src >= 0) {
       if (src >= p.num_inputs) return false;
       rows.kv = p.kv + src * p.kv_stride + half;
@@ -87,8 +108,14 @@ struct CompressEvents {
     } else if (src <= -2) {
       const int64_t r = -src - 2;
       if (r >= p.num_ring_rows) return false;
-      rows.kv = p.ring + r * 2 * coff * p.d + half;
-      rows.score = rows.kv + coff * p.d;
+      const int64_t offset = r * 2 * coff * p.d + half;
+      if (p.ring_bf16) {
+        rows.kv16 = static_cast<const uint16_t*>(p.ring) + offset;
+        rows.score16 = rows.kv16 + coff * p.d;
+      } else {
+        rows.kv = static_cast<const float*>(p.ring) + offset;
+        rows.score = rows.kv + coff * p.d;
+      }
     } else {
       return false;
     }
@@ -100,8 +127,9 @@ struct CompressEvents {
   // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
   // so the fused store (dsv4_store.cuh) produces the same floats. On the host one call covers a
   // whole 32-channel tile with the channel loop innermost.
-  SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
-                                             float (&out)[team::kVirtualPerThread]) {
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static void pool_tile_as(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                                float (&out)[team::kVirtualPerThread]) {
     constexpr int kV = team::kVirtualPerThread;
     const int64_t window = window_of(p.ratio);
     const int64_t c0 = first + lanes.lane;
@@ -112,19 +140,28 @@ struct CompressEvents {
     for (int64_t j = 0; j < window; ++j) {
       if (!slot_rows(p, e, j, rows)) continue;
       for (int v = 0; v < count; ++v) {
-        const float logit = team::add_rn(rows.score[c0 + v], rows.ape[c0 + v]);
+        const float logit = team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]);
         m[v] = logit > m[v] ? logit : m[v];
       }
     }
     for (int64_t j = 0; j < window; ++j) {
       if (!slot_rows(p, e, j, rows)) continue;
       for (int v = 0; v < count; ++v) {
-        const float w = expf(team::sub_rn(team::add_rn(rows.score[c0 + v], rows.ape[c0 + v]), m[v]));
+        const float w = expf(team::sub_rn(team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]), m[v]));
         sum[v] = team::add_rn(sum[v], w);
-        acc[v] = team::add_rn(acc[v], team::mul_rn(w, rows.kv[c0 + v]));
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, kv_at<kBf16>(rows, c0 + v)));
       }
     }
     for (int v = 0; v < kV; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+  }
+
+  SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                             float (&out)[team::kVirtualPerThread]) {
+    if (p.ring_bf16) {
+      pool_tile_as<true>(p, e, first, lanes, out);
+    } else {
+      pool_tile_as<false>(p, e, first, lanes, out);
+    }
   }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
@@ -145,8 +182,9 @@ struct WriteParams {
   int64_t kv_stride;
   int64_t score_stride;
   int64_t num_inputs;
-  float* ring;
+  void* ring;  // float or bf16 (ring_bf16)
   int64_t num_ring_rows;
+  bool ring_bf16;
   const int64_t* writes;  // [num_writes, 2]: (input row, ring row)
   int64_t num_writes;
   int64_t width;  // coff * d
@@ -160,9 +198,19 @@ struct RingWrite {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t src = p.writes[2 * i], dst = p.writes[2 * i + 1];
     if (src < 0 || src >= p.num_inputs || dst < 0 || dst >= p.num_ring_rows) return;
-    float* row = p.ring + dst * 2 * p.width;
-    copy_bytes(row, p.kv + src * p.kv_stride, p.width * 4, lanes);
-    copy_bytes(row + p.width, p.score + src * p.score_stride, p.width * 4, lanes);
+    const float* kv = p.kv + src * p.kv_stride;
+    const float* score = p.score + src * p.score_stride;
+    if (p.ring_bf16) {
+      uint16_t* row = static_cast<uint16_t*>(p.ring) + dst * 2 * p.width;
+      for (int64_t c = lanes.lane; c < p.width; c += lanes.count) {
+        row[c] = fp8::float_to_bf16(kv[c]);
+        row[p.width + c] = fp8::float_to_bf16(score[c]);
+      }
+      return;
+    }
+    float* row = static_cast<float*>(p.ring) + dst * 2 * p.width;
+    copy_bytes(row, kv, p.width * 4, lanes);
+    copy_bytes(row + p.width, score, p.width * 4, lanes);
   }
 };
 
@@ -281,10 +329,14 @@ inline int64_t check_inputs(TensorView kv, TensorView score, TensorView ape, int
   return kv.size(1) / coff;
 }
 
-inline void check_state(TensorView state, TensorView kv, int64_t width) {
-  check(state, "state").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+// The state ring: float32, or bfloat16 when allow_bf16; returns true for bf16.
+inline bool check_state(TensorView state, TensorView kv, int64_t width, bool allow_bf16) {
+  const bool bf16 = allow_bf16 && state.dtype() == DLDataType{kDLBfloat, 16, 1};
+  if (!bf16) check(state, "state").dtype<float>();
+  check(state, "state").ndim(2).contiguous().same_device(kv, "kv");
   check(state, "state").size(1, 2 * width, "2 x width of kv");
   check_no_overlap(kv, "kv", state, "state");
+  return bf16;
 }
 
 // One-shot compression of a whole sequence.
@@ -298,7 +350,7 @@ inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64
   // 2. Derive sizes and launch.
   const EventParams params{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
                            kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
-                           nullptr, 0, nullptr, static_cast<float*>(out.data_ptr()), entries, d, ratio};
+                           nullptr, 0, false, nullptr, static_cast<float*>(out.data_ptr()), entries, d, ratio};
   if (entries == 0) return;
   launch<CompressEvents>(params, kv.device());
 }
@@ -314,7 +366,7 @@ inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, 
                                TensorView sources, TensorView writes, float* out) {
   const int64_t d = check_inputs(kv, score, ape, ratio);
   const int64_t width = kv.size(1);
-  check_state(state, kv, width);
+  const bool ring_bf16 = check_state(state, kv, width, true);
   check(sources, "sources").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv");
   check(sources, "sources").size(1, window_of(ratio), "window slots");
   check(writes, "writes").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs");
@@ -338,10 +390,10 @@ inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, 
   }
   return {EventParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
                       kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
-                      static_cast<const float*>(state.data_ptr()), ring_rows,
-                      static_cast<const int64_t*>(sources.data_ptr()), out, sources.size(0), d, ratio},
+                      state.data_ptr(), ring_rows, ring_bf16, static_cast<const int64_t*>(sources.data_ptr()), out,
+                      sources.size(0), d, ratio},
           WriteParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
-                      kv.stride(0), score.stride(0), kv.size(0), static_cast<float*>(state.data_ptr()), ring_rows,
+                      kv.stride(0), score.stride(0), kv.size(0), state.data_ptr(), ring_rows, ring_bf16,
                       static_cast<const int64_t*>(writes.data_ptr()), writes.size(0), width}};
 }
 
@@ -364,7 +416,7 @@ inline void compress_online_c128(TensorView kv, TensorView score, TensorView ape
                                  int64_t snapshots, TensorView segments, TensorView out) {
   // 1. Validate.
   const int64_t d = check_inputs(kv, score, ape, 128);
-  check_state(state, kv, d);
+  check_state(state, kv, d, false);
   check(segments, "segments").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 7, "fields");
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv").size(1, d, "d");
   if (snapshots < 1) TVM_FFI_THROW(ValueError) << "sparsekv: argument `snapshots` must be >= 1, got " << snapshots;

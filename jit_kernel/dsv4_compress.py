@@ -116,8 +116,10 @@ class CompressorState:
     Parameters
     ----------
     state : torch.Tensor
-        float32 ``[rows, 2 * coff * d]`` ring buffer, e.g. ``pool.get_compress_state(layer_id)``
-        or ``pool.get_indexer_state(layer_id)``.
+        float32 or bfloat16 ``[rows, 2 * coff * d]`` ring buffer, e.g.
+        ``pool.get_compress_state(layer_id)`` or ``pool.get_indexer_state(layer_id)``. With a
+        bfloat16 ring every pooled kv and score is rounded to bf16 first (input rows too), so the
+        entries equal :func:`compress_pool` of the bf16-rounded sequence, whatever the chunking.
     ape : torch.Tensor
         float32 ``[ratio, coff * d]``.
     ratio : int
@@ -134,7 +136,7 @@ class CompressorState:
     ValueError
         ``ratio`` not 4 or 128, ``online`` with ratio 4, or ``ring_size`` too small.
     TypeError
-        ``state`` or ``ape`` not float32 (a pool with bf16 compress states is not supported yet).
+        ``ape`` not float32, ``state`` neither float32 nor bfloat16 (float32 only for ``online``).
 
     Raw ring: token at position ``p`` of a request lives in ring row ``ring_of(p) * ring_size +
     p % ring_size`` where ``ring_of(p) = rings[p // ring_span]`` (``ring_span=None``: one ring per
@@ -167,11 +169,12 @@ class CompressorState:
         if ring_size < need or (online and ring_size % 2):
             raise ValueError(f"sparsekv: argument `ring_size` must be >= {need}{' and even' if online else ''}, "
                              f"got {ring_size}")
-        for name, tensor in (("state", state), ("ape", ape)):
-            if tensor.dtype != torch.float32:
-                # A pool built with bf16 compress states is not supported yet: rounding ring rows
-                # would make entries depend on how the sequence was chunked.
-                raise TypeError(f"sparsekv: argument `{name}` must have dtype float32, got {tensor.dtype}")
+        if ape.dtype != torch.float32:
+            raise TypeError(f"sparsekv: argument `ape` must have dtype float32, got {ape.dtype}")
+        allowed = (torch.float32,) if online else (torch.float32, torch.bfloat16)
+        if state.dtype not in allowed:
+            raise TypeError(f"sparsekv: argument `state` must have dtype {' or '.join(map(str, allowed))}"
+                            f"{' (online C128 keeps float32 snapshots)' if online else ''}, got {state.dtype}")
         self.state, self.ape, self.ring_size, self.online = state, ape, int(ring_size), online
         self.snapshots = ring_size // 2
         self.coff = 2 if ratio == 4 else 1

@@ -301,10 +301,31 @@ def test_the_documented_streaming_example_holds():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_bf16_state_is_refused_at_construction():
+def test_construction_checks():
     with pytest.raises(TypeError, match="`state`"):
-        CompressorState(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(4, 32), 4, ring_size=16)
+        CompressorState(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(128, 32), 128, ring_size=16,
+                        online=True)
+    with pytest.raises(TypeError, match="`state`"):
+        CompressorState(torch.zeros(16, 64, dtype=torch.float16), torch.zeros(4, 32), 4, ring_size=16)
+    with pytest.raises(TypeError, match="`ape`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32).double(), 4, ring_size=16)
     with pytest.raises(ValueError, match="`ring_size`"):
         CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=4)
     with pytest.raises(ValueError, match="`online`"):
         CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=16, online=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(backend, ratio, data):
+    kv, score, ape = data.draw(sequence(ratio, max_tokens=3 * ratio + 5, widths=(8, 32)))
+    steps = data.draw(feeding(kv.shape[0], max_chunk=2 * ratio + 3, max_drafts=8))
+    device = device_of(backend)
+    ring = 2 * window_of(ratio)
+    state = torch.zeros(4 * ring, 2 * kv.shape[1], dtype=torch.bfloat16, device=device)
+    comp = CompressorState(state, ape.to(device), ratio, ring_size=ring)
+    got, _ = _feed(comp, steps, kv, score, [2], None, seed=1)
+    rounded = [t.bfloat16().float() for t in (kv, score)]
+    assert torch.equal(got, compress_pool(*_on(backend, *rounded, ape), ratio).cpu())

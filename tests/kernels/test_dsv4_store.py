@@ -164,8 +164,11 @@ def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, d
     fused = torch.zeros(4, layout.page_bytes(page), dtype=torch.uint8, device=device)
     two_pass = torch.zeros_like(fused)
     target = StoreTarget(fused, weight, 1e-6, page, rope, kind)
-    a = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, device=device), ape, ratio, ring_size=ring)
-    b = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, device=device), ape, ratio, ring_size=ring)
+    state_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    a = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
+                        ring_size=ring)
+    b = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
+                        ring_size=ring)
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         none, anchors = a.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi], store=target,
                                  entry_slots=lambda _b, anchor: anchor // ratio)
