@@ -25,8 +25,9 @@
 //     Snapshot layout (two ring rows of 2 d floats): row a = [acc | max], row b = [sum | 0].
 //
 // The event, write and segment tables are built by the Python wrapper (sparsekv.jit_kernel.
-// dsv4_compress) from host-side lengths; the host entry checks every row they name before the
-// first launch. Rows outside their tables are skipped by the kernels (safe by construction).
+// dsv4_compress) from host-side lengths; when they are host-readable the host entry checks every
+// row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
+// by construction).
 // GPU: one warp per (event, 32-channel tile); lane = channel, so each slot is one 128-byte load.
 #pragma once
 
