@@ -84,12 +84,19 @@ def test_import_directions(where, anywhere, at_import, why):
     assert not bad, f"{why}:\n" + "\n".join(bad)
 
 
+# The one exception: the fused store runs the compressor's window pooling and the quantizer's row
+# stores in a single pass over the window, so it builds on those two families' headers.
+FUSED_FAMILY_INCLUDES = {"dsv4_store.cuh": {"dsv4_compress.cuh", "dsv4_quant.cuh"}}
+
+
 def test_kernel_headers_include_only_the_shared_headers():
-    """A family's header includes the shared headers of csrc/include/sparsekv/, never another family's."""
+    """A family's header includes the shared headers of csrc/include/sparsekv/, never another family's
+    (except the listed fused families)."""
     include = re.compile(r'#\s*include\s*"([^"]+)"')
     for header in sorted((REPO / "csrc").glob("*.cuh")):
+        allowed = FUSED_FAMILY_INCLUDES.get(header.name, set())
         for name in include.findall(header.read_text()):
-            assert name.startswith("sparsekv/"), f"{header.name} includes {name}"
+            assert name.startswith("sparsekv/") or name in allowed, f"{header.name} includes {name}"
     for header in sorted((REPO / "csrc" / "include" / "sparsekv").iterdir()):
         for name in include.findall(header.read_text()):
             assert name.startswith("sparsekv/"), f"{header.name} includes {name}"

@@ -1,0 +1,450 @@
+// dsv4_compress: the DSV4 compressors (C4: overlapping windows of 8, stride 4; C128: windows of
+// 128) over raw token rows, the ring writes of the streaming state, and the online C128 fold.
+//
+// Contract. Token t brings kv_t and score_t (float32, coff * d wide, coff = 2 for ratio 4, 1 for
+// ratio 128) and ape is float32 [ratio, coff * d]. Entry i is, independently per channel c < d,
+//   out[i, c] = sum_j softmax_j(logit_j) * value_j
+// over the slots j of its window:
+//   ratio 128: slot j < 128 is token 128 i + j: value kv[., c], logit score[., c] + ape[j, c].
+//   ratio 4:   slot j < 4 is token 4 (i - 1) + j with the A half: value kv[., c], logit
+//              score[., c] + ape[j, c] (masked out for i = 0); slot 4 + j is token 4 i + j with the
+//              B half: value kv[., d + c], logit score[., d + c] + ape[j, d + c].
+// The softmax subtracts the slot maximum first; masked slots take no part. With a bf16 state ring
+// (the pool's bf16 compress-state option) every kv and score is rounded to bf16 before pooling,
+// input rows as well as ring rows, so entries still do not depend on how a sequence was chunked.
+//
+// Kernels:
+//   CompressEvents: one entry per event. A slot's token row comes from the ragged input or from
+//     a ring row of the state buffer, as the event's source table says (source >= 0: input row;
+//     -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
+//     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
+//   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
+//   OnlineC128: folds a segment of one 128-window token by token into a running (max, sum,
+//     accumulator) per channel, starting from a stored snapshot or from nothing, stores the
+//     snapshot after chosen tokens, and emits acc / sum when the segment closes the window.
+//     Snapshot layout (two ring rows of 2 d floats): row a = [acc | max], row b = [sum | 0].
+//
+// The event, write and segment tables are built by the Python wrapper (sparsekv.jit_kernel.
+// dsv4_compress) from host-side lengths; when they are host-readable the host entry checks every
+// row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
+// by construction).
+// GPU: one warp per (event, 32-channel tile); lane = channel, so each slot is one 128-byte load.
+#pragma once
+
+#include <cmath>
+
+#include "sparsekv/fp8.h"
+#include "sparsekv/portability.h"
+#include "sparsekv/lane_reduce.h"
+
+namespace sparsekv::dsv4_compress {
+
+inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lane
+
+SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
+
+struct EventParams {
+  const float* kv;
+  const float* score;
+  int64_t kv_stride;  // floats between input rows
+  int64_t score_stride;
+  int64_t num_inputs;
+  const float* ape;      // [ratio, coff * d], contiguous
+  const void* ring;      // [ring_rows, 2 * coff * d] float or bf16, contiguous (null without sources)
+  int64_t num_ring_rows;
+  bool ring_bf16;  // a bf16 ring: every pooled kv and score (input rows too) is rounded to bf16 first
+  const int64_t* sources;  // [num_events, window] or null (one-shot)
+  float* out;              // [num_events, d]
+  int64_t num_events;
+  int64_t d;
+  int64_t ratio;
+};
+
+// Window slots of an entry: 8 for ratio 4 (two halves of 4), 128 for ratio 128.
+SPARSEKV_HOST_DEVICE int64_t window_of(int64_t ratio) { return ratio == 4 ? 8 : ratio; }
+
+struct CompressEvents {
+  using Params = EventParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t tiles(const Params& p) { return (p.d + kTile - 1) / kTile; }
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * tiles(p); }
+
+  // The rows of slot j of event e: value row (kv), logit rows (score, ape), already offset to the
+  // slot's half; false if the slot is masked or names a row outside its table.
+  struct SlotRows {
+    const float* kv;  // input rows (float32), or null when the slot is in a bf16 ring
+    const float* score;
+    const uint16_t* kv16;  // bf16 ring rows
+    const uint16_t* score16;
+    const float* ape;
+  };
+
+  // Value (kv) and score of channel c of a slot; a bf16 ring (kBf16) rounds input rows alike.
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float kv_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.kv ? round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
+    return r.kv[c];
+  }
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float score_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.score ? round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
+    return r.score[c];
+  }
+  SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
+    const int64_t coff = p.ratio == 4 ? 2 : 1;
+    const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
+    const int64_t ape_row = p.ratio == 4 ? (j & 3) : j;
+    int64_t src;
+    if (p.sources != nullptr) {
+      src = p.sources[e * window_of(p.ratio) + j];
+    } else {
+      src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
+      if (src < 0) src = -1;
+    }
+    rows = SlotRows{nullptr, nullptr, nullptr, nullptr, nullptr};
+    if (src >= 0) {
+      if (src >= p.num_inputs) return false;
+      rows.kv = p.kv + src * p.kv_stride + half;
+      rows.score = p.score + src * p.score_stride + half;
+    } else if (src <= -2) {
+      const int64_t r = -src - 2;
+      if (r >= p.num_ring_rows) return false;
+      const int64_t offset = r * 2 * coff * p.d + half;
+      if (p.ring_bf16) {
+        rows.kv16 = static_cast<const uint16_t*>(p.ring) + offset;
+        rows.score16 = rows.kv16 + coff * p.d;
+      } else {
+        rows.kv = static_cast<const float*>(p.ring) + offset;
+        rows.score = rows.kv + coff * p.d;
+      }
+    } else {
+      return false;
+    }
+    rows.ape = p.ape + ape_row * coff * p.d + half;
+    return true;
+  }
+
+  // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: two passes
+  // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
+  // so the fused store (dsv4_store.cuh) produces the same floats. On the host one call covers a
+  // whole 32-channel tile with the channel loop innermost.
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static void pool_tile_as(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                                float (&out)[team::kVirtualPerThread]) {
+    constexpr int kV = team::kVirtualPerThread;
+    const int64_t window = window_of(p.ratio);
+    const int64_t c0 = first + lanes.lane;
+    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
+    float m[kV], sum[kV], acc[kV];
+    for (int v = 0; v < kV; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
+    SlotRows rows;
+    for (int64_t j = 0; j < window; ++j) {
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float logit = team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]);
+        m[v] = logit > m[v] ? logit : m[v];
+      }
+    }
+    for (int64_t j = 0; j < window; ++j) {
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float w = expf(team::sub_rn(team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]), m[v]));
+        sum[v] = team::add_rn(sum[v], w);
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, kv_at<kBf16>(rows, c0 + v)));
+      }
+    }
+    for (int v = 0; v < kV; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+  }
+
+  SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                             float (&out)[team::kVirtualPerThread]) {
+    if (p.ring_bf16) {
+      pool_tile_as<true>(p, e, first, lanes, out);
+    } else {
+      pool_tile_as<false>(p, e, first, lanes, out);
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t e = i / tiles(p);
+    const int64_t first = (i - e * tiles(p)) * kTile;
+    float out[team::kVirtualPerThread];
+    pool_tile(p, e, first, lanes, out);
+    for (int v = 0; v < team::kVirtualPerThread; ++v) {
+      const int64_t c = first + lanes.lane + v;
+      if (c < p.d) p.out[e * p.d + c] = out[v];
+    }
+  }
+};
+
+struct WriteParams {
+  const float* kv;
+  const float* score;
+  int64_t kv_stride;
+  int64_t score_stride;
+  int64_t num_inputs;
+  void* ring;  // float or bf16 (ring_bf16)
+  int64_t num_ring_rows;
+  bool ring_bf16;
+  const int64_t* writes;  // [num_writes, 2]: (input row, ring row)
+  int64_t num_writes;
+  int64_t width;  // coff * d
+};
+
+struct RingWrite {
+  using Params = WriteParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_writes; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t src = p.writes[2 * i], dst = p.writes[2 * i + 1];
+    if (src < 0 || src >= p.num_inputs || dst < 0 || dst >= p.num_ring_rows) return;
+    const float* kv = p.kv + src * p.kv_stride;
+    const float* score = p.score + src * p.score_stride;
+    if (p.ring_bf16) {
+      uint16_t* row = static_cast<uint16_t*>(p.ring) + dst * 2 * p.width;
+      for (int64_t c = lanes.lane; c < p.width; c += lanes.count) {
+        row[c] = fp8::float_to_bf16(kv[c]);
+        row[p.width + c] = fp8::float_to_bf16(score[c]);
+      }
+      return;
+    }
+    float* row = static_cast<float*>(p.ring) + dst * 2 * p.width;
+    copy_bytes(row, kv, p.width * 4, lanes);
+    copy_bytes(row + p.width, score, p.width * 4, lanes);
+  }
+};
+
+// One segment of the online C128 fold: tokens pos0 .. pos0 + count - 1 (all in one 128-window)
+// at input rows row0 ...
+struct Segment {
+  int64_t row0;
+  int64_t pos0;
+  int64_t count;
+  int64_t read_row;   // snapshot to start from (row a; row b = read_row + 1), -1 to start empty
+  int64_t out_row;    // entry row of out when the segment closes its window, else -1
+  int64_t ring_base;  // first ring row of the request: snapshot of length L at ring_base + 2 (L % K)
+  int64_t keep_from;  // snapshots are stored for lengths >= keep_from (that are not multiples of 128)
+};
+static_assert(sizeof(Segment) == 7 * sizeof(int64_t), "dsv4_compress: a segment is 7 int64");
+
+struct OnlineParams {
+  const float* kv;
+  const float* score;
+  int64_t kv_stride;
+  int64_t score_stride;
+  int64_t num_inputs;
+  const float* ape;  // [128, d]
+  float* ring;       // [ring_rows, 2 d]
+  int64_t num_ring_rows;
+  int64_t snapshots;  // K: snapshot slots per ring
+  const Segment* segments;
+  int64_t num_segments;
+  float* out;
+  int64_t num_out;
+  int64_t d;
+};
+
+struct OnlineC128 {
+  using Params = OnlineParams;
+  static constexpr int64_t kRatio = 128;
+
+  SPARSEKV_HOST_DEVICE static int64_t tiles(const Params& p) { return (p.d + kTile - 1) / kTile; }
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_segments * tiles(p); }
+
+  SPARSEKV_HOST_DEVICE static bool ring_ok(const Params& p, int64_t row) {
+    return row >= 0 && row + 1 < p.num_ring_rows;
+  }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t s = i / tiles(p);
+    const int64_t first = (i - s * tiles(p)) * kTile;
+    const Segment seg = p.segments[s];
+    if (seg.row0 < 0 || seg.row0 + seg.count > p.num_inputs) return;
+    const int64_t row_stride = 2 * p.d;
+    for (int64_t c = first + lanes.lane; c < first + kTile && c < p.d; c += lanes.count) {
+      float m = -INFINITY, sum = 0.0f, acc = 0.0f;
+      if (seg.read_row >= 0 && ring_ok(p, seg.read_row)) {
+        const float* a = p.ring + seg.read_row * row_stride;
+        acc = a[c];
+        m = a[p.d + c];
+        sum = a[row_stride + c];
+      }
+      for (int64_t t = 0; t < seg.count; ++t) {
+        const int64_t pos = seg.pos0 + t;
+        const float v = p.kv[(seg.row0 + t) * p.kv_stride + c];
+        const float logit = p.score[(seg.row0 + t) * p.score_stride + c] + p.ape[(pos % kRatio) * p.d + c];
+        if (logit > m) {
+          const float decay = expf(m - logit);  // 0 for the first token (m = -inf)
+          sum = sum * decay + 1.0f;
+          acc = acc * decay + v;
+          m = logit;
+        } else {
+          const float w = expf(logit - m);
+          sum += w;
+          acc += w * v;
+        }
+        const int64_t length = pos + 1;
+        if (length >= seg.keep_from && length % kRatio != 0) {
+          const int64_t row = seg.ring_base + 2 * (length % p.snapshots);
+          if (ring_ok(p, row)) {
+            float* a = p.ring + row * row_stride;
+            a[c] = acc;
+            a[p.d + c] = m;
+            a[row_stride + c] = sum;
+            a[row_stride + p.d + c] = 0.0f;
+          }
+        }
+      }
+      if (seg.out_row >= 0 && seg.out_row < p.num_out) p.out[seg.out_row * p.d + c] = sum > 0.0f ? acc / sum : 0.0f;
+    }
+  }
+};
+
+}  // namespace sparsekv::dsv4_compress
+
+#ifdef SPARSEKV_HOST_ENTRY
+#include "sparsekv/ffi.h"
+
+namespace sparsekv::dsv4_compress {
+
+inline int64_t coff_of(int64_t ratio) {
+  if (ratio != 4 && ratio != 128) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `ratio` must be 4 or 128, got " << ratio;
+  }
+  return ratio == 4 ? 2 : 1;
+}
+
+// kv and score: float32 [N, coff * d] (unit last stride); returns d.
+inline int64_t check_inputs(TensorView kv, TensorView score, TensorView ape, int64_t ratio) {
+  const int64_t coff = coff_of(ratio);
+  check(kv, "kv").dtype<float>().ndim(2).rows_dense().on_backend_device();
+  check(score, "score").dtype<float>().ndim(2).rows_dense().same_device(kv, "kv");
+  check(score, "score").size(0, kv.size(0), "rows of kv").size(1, kv.size(1), "width of kv");
+  if (kv.size(1) == 0 || kv.size(1) % coff != 0) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` must have a positive width divisible by " << coff
+                              << " for ratio " << ratio << ", got shape " << shape_string(kv);
+  }
+  check(ape, "ape").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  check(ape, "ape").size(0, ratio, "ratio").size(1, kv.size(1), "width of kv");
+  return kv.size(1) / coff;
+}
+
+// The state ring: float32, or bfloat16 when allow_bf16; returns true for bf16.
+inline bool check_state(TensorView state, TensorView kv, int64_t width, bool allow_bf16) {
+  const bool bf16 = allow_bf16 && state.dtype() == DLDataType{kDLBfloat, 16, 1};
+  if (!bf16) check(state, "state").dtype<float>();
+  check(state, "state").ndim(2).contiguous().same_device(kv, "kv");
+  check(state, "state").size(1, 2 * width, "2 x width of kv");
+  check_no_overlap(kv, "kv", state, "state");
+  return bf16;
+}
+
+// One-shot compression of a whole sequence.
+inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView out) {
+  // 1. Validate.
+  const int64_t d = check_inputs(kv, score, ape, ratio);
+  const int64_t entries = kv.size(0) / ratio;
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  check(out, "out").size(0, entries, "T // ratio").size(1, d, "d");
+
+  // 2. Derive sizes and launch.
+  const EventParams params{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                           kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
+                           nullptr, 0, false, nullptr, static_cast<float*>(out.data_ptr()), entries, d, ratio};
+  if (entries == 0) return;
+  launch<CompressEvents>(params, kv.device());
+}
+
+struct ExtendPlan {
+  EventParams events;
+  WriteParams ring;
+};
+
+// Validates one streaming step of the raw ring (inputs, state, the event sources and ring writes)
+// and returns its launch parameters; events write to `out` (null for the fused store).
+inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                               TensorView sources, TensorView writes, float* out) {
+  const int64_t d = check_inputs(kv, score, ape, ratio);
+  const int64_t width = kv.size(1);
+  const bool ring_bf16 = check_state(state, kv, width, true);
+  check(sources, "sources").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv");
+  check(sources, "sources").size(1, window_of(ratio), "window slots");
+  check(writes, "writes").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs");
+  const int64_t ring_rows = state.size(0);
+  if (kv.device().device_type != kDLCUDA) {
+    const auto* src = static_cast<const int64_t*>(sources.data_ptr());
+    for (int64_t k = 0; k < sources.numel(); ++k) {
+      const int64_t v = src[k];
+      if (v >= kv.size(0) || (v <= -2 && -v - 2 >= ring_rows)) {
+        TVM_FFI_THROW(IndexError) << "sparsekv: argument `sources` entry " << k << " = " << v
+                                  << " names a row outside kv (" << kv.size(0) << ") or state (" << ring_rows << ")";
+      }
+    }
+    const auto* w = static_cast<const int64_t*>(writes.data_ptr());
+    for (int64_t k = 0; k < writes.size(0); ++k) {
+      if (w[2 * k] < 0 || w[2 * k] >= kv.size(0) || w[2 * k + 1] < 0 || w[2 * k + 1] >= ring_rows) {
+        TVM_FFI_THROW(IndexError) << "sparsekv: argument `writes` pair " << k << " = (" << w[2 * k] << ", "
+                                  << w[2 * k + 1] << ") is outside kv or state";
+      }
+    }
+  }
+  return {EventParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
+                      state.data_ptr(), ring_rows, ring_bf16, static_cast<const int64_t*>(sources.data_ptr()), out,
+                      sources.size(0), d, ratio},
+          WriteParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), state.data_ptr(), ring_rows, ring_bf16,
+                      static_cast<const int64_t*>(writes.data_ptr()), writes.size(0), width}};
+}
+
+// Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
+inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                            TensorView sources, TensorView writes, TensorView out) {
+  // 1. Validate.
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  const ExtendPlan plan = check_extend(kv, score, ape, ratio, state, sources, writes,
+                                       static_cast<float*>(out.data_ptr()));
+  check(out, "out").size(0, sources.size(0), "events").size(1, plan.events.d, "d");
+
+  // 2. Pool every event (reading ring rows as they were), then store the new ring rows.
+  if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
+  if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
+}
+
+// Streaming step of the online C128 state.
+inline void compress_online_c128(TensorView kv, TensorView score, TensorView ape, TensorView state,
+                                 int64_t snapshots, TensorView segments, TensorView out) {
+  // 1. Validate.
+  const int64_t d = check_inputs(kv, score, ape, 128);
+  check_state(state, kv, d, false);
+  check(segments, "segments").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 7, "fields");
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv").size(1, d, "d");
+  if (snapshots < 1) TVM_FFI_THROW(ValueError) << "sparsekv: argument `snapshots` must be >= 1, got " << snapshots;
+  const int64_t ring_rows = state.size(0);
+  const auto* segs = static_cast<const Segment*>(segments.data_ptr());
+  if (kv.device().device_type != kDLCUDA) {
+    for (int64_t k = 0; k < segments.size(0); ++k) {
+      const Segment& s = segs[k];
+      const bool ok = s.row0 >= 0 && s.count >= 1 && s.row0 + s.count <= kv.size(0) && s.pos0 >= 0 &&
+                      s.pos0 / 128 == (s.pos0 + s.count - 1) / 128 && s.read_row >= -1 &&
+                      s.read_row + 1 < ring_rows && s.out_row >= -1 && s.out_row < out.size(0) &&
+                      s.ring_base >= 0 && s.ring_base + 2 * snapshots <= ring_rows;
+      if (!ok) {
+        TVM_FFI_THROW(IndexError) << "sparsekv: argument `segments` row " << k << " names rows outside kv ("
+                                  << kv.size(0) << "), state (" << ring_rows << ") or out (" << out.size(0)
+                                  << "), or spans two windows";
+      }
+    }
+  }
+
+  // 2. Launch.
+  const OnlineParams params{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                            kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
+                            static_cast<float*>(state.data_ptr()), ring_rows, snapshots, segs, segments.size(0),
+                            static_cast<float*>(out.data_ptr()), out.size(0), d};
+  if (params.num_segments > 0) launch<OnlineC128>(params, kv.device());
+}
+
+}  // namespace sparsekv::dsv4_compress
+#endif

@@ -1,0 +1,316 @@
+// dsv4_store: the fused RMSNorm + RoPE (+ Walsh-Hadamard) + quantize + paged store of compressed
+// DSV4 entries, for the main cache (512 wide, fp8_ds_mla V4, 584 B) and the indexer cache (128
+// wide: IndexerFp8 132 B with one fp32 scale, or IndexerFp4 68 B with a UE8M0 scale per 32).
+//
+// Its own stem rather than part of dsv4_compress: the same step stores the SWA key path and any
+// entry pooled elsewhere, and its instances are per cache layout while the compressor's are not.
+//
+// Contract, per entry n (row x of D floats, anchor position pos[n], token slot slots[n]):
+//   x_c   = bf16(x_c)                                  (the compressor's bf16 cast)
+//   ms    = (sum_c x_c^2) / D                          (team order, see team.h), inv = 1 / sqrt(ms + eps)
+//   y_c   = bf16((x_c * inv) * weight_c)
+//   RoPE on the trailing 64 dims, interleaved pairs (2i, 2i + 1) of that tail, i < 32:
+//     angle = pos * inv_freq_i (double), c = float(cos angle), s = float(sin angle)
+//     (y_2i, y_2i+1) <- (bf16(y_2i c - y_2i+1 s), bf16(y_2i s + y_2i+1 c))
+//   inv_freq_i = theta^(-2i/64), blended by YaRN when factor > 1 (DeepSeek's rule, no mscale):
+//     corr(r) = 64 ln(orig / (2 pi r)) / (2 ln theta); low = max(floor(corr(beta_fast)), 0),
+//     high = min(ceil(corr(beta_slow)), 63); ramp_i = clamp((i - low) / (high - low), 0, 1)
+//     (high += 0.001 when equal); inv_freq_i = f_i / factor * ramp_i + f_i * (1 - ramp_i).
+//   main: store_v4(y) (dsv4_quant.cuh). Indexer: z = H y / sqrt(128) (H the 128-point Walsh-Hadamard
+//   matrix; butterflies of stride 1, 2, ..., 64, each (a, b) -> (a + b, a - b), then one multiply
+//   by 1/sqrt(128) rounded to float), then store_indexer_fp8(z) or store_indexer_fp4(z).
+// Every float operation is rounded as written on both backends (no FMA contraction, IEEE divide
+// and sqrt), so the stored bytes are identical across backends and to a float32 torch reference
+// that follows the same order.
+//
+// Safety: a slot outside the cache is skipped by the kernel; the host entry rejects such slots
+// and duplicated slots before any byte is written when the slots are host-readable.
+#pragma once
+
+#include <cmath>
+
+#include "dsv4_compress.cuh"
+#include "dsv4_quant.cuh"
+#include "sparsekv/lane_reduce.h"
+
+namespace sparsekv::dsv4_store {
+
+inline constexpr int kRopeDims = 64;
+inline constexpr int kRopePairs = kRopeDims / 2;
+inline constexpr float kInvSqrt128 = 0.08838834764831845f;
+
+enum class Cache { kV4, kIndexerFp8, kIndexerFp4 };
+
+struct V4 {
+  static constexpr Cache kCache = Cache::kV4;
+  static constexpr int kDim = dsv4_quant::kDim;
+  using Layout = kv_layout::V4;
+};
+struct IndexerFp8 {
+  static constexpr Cache kCache = Cache::kIndexerFp8;
+  static constexpr int kDim = dsv4_quant::kIndexerDim;
+  using Layout = kv_layout::IndexerFp8;
+};
+struct IndexerFp4 {
+  static constexpr Cache kCache = Cache::kIndexerFp4;
+  static constexpr int kDim = dsv4_quant::kIndexerDim;
+  using Layout = kv_layout::IndexerFp4;
+};
+
+struct StoreParams {
+  const float* x;  // [N, D], row stride x_stride
+  int64_t x_stride;
+  const float* weight;  // [D]
+  const int64_t* positions;
+  const int64_t* slots;
+  uint8_t* cache;
+  int64_t num_entries;
+  int64_t page_size;
+  int64_t page_stride;
+  int64_t num_slots;
+  float eps;
+  double inv_freq[kRopePairs];
+};
+
+SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
+
+template <class Kind>
+struct NormRopeStore {
+  static constexpr int kDim = Kind::kDim;
+  using Row = team::Row<kDim>;
+  using Params = StoreParams;
+  static_assert(kDim % 64 == 0 && kDim >= 128, "dsv4_store: the rope tail is 64 of at least 128 dims");
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const StoreParams& p) { return p.num_entries; }
+
+  SPARSEKV_HOST_DEVICE static void norm(Row& x, const StoreParams& p, Lanes lanes) {
+    team::Share partial;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      partial.v[j] = 0.0f;
+      for (int k = 0; k < Row::kPerLane; ++k) partial.v[j] = team::add_rn(partial.v[j], team::mul_rn(x.v[j][k], x.v[j][k]));
+    }
+    const float ms = team::sum(partial) / static_cast<float>(kDim);
+    const float inv = 1.0f / sqrtf(team::add_rn(ms, p.eps));
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) {
+        x.v[j][k] = round_bf16(team::mul_rn(team::mul_rn(x.v[j][k], inv), p.weight[Row::channel(lanes, j, k)]));
+      }
+    }
+  }
+
+  // The rope tail is k >= (kDim - 64) / 32; the pair partner of channel c is c ^ 1 (virtual lane ^ 1).
+  SPARSEKV_HOST_DEVICE static void rope(Row& x, const StoreParams& p, int64_t pos, Lanes lanes) {
+    for (int k = (kDim - kRopeDims) / team::kTeamLanes; k < Row::kPerLane; ++k) {
+      team::Share own;
+      for (int j = 0; j < team::kVirtualPerThread; ++j) own.v[j] = x.v[j][k];
+      const team::Share partner = team::exchange(own, 1);
+      for (int j = 0; j < team::kVirtualPerThread; ++j) {
+        const int t = Row::channel(lanes, j, k) - (kDim - kRopeDims);
+        const double angle = static_cast<double>(pos) * p.inv_freq[t / 2];
+        const float c = static_cast<float>(cos(angle));
+        const float s = static_cast<float>(sin(angle));
+        const float v = (t & 1) == 0 ? team::sub_rn(team::mul_rn(own.v[j], c), team::mul_rn(partner.v[j], s))
+                                     : team::add_rn(team::mul_rn(partner.v[j], s), team::mul_rn(own.v[j], c));
+        x.v[j][k] = round_bf16(v);
+      }
+    }
+  }
+
+  // 128-point Walsh-Hadamard transform, strides 1 .. 64, then the 1/sqrt(128) scale.
+  SPARSEKV_HOST_DEVICE static void hadamard(Row& x, Lanes lanes) {
+    for (int h = 1; h < kDim; h *= 2) {
+      if (h < team::kTeamLanes) {
+        for (int k = 0; k < Row::kPerLane; ++k) {
+          team::Share own;
+          for (int j = 0; j < team::kVirtualPerThread; ++j) own.v[j] = x.v[j][k];
+          const team::Share partner = team::exchange(own, h);
+          for (int j = 0; j < team::kVirtualPerThread; ++j) {
+            const bool high = (Row::channel(lanes, j, k) & h) != 0;
+            x.v[j][k] = high ? team::sub_rn(partner.v[j], own.v[j]) : team::add_rn(own.v[j], partner.v[j]);
+          }
+        }
+      } else {
+        const int step = h / team::kTeamLanes;
+        for (int j = 0; j < team::kVirtualPerThread; ++j) {
+          for (int k = 0; k < Row::kPerLane; ++k) {
+            if (k & step) continue;
+            const float a = x.v[j][k], b = x.v[j][k + step];
+            x.v[j][k] = team::add_rn(a, b);
+            x.v[j][k + step] = team::sub_rn(a, b);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = team::mul_rn(x.v[j][k], kInvSqrt128);
+    }
+  }
+
+  // Rounds a loaded row to bf16, then norm, RoPE, (Hadamard,) quantize and store into slot `slot`.
+  SPARSEKV_HOST_DEVICE static void finish(Row& x, const StoreParams& p, int64_t pos, int64_t slot, Lanes lanes) {
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = round_bf16(x.v[j][k]);
+    }
+    norm(x, p, lanes);
+    rope(x, p, pos, lanes);
+    const auto token = dsv4_quant::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_size, p.page_stride);
+    if constexpr (Kind::kCache == Cache::kV4) {
+      dsv4_quant::store_v4(x, token, lanes);
+    } else {
+      hadamard(x, lanes);
+      if constexpr (Kind::kCache == Cache::kIndexerFp8) {
+        dsv4_quant::store_indexer_fp8(x, token, lanes);
+      } else {
+        dsv4_quant::store_indexer_fp4(x, token, lanes);
+      }
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static void item(const StoreParams& p, int64_t n, Lanes lanes) {
+    const int64_t slot = p.slots[n];
+    if (slot < 0 || slot >= p.num_slots) return;
+    const float* src = p.x + n * p.x_stride;
+    Row x;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = src[Row::channel(lanes, j, k)];
+    }
+    finish(x, p, p.positions[n], slot, lanes);
+  }
+};
+
+// The compressor and the store in one pass: event n pools its window (dsv4_compress.cuh) straight
+// into a team row and stores it at slots[n] with RoPE position positions[n]; no float entry is
+// written to memory.
+struct CompressStoreParams {
+  dsv4_compress::EventParams events;
+  StoreParams store;
+};
+
+template <class Kind>
+struct CompressStore {
+  using Params = CompressStoreParams;
+  using Store = NormRopeStore<Kind>;
+  using Row = typename Store::Row;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
+    const int64_t slot = p.store.slots[n];
+    if (slot < 0 || slot >= p.store.num_slots) return;
+    // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
+    Row x;
+    for (int k = 0; k < Row::kPerLane; ++k) {
+      float tile[team::kVirtualPerThread];
+      dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
+      for (int j = 0; j < team::kVirtualPerThread; ++j) x.v[j][k] = tile[j];
+    }
+    Store::finish(x, p.store, p.store.positions[n], slot, lanes);
+  }
+};
+
+// The ring writes of a fused step, instantiated per Kind like the other kernels of the family.
+template <class Kind>
+struct StoreRingWrite : dsv4_compress::RingWrite {};
+
+}  // namespace sparsekv::dsv4_store
+
+#ifdef SPARSEKV_HOST_ENTRY
+namespace sparsekv::dsv4_store {
+
+// YaRN-blended inverse frequencies of the 32 rope pairs (see the contract above).
+inline void rope_inv_freq(double theta, double factor, int64_t original_max_positions, double beta_fast,
+                          double beta_slow, double* out) {
+  for (int i = 0; i < kRopePairs; ++i) out[i] = 1.0 / std::pow(theta, 2.0 * i / kRopeDims);
+  if (factor <= 1.0) return;
+  const auto corr = [&](double rotations) {
+    return kRopeDims * std::log(static_cast<double>(original_max_positions) / (rotations * 2.0 * 3.14159265358979323846)) /
+           (2.0 * std::log(theta));
+  };
+  const double low = std::max(std::floor(corr(beta_fast)), 0.0);
+  double high = std::min(std::ceil(corr(beta_slow)), static_cast<double>(kRopeDims - 1));
+  if (high == low) high += 0.001;
+  for (int i = 0; i < kRopePairs; ++i) {
+    const double ramp = std::min(std::max((i - low) / (high - low), 0.0), 1.0);
+    out[i] = out[i] / factor * ramp + out[i] * (1.0 - ramp);
+  }
+}
+
+// Validates the store arguments for `entries` rows and returns the store parameters (x unset).
+template <class Kind>
+StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorView positions, TensorView cache,
+                        TensorView slots, int64_t page_size, double theta, double factor,
+                        int64_t original_max_positions, double beta_fast, double beta_slow) {
+  check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous();
+  check(weight, "weight").same_device(cache, "cache");
+  check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, entries, "entries");
+  check(positions, "positions").same_device(cache, "cache");
+  check(slots, "slots").ndim(1).size(0, entries, "entries");
+  if (!(theta > 1.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `theta` must be > 1, got " << theta;
+  if (!(factor > 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `factor` must be > 0, got " << factor;
+  if (factor > 1.0 && (original_max_positions <= 0 || !(beta_fast > 0.0) || !(beta_slow > 0.0))) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: arguments `original_max_positions`, `beta_fast`, `beta_slow` must be "
+                                 "positive when YaRN is on (factor > 1)";
+  }
+  if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
+  const auto [page_stride, num_slots] =
+      dsv4_quant::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true);
+  StoreParams params{nullptr,
+                     0,
+                     static_cast<const float*>(weight.data_ptr()),
+                     static_cast<const int64_t*>(positions.data_ptr()),
+                     static_cast<const int64_t*>(slots.data_ptr()),
+                     static_cast<uint8_t*>(cache.data_ptr()),
+                     entries,
+                     page_size,
+                     page_stride,
+                     num_slots,
+                     static_cast<float>(eps),
+                     {}};
+  rope_inv_freq(theta, factor, original_max_positions, beta_fast, beta_slow, params.inv_freq);
+  return params;
+}
+
+template <class Kind>
+void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
+                     TensorView slots, int64_t page_size, double theta, double factor, int64_t original_max_positions,
+                     double beta_fast, double beta_slow) {
+  // 1. Validate.
+  check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
+  StoreParams params = check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, theta, factor,
+                                         original_max_positions, beta_fast, beta_slow);
+  check_no_overlap(x, "x", cache, "cache");
+
+  // 2. Derive sizes and launch.
+  params.x = static_cast<const float*>(x.data_ptr());
+  params.x_stride = x.stride(0);
+  if (params.num_entries == 0) return;
+  launch<NormRopeStore<Kind>>(params, cache.device());
+}
+
+// One streaming step of the raw ring fused with the store: pool + norm + RoPE + quantize + store
+// of every planned event, then the ring writes.
+template <class Kind>
+void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                    TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
+                    TensorView cache, TensorView slots, int64_t page_size, double theta, double factor,
+                    int64_t original_max_positions, double beta_fast, double beta_slow) {
+  // 1. Validate.
+  const dsv4_compress::ExtendPlan plan = dsv4_compress::check_extend(kv, score, ape, ratio, state, sources, writes,
+                                                                     nullptr);
+  if (plan.events.d != Kind::kDim) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
+                              << ", but this cache stores " << Kind::kDim;
+  }
+  const StoreParams store = check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, theta,
+                                              factor, original_max_positions, beta_fast, beta_slow);
+  check(cache, "cache").same_device(kv, "kv");
+  check_no_overlap(kv, "kv", cache, "cache");
+  check_no_overlap(state, "state", cache, "cache");
+
+  // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
+  if (plan.events.num_events > 0) launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device());
+  if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
+}
+
+}  // namespace sparsekv::dsv4_store
+#endif

@@ -1,0 +1,115 @@
+"""DSV4 FP8 token quantizer and dequantizer for the 584-byte ``fp8_ds_mla`` layout (kernel in ``csrc/dsv4_quant.cuh``).
+
+Layout and rounding (also the contract of the torch oracle
+:mod:`sparsekv.testing.reference.dsv4_quant`): dims 0-447 in 7 blocks of 64, each with the
+power-of-two scale ``2^e``, ``e`` the smallest integer with ``448 * 2^e >= max(amax, 1e-4)``; value
+bytes are the e4m3 round-to-nearest-even codes of ``x / 2^e``, scale bytes ``e + 127``; dims 448-511
+are bf16. A page of ``page_size`` slots stores all value records (576 B) first, then all scale
+records (8 B), padded to a multiple of 576 B.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv import env
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+
+DSV4_QUANT = register(
+    KernelFamily(
+        name="dsv4_quant",
+        header="dsv4_quant.cuh",
+        exports={
+            "quantize_fp8_ds_mla": "sparsekv::dsv4_quant::quantize_fp8_ds_mla",
+            "dequantize_fp8_ds_mla": "sparsekv::dsv4_quant::dequantize_fp8_ds_mla",
+        },
+        kernels=(
+            "sparsekv::dsv4_quant::QuantizeFp8DsMla<float>",
+            "sparsekv::dsv4_quant::QuantizeFp8DsMla<uint16_t>",
+            "sparsekv::dsv4_quant::DequantizeFp8DsMla",
+        ),
+    )
+)
+
+
+def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> None:
+    """With ``SPARSEKV_CHECK_INDICES=1``: validate CUDA-resident slots with torch (synchronizes).
+
+    Host-resident slots are always validated by the kernel's host entry instead.
+
+    Raises
+    ------
+    IndexError
+        A slot outside ``[0, num_slots)``.
+    ValueError
+        A repeated slot (when ``unique``).
+    """
+    if slots.device.type != "cuda" or not env.check_indices() or slots.dim() != 1 or slots.numel() == 0:
+        return
+    bad = (slots < 0) | (slots >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"sparsekv: argument `slots`[{i}] = {int(slots[i])} is out of range [0, {num_slots})")
+    if unique and torch.unique(slots).numel() != slots.numel():
+        raise ValueError("sparsekv: argument `slots` names a slot twice; slots must be unique")
+
+
+def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
+    """Quantize 512-wide rows into token slots of a paged ``fp8_ds_mla`` (V4, 584 B) cache, in place.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        float32 or bfloat16 ``[N, 512]``, unit last stride. A float32 row is quantized from its own
+        values (not rounded to bf16 first).
+    cache : torch.Tensor
+        uint8 ``[pages, V4.page_bytes(page_size)]``, unit last stride, same device as ``x``.
+    slots : torch.Tensor
+        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
+    page_size : int
+        Slots per page, a power of two.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype (the message names the argument).
+    ValueError
+        A wrong shape, stride, device or page size, a duplicated slot, or ``x`` sharing memory
+        with ``cache``.
+    IndexError
+        A slot outside the cache.
+
+    Nothing is written when an exception is raised (slots on a CUDA device are not read by the
+    host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
+    """
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
+    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, int(page_size))
+
+
+def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The values stored in token slots of a paged ``fp8_ds_mla`` cache.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        uint8 ``[pages, V4.page_bytes(page_size)]``.
+    slots : torch.Tensor
+        int64 ``[N]`` in ``[0, pages * page_size)`` (repeats allowed).
+    page_size : int
+        Slots per page, a power of two.
+
+    Returns
+    -------
+    torch.Tensor
+        A new float32 ``[N, 512]``: ``e4m3 * 2^(scale_byte - 127)`` for dims 0-447, the bf16 values
+        for dims 448-511.
+
+    Raises
+    ------
+    TypeError, ValueError, IndexError
+        As :func:`quantize_fp8_ds_mla`.
+    """
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=False)
+    out = torch.empty(slots.shape[0] if slots.dim() == 1 else 0, 512, dtype=torch.float32, device=cache.device)
+    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, int(page_size), out)
+    return out

@@ -1,0 +1,154 @@
+"""Fused RMSNorm + RoPE (+ Walsh-Hadamard) + quantize + paged store of DSV4 entries (kernel in ``csrc/dsv4_store.cuh``).
+
+Main cache: 512-wide rows into the 584-byte ``fp8_ds_mla`` (V4) layout. Indexer cache: 128-wide
+rows, rotated by the 128-point Walsh-Hadamard matrix over sqrt(128), into ``INDEXER_FP8`` (132 B, one
+fp32 scale ``max(amax, 1e-4) / 448``) or ``INDEXER_FP4`` (68 B, a UE8M0 scale per 32 values).
+The RoPE/YaRN parameters are explicit (published configs disagree on the compressed layers' theta).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsekv.jit_kernel.dsv4_quant import check_device_slots
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+
+CACHE_KINDS = {
+    "V4": "sparsekv::dsv4_store::V4",
+    "INDEXER_FP8": "sparsekv::dsv4_store::IndexerFp8",
+    "INDEXER_FP4": "sparsekv::dsv4_store::IndexerFp4",
+}
+
+
+def dsv4_store_instance(cache_kind: str) -> tuple[str]:
+    """Template arguments of the ``dsv4_store`` family for a cache kind (the family's ``complete``).
+
+    Raises
+    ------
+    ValueError
+        ``cache_kind`` is not one of ``V4``, ``INDEXER_FP8``, ``INDEXER_FP4``.
+    """
+    if cache_kind not in CACHE_KINDS:
+        raise ValueError(f"sparsekv: argument `cache_kind` must be one of {sorted(CACHE_KINDS)}, got {cache_kind!r}")
+    return (CACHE_KINDS[cache_kind],)
+
+
+DSV4_STORE = register(
+    KernelFamily(
+        name="dsv4_store",
+        header="dsv4_store.cuh",
+        exports={
+            "norm_rope_store": "sparsekv::dsv4_store::norm_rope_store",
+            "compress_store": "sparsekv::dsv4_store::compress_store",
+        },
+        kernels=(
+            "sparsekv::dsv4_store::NormRopeStore",
+            "sparsekv::dsv4_store::CompressStore",
+            "sparsekv::dsv4_store::StoreRingWrite",
+        ),
+        params=("cache_kind",),
+        complete=dsv4_store_instance,
+        instances=tuple({"cache_kind": kind} for kind in CACHE_KINDS),
+    )
+)
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """RoPE with optional YaRN blending (``factor > 1``), no mscale.
+
+    DSV4 compressed layers: ``RopeParams(160000, 16, 65536, 32, 1)``; SWA-only layers:
+    ``RopeParams(10000)``.
+    """
+
+    theta: float
+    factor: float = 1.0
+    original_max_positions: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                    cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeParams,
+                    cache_kind: str = "V4") -> None:
+    """Normalize, rotate and quantize entries straight into a paged cache, in place.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        float32 ``[N, D]`` (D = 512 for ``V4``, 128 for the indexer kinds), e.g. the compressor output.
+    weight : torch.Tensor
+        float32 ``[D]`` RMSNorm weight.
+    eps : float
+        RMSNorm epsilon.
+    positions : torch.Tensor
+        int64 ``[N]`` RoPE positions (a compressed entry's anchor ``m * i``).
+    cache : torch.Tensor
+        uint8 ``[pages, layout.page_bytes(page_size)]`` (a pool's page buffer).
+    slots : torch.Tensor
+        int64 ``[N]``, unique token slots.
+    page_size : int
+        Slots per page, a power of two.
+    rope : RopeParams
+        theta, YaRN factor, original max positions, beta_fast, beta_slow.
+    cache_kind : str
+        ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype (named).
+    ValueError
+        A wrong shape, page size, RoPE parameter, or a duplicated slot.
+    IndexError
+        A slot outside the cache. Nothing is written when anything is raised.
+    """
+    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
+    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
+    module.norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), float(rope.theta),
+                           float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
+                           float(rope.beta_slow))
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """Where and how :meth:`~sparsekv.jit_kernel.dsv4_compress.CompressorState.extend` stores entries.
+
+    Attributes
+    ----------
+    cache : torch.Tensor
+        uint8 page buffer (e.g. ``pool.get_compressed_kv_buffer(layer_id)`` or ``get_indexer_buffer``).
+    weight : torch.Tensor
+        float32 ``[D]`` RMSNorm weight.
+    eps : float
+        RMSNorm epsilon.
+    page_size : int
+        Slots per page of ``cache``.
+    rope : RopeParams
+        RoPE / YaRN parameters.
+    cache_kind : str
+        ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
+    """
+
+    cache: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    page_size: int
+    rope: RopeParams
+    cache_kind: str = "V4"
+
+
+def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions, slots, target: StoreTarget) -> None:
+    """One fused streaming step (pool + norm + RoPE + quantize + store, then the ring writes).
+
+    The planned ``sources`` / ``writes`` tables come from
+    :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
+    """
+    module = DSV4_STORE.module(cache_kind=target.cache_kind, backend=backend_of(kv))
+    check_device_slots(slots, target.cache.shape[0] * int(target.page_size), unique=True)
+    r = target.rope
+    module.compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
+                          target.cache, slots, int(target.page_size), float(r.theta), float(r.factor),
+                          int(r.original_max_positions), float(r.beta_fast), float(r.beta_slow))

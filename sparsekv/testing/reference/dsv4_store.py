@@ -1,0 +1,105 @@
+"""Torch reference of the fused norm + RoPE (+ Hadamard) + quantize + store (``csrc/dsv4_store.cuh``).
+
+Float32 throughout, every step rounded in the kernel's order, so stored bytes compare bit for bit:
+
+* ``x = bf16(x)``; sum of squares: 32 partial sums (partial ``l`` adds channels ``l, l + 32, ...`` in
+  order), then an xor butterfly (offsets 16, 8, 4, 2, 1); ``inv = 1 / sqrt(sum / D + eps)``;
+  ``y = bf16((x * inv) * weight)``.
+* RoPE on the trailing 64 dims, interleaved pairs, angle ``pos * inv_freq`` in float64, cos/sin
+  rounded to float32; results rounded to bf16. ``inv_freq`` is computed here independently (YaRN).
+* Indexer: Walsh-Hadamard butterflies of stride 1 .. 64, then ``* float32(1/sqrt(128))``.
+* Quantization: :mod:`sparsekv.testing.reference.dsv4_quant` (V4, FP4) and the FP8 indexer rule
+  ``scale = max(amax, 1e-4) / 448`` (float32, not a power of two), ``e4m3(x / scale)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
+from sparsekv.testing.reference.dsv4_quant import encode_fp4_blocks, encode_fp8_ds_mla
+
+LAYOUTS = {"V4": V4, "INDEXER_FP8": INDEXER_FP8, "INDEXER_FP4": INDEXER_FP4}
+
+
+def rope_inv_freq(theta: float, factor: float = 1.0, original_max_positions: int = 0, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, rope_dims: int = 64) -> torch.Tensor:
+    """float64 ``[rope_dims // 2]`` inverse frequencies, YaRN-blended when ``factor > 1`` (no mscale)."""
+    freq = 1.0 / theta ** (torch.arange(0, rope_dims, 2, dtype=torch.float64) / rope_dims)
+    if factor <= 1.0:
+        return freq
+
+    def corr(rotations):
+        return rope_dims * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(beta_fast)), 0)
+    high = min(math.ceil(corr(beta_slow)), rope_dims - 1)
+    if high == low:
+        high += 0.001
+    ramp = ((torch.arange(rope_dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freq / factor * ramp + freq * (1 - ramp)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def _team_sum(values: torch.Tensor) -> torch.Tensor:
+    n, d = values.shape
+    lanes = values.reshape(n, d // 32, 32)
+    partial = torch.zeros(n, 32, dtype=torch.float32)
+    for k in range(d // 32):
+        partial = partial + lanes[:, k]
+    lane = torch.arange(32)
+    for offset in (16, 8, 4, 2, 1):
+        partial = partial + partial[:, lane ^ offset]
+    return partial[:, 0]
+
+
+def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """float32 ``[N, D]``: the values the kernel quantizes."""
+    n, d = x.shape
+    x = _bf16(x.to(torch.float32))
+    ms = _team_sum(x * x) / torch.tensor(float(d), dtype=torch.float32)
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    y = _bf16((x * inv[:, None]) * weight.to(torch.float32))
+    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
+    even, odd = y[:, d - 64 :: 2], y[:, d - 63 :: 2]
+    rotated = torch.stack([_bf16(even * cos - odd * sin), _bf16(even * sin + odd * cos)], dim=2).reshape(n, 64)
+    y = torch.cat([y[:, : d - 64], rotated], dim=1)
+    if hadamard:
+        h = 1
+        while h < d:
+            blocks = y.reshape(n, d // (2 * h), 2, h)
+            a, b = blocks[:, :, 0], blocks[:, :, 1]
+            y = torch.stack([a + b, a - b], dim=2).reshape(n, d)
+            h *= 2
+        y = y * torch.tensor(1 / math.sqrt(128), dtype=torch.float32)
+    return y
+
+
+def encode_indexer_fp8(z: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, 132]``: 128 e4m3 values of ``z / scale`` then the fp32 scale bytes."""
+    scale = z.abs().amax(dim=1).clamp_min(1e-4) / torch.tensor(448.0, dtype=torch.float32)
+    values = (z / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([values, scale.contiguous().view(torch.uint8).reshape(-1, 4)], dim=1)
+
+
+def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_size, inv_freq, cache_kind="V4") -> None:
+    """In place: the kernel's bytes for every entry into ``cache`` at ``slots``."""
+    layout = LAYOUTS[cache_kind]
+    z = normalize_rotate(x, weight, eps, positions, inv_freq, hadamard=cache_kind != "V4")
+    if cache_kind == "V4":
+        records = encode_fp8_ds_mla(z)
+    elif cache_kind == "INDEXER_FP8":
+        records = encode_indexer_fp8(z)
+    else:
+        packed, scales = encode_fp4_blocks(z)
+        records = torch.cat([packed, scales], dim=1)
+    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
+    layout.value_view(cache, page_size)[page, offset] = records[:, : layout.value_bytes]
+    layout.scale_view(cache, page_size)[page, offset] = records[:, layout.value_bytes :]

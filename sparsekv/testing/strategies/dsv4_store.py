@@ -1,0 +1,29 @@
+"""Hypothesis strategies for the fused norm + RoPE + store: entries, weights, positions and RoPE settings."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+ROPE_SETTINGS = [
+    (160000.0, 16.0, 65536, 32.0, 1.0),  # DSV4 compressed layers (YaRN)
+    (10000.0, 1.0, 0, 32.0, 1.0),  # SWA-only layers
+    (10000.0, 40.0, 4096, 32.0, 1.0),  # another YaRN blend
+]
+
+
+@st.composite
+def store_case(draw, dim: int):
+    """``(x, weight, eps, positions, rope)``: float32 entries at magnitudes from tiny to huge."""
+    n = draw(st.integers(1, 12))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = 2.0 ** draw(st.integers(-20, 20))
+    x = torch.randn(n, dim, generator=gen) * scale
+    if draw(st.booleans()):
+        x[0] = 0.0  # an all-zero entry: eps keeps the norm finite
+    weight = torch.rand(dim, generator=gen) * 2 - 0.5
+    eps = draw(st.sampled_from([1e-6, 1e-5]))
+    positions = torch.tensor(draw(st.lists(st.integers(0, 1 << 21) | st.sampled_from([0, 4, 128, 65536]),
+                                           min_size=n, max_size=n)), dtype=torch.int64)
+    rope = draw(st.sampled_from(ROPE_SETTINGS))
+    return x, weight, eps, positions, rope

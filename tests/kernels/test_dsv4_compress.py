@@ -1,0 +1,331 @@
+"""dsv4_compress: one-shot pooling against the fp64 reference, its properties, and the streaming state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
+from sparsekv.jit_kernel.dsv4_compress import window as window_of
+from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
+from sparsekv.testing.strategies.dsv4_compress import feeding, sequence
+
+BACKENDS = kernel_backends()
+RATIOS = [4, 128]
+
+
+def _on(backend, *tensors):
+    device = device_of(backend)
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_compress_pool_matches_fp64_reference(backend, ratio, data):
+    kv, score, ape = data.draw(sequence(ratio))
+    before = [t.clone() for t in (kv, score, ape)]
+    dkv, dscore, dape = _on(backend, kv, score, ape)
+    got = compress_pool(dkv, dscore, dape, ratio).cpu()
+    expected = compress_pool_reference(kv, score, ape, ratio)
+    assert got.shape == expected.shape == (kv.shape[0] // ratio, kv.shape[1] // (2 if ratio == 4 else 1))
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    # Inputs are never modified.
+    assert all(torch.equal(a, b) for a, b in zip(before, (dkv.cpu(), dscore.cpu(), dape.cpu())))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), shift=st.floats(-30, 30))
+def test_gauge_invariance_and_convexity(backend, ratio, data, shift):
+    kv, score, ape = data.draw(sequence(ratio))
+    base = compress_pool(*_on(backend, kv, score, ape), ratio).cpu()
+    # A per-channel constant added to every score (both halves alike) leaves every entry unchanged.
+    coff = 2 if ratio == 4 else 1
+    per_channel = (torch.linspace(-1, 1, score.shape[1] // coff) * shift).repeat(coff)
+    shifted = compress_pool(*_on(backend, kv, score + per_channel, ape), ratio).cpu()
+    torch.testing.assert_close(shifted, base, atol=1e-5, rtol=1e-5)
+    # Each pooled value lies within its window's per-channel min and max.
+    d = base.shape[1]
+    for i in range(base.shape[0]):
+        if ratio == 128:
+            window = kv[128 * i : 128 * i + 128]
+        else:
+            window = kv[4 * i : 4 * i + 4, d:]
+            if i > 0:
+                window = torch.cat([kv[4 * i - 4 : 4 * i, :d], window])
+        slack = 1e-6 * window.abs().amax(0) + 1e-7
+        assert bool((base[i] >= window.amin(0) - slack).all()) and bool((base[i] <= window.amax(0) + slack).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_c4_entry_zero_uses_only_the_b_halves(backend):
+    kv, score, ape = torch.randn(8, 64), torch.randn(8, 64), torch.randn(4, 64)
+    base = compress_pool(*_on(backend, kv, score, ape), 4).cpu()
+    kv2, score2 = kv.clone(), score.clone()
+    kv2[:4, :32] = 1e6
+    score2[:4, :32] = 1e3
+    other = compress_pool(*_on(backend, kv2, score2, ape), 4).cpu()
+    assert torch.equal(other[0], base[0])
+    assert not torch.equal(other[1], base[1])  # entry 1 does read those A halves
+    only_b = torch.softmax(score[:4, 32:] + ape[:, 32:], 0).mul(kv[:4, 32:]).sum(0)
+    torch.testing.assert_close(base[0], only_b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_causality_entry_i_depends_only_on_tokens_up_to_its_last(backend, ratio):
+    gen = torch.Generator().manual_seed(ratio)
+    coff = 2 if ratio == 4 else 1
+    t = 3 * ratio + 1
+    kv, score, ape = torch.randn(t, coff * 16, generator=gen), torch.randn(t, coff * 16, generator=gen), torch.randn(
+        ratio, coff * 16, generator=gen)
+    full = compress_pool(*_on(backend, kv, score, ape), ratio).cpu()
+    for length in range(t + 1):
+        prefix = compress_pool(*_on(backend, kv[:length], score[:length], ape), ratio).cpu()
+        # Entry i exists exactly when token m*i + m - 1 has arrived, and equals the full run's.
+        assert prefix.shape[0] == length // ratio == sum(ratio * i + ratio - 1 < length for i in range(4))
+        assert torch.equal(prefix, full[: prefix.shape[0]])
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 2, 3, 8, 64, 256, -4])
+def test_other_ratios_are_rejected(ratio):
+    kv = torch.zeros(256, 16)
+    with pytest.raises(ValueError, match="`ratio`"):
+        compress_pool(kv, kv.clone(), torch.zeros(max(ratio, 1), 16), ratio)
+    with pytest.raises(ValueError, match="`ratio`"):
+        CompressorState(torch.zeros(16, 32), torch.zeros(4, 16), ratio, ring_size=16)
+
+
+BAD = [
+    (lambda kv, s, a: (kv.double(), s, a, 4), TypeError, "kv"),
+    (lambda kv, s, a: (kv, s[:-1], a, 4), ValueError, "score"),
+    (lambda kv, s, a: (kv, s, a[:3], 4), ValueError, "ape"),
+    (lambda kv, s, a: (kv[:, :15], s[:, :15], a[:, :15], 4), ValueError, "kv"),
+    (lambda kv, s, a: (kv, s, a.half(), 4), TypeError, "ape"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, name", BAD)
+def test_bad_input_names_the_argument(mutate, exc, name):
+    kv, score, ape = torch.randn(8, 16), torch.randn(8, 16), torch.randn(4, 16)
+    with pytest.raises(exc, match=f"`{name}`"):
+        compress_pool(*mutate(kv, score, ape))
+
+
+# ---- streaming state ------------------------------------------------------------------------
+
+
+def _feed(state, steps, kv, score, ring_ids, span, seed):
+    """Run ``steps`` for request 0; return the accepted entries in order."""
+    gen = torch.Generator().manual_seed(seed)
+    kept, anchors_kept = [], []
+    for start, n, accepted in steps:
+        rows_kv = torch.cat([kv[start : start + accepted], torch.randn(n - accepted, kv.shape[1], generator=gen)])
+        rows_s = torch.cat([score[start : start + accepted], torch.randn(n - accepted, kv.shape[1], generator=gen)])
+        entries, anchors = state.extend([0], [ring_ids], [start], rows_kv.to(state.state.device),
+                                        rows_s.to(state.state.device), ring_span=span)
+        for e, a in zip(entries.cpu(), anchors.tolist()):
+            if a + state.ratio - 1 < start + accepted:  # built from accepted tokens only
+                kept.append(e)
+                anchors_kept.append(a)
+    d = kv.shape[1] // (2 if state.ratio == 4 else 1)
+    return (torch.stack(kept) if kept else torch.zeros(0, d)), anchors_kept
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio, online", [(4, False), (128, False), (128, True)], ids=["c4", "c128", "c128-online"])
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_any_chunking_gives_the_one_shot_entries(backend, ratio, online, data):
+    kv, score, ape = data.draw(sequence(ratio, max_tokens=3 * ratio + 5, widths=(8, 32)))
+    total = kv.shape[0]
+    steps = data.draw(feeding(total, max_chunk=2 * ratio + 3, max_drafts=8))
+    ring = 2 * (8 if ratio == 4 else 128)  # speculative ring sizes
+    # One ring per request, or SWA-page rings (a new ring id every `span` positions).
+    span = data.draw(st.sampled_from([None, 64])) if ratio == 4 and not online else None
+    ring_ids = data.draw(st.permutations(range(1, 8)))
+    device = device_of(backend)
+    width = kv.shape[1]
+    state = torch.zeros(8 * ring, 2 * width, device=device)
+    comp = CompressorState(state, ape.to(device), ratio, ring_size=ring, online=online)
+    got, anchors = _feed(comp, steps, kv, score, ring_ids, span, seed=total)
+    assert anchors == [ratio * i for i in range(total // ratio)]
+    if online:
+        # The fold is token by token: any chunking gives the bytes of one chunk...
+        one = CompressorState(torch.zeros_like(state), ape.to(device), ratio, ring_size=ring, online=True)
+        whole, _ = one.extend([0], [[1]], [0], kv.to(device), score.to(device))
+        assert torch.equal(got, whole.cpu())
+        # ... and, as any merge order of the online softmax, the batch softmax.
+        torch.testing.assert_close(got.double(), online_fold_reference(kv, score, ape), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.double(), compress_pool_reference(kv, score, ape, ratio), atol=1e-5,
+                                   rtol=1e-5)
+    else:
+        assert torch.equal(got, compress_pool(*_on(backend, kv, score, ape), ratio).cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_batch_of_requests_matches_each_alone(backend):
+    gen = torch.Generator().manual_seed(3)
+    device = device_of(backend)
+    seqs = [(torch.randn(t, 32, generator=gen), torch.randn(t, 32, generator=gen)) for t in (13, 6, 21)]
+    ape = torch.randn(4, 32, generator=gen).to(device)
+    comp = CompressorState(torch.zeros(4 * 16, 64, device=device), ape, 4, ring_size=16)
+    cuts = [(0, 5), (5, 9), (9, 30)]
+    outs = {r: [] for r in range(3)}
+    for lo, hi in cuts:
+        ids, rings, starts, lengths, kvs, scores = [], [], [], [], [], []
+        for r, (kv, score) in enumerate(seqs):
+            a, b = min(lo, kv.shape[0]), min(hi, kv.shape[0])
+            ids.append(r), rings.append([r + 1]), starts.append(a), lengths.append(b - a)
+            kvs.append(kv[a:b]), scores.append(score[a:b])
+        entries, anchors = comp.extend(ids, rings, starts, torch.cat(kvs).to(device), torch.cat(scores).to(device),
+                                       lengths=lengths)
+        k = 0
+        for r, (a, n) in enumerate(zip(starts, lengths)):
+            count = (a + n) // 4 - a // 4
+            outs[r].append(entries[k : k + count].cpu())
+            k += count
+    for r, (kv, score) in enumerate(seqs):
+        assert torch.equal(torch.cat(outs[r]), compress_pool(kv.to(device), score.to(device), ape, 4).cpu())
+
+
+def test_rollback_past_the_ring_is_refused_and_state_unchanged():
+    ape = torch.randn(4, 16)
+    state = torch.zeros(2 * 8, 32)
+    comp = CompressorState(state, ape, 4, ring_size=8)
+    comp.extend([0], [[1]], [0], torch.randn(6, 16), torch.randn(6, 16))
+    comp.extend([0], [[1]], [6], torch.randn(3, 16), torch.randn(3, 16))  # overwrote position 0
+    before = state.clone()
+    with pytest.raises(ValueError, match="`starts`"):
+        comp.extend([0], [[1]], [7], torch.randn(1, 16), torch.randn(1, 16))
+    with pytest.raises(ValueError, match="`starts`"):
+        comp.extend([0], [[1]], [10], torch.randn(1, 16), torch.randn(1, 16))  # beyond what it holds
+    with pytest.raises(IndexError, match="`rings`"):
+        comp.extend([0], [[5]], [9], torch.randn(1, 16), torch.randn(1, 16))  # ring 5 is outside state
+    assert torch.equal(state, before)
+
+
+def test_pool_rings_are_used_in_place():
+    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
+    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+
+    model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
+    rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
+    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device="cpu")
+    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 4)
+    buf = pool.get_compress_state(layer)
+    before = buf.clone()
+    ring = pool.ring_sizes[4]
+    ape = torch.randn(4, buf.shape[1] // 2)
+    comp = CompressorState(buf, ape, 4, ring_size=ring)
+    comp.extend([0], [[1]], [0], torch.randn(6, buf.shape[1] // 2), torch.randn(6, buf.shape[1] // 2))
+    changed = (buf != before).any(1).nonzero().flatten().tolist()
+    assert changed and all(ring <= r < 2 * ring for r in changed)  # ring 1's rows, in the pool's own buffer
+
+
+MATRIX = [(ratio, t) for ratio in (0, 4, 128) for t in (0, 1, 3, 4, 5, 7, 8, 9, 127, 128, 129, 255, 256, 257)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio, t", MATRIX)
+def test_ratio_and_boundary_length_matrix_with_chunked_prefill_continuation(backend, ratio, t):
+    device = device_of(backend)
+    coff = 2 if ratio == 4 else 1
+    gen = torch.Generator().manual_seed(t)
+    kv, score = torch.randn(t, coff * 8, generator=gen), torch.randn(t, coff * 8, generator=gen)
+    ape = torch.randn(max(ratio, 1), coff * 8, generator=gen)
+    if ratio == 0:  # SWA-only layers have no compressor
+        with pytest.raises(ValueError, match="`ratio`"):
+            compress_pool(kv, score, ape, ratio)
+        return
+    kv, score, ape = kv.to(device), score.to(device), ape.to(device)
+    one_shot = compress_pool(kv, score, ape, ratio)
+    assert one_shot.shape == (t // ratio, 8)
+    torch.testing.assert_close(one_shot.cpu().double(), compress_pool_reference(kv.cpu(), score.cpu(), ape.cpu(),
+                                                                                ratio), atol=1e-5, rtol=1e-5)
+    for online in (False, True) if ratio == 128 else (False,):
+        # A prefill chunk, then its continuation from the stored state (cut just before a boundary).
+        cut = max(0, (t // 2) // ratio * ratio - 1)
+        ring = 2 * window_of(ratio)
+        comp = CompressorState(torch.zeros(2 * ring, 2 * coff * 8, device=device), ape, ratio, ring_size=ring,
+                               online=online)
+        first, _ = comp.extend([0], [[1]], [0], kv[:cut], score[:cut])
+        second, _ = comp.extend([0], [[1]], [cut], kv[cut:], score[cut:])
+        streamed = torch.cat([first, second]).cpu()
+        if online:
+            torch.testing.assert_close(streamed, one_shot.cpu(), atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(streamed, one_shot.cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_online_c128_uses_the_pool_request_rings_in_place(backend):
+    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
+    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+
+    model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
+    rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
+    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=device_of(backend))
+    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 128)
+    buf = pool.get_compress_state(layer)
+    ring, d = pool.ring_sizes[128], buf.shape[1] // 2
+    gen = torch.Generator().manual_seed(0)
+    kv, score, ape = (torch.randn(300, d, generator=gen).to(buf.device), torch.randn(300, d, generator=gen).to(
+        buf.device), torch.randn(128, d, generator=gen).to(buf.device))
+    comp = CompressorState(buf, ape, 128, ring_size=ring, online=True)
+    req = 1
+    rows = int(pool.c128_state_loc(torch.tensor(req), torch.tensor(0)))  # the request's first ring row
+    before = buf.clone()
+    out = torch.cat([comp.extend([req], [[rows // ring]], [s], kv[s:e], score[s:e])[0] for s, e in
+                     [(0, 100), (100, 200), (200, 300)]])
+    torch.testing.assert_close(out.cpu().double(), compress_pool_reference(kv.cpu(), score.cpu(), ape.cpu(), 128),
+                               atol=1e-5, rtol=1e-5)
+    changed = (buf != before).any(1).nonzero().flatten().tolist()
+    assert changed and all(rows <= r < rows + ring for r in changed)
+
+
+def test_the_documented_streaming_example_holds():
+    import doctest
+
+    import sparsekv.jit_kernel.dsv4_compress as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_construction_checks():
+    with pytest.raises(TypeError, match="`state`"):
+        CompressorState(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(128, 32), 128, ring_size=16,
+                        online=True)
+    with pytest.raises(TypeError, match="`state`"):
+        CompressorState(torch.zeros(16, 64, dtype=torch.float16), torch.zeros(4, 32), 4, ring_size=16)
+    with pytest.raises(TypeError, match="`ape`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32).double(), 4, ring_size=16)
+    with pytest.raises(ValueError, match="`ring_size`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=4)
+    with pytest.raises(ValueError, match="`online`"):
+        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=16, online=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(backend, ratio, data):
+    kv, score, ape = data.draw(sequence(ratio, max_tokens=3 * ratio + 5, widths=(8, 32)))
+    steps = data.draw(feeding(kv.shape[0], max_chunk=2 * ratio + 3, max_drafts=8))
+    device = device_of(backend)
+    ring = 2 * window_of(ratio)
+    state = torch.zeros(4 * ring, 2 * kv.shape[1], dtype=torch.bfloat16, device=device)
+    comp = CompressorState(state, ape.to(device), ratio, ring_size=ring)
+    got, _ = _feed(comp, steps, kv, score, [2], None, seed=1)
+    rounded = [t.bfloat16().float() for t in (kv, score)]
+    assert torch.equal(got, compress_pool(*_on(backend, *rounded, ape), ratio).cpu())

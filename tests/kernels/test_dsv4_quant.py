@@ -1,0 +1,127 @@
+"""dsv4_quant: the FP8 ``fp8_ds_mla`` quantizer and dequantizer against the torch byte oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.reference import dsv4_quant as ref
+from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
+
+BACKENDS = kernel_backends()
+
+
+def _noise_cache(pages: int, page_size: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (pages, V4.page_bytes(page_size)), dtype=torch.uint8, generator=gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_quantize_bytes_equal_the_reference(backend, dtype, data):
+    x = data.draw(quant_rows()).to(dtype)
+    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    cache = _noise_cache(pages, page_size, data.draw(st.integers(0, 1000)))
+    expected = cache.clone()
+    ref.quantize_fp8_ds_mla(x, expected, slots, page_size)
+    device = device_of(backend)
+    got = cache.to(device)
+    quantize_fp8_ds_mla(x.to(device), got, slots.to(device), page_size)
+    # Bytes outside the written slots (other slots, page padding) keep their noise.
+    assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_dequantize_is_within_half_an_ulp_and_scales_are_powers_of_two(backend, data):
+    x = data.draw(quant_rows())
+    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    device = device_of(backend)
+    cache = torch.zeros(pages, V4.page_bytes(page_size), dtype=torch.uint8, device=device)
+    quantize_fp8_ds_mla(x.to(device), cache, slots.to(device), page_size)
+    got = dequantize_fp8_ds_mla(cache, slots.to(device), page_size).cpu().double()
+    assert torch.equal(got, ref.dequantize_fp8_ds_mla(cache.cpu(), slots, page_size))
+
+    scale_bytes = V4.scale_view(cache.cpu(), page_size)[slots // page_size, slots % page_size]
+    e = scale_bytes[:, :7].to(torch.int64) - 127
+    blocks = x[:, :448].double().reshape(-1, 7, 64)
+    amax = blocks.abs().amax(2).clamp_min(1e-4)
+    scale = torch.ldexp(torch.ones_like(amax), e)
+    # The scale is the smallest power of two that brings amax within 448.
+    assert bool((amax <= 448 * scale).all()) and bool((amax > 224 * scale).all())
+    assert bool((scale_bytes[:, 7] == 0).all())
+    # Half an e4m3 ulp at the scaled value's binade (subnormal spacing 2^-9 below 2^-6).
+    y = (blocks / scale[:, :, None]).abs()
+    binade = torch.floor(torch.log2(y.clamp_min(2.0**-6)))
+    half_ulp = torch.ldexp(torch.ones_like(y), (binade - 4).to(torch.int64)) * scale[:, :, None]
+    err = (got[:, :448].reshape(-1, 7, 64) - blocks).abs()
+    assert bool((err <= half_ulp).all())
+    rope = x[:, 448:].double()
+    assert torch.equal(got[:, 448:], rope.to(torch.bfloat16).double())
+
+
+def test_edge_blocks_hit_exact_scales():
+    x = torch.zeros(3, 512)
+    x[1, :64] = 448.0 * 2.0**-3  # amax exactly at the boundary: e = -3, code 448
+    x[2, :64] = 448.0 * 2.0**-3 * (1 + 2.0**-23)  # one ulp above: next power of two
+    cache = torch.zeros(1, V4.page_bytes(4), dtype=torch.uint8)
+    quantize_fp8_ds_mla(x, cache, torch.arange(3), 4)
+    scales = V4.scale_view(cache, 4)[0]
+    values = V4.value_view(cache, 4)[0]
+    # All-zero blocks: amax floor 1e-4 -> e = ceil(log2(1e-4 / 448)) = -22, codes 0.
+    assert scales[0, 0].item() == 127 - 22 and bool((values[0, :448] == 0).all())
+    assert scales[1, 0].item() == 127 - 3 and values[1, 0].item() == 0x7E
+    assert scales[2, 0].item() == 127 - 2 and values[2, 0].item() == 0x76  # 224 * (1 + 2^-23) -> 224
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_input_writes_nothing(backend):
+    device = device_of(backend)
+    cache = torch.full((2, V4.page_bytes(2)), 9, dtype=torch.uint8, device=device)
+    quantize_fp8_ds_mla(torch.zeros(0, 512, device=device), cache, torch.zeros(0, dtype=torch.int64, device=device), 2)
+    assert bool((cache == 9).all())
+    assert dequantize_fp8_ds_mla(cache, torch.zeros(0, dtype=torch.int64, device=device), 2).shape == (0, 512)
+
+
+def _args():
+    return torch.randn(3, 512), torch.full((2, V4.page_bytes(2)), 5, dtype=torch.uint8), torch.tensor([0, 3, 1]), 2
+
+
+BAD = [
+    (lambda x, c, s, p: (x.double(), c, s, p), TypeError, "x"),
+    (lambda x, c, s, p: (x.half(), c, s, p), TypeError, "x"),
+    (lambda x, c, s, p: (x[:, :448], c, s, p), ValueError, "x"),
+    (lambda x, c, s, p: (x, c, s[:2], p), ValueError, "slots"),
+    (lambda x, c, s, p: (x, c, s.to(torch.int32), p), TypeError, "slots"),
+    (lambda x, c, s, p: (x, c, torch.tensor([0, 4, 1]), p), IndexError, "slots"),
+    (lambda x, c, s, p: (x, c, torch.tensor([0, -1, 1]), p), IndexError, "slots"),
+    (lambda x, c, s, p: (x, c, torch.tensor([0, 1, 1]), p), ValueError, "slots"),
+    (lambda x, c, s, p: (x, c, s, 3), ValueError, "page_size"),
+    (lambda x, c, s, p: (x, c, s, 4), ValueError, "cache"),
+    (lambda x, c, s, p: (x, c.to(torch.int8), s, p), TypeError, "cache"),
+    (lambda x, c, s, p: (x, c[:, :-1], s, p), ValueError, "cache"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, name", BAD)
+def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(mutate, exc, name):
+    x, cache, slots, page_size = _args()
+    before = cache.clone()
+    args = mutate(x, cache, slots, page_size)
+    with pytest.raises(exc, match=f"`{name}`"):
+        quantize_fp8_ds_mla(*args)
+    assert torch.equal(cache, before)
+
+
+def test_dequantize_rejects_out_of_range_slots():
+    _, cache, _, page_size = _args()
+    with pytest.raises(IndexError, match="`slots`"):
+        dequantize_fp8_ds_mla(cache, torch.tensor([4]), page_size)

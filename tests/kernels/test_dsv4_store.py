@@ -1,0 +1,196 @@
+"""dsv4_store: fused norm + RoPE (+ Hadamard) + quantize + store, byte for byte against the torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4 import (
+    CompressorState,
+    RopeParams,
+    StoreTarget,
+    compress_pool,
+    dequantize_fp8_ds_mla,
+    norm_rope_store,
+)
+from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
+from sparsekv.testing.strategies.dsv4_quant import slot_case
+from sparsekv.testing.strategies.dsv4_store import store_case
+
+BACKENDS = kernel_backends()
+KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(KINDS))
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_stored_bytes_equal_the_reference(backend, kind, data):
+    x, weight, eps, positions, rope = data.draw(store_case(KINDS[kind]))
+    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    layout = LAYOUTS[kind]
+    cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8)
+    expected = cache.clone()
+    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, rope_inv_freq(*rope), kind)
+    device = device_of(backend)
+    got = cache.to(device)
+    norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, slots.to(device), page_size,
+                    RopeParams(*rope), kind)
+    # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_reference_is_norm_rope_in_fp64_within_the_quantization_error():
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(6, 512, generator=gen), torch.rand(512, generator=gen) + 0.5
+    positions = torch.tensor([0, 1, 4, 128, 4096, 1 << 20])
+    inv_freq = rope_inv_freq(160000, 16, 65536, 32, 1)
+    cache = torch.zeros(1, LAYOUTS["V4"].page_bytes(8), dtype=torch.uint8)
+    norm_rope_store(x, weight, 1e-6, positions, cache, torch.arange(6), 8, RopeParams(160000, 16, 65536, 32, 1))
+    got = dequantize_fp8_ds_mla(cache, torch.arange(6), 8).double()
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + 1e-6) * weight.double()
+    angle = positions.double()[:, None] * inv_freq
+    even, odd = y[:, 448::2], y[:, 449::2]
+    rope = torch.stack([even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], 2)
+    y = torch.cat([y[:, :448], rope.reshape(6, 64)], 1)
+    # bf16 steps (input, norm, rope) relative to each rotated pair's magnitude.
+    pair = torch.hypot(even, odd).repeat_interleave(2, dim=1)
+    assert bool(((got[:, 448:] - y[:, 448:]).abs() <= 2**-6 * pair).all())
+    block_amax = y[:, :448].reshape(6, 7, 64).abs().amax(2, keepdim=True)
+    err = (got[:, :448] - y[:, :448]).reshape(6, 7, 64).abs()
+    assert bool((err <= block_amax * 2**-4).all())  # e4m3 keeps 3 mantissa bits (+ bf16 steps)
+
+
+def test_hadamard_step_is_the_orthonormal_walsh_matrix():
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 128:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(5, 128, generator=gen), torch.rand(128, generator=gen) + 0.5
+    positions = torch.arange(5) * 4
+    inv_freq = rope_inv_freq(10000)
+    plain = normalize_rotate(x, weight, 1e-6, positions, inv_freq, hadamard=False).double()
+    rotated = normalize_rotate(x, weight, 1e-6, positions, inv_freq, hadamard=True).double()
+    torch.testing.assert_close(rotated, plain @ h.T / math.sqrt(128), atol=1e-5, rtol=1e-5)
+    # Orthogonal: unquantized dot products (indexer scores) are unchanged.
+    torch.testing.assert_close(rotated @ rotated.T, plain @ plain.T, atol=1e-4, rtol=1e-5)
+
+
+def test_yarn_frequencies_blend_between_interpolation_and_extrapolation():
+    base = rope_inv_freq(160000)
+    yarn = rope_inv_freq(160000, 16, 65536, 32, 1)
+    assert torch.allclose(yarn[:4], base[:4])  # fast dims: unchanged
+    assert torch.allclose(yarn[-4:], base[-4:] / 16)  # slow dims: interpolated by the factor
+    assert bool((yarn <= base).all()) and bool((yarn >= base / 16).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_entries_store_the_one_shot_cache_bytes(backend):
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(5)
+    t = 37
+    kv, score, ape = (torch.randn(t, 1024, generator=gen), torch.randn(t, 1024, generator=gen),
+                      torch.randn(4, 1024, generator=gen))
+    kv, score, ape = kv.to(device), score.to(device), ape.to(device)
+    weight = torch.rand(512, generator=gen).to(device) + 0.5
+    rope = RopeParams(160000, 16, 65536, 32, 1)
+    layout = LAYOUTS["V4"]
+    one_shot = torch.zeros(2, layout.page_bytes(8), dtype=torch.uint8, device=device)
+    entries = compress_pool(kv, score, ape, 4)
+    idx = torch.arange(entries.shape[0], device=device)
+    norm_rope_store(entries, weight, 1e-6, idx * 4, one_shot, idx, 8, rope)
+    streamed = torch.zeros_like(one_shot)
+    comp = CompressorState(torch.zeros(2 * 16, 2048, device=device), ape, 4, ring_size=16)
+    for lo, hi in [(0, 3), (3, 4), (4, 13), (13, 14), (14, 37)]:
+        out, anchors = comp.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi])
+        anchors = anchors.to(device)
+        norm_rope_store(out, weight, 1e-6, anchors, streamed, anchors // 4, 8, rope)
+    assert torch.equal(streamed.cpu(), one_shot.cpu())
+
+
+def _args():
+    return (torch.randn(2, 512), torch.ones(512), 1e-6, torch.tensor([0, 4]),
+            torch.full((2, LAYOUTS["V4"].page_bytes(2)), 3, dtype=torch.uint8), torch.tensor([0, 3]), 2)
+
+
+BAD = [
+    (lambda a: (a[0].bfloat16(), *a[1:]), {}, TypeError, "x"),
+    (lambda a: (a[0][:, :128], *a[1:]), {}, ValueError, "x"),
+    (lambda a: (a[0], a[1][:128], *a[2:]), {}, ValueError, "weight"),
+    (lambda a: (*a[:3], a[3][:1], *a[4:]), {}, ValueError, "positions"),
+    (lambda a: (*a[:5], torch.tensor([0, 4]), a[6]), {}, IndexError, "slots"),
+    (lambda a: (*a[:5], torch.tensor([1, 1]), a[6]), {}, ValueError, "slots"),
+    (lambda a: (*a[:6], 3), {}, ValueError, "page_size"),
+    (lambda a: a, {"rope": RopeParams(1.0)}, ValueError, "theta"),
+    (lambda a: a, {"rope": RopeParams(160000, 16, 0)}, ValueError, "original_max_positions"),
+    (lambda a: a, {"kind": "INDEXER_FP8"}, ValueError, "x"),
+    (lambda a: a, {"kind": "FP16"}, ValueError, "cache_kind"),
+]
+
+
+@pytest.mark.parametrize("mutate, extra, exc, name", BAD)
+def test_bad_input_names_the_argument_and_leaves_the_cache(mutate, extra, exc, name):
+    args = _args()
+    cache = args[4]
+    before = cache.clone()
+    rope = extra.get("rope", RopeParams(160000, 16, 65536, 32, 1))
+    with pytest.raises(exc, match=f"`{name}`"):
+        norm_rope_store(*mutate(args), rope, extra.get("kind", "V4"))
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio, kind", [(4, "V4"), (4, "INDEXER_FP8"), (4, "INDEXER_FP4"), (128, "V4")])
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, data):
+    device = device_of(backend)
+    dim, coff = KINDS[kind], (2 if ratio == 4 else 1)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    t = data.draw(st.integers(0, 3 * ratio + 2))
+    kv, score = torch.randn(t, coff * dim, generator=gen), torch.randn(t, coff * dim, generator=gen)
+    ape, weight = torch.randn(ratio, coff * dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
+    kv, score, ape, weight = kv.to(device), score.to(device), ape.to(device), weight.to(device)
+    rope = RopeParams(160000, 16, 65536, 32, 1)
+    layout, page = LAYOUTS[kind], 4
+    ring = 2 * (8 if ratio == 4 else 128)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=3)) + [0, t]))
+    fused = torch.zeros(4, layout.page_bytes(page), dtype=torch.uint8, device=device)
+    two_pass = torch.zeros_like(fused)
+    target = StoreTarget(fused, weight, 1e-6, page, rope, kind)
+    state_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    a = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
+                        ring_size=ring)
+    b = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
+                        ring_size=ring)
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        none, anchors = a.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi], store=target,
+                                 entry_slots=lambda _b, anchor: anchor // ratio)
+        entries, anchors_b = b.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi])
+        assert none is None and torch.equal(anchors, anchors_b)
+        anchors_b = anchors_b.to(device)
+        norm_rope_store(entries, weight, 1e-6, anchors_b, two_pass, anchors_b // ratio, page, rope, kind)
+    assert torch.equal(fused.cpu(), two_pass.cpu())
+    assert torch.equal(a.state.cpu(), b.state.cpu())
+
+
+def test_fused_store_with_a_bad_slot_changes_nothing():
+    gen = torch.Generator().manual_seed(2)
+    kv, score, ape = torch.randn(9, 1024, generator=gen), torch.randn(9, 1024, generator=gen), torch.randn(4, 1024)
+    cache = torch.full((2, LAYOUTS["V4"].page_bytes(4)), 7, dtype=torch.uint8)
+    state = torch.zeros(32, 2048)
+    target = StoreTarget(cache, torch.ones(512), 1e-6, 4, RopeParams(10000))
+    comp = CompressorState(state, ape, 4, ring_size=16)
+    before_cache, before_state = cache.clone(), state.clone()
+    with pytest.raises(IndexError, match="`slots`"):
+        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: 8 + anchor)
+    assert torch.equal(cache, before_cache) and torch.equal(state, before_state)
+    # The failed step did not count: the request still starts at 0.
+    comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // 4)
+    assert not torch.equal(cache, before_cache)

@@ -1,0 +1,129 @@
+"""Benchmark the DSV4 compressors and the fused store on the CPU backend against fp32 torch.
+
+Cases (d = 512, the main compressor), for T in {4k, 64k} raw tokens (``--quick``: 4k only):
+
+* ``pool`` (ratio 4 and 128): ``compress_pool`` (our kernel, cpu backend) vs the float32 torch
+  reference (``compress_pool_reference(..., dtype=float32)``: windows by reshape, ``softmax``,
+  weighted sum).
+* ``fused`` (ratio 4 and 128): one prefill chunk of T tokens through ``CompressorState.extend``
+  with a ``StoreTarget`` (pool + RMSNorm + RoPE/YaRN + FP8 quantize + store into 584-byte V4 pages
+  in one pass, then the ring tail) vs float32 torch (the pool reference, then the store reference
+  ``norm_rope_store_reference``, which emulates the kernel's rounding order and writes bytes).
+  ``two_pass``: our compress kernel, then our ``norm_rope_store`` (the unfused path).
+
+On paper, per raw token, the GPU kernels move (fp32 inputs ``kv`` and ``score``, coff = 2 for C4):
+
+* fused pass: reads ``2 * coff * d * 4`` B (each token is read once; C4's overlapping A halves come
+  from L2/shared memory), writes ``584 / ratio`` B; the ring write stores only the chunk's last
+  ring rows (prefill: negligible; decode: one ``2 * coff * d * 4`` B row per token);
+* unfused: the pool pass writes ``4 d / ratio`` B of float entries that the store pass reads back.
+
+HBM round trips of the compressed-KV path: ours is **2** at decode (fused pool + norm + RoPE +
+quantize + store, then the ring-row write; the state rows a decode step pools are read in the
+fused pass) and **1** for a prefill chunk (plus a ring tail of at most ``ring_size`` rows). The
+unfused path is 3 (pool -> float entries -> store). Each row reports the bytes and the implied H200
+time at 4.8 TB/s (``h200_us``) for the fused path.
+
+Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
+from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference, rope_inv_freq
+
+D = 512
+H200_HBM_BYTES_PER_S = 4.8e12
+ROPE = RopeParams(160000, 16, 65536, 32, 1)
+PAGE = 64
+
+
+def _inputs(t: int, ratio: int):
+    coff = 2 if ratio == 4 else 1
+    gen = torch.Generator().manual_seed(t + ratio)
+    return (torch.randn(t, coff * D, generator=gen), torch.randn(t, coff * D, generator=gen),
+            torch.randn(ratio, coff * D, generator=gen))
+
+
+def _paper(t: int, ratio: int) -> dict:
+    coff = 2 if ratio == 4 else 1
+    read = 2 * coff * D * 4
+    fused_write = V4.bytes_per_token / ratio
+    unfused = read + 2 * (4 * D / ratio) + fused_write
+    return {
+        "hbm_read_b_per_token": read,
+        "hbm_write_b_per_token": round(fused_write, 2),
+        "unfused_hbm_b_per_token": round(unfused, 2),
+        "h200_us": round((read + fused_write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
+    }
+
+
+def _pool_case(t: int, ratio: int, repeats: int) -> dict:
+    kv, score, ape = _inputs(t, ratio)
+    ours = time_call(lambda: compress_pool(kv, score, ape, ratio), repeats=repeats)
+    base = time_call(lambda: compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32), repeats=repeats)
+    return {"case": f"pool C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
+            "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+
+
+def _fused_case(t: int, ratio: int, repeats: int) -> dict:
+    kv, score, ape = _inputs(t, ratio)
+    coff = 2 if ratio == 4 else 1
+    entries = t // ratio
+    weight = torch.rand(D) + 0.5
+    cache = torch.zeros(entries // PAGE + 1, V4.page_bytes(PAGE), dtype=torch.uint8)
+    ring = 2 * (8 if ratio == 4 else 128)
+    state = torch.zeros(2 * ring, 2 * coff * D)
+    target = StoreTarget(cache, weight, 1e-6, PAGE, ROPE)
+    idx = torch.arange(entries)
+
+    def fused():
+        comp = CompressorState(state, ape, ratio, ring_size=ring)
+        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // ratio)
+
+    def two_pass():
+        out = compress_pool(kv, score, ape, ratio)
+        norm_rope_store(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, ROPE)
+
+    inv_freq = rope_inv_freq(ROPE.theta, ROPE.factor, ROPE.original_max_positions, ROPE.beta_fast, ROPE.beta_slow)
+
+    def torch_fp32():
+        out = compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32)
+        norm_rope_store_reference(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, inv_freq)
+
+    ours = time_call(fused, repeats=repeats)
+    unfused = time_call(two_pass, repeats=repeats)
+    base = time_call(torch_fp32, repeats=repeats)
+    return {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
+            "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
+            "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    args = parser.parse_args()
+    lengths = (4096,) if args.quick else (4096, 65536)
+    repeats = 2 if args.quick else 3
+    cases = [(kind, t, ratio) for t in lengths for ratio in (4, 128) for kind in ("pool", "fused")]
+    result = BenchResult(name="dsv4_compress (cpu backend, d=512)", baseline="float32 torch reference",
+                         notes={"threads": torch.get_num_threads(), "hbm_round_trips_fused": 2,
+                                "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S})
+    for i, (kind, t, ratio) in enumerate(cases):
+        progress(i, len(cases), f"{kind} C{ratio} T={t}")
+        run = _pool_case if kind == "pool" else _fused_case
+        result.rows.append(run(t, ratio, repeats))
+    progress(len(cases), len(cases), "done")
+    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("speedup",),
+                                                  ylabel="speedup over float32 torch"))
+
+
+if __name__ == "__main__":
+    main()
