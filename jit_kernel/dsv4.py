@@ -5,7 +5,12 @@ This module only re-exports; each family's wrapper module holds the code and the
 
 # Sparse decode attention and the lightning indexer (issue 14).
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 
 __all__ = [
+    "indexer_scores",
+    "indexer_topk",
+    "lightning_indexer",
     "sparse_decode_attention",
+    "visible_entries",
 ]
