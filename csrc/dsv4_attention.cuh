@@ -20,14 +20,17 @@
 // The combine is the same item() on both backends.
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
-// entry), sequential. cuda: one block of 256 threads per (b, split, group of 8 heads): warps
-// dequantize a tile of 8 rows into shared memory, compute the 64 logits of the tile, and every
-// thread updates the accumulators of 2 dims x 8 heads; then Combine, one warp per (b, h).
+// entry, rows go 8 at a time), sequential. cuda: one block of 256 threads per (b, split, group of
+// 8 heads): warps dequantize a tile of 8 rows into shared memory, compute the 64 logits of the
+// tile, and every thread updates the accumulators of 2 dims x 8 heads; then Combine, one warp per
+// (b, h).
 #pragma once
 
 #include <cmath>
+#include <vector>
 
 #include "sparsekv/fp8.h"
+#include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
 
@@ -157,75 +160,100 @@ struct Combine {
   }
 };
 
+// Host tiles of 8 rows: logit[t] = q . row t (rows stored [dim][row], so the 8 sums are
+// independent lanes), and acc = acc * c + sum_t w[t] row t (rows stored [row][dim]). Padding rows
+// are zero with w = 0.
+inline constexpr int kHostTile = 8;
+
+SPARSEKV_HOST_SIMD_CLONES static void host_tile_logits(const float* q, const float (*cols)[kHostTile], float* logit) {
+  static_assert(kHostTile == 8, "dsv4_attention: a host tile is one HostFloat8");
+  HostFloat8 sum = {};
+  for (int d = 0; d < kDim; ++d) {
+    HostFloat8 col;
+    __builtin_memcpy(&col, cols[d], sizeof(col));
+    sum += q[d] * col;
+  }
+  __builtin_memcpy(logit, &sum, sizeof(sum));
+}
+
+SPARSEKV_HOST_SIMD_CLONES static void host_tile_update(float* acc, const float (*rows)[kDim], const float* w,
+                                                       float c) {
+  for (int d = 0; d < kDim; ++d) {
+    float a = acc[d] * c;
+    for (int t = 0; t < kHostTile; ++t) a += w[t] * rows[t][d];
+    acc[d] = a;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Partial: the online softmax over one split of one row (all heads on the host; see run_on_cuda).
 template <class QT>
 struct Partial {
   using Params = dsv4_attention::Params<QT>;
-  static constexpr int kChunk = 8;  // independent partial sums: lets the host compiler vectorize dots
-
   static int64_t num_items(const Params& p) { return p.batch * p.num_splits; }
 
-  static float dot(const float* a, const float* b) {
-    float part[kChunk] = {};
-    for (int c = 0; c < kDim; c += kChunk)
-      for (int k = 0; k < kChunk; ++k) part[k] += a[c + k] * b[c + k];
-    float sum = 0.0f;
-    for (int k = 0; k < kChunk; ++k) sum += part[k];
-    return sum;
-  }
-
-  // Host: item i = (b, split). The accumulators live in the output rows they finish into.
+  // Host: item i = (b, split), all heads. Rows are taken kHostTile at a time and stored twice,
+  // [dim][row] for the logits (kHostTile independent sums per head: vectorizable without
+  // reassociating a reduction) and [row][dim] for the value update. The accumulators live in the
+  // output rows they finish into; (m, l) per head and the scaled query in one host vector.
   static void item(const Params& p, int64_t i, Lanes) {
+    constexpr int T = kHostTile;
     const int64_t b = i / p.num_splits;
     const int64_t s = i - b * p.num_splits;
     const int64_t heads = p.heads;
     const bool single = p.num_splits == 1;
     float* acc = single ? p.out + b * heads * kDim : p.part_out + (b * p.num_splits + s) * heads * kDim;
-    float q[kDim], row[kDim];
-    float ml[2 * 128];  // (m, l) per head for up to 128 heads; more heads go through chunks of 128
-    for (int64_t h0 = 0; h0 < heads; h0 += 128) {
-      const int64_t hn = heads - h0 < 128 ? heads - h0 : 128;
-      for (int64_t h = 0; h < hn; ++h) {
-        ml[2 * h] = -INFINITY;
-        ml[2 * h + 1] = 0.0f;
-        for (int d = 0; d < kDim; ++d) acc[(h0 + h) * kDim + d] = 0.0f;
+    std::vector<float> q(static_cast<size_t>(heads) * kDim), m(heads, -INFINITY), l(heads, 0.0f);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int d = 0; d < kDim; ++d) {
+        q[h * kDim + d] = p.softmax_scale * load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d);
+        acc[h * kDim + d] = 0.0f;
       }
-      const int64_t first = s * p.split_len;
-      const int64_t total = total_entries(p);
-      const int64_t last = first + p.split_len < total ? first + p.split_len : total;
-      for (int64_t j = first; j < last; ++j) {
+    }
+    alignas(64) float rows[T][kDim];
+    alignas(64) float cols[kDim][T];
+    const int64_t first = s * p.split_len;
+    const int64_t total = total_entries(p);
+    const int64_t last = first + p.split_len < total ? first + p.split_len : total;
+    int64_t j = first;
+    while (j < last) {
+      // 1. Gather up to T valid rows.
+      int n = 0;
+      for (; j < last && n < T; ++j) {
         const uint8_t *value, *scale;
         if (!entry(p, b, j, &value, &scale)) continue;
-        for (int d = 0; d < kDim; ++d) row[d] = dequantize(value, scale, d);
-        for (int64_t h = 0; h < hn; ++h) {
-          const QT* qh = p.q + b * p.q_stride_b + (h0 + h) * p.q_stride_h;
-          for (int d = 0; d < kDim; ++d) q[d] = load_q(qh + d);
-          const float logit = p.softmax_scale * dot(q, row);
-          float* a = acc + (h0 + h) * kDim;
-          float& m = ml[2 * h];
-          float& l = ml[2 * h + 1];
-          if (logit > m) {
-            const float c = safe_exp(m - logit);
-            l *= c;
-            for (int d = 0; d < kDim; ++d) a[d] *= c;
-            m = logit;
-          }
-          const float w = safe_exp(logit - m);
-          l += w;
-          for (int d = 0; d < kDim; ++d) a[d] += w * row[d];
-        }
+        for (int d = 0; d < kDim; ++d) rows[n][d] = dequantize(value, scale, d);
+        ++n;
       }
-      for (int64_t h = 0; h < hn; ++h) {
-        const float m = ml[2 * h], l = ml[2 * h + 1];
-        float* a = acc + (h0 + h) * kDim;
-        const float factor = single ? finish_factor(m, l, p.sink[h0 + h]) : split_factor(l);
-        for (int d = 0; d < kDim; ++d) a[d] *= factor;
-        if (single) {
-          p.lse[b * heads + h0 + h] = finish_lse(m, l);
-        } else {
-          p.part_lse[(b * p.num_splits + s) * heads + h0 + h] = split_lse(m, l);
-        }
+      if (n == 0) break;
+      for (int t = n; t < T; ++t)
+        for (int d = 0; d < kDim; ++d) rows[t][d] = 0.0f;
+      for (int d = 0; d < kDim; ++d)
+        for (int t = 0; t < T; ++t) cols[d][t] = rows[t][d];
+      for (int64_t h = 0; h < heads; ++h) {
+        // 2. T logits of head h, then the online softmax over the tile.
+        float logit[T];
+        host_tile_logits(q.data() + h * kDim, cols, logit);
+        float tile_max = -INFINITY;
+        for (int t = 0; t < n; ++t) tile_max = logit[t] > tile_max ? logit[t] : tile_max;
+        const float m_new = tile_max > m[h] ? tile_max : m[h];
+        const float c = safe_exp(m[h] - m_new);
+        float w[T] = {};
+        for (int t = 0; t < n; ++t) w[t] = safe_exp(logit[t] - m_new);
+        l[h] *= c;
+        for (int t = 0; t < n; ++t) l[h] += w[t];
+        m[h] = m_new;
+        host_tile_update(acc + h * kDim, rows, w, c);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = acc + h * kDim;
+      const float factor = single ? finish_factor(m[h], l[h], p.sink[h]) : split_factor(l[h]);
+      for (int d = 0; d < kDim; ++d) a[d] *= factor;
+      if (single) {
+        p.lse[b * heads + h] = finish_lse(m[h], l[h]);
+      } else {
+        p.part_lse[(b * p.num_splits + s) * heads + h] = split_lse(m[h], l[h]);
       }
     }
   }

@@ -31,6 +31,7 @@
 #include <cmath>
 
 #include "sparsekv/fp8.h"
+#include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
 
@@ -70,6 +71,27 @@ SPARSEKV_HOST_DEVICE float dequantize(const uint8_t* value, const uint8_t* scale
 
 // ---------------------------------------------------------------------------------------------
 // Scores
+
+// Host tile of 8 keys stored [dim][key] (so the 8 dot products of a head are independent lanes):
+// score[t] = sum_h w[h] * relu(q[h] . key t).
+inline constexpr int kHostTile = 8;
+
+SPARSEKV_HOST_SIMD_CLONES static void host_tile_scores(const float (*q)[kDim], int64_t heads, const float* w,
+                                                       const float (*keys)[kHostTile], float* score) {
+  static_assert(kHostTile == 8, "dsv4_indexer: a host tile is one HostFloat8");
+  const HostFloat8 zero = {};
+  HostFloat8 total = {};
+  for (int64_t h = 0; h < heads; ++h) {
+    HostFloat8 dot = {};
+    for (int d = 0; d < kDim; ++d) {
+      HostFloat8 key;
+      __builtin_memcpy(&key, keys[d], sizeof(key));
+      dot += q[h][d] * key;
+    }
+    total += w[h] * (dot > zero ? dot : zero);
+  }
+  __builtin_memcpy(score, &total, sizeof(total));
+}
 
 template <class Layout, class QT>
 struct IndexerScores {
@@ -122,34 +144,30 @@ struct IndexerScores {
   static int64_t chunks(const Params& p) { return (p.width + kChunk - 1) / kChunk; }
   static int64_t num_items(const Params& p) { return p.batch * chunks(p); }
 
-  // Host: item = (row, chunk of kChunk entries).
+  // Host: item = (row, chunk of kChunk entries), keys kHostTile at a time.
   static void item(const Params& p, int64_t item, Lanes) {
+    constexpr int T = kHostTile;
     const int64_t b = item / chunks(p);
     const int64_t first = (item - b * chunks(p)) * kChunk;
     const int64_t last = first + kChunk < p.width ? first + kChunk : p.width;
     const int64_t n = visible_in_row(p, b);
-    float q[kMaxHeads][kDim], k[kDim];
+    alignas(64) float q[kMaxHeads][kDim];
+    alignas(64) float keys[kDim][T];
     for (int64_t h = 0; h < p.heads; ++h)
       for (int d = 0; d < kDim; ++d) q[h][d] = load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d);
     const float* w = p.weights + b * p.weights_stride;
     float* out = p.scores + b * p.scores_stride;
-    for (int64_t i = first; i < last; ++i) {
-      const uint8_t *value, *scale;
-      if (i >= n || !locate(p, b, i, &value, &scale)) {
-        out[i] = -INFINITY;
-        continue;
+    for (int64_t i0 = first; i0 < last; i0 += T) {
+      bool valid[T];
+      for (int t = 0; t < T; ++t) {
+        const uint8_t *value, *scale;
+        const int64_t i = i0 + t;
+        valid[t] = i < last && i < n && locate(p, b, i, &value, &scale);
+        for (int d = 0; d < kDim; ++d) keys[d][t] = valid[t] ? dequantize<Layout>(value, scale, d) : 0.0f;
       }
-      for (int d = 0; d < kDim; ++d) k[d] = dequantize<Layout>(value, scale, d);
-      float score = 0.0f;
-      for (int64_t h = 0; h < p.heads; ++h) {
-        float part[8] = {};
-        for (int d = 0; d < kDim; d += 8)
-          for (int j = 0; j < 8; ++j) part[j] += q[h][d + j] * k[d + j];
-        float dot = 0.0f;
-        for (int j = 0; j < 8; ++j) dot += part[j];
-        score += w[h] * (dot > 0.0f ? dot : 0.0f);
-      }
-      out[i] = score;
+      float score[T];
+      host_tile_scores(q, p.heads, w, keys, score);
+      for (int t = 0; t < T && i0 + t < last; ++t) out[i0 + t] = valid[t] ? score[t] : -INFINITY;
     }
   }
 
