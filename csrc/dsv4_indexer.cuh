@@ -19,16 +19,19 @@
 // tokens is what the HiSparse swap-in takes as top_k_tokens, slots is what sparse decode attention
 // takes as indices into the fully resident cache.
 //
-// Selection: an exact 4-pass radix select on the 32-bit keys (8 bits per pass: a 256-bin
-// histogram of the keys that share the prefix found so far, then the bin holding the k-th largest),
-// then one pass writing keys above the threshold and the first `remaining` keys equal to it.
+// Selection: an exact radix select on the 32-bit keys: histograms of key digits among the keys
+// that share the prefix found so far give, digit by digit, the key of the k-th largest; then keys
+// above it are written, and the first `remaining` keys equal to it. GPU: 4 digits of 8 bits over
+// the row; host: 2 digits of 16 bits, the second over the few keys of the first digit's bin.
 //
 // Launch shapes. Scores: cpu one (b, chunk of 256 entries) per item; cuda one warp per entry, the
 // block's query in shared memory. Top-k: cpu one row per item; cuda one block of 1024 threads per
 // row, histograms and output counters in shared memory.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "sparsekv/fp8.h"
 #include "sparsekv/host_simd.h"
@@ -228,11 +231,11 @@ SPARSEKV_HOST_DEVICE uint32_t order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The highest bin whose count, added to those of the bins above it, reaches `remaining`;
-// `remaining` becomes the count still to take from that bin.
-SPARSEKV_HOST_DEVICE int pick_bin(const uint32_t* hist, int64_t* remaining) {
+// The highest of `bins` bins whose count, added to those of the bins above it, reaches
+// `remaining`; `remaining` becomes the count still to take from that bin.
+SPARSEKV_HOST_DEVICE int pick_bin(const uint32_t* hist, int bins, int64_t* remaining) {
   int64_t above = 0;
-  for (int bin = 255; bin > 0; --bin) {
+  for (int bin = bins - 1; bin > 0; --bin) {
     if (above + hist[bin] >= *remaining) {
       *remaining -= above;
       return bin;
@@ -287,7 +290,11 @@ struct TopK {
 
   static int64_t num_items(const Params& p) { return p.batch; }
 
-  // Host: one row per item.
+  // Host: one row per item, two passes over the row. Pass 1: a 16-bit histogram of the keys' high
+  // halves gives the bin holding the k-th largest. Pass 2: keys above that bin are taken at once,
+  // keys inside it are set aside (few: a bin is 1/65536 of the key range); a 16-bit histogram of
+  // their low halves then gives the exact threshold among them.
+  static constexpr int kHostBins = 1 << 16;
   static void item(const Params& p, int64_t b, Lanes) {
     const float* s = p.scores + b * p.scores_stride;
     const int64_t n = row_length(p, b);
@@ -295,20 +302,26 @@ struct TopK {
     if (n <= p.k) {
       for (; j < n; ++j) emit(p, b, j, static_cast<int32_t>(j));
     } else {
-      uint32_t prefix = 0, mask = 0;
+      std::vector<uint32_t> hist(kHostBins, 0);
+      for (int64_t i = 0; i < n; ++i) ++hist[order_key(s[i]) >> 16];
       int64_t remaining = p.k;
-      for (int shift = 24; shift >= 0; shift -= 8) {
-        uint32_t hist[256] = {};
-        for (int64_t i = 0; i < n; ++i) {
-          const uint32_t key = order_key(s[i]);
-          if ((key & mask) == prefix) ++hist[(key >> shift) & 0xFFu];
-        }
-        prefix |= static_cast<uint32_t>(pick_bin(hist, &remaining)) << shift;
-        mask |= 0xFFu << shift;
-      }
+      const uint32_t high = static_cast<uint32_t>(pick_bin(hist.data(), kHostBins, &remaining));
+      std::vector<int32_t> candidates;
+      candidates.reserve(static_cast<size_t>(hist[high]));
       for (int64_t i = 0; i < n; ++i) {
+        const uint32_t top = order_key(s[i]) >> 16;
+        if (top > high) {
+          emit(p, b, j++, static_cast<int32_t>(i));
+        } else if (top == high) {
+          candidates.push_back(static_cast<int32_t>(i));
+        }
+      }
+      std::fill(hist.begin(), hist.end(), 0u);
+      for (const int32_t i : candidates) ++hist[order_key(s[i]) & 0xFFFFu];
+      const uint32_t threshold = (high << 16) | static_cast<uint32_t>(pick_bin(hist.data(), kHostBins, &remaining));
+      for (const int32_t i : candidates) {
         const uint32_t key = order_key(s[i]);
-        if (key > prefix || (key == prefix && remaining-- > 0)) emit(p, b, j++, static_cast<int32_t>(i));
+        if (key > threshold || (key == threshold && remaining-- > 0)) emit(p, b, j++, i);
       }
     }
     for (; j < p.k; ++j) emit(p, b, j, -1);
@@ -352,7 +365,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
     __syncthreads();
     if (tid == 0) {
       int64_t remaining = remaining_s;
-      prefix_s = prefix | (static_cast<uint32_t>(pick_bin(hist, &remaining)) << shift);
+      prefix_s = prefix | (static_cast<uint32_t>(pick_bin(hist, 256, &remaining)) << shift);
       mask_s = mask | (0xFFu << shift);
       remaining_s = remaining;
     }

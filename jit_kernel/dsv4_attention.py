@@ -131,6 +131,12 @@ def sparse_decode_attention(
         float32 ``[B, H]``, new; natural-log logsumexp of the logits without the sink, +inf for a row
         with no valid entry.
 
+    Notes
+    -----
+    Allocates ``out``, ``lse`` and, with more than one split, the split workspace
+    (``[B, splits, H, 512]`` + ``[B, splits, H]`` float32); never synchronizes (except with
+    ``SPARSEKV_CHECK_INDICES=1`` on the GPU, which checks the indices on the device and reads back one flag).
+
     Raises
     ------
     TypeError
