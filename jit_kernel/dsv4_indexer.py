@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv import env
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 
@@ -45,6 +46,7 @@ __all__ = [
     "INDEXER_LAYOUTS",
     "INDEXER_TOPK",
     "MAX_INDEXER_HEADS",
+    "check_pages_in_use",
     "indexer_scores",
     "indexer_template_args",
     "indexer_topk",
@@ -104,6 +106,32 @@ def visible_entries(positions: torch.Tensor) -> torch.Tensor:
     return torch.div(positions.clamp_min(-1) + 1, COMPRESS_RATIO, rounding_mode="floor")
 
 
+def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> None:
+    """Torch check, on the tables' own device, that every page holding a visible entry is in ``[0, num_pages)``
+    and that every row's visible entries fit its table row (the kernel's host entry does the same for
+    host tensors; on the GPU this runs with ``SPARSEKV_CHECK_INDICES=1`` and costs a sync).
+
+    Raises
+    ------
+    ValueError
+        A row sees more entries than its page-table row holds.
+    IndexError
+        A page holding visible entries is outside the cache.
+    """
+    pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_size)
+    too_long = pages_seen > page_table.shape[1]
+    if bool(too_long.any()):
+        b = int(too_long.nonzero()[0, 0])
+        raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
+                         f"sees {int(visible_entries(positions[b:b + 1].to(torch.int64))[0])} entries")
+    in_use = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < pages_seen[:, None]
+    bad = in_use & ((page_table < 0) | (page_table >= num_pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(page_table[b, i])} names no page of the "
+                         f"cache [0, {num_pages}) but holds visible entries")
+
+
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -160,8 +188,10 @@ def indexer_scores(
             raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
         out = torch.empty((page_table.shape[0], page_table.shape[1] * page_size), dtype=torch.float32,
                           device=q.device)
-    INDEXER.module(*args, backend=backend_of(out)).indexer_scores(q, weights, k_cache, page_table, positions,
-                                                                   page_size, out)
+    backend = backend_of(out)
+    if backend == "cuda" and env.check_indices():
+        check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
+    INDEXER.module(*args, backend=backend).indexer_scores(q, weights, k_cache, page_table, positions, page_size, out)
     return out
 
 

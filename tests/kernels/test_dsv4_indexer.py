@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4_indexer import (
     INDEXER,
     INDEXER_LAYOUTS,
+    check_pages_in_use,
     indexer_scores,
     indexer_template_args,
     indexer_topk,
@@ -230,6 +231,17 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
     with pytest.raises(exc, match=f"`{name}`"):
         indexer_topk(**args)
     assert torch.equal(args["out"], outputs[0]) and torch.equal(args["out_slots"], outputs[1])
+
+
+@pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if m[2] == "page_table"
+                                                 and m[1] is not TypeError])
+def test_the_device_side_page_check_agrees_with_the_host_entry(mutate, exc, name):
+    # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses.
+    args = _fresh()
+    check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+    mutate(args)
+    with pytest.raises(exc, match=f"`{name}`"):
+        check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
 
 
 def test_template_args_cover_the_instance_table():
