@@ -6,8 +6,9 @@ and benchmark share the stem).
 
 from __future__ import annotations
 
-# Compressors, streaming state, quantizer and fused norm + RoPE + store (issue 13).
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_pool
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from sparsekv.jit_kernel.dsv4_store import RopeParams, StoreTarget, norm_rope_store
 
@@ -17,6 +18,11 @@ __all__ = [
     "StoreTarget",
     "compress_pool",
     "dequantize_fp8_ds_mla",
+    "indexer_scores",
+    "indexer_topk",
+    "lightning_indexer",
     "norm_rope_store",
     "quantize_fp8_ds_mla",
+    "sparse_decode_attention",
+    "visible_entries",
 ]

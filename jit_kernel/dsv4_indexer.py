@@ -1,0 +1,278 @@
+"""DSV4 lightning indexer: scores over a paged FP8 / FP4 indexer K cache, top-k, and the page-table
+transform to cache slots (kernels in ``csrc/dsv4_indexer.cuh``).
+
+For a decode query at raw position ``t`` (C4 layers), compressed entry ``i`` is visible iff
+``i < (t + 1) // 4``. With ``k_i`` the dequantized 128-wide key of entry ``i`` (found through the
+page table: slot ``page_table[b, i // P] * P + i % P``)::
+
+    scores[b, i] = sum_h weights[b, h] * relu(q[b, h] . k_i)     (visible i; -inf beyond)
+
+Because relu is positively homogeneous, a positive per-(row, head) query scale can be moved into
+``weights`` (the FP8 / FP4 query scales of a quantized indexer query are folded this way).
+:func:`indexer_topk` then keeps ``min(top_k, visible)`` entries with the largest scores, -1 after
+them, as logical entry positions (what the HiSparse swap-in takes as ``top_k_tokens``) and, with a
+page table, as cache slots (what :func:`sparsekv.jit_kernel.dsv4.sparse_decode_attention` takes as
+indices into the fully resident cache).
+
+Cache layouts (:mod:`sparsekv.jit_kernel.kv_layout`), ``P`` slots per page, values then scales:
+``"fp8"`` = ``INDEXER_FP8`` (128 e4m3 + one fp32 scale, 132 B); ``"fp4"`` = ``INDEXER_FP4`` (64 bytes
+of e2m1 pairs, even element in the low nibble, + 4 UE8M0 scales per 32 dims, 68 B).
+
+Limits: 1 to 64 heads of dim 128, ``page_size`` a power of two, ``top_k >= 1`` (any value: the
+selection is a radix select with no per-k instantiation), score rows up to 2^31 - 1 entries.
+
+Tolerance of the scores against the fp64 reference (:mod:`sparsekv.testing.reference.dsv4_indexer`,
+same dequantized keys): ``|s - ref| <= 1e-5 * sum_h |w_h| |q_h| |k|`` (float32 dot products). Top-k
+is exact: the same set as ``torch.topk`` on the same scores, up to which of equal scores are taken.
+
+Example
+-------
+>>> scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=64, layout="fp8")
+>>> tokens, slots = indexer_topk(scores, positions, 512, page_table=page_table, page_size=64)
+>>> out, lse = sparse_decode_attention(q_main, c4_cache, slots, sink, 64)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv import env
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+
+__all__ = [
+    "INDEXER",
+    "INDEXER_HEAD_DIM",
+    "INDEXER_LAYOUTS",
+    "INDEXER_TOPK",
+    "MAX_INDEXER_HEADS",
+    "check_pages_in_use",
+    "indexer_scores",
+    "indexer_template_args",
+    "indexer_topk",
+    "lightning_indexer",
+    "visible_entries",
+]
+
+INDEXER_HEAD_DIM = 128
+MAX_INDEXER_HEADS = 64
+COMPRESS_RATIO = 4
+#: Indexer K cache layouts by name.
+INDEXER_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
+_Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::dsv4_indexer::Bf16"}
+
+INDEXER = register(
+    KernelFamily(
+        name="dsv4_indexer",
+        header="dsv4_indexer.cuh",
+        exports={"indexer_scores": "sparsekv::dsv4_indexer::indexer_scores"},
+        kernels=("sparsekv::dsv4_indexer::IndexerScores",),
+        params=("layout", "q_dtype"),
+        complete=lambda *, layout, q_dtype: (
+            INDEXER_LAYOUTS[check_choice("dsv4_indexer", "layout", layout, INDEXER_LAYOUTS)].cpp_type,
+            _Q_TYPES[check_choice("dsv4_indexer", "q_dtype", q_dtype, _Q_TYPES)]),
+        instances=tuple({"layout": layout, "q_dtype": dtype} for layout in INDEXER_LAYOUTS for dtype in _Q_TYPES),
+    )
+)
+
+INDEXER_TOPK = register(
+    KernelFamily(
+        name="dsv4_indexer_topk",
+        header="dsv4_indexer.cuh",
+        exports={"indexer_topk": "sparsekv::dsv4_indexer::indexer_topk"},
+        kernels=("sparsekv::dsv4_indexer::TopK",),
+    )
+)
+
+
+def indexer_template_args(layout: str, q_dtype: torch.dtype) -> tuple[str, str]:
+    """The ``dsv4_indexer`` template arguments for a cache layout name and a query dtype.
+
+    Raises
+    ------
+    ValueError
+        ``layout`` is not ``"fp8"`` or ``"fp4"``.
+    TypeError
+        ``q_dtype`` is neither float32 nor bfloat16.
+    """
+    if layout not in INDEXER_LAYOUTS:
+        raise ValueError(f"sparsekv: argument `layout` must be one of {sorted(INDEXER_LAYOUTS)}, got {layout!r}")
+    if q_dtype not in _Q_TYPES:
+        raise TypeError(f"sparsekv: argument `q` must have dtype float32 or bfloat16, got {q_dtype}")
+    return INDEXER.template_args({"layout": layout, "q_dtype": q_dtype})
+
+
+def visible_entries(positions: torch.Tensor) -> torch.Tensor:
+    """Compressed (C4) entries visible from raw positions: ``(t + 1) // 4`` (0 for t < 0)."""
+    return torch.div(positions.clamp_min(-1) + 1, COMPRESS_RATIO, rounding_mode="floor")
+
+
+def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> None:
+    """Torch check, on the tables' own device, that every page holding a visible entry is in ``[0, num_pages)``
+    and that every row's visible entries fit its table row (the kernel's host entry does the same for
+    host tensors; on the GPU this runs with ``SPARSEKV_CHECK_INDICES=1`` and costs a sync).
+
+    Raises
+    ------
+    ValueError
+        A row sees more entries than its page-table row holds.
+    IndexError
+        A page holding visible entries is outside the cache.
+    """
+    pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_size)
+    too_long = pages_seen > page_table.shape[1]
+    if bool(too_long.any()):
+        b = int(too_long.nonzero()[0, 0])
+        raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
+                         f"sees {int(visible_entries(positions[b:b + 1].to(torch.int64))[0])} entries")
+    in_use = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < pages_seen[:, None]
+    bad = in_use & ((page_table < 0) | (page_table >= num_pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(page_table[b, i])} names no page of the "
+                         f"cache [0, {num_pages}) but holds visible entries")
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    page_size: int = 64,
+    layout: str = "fp8",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lightning indexer scores ``sum_h w[b,h] relu(q[b,h] . k_i)`` of every visible entry, -inf beyond.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        float32 or bfloat16 ``[B, Hi, 128]`` (``1 <= Hi <= 64``), unit last stride; quantized queries
+        are passed dequantized (or with their positive scales folded into ``weights``).
+    weights : torch.Tensor
+        float32 ``[B, Hi]`` head weights, unit last stride.
+    k_cache : torch.Tensor
+        uint8 ``[pages, layout.page_bytes(page_size)]`` indexer keys, unit last stride.
+    page_table : torch.Tensor
+        int32 ``[B, max_pages]``: cache page of each row's logical page ``i // page_size``.
+    positions : torch.Tensor
+        int32 or int64 ``[B]``, contiguous: raw position ``t`` of each query (sees ``(t + 1) // 4`` entries).
+    page_size : int
+        Entries per page, a power of two (64 for DSV4).
+    layout : str
+        ``"fp8"`` (132 B entries) or ``"fp4"`` (68 B).
+    out : torch.Tensor, optional
+        float32 ``[B, L]`` to write (unit last stride); default a new ``[B, max_pages * page_size]``.
+        Entries of a row past its visible count (or past ``L``) are -inf.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``.
+
+    Raises
+    ------
+    TypeError
+        Wrong dtype (the message names the argument).
+    ValueError
+        Wrong shape, stride or device; more than 64 heads; ``page_size`` not a power of two; a row
+        that sees more entries than its page-table row holds (host-readable tables).
+    IndexError
+        A page holding visible entries outside the cache (host-readable tables; the kernel scores
+        such entries -inf otherwise).
+    """
+    indexer_template_args(layout, q.dtype)
+    if out is None:
+        if page_table.dim() != 2:
+            raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
+        out = torch.empty((page_table.shape[0], page_table.shape[1] * page_size), dtype=torch.float32,
+                          device=q.device)
+    backend = backend_of(out)
+    if backend == "cuda" and env.check_indices():
+        check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
+    module = INDEXER.module(layout=layout, q_dtype=q.dtype, backend=backend)
+    module.indexer_scores(q, weights, k_cache, page_table, positions, page_size, out)
+    return out
+
+
+def indexer_topk(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: int,
+    *,
+    page_table: torch.Tensor | None = None,
+    page_size: int = 64,
+    out: torch.Tensor | None = None,
+    out_slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``min(top_k, visible)`` highest-scoring visible entries of each row, -1 padded.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        float32 ``[B, L]``, unit last stride (e.g. from :func:`indexer_scores`); only the first
+        ``min((t + 1) // 4, L)`` entries of a row are candidates, whatever the rest holds.
+    positions : torch.Tensor
+        int32 or int64 ``[B]``, contiguous: raw query positions ``t``.
+    top_k : int
+        ``k >= 1``.
+    page_table : torch.Tensor, optional
+        int32 ``[B, max_pages]``; when given, the cache slots of the selected entries are returned too.
+    page_size : int
+        Entries per page of the table, a power of two.
+    out, out_slots : torch.Tensor, optional
+        int32 ``[B, top_k]`` (unit last stride) to write; default new tensors.
+
+    Returns
+    -------
+    tokens : torch.Tensor
+        int32 ``[B, top_k]``: logical entry positions (distinct, unordered), then -1; the HiSparse
+        swap-in's ``top_k_tokens``.
+    slots : torch.Tensor or None
+        int32 ``[B, top_k]``: ``page_table[b, tok // P] * P + tok % P`` per token, -1 for -1 (None
+        without ``page_table``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Wrong dtype, shape, stride or device; ``top_k < 1``; ``out_slots`` without ``page_table``.
+    IndexError
+        A negative page holding visible entries (host-readable tables).
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"sparsekv: argument `top_k` must be an int >= 1 (any k; no per-k instances), got {top_k!r}")
+    if out_slots is not None and page_table is None:
+        raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
+    batch = scores.shape[0] if scores.dim() == 2 else 0
+    if out is None:
+        out = torch.empty((batch, top_k), dtype=torch.int32, device=scores.device)
+    elif out.dim() != 2 or out.shape[1] != top_k:
+        raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
+    if page_table is not None and out_slots is None:
+        out_slots = torch.empty((batch, top_k), dtype=torch.int32, device=scores.device)
+    INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
+                                                                 page_size)
+    return out, out_slots
+
+
+def lightning_indexer(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: int,
+    *,
+    page_size: int = 64,
+    layout: str = "fp8",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`indexer_scores` then :func:`indexer_topk` through the page table.
+
+    Returns ``(tokens, slots)``, both int32 ``[B, top_k]``. Same parameters and errors as the two;
+    allocates the score rows.
+    """
+    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout)
+    tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size)
+    return tokens, slots

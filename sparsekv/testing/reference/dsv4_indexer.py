@@ -1,0 +1,56 @@
+"""fp64 torch references for the DSV4 lightning indexer (:mod:`sparsekv.jit_kernel.dsv4_indexer`):
+keys decoded from the cache bytes, scores ``sum_h w relu(q . k)`` over the causally visible
+entries, ``torch.topk`` selection with -1 padding, and the page-table transform."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, visible_entries
+from sparsekv.testing.reference.dsv4_quant import decode_fp4_blocks
+
+
+def decode_indexer_keys(k_cache: torch.Tensor, slots: torch.Tensor, page_size: int, layout: str) -> torch.Tensor:
+    """float64 ``[N, 128]`` keys stored in ``slots`` of a paged indexer cache (``"fp8"`` or ``"fp4"``)."""
+    cache_layout = INDEXER_LAYOUTS[layout]
+    slots = slots.to(torch.int64)
+    if slots.numel() == 0:
+        return torch.zeros(0, INDEXER_HEAD_DIM, dtype=torch.float64)
+    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
+    values = cache_layout.value_view(k_cache, page_size)[page, offset]
+    scales = cache_layout.scale_view(k_cache, page_size)[page, offset]
+    if layout == "fp8":
+        codes = values.contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+        return codes * scales.contiguous().view(torch.float32).to(torch.float64)
+    return decode_fp4_blocks(values, scales)
+
+
+def entry_slots(page_table_row: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """int64 cache slots of logical entries ``0..n-1`` through one page-table row."""
+    i = torch.arange(n)
+    return page_table_row.to(torch.int64)[i // page_size] * page_size + i % page_size
+
+
+def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                             positions: torch.Tensor, *, page_size: int, layout: str, width: int) -> torch.Tensor:
+    """float64 ``[B, width]`` scores; entries past ``min((t + 1) // 4, width)`` are -inf."""
+    batch = q.shape[0]
+    scores = torch.full((batch, width), float("-inf"), dtype=torch.float64)
+    visible = visible_entries(positions.cpu().to(torch.int64)).clamp(max=width)
+    for b in range(batch):
+        n = int(visible[b])
+        keys = decode_indexer_keys(k_cache.cpu(), entry_slots(page_table[b].cpu(), n, page_size), page_size, layout)
+        logits = q[b].cpu().to(torch.float64) @ keys.T  # [heads, n]
+        scores[b, :n] = weights[b].cpu().to(torch.float64) @ logits.clamp_min(0)
+    return scores
+
+
+def indexer_topk_reference(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:
+    """int64 ``[B, top_k]``: ``torch.topk`` of each row's visible prefix, -1 padded (one valid tie-break)."""
+    visible = visible_entries(positions.cpu().to(torch.int64)).clamp(max=scores.shape[1])
+    out = torch.full((scores.shape[0], top_k), -1, dtype=torch.int64)
+    for b in range(scores.shape[0]):
+        n = int(visible[b])
+        picked = torch.topk(scores[b, :n].cpu(), min(top_k, n), sorted=False).indices
+        out[b, : picked.numel()] = picked
+    return out

@@ -1,0 +1,251 @@
+"""DSV4 lightning indexer: scores (every test backend) against the fp64 reference, top-k against
+torch.topk, the page-table transform, the properties (scale folding, causality, page permutations,
+ties) and the bad-input contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4_indexer import (
+    INDEXER,
+    INDEXER_LAYOUTS,
+    check_pages_in_use,
+    indexer_scores,
+    indexer_template_args,
+    indexer_topk,
+    lightning_indexer,
+    visible_entries,
+)
+from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.reference.dsv4_indexer import (
+    decode_indexer_keys,
+    entry_slots,
+    indexer_scores_reference,
+    indexer_topk_reference,
+)
+from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case, score_rows
+
+BACKENDS = kernel_backends()
+LAYOUTS = sorted(INDEXER_LAYOUTS)
+
+
+def scores_of(case: IndexerCase, backend: str) -> torch.Tensor:
+    c = case.to(device_of(backend))
+    return indexer_scores(c.q, c.weights, c.k_cache, c.page_table, c.positions, page_size=c.page_size,
+                          layout=c.layout).cpu()
+
+
+def score_bound(case: IndexerCase) -> torch.Tensor:
+    """Per-row ``sum_h |w_h| |q_h|`` times the largest key norm: the scale of float32 rounding."""
+    keys = decode_indexer_keys(case.k_cache, torch.arange(case.k_cache.shape[0] * case.page_size), case.page_size,
+                               case.layout)
+    return (case.weights.abs().double() * case.q.double().norm(dim=2)).sum(dim=1) * keys.norm(dim=1).max()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@given(data=st.data())
+def test_scores_match_the_fp64_reference(backend, layout, data):
+    case = data.draw(indexer_case(layout=layout))
+    got = scores_of(case, backend)
+    expected = indexer_scores_reference(case.q, case.weights, case.k_cache, case.page_table, case.positions,
+                                        page_size=case.page_size, layout=layout, width=got.shape[1])
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite) and bool((got[~finite] == float("-inf")).all())
+    # Documented tolerance: 1e-5 of sum_h |w_h| |q_h| |k|.
+    error = (got.double() - expected).where(finite, torch.zeros(()))
+    assert bool((error.abs() <= 1e-5 * score_bound(case)[:, None] + 1e-30).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=indexer_case(), data=st.data())
+def test_positive_query_scales_fold_into_the_weights(backend, case, data):
+    heads = case.q.shape[1]
+    # Powers of two: folding is exact, bit for bit. Any positive scale: equal up to rounding.
+    exponents = torch.tensor(data.draw(st.lists(st.integers(-6, 6), min_size=heads, max_size=heads)))
+    scale = torch.exp2(exponents.double())[None, :].expand(case.q.shape[0], heads)
+    q = case.q
+    base = IndexerCase(q, case.weights * scale.float(), case.k_cache, case.page_table, case.positions,
+                       case.page_size, case.layout)
+    scaled = IndexerCase((q.double() * scale[..., None]).to(q.dtype), case.weights, case.k_cache, case.page_table,
+                         case.positions, case.page_size, case.layout)
+    assert torch.equal(scores_of(base, backend), scores_of(scaled, backend))
+    ratio = torch.rand(case.q.shape[0], heads, dtype=torch.float64) * 4 + 0.05
+    folded = IndexerCase(q.float(), case.weights * ratio.float(), case.k_cache, case.page_table, case.positions,
+                         case.page_size, case.layout)
+    unfolded = IndexerCase((q.double() * ratio[..., None]).float(), case.weights, case.k_cache, case.page_table,
+                           case.positions, case.page_size, case.layout)
+    a, b = scores_of(folded, backend), scores_of(unfolded, backend)
+    finite = torch.isfinite(a)
+    assert torch.equal(finite, torch.isfinite(b))
+    assert bool(((a - b).where(finite, torch.zeros(())).abs() <= 1e-5 * 5 * score_bound(case)[:, None] + 1e-30).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=indexer_case(), seed=st.integers(0, 2**16), top_k=st.integers(1, 40))
+def test_permuting_cache_pages_with_the_page_table_changes_nothing(backend, case, seed, top_k):
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(case.k_cache.shape[0], generator=g)  # new page p holds old page perm[p]
+    where = torch.argsort(perm).int()  # old page -> new page
+    table = torch.where(case.page_table >= 0, where[case.page_table.clamp_min(0).long()], case.page_table)
+    moved = IndexerCase(case.q, case.weights, case.k_cache[perm].contiguous(), table, case.positions, case.page_size,
+                        case.layout)
+    scores, moved_scores = scores_of(case, backend), scores_of(moved, backend)
+    assert torch.equal(scores, moved_scores)
+    device = device_of(backend)
+    tokens, slots = indexer_topk(scores.to(device), case.positions.to(device), top_k,
+                                 page_table=case.page_table.to(device), page_size=case.page_size)
+    tokens2, slots2 = indexer_topk(moved_scores.to(device), case.positions.to(device), top_k,
+                                   page_table=table.to(device), page_size=case.page_size)
+    assert torch.equal(tokens.cpu().sort(dim=1).values, tokens2.cpu().sort(dim=1).values)
+    # The slots differ, the keys they hold do not.
+    for b in range(tokens.shape[0]):
+        ours, theirs = slots[b][slots[b] >= 0].cpu(), slots2[b][slots2[b] >= 0].cpu()
+        keys = decode_indexer_keys(case.k_cache, ours, case.page_size, case.layout)
+        keys2 = decode_indexer_keys(moved.k_cache, theirs, case.page_size, case.layout)
+        assert torch.equal(keys[tokens[b][tokens[b] >= 0].cpu().argsort()],
+                           keys2[tokens2[b][tokens2[b] >= 0].cpu().argsort()])
+
+
+def check_topk(tokens: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> None:
+    """count = min(k, visible), distinct visible picks first then -1, and the same multiset of scores
+    as torch.topk (so any difference is between equal scores)."""
+    visible = visible_entries(positions.to(torch.int64)).clamp(max=scores.shape[1])
+    expected = indexer_topk_reference(scores, positions, top_k)
+    for b in range(tokens.shape[0]):
+        count = min(top_k, int(visible[b]))
+        row = tokens[b].to(torch.int64)
+        assert bool((row[:count] >= 0).all()) and bool((row[count:] == -1).all())
+        picked = row[:count]
+        assert picked.unique().numel() == count and bool((picked < visible[b]).all())
+        ours = scores[b, picked].sort().values
+        theirs = scores[b, expected[b, :count]].sort().values
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)) or torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=score_rows(), top_k=st.sampled_from([1, 2, 7, 64, 512, 1024, 2048, 2500]))
+def test_topk_is_torch_topk_modulo_ties(backend, rows, top_k):
+    scores, positions = rows
+    device = device_of(backend)
+    tokens, slots = indexer_topk(scores.to(device), positions.to(device), top_k)
+    assert slots is None
+    check_topk(tokens.cpu(), scores, positions, top_k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=score_rows(), top_k=st.integers(1, 64))
+def test_no_invisible_entry_is_ever_selected(backend, rows, top_k):
+    # Entries past the visible prefix score highest here: a kernel that looked at them would pick them.
+    scores, positions = rows
+    visible = visible_entries(positions).clamp(max=scores.shape[1])
+    poisoned = torch.where(torch.arange(scores.shape[1])[None, :] >= visible[:, None], torch.full((), 1e30), scores)
+    device = device_of(backend)
+    tokens, _ = indexer_topk(poisoned.to(device), positions.to(device), top_k)
+    tokens = tokens.cpu()
+    assert bool((tokens < visible[:, None]).all())
+    assert torch.equal((tokens >= 0).sum(dim=1), visible.clamp(max=top_k).to(torch.int64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=indexer_case(), top_k=st.integers(1, 300))
+def test_fused_indexer_slots_are_the_page_transform_of_the_tokens(backend, case, top_k):
+    c = case.to(device_of(backend))
+    tokens, slots = lightning_indexer(c.q, c.weights, c.k_cache, c.page_table, c.positions, top_k,
+                                      page_size=c.page_size, layout=c.layout)
+    tokens, slots = tokens.cpu(), slots.cpu()
+    scores = scores_of(case, backend)
+    check_topk(tokens, scores, case.positions, top_k)
+    for b in range(tokens.shape[0]):
+        valid = tokens[b] >= 0
+        assert bool((slots[b][~valid] == -1).all())
+        n = int(tokens[b].max()) + 1 if bool(valid.any()) else 0
+        assert torch.equal(slots[b][valid].long(), entry_slots(case.page_table[b], n, case.page_size)[
+            tokens[b][valid].long()])
+
+
+def _fresh():
+    g = torch.Generator().manual_seed(3)
+    layout = INDEXER_LAYOUTS["fp8"]
+    cache = torch.zeros(4, layout.page_bytes(4), dtype=torch.uint8)
+    return dict(q=torch.randn(2, 3, 128, generator=g), weights=torch.rand(2, 3, generator=g), k_cache=cache,
+                page_table=torch.tensor([[0, 1, 2], [3, 2, -1]], dtype=torch.int32), positions=torch.tensor([40, 20]),
+                page_size=4, layout="fp8", out=torch.full((2, 12), 7.0))
+
+
+SCORE_BAD_INPUTS = [
+    (lambda a: a.update(q=torch.randn(2, 65, 128), weights=torch.rand(2, 65)), ValueError, "q"),
+    (lambda a: a.update(q=a["q"].half()), TypeError, "q"),
+    (lambda a: a.update(q=a["q"][:, :, :64]), ValueError, "q"),
+    (lambda a: a.update(weights=a["weights"][:, :2]), ValueError, "weights"),
+    (lambda a: a.update(weights=a["weights"].double()), TypeError, "weights"),
+    (lambda a: a.update(layout="fp16"), ValueError, "layout"),
+    (lambda a: a.update(layout="fp4"), ValueError, "k_cache"),
+    (lambda a: a.update(page_size=3), ValueError, "page_size"),
+    (lambda a: a.update(page_table=torch.tensor([[0, 1, 4], [3, 2, -1]], dtype=torch.int32)), IndexError,
+     "page_table"),
+    (lambda a: a.update(page_table=torch.tensor([[0, 1, 2], [3, -1, -1]], dtype=torch.int32)), IndexError,
+     "page_table"),
+    (lambda a: a.update(positions=torch.tensor([60, 20])), ValueError, "page_table"),
+    (lambda a: a.update(page_table=a["page_table"].long()), TypeError, "page_table"),
+    (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions"),
+    (lambda a: a.update(positions=a["positions"][:1]), ValueError, "positions"),
+    (lambda a: a.update(out=a["out"].double()), TypeError, "scores"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, name", SCORE_BAD_INPUTS)
+def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(mutate, exc, name):
+    args = _fresh()
+    mutate(args)
+    before = args["out"].clone()
+    with pytest.raises(exc, match=f"`{name}`"):
+        indexer_scores(**args)
+    assert torch.equal(args["out"], before)
+
+
+TOPK_BAD_INPUTS = [
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(top_k=2.5), ValueError, "top_k"),
+    (dict(out=torch.zeros(2, 5, dtype=torch.int32)), ValueError, "out"),
+    (dict(out=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "out"),
+    (dict(out_slots=torch.zeros(2, 4, dtype=torch.int32), page_table=None), ValueError, "out_slots"),
+    (dict(page_table=torch.tensor([[0, -1, 2], [1, 0, 0]], dtype=torch.int32)), IndexError, "page_table"),
+    (dict(page_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)), ValueError, "page_table"),
+    (dict(page_size=6), ValueError, "page_size"),
+    (dict(scores=torch.zeros(2, 12, dtype=torch.float64)), TypeError, "scores"),
+    (dict(positions=torch.tensor([1, 2, 3])), ValueError, "positions"),
+]
+
+
+@pytest.mark.parametrize("change, exc, name", TOPK_BAD_INPUTS)
+def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(change, exc, name):
+    args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), top_k=4,
+                page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_size=4,
+                out=torch.full((2, 4), 7, dtype=torch.int32), out_slots=torch.full((2, 4), 7, dtype=torch.int32))
+    args.update(change)
+    outputs = [t.clone() for t in (args["out"], args["out_slots"])]
+    with pytest.raises(exc, match=f"`{name}`"):
+        indexer_topk(**args)
+    assert torch.equal(args["out"], outputs[0]) and torch.equal(args["out_slots"], outputs[1])
+
+
+@pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if m[2] == "page_table"
+                                                 and m[1] is not TypeError])
+def test_the_device_side_page_check_agrees_with_the_host_entry(mutate, exc, name):
+    # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses.
+    args = _fresh()
+    check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+    mutate(args)
+    with pytest.raises(exc, match=f"`{name}`"):
+        check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+
+
+def test_template_args_cover_the_instance_table():
+    args = {indexer_template_args(layout, dtype) for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
+    assert args == {INDEXER.template_args(values) for values in INDEXER.instances}
+    with pytest.raises(ValueError, match="`layout`"):
+        indexer_template_args("int8", torch.float32)
