@@ -18,7 +18,25 @@ Example
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Req:
+    """The scheduler's view of a request that the coordinator reads: its row, its KV length, an id."""
+
+    req_pool_idx: int
+    kv_allocated_len: int
+    uid: int
+
+
+@dataclass
+class ReqToTokenPool:
+    """The scheduler's request-to-token table, as the coordinator takes it."""
+
+    req_to_token: torch.Tensor
 
 
 def entry_bytes(uid: int, pos: int, layer: int) -> torch.Tensor:

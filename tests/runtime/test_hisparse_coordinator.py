@@ -9,7 +9,6 @@ top-k sets. Every slot a swap-in returns must hold the bytes of the entry asked 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -25,23 +24,11 @@ from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
-from sparsekv.testing.hisparse_runtime import changed, entry_bytes, snapshot
+from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 TOP_K, HOT, LAYERS = 5, 7, 2
 MAX_REQS, MAX_CONTEXT = 4, 2048
-
-
-@dataclass
-class Req:
-    req_pool_idx: int
-    kv_allocated_len: int
-    uid: int
-
-
-@dataclass
-class ReqToTokenPool:
-    req_to_token: torch.Tensor
 
 
 class RecordingStream(CpuStream):

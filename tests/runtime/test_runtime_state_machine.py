@@ -35,7 +35,7 @@ from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostPages, HostSlots
 from sparsekv.srt.streams import CpuStreams
-from sparsekv.testing.hisparse_runtime import changed, entry_bytes, snapshot
+from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 # Small on purpose: 4 device pages, 8 logical pages and 6 host pages run out often.
@@ -45,18 +45,6 @@ DEVICE_TOKENS, HOST_PAGES = 1024, 6
 DPAGE = PAGE // RATIO
 
 ARGUMENT_ERRORS = (TypeError, ValueError, IndexError)
-
-
-@dataclass
-class Req:
-    req_pool_idx: int
-    kv_allocated_len: int
-    uid: int
-
-
-@dataclass
-class ReqToTokenPool:
-    req_to_token: torch.Tensor
 
 
 @dataclass
@@ -115,7 +103,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
         for layer in range(LAYERS):
             for pos, slot in zip(positions, slots):
                 write_token(self.device_pool.kv_buffer[layer], int(slot), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=DPAGE)
 
     # ---- what a scheduler does ----------------------------------------------------------
 
@@ -187,7 +175,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
         for layer in range(LAYERS):  # the prefill side's transfer engine
             for pos in range(n):
                 write_token(self.host.kv_buffer[layer], int(host[pos]), entry_bytes(req.uid, pos, layer),
-                            is_dsv4_layout=True)
+                            page_slots=DPAGE)
         self.rows[rid] = Row(req, "transfer", prompt_len)
         if admit:
             self.admit_direct_row(rid)
@@ -276,7 +264,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             if not (0 <= tok < n and used):
                 assert loc == -1, (req, layer, top_k, out)
                 continue
-            got = token_bytes(self.device_pool.kv_buffer[layer], loc, is_dsv4_layout=True)
+            got = token_bytes(self.device_pool.kv_buffer[layer], loc, page_slots=DPAGE)
             assert torch.equal(got, entry_bytes(req.uid, tok, layer)), (req, tok, layer, loc)
 
     @precondition(lambda self: len(self.rows) > 0)
@@ -303,7 +291,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
         slots = self.coord.req_to_host_pool[rid, :on_host].tolist()
         for layer in range(LAYERS):
             for pos, slot in enumerate(slots):
-                got = token_bytes(self.host.kv_buffer[layer], slot, is_dsv4_layout=True)
+                got = token_bytes(self.host.kv_buffer[layer], slot, page_slots=DPAGE)
                 assert torch.equal(got, entry_bytes(row.req.uid, pos, layer)), (row, pos, layer)
 
     # ---- misuse: each refused with nothing changed ---------------------------------

@@ -25,11 +25,12 @@ import argparse
 import functools
 
 import torch
+from tqdm import tqdm
 
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
@@ -171,11 +172,9 @@ def main() -> None:
     attention_cases = [(1, 512)] if args.quick else [(b, k) for b in (1, 32) for k in (512, 2048)]
     indexer_cases = [1 << 16] if args.quick else [1 << 16, 1 << 18]
     topks = (512,) if args.quick else (512, 1024, 2048)
-    total = len(attention_cases) + len(indexer_cases)
-    step = 0
+    bar = tqdm(total=len(attention_cases) + len(indexer_cases), desc="bench_dsv4_attention", unit="case")
     for batch, k in attention_cases:
-        progress(step, total, f"attention B{batch} K{k}")
-        step += 1
+        bar.update()
         case = AttentionCase(batch, k)
         out, lse = case.kernel()
         ref_out, ref_lse = case.reference()
@@ -192,8 +191,7 @@ def main() -> None:
             "kernel_gflops": flops / kernel_s / 1e9, "kv_bytes": case.bytes_read(),
         })
     for entries in indexer_cases:
-        progress(step, total, f"indexer {entries} entries")
-        step += 1
+        bar.update()
         case = IndexerCase(entries)
         scores = case.kernel_scores().clone()
         torch.testing.assert_close(scores, case.torch_scores(), rtol=1e-4, atol=1e-4)
@@ -212,7 +210,7 @@ def main() -> None:
                                 "kernel_us": topk_s * 1e6, "torch_topk_us": torch_s * 1e6,
                                 "speedup_vs_torch_topk": torch_s / topk_s})
         result.rows.append(row)
-    progress(total, total, "done")
+    bar.close()
     report(result, args, plot=lambda r, path: bar_plot(
         r, path, label_key="case", value_keys=("kernel_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us"),
         ylabel="latency (us, log)", log=True))

@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from tqdm import tqdm
 
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, progress, report, time_call
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference, rope_inv_freq
 
@@ -116,11 +117,9 @@ def main() -> None:
     result = BenchResult(name="dsv4_compress (cpu backend, d=512)", baseline="float32 torch reference",
                          notes={"threads": torch.get_num_threads(), "hbm_round_trips_fused": 2,
                                 "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S})
-    for i, (kind, t, ratio) in enumerate(cases):
-        progress(i, len(cases), f"{kind} C{ratio} T={t}")
+    for kind, t, ratio in tqdm(cases, desc="bench_dsv4_compress", unit="case"):
         run = _pool_case if kind == "pool" else _fused_case
         result.rows.append(run(t, ratio, repeats))
-    progress(len(cases), len(cases), "done")
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("speedup",),
                                                   ylabel="speedup over float32 torch"))
 
