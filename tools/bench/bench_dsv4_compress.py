@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
+from sparsekv.testing.backends import device_of
+from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference, rope_inv_freq
 
@@ -46,11 +47,11 @@ ROPE = RopeParams(160000, 16, 65536, 32, 1)
 PAGE = 64
 
 
-def _inputs(t: int, ratio: int):
+def _inputs(t: int, ratio: int, device: torch.device):
     coff = 2 if ratio == 4 else 1
     gen = torch.Generator().manual_seed(t + ratio)
-    return (torch.randn(t, coff * D, generator=gen), torch.randn(t, coff * D, generator=gen),
-            torch.randn(ratio, coff * D, generator=gen))
+    shapes = ((t, coff * D), (t, coff * D), (ratio, coff * D))
+    return tuple(torch.randn(shape, generator=gen).to(device) for shape in shapes)
 
 
 def _paper(t: int, ratio: int) -> dict:
@@ -66,24 +67,26 @@ def _paper(t: int, ratio: int) -> dict:
     }
 
 
-def _pool_case(t: int, ratio: int, repeats: int) -> dict:
-    kv, score, ape = _inputs(t, ratio)
-    ours = time_call(lambda: compress_pool(kv, score, ape, ratio), repeats=repeats)
-    base = time_call(lambda: compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32), repeats=repeats)
+def _pool_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
+    kv, score, ape = _inputs(t, ratio, device_of(backend))
+    time_it = timer(backend)
+    ours = time_it(lambda: compress_pool(kv, score, ape, ratio), repeats=repeats)
+    base = time_it(lambda: compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32), repeats=repeats)
     return {"case": f"pool C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
             "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
 
 
-def _fused_case(t: int, ratio: int, repeats: int) -> dict:
-    kv, score, ape = _inputs(t, ratio)
+def _fused_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
+    device = device_of(backend)
+    kv, score, ape = _inputs(t, ratio, device)
     coff = 2 if ratio == 4 else 1
     entries = t // ratio
-    weight = torch.rand(D) + 0.5
-    cache = torch.zeros(entries // PAGE + 1, V4.page_bytes(PAGE), dtype=torch.uint8)
+    weight = (torch.rand(D) + 0.5).to(device)
+    cache = torch.zeros(entries // PAGE + 1, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
     ring = 2 * (8 if ratio == 4 else 128)
-    state = torch.zeros(2 * ring, 2 * coff * D)
+    state = torch.zeros(2 * ring, 2 * coff * D, device=device)
     target = StoreTarget(cache, weight, 1e-6, PAGE, ROPE)
-    idx = torch.arange(entries)
+    idx = torch.arange(entries, device=device)
 
     def fused():
         comp = CompressorState(state, ape, ratio, ring_size=ring)
@@ -99,9 +102,10 @@ def _fused_case(t: int, ratio: int, repeats: int) -> dict:
         out = compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32)
         norm_rope_store_reference(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, inv_freq)
 
-    ours = time_call(fused, repeats=repeats)
-    unfused = time_call(two_pass, repeats=repeats)
-    base = time_call(torch_fp32, repeats=repeats)
+    time_it = timer(backend)
+    ours = time_it(fused, repeats=repeats)
+    unfused = time_it(two_pass, repeats=repeats)
+    base = time_it(torch_fp32, repeats=repeats)
     return {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
             "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
             "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
@@ -110,16 +114,17 @@ def _fused_case(t: int, ratio: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    add_backend_arg(parser)
     args = parser.parse_args()
     lengths = (4096,) if args.quick else (4096, 65536)
     repeats = 2 if args.quick else 3
     cases = [(kind, t, ratio) for t in lengths for ratio in (4, 128) for kind in ("pool", "fused")]
-    result = BenchResult(name="dsv4_compress (cpu backend, d=512)", baseline="float32 torch reference",
+    result = BenchResult(name=f"dsv4_compress ({args.backend} backend, d=512)", baseline="float32 torch reference",
                          notes={"threads": torch.get_num_threads(), "hbm_round_trips_fused": 2,
                                 "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S})
     for kind, t, ratio in tqdm(cases, desc="bench_dsv4_compress", unit="case"):
         run = _pool_case if kind == "pool" else _fused_case
-        result.rows.append(run(t, ratio, repeats))
+        result.rows.append(run(t, ratio, repeats, args.backend))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("speedup",),
                                                   ylabel="speedup over float32 torch"))
 
