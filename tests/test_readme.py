@@ -56,8 +56,10 @@ RUNNABLE = [b for b in BLOCKS if b.language in ("bash", "python")]
 def test_the_readme_has_install_python_and_cli_blocks():
     assert {b.language for b in BLOCKS} >= {"bash", "python"}
     assert all(b.language in ("bash", "python", "json") for b in BLOCKS), "a block of a language no test runs"
-    first = RUNNABLE[0].code
-    assert "make install" in first and "source .venv/bin/activate" in first
+    # The README opens with the two fresh-machine commands (the demo, the tests), then install + activate.
+    opening, install = RUNNABLE[0].code, RUNNABLE[1].code
+    assert opening.splitlines()[0].startswith("make demo") and opening.splitlines()[1].startswith("make test")
+    assert "make install" in install and "source .venv/bin/activate" in install
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: f"line{b.line}-{b.language}")
