@@ -559,7 +559,8 @@ class KVReceiver:
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
+        # Guards the stages' statuses; notified when a status arrives or a stage closes.
+        self._cond = threading.Condition()
         self._stages: list[_Stage] = []
         backend.register(kv_args.regions())
         try:
@@ -601,9 +602,12 @@ class KVReceiver:
             except (PeerClosedError, TimeoutError, ValueError, OSError):
                 break
             if message.get("op") == "status":
-                with self._lock:
+                with self._cond:
                     stage.statuses[int(message["room"])] = message
-        stage.closed = True
+                    self._cond.notify_all()
+        with self._cond:
+            stage.closed = True
+            self._cond.notify_all()
 
     @property
     def stage_manifests(self) -> list[Manifest]:
@@ -657,7 +661,7 @@ class KVReceiver:
         """``(status, error)`` of a requested room, without waiting."""
         self._drain_notifs()
         done = True
-        with self._lock:
+        with self._cond:
             for i, stage in enumerate(self._stages):
                 status = stage.statuses.get(room)
                 if status is not None and not status.get("ok"):
@@ -685,9 +689,22 @@ class KVReceiver:
                 return
             if status == RoomStatus.FAILED:
                 raise TransferError(f"sparsekv: room {room} failed: {error}")
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TransferError(f"sparsekv: room {room} did not arrive within {timeout_s or self.timeout_s} s")
-            time.sleep(0.0005)
+            with self._cond:
+                if not self._reported(room):
+                    # Block until a stage reports (or goes away) instead of polling the engine: a
+                    # polling thread holds the agent lock the engine's progress thread needs, and
+                    # on a small machine takes the core the transfer runs on.
+                    self._cond.wait(left)
+                    continue
+            # Every stage reported success; the last notifications land right behind the status.
+            time.sleep(0.00005)
+
+    def _reported(self, room: int) -> bool:
+        """Whether every stage has reported on ``room`` or gone away (caller holds ``_cond``)."""
+        return all(room in s.statuses or s.closed for s in self._stages)
 
     def close(self) -> None:
         """Say goodbye to every stage, close the connections, release the backend (idempotent)."""
