@@ -35,7 +35,7 @@ from enum import Enum
 
 import numpy as np
 
-from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle
+from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
 from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
 from sparsekv.srt.disaggregation.manifest import (
@@ -498,6 +498,7 @@ class KVSender:
         return n, nbytes, time.perf_counter() - start
 
     def _wait_one(self, ch: Channel, handle: TransferHandle, deadline: float, room: int) -> None:
+        since = time.monotonic()
         try:
             while True:
                 state = handle.status()
@@ -511,7 +512,7 @@ class KVSender:
                     raise TransferError("the sender is closing")
                 if time.monotonic() > deadline:
                     raise TransferError(f"writes did not complete within {self.timeout_s} s")
-                time.sleep(0.0002)
+                poll_pause(since)
         finally:
             handle.release()
 
@@ -683,6 +684,7 @@ class KVReceiver:
             A stage reported a failure, went away, or the room did not arrive within the timeout.
         """
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        reported_at = None
         while True:
             status, error = self.poll(room)
             if status == RoomStatus.SUCCESS:
@@ -700,7 +702,8 @@ class KVReceiver:
                     self._cond.wait(left)
                     continue
             # Every stage reported success; the last notifications land right behind the status.
-            time.sleep(0.00005)
+            reported_at = reported_at or time.monotonic()
+            poll_pause(reported_at)
 
     def _reported(self, room: int) -> bool:
         """Whether every stage has reported on ``room`` or gone away (caller holds ``_cond``)."""
