@@ -167,12 +167,16 @@ def plan_room(local: Manifest, remote: Manifest, kv_args: KVArgs, src_kv, src_st
     """
     plan: Plan = {}
     overrides = request.get("kv_group_indices") or {}
-    groups: dict[str, list[Region]] = {}
+    # Region groups by destination index list: the groups without their own list are planned in
+    # one go (the plan is on every request's path; per-group planning costs more than the writes
+    # of a short request).
+    groups: dict[str | None, list[Region]] = {}
     for region in local.components[0][1]:
-        groups.setdefault(region.label.split(":", 1)[0], []).append(region)
+        group = region.label.split(":", 1)[0]
+        groups.setdefault(group if group in overrides else None, []).append(region)
     remote_kv = remote.region_map(0)
     for group, regions in groups.items():
-        dst = overrides.get(group, request["kv_indices"])
+        dst = request["kv_indices"] if group is None else overrides[group]
         check_index_pairs(src_kv, dst)
         plan_regions(plan, regions, remote_kv, src_kv, dst, coalesce=coalesce)
     dst_states = request.get("state_indices") or []
