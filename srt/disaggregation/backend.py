@@ -9,9 +9,22 @@ takes a timeout.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+#: Polling a posted write: for this long after posting only yield the core between polls (a
+#: request's small writes finish within tens of microseconds, well under one sleep's wake-up
+#: latency), then sleep :data:`POLL_SLEEP_S` between polls, so that the engine's progress thread,
+#: which needs the agent lock a poll holds, gets it and the core.
+SPIN_S = 2e-4
+POLL_SLEEP_S = 2e-4
+
+
+def poll_pause(since: float) -> None:
+    """Pause between two status polls of a write posted at ``since`` (a ``time.monotonic()``)."""
+    time.sleep(0.0 if time.monotonic() - since < SPIN_S else POLL_SLEEP_S)
 
 
 class TransferError(RuntimeError):

@@ -35,7 +35,7 @@ from enum import Enum
 
 import numpy as np
 
-from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle
+from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
 from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
 from sparsekv.srt.disaggregation.manifest import (
@@ -167,12 +167,16 @@ def plan_room(local: Manifest, remote: Manifest, kv_args: KVArgs, src_kv, src_st
     """
     plan: Plan = {}
     overrides = request.get("kv_group_indices") or {}
-    groups: dict[str, list[Region]] = {}
+    # Region groups by destination index list: the groups without their own list are planned in
+    # one go (the plan is on every request's path; per-group planning costs more than the writes
+    # of a short request).
+    groups: dict[str | None, list[Region]] = {}
     for region in local.components[0][1]:
-        groups.setdefault(region.label.split(":", 1)[0], []).append(region)
+        group = region.label.split(":", 1)[0]
+        groups.setdefault(group if group in overrides else None, []).append(region)
     remote_kv = remote.region_map(0)
     for group, regions in groups.items():
-        dst = overrides.get(group, request["kv_indices"])
+        dst = request["kv_indices"] if group is None else overrides[group]
         check_index_pairs(src_kv, dst)
         plan_regions(plan, regions, remote_kv, src_kv, dst, coalesce=coalesce)
     dst_states = request.get("state_indices") or []
@@ -498,6 +502,7 @@ class KVSender:
         return n, nbytes, time.perf_counter() - start
 
     def _wait_one(self, ch: Channel, handle: TransferHandle, deadline: float, room: int) -> None:
+        since = time.monotonic()
         try:
             while True:
                 state = handle.status()
@@ -511,7 +516,7 @@ class KVSender:
                     raise TransferError("the sender is closing")
                 if time.monotonic() > deadline:
                     raise TransferError(f"writes did not complete within {self.timeout_s} s")
-                time.sleep(0.0002)
+                poll_pause(since)
         finally:
             handle.release()
 
@@ -559,7 +564,8 @@ class KVReceiver:
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
+        # Guards the stages' statuses; notified when a status arrives or a stage closes.
+        self._cond = threading.Condition()
         self._stages: list[_Stage] = []
         backend.register(kv_args.regions())
         try:
@@ -601,9 +607,12 @@ class KVReceiver:
             except (PeerClosedError, TimeoutError, ValueError, OSError):
                 break
             if message.get("op") == "status":
-                with self._lock:
+                with self._cond:
                     stage.statuses[int(message["room"])] = message
-        stage.closed = True
+                    self._cond.notify_all()
+        with self._cond:
+            stage.closed = True
+            self._cond.notify_all()
 
     @property
     def stage_manifests(self) -> list[Manifest]:
@@ -657,7 +666,7 @@ class KVReceiver:
         """``(status, error)`` of a requested room, without waiting."""
         self._drain_notifs()
         done = True
-        with self._lock:
+        with self._cond:
             for i, stage in enumerate(self._stages):
                 status = stage.statuses.get(room)
                 if status is not None and not status.get("ok"):
@@ -679,15 +688,30 @@ class KVReceiver:
             A stage reported a failure, went away, or the room did not arrive within the timeout.
         """
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        reported_at = None
         while True:
             status, error = self.poll(room)
             if status == RoomStatus.SUCCESS:
                 return
             if status == RoomStatus.FAILED:
                 raise TransferError(f"sparsekv: room {room} failed: {error}")
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TransferError(f"sparsekv: room {room} did not arrive within {timeout_s or self.timeout_s} s")
-            time.sleep(0.0005)
+            with self._cond:
+                if not self._reported(room):
+                    # Block until a stage reports (or goes away) instead of polling the engine: a
+                    # polling thread holds the agent lock the engine's progress thread needs, and
+                    # on a small machine takes the core the transfer runs on.
+                    self._cond.wait(left)
+                    continue
+            # Every stage reported success; the last notifications land right behind the status.
+            reported_at = reported_at or time.monotonic()
+            poll_pause(reported_at)
+
+    def _reported(self, room: int) -> bool:
+        """Whether every stage has reported on ``room`` or gone away (caller holds ``_cond``)."""
+        return all(room in s.statuses or s.closed for s in self._stages)
 
     def close(self) -> None:
         """Say goodbye to every stage, close the connections, release the backend (idempotent)."""

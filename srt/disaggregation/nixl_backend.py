@@ -49,6 +49,24 @@ def load_nixl_api():
                       + "; ".join(errors))
 
 
+_BIND_LOCK = threading.Lock()
+
+
+class _DelayedBind:
+    """NIXL's binding module, except that agents it makes get progress thread delay ``delay_us``."""
+
+    def __init__(self, bind, delay_us: int) -> None:
+        self._bind = bind
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str):
+        return getattr(self._bind, name)
+
+    def nixlAgent(self, name: str, config):  # noqa: N802 (the binding's name)
+        config.pthrDelay = self._delay_us
+        return self._bind.nixlAgent(name, config)
+
+
 def _locked(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -97,6 +115,11 @@ class NixlBackend(TransferBackend):
         starts; None leaves the environment alone.
     tls : str, optional
         ``UCX_TLS`` likewise (``"tcp"`` for a pure TCP path).
+    progress_delay_us : int
+        Pause of the engine's progress thread between idle rounds. NIXL's Python API starts it
+        with 0, a busy loop that keeps one core at 100% per process even when nothing moves; on
+        a machine with few cores the prefill's and the decode's loops take every core and the
+        request's own threads wait for a time slice (milliseconds per 8k-token request here).
 
     Raises
     ------
@@ -104,7 +127,10 @@ class NixlBackend(TransferBackend):
         NIXL is not installed (see the module docstring).
     """
 
-    def __init__(self, name: str | None = None, *, net_devices: str | None = None, tls: str | None = None) -> None:
+    def __init__(self, name: str | None = None, *, net_devices: str | None = None, tls: str | None = None,
+                 progress_delay_us: int = 100) -> None:
+        if progress_delay_us < 0:
+            raise ValueError(f"sparsekv: argument `progress_delay_us` must be >= 0, got {progress_delay_us}")
         api = load_nixl_api()
         if net_devices is not None:
             os.environ["UCX_NET_DEVICES"] = net_devices
@@ -114,7 +140,13 @@ class NixlBackend(TransferBackend):
         # STRICT: the agent locks internally too; its progress thread and ours share the UCX worker.
         config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = api.nixl_agent(self.name, config)
+        with _BIND_LOCK:
+            # nixl_agent hard-codes the progress thread's delay: hand its binding one that sets ours.
+            bind, api.nixlBind = api.nixlBind, _DelayedBind(api.nixlBind, progress_delay_us)
+            try:
+                self.agent = api.nixl_agent(self.name, config)
+            finally:
+                api.nixlBind = bind
         # The agent runs without NIXL's own locking (no listener thread); sender threads share it.
         self.lock = threading.RLock()
         self.registered: list[tuple[int, int, str]] = []

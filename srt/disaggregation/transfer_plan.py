@@ -100,18 +100,19 @@ def plan_transfer(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], item_lens: S
         src_start, dst_start, count = coalesce_runs(src, dst)
     else:
         src_start, dst_start, count = src, dst, np.ones_like(src)
+    # Vectorized over regions: a request's plan is on the per-request path of every transfer.
+    items = np.asarray(item_lens, dtype=np.uint64).reshape(-1, 1)
     if src.size:
         for side, idx, lens in (("source", src, src_lens), ("destination", dst, dst_lens)):
             top = int(idx.max())
-            for r, (item, length) in enumerate(zip(item_lens, lens)):
-                if (top + 1) * item > length:
-                    raise IndexError(f"sparsekv: {side} index {top} is outside region {r} "
-                                     f"({length} B = {length // item} items of {item} B)")
-    plans = []
-    for sp, dp, item in zip(src_ptrs, dst_ptrs, item_lens):
-        rows = np.empty((src_start.size, 3), dtype=np.uint64)
-        rows[:, 0] = sp + src_start * item
-        rows[:, 1] = dp + dst_start * item
-        rows[:, 2] = count * item
-        plans.append(rows)
-    return np.concatenate(plans) if plans else np.zeros((0, 3), dtype=np.uint64)
+            outside = np.flatnonzero((top + 1) * items[:, 0] > np.asarray(lens, dtype=np.uint64))
+            if outside.size:
+                r = int(outside[0])
+                item, length = int(item_lens[r]), int(lens[r])
+                raise IndexError(f"sparsekv: {side} index {top} is outside region {r} "
+                                 f"({length} B = {length // item} items of {item} B)")
+    rows = np.empty((len(item_lens), src_start.size, 3), dtype=np.uint64)
+    rows[:, :, 0] = np.asarray(src_ptrs, dtype=np.uint64).reshape(-1, 1) + src_start.astype(np.uint64) * items
+    rows[:, :, 1] = np.asarray(dst_ptrs, dtype=np.uint64).reshape(-1, 1) + dst_start.astype(np.uint64) * items
+    rows[:, :, 2] = count.astype(np.uint64) * items
+    return rows.reshape(-1, 3)

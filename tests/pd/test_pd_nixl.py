@@ -86,3 +86,10 @@ def test_decode_killed_mid_transfer_fails_the_transfer_on_prefill():
     assert prefill["failure_detected_after_kill_s"] < spec.timeout_s
     assert prefill["rooms"][2]["status"] == "failed"
     assert_prefill_released(prefill)
+
+
+def test_negative_progress_delay_is_refused():
+    from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
+
+    with pytest.raises(ValueError, match="progress_delay_us"):
+        NixlBackend(progress_delay_us=-1)

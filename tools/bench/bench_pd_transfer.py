@@ -14,7 +14,7 @@ consecutive on both sides (as a paged allocator hands them out):
 
 Each figure is the median of ``--repeats`` runs; GB/s counts the request's bytes once. Target
 (issue 15): ``ours`` >= 80% of ``raw``; the coalescing gain is ``ours / ours_uncoalesced``. On this
-2-core VM the figures move by about 20% between runs (UCX progress threads share the cores), so
+2-core VM the figures move by about 20% between runs (the processes share the cores), so
 compare ratios from one run, not figures across runs. Prints JSON; ``--plot PNG`` draws GB/s.
 """
 
@@ -28,6 +28,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from sparsekv.srt.disaggregation.backend import poll_pause
 from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender, plan_batches, plan_room
 from sparsekv.srt.disaggregation.kv_args import kv_args_of
 from sparsekv.srt.disaggregation.manifest import Manifest
@@ -57,11 +58,12 @@ def room_indices(seq_len: int) -> tuple[list[int], list[list[int]]]:
 
 
 def _wait(handle, deadline: float) -> None:
+    since = time.monotonic()
     try:
         while (state := handle.status()) == "PROC":
             if time.monotonic() > deadline:
                 raise TimeoutError("raw NIXL write did not complete in time")
-            time.sleep(0.0002)  # as KVSender polls: a spinning poll holds the agent lock its progress thread needs
+            poll_pause(since)  # as KVSender polls
         if state != "DONE":
             raise RuntimeError("raw NIXL write failed")
     finally:
