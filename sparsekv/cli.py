@@ -99,13 +99,17 @@ def _examples_epilog(examples: tuple[str, ...]) -> str:
 
 def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     # Accepted before and after the subcommand; only the top level sets defaults, so a subcommand's
-    # parser never overwrites what was given before it.
+    # parser never overwrites what was given before it. A subcommand that defines one of these
+    # options itself keeps its own.
     suppress = {} if defaults else {"default": argparse.SUPPRESS}
+    taken = parser._option_string_actions
     group = parser.add_argument_group("output")
-    group.add_argument("-v", "--verbose", action="count", help="-v: INFO log lines (e.g. each JIT compile), "
-                       "-vv: DEBUG (default: SPARSEKV_LOG_LEVEL, else WARNING)", **({"default": 0} | suppress))
-    group.add_argument("--debug", action="store_true", help="show the Python traceback of an error",
-                       **({"default": False} | suppress))
+    if not {"-v", "--verbose"} & taken.keys():
+        group.add_argument("-v", "--verbose", action="count", help="-v: INFO log lines (e.g. each JIT compile), "
+                           "-vv: DEBUG (default: SPARSEKV_LOG_LEVEL, else WARNING)", **({"default": 0} | suppress))
+    if "--debug" not in taken:
+        group.add_argument("--debug", action="store_true", help="show the Python traceback of an error",
+                           **({"default": False} | suppress))
 
 
 def _nested_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

@@ -14,11 +14,12 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from sparsekv.cli import build_parser, iter_commands, main
+from sparsekv.cli import SUBCOMMANDS, Subcommand, UsageError, build_parser, iter_commands, main
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = [prefix for prefix, _ in iter_commands(build_parser(load="all"))]
@@ -79,7 +80,7 @@ BAD_ARGUMENTS = [
     (["plan-memory", "--case", "flash-pp1-40GiB", "--model", "dsv4-flash"], 2, "exactly one of"),
     (["plan-memory", "--model", "dsv4-flash", "--kv-budget", "1GiB"], 1, "SWA pool"),
     (["jit"], 2, "ACTION"),
-    (["jit", "build"], 2, "--all"),
+    (["jit", "build"], 2, "jit build"),
     (["jit", "build", "no_such_kernel"], 2, "no_such_kernel"),
     # no GPU and no arch given (or a GPU but a bogus arch list): a failure of ours, not a traceback
     (["jit", "build", "gather_rows", "--backend", "cuda"], (1, 2), "arch"),
@@ -97,13 +98,41 @@ def test_bad_arguments_give_one_line_and_the_right_exit_code(argv, code, needle,
     assert needle.lower() in done.stderr.lower()
 
 
-def test_a_failure_shows_its_traceback_only_under_debug(tmp_path):
-    # The cuda backend with a malformed arch fails inside the JIT loader: an error of ours (exit 1).
-    argv = ["jit", "build", "gather_rows", "--backend", "cuda", "--arch", "banana"]
-    plain = sparsekv(*argv, cache_dir=tmp_path / "cache")
-    assert plain.returncode in (1, 2) and "Traceback" not in plain.stderr and "banana" in plain.stderr
-    debug = sparsekv("--debug", *argv, cache_dir=tmp_path / "cache")
-    assert debug.returncode == plain.returncode and "Traceback" in debug.stderr
+@pytest.fixture
+def failing_subcommand(monkeypatch):
+    """A registered subcommand whose run() fails the way a bug or an error of ours would."""
+    module = types.ModuleType("sparsekv_test_failing_subcommand")
+    module.add_arguments = lambda parser: parser.add_argument("--usage", action="store_true")
+
+    def run(args):
+        if args.usage:
+            raise UsageError("--usage: this is a usage error")
+        raise RuntimeError("the device is on fire")
+
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SUBCOMMANDS, "fail", Subcommand(module.__name__, "fails", ("sparsekv fail",)))
+
+
+def test_a_failure_is_one_line_and_its_traceback_shows_only_under_debug(failing_subcommand, capsys):
+    assert main(["fail"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "sparsekv fail: error: RuntimeError: the device is on fire (--debug shows the traceback)"]
+    assert main(["fail", "--usage"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["sparsekv fail: error: --usage: this is a usage error "
+                                                    "(see sparsekv fail --help)"]
+    for argv in (["--debug", "fail"], ["fail", "--debug"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and "RuntimeError: the device is on fire" in err
+
+
+def test_a_jit_failure_is_one_line(tmp_path):
+    # The cuda backend with a malformed arch list fails inside the JIT loader.
+    done = sparsekv("jit", "build", "gather_rows", "--backend", "cuda", "--arch", "banana", cache_dir=tmp_path / "c")
+    assert_no_traceback(done)
+    assert done.returncode in (1, 2) and "banana" in done.stderr
 
 
 def test_a_closed_pipe_is_quiet():
