@@ -24,6 +24,12 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "sparsekv"
 
 
+def log_level() -> str | None:
+    """``SPARSEKV_LOG_LEVEL``: level of the ``sparsekv.*`` loggers when the CLI or
+    :func:`sparsekv.log.configure` sets up logging (``DEBUG``, ``INFO``, ...; default WARNING)."""
+    return os.environ.get("SPARSEKV_LOG_LEVEL", "").strip() or None
+
+
 def host_compiler() -> str:
     """``SPARSEKV_CXX``: the host C++ compiler (default ``$CXX``, else ``c++``)."""
     return os.environ.get("SPARSEKV_CXX") or os.environ.get("CXX") or "c++"
