@@ -591,10 +591,15 @@ ACTIONS = {"list": _list, "build": _build, "info": _info, "clean": _clean, "veri
 
 
 def _configure_logging(args) -> None:
-    """``-v``/``--debug``/``SPARSEKV_JIT_VERBOSE=1``: show the ``sparsekv.jit`` logger on stderr (only it:
-    the CLI never configures the root logger)."""
+    """``-v``/``--debug``/``SPARSEKV_JIT_VERBOSE=1``/``SPARSEKV_LOG_LEVEL``: show the ``sparsekv.jit``
+    logger on stderr (only it: the CLI never configures the root logger)."""
     verbose, debug = getattr(args, "verbose", 0), getattr(args, "debug", False)
     level = logging.DEBUG if debug else logging.INFO if verbose or env.verbose_build() else None
+    if level is None and env.log_level():
+        level = logging.getLevelName(env.log_level().upper())
+        if not isinstance(level, int):
+            raise ValueError(f"sparsekv: SPARSEKV_LOG_LEVEL={env.log_level()!r} is not a level; use DEBUG, INFO, "
+                             f"WARNING or ERROR")
     if level is None or logger.handlers or logging.getLogger("sparsekv").handlers:
         if level is not None:
             logger.setLevel(level)
@@ -608,12 +613,12 @@ def _configure_logging(args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one ``sparsekv jit`` subcommand; returns the exit status (see the module docstring)."""
-    _configure_logging(args)
     # Every failure of ours is one of these (JitCompileError, ToolchainError, BundleError... are RuntimeErrors;
     # CacheSecurityError and CacheUnwritableError are PermissionErrors). A ValueError is a bad value
     # given on the command line or in a SPARSEKV_* variable: a usage error.
     debug = getattr(args, "debug", False)
     try:
+        _configure_logging(args)
         status = ACTIONS[args.action](args)
         sys.stdout.flush()
         return status
