@@ -62,8 +62,11 @@ def _positive_int(text: str) -> int:
 
 def _common(json_flag: bool) -> _Parser:
     parent = _Parser(add_help=False)
-    parent.add_argument("-v", "--verbose", action="store_true", help="show each compile with its time")
-    parent.add_argument("--debug", action="store_true", help="debug logging; tracebacks on errors")
+    # SUPPRESS: an option given before the subcommand (`sparsekv -v jit build`) is not reset here.
+    parent.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="show each compile with its time")
+    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging; tracebacks on errors")
     if json_flag:
         parent.add_argument("--json", action="store_true", help="machine-readable output")
     return parent
