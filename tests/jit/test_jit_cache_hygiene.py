@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from read_only_dir import make_read_only, undo_read_only
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
@@ -125,21 +126,6 @@ def test_live_builders_staging_is_never_swept(tmp_path, hanging_cxx):
         proc.wait()
 
 
-def _read_only(path: Path) -> None:
-    path.chmod(0o500)
-    if os.geteuid() == 0:  # root ignores mode bits; an immutable directory refuses even root
-        subprocess.run(["chattr", "+i", str(path)], check=False, capture_output=True)
-    if cache._writable(path):
-        _writable_again(path)
-        pytest.skip("cannot make a directory unwritable here (root without chattr)")
-
-
-def _writable_again(path: Path) -> None:
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(path)], check=False, capture_output=True)
-    path.chmod(0o700)
-
-
 def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monkeypatch):
     import tempfile
 
@@ -150,8 +136,8 @@ def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monk
     loader.find_or_build(plan_for(), cache.open_roots())
     fallback = cache.fallback_root()
     fallback.mkdir(mode=0o700)
-    _read_only(cache_dir)
-    _read_only(fallback)
+    make_read_only(cache_dir)
+    make_read_only(fallback)
     try:
         roots = cache.open_roots()
         loader.find_or_build(plan_for(), roots)  # a hit needs no write
@@ -162,8 +148,8 @@ def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monk
         assert str(cache_dir) in message and str(fallback) in message and "SPARSEKV_CACHE_DIR" in message
         assert ".locks" not in message
     finally:
-        _writable_again(cache_dir)
-        _writable_again(fallback)
+        undo_read_only(cache_dir)
+        undo_read_only(fallback)
 
 
 def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path):
@@ -173,13 +159,13 @@ def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path):
     fallback_parent.mkdir()
     fallback = fallback_parent / f"sparsekv-cache-{os.getuid()}"
     fallback.mkdir(mode=0o700)
-    _read_only(cache_dir)
-    _read_only(fallback)
+    make_read_only(cache_dir)
+    make_read_only(fallback)
     try:
         done = jit("build", "gather_rows", cache_dir=cache_dir, TMPDIR=str(fallback_parent))
     finally:
-        _writable_again(cache_dir)
-        _writable_again(fallback)
+        undo_read_only(cache_dir)
+        undo_read_only(fallback)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "not writable" in done.stderr
 

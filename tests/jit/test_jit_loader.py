@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from read_only_dir import make_read_only, undo_read_only
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
@@ -170,21 +171,6 @@ def test_corrupted_artifact_is_rebuilt_transparently(tmp_path, counting_cxx, dam
     assert len(log.read_text().splitlines()) == 2  # built, then rebuilt once
 
 
-def _make_read_only(path: Path) -> None:
-    path.chmod(0o555)
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "+i", str(path)], check=False, capture_output=True)
-    if cache._writable(path):
-        _undo_read_only(path)
-        pytest.skip("cannot make a directory read-only here (root without chattr)")
-
-
-def _undo_read_only(path: Path) -> None:
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(path)], check=False, capture_output=True)
-    path.chmod(0o700)
-
-
 def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, monkeypatch):
     import tempfile
 
@@ -192,7 +178,7 @@ def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, m
     (tmp_path / "tmp").mkdir()
     plan, roots, _ = _build_in(tmp_path / "cache", monkeypatch)
     root = roots.write
-    _make_read_only(root)
+    make_read_only(root)
     try:
         ro_roots = cache.open_roots()
         assert ro_roots.write == cache.fallback_root() and root in ro_roots.read
@@ -205,7 +191,7 @@ def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, m
         assert len(cache.entries(ro_roots.write)) == 1
         assert stat.S_IMODE(ro_roots.write.stat().st_mode) == 0o700
     finally:
-        _undo_read_only(root)
+        undo_read_only(root)
 
 
 def test_cache_dir_writable_by_others_is_refused(tmp_path, monkeypatch):
