@@ -26,12 +26,14 @@ sides); ``close()`` likewise.
 from __future__ import annotations
 
 import logging
+import queue
 import select
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,19 +66,24 @@ class RoomStatus(str, Enum):
 # ---- planning ------------------------------------------------------------------------------------
 
 
-def plan_regions(plan: Plan, local: list[Region], remote: dict[str, Region], src_indices, dst_indices, *,
-                 coalesce: bool) -> None:
-    """Add the writes of ``src_indices -> dst_indices`` over the ``local`` regions to ``plan``.
+class RegionPairs(NamedTuple):
+    """Local regions matched to the remote regions of the same label, for one memory-kind pair."""
 
-    Each local region goes to the ``remote`` region of the same label.
+    kinds: tuple[str, str]
+    src_ptrs: np.ndarray
+    dst_ptrs: np.ndarray
+    item_lens: np.ndarray
+    src_lens: np.ndarray
+    dst_lens: np.ndarray
+
+
+def pair_regions(local: list[Region], remote: dict[str, Region]) -> list[RegionPairs]:
+    """Each ``local`` region with the ``remote`` region of its label, grouped by memory-kind pair.
 
     Raises
     ------
     ValueError
-        Index lists of different lengths; a local region without a remote one or with another
-        item size.
-    IndexError
-        An index outside a region.
+        A local region without a remote one, or with another item size.
     """
     by_kind: dict[tuple[str, str], list[tuple[Region, Region]]] = {}
     for region in local:
@@ -84,28 +91,45 @@ def plan_regions(plan: Plan, local: list[Region], remote: dict[str, Region], src
         if other is None or other.item_len != region.item_len:
             raise ValueError(f"sparsekv: no matching destination region for {region.label!r}")
         by_kind.setdefault((region.mem_kind, other.mem_kind), []).append((region, other))
-    for kinds, pairs in by_kind.items():
-        rows = plan_transfer([a.ptr for a, _ in pairs], [b.ptr for _, b in pairs], [a.item_len for a, _ in pairs],
-                             src_indices, dst_indices, src_lens=[a.nbytes for a, _ in pairs],
-                             dst_lens=[b.nbytes for _, b in pairs], coalesce=coalesce)
-        plan.setdefault(kinds, []).append(rows)
+
+    def column(pairs, get) -> np.ndarray:
+        return np.array([get(a, b) for a, b in pairs], dtype=np.uint64)
+
+    return [RegionPairs(kinds, column(pairs, lambda a, b: a.ptr), column(pairs, lambda a, b: b.ptr),
+                        column(pairs, lambda a, b: a.item_len), column(pairs, lambda a, b: a.nbytes),
+                        column(pairs, lambda a, b: b.nbytes)) for kinds, pairs in by_kind.items()]
+
+
+def plan_pairs(plan: Plan, pairs: list[RegionPairs], src_indices, dst_indices, *, coalesce: bool) -> None:
+    """Add the writes of ``src_indices -> dst_indices`` over every region pair to ``plan``.
+
+    Raises
+    ------
+    ValueError
+        Index lists of different lengths, or a negative index.
+    IndexError
+        An index outside a region.
+    """
+    check_index_pairs(src_indices, dst_indices)
+    for p in pairs:
+        plan.setdefault(p.kinds, []).append(plan_transfer(p.src_ptrs, p.dst_ptrs, p.item_lens, src_indices,
+                                                          dst_indices, src_lens=p.src_lens, dst_lens=p.dst_lens,
+                                                          coalesce=coalesce))
 
 
 @dataclass
 class SendContext:
-    """What a state sender needs: both manifests, the component, and the plan to extend."""
+    """What a state sender needs: both manifests, the component's region pairs, the plan to extend."""
 
     local: Manifest
     remote: Manifest
-    component: int
+    pairs: list[RegionPairs]
     plan: Plan
     coalesce: bool
 
     def generic(self, src_indices, dst_indices) -> None:
         """The generic send of this component (lengths checked first)."""
-        check_index_pairs(src_indices, dst_indices)
-        plan_regions(self.plan, self.local.components[self.component][1], self.remote.region_map(self.component),
-                     src_indices, dst_indices, coalesce=self.coalesce)
+        plan_pairs(self.plan, self.pairs, src_indices, dst_indices, coalesce=self.coalesce)
 
 
 def _send_tp_sharded(ctx: SendContext, state_type: StateType, src_indices, dst_indices) -> None:
@@ -141,56 +165,88 @@ if _UNSENT:  # dispatch must be exhaustive: a state type without a sender would 
     raise ImportError(f"sparsekv: state types without a PD sender: {sorted(t.value for t in _UNSENT)}")
 
 
-def plan_room(local: Manifest, remote: Manifest, kv_args: KVArgs, src_kv, src_states: list, request: dict, *,
-              coalesce: bool = True) -> Plan:
-    """Every write of one room, planned and checked before any is issued.
+class RoomPlanner:
+    """Plans rooms from this side's regions into one decode's; pairs regions once per connection.
+
+    A short request's plan is a few numpy calls per region group, so pairing the regions by label
+    on every room would cost more than its writes.
 
     Parameters
     ----------
     local, remote : Manifest
         This (prefill) side's and the decode side's manifests.
     kv_args : KVArgs
-        This side's state types (parallel to ``src_states``).
-    src_kv, src_states
-        The room's source KV pages and per-component state indices.
-    request : dict
-        The decode's ``transfer`` message: ``kv_indices``, optional ``kv_group_indices`` (a
-        region group's own destination indices, e.g. host pages for ``c4_kv`` under HiSparse),
-        ``state_indices`` (one list per component).
-
-    Raises
-    ------
-    ValueError, IndexError
-        Index lists of different lengths or out of range; a wrong number of state lists.
-    TransferError
-        A state type without a sender, or a TP split its sender refuses.
+        This side's state types (parallel to the state components).
     """
-    plan: Plan = {}
-    overrides = request.get("kv_group_indices") or {}
-    # Region groups by destination index list: the groups without their own list are planned in
-    # one go (the plan is on every request's path; per-group planning costs more than the writes
-    # of a short request).
-    groups: dict[str | None, list[Region]] = {}
-    for region in local.components[0][1]:
-        group = region.label.split(":", 1)[0]
-        groups.setdefault(group if group in overrides else None, []).append(region)
-    remote_kv = remote.region_map(0)
-    for group, regions in groups.items():
-        dst = request["kv_indices"] if group is None else overrides[group]
-        check_index_pairs(src_kv, dst)
-        plan_regions(plan, regions, remote_kv, src_kv, dst, coalesce=coalesce)
-    dst_states = request.get("state_indices") or []
-    if len(dst_states) != len(kv_args.state_types) or len(src_states) != len(kv_args.state_types):
-        raise ValueError(f"sparsekv: {len(kv_args.state_types)} state components, but {len(src_states)} source and "
-                         f"{len(dst_states)} destination index lists")
-    for c, state_type in enumerate(kv_args.state_types):
-        sender = SENDERS.get(StateType(state_type))
-        if sender is None:
-            raise TransferError(f"sparsekv: no sender for state type {StateType(state_type).value!r}: refusing to "
-                                "transfer a request whose state would be left behind")
-        sender(SendContext(local, remote, c + 1, plan, coalesce), StateType(state_type), src_states[c],
-               dst_states[c])
-    return plan
+
+    def __init__(self, local: Manifest, remote: Manifest, kv_args: KVArgs) -> None:
+        self.local = local
+        self.remote = remote
+        self.state_types = [StateType(t) for t in kv_args.state_types]
+        # Frozen set of region groups with their own destination indices -> (group or None, pairs).
+        self._kv_pairs: dict[frozenset, list[tuple[str | None, list[RegionPairs]]]] = {}
+        self._state_pairs: dict[int, list[RegionPairs]] = {}
+
+    def _kv(self, overridden: frozenset) -> list[tuple[str | None, list[RegionPairs]]]:
+        if overridden not in self._kv_pairs:
+            # The groups without their own list are planned in one go.
+            groups: dict[str | None, list[Region]] = {}
+            for region in self.local.components[0][1]:
+                group = region.label.split(":", 1)[0]
+                groups.setdefault(group if group in overridden else None, []).append(region)
+            remote_kv = self.remote.region_map(0)
+            self._kv_pairs[overridden] = [(g, pair_regions(regions, remote_kv)) for g, regions in groups.items()]
+        return self._kv_pairs[overridden]
+
+    def _state(self, component: int) -> list[RegionPairs]:
+        if component not in self._state_pairs:
+            self._state_pairs[component] = pair_regions(self.local.components[component][1],
+                                                         self.remote.region_map(component))
+        return self._state_pairs[component]
+
+    def plan(self, src_kv, src_states: list, request: dict, *, coalesce: bool = True) -> Plan:
+        """Every write of one room, planned and checked before any is issued.
+
+        Parameters
+        ----------
+        src_kv, src_states
+            The room's source KV pages and per-component state indices.
+        request : dict
+            The decode's ``transfer`` message: ``kv_indices``, optional ``kv_group_indices`` (a
+            region group's own destination indices, e.g. host pages for ``c4_kv`` under HiSparse),
+            ``state_indices`` (one list per component).
+
+        Raises
+        ------
+        ValueError, IndexError
+            Index lists of different lengths or out of range; a wrong number of state lists; a
+            region without a matching destination region.
+        TransferError
+            A state type without a sender, or a TP split its sender refuses.
+        """
+        plan: Plan = {}
+        overrides = request.get("kv_group_indices") or {}
+        for group, pairs in self._kv(frozenset(overrides)):
+            dst = request["kv_indices"] if group is None else overrides[group]
+            plan_pairs(plan, pairs, src_kv, dst, coalesce=coalesce)
+        dst_states = request.get("state_indices") or []
+        if len(dst_states) != len(self.state_types) or len(src_states) != len(self.state_types):
+            raise ValueError(f"sparsekv: {len(self.state_types)} state components, but {len(src_states)} source and "
+                             f"{len(dst_states)} destination index lists")
+        for c, state_type in enumerate(self.state_types):
+            sender = SENDERS.get(state_type)
+            if sender is None:
+                raise TransferError(f"sparsekv: no sender for state type {state_type.value!r}: refusing to "
+                                    "transfer a request whose state would be left behind")
+            sender(SendContext(self.local, self.remote, self._state(c + 1), plan, coalesce), state_type,
+                   src_states[c], dst_states[c])
+        return plan
+
+
+def plan_room(local: Manifest, remote: Manifest, kv_args: KVArgs, src_kv, src_states: list, request: dict, *,
+              coalesce: bool = True) -> Plan:
+    """One room's plan (:meth:`RoomPlanner.plan` of a planner made for this one room)."""
+    return RoomPlanner(local, remote, kv_args).plan(src_kv, src_states, request, coalesce=coalesce)
 
 
 def plan_batches(plan: Plan, max_batch_rows: int) -> list[tuple[str, str, np.ndarray]]:
@@ -212,6 +268,7 @@ class _Room:
     state_indices: list[np.ndarray]
     on_done: Callable[[int, bool], None] | None
     status: RoomStatus = RoomStatus.PENDING
+    claimed: bool = False  # a decode asked for it: it is planned, queued or being written
     error: str = ""
     nbytes: int = 0
     seconds: float = 0.0
@@ -410,11 +467,23 @@ class KVSender:
         try:
             peer = self.backend.connect(descriptor)
             ch.send({"op": "welcome", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
-            while (message := self._next_message(ch)) is not None:
-                if message.get("op") == "transfer":
-                    self._transfer(ch, peer, remote, message)
-                elif message.get("op") == "bye":
-                    break
+            planner = RoomPlanner(self.manifest, remote, self.kv_args)
+            # Two stages: this thread reads and plans the next room while the poster thread's
+            # writes of the previous one run (the engine releases the GIL while it copies).
+            posts: queue.Queue = queue.Queue()
+            poster = threading.Thread(target=self._post_loop, args=(ch, peer, posts), name="kv-sender-post",
+                                      daemon=True)
+            poster.start()
+            try:
+                while poster.is_alive() and (message := self._next_message(ch)) is not None:
+                    if message.get("op") == "transfer":
+                        if (prepared := self._prepare(ch, planner, message)) is not None:
+                            posts.put(prepared)
+                    elif message.get("op") == "bye":
+                        break
+            finally:
+                posts.put(None)
+                poster.join()
         except (PeerClosedError, TransferError) as e:
             logger.error("decode connection lost: %s", e)
         finally:
@@ -435,32 +504,50 @@ class KVSender:
                 self._cond.wait(left)
             return self._rooms.get(room)
 
-    def _transfer(self, ch: Channel, peer: str, remote: Manifest, message: dict) -> None:
+    def _prepare(self, ch: Channel, planner: RoomPlanner, message: dict) -> tuple[int, _Room, Plan] | None:
+        """The room a ``transfer`` message asks for, claimed and planned; None if refused (the
+        decode was told why)."""
         room = int(message.get("room", -1))
         source = self._wait_source(room)
         if source is None:
             ch.send({"op": "status", "room": room, "ok": False,
                      "error": f"sparsekv: prefill has no room {room} (not declared within {self.timeout_s} s)"})
-            return
-        if source.status != RoomStatus.PENDING:
-            ch.send({"op": "status", "room": room, "ok": False, "error": f"sparsekv: room {room} is already "
-                     f"{source.status.value}"})
-            return
+            return None
+        with self._cond:
+            state = source.status.value if source.status != RoomStatus.PENDING else "in transfer"
+            claimed, source.claimed = source.claimed or source.status != RoomStatus.PENDING, True
+        if claimed:
+            ch.send({"op": "status", "room": room, "ok": False, "error": f"sparsekv: room {room} is already {state}"})
+            return None
         try:
-            plan = plan_room(self.manifest, remote, self.kv_args, source.kv_indices, source.state_indices, message,
-                             coalesce=self.coalesce)
+            return room, source, planner.plan(source.kv_indices, source.state_indices, message,
+                                              coalesce=self.coalesce)
         except (ValueError, IndexError, TypeError, TransferError) as e:
             self._fail(ch, room, f"sparsekv: room {room} refused before any write: {e}")
-            return
-        try:
-            batches, nbytes, seconds = self._write(ch, peer, room, plan)
-        except TransferError as e:
-            self._fail(ch, room, str(e))
-            raise
-        with self._cond:
-            source.nbytes, source.seconds = nbytes, seconds
-        self._finish(room, RoomStatus.SUCCESS)
-        ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes})
+            return None
+
+    def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue) -> None:
+        """Write the planned rooms in order; after a failed transfer fail the rest and stop."""
+        lost = ""
+        while (item := posts.get()) is not None:
+            room, source, plan = item
+            if lost:
+                self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
+                continue
+            try:
+                batches, nbytes, seconds = self._write(ch, peer, room, plan)
+            except TransferError as e:
+                self._fail(ch, room, str(e))
+                lost = str(e)
+                ch.close()  # the serving thread stops reading, the decode sees the connection end
+                continue
+            with self._cond:
+                source.nbytes, source.seconds = nbytes, seconds
+            self._finish(room, RoomStatus.SUCCESS)
+            try:
+                ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes})
+            except PeerClosedError as e:
+                lost = str(e)
 
     def _fail(self, ch: Channel, room: int, error: str) -> None:
         logger.error("%s", error)
@@ -646,6 +733,10 @@ class KVReceiver:
         message = {"op": "transfer", "room": int(room), "kv_indices": [int(i) for i in kv_indices],
                    "state_indices": [[int(i) for i in s] for s in state_indices],
                    "kv_group_indices": {k: [int(i) for i in v] for k, v in (kv_group_indices or {}).items()}}
+        with self._cond:  # a room asked for again is a new transfer: forget what the last one reported
+            for stage in self._stages:
+                stage.statuses.pop(int(room), None)
+                stage.notifs.pop(int(room), None)
         for stage in self._stages:
             stage.channel.send(message)
 

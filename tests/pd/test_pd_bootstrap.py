@@ -3,6 +3,7 @@ peer seen at once; and the package's lazy names."""
 
 from __future__ import annotations
 
+import socket
 import struct
 
 import pytest
@@ -31,6 +32,12 @@ def test_messages_round_trip_in_order(pair):
     first, second = peer.recv(5), peer.recv(5)
     assert unb64(first["agent"]) == blob
     assert second == {"op": "transfer", "room": 7, "kv_indices": list(range(1000))}
+
+
+def test_both_ends_send_at_once(pair):
+    # Nagle on either end holds a message back until the previous one is acknowledged: a stream
+    # of status messages then waits for delayed ACKs (40 ms each on Linux).
+    assert all(ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for ch in pair)
 
 
 def test_waits_are_bounded_and_a_closed_peer_is_seen(pair):
