@@ -177,6 +177,8 @@ class NixlBackend(TransferBackend):
         if peer is None or peer not in self._peers:
             peer = self.agent.add_remote_agent(descriptor)
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            # Open the engine's connection now, not on the first write (~10 ms on the first room).
+            self.agent.make_connection(peer)
             self._known[descriptor] = peer
         self._peers[peer] = self._peers.get(peer, 0) + 1
         return peer
