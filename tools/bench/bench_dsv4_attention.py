@@ -1,12 +1,13 @@
-"""Benchmark DSV4 sparse decode attention and the lightning indexer + top-k (cpu backend), with the
-DSV4-Flash decode cost per layer at 1M context on paper.
+"""Benchmark DSV4 sparse decode attention and the lightning indexer + top-k (``--backend cpu`` or
+``cuda``), with the DSV4-Flash decode cost per layer at 1M context on paper.
 
 Measured, each against a baseline timed in the same run on the same inputs:
 
-* ``attention``: :func:`sparse_decode_attention` (cpu backend, one thread, one split) and its raw
-  module call vs the fp64 torch reference (the one the tests use) and a float32 torch path (dequantize
-  the gathered rows, two batched matmuls), B in {1, 32}, K in {512, 2048}, 64 heads (DSV4-Flash),
-  C4 pages of 64 slots. Outputs are checked against the reference before timing.
+* ``attention``: :func:`sparse_decode_attention` (cpu: one thread, one split) and its raw module
+  call vs the fp64 torch reference (the one the tests use, on the host) and a float32 torch path on
+  the backend's device (dequantize the gathered rows, two batched matmuls), B in {1, 32}, K in
+  {512, 2048}, 64 heads (DSV4-Flash), C4 pages of 64 slots. Outputs are checked against the
+  reference before timing.
 * ``indexer``: :func:`indexer_scores` over 64k and 256k visible entries (FP8 132 B cache, 64 heads)
   vs float32 torch (dequantize, matmul, relu, weighted sum); :func:`indexer_topk` (k = 512, 1024,
   2048) vs ``torch.topk`` on the same scores, set-checked.
@@ -16,7 +17,8 @@ On paper (``notes.paper``): bytes and FLOPs per decode step per layer for DSV4-F
 compressed + 128 window entries), the H200 roofline time of each, and what a GPU top-k must do
 to beat sglang's ~15 us at 256k candidates.
 
-Prints JSON (``--json``), plots latencies (``--plot``), ``--quick`` runs a short sweep.
+cuda: tensors on the GPU, every figure timed with CUDA events. Prints JSON (``--json``), plots
+latencies (``--plot``), ``--quick`` runs a short sweep.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from tqdm import tqdm
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
+from sparsekv.testing.backends import device_of
+from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
@@ -95,16 +98,18 @@ def paper(context: int = 1 << 20) -> dict:
 class AttentionCase:
     """B rows of K random slots (about 1/8 repeated) into a C4 cache of B * K distinct rows."""
 
-    def __init__(self, batch: int, k: int, seed: int = 0) -> None:
+    def __init__(self, batch: int, k: int, backend: str, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         slots = batch * k
-        self.cache = v4_cache(random_rows(slots, g), PAGE)
-        self.indices = torch.randint(0, slots, (batch, k), generator=g, dtype=torch.int32)
-        self.q = torch.randn(batch, HEADS, 512, generator=g)
-        self.sink = torch.randn(HEADS, generator=g)
-        self.out = torch.empty(batch, HEADS, 512)
-        self.lse = torch.empty(batch, HEADS)
-        self.module = ATTENTION.module(q_dtype=torch.float32)
+        device = device_of(backend)
+        # Host copies for the fp64 reference; the rest lives on the backend's device.
+        self.host = (v4_cache(random_rows(slots, g), PAGE), torch.randint(0, slots, (batch, k), generator=g,
+                                                                          dtype=torch.int32))
+        self.host += (torch.randn(batch, HEADS, 512, generator=g), torch.randn(HEADS, generator=g))
+        self.cache, self.indices, self.q, self.sink = (t.to(device) for t in self.host)
+        self.out = torch.empty(batch, HEADS, 512, device=device)
+        self.lse = torch.empty(batch, HEADS, device=device)
+        self.module = ATTENTION.module(backend=backend, q_dtype=torch.float32)
 
     def kernel(self):
         return sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE)
@@ -114,7 +119,8 @@ class AttentionCase:
                                             -1, self.out, self.lse, None, None, 1)
 
     def reference(self):
-        return sparse_decode_attention_reference(self.q, self.cache, self.indices, self.sink, PAGE)
+        cache, indices, q, sink = self.host
+        return sparse_decode_attention_reference(q, cache, indices, sink, PAGE)
 
     def torch_fp32(self):
         rows = dequantize_fp8_ds_mla(self.cache, self.indices.reshape(-1).long(), PAGE).float()
@@ -130,16 +136,18 @@ class AttentionCase:
 class IndexerCase:
     """One query row seeing ``entries`` FP8 indexer keys through a shuffled page table."""
 
-    def __init__(self, entries: int, seed: int = 0) -> None:
+    def __init__(self, entries: int, backend: str, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         pages = entries // PAGE
-        self.cache = torch.zeros(pages, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)
-        write_indexer_keys(torch.randn(entries, 128, generator=g), self.cache, torch.arange(entries), PAGE, "fp8")
-        self.page_table = torch.randperm(pages, generator=g).int()[None, :]
-        self.positions = torch.tensor([4 * entries - 1])
-        self.q = torch.randn(1, INDEXER_HEADS, 128, generator=g)
-        self.weights = torch.rand(1, INDEXER_HEADS, generator=g) * (128 * 64) ** -0.5
-        self.scores = torch.empty(1, entries)
+        device = device_of(backend)
+        cache = torch.zeros(pages, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)
+        write_indexer_keys(torch.randn(entries, 128, generator=g), cache, torch.arange(entries), PAGE, "fp8")
+        self.cache = cache.to(device)
+        self.page_table = torch.randperm(pages, generator=g).int()[None, :].to(device)
+        self.positions = torch.tensor([4 * entries - 1], device=device)
+        self.q = torch.randn(1, INDEXER_HEADS, 128, generator=g).to(device)
+        self.weights = (torch.rand(1, INDEXER_HEADS, generator=g) * (128 * 64) ** -0.5).to(device)
+        self.scores = torch.empty(1, entries, device=device)
         self.entries = entries
 
     def kernel_scores(self):
@@ -162,27 +170,29 @@ def check_topk(tokens: torch.Tensor, scores: torch.Tensor, k: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    add_backend_arg(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the cpu backend runs on one thread: compare like with like
     repeats = 3 if args.quick else 5
-    timing = dict(repeats=repeats, warmup=1, min_time_s=0.0)
-    result = BenchResult(name="DSV4 sparse decode attention and lightning indexer (cpu backend, 1 thread)",
+    time_it = functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
+    result = BenchResult(name=f"DSV4 sparse decode attention and lightning indexer ({args.backend} backend)",
                          baseline="torch (fp64 reference / fp32 torch; torch.topk)",
-                         notes={"threads": 1, "heads": HEADS, "page_size": PAGE, "paper": paper()})
+                         notes={"backend": args.backend, "torch_threads": 1, "heads": HEADS, "page_size": PAGE,
+                                "paper": paper()})
     attention_cases = [(1, 512)] if args.quick else [(b, k) for b in (1, 32) for k in (512, 2048)]
     indexer_cases = [1 << 16] if args.quick else [1 << 16, 1 << 18]
     topks = (512,) if args.quick else (512, 1024, 2048)
     bar = tqdm(total=len(attention_cases) + len(indexer_cases), desc="bench_dsv4_attention", unit="case")
     for batch, k in attention_cases:
         bar.update()
-        case = AttentionCase(batch, k)
+        case = AttentionCase(batch, k, args.backend)
         out, lse = case.kernel()
         ref_out, ref_lse = case.reference()
-        torch.testing.assert_close(out.double(), ref_out, rtol=2e-4, atol=2e-4)
-        kernel_s = time_call(case.kernel, **timing).median_s
-        raw_s = time_call(case.raw, **timing).median_s
-        ref_s = time_call(case.reference, **timing).median_s
-        fp32_s = time_call(case.torch_fp32, **timing).median_s
+        torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-4, atol=2e-4)
+        kernel_s = time_it(case.kernel).median_s
+        raw_s = time_it(case.raw).median_s
+        ref_s = time_call(case.reference, repeats=repeats, warmup=1, min_time_s=0.0).median_s  # host fp64
+        fp32_s = time_it(case.torch_fp32).median_s
         flops = 4 * batch * HEADS * 512 * k
         result.rows.append({
             "case": f"attention B{batch} K{k}", "batch": batch, "top_k": k, "kernel_us": kernel_s * 1e6,
@@ -192,20 +202,20 @@ def main() -> None:
         })
     for entries in indexer_cases:
         bar.update()
-        case = IndexerCase(entries)
+        case = IndexerCase(entries, args.backend)
         scores = case.kernel_scores().clone()
         torch.testing.assert_close(scores, case.torch_scores(), rtol=1e-4, atol=1e-4)
-        scores_s = time_call(case.kernel_scores, **timing).median_s
-        torch_scores_s = time_call(case.torch_scores, **timing).median_s
+        scores_s = time_it(case.kernel_scores).median_s
+        torch_scores_s = time_it(case.torch_scores).median_s
         row = {"case": f"indexer {entries >> 10}k", "entries": entries, "kernel_us": scores_s * 1e6,
                "torch_fp32_us": torch_scores_s * 1e6, "speedup_vs_torch_fp32": torch_scores_s / scores_s,
                "index_bytes": entries * INDEXER_FP8.bytes_per_token}
         for k in topks:
-            out = torch.empty(1, k, dtype=torch.int32)
+            out = torch.empty(1, k, dtype=torch.int32, device=scores.device)
             tokens, _ = indexer_topk(scores, case.positions, k, out=out)
             check_topk(tokens, scores, k)
-            topk_s = time_call(functools.partial(indexer_topk, scores, case.positions, k, out=out), **timing).median_s
-            torch_s = time_call(functools.partial(torch.topk, scores, k, sorted=False), **timing).median_s
+            topk_s = time_it(functools.partial(indexer_topk, scores, case.positions, k, out=out)).median_s
+            torch_s = time_it(functools.partial(torch.topk, scores, k, sorted=False)).median_s
             result.rows.append({"case": f"top-k {k} of {entries >> 10}k", "entries": entries, "top_k": k,
                                 "kernel_us": topk_s * 1e6, "torch_topk_us": torch_s * 1e6,
                                 "speedup_vs_torch_topk": torch_s / topk_s})
