@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,18 @@ def test_every_registered_family_has_a_backend_parametrized_test_file():
         ids = [t for t in collected if t.startswith(path)]
         assert ids, f"kernel family header {stem}.cuh has no backend-parametrized tests in {path[:-2]}"
         assert all(_on("cpu", t) == t for t in ids)
+
+
+#: Benchmarks that import a kernel wrapper without timing its kernels, and why.
+NOT_KERNEL_BENCHMARKS = {"bench_jit_loader.py": "times builds and loads (cpu and cuda builds both), not kernels"}
+
+
+def test_every_kernel_benchmark_takes_a_backend():
+    # A benchmark that times a kernel family's module (it imports a family wrapper) must be able
+    # to run it on the GPU too: `--backend cuda`, timed with CUDA events.
+    wrappers = {Path(family.header).stem for family in discover().values()} | {"dsv4"}  # dsv4: the re-exports
+    for bench in sorted((REPO / "tools" / "bench").glob("bench_*.py")):
+        text = bench.read_text()
+        used = sorted(w for w in wrappers if re.search(rf"from sparsekv\.jit_kernel\.{w} import", text))
+        if used and bench.name not in NOT_KERNEL_BENCHMARKS:
+            assert "add_backend_arg(parser)" in text, f"{bench.name} times {used} but takes no --backend"
