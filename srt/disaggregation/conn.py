@@ -30,6 +30,7 @@ import queue
 import select
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -296,13 +297,17 @@ class KVSender:
     close_backend : bool
         Whether :meth:`close` also closes ``backend`` (False when PP stages of one process share
         one engine endpoint, as they should: one agent per process).
+    history : int
+        Finished rooms remembered for :meth:`status`, :meth:`error` and :meth:`stats`; older ones
+        are forgotten (a server's memory stays bounded, and their ids may be declared again).
     """
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, *, host: str = LOOPBACK, port: int = 0,
                  timeout_s: float = 30.0, max_batch_rows: int = 16384, max_inflight: int = 4, coalesce: bool = True,
-                 progress: Callable[[int, int, int], None] | None = None, close_backend: bool = True) -> None:
-        if max_batch_rows < 1 or max_inflight < 1:
-            raise ValueError("sparsekv: arguments `max_batch_rows` and `max_inflight` must be >= 1")
+                 progress: Callable[[int, int, int], None] | None = None, close_backend: bool = True,
+                 history: int = 4096) -> None:
+        if max_batch_rows < 1 or max_inflight < 1 or history < 1:
+            raise ValueError("sparsekv: arguments `max_batch_rows`, `max_inflight` and `history` must be >= 1")
         self.kv_args = kv_args
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
@@ -315,6 +320,8 @@ class KVSender:
         #: Why each refused decode connection was refused, in order.
         self.refusals: list[str] = []
         self._rooms: dict[int, _Room] = {}
+        self.history = history
+        self._finished: deque[int] = deque()  # finished rooms, oldest first
         self._cond = threading.Condition()
         self._closing = False
         backend.register(kv_args.regions())
@@ -361,7 +368,13 @@ class KVSender:
             return r.error if r is not None else ""
 
     def stats(self, room: int) -> tuple[int, float]:
-        """``(bytes written, seconds from first post to last completion)`` of a finished room."""
+        """``(bytes written, seconds from first post to last completion)`` of a finished room.
+
+        Raises
+        ------
+        KeyError
+            An unknown room, or one beyond the ``history`` of finished rooms.
+        """
         with self._cond:
             r = self._rooms[room]
             return r.nbytes, r.seconds
@@ -423,6 +436,9 @@ class KVSender:
             if r.status != RoomStatus.PENDING:
                 return
             r.status, r.error = status, error
+            self._finished.append(room)
+            while len(self._finished) > self.history:
+                del self._rooms[self._finished.popleft()]
             callback = r.on_done
             self._cond.notify_all()
         if callback is not None:
@@ -635,6 +651,9 @@ class KVReceiver:
         One per prefill PP stage.
     timeout_s : float
         Bound of every wait (connecting, the handshake; the default of :meth:`wait`).
+    history : int
+        Finished rooms whose outcome :meth:`poll` still reports; older ones are forgotten (a
+        server's memory stays bounded).
 
     Raises
     ------
@@ -646,7 +665,9 @@ class KVReceiver:
     """
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, bootstrap_addresses: list[tuple[str, int]], *,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, history: int = 4096) -> None:
+        if history < 1:
+            raise ValueError(f"sparsekv: argument `history` must be >= 1, got {history}")
         self.kv_args = kv_args
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
@@ -654,6 +675,8 @@ class KVReceiver:
         # Guards the stages' statuses; notified when a status arrives or a stage closes.
         self._cond = threading.Condition()
         self._stages: list[_Stage] = []
+        self.history = history
+        self._finished: OrderedDict[int, tuple[RoomStatus, str]] = OrderedDict()  # oldest first
         backend.register(kv_args.regions())
         try:
             for address in bootstrap_addresses:
@@ -695,7 +718,8 @@ class KVReceiver:
                 break
             if message.get("op") == "status":
                 with self._cond:
-                    stage.statuses[int(message["room"])] = message
+                    if int(message["room"]) not in self._finished:
+                        stage.statuses[int(message["room"])] = message
                     self._cond.notify_all()
         with self._cond:
             stage.closed = True
@@ -734,6 +758,7 @@ class KVReceiver:
                    "state_indices": [[int(i) for i in s] for s in state_indices],
                    "kv_group_indices": {k: [int(i) for i in v] for k, v in (kv_group_indices or {}).items()}}
         with self._cond:  # a room asked for again is a new transfer: forget what the last one reported
+            self._finished.pop(int(room), None)
             for stage in self._stages:
                 stage.statuses.pop(int(room), None)
                 stage.notifs.pop(int(room), None)
@@ -742,32 +767,48 @@ class KVReceiver:
 
     def _drain_notifs(self) -> None:
         by_port = {s.port: s for s in self._stages}
-        for peer, messages in self.backend.get_notifs().items():
-            for m in messages:
-                try:
-                    port, room, batch, _ = (int(x) for x in m.decode().split(":"))
-                except ValueError:
-                    logger.warning("ignoring an unexpected notification %r from %s", m, peer)
-                    continue
-                stage = by_port.get(port)
-                if stage is not None:
-                    stage.notifs.setdefault(room, set()).add(batch)
+        notifs = self.backend.get_notifs()
+        with self._cond:
+            for peer, messages in notifs.items():
+                for m in messages:
+                    try:
+                        port, room, batch, _ = (int(x) for x in m.decode().split(":"))
+                    except ValueError:
+                        logger.warning("ignoring an unexpected notification %r from %s", m, peer)
+                        continue
+                    stage = by_port.get(port)
+                    if stage is not None and room not in self._finished:  # late ones of a failed room
+                        stage.notifs.setdefault(room, set()).add(batch)
 
     def poll(self, room: int) -> tuple[RoomStatus, str]:
         """``(status, error)`` of a requested room, without waiting."""
         self._drain_notifs()
-        done = True
         with self._cond:
-            for i, stage in enumerate(self._stages):
-                status = stage.statuses.get(room)
-                if status is not None and not status.get("ok"):
-                    return RoomStatus.FAILED, f"prefill stage {i}: {status.get('error')}"
-                if status is None:
-                    if stage.closed:
-                        return RoomStatus.FAILED, f"prefill stage {i} closed the connection before room {room} finished"
-                    done = False
-                elif len(stage.notifs.get(room, ())) < int(status.get("batches", 0)):
-                    done = False
+            if room in self._finished:
+                return self._finished[room]
+            outcome = self._outcome(room)
+            if outcome[0] != RoomStatus.PENDING:  # keep the outcome, drop the room's bookkeeping
+                self._finished[room] = outcome
+                while len(self._finished) > self.history:
+                    self._finished.popitem(last=False)
+                for stage in self._stages:
+                    stage.statuses.pop(room, None)
+                    stage.notifs.pop(room, None)
+            return outcome
+
+    def _outcome(self, room: int) -> tuple[RoomStatus, str]:
+        """What the stages' statuses and notifications say of ``room`` (caller holds ``_cond``)."""
+        done = True
+        for i, stage in enumerate(self._stages):
+            status = stage.statuses.get(room)
+            if status is not None and not status.get("ok"):
+                return RoomStatus.FAILED, f"prefill stage {i}: {status.get('error')}"
+            if status is None:
+                if stage.closed:
+                    return RoomStatus.FAILED, f"prefill stage {i} closed the connection before room {room} finished"
+                done = False
+            elif len(stage.notifs.get(room, ())) < int(status.get("batches", 0)):
+                done = False
         return (RoomStatus.SUCCESS if done else RoomStatus.PENDING), ""
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
@@ -801,8 +842,9 @@ class KVReceiver:
             poll_pause(reported_at)
 
     def _reported(self, room: int) -> bool:
-        """Whether every stage has reported on ``room`` or gone away (caller holds ``_cond``)."""
-        return all(room in s.statuses or s.closed for s in self._stages)
+        """Whether every stage has reported on ``room`` or gone away, or another caller's poll
+        already saw the room finish (caller holds ``_cond``)."""
+        return room in self._finished or all(room in s.statuses or s.closed for s in self._stages)
 
     def close(self) -> None:
         """Say goodbye to every stage, close the connections, release the backend (idempotent)."""

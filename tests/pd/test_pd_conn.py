@@ -54,14 +54,17 @@ def regions(args) -> list[tuple[str, np.ndarray, int]]:
 
 
 @pytest.fixture
-def linked():
-    """A sender and a receiver connected over NIXL, their pools filled with different random bytes."""
+def linked(request):
+    """A sender and a receiver connected over NIXL, their pools filled with different random bytes
+    (``@pytest.mark.parametrize("linked", [history], indirect=True)`` bounds both histories)."""
+    history = getattr(request, "param", 4096)
     prefill, decode = kv_args_of(dsv4_pool()), kv_args_of(dsv4_pool())
     fill_regions(prefill, seed=1)
     fill_regions(decode, seed=2)
-    sender = KVSender(prefill, NixlBackend(net_devices="lo"), timeout_s=20, max_batch_rows=3, max_inflight=2)
+    sender = KVSender(prefill, NixlBackend(net_devices="lo"), timeout_s=20, max_batch_rows=3, max_inflight=2,
+                      history=history)
     try:
-        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20)
+        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20, history=history)
     except BaseException:
         sender.close()
         raise
@@ -104,6 +107,32 @@ def test_a_room_asked_for_twice_is_refused_the_second_time(linked):
     with pytest.raises(TransferError, match="room 7 is already success"):
         receiver.wait(7)
     assert all(np.array_equal(arr, arrived[label]) for label, arr, _ in regions(receiver.kv_args))
+
+
+@needs_nixl
+@pytest.mark.parametrize("linked", [3], indirect=True)
+def test_finished_rooms_beyond_the_history_are_forgotten(linked):
+    sender, receiver = linked
+    src_kv, src_states, dst_kv, dst_states = room_indices(1)
+    for room in range(8):
+        sender.add_request(room, src_kv, src_states)
+        receiver.request(room, dst_kv, dst_states)
+        receiver.wait(room)
+    assert [sender.status(r).value for r in range(4, 8)] == ["pending"] + ["success"] * 3  # 4: forgotten
+    with pytest.raises(KeyError):
+        sender.stats(4)
+    assert sender.stats(7)[0] > 0
+    sender.add_request(0, src_kv, src_states)  # a forgotten id may be declared again
+    assert [receiver.poll(r)[0].value for r in (4, 7)] == ["pending", "success"]
+    receiver.request(0, dst_kv, dst_states)
+    receiver.wait(0)
+
+
+def test_a_history_below_one_is_refused():
+    with pytest.raises(ValueError, match="history"):  # checked before the backend is touched
+        KVReceiver(_ARGS, None, [], history=0)
+    with pytest.raises(ValueError, match="history"):
+        KVSender(_ARGS, None, history=0)
 
 
 _ARGS = kv_args_of(dsv4_pool())
