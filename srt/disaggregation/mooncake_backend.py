@@ -137,9 +137,8 @@ class RegionTable:
             return np.ones(addrs.shape, dtype=bool)
         idx = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
         reach = self.reach[np.maximum(idx, 0)]
-        # reach - addr only where addr < reach (uint64 would wrap otherwise).
-        room = np.where(addrs < reach, reach - np.minimum(addrs, reach), np.uint64(0))
-        return (idx < 0) | (nbytes > room)
+        room = reach - np.minimum(addrs, reach)  # never wraps: 0 where the row starts beyond reach
+        return (idx < 0) | (addrs > reach) | (nbytes > room)
 
 
 def check_rows(rows: np.ndarray, local: RegionTable, remote: RegionTable, peer: str) -> None:
