@@ -261,7 +261,8 @@ class MooncakeBackend(TransferBackend):
         ValueError
             A region is not host memory (``mem_kind`` other than ``"DRAM"``) or is empty.
         RuntimeError
-            The engine refused a region (those registered before it stay registered).
+            The backend is closed, or the engine refused a region (those registered before it
+            stay registered).
         """
         regions = [(int(p), int(n), str(k)) for p, n, k in regions]
         for ptr, nbytes, kind in regions:
@@ -271,6 +272,8 @@ class MooncakeBackend(TransferBackend):
             if nbytes <= 0:
                 raise ValueError(f"sparsekv: argument `regions`: empty region at 0x{ptr:x}")
         with self._lock:
+            if self._closed:
+                raise RuntimeError("sparsekv: the Mooncake backend is closed")
             for ptr, nbytes, kind in regions:
                 rc = self.engine.register_memory(ptr, nbytes)
                 if rc != 0:
