@@ -183,11 +183,12 @@ def scenario_notif_order() -> dict:
     landed = {"w1": slice(0, n * item), "w2": slice(n * item, 2 * n * item)}
     handles = [a.write(peer, rows, src_kind="DRAM", dst_kind="DRAM", notif=name.encode())
                for name, rows in writes.items()]
-    seen, complete_when_seen = [], {}
+    seen, complete_when_seen, sent_after = [], {}, False
     deadline = time.monotonic() + 20
     while len(seen) < 3 and time.monotonic() < deadline:
-        if len(seen) == 2 and "after" not in seen and all(h.status() == "DONE" for h in handles):
-            a.send_notif(peer, b"after")
+        if not sent_after and all(h.status() == "DONE" for h in handles):
+            a.send_notif(peer, b"after")  # sent after both writes completed: must arrive last
+            sent_after = True
         for sender, messages in b.get_notifs().items():
             for m in messages:
                 name = m.decode()
@@ -195,6 +196,8 @@ def scenario_notif_order() -> dict:
                 if name in landed:
                     complete_when_seen[name] = bool(np.array_equal(dst[landed[name]], expected[name]))
         time.sleep(0.0005)
+    time.sleep(0.1)  # nothing more may come (no duplicates)
+    seen += [f"{p}:{m.decode()}" for p, ms in b.get_notifs().items() for m in ms]
     statuses = [h.status() for h in handles]
     for h in handles:
         h.release()
