@@ -17,7 +17,9 @@ The engine tests skip, with the reason, only where Mooncake cannot be imported.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -308,3 +310,33 @@ def test_check_rows_names_the_first_bad_row_and_side():
         check_rows(past, local, remote, "peer0")
     with pytest.raises(TransferError, match="row 0"):
         check_rows(ok, RegionTable([]), remote, "peer0")  # nothing registered: every row is outside
+
+
+def test_open_backend_refuses_an_unknown_engine():
+    from sparsekv.srt.disaggregation.backend import load_engine, open_backend
+
+    with pytest.raises(ValueError, match=r"argument `engine` must be one of \('nixl', 'mooncake'\), got 'ucx'"):
+        open_backend("ucx")
+    with pytest.raises(ValueError, match="argument `engine`"):
+        load_engine("ucx")
+
+
+def test_missing_system_libraries_are_named(tmp_path):
+    # A fresh process whose library directory is empty: it loads only if the system has the
+    # libraries itself; otherwise the error names each missing one and how to get it.
+    code = ("import ctypes, json\n"
+            "try:\n    ctypes.CDLL('libibverbs.so.1'); system = True\nexcept OSError:\n    system = False\n"
+            "from sparsekv.srt.disaggregation.mooncake_backend import load_mooncake_engine\n"
+            "try:\n    load_mooncake_engine(); error = ''\nexcept ImportError as e:\n    error = str(e)\n"
+            "print(json.dumps({'system': system, 'error': error}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SPARSEKV_MOONCAKE_LIBDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if importlib.util.find_spec("mooncake") is None:
+        assert "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda" in result["error"]
+    elif result["system"]:
+        assert result["error"] == ""
+    else:
+        assert "libibverbs.so.1" in result["error"] and str(tmp_path) in result["error"]
+        assert "apt-get install libibverbs1" in result["error"] and "fetch_mooncake_libs.sh" in result["error"]
