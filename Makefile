@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo lint test test-gpu test-slow test-sanitize clean-venv
 
-$(STAMP): pyproject.toml setup.py constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt tools/fetch_mooncake_libs.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone, so the pinned CPU wheel is taken and nothing pulls a CUDA build.
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
 	# The `pd` extra (NIXL), after torch and without its declared dependencies: see pyproject.toml.
 	$(PY) -m pip install -q -c constraints.txt --no-deps nixl-cu12 nixl
+	# The `mooncake` extra (the optional second engine), and the system libraries it links where the
+	# system lacks them, extracted into $(VENV)/sysroot. Best effort: without them only the Mooncake
+	# tests skip, with the reason.
+	$(PY) -m pip install -q -c constraints.txt mooncake-transfer-engine-non-cuda
+	PYTHON=$(PY) tools/fetch_mooncake_libs.sh $(VENV)/sysroot || echo "warning: Mooncake's system libraries are missing; its tests will skip"
 	touch $(STAMP)
 
 # The venv the README's first command creates; `source .venv/bin/activate` enters it.

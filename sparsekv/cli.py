@@ -70,9 +70,10 @@ SUBCOMMANDS = {
     ),
     "pd-demo": Subcommand(
         "sparsekv.srt.disaggregation.pd_demo",
-        "loopback prefill -> decode KV transfer over NIXL, checked byte for byte",
+        "loopback prefill -> decode KV transfer over NIXL or Mooncake, checked byte for byte",
         (
             "sparsekv pd-demo",
+            "sparsekv pd-demo --engine mooncake --hisparse off",
             "sparsekv pd-demo --hisparse on --pp-size 2 --json",
             "sparsekv pd-demo --kill-decode-after 2",
         ),

@@ -119,3 +119,12 @@ def sanitize() -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"sparsekv: SPARSEKV_SANITIZE names unknown sanitizers {unknown}; supported: {SANITIZERS}")
     return names
+
+
+def mooncake_libdir() -> Path | None:
+    """``SPARSEKV_MOONCAKE_LIBDIR``: where Mooncake's system libraries (``libibverbs.so.1``,
+    ``libnl-3.so.200``, ``libnl-route-3.so.200``) are, when the system has none: a directory of the
+    libraries, or the root the Debian packages were extracted into. None when unset (then
+    ``<venv>/sysroot`` and the system's loader path are searched)."""
+    text = os.environ.get("SPARSEKV_MOONCAKE_LIBDIR", "").strip()
+    return Path(text).expanduser() if text else None

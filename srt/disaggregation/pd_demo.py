@@ -1,6 +1,8 @@
 """``sparsekv pd-demo``: a loopback prefill -> decode transfer of DSV4 pools, checked byte for byte.
 
-Two processes on 127.0.0.1 (spawned; every wait bounded):
+Two processes on 127.0.0.1 (spawned; every wait bounded), over NIXL (default) or Mooncake
+(``--engine mooncake``; its listeners bind every interface, so run it in a private network
+namespace where one is at hand, e.g. ``unshare -rn``):
 
 * **prefill** -- one :class:`~.conn.KVSender` per PP stage, each over its stage's
   ``DeepSeekV4TokenToKVPool`` filled with seeded random bytes (each region's bytes follow from the
@@ -35,6 +37,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from sparsekv.srt.disaggregation.backend import ENGINES, load_engine
+
 ROLE_TIMEOUT_S = 120.0
 
 
@@ -61,6 +65,8 @@ class DemoSpec:
     bad_rooms: tuple[int, ...] = ()
     #: The prefill kills the decode after this many completed batches (0: never).
     kill_decode_after: int = 0
+    #: Transfer engine of both sides (:data:`~.backend.ENGINES`).
+    engine: str = "nixl"
 
 
 # ---- pools and regions ---------------------------------------------------------------------------
@@ -214,9 +220,9 @@ def _process_gone(pid: int) -> bool:
 
 def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
     """The prefill process: one sender per PP stage, every room declared, statuses reported."""
+    from sparsekv.srt.disaggregation.backend import open_backend
     from sparsekv.srt.disaggregation.conn import KVSender, RoomStatus
     from sparsekv.srt.disaggregation.kv_args import kv_args_of
-    from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 
     decode_pid: dict[str, int] = {}
     batches_done = [0]
@@ -244,7 +250,7 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
     try:
         # One engine endpoint per process, shared by the stages it hosts (a real deployment runs
         # one process per stage; this demo hosts them all in one).
-        backend = NixlBackend(f"prefill-{os.getpid()}", net_devices="lo")
+        backend = open_backend(spec.engine, f"prefill-{os.getpid()}", timeout_s=spec.timeout_s)
         for pool in prefill_pools(spec):
             args = kv_args_of(pool, is_mla=spec.is_mla)
             fill_regions(args, spec.seed)
@@ -326,12 +332,11 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     """The decode process: allocate, request every room, wait, admit, verify every byte."""
     import torch
 
-    from sparsekv.srt.disaggregation.backend import TransferError
+    from sparsekv.srt.disaggregation.backend import TransferError, open_backend
     from sparsekv.srt.disaggregation.conn import KVReceiver
     from sparsekv.srt.disaggregation.hisparse_direct import alloc_direct_host_pages, hisparse_decode_kv_args
     from sparsekv.srt.disaggregation.kv_args import kv_args_of
     from sparsekv.srt.disaggregation.manifest import ManifestMismatchError
-    from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 
     pool, _ = decode_pool(spec)
     coord = allocator = req_table = None
@@ -355,8 +360,8 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     snapshot = {label: region_array(p, n).copy() for label, p, n in _regions(args)}
     result: dict = {"rooms": {}}
     try:
-        receiver = KVReceiver(args, NixlBackend(f"decode-{os.getpid()}", net_devices="lo"), addresses,
-                              timeout_s=spec.timeout_s)
+        receiver = KVReceiver(args, open_backend(spec.engine, f"decode-{os.getpid()}", timeout_s=spec.timeout_s),
+                              addresses, timeout_s=spec.timeout_s)
     except ManifestMismatchError as e:
         result["refused"] = str(e)
         result["unchanged"] = all(np.array_equal(region_array(p, n), snapshot[lb]) for lb, p, n in _regions(args))
@@ -517,23 +522,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill the decode after N completed batches, to show the failure path")
     parser.add_argument("--timeout", type=float, default=30.0, help="bound of every wait in seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                        help="transfer engine of both sides (default: %(default)s; mooncake: the `mooncake` extra)")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sessions; 0 only if every byte of every session matched."""
     try:
-        from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
-
-        load_nixl_api()
+        load_engine(args.engine)
     except ImportError as e:
-        print(f"pd-demo needs NIXL: {e}", file=sys.stderr)
+        print(f"pd-demo --engine {args.engine}: {e}", file=sys.stderr)
         return 2
     base = DemoSpec(num_layers=args.layers, pp_size=args.pp_size, budget_mib=args.budget_mib,
                     seq_lens=tuple(int(x) for x in args.seq_lens.split(",")), seed=args.seed,
                     timeout_s=args.timeout, kill_decode_after=args.kill_decode_after,
                     max_inflight=1 if args.kill_decode_after else 4,
-                    max_batch_rows=4 if args.kill_decode_after else 16384)
+                    max_batch_rows=4 if args.kill_decode_after else 16384, engine=args.engine)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.hisparse]
     reports, ok = [], True
     for hisparse in modes:
@@ -551,7 +556,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_report(report: dict, good: bool) -> None:
     spec, p, d = report["spec"], report["prefill"], report["decode"]
     mode = "HiSparse decode (C4 KV -> host pool)" if spec["hisparse"] else "device decode"
-    print(f"== prefill PP={spec['pp_size']} -> {mode}, {len(report['plan'])} requests over 127.0.0.1 (NIXL/UCX)")
+    engine = {"nixl": "NIXL/UCX", "mooncake": "Mooncake TE/TCP"}[spec["engine"]]
+    print(f"== prefill PP={spec['pp_size']} -> {mode}, {len(report['plan'])} requests over 127.0.0.1 ({engine})")
     if d.get("killed"):
         print("   decode process killed mid-transfer")
     for r, room in sorted((p.get("rooms") or {}).items(), key=lambda kv: int(kv[0])):
