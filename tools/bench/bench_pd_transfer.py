@@ -1,4 +1,4 @@
-"""Benchmark the PD transfer of DSV4 requests (KV + state) over NIXL/UCX on 127.0.0.1.
+"""Benchmark the PD transfer of DSV4 requests (KV + state) over NIXL/UCX (or Mooncake) on 127.0.0.1.
 
 Two processes: this one is the decode side (a ``KVReceiver``), a spawned one the prefill side (a
 ``KVSender`` of one PP stage, ``--layers``), each with a ``DeepSeekV4TokenToKVPool`` big enough
@@ -10,15 +10,19 @@ with the request's pages consecutive on both sides (as a paged allocator hands t
   notifications, status messages); GB/s = the rooms' bytes / the time to the last arrival.
   ``ours_uncoalesced`` is the same without coalescing (one write per page and region);
 * ``ours_latency``: one room alone, the decode's request -> its arrival;
-* ``raw``: NIXL alone, in the same run, on the same bytes at the same transfer sizes: each room's
-  rows as our plan produced them, one NIXL write per room as we issue them (posted with
+* ``raw``: the engine alone, in the same run, on the same bytes at the same transfer sizes: each
+  room's rows as our plan produced them, one engine write per room as we issue them (for NIXL
   ``initialize_xfer`` / ``transfer``), ``--stream`` rooms back to back, polled to completion;
-* ``raw_1mib``: NIXL alone moving the same byte count in 1 MiB blocks, the engine's best case.
+* ``raw_1mib``: the engine alone moving the same byte count in 1 MiB blocks, its best case.
+
+``--engine mooncake`` measures the Mooncake backend instead; run it inside a private network
+namespace (``unshare -rn sh -c 'ip link set lo up; python tools/bench/bench_pd_transfer.py
+--engine mooncake'``): Mooncake's listeners bind every interface.
 
 Each figure is the median of ``--repeats`` runs; GB/s counts each room's bytes once. Target
 (issue 15): ``ours`` >= 80% of ``raw``; the coalescing gain is ``ours / ours_uncoalesced``;
 ``latency_vs_raw`` shows what one room alone pays for the request, planning and status round
-trip that a stream overlaps. A room pays a fixed ~0.5 ms (request, planning, NIXL's completion
+trip that a stream overlaps. A room pays a fixed ~0.5 ms (request, planning, the completion
 notification, status), so rooms under ~10 MB (e.g. 8k tokens at ``--layers 4``) stay well below
 the target. On this 2-core VM the figures move by about 20% between runs (the processes share
 the cores), so compare ratios from one run, not figures across runs. Prints JSON; ``--plot PNG``
@@ -36,11 +40,10 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from sparsekv.srt.disaggregation.backend import poll_pause
+from sparsekv.srt.disaggregation.backend import ENGINES, TransferBackend, load_engine, open_backend, poll_pause
 from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender, plan_batches, plan_room
 from sparsekv.srt.disaggregation.kv_args import kv_args_of
 from sparsekv.srt.disaggregation.manifest import Manifest
-from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
 
 LENGTHS = (8 << 10, 128 << 10, 1 << 20)
@@ -88,15 +91,15 @@ def _wait(handle, deadline: float) -> None:
     try:
         while (state := handle.status()) == "PROC":
             if time.monotonic() > deadline:
-                raise TimeoutError("raw NIXL write did not complete in time")
+                raise TimeoutError("raw engine write did not complete in time")
             poll_pause(since)  # as KVSender polls
         if state != "DONE":
-            raise RuntimeError("raw NIXL write failed")
+            raise RuntimeError("raw engine write failed")
     finally:
         handle.release()
 
 
-def _raw_write(backend: NixlBackend, peer: str, batches, rooms: int) -> float:
+def _raw_write(backend: TransferBackend, peer: str, batches, rooms: int) -> float:
     """Seconds per room to post ``batches`` ``rooms`` times back to back and see every one done."""
     deadline = time.monotonic() + TIMEOUT_S
     start = time.perf_counter()
@@ -134,11 +137,11 @@ def run_rooms(parent, receiver: KVReceiver, room_ids, seq_len: int, count: int, 
     return (time.perf_counter() - start) / count
 
 
-def prefill_main(layers: int, max_len: int, conn) -> None:
-    """The prefill process: serve rooms, and time raw NIXL on request."""
+def prefill_main(engine: str, layers: int, max_len: int, conn) -> None:
+    """The prefill process: serve rooms, and time the raw engine on request."""
     pool = build_pool(layers, max_len)
     args = kv_args_of(pool)
-    backend = NixlBackend("bench-prefill", net_devices="lo")
+    backend = open_backend(engine, "bench-prefill", timeout_s=TIMEOUT_S)
     sender = KVSender(args, backend, timeout_s=TIMEOUT_S)
     conn.send(sender.address)
     try:
@@ -177,25 +180,30 @@ def main() -> None:
                         help="layers of the sending stage (default: %(default)s, one stage of DSV4-Flash's 43 "
                              "layers at PP 4)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="transfer engine (default: %(default)s)")
     parser.add_argument("--stream", type=int, default=8, help="rooms in flight for the throughput figures "
                         "(default: %(default)s)")
     add_common_args(parser)
     args = parser.parse_args()
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
+    load_engine(args.engine)  # a missing engine: its ImportError here, not a silent child
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_main, args=(args.layers, max(lengths), child), daemon=True)
+    proc = ctx.Process(target=prefill_main, args=(args.engine, args.layers, max(lengths), child), daemon=True)
     proc.start()
     pool = build_pool(args.layers, max(lengths))
     kv_args = kv_args_of(pool)
-    if not parent.poll(TIMEOUT_S):
-        raise TimeoutError("the prefill process did not start")
-    receiver = KVReceiver(kv_args, NixlBackend("bench-decode", net_devices="lo"), [parent.recv()], timeout_s=TIMEOUT_S)
-    result = BenchResult(name="PD transfer of one DSV4 request over NIXL/UCX (127.0.0.1)",
-                         baseline="raw NIXL, same rows and bytes, same run",
+    deadline = time.monotonic() + TIMEOUT_S
+    while not parent.poll(0.1):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the prefill process did not start (exit code {proc.exitcode})")
+    receiver = KVReceiver(kv_args, open_backend(args.engine, "bench-decode", timeout_s=TIMEOUT_S), [parent.recv()],
+                          timeout_s=TIMEOUT_S)
+    result = BenchResult(name=f"PD transfer of DSV4 requests over {args.engine} (127.0.0.1)",
+                         baseline=f"raw {args.engine}, same rows and bytes, same run",
                          notes={"layers": args.layers, "pool_tokens": pool.size, "repeats": args.repeats,
-                                "stream": args.stream})
+                                "stream": args.stream, "engine": args.engine})
     room_ids = itertools.count(1)
     try:
         for seq_len in tqdm(lengths, desc="bench_pd_transfer", unit="request"):
