@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from read_only_dir import make_read_only, undo_read_only
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
@@ -126,7 +125,7 @@ def test_live_builders_staging_is_never_swept(tmp_path, hanging_cxx):
         proc.wait()
 
 
-def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monkeypatch):
+def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monkeypatch, read_only):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -136,36 +135,28 @@ def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monk
     loader.find_or_build(plan_for(), cache.open_roots())
     fallback = cache.fallback_root()
     fallback.mkdir(mode=0o700)
-    make_read_only(cache_dir)
-    make_read_only(fallback)
-    try:
-        roots = cache.open_roots()
-        loader.find_or_build(plan_for(), roots)  # a hit needs no write
-        monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_UNWRITABLE_TEST=1")
-        with pytest.raises(cache.CacheUnwritableError) as info:
-            loader.find_or_build(plan_for(), cache.open_roots())
-        message = str(info.value)
-        assert str(cache_dir) in message and str(fallback) in message and "SPARSEKV_CACHE_DIR" in message
-        assert ".locks" not in message
-    finally:
-        undo_read_only(cache_dir)
-        undo_read_only(fallback)
+    read_only(cache_dir)
+    read_only(fallback)
+    roots = cache.open_roots()
+    loader.find_or_build(plan_for(), roots)  # a hit needs no write
+    monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_UNWRITABLE_TEST=1")
+    with pytest.raises(cache.CacheUnwritableError) as info:
+        loader.find_or_build(plan_for(), cache.open_roots())
+    message = str(info.value)
+    assert str(cache_dir) in message and str(fallback) in message and "SPARSEKV_CACHE_DIR" in message
+    assert ".locks" not in message
 
 
-def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path):
+def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path, read_only):
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     fallback_parent = tmp_path / "tmp"
     fallback_parent.mkdir()
     fallback = fallback_parent / f"sparsekv-cache-{os.getuid()}"
     fallback.mkdir(mode=0o700)
-    make_read_only(cache_dir)
-    make_read_only(fallback)
-    try:
-        done = jit("build", "gather_rows", cache_dir=cache_dir, TMPDIR=str(fallback_parent))
-    finally:
-        undo_read_only(cache_dir)
-        undo_read_only(fallback)
+    read_only(cache_dir)
+    read_only(fallback)
+    done = jit("build", "gather_rows", cache_dir=cache_dir, TMPDIR=str(fallback_parent))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "not writable" in done.stderr
 

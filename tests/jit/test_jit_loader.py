@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from read_only_dir import make_read_only, undo_read_only
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
@@ -171,27 +170,24 @@ def test_corrupted_artifact_is_rebuilt_transparently(tmp_path, counting_cxx, dam
     assert len(log.read_text().splitlines()) == 2  # built, then rebuilt once
 
 
-def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, monkeypatch):
+def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, monkeypatch, read_only):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     plan, roots, _ = _build_in(tmp_path / "cache", monkeypatch)
     root = roots.write
-    make_read_only(root)
-    try:
-        ro_roots = cache.open_roots()
-        assert ro_roots.write == cache.fallback_root() and root in ro_roots.read
-        # A hit in the read-only root loads without building anything in the fallback.
-        loader.find_or_build(plan, ro_roots)
-        assert cache.entries(ro_roots.write) == []
-        # A miss (another flag set) builds into the fallback.
-        monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_READ_ONLY_TEST=1")
-        loader.find_or_build(plan_for(CSRC), ro_roots)
-        assert len(cache.entries(ro_roots.write)) == 1
-        assert stat.S_IMODE(ro_roots.write.stat().st_mode) == 0o700
-    finally:
-        undo_read_only(root)
+    read_only(root)
+    ro_roots = cache.open_roots()
+    assert ro_roots.write == cache.fallback_root() and root in ro_roots.read
+    # A hit in the read-only root loads without building anything in the fallback.
+    loader.find_or_build(plan, ro_roots)
+    assert cache.entries(ro_roots.write) == []
+    # A miss (another flag set) builds into the fallback.
+    monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_READ_ONLY_TEST=1")
+    loader.find_or_build(plan_for(CSRC), ro_roots)
+    assert len(cache.entries(ro_roots.write)) == 1
+    assert stat.S_IMODE(ro_roots.write.stat().st_mode) == 0o700
 
 
 def test_cache_dir_writable_by_others_is_refused(tmp_path, monkeypatch):
