@@ -3,7 +3,9 @@
 Two processes: this one is the decode side (a ``KVReceiver``), a spawned one the prefill side (a
 ``KVSender`` of one PP stage, ``--layers``), each with a ``DeepSeekV4TokenToKVPool`` big enough
 for the largest request. Per request length (8k, 128k and 1M tokens; ``--quick``: 8k and 128k),
-with the request's pages consecutive on both sides (as a paged allocator hands them out):
+with the request's pages consecutive on both sides (as a paged allocator hands them out), and each
+room of a stream on pages of its own while the pool has room (distinct requests; rooms that share
+pages would let a short stream run from the CPU cache):
 
 * ``ours``: throughput of a stream of ``--stream`` rooms of that length, all requested at once
   (as a decode server admits a batch) and waited for, end to end (planning, batches,
@@ -13,7 +15,8 @@ with the request's pages consecutive on both sides (as a paged allocator hands t
 * ``raw``: the engine alone, in the same run, on the same bytes at the same transfer sizes: each
   room's rows as our plan produced them, one engine write per room as we issue them (for NIXL
   ``initialize_xfer`` / ``transfer``), ``--stream`` rooms back to back, polled to completion;
-* ``raw_1mib``: the engine alone moving the same byte count in 1 MiB blocks, its best case.
+* ``raw_1mib``: the engine alone moving the same byte count in 1 MiB blocks (through the largest
+  KV region, wrapping around), its best case.
 
 ``--engine mooncake`` measures the Mooncake backend instead; run it inside a private network
 namespace (``unshare -rn sh -c 'ip link set lo up; python tools/bench/bench_pd_transfer.py
@@ -80,10 +83,12 @@ def build_pool(layers: int, seq_len: int):
     return DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device="cpu")
 
 
-def room_indices(seq_len: int) -> tuple[list[int], list[list[int]]]:
-    """KV pages ``1..k`` and per state component: the last window's SWA pages, request slot 1."""
+def room_indices(seq_len: int, slot: int, pool_pages: int) -> tuple[list[int], list[list[int]]]:
+    """The ``slot``-th room's KV pages (consecutive; each slot its own pages while the pool has room,
+    as distinct requests have) and per state component: the last window's SWA pages, request slot 1."""
     pages = -(-seq_len // PAGE)
-    return list(range(1, pages + 1)), [list(range(1, min(pages, 2) + 1)), [1]]
+    first = 1 + (slot % max(1, (pool_pages - 1) // pages)) * pages  # page 0 is the pool's padding page
+    return list(range(first, first + pages)), [list(range(1, min(pages, 2) + 1)), [1]]
 
 
 def _wait(handle, deadline: float) -> None:
@@ -99,14 +104,14 @@ def _wait(handle, deadline: float) -> None:
         handle.release()
 
 
-def _raw_write(backend: TransferBackend, peer: str, batches, rooms: int) -> float:
-    """Seconds per room to post ``batches`` ``rooms`` times back to back and see every one done."""
+def _raw_write(backend: TransferBackend, peer: str, rooms: list) -> float:
+    """Seconds per room to post every room's batches back to back and see every one done."""
     deadline = time.monotonic() + TIMEOUT_S
     start = time.perf_counter()
-    handles = [backend.write(peer, rows, src_kind=sk, dst_kind=dk) for _ in range(rooms) for sk, dk, rows in batches]
+    handles = [backend.write(peer, rows, src_kind=sk, dst_kind=dk) for batches in rooms for sk, dk, rows in batches]
     for h in handles:
         _wait(h, deadline)
-    return (time.perf_counter() - start) / rooms
+    return (time.perf_counter() - start) / len(rooms)
 
 
 def one_mib_rows(local: Manifest, remote: Manifest, nbytes: int) -> np.ndarray:
@@ -120,17 +125,18 @@ def one_mib_rows(local: Manifest, remote: Manifest, nbytes: int) -> np.ndarray:
     return np.stack([src.ptr + offsets, dst.ptr + offsets, np.full(count, MIB, dtype=np.uint64)], axis=1)
 
 
-def run_rooms(parent, receiver: KVReceiver, room_ids, seq_len: int, count: int, coalesce: bool) -> float:
-    """Seconds per room for ``count`` rooms of ``seq_len`` tokens requested at once (every room
-    into the same destination pages: only the bytes moved matter here)."""
+def run_rooms(parent, receiver: KVReceiver, pool_pages: int, room_ids, seq_len: int, count: int,
+              coalesce: bool) -> float:
+    """Seconds per room for ``count`` rooms of ``seq_len`` tokens requested at once (room ``k`` of
+    the batch in slot ``k`` on both sides)."""
     rooms = [next(room_ids) for _ in range(count)]
     parent.send({"op": "rooms", "rooms": rooms, "seq_len": seq_len, "coalesce": coalesce})
     if not parent.poll(TIMEOUT_S):
         raise TimeoutError("the prefill process stopped answering")
     parent.recv()
-    dst_kv, dst_states = room_indices(seq_len)
+    destinations = [room_indices(seq_len, slot, pool_pages) for slot in range(count)]
     start = time.perf_counter()
-    for r in rooms:
+    for r, (dst_kv, dst_states) in zip(rooms, destinations):
         receiver.request(r, dst_kv, dst_states)
     for r in rooms:
         receiver.wait(r)
@@ -141,6 +147,7 @@ def prefill_main(engine: str, layers: int, max_len: int, conn) -> None:
     """The prefill process: serve rooms, and time the raw engine on request."""
     pool = build_pool(layers, max_len)
     args = kv_args_of(pool)
+    pool_pages = pool.size // PAGE
     backend = open_backend(engine, "bench-prefill", timeout_s=TIMEOUT_S)
     sender = KVSender(args, backend, timeout_s=TIMEOUT_S)
     conn.send(sender.address)
@@ -151,23 +158,24 @@ def prefill_main(engine: str, layers: int, max_len: int, conn) -> None:
             cmd = conn.recv()
             if cmd["op"] == "rooms":
                 sender.coalesce = cmd["coalesce"]
-                src_kv, src_states = room_indices(cmd["seq_len"])
-                for room in cmd["rooms"]:
-                    sender.add_request(room, src_kv, src_states)
+                for slot, room in enumerate(cmd["rooms"]):
+                    sender.add_request(room, *room_indices(cmd["seq_len"], slot, pool_pages))
                 conn.send("ready")
             elif cmd["op"] == "raw":
                 remote = Manifest.from_dict(cmd["manifest"])
-                src_kv, src_states = room_indices(cmd["seq_len"])
-                request = {"kv_indices": src_kv, "state_indices": src_states}
-                batches = plan_batches(plan_room(sender.manifest, remote, args, src_kv, src_states, request),
-                                       sender.max_batch_rows)
-                nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
-                blocks = [("DRAM", "DRAM", one_mib_rows(sender.manifest, remote, nbytes))]
+                rooms = []
+                for slot in range(cmd["stream"]):  # the stream's rooms, as `rooms` placed them
+                    kv, states = room_indices(cmd["seq_len"], slot, pool_pages)
+                    request = {"kv_indices": kv, "state_indices": states}
+                    rooms.append(plan_batches(plan_room(sender.manifest, remote, args, kv, states, request),
+                                              sender.max_batch_rows))
+                nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in rooms[0]))
+                blocks = np.array_split(one_mib_rows(sender.manifest, remote, nbytes * len(rooms)), len(rooms))
+                blocks = [[("DRAM", "DRAM", b)] for b in blocks]
                 (peer,) = backend.peers
-                conn.send({"raw": [_raw_write(backend, peer, batches, cmd["stream"]) for _ in range(cmd["repeats"])],
-                           "raw_1mib": [_raw_write(backend, peer, blocks, cmd["stream"])
-                                        for _ in range(cmd["repeats"])],
-                           "rows": int(sum(rows.shape[0] for _, _, rows in batches)), "bytes": nbytes})
+                conn.send({"raw": [_raw_write(backend, peer, rooms) for _ in range(cmd["repeats"])],
+                           "raw_1mib": [_raw_write(backend, peer, blocks) for _ in range(cmd["repeats"])],
+                           "rows": int(sum(rows.shape[0] for _, _, rows in rooms[0])), "bytes": nbytes})
             else:
                 break
     finally:
@@ -211,7 +219,8 @@ def main() -> None:
             row = {"case": f"{seq_len // 1024}k tokens", "seq_len": seq_len}
             for key, count, coalesce in (("ours", args.stream, True), ("ours_uncoalesced", args.stream, False),
                                          ("ours_latency", 1, True)):
-                row[f"{key}_s"] = statistics.median(run_rooms(parent, receiver, room_ids, seq_len, count, coalesce)
+                row[f"{key}_s"] = statistics.median(run_rooms(parent, receiver, pool.size // PAGE, room_ids, seq_len,
+                                                              count, coalesce)
                                                     for _ in range(args.repeats))
             parent.send({"op": "raw", "seq_len": seq_len, "repeats": args.repeats, "stream": args.stream,
                          "manifest": receiver.manifest.to_dict()})
