@@ -12,20 +12,25 @@
 // first when the table is host-readable).
 //
 // Top-k (TopK). For row b with n(b) as above (n capped by the score row width), tokens[b, :] holds
-// min(k, n) distinct entry positions in [0, n) with the largest scores (ties: lower positions on
-// the host, any on the GPU; order unspecified) and -1 after them; when n <= k every visible entry
-// is taken. Scores are ordered as their float32 bit patterns (monotone key, NaN above +inf). With a
+// min(k, n) distinct entry positions in [0, n) with the largest scores, in ascending position, and
+// -1 after them; of equal scores at the threshold the lower positions are taken; when n <= k every
+// visible entry is taken. Both backends give this one answer: the swap-in assigns miss slots in
+// top-k order and attention sums in index order, so an order left to the scheduler would make
+// both vary from run to run. Scores are ordered as their float32 bit patterns (monotone key, NaN above +inf). With a
 // page table, slots[b, j] = page_table[b, tok / P] * P + tok % P (-1 for -1 or a negative page):
 // tokens is what the HiSparse swap-in takes as top_k_tokens, slots is what sparse decode attention
 // takes as indices into the fully resident cache.
 //
 // Selection: an exact radix select on the 32-bit keys: histograms of key digits among the keys
-// that share the prefix found so far give, digit by digit, the key of the k-th largest; then keys
-// above it are written, and the first `remaining` keys equal to it. GPU: 4 digits of 8 bits over
-// the row; host: 2 digits of 16 bits, the second over the few keys of the first digit's bin.
+// that share the prefix found so far give, digit by digit, the key of the k-th largest; then one
+// pass in position order writes the keys above it and the first `remaining` keys equal to it.
+// GPU: 4 digits of 8 bits over the row, the last pass a tile of 1024 entries at a time with block
+// prefix counts (warp ballots) giving each entry its output place; host: 2 digits of 16 bits, the
+// second over the few keys of the first digit's bin.
 //
 // Launch shapes. Scores: cpu one (b, chunk of 256 entries) per item; cuda one warp per entry, the
-// block's query in shared memory. Top-k: cpu one row per item; cuda one block of 1024 threads per
+// block's query in shared memory, blocks (x = entry chunk, y = row) with rows past gridDim.y's
+// 65,535 taken by the same blocks in turn (a prefill chunk has more rows than that). Top-k: cpu one row per item; cuda one block of 1024 threads per
 // row, histograms and output counters in shared memory.
 #pragma once
 
@@ -178,6 +183,7 @@ struct IndexerScores {
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / kWarpSize;
   static constexpr int kEntriesPerBlock = 64;
+  static constexpr int64_t kMaxGridY = 65535;  // the hardware limit of gridDim.y
   static int run_on_cuda(const Params& p, void* stream);
 #endif
 };
@@ -189,35 +195,39 @@ __global__ void __launch_bounds__(K::kThreads) scores_kernel(const typename K::P
   __shared__ float q_s[kDim][kMaxHeads];
   __shared__ float w_s[kMaxHeads];
   __shared__ float k_s[K::kWarps][kDim];
-  const int64_t b = blockIdx.y;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  for (int x = threadIdx.x; x < kDim * kMaxHeads; x += K::kThreads) {
-    const int h = x / kDim, d = x % kDim;
-    q_s[d][h] = h < p.heads ? load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d) : 0.0f;
-  }
-  for (int h = threadIdx.x; h < kMaxHeads; h += K::kThreads) w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
-  __syncthreads();
-  const int64_t n = K::visible_in_row(p, b);
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
-  const int64_t last = first + K::kEntriesPerBlock < p.width ? first + K::kEntriesPerBlock : p.width;
-  for (int64_t i = first + warp; i < last; i += K::kWarps) {
-    const uint8_t *value = nullptr, *scale = nullptr;
-    const bool valid = i < n && K::locate(p, b, i, &value, &scale);
-    if (!valid) {
-      if (lane == 0) p.scores[b * p.scores_stride + i] = -INFINITY;
-      continue;
+  for (int64_t b = blockIdx.y; b < p.batch; b += gridDim.y) {
+    if (b != blockIdx.y) __syncthreads();  // q_s and w_s of the previous row are still being read
+    for (int x = threadIdx.x; x < kDim * kMaxHeads; x += K::kThreads) {
+      const int h = x / kDim, d = x % kDim;
+      q_s[d][h] = h < p.heads ? load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d) : 0.0f;
     }
-    for (int d = lane; d < kDim; d += kWarpSize) k_s[warp][d] = dequantize<typename K::LayoutT>(value, scale, d);
-    __syncwarp();
-    float score = 0.0f;
-    for (int h = lane; h < kMaxHeads; h += kWarpSize) {
-      float dot = 0.0f;
-      for (int d = 0; d < kDim; ++d) dot += q_s[d][h] * k_s[warp][d];
-      score += w_s[h] * fmaxf(dot, 0.0f);
+    for (int h = threadIdx.x; h < kMaxHeads; h += K::kThreads) {
+      w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
     }
-    for (int off = kWarpSize / 2; off > 0; off /= 2) score += __shfl_xor_sync(0xffffffffu, score, off);
-    if (lane == 0) p.scores[b * p.scores_stride + i] = score;
-    __syncwarp();  // k_s is rewritten by the next entry
+    __syncthreads();
+    const int64_t n = K::visible_in_row(p, b);
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
+    const int64_t last = first + K::kEntriesPerBlock < p.width ? first + K::kEntriesPerBlock : p.width;
+    for (int64_t i = first + warp; i < last; i += K::kWarps) {
+      const uint8_t *value = nullptr, *scale = nullptr;
+      const bool valid = i < n && K::locate(p, b, i, &value, &scale);
+      if (!valid) {
+        if (lane == 0) p.scores[b * p.scores_stride + i] = -INFINITY;
+        continue;
+      }
+      for (int d = lane; d < kDim; d += kWarpSize) k_s[warp][d] = dequantize<typename K::LayoutT>(value, scale, d);
+      __syncwarp();
+      float score = 0.0f;
+      for (int h = lane; h < kMaxHeads; h += kWarpSize) {
+        float dot = 0.0f;
+        for (int d = 0; d < kDim; ++d) dot += q_s[d][h] * k_s[warp][d];
+        score += w_s[h] * fmaxf(dot, 0.0f);
+      }
+      for (int off = kWarpSize / 2; off > 0; off /= 2) score += __shfl_xor_sync(0xffffffffu, score, off);
+      if (lane == 0) p.scores[b * p.scores_stride + i] = score;
+      __syncwarp();  // k_s is rewritten by the next entry
+    }
   }
 }
 #endif
@@ -290,10 +300,10 @@ struct TopK {
 
   static int64_t num_items(const Params& p) { return p.batch; }
 
-  // Host: one row per item, two passes over the row. Pass 1: a 16-bit histogram of the keys' high
-  // halves gives the bin holding the k-th largest. Pass 2: keys above that bin are taken at once,
-  // keys inside it are set aside (few: a bin is 1/65536 of the key range); a 16-bit histogram of
-  // their low halves then gives the exact threshold among them.
+  // Host: one row per item. Pass 1: a 16-bit histogram of the keys' high halves gives the bin
+  // holding the k-th largest. Pass 2: the keys inside that bin are set aside (few: a bin is 1/65536
+  // of the key range); a 16-bit histogram of their low halves gives the exact threshold. Pass 3
+  // writes the selected entries in position order.
   static constexpr int kHostBins = 1 << 16;
   static void item(const Params& p, int64_t b, Lanes) {
     const float* s = p.scores + b * p.scores_stride;
@@ -306,22 +316,18 @@ struct TopK {
       for (int64_t i = 0; i < n; ++i) ++hist[order_key(s[i]) >> 16];
       int64_t remaining = p.k;
       const uint32_t high = static_cast<uint32_t>(pick_bin(hist.data(), kHostBins, &remaining));
-      std::vector<int32_t> candidates;
+      std::vector<uint32_t> candidates;
       candidates.reserve(static_cast<size_t>(hist[high]));
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t top = order_key(s[i]) >> 16;
-        if (top > high) {
-          emit(p, b, j++, static_cast<int32_t>(i));
-        } else if (top == high) {
-          candidates.push_back(static_cast<int32_t>(i));
-        }
+        const uint32_t key = order_key(s[i]);
+        if ((key >> 16) == high) candidates.push_back(key);
       }
       std::fill(hist.begin(), hist.end(), 0u);
-      for (const int32_t i : candidates) ++hist[order_key(s[i]) & 0xFFFFu];
+      for (const uint32_t key : candidates) ++hist[key & 0xFFFFu];
       const uint32_t threshold = (high << 16) | static_cast<uint32_t>(pick_bin(hist.data(), kHostBins, &remaining));
-      for (const int32_t i : candidates) {
+      for (int64_t i = 0; i < n && j < p.k; ++i) {
         const uint32_t key = order_key(s[i]);
-        if (key > threshold || (key == threshold && remaining-- > 0)) emit(p, b, j++, i);
+        if (key > threshold || (key == threshold && remaining-- > 0)) emit(p, b, j++, static_cast<int32_t>(i));
       }
     }
     for (; j < p.k; ++j) emit(p, b, j, -1);
@@ -329,6 +335,7 @@ struct TopK {
 
 #ifdef __CUDACC__
   static constexpr int kThreads = 1024;
+  static constexpr int kWarps = kThreads / kWarpSize;
   static int run_on_cuda(const Params& p, void* stream);
 #endif
 };
@@ -338,7 +345,8 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
   __shared__ uint32_t hist[256];
   __shared__ uint32_t prefix_s, mask_s;
   __shared__ int64_t remaining_s;
-  __shared__ unsigned long long above_count, equal_count;
+  __shared__ int64_t taken_s, equal_seen_s;
+  __shared__ uint32_t warp_equal[TopK::kWarps], warp_taken[TopK::kWarps];
   const int64_t b = blockIdx.x;
   const float* s = p.scores + b * p.scores_stride;
   const int64_t n = TopK::row_length(p, b);
@@ -351,8 +359,6 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
     prefix_s = 0;
     mask_s = 0;
     remaining_s = p.k;
-    above_count = 0;
-    equal_count = 0;
   }
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int x = tid; x < 256; x += TopK::kThreads) hist[x] = 0;
@@ -371,19 +377,43 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
     }
     __syncthreads();
   }
-  // Keys above the threshold fill [0, k - remaining); the first `remaining` equal keys to arrive
-  // fill the rest (which ones is up to the scheduler: ties are unordered).
+  // One pass in position order, a tile of kThreads entries at a time: an entry's place is the number
+  // of entries taken before it, and an equal key is taken while fewer than `remaining` equal keys
+  // precede it. Warp ballots count within a warp, per-warp totals in shared memory across warps.
   const uint32_t threshold = prefix_s;
-  const unsigned long long take_equal = static_cast<unsigned long long>(remaining_s);
-  const int64_t equal_base = p.k - remaining_s;
-  for (int64_t i = tid; i < n; i += TopK::kThreads) {
-    const uint32_t key = order_key(s[i]);
-    if (key > threshold) {
-      TopK::emit(p, b, static_cast<int64_t>(atomicAdd(&above_count, 1ull)), static_cast<int32_t>(i));
-    } else if (key == threshold) {
-      const unsigned long long e = atomicAdd(&equal_count, 1ull);
-      if (e < take_equal) TopK::emit(p, b, equal_base + static_cast<int64_t>(e), static_cast<int32_t>(i));
+  const int64_t take_equal = remaining_s;
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  if (tid == 0) {
+    taken_s = 0;       // entries taken so far
+    equal_seen_s = 0;  // keys equal to the threshold seen so far
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < n; base += TopK::kThreads) {
+    const int64_t i = base + tid;
+    const uint32_t key = i < n ? order_key(s[i]) : 0u;
+    const bool equal = i < n && key == threshold;
+    const uint32_t equal_ballot = __ballot_sync(0xffffffffu, equal);
+    if (lane == 0) warp_equal[warp] = __popc(equal_ballot);
+    __syncthreads();
+    int64_t equal_before = equal_seen_s + __popc(equal_ballot & lanes_below);
+    for (int w = 0; w < warp; ++w) equal_before += warp_equal[w];
+    const bool take = (i < n && key > threshold) || (equal && equal_before < take_equal);
+    const uint32_t take_ballot = __ballot_sync(0xffffffffu, take);
+    if (lane == 0) warp_taken[warp] = __popc(take_ballot);
+    __syncthreads();
+    int64_t place = taken_s + __popc(take_ballot & lanes_below);
+    for (int w = 0; w < warp; ++w) place += warp_taken[w];
+    if (take) TopK::emit(p, b, place, static_cast<int32_t>(i));
+    __syncthreads();
+    if (tid == 0) {
+      for (int w = 0; w < TopK::kWarps; ++w) {
+        equal_seen_s += warp_equal[w];
+        taken_s += warp_taken[w];
+      }
     }
+    __syncthreads();
+    if (taken_s >= p.k) break;  // uniform: every thread reads it after the barrier
   }
 }
 
@@ -397,7 +427,7 @@ template <class Layout, class QT>
 int IndexerScores<Layout, QT>::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0 || p.width == 0) return 0;
   const dim3 grid(static_cast<unsigned>((p.width + kEntriesPerBlock - 1) / kEntriesPerBlock),
-                  static_cast<unsigned>(p.batch));
+                  static_cast<unsigned>(p.batch < kMaxGridY ? p.batch : kMaxGridY));
   scores_kernel<IndexerScores><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }

@@ -9,8 +9,9 @@ page table: slot ``page_table[b, i // P] * P + i % P``)::
 
 Because relu is positively homogeneous, a positive per-(row, head) query scale can be moved into
 ``weights`` (the FP8 / FP4 query scales of a quantized indexer query are folded this way).
-:func:`indexer_topk` then keeps ``min(top_k, visible)`` entries with the largest scores, -1 after
-them, as logical entry positions (what the HiSparse swap-in takes as ``top_k_tokens``) and, with a
+:func:`indexer_topk` then keeps ``min(top_k, visible)`` entries with the largest scores, in ascending
+position (of equal scores at the threshold, the lower positions), -1 after them, as logical entry
+positions (what the HiSparse swap-in takes as ``top_k_tokens``) and, with a
 page table, as cache slots (what :func:`sparsekv.jit_kernel.dsv4.sparse_decode_attention` takes as
 indices into the fully resident cache).
 
@@ -23,7 +24,8 @@ selection is a radix select with no per-k instantiation), score rows up to 2^31 
 
 Tolerance of the scores against the fp64 reference (:mod:`sparsekv.testing.reference.dsv4_indexer`,
 same dequantized keys): ``|s - ref| <= 1e-5 * sum_h |w_h| |q_h| |k|`` (float32 dot products). Top-k
-is exact: the same set as ``torch.topk`` on the same scores, up to which of equal scores are taken.
+is exact and deterministic: on the same scores every backend writes the same tokens in the same order
+(the swap-in assigns miss slots in that order, attention sums in it).
 
 Example
 -------
@@ -228,8 +230,8 @@ def indexer_topk(
     Returns
     -------
     tokens : torch.Tensor
-        int32 ``[B, top_k]``: logical entry positions (distinct, unordered), then -1; the HiSparse
-        swap-in's ``top_k_tokens``.
+        int32 ``[B, top_k]``: logical entry positions, distinct and ascending (equal scores at the
+        threshold: the lower positions are taken), then -1; the HiSparse swap-in's ``top_k_tokens``.
     slots : torch.Tensor or None
         int32 ``[B, top_k]``: ``page_table[b, tok // P] * P + tok % P`` per token, -1 for -1 (None
         without ``page_table``).

@@ -1,6 +1,7 @@
 """fp64 torch references for the DSV4 lightning indexer (:mod:`sparsekv.jit_kernel.dsv4_indexer`):
 keys decoded from the cache bytes, scores ``sum_h w relu(q . k)`` over the causally visible
-entries, ``torch.topk`` selection with -1 padding, and the page-table transform."""
+entries, the top-k selection (ascending positions, ties toward the lower position) with -1
+padding, and the page-table transform."""
 
 from __future__ import annotations
 
@@ -45,12 +46,22 @@ def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: to
     return scores
 
 
+def score_order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order float32 scores as the kernels do: by bit pattern made monotone (larger
+    float, larger key; NaN with the sign bit clear above +inf)."""
+    bits = scores.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+
+
 def indexer_topk_reference(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int64 ``[B, top_k]``: ``torch.topk`` of each row's visible prefix, -1 padded (one valid tie-break)."""
+    """int64 ``[B, top_k]``: the ``min(top_k, visible)`` largest scores of each row's visible prefix,
+    equal scores taken lower position first, written in ascending position, -1 padded. The one answer
+    both backends give."""
     visible = visible_entries(positions.cpu().to(torch.int64)).clamp(max=scores.shape[1])
     out = torch.full((scores.shape[0], top_k), -1, dtype=torch.int64)
     for b in range(scores.shape[0]):
         n = int(visible[b])
-        picked = torch.topk(scores[b, :n].cpu(), min(top_k, n), sorted=False).indices
+        keys = score_order_keys(scores[b, :n].cpu().float())
+        picked = torch.sort(keys, descending=True, stable=True).indices[: min(top_k, n)].sort().values
         out[b, : picked.numel()] = picked
     return out
