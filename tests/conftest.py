@@ -22,6 +22,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "no_backend(reason): a kernel test whose body does not depend on the backend")
     settings.load_profile("slow" if config.getoption("--slow") else "ci")
 
 

@@ -1,9 +1,12 @@
 """Every kernel test runs on every backend, checked on the ids pytest collects (so it is verified
-on a machine without a GPU): forcing ``cpu,cuda`` collects each kernel test twice, and every
-registered kernel family has a backend-parametrized test file sharing its header's stem."""
+on a machine without a GPU): forcing ``cpu,cuda`` collects each kernel test twice, every
+registered kernel family has a backend-parametrized test file sharing its header's stem, and every
+kernel test's body uses its ``backend`` (a test that takes no notice of it would run its cuda copy on
+CPU tensors) unless it is marked ``no_backend`` with the reason."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import re
@@ -50,7 +53,41 @@ def test_every_registered_family_has_a_backend_parametrized_test_file():
         path = f"tests/kernels/test_{stem}.py::"
         ids = [t for t in collected if t.startswith(path)]
         assert ids, f"kernel family header {stem}.cuh has no backend-parametrized tests in {path[:-2]}"
-        assert all(_on("cpu", t) == t for t in ids)
+
+
+def _no_backend_reason(decorators: list[ast.expr]) -> str | None:
+    """The reason of a ``pytest.mark.no_backend("...")`` among ``decorators`` (or a ``pytestmark`` value)."""
+    for node in decorators:
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.mark.no_backend" and node.args
+                and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).strip()):
+            return node.args[0].value
+    return None
+
+
+def _backend_use(path: Path) -> dict[str, tuple[bool, str | None]]:
+    """Each test function of ``path``: whether its body reads ``backend``, and its ``no_backend`` reason."""
+    tree = ast.parse(path.read_text())
+    module_marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+    module_reason = _no_backend_reason(module_marks)
+    uses = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            reads = any(isinstance(n, ast.Name) and n.id == "backend" for stmt in node.body for n in ast.walk(stmt))
+            uses[node.name] = (reads, _no_backend_reason(node.decorator_list) or module_reason)
+    return uses
+
+
+def test_every_kernel_test_body_uses_its_backend_or_says_why_not():
+    ignoring, marked_but_reading = [], []
+    for path in sorted(KERNEL_TESTS.glob("test_*.py")):
+        for name, (reads, reason) in _backend_use(path).items():
+            if not reads and reason is None:
+                ignoring.append(f"{path.name}::{name}")
+            if reads and reason is not None:
+                marked_but_reading.append(f"{path.name}::{name}")
+    assert not ignoring, f"these kernel tests never use `backend` (put their tensors on device_of(backend)): {ignoring}"
+    assert not marked_but_reading, f"marked no_backend, yet they use `backend`: {marked_but_reading}"
 
 
 #: Benchmarks that import a kernel wrapper without timing its kernels, and why.

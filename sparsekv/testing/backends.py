@@ -12,7 +12,8 @@ of the inputs: the cpu build is the reference the cuda build must match bit for 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import overload
 
 import torch
 
@@ -49,10 +50,22 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "cuda" else "cpu")
 
 
-def to_backend(backend: str, values: Mapping[str, object]) -> dict[str, object]:
-    """``values`` with every tensor moved to ``backend``'s device (others unchanged)."""
+@overload
+def to_backend(backend: str, values: Mapping[str, object]) -> dict[str, object]: ...
+@overload
+def to_backend(backend: str, values: Sequence[object]) -> list[object]: ...
+
+
+def to_backend(backend, values):
+    """``values`` (a mapping or a sequence) with every tensor moved to ``backend``'s device, others unchanged."""
     device = device_of(backend)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+    def move(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    if isinstance(values, Mapping):
+        return {k: move(v) for k, v in values.items()}
+    return [move(v) for v in values]
 
 
 def run_on_backend(backend: str, fn: Callable[..., object], tensors: Mapping[str, object], **scalars: object) -> None:

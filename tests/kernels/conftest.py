@@ -2,8 +2,10 @@
 
 The autouse fixture parametrizes each test with ``backend``; a test that runs a kernel takes the
 ``backend`` argument and puts its tensors on ``device_of(backend)`` (or goes through
-``run_on_backend``, which also checks the cuda build against the cpu build). A new kernel family's
-tests get both backends without asking; ``tests/test_backend_coverage.py`` checks it.
+``run_on_backend``, which also checks the cuda build against the cpu build). A test whose body
+does not depend on the backend (it runs no kernel, or only a documented CPU example) says so with
+``@pytest.mark.no_backend("why")``. ``tests/test_backend_coverage.py`` checks
+both: every test is collected per backend, and every test body uses its backend or carries the mark.
 """
 
 from __future__ import annotations
@@ -16,3 +18,14 @@ from sparsekv.testing.backends import kernel_backends
 @pytest.fixture(params=kernel_backends(), autouse=True, scope="module")
 def backend(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def index_checks(backend, monkeypatch) -> None:
+    """Full index validation wherever the wrappers make it opt-in (the GPU: ``SPARSEKV_CHECK_INDICES=1``).
+
+    The cpu build always checks indices; on the device a bad-input test asks for the check, so the
+    same table of bad inputs must raise the same errors there, with nothing written.
+    """
+    if backend != "cpu":
+        monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, attention_template_args, sparse_decode_attention
-from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
@@ -162,9 +162,10 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("mutate, exc, name", BAD_INPUTS)
-def test_bad_input_raises_naming_the_argument_and_writes_nothing(mutate, exc, name):
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(backend, index_checks, mutate, exc, name):
     args = _fresh()
     mutate(args)
+    args = to_backend(backend, args)
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(exc, match=f"`{name}`"):
         sparse_decode_attention(**args)
@@ -172,6 +173,7 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(mutate, exc, na
         assert torch.equal(args[k], v), k
 
 
+@pytest.mark.no_backend("template arguments are computed in Python")
 def test_template_args_name_the_query_dtype_and_every_instance_is_registered():
     registered = {ATTENTION.template_args(v) for v in ATTENTION.instances}
     assert {attention_template_args(d) for d in (torch.float32, torch.bfloat16)} == registered

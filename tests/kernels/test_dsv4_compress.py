@@ -94,12 +94,13 @@ def test_causality_entry_i_depends_only_on_tokens_up_to_its_last(backend, ratio)
 
 
 @pytest.mark.parametrize("ratio", [0, 1, 2, 3, 8, 64, 256, -4])
-def test_other_ratios_are_rejected(ratio):
-    kv = torch.zeros(256, 16)
+def test_other_ratios_are_rejected(backend, ratio):
+    device = device_of(backend)
+    kv = torch.zeros(256, 16, device=device)
     with pytest.raises(ValueError, match="`ratio`"):
-        compress_pool(kv, kv.clone(), torch.zeros(max(ratio, 1), 16), ratio)
+        compress_pool(kv, kv.clone(), torch.zeros(max(ratio, 1), 16, device=device), ratio)
     with pytest.raises(ValueError, match="`ratio`"):
-        CompressorState(torch.zeros(16, 32), torch.zeros(4, 16), ratio, ring_size=16)
+        CompressorState(torch.zeros(16, 32, device=device), torch.zeros(4, 16, device=device), ratio, ring_size=16)
 
 
 BAD = [
@@ -112,8 +113,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("mutate, exc, name", BAD)
-def test_bad_input_names_the_argument(mutate, exc, name):
-    kv, score, ape = torch.randn(8, 16), torch.randn(8, 16), torch.randn(4, 16)
+def test_bad_input_names_the_argument(backend, mutate, exc, name):
+    kv, score, ape = _on(backend, torch.randn(8, 16), torch.randn(8, 16), torch.randn(4, 16))
     with pytest.raises(exc, match=f"`{name}`"):
         compress_pool(*mutate(kv, score, ape))
 
@@ -195,37 +196,40 @@ def test_ragged_batch_of_requests_matches_each_alone(backend):
         assert torch.equal(torch.cat(outs[r]), compress_pool(kv.to(device), score.to(device), ape, 4).cpu())
 
 
-def test_rollback_past_the_ring_is_refused_and_state_unchanged():
-    ape = torch.randn(4, 16)
-    state = torch.zeros(2 * 8, 32)
-    comp = CompressorState(state, ape, 4, ring_size=8)
-    comp.extend([0], [[1]], [0], torch.randn(6, 16), torch.randn(6, 16))
-    comp.extend([0], [[1]], [6], torch.randn(3, 16), torch.randn(3, 16))  # overwrote position 0
+def test_rollback_past_the_ring_is_refused_and_state_unchanged(backend):
+    device = device_of(backend)
+
+    def rows(n):
+        return torch.randn(n, 16, device=device), torch.randn(n, 16, device=device)
+
+    state = torch.zeros(2 * 8, 32, device=device)
+    comp = CompressorState(state, torch.randn(4, 16, device=device), 4, ring_size=8)
+    comp.extend([0], [[1]], [0], *rows(6))
+    comp.extend([0], [[1]], [6], *rows(3))  # overwrote position 0
     before = state.clone()
     with pytest.raises(ValueError, match="`starts`"):
-        comp.extend([0], [[1]], [7], torch.randn(1, 16), torch.randn(1, 16))
+        comp.extend([0], [[1]], [7], *rows(1))
     with pytest.raises(ValueError, match="`starts`"):
-        comp.extend([0], [[1]], [10], torch.randn(1, 16), torch.randn(1, 16))  # beyond what it holds
+        comp.extend([0], [[1]], [10], *rows(1))  # beyond what it holds
     with pytest.raises(IndexError, match="`rings`"):
-        comp.extend([0], [[5]], [9], torch.randn(1, 16), torch.randn(1, 16))  # ring 5 is outside state
+        comp.extend([0], [[5]], [9], *rows(1))  # ring 5 is outside state
     assert torch.equal(state, before)
 
 
-def test_pool_rings_are_used_in_place():
+def test_pool_rings_are_used_in_place(backend):
     from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
     from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
     from sparsekv.srt.model_executor.pool_planner import plan_pipeline
 
     model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
     rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
-    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device="cpu")
+    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=device_of(backend))
     layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 4)
     buf = pool.get_compress_state(layer)
     before = buf.clone()
-    ring = pool.ring_sizes[4]
-    ape = torch.randn(4, buf.shape[1] // 2)
-    comp = CompressorState(buf, ape, 4, ring_size=ring)
-    comp.extend([0], [[1]], [0], torch.randn(6, buf.shape[1] // 2), torch.randn(6, buf.shape[1] // 2))
+    ring, width = pool.ring_sizes[4], buf.shape[1] // 2
+    comp = CompressorState(buf, torch.randn(4, width, device=buf.device), 4, ring_size=ring)
+    comp.extend([0], [[1]], [0], torch.randn(6, width, device=buf.device), torch.randn(6, width, device=buf.device))
     changed = (buf != before).any(1).nonzero().flatten().tolist()
     assert changed and all(ring <= r < 2 * ring for r in changed)  # ring 1's rows, in the pool's own buffer
 
@@ -241,11 +245,11 @@ def test_ratio_and_boundary_length_matrix_with_chunked_prefill_continuation(back
     gen = torch.Generator().manual_seed(t)
     kv, score = torch.randn(t, coff * 8, generator=gen), torch.randn(t, coff * 8, generator=gen)
     ape = torch.randn(max(ratio, 1), coff * 8, generator=gen)
+    kv, score, ape = kv.to(device), score.to(device), ape.to(device)
     if ratio == 0:  # SWA-only layers have no compressor
         with pytest.raises(ValueError, match="`ratio`"):
             compress_pool(kv, score, ape, ratio)
         return
-    kv, score, ape = kv.to(device), score.to(device), ape.to(device)
     one_shot = compress_pool(kv, score, ape, ratio)
     assert one_shot.shape == (t // ratio, 8)
     torch.testing.assert_close(one_shot.cpu().double(), compress_pool_reference(kv.cpu(), score.cpu(), ape.cpu(),
@@ -292,6 +296,7 @@ def test_online_c128_uses_the_pool_request_rings_in_place(backend):
     assert changed and all(rows <= r < rows + ring for r in changed)
 
 
+@pytest.mark.no_backend("the docstring's example runs on CPU tensors, as a reader would run it")
 def test_the_documented_streaming_example_holds():
     import doctest
 
@@ -301,18 +306,20 @@ def test_the_documented_streaming_example_holds():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_construction_checks():
+def test_construction_checks(backend):
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=device_of(backend))
+
     with pytest.raises(TypeError, match="`state`"):
-        CompressorState(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(128, 32), 128, ring_size=16,
-                        online=True)
+        CompressorState(zeros(16, 64, dtype=torch.bfloat16), zeros(128, 32), 128, ring_size=16, online=True)
     with pytest.raises(TypeError, match="`state`"):
-        CompressorState(torch.zeros(16, 64, dtype=torch.float16), torch.zeros(4, 32), 4, ring_size=16)
+        CompressorState(zeros(16, 64, dtype=torch.float16), zeros(4, 32), 4, ring_size=16)
     with pytest.raises(TypeError, match="`ape`"):
-        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32).double(), 4, ring_size=16)
+        CompressorState(zeros(16, 64), zeros(4, 32, dtype=torch.float64), 4, ring_size=16)
     with pytest.raises(ValueError, match="`ring_size`"):
-        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=4)
+        CompressorState(zeros(16, 64), zeros(4, 32), 4, ring_size=4)
     with pytest.raises(ValueError, match="`online`"):
-        CompressorState(torch.zeros(16, 64), torch.zeros(4, 32), 4, ring_size=16, online=True)
+        CompressorState(zeros(16, 64), zeros(4, 32), 4, ring_size=16, online=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

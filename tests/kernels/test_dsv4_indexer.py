@@ -19,7 +19,7 @@ from sparsekv.jit_kernel.dsv4_indexer import (
     lightning_indexer,
     visible_entries,
 )
-from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.reference.dsv4_indexer import (
     decode_indexer_keys,
     entry_slots,
@@ -238,9 +238,11 @@ SCORE_BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("mutate, exc, name", SCORE_BAD_INPUTS)
-def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(mutate, exc, name):
+def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(backend, index_checks, mutate, exc,
+                                                                              name):
     args = _fresh()
     mutate(args)
+    args = to_backend(backend, args)
     before = args["out"].clone()
     with pytest.raises(exc, match=f"`{name}`"):
         indexer_scores(**args)
@@ -262,11 +264,13 @@ TOPK_BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("change, exc, name", TOPK_BAD_INPUTS)
-def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(change, exc, name):
+def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(backend, index_checks, change, exc,
+                                                                                name):
     args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), top_k=4,
                 page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_size=4,
                 out=torch.full((2, 4), 7, dtype=torch.int32), out_slots=torch.full((2, 4), 7, dtype=torch.int32))
     args.update(change)
+    args = to_backend(backend, args)
     outputs = [t.clone() for t in (args["out"], args["out_slots"])]
     with pytest.raises(exc, match=f"`{name}`"):
         indexer_topk(**args)
@@ -275,15 +279,17 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
 
 @pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if m[2] == "page_table"
                                                  and m[1] is not TypeError])
-def test_the_device_side_page_check_agrees_with_the_host_entry(mutate, exc, name):
+def test_the_device_side_page_check_agrees_with_the_host_entry(backend, mutate, exc, name):
     # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses.
-    args = _fresh()
+    args = to_backend(backend, _fresh())
     check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
     mutate(args)
+    args = to_backend(backend, args)
     with pytest.raises(exc, match=f"`{name}`"):
         check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
 
 
+@pytest.mark.no_backend("template arguments are computed in Python")
 def test_template_args_cover_the_instance_table():
     args = {indexer_template_args(layout, dtype) for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
     assert args == {INDEXER.template_args(values) for values in INDEXER.instances}

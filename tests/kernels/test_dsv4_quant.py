@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from sparsekv.jit_kernel.kv_layout import V4
-from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.reference import dsv4_quant as ref
 from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 
@@ -68,12 +68,13 @@ def test_dequantize_is_within_half_an_ulp_and_scales_are_powers_of_two(backend, 
     assert torch.equal(got[:, 448:], rope.to(torch.bfloat16).double())
 
 
-def test_edge_blocks_hit_exact_scales():
+def test_edge_blocks_hit_exact_scales(backend):
     x = torch.zeros(3, 512)
     x[1, :64] = 448.0 * 2.0**-3  # amax exactly at the boundary: e = -3, code 448
     x[2, :64] = 448.0 * 2.0**-3 * (1 + 2.0**-23)  # one ulp above: next power of two
-    cache = torch.zeros(1, V4.page_bytes(4), dtype=torch.uint8)
-    quantize_fp8_ds_mla(x, cache, torch.arange(3), 4)
+    x, cache, slots = to_backend(backend, [x, torch.zeros(1, V4.page_bytes(4), dtype=torch.uint8), torch.arange(3)])
+    quantize_fp8_ds_mla(x, cache, slots, 4)
+    cache = cache.cpu()
     scales = V4.scale_view(cache, 4)[0]
     values = V4.value_view(cache, 4)[0]
     # All-zero blocks: amax floor 1e-4 -> e = ceil(log2(1e-4 / 448)) = -22, codes 0.
@@ -112,16 +113,16 @@ BAD = [
 
 
 @pytest.mark.parametrize("mutate, exc, name", BAD)
-def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(mutate, exc, name):
-    x, cache, slots, page_size = _args()
+def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, index_checks, mutate, exc, name):
+    x, cache, slots, page_size = to_backend(backend, _args())
     before = cache.clone()
-    args = mutate(x, cache, slots, page_size)
+    args = to_backend(backend, mutate(x, cache, slots, page_size))
     with pytest.raises(exc, match=f"`{name}`"):
         quantize_fp8_ds_mla(*args)
     assert torch.equal(cache, before)
 
 
-def test_dequantize_rejects_out_of_range_slots():
-    _, cache, _, page_size = _args()
+def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
+    _, cache, _, page_size = to_backend(backend, _args())
     with pytest.raises(IndexError, match="`slots`"):
-        dequantize_fp8_ds_mla(cache, torch.tensor([4]), page_size)
+        dequantize_fp8_ds_mla(cache, torch.tensor([4], device=cache.device), page_size)

@@ -17,7 +17,7 @@ from sparsekv.jit_kernel.dsv4 import (
     dequantize_fp8_ds_mla,
     norm_rope_store,
 )
-from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
 from sparsekv.testing.strategies.dsv4_quant import slot_case
 from sparsekv.testing.strategies.dsv4_store import store_case
@@ -45,14 +45,15 @@ def test_stored_bytes_equal_the_reference(backend, kind, data):
     assert torch.equal(got.cpu(), expected)
 
 
-def test_reference_is_norm_rope_in_fp64_within_the_quantization_error():
+def test_reference_is_norm_rope_in_fp64_within_the_quantization_error(backend):
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(6, 512, generator=gen), torch.rand(512, generator=gen) + 0.5
     positions = torch.tensor([0, 1, 4, 128, 4096, 1 << 20])
     inv_freq = rope_inv_freq(160000, 16, 65536, 32, 1)
     cache = torch.zeros(1, LAYOUTS["V4"].page_bytes(8), dtype=torch.uint8)
-    norm_rope_store(x, weight, 1e-6, positions, cache, torch.arange(6), 8, RopeParams(160000, 16, 65536, 32, 1))
-    got = dequantize_fp8_ds_mla(cache, torch.arange(6), 8).double()
+    dx, dweight, dpositions, cache, slots = to_backend(backend, [x, weight, positions, cache, torch.arange(6)])
+    norm_rope_store(dx, dweight, 1e-6, dpositions, cache, slots, 8, RopeParams(160000, 16, 65536, 32, 1))
+    got = dequantize_fp8_ds_mla(cache, slots, 8).cpu().double()
     xd = x.double()
     y = xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + 1e-6) * weight.double()
     angle = positions.double()[:, None] * inv_freq
@@ -67,6 +68,7 @@ def test_reference_is_norm_rope_in_fp64_within_the_quantization_error():
     assert bool((err <= block_amax * 2**-4).all())  # e4m3 keeps 3 mantissa bits (+ bf16 steps)
 
 
+@pytest.mark.no_backend("checks the torch reference's Hadamard step")
 def test_hadamard_step_is_the_orthonormal_walsh_matrix():
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < 128:
@@ -82,6 +84,7 @@ def test_hadamard_step_is_the_orthonormal_walsh_matrix():
     torch.testing.assert_close(rotated @ rotated.T, plain @ plain.T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.no_backend("checks the torch reference's RoPE frequencies")
 def test_yarn_frequencies_blend_between_interpolation_and_extrapolation():
     base = rope_inv_freq(160000)
     yarn = rope_inv_freq(160000, 16, 65536, 32, 1)
@@ -135,13 +138,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("mutate, extra, exc, name", BAD)
-def test_bad_input_names_the_argument_and_leaves_the_cache(mutate, extra, exc, name):
-    args = _args()
+def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks, mutate, extra, exc, name):
+    args = to_backend(backend, _args())
     cache = args[4]
     before = cache.clone()
     rope = extra.get("rope", RopeParams(160000, 16, 65536, 32, 1))
     with pytest.raises(exc, match=f"`{name}`"):
-        norm_rope_store(*mutate(args), rope, extra.get("kind", "V4"))
+        norm_rope_store(*to_backend(backend, mutate(args)), rope, extra.get("kind", "V4"))
     assert torch.equal(cache, before)
 
 
@@ -180,12 +183,13 @@ def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, d
     assert torch.equal(a.state.cpu(), b.state.cpu())
 
 
-def test_fused_store_with_a_bad_slot_changes_nothing():
+def test_fused_store_with_a_bad_slot_changes_nothing(backend, index_checks):
     gen = torch.Generator().manual_seed(2)
     kv, score, ape = torch.randn(9, 1024, generator=gen), torch.randn(9, 1024, generator=gen), torch.randn(4, 1024)
     cache = torch.full((2, LAYOUTS["V4"].page_bytes(4)), 7, dtype=torch.uint8)
-    state = torch.zeros(32, 2048)
-    target = StoreTarget(cache, torch.ones(512), 1e-6, 4, RopeParams(10000))
+    kv, score, ape, cache, state, weight = to_backend(backend, [kv, score, ape, cache, torch.zeros(32, 2048),
+                                                                torch.ones(512)])
+    target = StoreTarget(cache, weight, 1e-6, 4, RopeParams(10000))
     comp = CompressorState(state, ape, 4, ring_size=16)
     before_cache, before_state = cache.clone(), state.clone()
     with pytest.raises(IndexError, match="`slots`"):

@@ -128,8 +128,8 @@ def test_a_destination_named_twice_with_different_sources_is_rejected(backend):
     assert torch.equal(dst[1], src[2]) and torch.equal(dst[0], src[3])
 
 
-def test_an_invalid_instance_is_rejected_before_compiling():
+def test_an_invalid_instance_is_rejected_before_compiling(backend):
     with pytest.raises(ValueError, match="`index_dtype` must be one of"):
-        GATHER_ROWS.module(index_dtype=torch.int8)
+        GATHER_ROWS.module(index_dtype=torch.int8, backend=backend)
     with pytest.raises(ValueError, match="no parameter 'index_type'"):
-        GATHER_ROWS.module(index_type="int8_t")
+        GATHER_ROWS.module(index_type="int8_t", backend=backend)

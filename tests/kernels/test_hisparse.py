@@ -365,6 +365,7 @@ def test_top_k_and_output_may_be_adjacent_views_of_one_buffer(backend):
     assert torch.equal(shared_args["device_buffer"], args["device_buffer"])
 
 
+@pytest.mark.no_backend("a compile-time check of the header under the host compiler")
 def test_a_swap_in_instance_too_large_for_shared_memory_fails_to_compile(tmp_path):
     root = csrc_root()
 
@@ -395,6 +396,7 @@ def test_dsv4_rejects_a_non_page_row_cache_and_a_wrong_item_size(backend):
         load_cache_to_device_buffer_dsv4_mla(**to_backend(backend, _call_args(w, item_size_bytes=576)))
 
 
+@pytest.mark.no_backend("compares two instance tables")
 def test_every_table_layout_has_a_plan_replay_instance():
     def layout(values):
         return values["layout"], values.get("page_slots")
@@ -402,6 +404,7 @@ def test_every_table_layout_has_a_plan_replay_instance():
     assert {layout(v) for v in SWAP_IN.instances} <= {layout(v) for v in PLANNED.instances}
 
 
+@pytest.mark.no_backend("the check pass always runs in the cpu build on host copies, whatever the caller's device")
 def test_index_check_reads_only_the_shapes_of_the_caches():
     # On the GPU the check pass runs in the cpu build on host copies of the tables and one-row
     # stand-ins of the caches; the stand-ins must pass the same checks and the verdict must be the same.
@@ -500,7 +503,7 @@ INVALID_INSTANCES = [
 
 
 @pytest.mark.parametrize("values, message", INVALID_INSTANCES, ids=[m[:32] for _, m in INVALID_INSTANCES])
-def test_an_invalid_instance_raises_before_compiling_anything(monkeypatch, values, message):
+def test_an_invalid_instance_raises_before_compiling_anything(backend, monkeypatch, values, message):
     import sparsekv.jit_kernel.registry as registry
 
     def no_compile(*args, **kwargs):
@@ -508,9 +511,10 @@ def test_an_invalid_instance_raises_before_compiling_anything(monkeypatch, value
 
     monkeypatch.setattr(registry, "load_jit", no_compile)
     with pytest.raises(ValueError, match=re.escape(message)):
-        SWAP_IN.module(**values)
+        SWAP_IN.module(**values, backend=backend)
 
 
+@pytest.mark.no_backend("a compile-time check of the header under the host compiler")
 def test_the_shared_memory_bound_is_what_the_compiler_says(tmp_path):
     """swap_in_shared_bytes (the Python bound on K and H) equals sizeof(SwapIn<...>::Shared)."""
     cases = [(1, 1, 64), (4, 4, 64), (5, 7, 64), (12, 70, 64), (16, 48, 64), (64, 128, 64), (100, 333, 128),
@@ -528,6 +532,7 @@ def test_the_shared_memory_bound_is_what_the_compiler_says(tmp_path):
     assert swap_in_shared_bytes(7000, 9000, 1024) <= SHARED_MEMORY_LIMIT < swap_in_shared_bytes(16384, 16384, 1024)
 
 
+@pytest.mark.no_backend("block sizes are computed in Python")
 def test_default_block_size_covers_the_table():
     assert [default_block_size(k) for k in (1, 5, 64, 65, 512, 1024, 2048, 30000)] == [64, 64, 64, 128, 512, 1024,
                                                                                          1024, 1024]

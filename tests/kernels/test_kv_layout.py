@@ -14,6 +14,8 @@ from sparsekv.jit_kernel import kv_layout
 from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
 
+pytestmark = pytest.mark.no_backend("byte layouts, in Python and in the C++ header: no kernel runs")
+
 PAGE_SLOTS = (1, 2, 32, 63, 64, 128, 256)
 
 
