@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
+
+from sparsekv.testing.profiles import register_profiles
 
 REPO = Path(__file__).resolve().parent.parent
 
 # A small default keeps `make test` within minutes on 2 cores; `--slow` digs deeper.
-settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("slow", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+register_profiles()
 
 # Tests build into a cache inside the checkout unless the caller chose one (kept warm across runs).
 os.environ.setdefault("SPARSEKV_CACHE_DIR", str(REPO / ".cache" / "jit"))

@@ -19,6 +19,7 @@ from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.kv_layout import c4_page_slots
 from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
@@ -32,7 +33,7 @@ HEADS, INDEXER_HEADS = 4, 3
 
 @pytest.mark.parametrize("backend", kernel_backends())
 @pytest.mark.parametrize("layout", sorted(INDEXER_LAYOUTS))
-@settings(max_examples=5)
+@settings(max_examples=scaled_examples(5))
 @given(seed=st.integers(0, 2**31 - 1), start=st.integers(HOT + 1, 2 * P), steps=st.integers(1, 4))
 def test_indexer_swap_in_attention_equals_the_fully_resident_cache(backend, layout, seed, start, steps):
     g = torch.Generator().manual_seed(seed)

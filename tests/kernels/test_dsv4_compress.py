@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
 from sparsekv.testing.strategies.dsv4_compress import feeding, sequence
 
@@ -24,7 +25,7 @@ def _on(backend, *tensors):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=scaled_examples(10), deadline=None)
 @given(data=st.data())
 def test_compress_pool_matches_fp64_reference(backend, ratio, data):
     kv, score, ape = data.draw(sequence(ratio))
@@ -40,7 +41,7 @@ def test_compress_pool_matches_fp64_reference(backend, ratio, data):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=scaled_examples(10), deadline=None)
 @given(data=st.data(), shift=st.floats(-30, 30))
 def test_gauge_invariance_and_convexity(backend, ratio, data, shift):
     kv, score, ape = data.draw(sequence(ratio))
@@ -141,7 +142,7 @@ def _feed(state, steps, kv, score, ring_ids, span, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio, online", [(4, False), (128, False), (128, True)], ids=["c4", "c128", "c128-online"])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=scaled_examples(8), deadline=None)
 @given(data=st.data())
 def test_any_chunking_gives_the_one_shot_entries(backend, ratio, online, data):
     kv, score, ape = data.draw(sequence(ratio, max_tokens=3 * ratio + 5, widths=(8, 32)))
@@ -324,7 +325,7 @@ def test_construction_checks(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=scaled_examples(6), deadline=None)
 @given(data=st.data())
 def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(backend, ratio, data):
     kv, score, ape = data.draw(sequence(ratio, max_tokens=3 * ratio + 5, widths=(8, 32)))

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
 from sparsekv.testing.backends import device_of
+from sparsekv.testing.profiles import scaled_examples
 
 D = 8
 RATIO = 4
@@ -70,4 +71,5 @@ class Streaming(RuleBasedStateMachine):
 
 def test_streaming_state_machine(backend):
     machine = type(f"Streaming_{backend}", (Streaming,), {"backend": backend})
-    run_state_machine_as_test(machine, settings=settings(max_examples=10, stateful_step_count=12, deadline=None))
+    run_state_machine_as_test(machine, settings=settings(max_examples=scaled_examples(10), stateful_step_count=12,
+                                                         deadline=None))

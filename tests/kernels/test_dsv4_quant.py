@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref
 from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 
@@ -23,7 +24,7 @@ def _noise_cache(pages: int, page_size: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=scaled_examples(15), deadline=None)
 @given(data=st.data())
 def test_quantize_bytes_equal_the_reference(backend, dtype, data):
     x = data.draw(quant_rows()).to(dtype)
@@ -39,7 +40,7 @@ def test_quantize_bytes_equal_the_reference(backend, dtype, data):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=scaled_examples(15), deadline=None)
 @given(data=st.data())
 def test_dequantize_is_within_half_an_ulp_and_scales_are_powers_of_two(backend, data):
     x = data.draw(quant_rows())

@@ -18,6 +18,7 @@ from sparsekv.jit_kernel.dsv4 import (
     norm_rope_store,
 )
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
 from sparsekv.testing.strategies.dsv4_quant import slot_case
 from sparsekv.testing.strategies.dsv4_store import store_case
@@ -28,7 +29,7 @@ KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(KINDS))
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=scaled_examples(10), deadline=None)
 @given(data=st.data())
 def test_stored_bytes_equal_the_reference(backend, kind, data):
     x, weight, eps, positions, rope = data.draw(store_case(KINDS[kind]))
@@ -150,7 +151,7 @@ def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio, kind", [(4, "V4"), (4, "INDEXER_FP8"), (4, "INDEXER_FP4"), (128, "V4")])
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=scaled_examples(4), deadline=None)
 @given(data=st.data())
 def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, data):
     device = device_of(backend)

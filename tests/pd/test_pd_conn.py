@@ -20,6 +20,7 @@ from sparsekv.srt.disaggregation.pd_demo import fill_regions, region_array
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+from sparsekv.testing.profiles import scaled_examples
 
 try:
     load_nixl_api()
@@ -141,7 +142,7 @@ _PLANNER = RoomPlanner(_MANIFEST, _MANIFEST, _ARGS)  # one planner for every exa
 pages = st.lists(st.integers(0, 57), min_size=1, max_size=12, unique=True)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=scaled_examples(25), deadline=None)
 @given(pages, pages, st.booleans(), st.booleans())
 def test_a_reused_planner_plans_what_a_fresh_one_does(src_kv, dst_kv, own_c4_pages, coalesce):
     n = min(len(src_kv), len(dst_kv))

@@ -21,6 +21,7 @@ from sparsekv.srt.model_executor.pool_configurator import (
     create_memory_pool_configurator,
 )
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+from sparsekv.testing.profiles import scaled_examples
 
 SIZE_FIELDS = (
     "max_total_num_tokens", "full_max_total_num_tokens", "swa_max_total_num_tokens",
@@ -227,7 +228,7 @@ def test_non_pp_plan_is_the_whole_model(model, server, available):
     assert outcome(model, server, available) == outcome(trimmed, server, available)
 
 
-@settings(max_examples=10)
+@settings(max_examples=scaled_examples(10))
 @given(dsv4_servers(max_running_requests=st.integers(1, 1024)), st.integers(1, 6), budgets)
 def test_user_cap_is_honoured_exactly(server, pp_size, available):
     model = dsv4_preset("dsv4-pro")

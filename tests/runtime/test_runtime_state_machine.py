@@ -36,6 +36,7 @@ from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostPages, HostSlots
 from sparsekv.srt.streams import CpuStreams
 from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 # Small on purpose: 4 device pages, 8 logical pages and 6 host pages run out often.
@@ -542,9 +543,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# The ci profile (25 examples) runs 10 x 40 = 400 steps (about 15 s on one core); --slow (500
-# examples) runs 200 x 100 = 20,000.
-_deep = settings.default.max_examples >= 100
+# The ci profile runs 10 x 40 = 400 steps (about 15 s on one core); --slow runs 200 x 100 = 20,000.
 TestHiSparseRuntime = HiSparseRuntime.TestCase
-TestHiSparseRuntime.settings = settings(settings.default, max_examples=200 if _deep else 10,
-                                        stateful_step_count=100 if _deep else 40)
+TestHiSparseRuntime.settings = settings(settings.default, max_examples=scaled_examples(10),
+                                        stateful_step_count=100 if scaled_examples(10) > 10 else 40)

@@ -8,10 +8,17 @@ from hypothesis import strategies as st
 
 @st.composite
 def sequence(draw, ratio: int, max_tokens: int | None = None, widths=(8, 32, 40)):
-    """``(kv, score, ape)`` float32 for a sequence of T tokens (boundary lengths likely)."""
+    """``(kv, score, ape)`` float32 for a sequence of T tokens (boundary lengths likely).
+
+    One draw in ten is shorter than ``ratio`` (no entry at all: 0, 1 or ``ratio - 1`` tokens); the
+    rest hold at least one entry, so a test's assertions about entries are exercised.
+    """
     m = ratio
-    max_tokens = max_tokens or (6 * m + 3)
-    t = draw(st.sampled_from([0, 1, m - 1, m, m + 1, 2 * m - 1, 2 * m]) | st.integers(0, max_tokens))
+    max_tokens = max(max_tokens or (6 * m + 3), m)
+    if draw(st.integers(0, 9)) == 0:
+        t = draw(st.sampled_from([0, 1, m - 1]))
+    else:
+        t = draw(st.sampled_from([m, m + 1, 2 * m - 1, 2 * m]) | st.integers(m, max_tokens))
     d = draw(st.sampled_from(widths))
     coff = 2 if ratio == 4 else 1
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))

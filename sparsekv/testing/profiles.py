@@ -1,0 +1,28 @@
+"""Hypothesis profiles: a small ``ci`` one by default, a deep ``slow`` one (pytest ``--slow``).
+
+A test that pins its own example count (a costly kernel test) still goes deeper under ``--slow``:
+it asks :func:`scaled_examples` for its count, which scales with the active profile.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+CI_EXAMPLES = 25
+SLOW_EXAMPLES = 500
+
+
+def register_profiles() -> None:
+    """Register the ``ci`` and ``slow`` profiles (loading one is the caller's choice)."""
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=CI_EXAMPLES, **common)
+    settings.register_profile("slow", max_examples=SLOW_EXAMPLES, **common)
+
+
+def scaled_examples(ci_count: int) -> int:
+    """``ci_count`` examples under the ``ci`` profile, as many more under the active one as it has.
+
+    Read when a test module is imported, i.e. after pytest loaded the profile: ``--slow`` turns a
+    pinned 10 into 200.
+    """
+    return max(1, round(ci_count * settings.default.max_examples / CI_EXAMPLES))
