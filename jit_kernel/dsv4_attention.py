@@ -34,8 +34,9 @@ import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
-__all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention"]
+__all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention", "workspace_floats"]
 
 HEAD_DIM = 512
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::dsv4_attention::Bf16"}
@@ -77,6 +78,11 @@ def _default_splits(backend: str, batch: int, heads: int, entries: int) -> int:
     return max(1, min(-(-_CUDA_TARGET_BLOCKS // blocks), entries // _CUDA_MIN_SPLIT_LEN))
 
 
+def _entries(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> int:
+    """Entries per row of ``[indices | extra_indices]`` (0 for a wrong-rank table: the C++ entry names it)."""
+    return rows_of(indices, 2, 1) + (0 if extra_indices is None else rows_of(extra_indices, 2, 1))
+
+
 def _check_slots_on_device(indices: torch.Tensor, cache: torch.Tensor, page_size: int, name: str) -> None:
     # SPARSEKV_CHECK_INDICES=1 on the GPU: the full check costs a host sync, so it is opt-in there.
     bad = (indices < -1) | (indices >= cache.shape[0] * page_size)
@@ -84,6 +90,30 @@ def _check_slots_on_device(indices: torch.Tensor, cache: torch.Tensor, page_size
         b, j = (int(x) for x in bad.nonzero()[0])
         raise IndexError(f"sparsekv: argument `{name}`[{b}, {j}] = {int(indices[b, j])} is neither -1 nor a slot "
                          f"of its cache [0, {cache.shape[0] * page_size})")
+
+
+def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.dtype = torch.float32) -> int:
+    """float32 elements of the workspace one :func:`sparse_decode_attention` call needs.
+
+    The split-KV partials ``[B, splits, H, 512]`` + ``[B, splits, H]`` when ``num_splits > 1``, and a
+    float32 ``[B, H, 512]`` staging of the output when ``out_dtype`` is bfloat16 (the kernel
+    accumulates in float32; the op rounds to bf16 at the end, round-to-nearest-even).
+    """
+    partials = batch * num_splits * heads * (HEAD_DIM + 1) if num_splits > 1 else 0
+    staging = batch * heads * HEAD_DIM if out_dtype == torch.bfloat16 else 0
+    return partials + staging
+
+
+# One workspace per device, shared by the calls that pass none; replaced only by a larger one.
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def _cached_workspace(device: torch.device, floats: int) -> torch.Tensor:
+    buffer = _WORKSPACES.get(device)
+    if buffer is None or buffer.numel() < floats:
+        buffer = torch.empty(floats, dtype=torch.float32, device=device)
+        _WORKSPACES[device] = buffer
+    return buffer
 
 
 def sparse_decode_attention(
@@ -98,6 +128,10 @@ def sparse_decode_attention(
     extra_indices: torch.Tensor | None = None,
     extra_page_size: int | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA decode attention with a per-head sink over one or two paged V4 caches.
 
@@ -122,55 +156,102 @@ def sparse_decode_attention(
         Slots per page of ``extra_kv_cache``; required exactly when it is given.
     num_splits : int, optional
         Split-KV ranges per row, in ``[1, max(1, K + K2)]``; default: the backend's choice (1 on cpu).
+    out : torch.Tensor, optional
+        ``[B, H, 512]`` of dtype ``out_dtype``, contiguous, to write (default: a new tensor).
+    lse : torch.Tensor, optional
+        float32 ``[B, H]``, contiguous, to write (default: a new tensor).
+    out_dtype : torch.dtype
+        ``torch.float32`` (default) or ``torch.bfloat16``: the dtype of ``out``.
+    workspace : torch.Tensor, optional
+        float32, contiguous, 1-D, at least :func:`workspace_floats` elements (the split-KV partials and
+        the bf16 output's float32 staging). Default: one buffer per device kept by this module and
+        replaced only when a call needs more (calls on one device share it: concurrent calls on
+        different streams, and CUDA graphs, pass their own).
 
     Returns
     -------
     out : torch.Tensor
-        float32 ``[B, H, 512]``, new.
+        ``[B, H, 512]`` of ``out_dtype`` (``out`` when given).
     lse : torch.Tensor
-        float32 ``[B, H]``, new; natural-log logsumexp of the logits without the sink, +inf for a row
-        with no valid entry.
+        float32 ``[B, H]`` (``lse`` when given); natural-log logsumexp of the logits without the
+        sink, +inf for a row with no valid entry.
 
     Notes
     -----
-    Allocates ``out``, ``lse`` and, with more than one split, the split workspace
-    (``[B, splits, H, 512]`` + ``[B, splits, H]`` float32); never synchronizes (except with
-    ``SPARSEKV_CHECK_INDICES=1`` on the GPU, which checks the indices on the device and reads back one flag).
+    Given ``out``, ``lse`` and a large-enough ``workspace`` (or none needed: one split and float32
+    output), a call allocates nothing and never synchronizes (except with ``SPARSEKV_CHECK_INDICES=1``
+    on the GPU, which checks the indices on the device and reads back one flag), so it can be
+    captured in a CUDA graph. The call is the custom op ``torch.ops.sparsekv.sparse_decode_attention``.
 
     Raises
     ------
     TypeError
         Wrong dtype (the message names the argument), including a bf16 ``sink``.
     ValueError
-        Wrong shape, stride or device; ``page_size`` not a power of two; ``extra_*`` given partly.
+        Wrong shape, stride or device; ``page_size`` not a power of two; ``extra_*`` given partly; a
+        ``workspace`` smaller than :func:`workspace_floats`.
     IndexError
         An entry that is neither -1 nor a slot of its cache, when the indices are host-readable (cpu
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
+    batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
+    entries = _entries(indices, extra_indices)
+    splits = _default_splits(backend_of(q), batch, heads, entries) if num_splits is None else num_splits
+    splits = splits if type(splits) is int else -1  # noqa: E721 - the op body names a bad count
+    if out is None:
+        out = torch.empty((batch, heads, HEAD_DIM), dtype=out_dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((batch, heads), dtype=torch.float32, device=q.device)
+    floats = workspace_floats(batch, heads, splits, out_dtype) if 1 <= splits <= max(1, entries) else 0
+    if workspace is None and floats:
+        workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
+                     else _cached_workspace(q.device, floats))
+    _attention(q, kv_cache, indices, sink, page_size, float(softmax_scale), extra_kv_cache, extra_indices,
+               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace)
+    return out, lse
+
+
+@kernel_op("sparse_decode_attention", mutates_args=("out", "lse", "workspace"))
+def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_size: int,
+               softmax_scale: float, extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
+               extra_page_size: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
+               workspace: torch.Tensor | None) -> None:
     attention_template_args(q.dtype)
     if sink.dtype != torch.float32:
         raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
                         f"bf16 corrupts heads), got {sink.dtype}")
     if q.dim() != 3:
         raise ValueError(f"sparsekv: argument `q` must be [B, H, {HEAD_DIM}], got shape {list(q.shape)}")
-    backend = backend_of(q)
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"sparsekv: argument `out` must have dtype float32 or bfloat16 (`out_dtype`), got {out.dtype}")
     batch, heads = q.shape[0], q.shape[1]
-    entries = (indices.shape[-1] if indices.dim() == 2 else 0) + (
-        extra_indices.shape[-1] if extra_indices is not None and extra_indices.dim() == 2 else 0)
-    splits = _default_splits(backend, batch, heads, entries) if num_splits is None else num_splits
+    most = max(1, _entries(indices, extra_indices))
+    if not 1 <= num_splits <= most:  # before any workspace is sized for it
+        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
+    floats = workspace_floats(batch, heads, num_splits, out.dtype)
+    if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
+                   or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):
+        got = "None" if workspace is None else f"{workspace.dtype} {list(workspace.shape)} on {workspace.device}"
+        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
+                         f"at least {floats} elements (workspace_floats), got {got}")
+    backend = backend_of(q)
     if backend == "cuda" and env.check_indices():
         _check_slots_on_device(indices, kv_cache, page_size, "indices")
-        if extra_indices is not None and extra_kv_cache is not None and extra_page_size is not None:
+        if extra_indices is not None and extra_kv_cache is not None and extra_page_size >= 0:
             _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
-    out = torch.empty((batch, heads, HEAD_DIM), dtype=torch.float32, device=q.device)
-    lse = torch.empty((batch, heads), dtype=torch.float32, device=q.device)
+    # Workspace order: the bf16 output's float32 staging, then the split partials.
+    staged = out
+    used = 0
+    if out.dtype == torch.bfloat16:
+        staged = workspace[:batch * heads * HEAD_DIM].view(batch, heads, HEAD_DIM)
+        used = staged.numel()
     part_out = part_lse = None
-    if isinstance(splits, int) and splits > 1:
-        part_out = torch.empty((batch, splits, heads, HEAD_DIM), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, splits, heads), dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        part_out = workspace[used:used + batch * num_splits * heads * HEAD_DIM].view(batch, num_splits, heads, HEAD_DIM)
+        used += part_out.numel()
+        part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend)
-    module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, float(softmax_scale), extra_kv_cache,
-                                   extra_indices, -1 if extra_page_size is None else extra_page_size, out, lse,
-                                   part_out, part_lse, splits)
-    return out, lse
-
+    module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
+                                   extra_page_size, staged, lse, part_out, part_lse, num_splits)
+    if staged is not out:
+        out.copy_(staged)

@@ -41,6 +41,7 @@ import torch
 from sparsekv import env
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
 __all__ = [
     "INDEXER",
@@ -185,18 +186,24 @@ def indexer_scores(
         A page holding visible entries outside the cache (host-readable tables; the kernel scores
         such entries -inf otherwise).
     """
-    indexer_template_args(layout, q.dtype)
     if out is None:
-        if page_table.dim() != 2:
-            raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
-        out = torch.empty((page_table.shape[0], page_table.shape[1] * page_size), dtype=torch.float32,
+        out = torch.empty((rows_of(page_table, 2, 0), rows_of(page_table, 2, 1) * page_size), dtype=torch.float32,
                           device=q.device)
+    _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out)
+    return out
+
+
+@kernel_op("indexer_scores", mutates_args=("out",))
+def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                    positions: torch.Tensor, page_size: int, layout: str, out: torch.Tensor) -> None:
+    indexer_template_args(layout, q.dtype)
+    if page_table.dim() != 2:
+        raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
     backend = backend_of(out)
     if backend == "cuda" and env.check_indices():
         check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
     module = INDEXER.module(layout=layout, q_dtype=q.dtype, backend=backend)
     module.indexer_scores(q, weights, k_cache, page_table, positions, page_size, out)
-    return out
 
 
 def indexer_topk(
@@ -243,20 +250,27 @@ def indexer_topk(
     IndexError
         A negative page holding visible entries (host-readable tables).
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"sparsekv: argument `top_k` must be an int >= 1 (any k; no per-k instances), got {top_k!r}")
+    k = top_k if type(top_k) is int and top_k >= 1 else 0  # noqa: E721 - the op body names a bad top_k
+    batch = rows_of(scores, 2)
+    if out is None:
+        out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
+    if page_table is not None and out_slots is None:
+        out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
+    _indexer_topk(scores, positions, k, page_table, page_size, out, out_slots)
+    return out, out_slots
+
+
+@kernel_op("indexer_topk", mutates_args=("out", "out_slots"))
+def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
+                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None) -> None:
+    if top_k < 1:
+        raise ValueError("sparsekv: argument `top_k` must be an int >= 1 (any k; no per-k instances)")
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
-    batch = scores.shape[0] if scores.dim() == 2 else 0
-    if out is None:
-        out = torch.empty((batch, top_k), dtype=torch.int32, device=scores.device)
-    elif out.dim() != 2 or out.shape[1] != top_k:
+    if out.dim() != 2 or out.shape[1] != top_k:
         raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
-    if page_table is not None and out_slots is None:
-        out_slots = torch.empty((batch, top_k), dtype=torch.int32, device=scores.device)
     INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
                                                                  page_size)
-    return out, out_slots
 
 
 def lightning_indexer(
@@ -269,12 +283,17 @@ def lightning_indexer(
     *,
     page_size: int = 64,
     layout: str = "fp8",
+    scores: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_scores` then :func:`indexer_topk` through the page table.
 
-    Returns ``(tokens, slots)``, both int32 ``[B, top_k]``. Same parameters and errors as the two;
-    allocates the score rows.
+    Returns ``(tokens, slots)``, both int32 ``[B, top_k]`` (``out`` and ``out_slots`` when given).
+    ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_size``).
+    Same parameters and errors as the two; given the three buffers, a call allocates nothing.
     """
-    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout)
-    tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size)
+    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores)
+    tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
+                                 out_slots=out_slots)
     return tokens, slots

@@ -14,6 +14,7 @@ import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
 DSV4_QUANT = register(
     KernelFamily(
@@ -82,11 +83,17 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
-    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
-    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, int(page_size))
+    _quantize(x, cache, slots, int(page_size))
 
 
-def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+@kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
+def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
+    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, page_size)
+
+
+def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: int, *,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """The values stored in token slots of a paged ``fp8_ds_mla`` cache.
 
     Parameters
@@ -97,11 +104,13 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
         int64 ``[N]`` in ``[0, pages * page_size)`` (repeats allowed).
     page_size : int
         Slots per page, a power of two.
+    out : torch.Tensor, optional
+        float32 ``[N, 512]``, contiguous, to write (default: a new tensor).
 
     Returns
     -------
     torch.Tensor
-        A new float32 ``[N, 512]``: ``e4m3 * 2^(scale_byte - 127)`` for dims 0-447, the bf16 values
+        ``out``, float32 ``[N, 512]``: ``e4m3 * 2^(scale_byte - 127)`` for dims 0-447, the bf16 values
         for dims 448-511.
 
     Raises
@@ -109,7 +118,13 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
     TypeError, ValueError, IndexError
         As :func:`quantize_fp8_ds_mla`.
     """
-    check_device_slots(slots, cache.shape[0] * int(page_size), unique=False)
-    out = torch.empty(slots.shape[0] if slots.dim() == 1 else 0, 512, dtype=torch.float32, device=cache.device)
-    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, int(page_size), out)
+    if out is None:
+        out = torch.empty(rows_of(slots, 1), 512, dtype=torch.float32, device=cache.device)
+    _dequantize(cache, slots, int(page_size), out)
     return out
+
+
+@kernel_op("dequantize_fp8_ds_mla", mutates_args=("out",))
+def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
+    check_device_slots(slots, cache.shape[0] * page_size, unique=False)
+    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_size, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.jit_kernel.torch_op import kernel_op
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
 
@@ -52,6 +53,11 @@ def gather_rows(
     IndexError
         An index outside its table (checked before any byte moves for host tensors).
     """
+    _gather_rows(dst, dst_indices, src, src_indices)
+
+
+@kernel_op("gather_rows", mutates_args=("dst",))
+def _gather_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
     if dst_indices.dtype not in INDEX_TYPES:
         raise TypeError(f"sparsekv: argument `dst_indices` must have dtype int32 or int64, got {dst_indices.dtype}")
     module = GATHER_ROWS.module(index_dtype=dst_indices.dtype, backend=backend_of(dst))
