@@ -20,6 +20,16 @@
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
 // device_buffer_tokens, table rows of padding rows, device bytes other than the miss slots.
 //
+// Rows of one request (MTP draft tokens, speculative decoding). The plain entry serves each real
+// row in its own block, so two real rows naming one request would race on its tables and slots: it
+// refuses them (host-readable tables: ValueError before anything is written; on the device, with
+// no host sync: every such row comes out all -1 with no miss, its request's tables untouched). The
+// speculative entry serves all real rows of a request in one block, in batch order, each on the
+// tables the previous row left: the result equals running the rows one call after another. A token
+// missing from several of them is loaded once (the first row loads it, the next ones hit it), and
+// each row gets the slots of its own top-k, which stay its own while the group selects at most H
+// distinct tokens (a later row's misses then evict none of them).
+//
 // Input contract (ffi.h): no written argument (top_k_device_locs, device_buffer_tokens, lru_slots,
 // device_buffer, the plan, counters) shares memory with any other argument; the entry rejects it
 // (the slow path, for one, reads the top-k row again after writing the output row). The device
@@ -139,6 +149,7 @@ struct SwapIn {
     int64_t miss_src_stride;
     int64_t miss_dst_stride;
     int64_t* counters;  // nullptr: no counters; else {hits, misses, bytes}
+    bool speculative;   // rows of one request are served together, in batch order (else refused)
   };
 
   // Per-request scratch: shared memory on the GPU, a stack frame on the host.
@@ -182,15 +193,56 @@ struct SwapIn {
 
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
 
-  // Everything for batch row b; called by every thread of the team.
+  // Work unit b of a launch; called by every thread of the team. A real row whose request another
+  // real row also names: plain entry, refused (like padding: -1, no miss, tables untouched: two
+  // blocks must never work on one request's tables); speculative entry, the first such row serves
+  // them all, in batch order, each with the tables the previous one left (the later rows' units do
+  // nothing). Rows of distinct requests are served alone either way.
+  SPARSEKV_HOST_DEVICE static void serve(const Params& p, int64_t b, const Team& t, Shared& s) {
+    const int64_t num_real = p.num_real_reqs ? static_cast<int64_t>(*p.num_real_reqs) : p.batch;
+    const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
+    if (b >= num_real || rid < 0 || rid >= p.max_reqs) {
+      run(p, b, t, s);
+      return;
+    }
+    const int64_t last = num_real < p.batch ? num_real : p.batch;
+    int before = 0, after = 0;
+    for (int64_t base = 0; base < last; base += t.size) {
+      const int64_t r = base + t.tid;
+      const bool same = r < last && r != b && load_index(p.req_pool_indices, p.req_is64, r) == rid;
+      int n_before = 0, n_after = 0;
+      t.rank(same && r < b, &n_before, s.warp_counts);
+      t.rank(same && r > b, &n_after, s.warp_counts);
+      before += n_before;
+      after += n_after;
+    }
+    if (!p.speculative && before + after > 0) {
+      refuse(p, b, t);
+      return;
+    }
+    if (before > 0) return;  // served by the request's first row
+    run(p, b, t, s);
+    for (int64_t r = b + 1; after > 0 && r < last; ++r) {
+      if (load_index(p.req_pool_indices, p.req_is64, r) != rid) continue;
+      t.sync();  // the previous row's table, LRU and byte writes are seen by every thread
+      run(p, r, t, s);
+      --after;
+    }
+  }
+
+  SPARSEKV_HOST_DEVICE static void refuse(const Params& p, int64_t b, const Team& t) {
+    for (int i = t.tid; i < K; i += t.size) p.top_k_device_locs[b * p.out_stride + i] = -1;
+    if (t.tid == 0 && p.miss_count) p.miss_count[b] = 0;
+  }
+
+  // Batch row b alone; called by every thread of the team.
   SPARSEKV_HOST_DEVICE static void run(const Params& p, int64_t b, const Team& t, Shared& s) {
     int32_t* out = p.top_k_device_locs + b * p.out_stride;
     const int32_t* top_k = p.top_k_tokens + b * p.top_k_stride;
     const int64_t num_real = p.num_real_reqs ? static_cast<int64_t>(*p.num_real_reqs) : p.batch;
     const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
     if (b >= num_real || rid < 0 || rid >= p.max_reqs) {
-      for (int i = t.tid; i < K; i += t.size) out[i] = -1;
-      if (t.tid == 0 && p.miss_count) p.miss_count[b] = 0;
+      refuse(p, b, t);
       return;
     }
     const int64_t seq_len = load_index(p.seq_lens, p.seq_is64, b);
@@ -360,7 +412,7 @@ struct SwapIn {
   // Host driver: one request per item, sequentially.
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t b, Lanes) {
     Shared s;
-    run(p, b, Team::current(), s);
+    serve(p, b, Team::current(), s);
   }
 
 #ifdef __CUDACC__
@@ -372,7 +424,7 @@ struct SwapIn {
 template <class K>
 __global__ void __launch_bounds__(K::kBlockSize) swap_in_kernel(const typename K::Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  K::run(p, blockIdx.x, Team::current(), *reinterpret_cast<typename K::Shared*>(smem));
+  K::serve(p, blockIdx.x, Team::current(), *reinterpret_cast<typename K::Shared*>(smem));
 }
 
 template <int K, int H, int BlockSize, class Layout>
@@ -565,6 +617,27 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   return p;
 }
 
+[[noreturn]] inline void duplicate_request_error(int64_t rid) {
+  TVM_FFI_THROW(ValueError) << "sparsekv: argument `req_pool_indices` names request row " << rid
+                            << " twice among the real batch rows (rows of one request, such as MTP draft tokens, go "
+                            << "through the speculative swap-in, which serves them in batch order)";
+}
+
+// Host-readable tables, plain entry: no request named by two real rows (on the device the kernel
+// refuses such rows instead: they come out all -1 and change nothing).
+template <class P>
+void check_distinct_requests(const P& p) {
+  const int64_t num_real = p.num_real_reqs ? *p.num_real_reqs : p.batch;
+  std::vector<int64_t> rids;
+  for (int64_t b = 0; b < std::min(num_real, p.batch); ++b) {
+    const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
+    if (rid >= 0 && rid < p.max_reqs) rids.push_back(rid);
+  }
+  std::sort(rids.begin(), rids.end());
+  const auto twice = std::adjacent_find(rids.begin(), rids.end());
+  if (twice != rids.end()) duplicate_request_error(*twice);
+}
+
 [[noreturn]] inline void index_error(const char* name, int64_t row, int64_t col, int64_t value, int64_t limit,
                                      const char* why) {
   TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << row << ", " << col << "] = " << value
@@ -584,10 +657,8 @@ void validate_swap_in(const P& p) {
   for (int64_t b = 0; b < num_real; ++b) {
     const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
     if (rid < 0 || rid >= p.max_reqs) index_error("req_pool_indices", b, 0, rid, p.max_reqs, "a real batch row");
-    if (std::find(seen.begin(), seen.end(), rid) != seen.end()) {
-      TVM_FFI_THROW(ValueError) << "sparsekv: argument `req_pool_indices` names request row " << rid
-                                << " twice among the real batch rows";
-    }
+    const bool seen_before = std::find(seen.begin(), seen.end(), rid) != seen.end();
+    if (seen_before && !p.speculative) duplicate_request_error(rid);
     seen.push_back(rid);
     const int64_t n = load_index(p.seq_lens, p.seq_is64, b);
     const int32_t* top_k = p.top_k_tokens + b * p.top_k_stride;
@@ -618,7 +689,7 @@ void validate_swap_in(const P& p) {
       if (locs[j] < 0 || locs[j] >= p.device_slots) {
         index_error("device_buffer_locs", rid, j, locs[j], p.device_slots, "a hot slot");
       }
-      written_locs.emplace_back(locs[j], rid);
+      if (!seen_before) written_locs.emplace_back(locs[j], rid);
     }
     const int32_t* held = p.device_buffer_tokens + rid * p.buffer_stride;
     const int64_t* host_locs = p.host_cache_locs + rid * p.max_len;
@@ -642,29 +713,61 @@ void validate_swap_in(const P& p) {
 }
 
 template <int K, int H, int BlockSize, class Layout>
+void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+             TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
+             TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots,
+             int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst,
+             OptionalTensor miss_count, OptionalTensor counters, int64_t index_check, bool speculative) {
+  // 1-2. Validate and derive the parameters.
+  const IndexCheck mode = index_check_mode(index_check);
+  auto p = swap_in_params<K, H, BlockSize, Layout>(
+      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
+      optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
+      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
+  p.speculative = speculative;
+  const bool on_device = top_k_tokens.device().device_type == kDLCUDA;
+  // 3. The index-check pass, when asked for (host-readable tables only).
+  if (mode != IndexCheck::kOff) {
+    if (on_device) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `index_check` needs host-readable tables (pass host copies)";
+    }
+    validate_swap_in<decltype(p), K, H>(p);
+  } else if (!on_device && !speculative) {
+    check_distinct_requests(p);
+  }
+  if (mode == IndexCheck::kOnly || p.batch == 0) return;
+  // 4. Launch on the caller's stream.
+  launch<SwapIn<K, H, BlockSize, Layout>>(p, top_k_tokens.device());
+}
+
+// The plain entry: every real row names its own request.
+template <int K, int H, int BlockSize, class Layout>
 void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
                                  TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
                                  TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
                                  TensorView lru_slots, int64_t item_size_bytes, OptionalTensor num_real_reqs,
                                  OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
                                  OptionalTensor counters, int64_t index_check) {
-  // 1-2. Validate and derive the parameters.
-  const IndexCheck mode = index_check_mode(index_check);
-  const auto p = swap_in_params<K, H, BlockSize, Layout>(
-      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-      top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
-      optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
-      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
-  // 3. The index-check pass, when asked for (host-readable tables only).
-  if (mode != IndexCheck::kOff) {
-    if (top_k_tokens.device().device_type == kDLCUDA) {
-      TVM_FFI_THROW(ValueError) << "sparsekv: argument `index_check` needs host-readable tables (pass host copies)";
-    }
-    validate_swap_in<decltype(p), K, H>(p);
-  }
-  if (mode == IndexCheck::kOnly || p.batch == 0) return;
-  // 4. Launch on the caller's stream.
-  launch<SwapIn<K, H, BlockSize, Layout>>(p, top_k_tokens.device());
+  swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+                                   host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
+                                   item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
+                                   index_check, false);
+}
+
+// The speculative entry (MTP draft tokens, speculative decoding): several real rows may name one
+// request; its rows are served in batch order by one block, as if run one call after another.
+template <int K, int H, int BlockSize, class Layout>
+void load_cache_to_device_buffer_speculative(
+    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
+    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, int64_t item_size_bytes,
+    OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
+    OptionalTensor counters, int64_t index_check) {
+  swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+                                   host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
+                                   item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
+                                   index_check, true);
 }
 
 // The destination rule and, with `strict` (the index-check mode), every entry of a recorded plan:

@@ -37,6 +37,7 @@ __all__ = [
     "load_cache_to_device_buffer_dsv4_mla",
     "load_cache_to_device_buffer_mla",
     "swap_in_args",
+    "swap_in_entry",
     "swap_in_module",
     "swap_in_shared_bytes",
     "transfer_cache_dsv4_mla",
@@ -113,7 +114,9 @@ SWAP_IN = register(
     KernelFamily(
         name="hisparse",
         header="hisparse.cuh",
-        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer"},
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer",
+                 "load_cache_to_device_buffer_speculative":
+                     "sparsekv::hisparse::load_cache_to_device_buffer_speculative"},
         kernels=("sparsekv::hisparse::SwapIn",),
         params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
         complete=_complete_swap_in,
@@ -218,13 +221,23 @@ def _stand_in(cache: torch.Tensor) -> torch.Tensor:
     return torch.empty((1, cache.shape[-1]), dtype=cache.dtype).expand(cache.shape) if cache.dim() == 2 else cache.cpu()
 
 
+def swap_in_entry(module, speculative: bool):
+    """The C++ entry of a compiled swap-in module: the plain one (every real row its own request)
+    or the speculative one (rows of one request served together, in batch order)."""
+    if not isinstance(speculative, bool):
+        raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
+    return module.load_cache_to_device_buffer_speculative if speculative else module.load_cache_to_device_buffer
+
+
 def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
           device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
-          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots) -> None:
+          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
+          speculative) -> None:
     backend = backend_of(top_k_tokens)
     page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
     module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
                             block_size=block_size, backend=backend)
+    entry = swap_in_entry(module, speculative)
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
@@ -235,9 +248,10 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
         else:
             # Debug mode on the GPU: the cpu build follows every index on host copies of the tables (a
             # sync) before the kernel runs; the caches are only measured, so they are stand-ins.
-            swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                           block_size=block_size, backend="cpu").load_cache_to_device_buffer(*host_check_args(args))
-    module.load_cache_to_device_buffer(*args)
+            host = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                                  block_size=block_size, backend="cpu")
+            swap_in_entry(host, speculative)(*host_check_args(args))
+    entry(*args)
 
 
 def load_cache_to_device_buffer_mla(
@@ -262,6 +276,7 @@ def load_cache_to_device_buffer_mla(
     counters: torch.Tensor | None = None,
     block_size: int | None = None,
     page_slots: int | None = None,
+    speculative: bool = False,
 ) -> None:
     """Resolve one layer's top-k against the per-request hot buffers; load the misses host -> device.
 
@@ -314,6 +329,14 @@ def load_cache_to_device_buffer_mla(
         GPU threads per request (a multiple of 32 in [32, 1024]); default :func:`default_block_size`.
     page_slots : None
         Generic layout: must be None (see :func:`load_cache_to_device_buffer_dsv4_mla`).
+    speculative : bool
+        False (default): every real row names its own request; two real rows naming one request
+        (which would race on its tables) are refused: ``ValueError`` for host-readable tables, and
+        on the device, without a host sync, every such row comes out all -1 and changes nothing.
+        True: the rows of one request (MTP draft tokens, speculative decoding) are served by one
+        block in batch order, each on the tables the previous one left, which equals running them
+        one call after another; a token several of them miss is loaded once, and each row's slots
+        stay its own while the request's rows select at most ``H`` distinct tokens.
 
     Raises
     ------
@@ -324,7 +347,8 @@ def load_cache_to_device_buffer_mla(
         ``device_buffer_tokens``, ``lru_slots``, ``device_buffer``, the plan, ``counters``) sharing
         memory with any other argument (the message names both); a 0-dim optional tensor;
         ``H < K``; ``(K, H)`` whose per-request scratch exceeds the GPU's 227 KiB of shared memory
-        (:func:`swap_in_shared_bytes`; raised before anything compiles).
+        (:func:`swap_in_shared_bytes`; raised before anything compiles); two real rows naming one
+        request without ``speculative`` (host-readable tables).
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
         before anything is written; ``ValueError`` for an LRU row that is not a permutation, a
@@ -334,7 +358,7 @@ def load_cache_to_device_buffer_mla(
     """
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative)
 
 
 def load_cache_to_device_buffer_dsv4_mla(
@@ -359,6 +383,7 @@ def load_cache_to_device_buffer_dsv4_mla(
     counters: torch.Tensor | None = None,
     block_size: int | None = None,
     page_slots: int | None = None,
+    speculative: bool = False,
 ) -> None:
     """:func:`load_cache_to_device_buffer_mla` for the DSV4 C4 layout, paged on both sides.
 
@@ -373,7 +398,7 @@ def load_cache_to_device_buffer_dsv4_mla(
     """
     _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative)
 
 
 def copy_cache_planned_mla(

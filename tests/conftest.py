@@ -39,6 +39,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
+    gpu = item.get_closest_marker("gpu")
+    if gpu is not None:
+        import pytest
+        import torch
+
+        need = gpu.kwargs.get("count", 1)
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < need:
+            pytest.skip(f"needs {need} CUDA GPU{'s' if need > 1 else ''}, {have} visible")
     # A backend that was asked for (SPARSEKV_TEST_BACKENDS) but cannot run here fails with the
     # reason, rather than vanishing from the run or breaking collection.
     callspec = getattr(item, "callspec", None)

@@ -503,7 +503,9 @@ class HiSparseCoordinator:
         Parameters
         ----------
         req_pool_indices, compressed_seq_lens : torch.Tensor
-            int32 or int64 ``[bs]`` on the pools' device: request rows and C4 lengths.
+            int32 or int64 ``[bs]`` on the pools' device: request rows and C4 lengths. Several rows
+            may name one request (MTP draft tokens, speculative decoding): they go through the
+            speculative swap-in, which serves them in batch order as if one call after another.
         top_k_result : torch.Tensor
             int32 ``[bs, top_k]``: C4 positions (-1 or out of range: none).
         layer_id : int
@@ -539,7 +541,7 @@ class HiSparseCoordinator:
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
             num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
-            page_slots=self.page_size)
+            page_slots=self.page_size, speculative=True)
         return out
 
     # ---- release ----------------------------------------------------------------------

@@ -8,11 +8,14 @@ The long-running policy check (many steps, many requests) is tests/kernels/test_
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 
 import pytest
 import torch
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.hisparse import (
     CHECK_ONLY,
@@ -33,7 +36,7 @@ from sparsekv.jit_kernel.toolchain import host_compiler
 from sparsekv.testing.backends import device_of, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.reference.hisparse import copy_cache_planned_reference
-from sparsekv.testing.strategies.hisparse import make_world, random_bytes
+from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
 
 K, H = 5, 7
 
@@ -606,3 +609,103 @@ def test_plan_replay_check_mode_rejects_every_bad_entry(backend, monkeypatch, sr
     with pytest.raises(IndexError, match=f"`{name}`"):
         copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
     assert torch.equal(args["device_buffer"].cpu(), before)
+
+
+# -- rows of one request in one batch (MTP draft tokens, speculative decoding) --------------------
+def _copy_world(w):
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)})
+
+
+def _state(w):
+    return (w.device_buffer_tokens, w.lru_slots, w.device_buffer)
+
+
+@st.composite
+def speculative_batches(draw):
+    """A world whose requests hold some tokens, and a batch in which requests repeat (draft rows of
+    one request at growing lengths), mixed with rows of other requests and padding."""
+    w = make_world(K, H, is_dsv4_layout=draw(st.booleans()), max_reqs=3, max_len=40, seed=draw(st.integers(0, 99)),
+                   backend="cpu")
+    for rid in range(3):
+        held = draw(st.lists(st.integers(0, 30), min_size=H, max_size=H, unique=True))
+        hold(w, rid, held)
+    rids = draw(st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    base = {rid: draw(st.integers(1, 32)) for rid in set(rids)}
+    seq_lens, top_k = [], []
+    for b, rid in enumerate(rids):
+        n = base[rid] + rids[:b].count(rid)  # each draft row one token longer
+        seq_lens.append(n)
+        top_k.append(draw(top_k_row(K, n, w.device_buffer_tokens[rid, :H].tolist())))
+    num_real = draw(st.integers(max(1, len(rids) - 2), len(rids)))
+    return w, top_k, rids, seq_lens, num_real
+
+
+@given(case=speculative_batches())
+def test_speculative_rows_equal_running_them_one_after_another(backend, case):
+    w, top_k, rids, seq_lens, num_real = case
+    w.backend = backend
+    one_by_one = _copy_world(w)
+    counters, counters_seq = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    res = w.swap_in(top_k, rids, seq_lens, num_real_reqs=num_real, plan=True, counters=counters, speculative=True)
+    for b in range(len(rids)):
+        real = b < num_real
+        row = one_by_one.swap_in([top_k[b]], [rids[b]], [seq_lens[b]], num_real_reqs=int(real), plan=True,
+                                 counters=counters_seq)
+        assert torch.equal(res["out"][b], row["out"][0])
+        count = int(row["miss_count"][0])
+        assert int(res["miss_count"][b]) == count
+        assert torch.equal(res["miss_src"][b, :count], row["miss_src"][0, :count])
+        assert torch.equal(res["miss_dst"][b, :count], row["miss_dst"][0, :count])
+    for now, then in zip(_state(w), _state(one_by_one)):
+        assert torch.equal(now, then)
+    assert torch.equal(counters, counters_seq)
+
+
+@example(rows=[[8, 9, 13, 2, -1], [8, 9, 14, 2, 15]])
+@given(rows=st.lists(st.lists(st.integers(2, 11), min_size=K, max_size=K), min_size=2, max_size=3))
+def test_a_token_missed_by_several_draft_rows_is_loaded_once(backend, rows):
+    # Draft rows at lengths 20, 21, ...: each row's newest token has the reserved column. While the
+    # group selects at most H distinct tokens, no row evicts what an earlier one selected.
+    n = [20 + b for b in range(len(rows))]
+    assume(len({t for b, row in enumerate(rows) for t in row if 0 <= t < n[b] - 1}) <= H)
+    w = world(backend)
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    res = w.swap_in(rows, [0] * len(rows), n, plan=True, speculative=True)
+    loaded = [int(s) for b in range(len(rows)) for s in res["miss_src"][b, : int(res["miss_count"][b])]]
+    assert len(loaded) == len(set(loaded))
+    for b, row in enumerate(rows):
+        for i, tok in enumerate(row):
+            if 0 <= tok < n[b] - 1:
+                loc = int(res["out"][b, i])
+                assert loc >= 0 and torch.equal(w.device_token(loc), w.host_token(0, tok))
+
+
+def test_the_plain_entry_refuses_two_rows_of_one_request_before_writing(backend):
+    w = world(backend)
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    before = [t.clone() for t in _state(w)]
+    with pytest.raises(ValueError, match="`req_pool_indices` names request row 0 twice"):
+        w.swap_in([[20, 2, 21, -1, 19], [20, 2, 22, -1, 20]], [0, 0], [20, 21], plan=True)
+    for now, then in zip(_state(w), before):
+        assert torch.equal(now, then)
+    # A padding row may name a real row's request.
+    w.swap_in([[20, 2, 21, -1, 19], [20, 2, 22, -1, 20]], [0, 0], [20, 21], num_real_reqs=1)
+
+
+@pytest.mark.gpu
+def test_on_the_device_the_plain_entry_refuses_rows_of_one_request_without_a_sync():
+    w = world("cpu")
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    args = to_backend("cuda", _call_args(w, top_k_tokens=torch.tensor([[20, 2, 21, -1, 19], [20, 2, 22, -1, 20],
+                                                                        [1, 2, 3, 4, 5]], dtype=torch.int32),
+                                         top_k_device_locs=torch.full((3, K), 7, dtype=torch.int32),
+                                         req_pool_indices=torch.tensor([0, 1, 0], dtype=torch.int32),
+                                         seq_lens=torch.tensor([20, 6, 21], dtype=torch.int32)))
+    before = _written(args)
+    load_cache_to_device_buffer_mla(**args)
+    after = _written(args)
+    for now, then in zip(after[:3], before[:3]):
+        assert torch.equal(now, then)  # request 0's tables and bytes untouched; request 1 is on the fast path
+    assert after[3][0].tolist() == [-1] * K and after[3][2].tolist() == [-1] * K
+    assert after[3][1].tolist() == [int(x) for x in w.device_buffer_locs[1, :5]]

@@ -734,3 +734,27 @@ def test_request_finished_releases_host_slots_of_an_abandoned_direct_transfer():
     w.check_all_free()
     with pytest.raises(RequestStateError, match="request row 2"):
         w.coord.request_finished(req)
+
+
+def test_draft_rows_of_one_request_swap_in_together_with_their_own_bytes():
+    # MTP: two rows of one request in one swap-in (the draft token sees one entry more); the rows
+    # share tokens, select at most HOT distinct ones, and each gets the bytes of its own top-k.
+    w = World()
+    req = Req(0, 0, uid=31)
+    w.prefill(req, 1100)
+    w.coord.admit_request_into_staging(req)
+    assert w.coord.collect_ready_reqs() == [req]
+    n = w.coord.host_token_len(req.kv_allocated_len)
+    rows = [[3, 40, 41, 200, -1], [41, 3, 42, 201, n - 1]]
+    out = w.coord.swap_in_selected_pages(torch.tensor([req.req_pool_idx] * 2), torch.tensor([n - 1, n]),
+                                         torch.tensor(rows, dtype=torch.int32), 1)
+    counters = w.coord.read_counters()
+    # 3 is resident since staging; 40, 41, 200 miss in the first row, then only 42 and 201 (41 and 3 hit).
+    assert counters["misses"] == 5
+    for b, row in enumerate(rows):
+        for tok, loc in zip(row, out[b].tolist()):
+            if 0 <= tok < n - 1 + b:
+                got = token_bytes(w.device_pool.kv_buffer[1], loc, page_slots=w.slots)
+                assert torch.equal(got, entry_bytes(req.uid, tok, 1)), (b, tok)
+    w.finish(req)
+    w.check_all_free()

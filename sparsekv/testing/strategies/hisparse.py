@@ -71,7 +71,8 @@ class SwapInWorld:
 
     def swap_in(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                 num_real_reqs: int | None = None, plan: bool = False, miss_dst_dtype: torch.dtype = torch.int64,
-                counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> dict:
+                counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32,
+                speculative: bool = False) -> dict:
         """Run the kernel on this world's backend, in place; return its outputs.
 
         The output starts filled with a stale value, so an entry the kernel forgets shows up. On a
@@ -100,7 +101,7 @@ class SwapInWorld:
                        seq_lens=torch.tensor(seq_lens, dtype=index_dtype), lru_slots=self.lru_slots,
                        counters=counters, **extra)
         run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
-                       hot_buffer_size=self.hot, **layout)
+                       hot_buffer_size=self.hot, speculative=speculative, **layout)
         return dict(out=out, **extra)
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
