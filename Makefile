@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt tools/fetch_mooncake_libs.sh
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(PY) -m sparsekv demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

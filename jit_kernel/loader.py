@@ -31,6 +31,11 @@ from sparsekv.jit_kernel import arch as arch_mod
 from sparsekv.jit_kernel import cache, toolchain
 
 logger = logging.getLogger("sparsekv.jit")
+#: A compile running longer than this (seconds) is announced at WARNING while it runs.
+SLOW_COMPILE_S = 1.0
+#: ``(instance, seconds)`` of every compile this process ran, in order (reports: what was built, what came
+#: from the cache).
+COMPILED: list[tuple[str, float]] = []
 
 BACKENDS = ("cpu", "cuda")
 # Bump when the glue or the build recipe changes in a way the other key inputs cannot see.
@@ -326,6 +331,23 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
     what = plan.describe()
     start = time.perf_counter()
+    # A compile that is still running after a second is shown at WARNING, so a caller whose first
+    # call stalls for seconds sees why (the INFO line below follows with the time).
+    slow = threading.Timer(SLOW_COMPILE_S, logger.warning, ("compiling %s (first use)", what))
+    slow.daemon = True
+    slow.start()
+    try:
+        _compile(plan, staging, what, includes, ffi_includes, link)
+    finally:
+        slow.cancel()
+    seconds = time.perf_counter() - start
+    COMPILED.append((what, seconds))
+    logger.info("JIT: compiled %s in %.2f s", what, seconds)
+    return staging / cache.ARTIFACT
+
+
+def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi_includes: list[str],
+             link: list[str]) -> None:
     if plan.backend == "cpu":
         cmd = [plan.cxx.path, *CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes,
                *ffi_includes, "-shared", "module.cpp", "-o", cache.ARTIFACT, *link]
@@ -342,8 +364,6 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
         link_cmd = [plan.cxx.path, "-shared", "module.o", "kernels.o", "-o", cache.ARTIFACT, *link,
                     f"-L{cuda_home / 'lib64'}", "-lcudart"]
         _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what)
-    logger.info("JIT: compiled %s in %.2f s", what, time.perf_counter() - start)
-    return staging / cache.ARTIFACT
 
 
 def _show_compiles() -> None:

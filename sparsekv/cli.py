@@ -58,6 +58,16 @@ SUBCOMMANDS = {
             "sparsekv jit import kernels.tar",
         ),
     ),
+    "demo": Subcommand(
+        "sparsekv.demo.command",
+        "a DSV4-shaped prefill and decode through every kernel, HiSparse and PD, checked against fp64 torch",
+        (
+            "sparsekv demo",
+            "sparsekv demo --tokens 4096 --steps 64 --plot demo.png --json demo.json",
+            "sparsekv demo --hisparse 4 --pd",
+            "sparsekv demo --hisparse off",
+        ),
+    ),
     "plan-memory": Subcommand(
         "sparsekv.srt.model_executor.plan_memory",
         "plan KV pool sizes for a model and a per-rank KV budget",

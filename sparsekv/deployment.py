@@ -45,9 +45,41 @@ def model_instances(model: str, *, hot_buffer: int | None = None,
     if hot < top_k:
         raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({top_k})")
     server = ServerSpec() if page_size is None else ServerSpec(page_size=page_size)
-    page_slots = kv_page_tokens(server.page_size, C4_RATIO)
+    return serving_instances(top_k=top_k, hot_buffer=hot, page_size=server.page_size)
+
+
+def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dtypes=None,
+                      indexer_layouts: tuple[str, ...] = ("fp8", "fp4")) -> list[tuple[str, dict[str, object]]]:
+    """``(family, {param: value})`` of every kernel instance a HiSparse DSV4 decode loads.
+
+    The compressors (``dsv4_compress``), the fused store of the main and indexer caches
+    (``dsv4_store``), the quantizer (``dsv4_quant``), the indexer scores and top-k, the sparse
+    attention, the HiSparse swap-in, its planned copy and the token/page copies.
+
+    Parameters
+    ----------
+    top_k, hot_buffer : int
+        The indexer's top-k and the hot-buffer slots per request (the swap-in's instance).
+    page_size : int
+        Full-pool page size (the C4 pages the HiSparse kernels move hold ``page_size / 4`` entries).
+    q_dtypes : tuple of torch.dtype, optional
+        Query dtypes of the attention and indexer (default bfloat16 and float32).
+    indexer_layouts : tuple of str
+        Indexer key layouts (``"fp8"``, ``"fp4"``).
+    """
+    import torch
+
+    q_dtypes = (torch.bfloat16, torch.float32) if q_dtypes is None else tuple(q_dtypes)
+    page_slots = kv_page_tokens(page_size, C4_RATIO)
+    store_kinds = ["V4"] + [f"INDEXER_{layout.upper()}" for layout in indexer_layouts]
     return [
-        ("hisparse", {"num_top_k": top_k, "hot_buffer_size": hot, "layout": "dsv4", "page_slots": page_slots}),
+        ("dsv4_compress", {}),
+        *(("dsv4_store", {"cache_kind": kind}) for kind in store_kinds),
+        ("dsv4_quant", {}),
+        *(("dsv4_indexer", {"layout": layout, "q_dtype": dtype}) for layout in indexer_layouts for dtype in q_dtypes),
+        ("dsv4_indexer_topk", {}),
+        *(("dsv4_attention", {"q_dtype": dtype}) for dtype in q_dtypes),
+        ("hisparse", {"num_top_k": top_k, "hot_buffer_size": hot_buffer, "layout": "dsv4", "page_slots": page_slots}),
         ("hisparse_planned", {"layout": "dsv4", "page_slots": page_slots}),
         ("hisparse_copy", {"page_slots": page_slots}),
     ]

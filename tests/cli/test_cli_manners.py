@@ -157,7 +157,7 @@ def test_every_tool_script_prints_help_and_rejects_a_bogus_flag(tool):
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
 
 
-@pytest.mark.parametrize("tool", ["tools/demo.py", "tools/hisparse_sim.py"])
+@pytest.mark.parametrize("tool", ["tools/hisparse_sim.py"])
 def test_top_level_tools_show_an_example(tool):
     done = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert "example:\n  python " + tool in done.stdout
