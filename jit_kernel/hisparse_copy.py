@@ -58,11 +58,23 @@ def pointer_table(layers: Sequence[torch.Tensor], device: torch.device | str | N
     device : torch.device or str, optional
         Where the table lives, which picks the backend (default: the first layer's device; pass the
         GPU for pinned host layers copied by the cuda backend).
+
+    Raises
+    ------
+    ValueError
+        No layer; for a GPU table, a host layer that is not pinned (the GPU would read an illegal
+        address). The table is built once per pool, so this check stays off the copy path.
     """
     if not layers:
         raise ValueError("sparsekv: argument `layers` must name at least one layer")
+    device = torch.device(device) if device is not None else layers[0].device
+    if device.type == "cuda":
+        for i, t in enumerate(layers):
+            if t.device.type == "cpu" and not t.is_pinned():
+                raise ValueError(f"sparsekv: argument `layers`[{i}] is pageable host memory, which the GPU cannot "
+                                 f"read; pin it (tensor.pin_memory(), or allocate it with pin_memory=True)")
     addresses = [t.data_ptr() for t in layers]
-    return torch.tensor(addresses, dtype=torch.uint64, device=device or layers[0].device)
+    return torch.tensor(addresses, dtype=torch.uint64, device=device)
 
 
 def _count(value: int | None, name: str) -> int:

@@ -205,6 +205,18 @@ def generate_sources(
             'extern "C" int sparsekv_cuda_device_count(int* count) {',
             "  return static_cast<int>(cudaGetDeviceCount(count));",
             "}",
+            'extern "C" int sparsekv_cuda_set_device(int device, int* previous) {',
+            "  cudaError_t err = cudaGetDevice(previous);",
+            "  if (err == cudaSuccess && *previous != device) err = cudaSetDevice(device);",
+            "  return static_cast<int>(err);",
+            "}",
+            'extern "C" int sparsekv_cuda_is_pinned(const void* ptr, int* pinned) {',
+            "  cudaPointerAttributes attr{};",
+            "  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);",
+            "  if (err != cudaSuccess) return static_cast<int>(err);",
+            "  *pinned = attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeManaged;",
+            "  return 0;",
+            "}",
         ]
         sources["kernels.cu"] = "\n".join(cu) + "\n"
     return sources

@@ -67,3 +67,17 @@ def test_arch_comes_from_sparsekv_cuda_arch_then_tvm_ffi(monkeypatch):
     monkeypatch.delenv("SPARSEKV_CUDA_ARCH")
     assert resolve_arch_list() == ("9.0a",)
     assert resolve_arch_list("12.0") == ("12.0",)
+
+
+@pytest.mark.gpu(count=2)
+def test_a_launch_runs_on_the_tensors_gpu_and_leaves_the_current_device_alone():
+    from sparsekv.jit_kernel.gather_rows import gather_rows
+
+    torch.cuda.set_device(0)
+    src = torch.arange(64, dtype=torch.uint8, device="cuda:1").view(8, 8)
+    dst = torch.zeros(4, 8, dtype=torch.uint8, device="cuda:1")
+    gather_rows(dst, torch.tensor([0, 3], device="cuda:1"), src, torch.tensor([5, 2], device="cuda:1"))
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    assert torch.equal(dst[0].cpu(), src[5].cpu()) and torch.equal(dst[3].cpu(), src[2].cpu())
+    assert bool((dst[1:3] == 0).all())

@@ -710,3 +710,19 @@ def test_on_the_device_the_plain_entry_refuses_rows_of_one_request_without_a_syn
         assert torch.equal(now, then)  # request 0's tables and bytes untouched; request 1 is on the fast path
     assert after[3][0].tolist() == [-1] * K and after[3][2].tolist() == [-1] * K
     assert after[3][1].tolist() == [int(x) for x in w.device_buffer_locs[1, :5]]
+
+
+@pytest.mark.gpu
+@pytest.mark.no_backend("pageable host memory is refused on the cuda backend only (the cpu backend reads it)")
+def test_the_cuda_swap_in_refuses_a_pageable_host_cache_naming_it():
+    w = world("cpu")
+    hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+    args = to_backend("cuda", _call_args(w))
+    args["host_cache"] = w.host_cache  # on the host, not pinned
+    before = _written(args)
+    with pytest.raises(ValueError, match="`host_cache` is pageable host memory.*pin it"):
+        load_cache_to_device_buffer_mla(**args)
+    for now, then in zip(_written(args), before):
+        assert torch.equal(now, then)
+    args["host_cache"] = w.host_cache.pin_memory()
+    load_cache_to_device_buffer_mla(**args)

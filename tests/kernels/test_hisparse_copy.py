@@ -313,3 +313,10 @@ def test_device_side_check_accepts_valid_repeats_and_rejects_chains_in_one_buffe
     check_copy_on_device(table, table, src, dst, 16, 16, ("src", "dst"))  # disjoint ids: fine in one buffer
     with pytest.raises(ValueError, match="`dst`.* is also a source"):
         check_copy_on_device(table, table, src, torch.tensor([7, 4, 7], device=device), 16, 16, ("src", "dst"))
+
+
+@pytest.mark.no_backend("builds a GPU pointer table: the check runs before any device is touched")
+def test_a_gpu_pointer_table_refuses_pageable_host_layers():
+    pageable = torch.zeros(2, V4.page_bytes(64), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"`layers`\[0\] is pageable host memory.*pin it"):
+        pointer_table([pageable], device="cuda")

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,8 @@
 // Defined in the loader-generated .cu, so this file needs no CUDA header.
 extern "C" const char* sparsekv_cuda_error_string(int error);
 extern "C" int sparsekv_cuda_device_count(int* count);
+extern "C" int sparsekv_cuda_set_device(int device, int* previous);
+extern "C" int sparsekv_cuda_is_pinned(const void* ptr, int* pinned);
 #endif
 
 namespace sparsekv {
@@ -88,6 +91,35 @@ inline void require_cuda_runtime() {
                                 << "runtime cannot run here: " << sparsekv_cuda_error_string(err);
   }
   if (count == 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: cuda backend module, but no CUDA device is visible";
+#endif
+}
+
+// Whether a host address lies in pinned (page-locked, GPU-mapped) memory. The answer is kept per
+// address (a host cache is pinned once and lives as long as its pool), so the driver is asked once
+// per buffer, not on every call; an address seen pageable is asked again (it may be pinned now).
+// The cost: a pinned buffer freed and its address reused by pageable memory would still pass, so
+// host caches are pinned for the life of their pool (as the pools do).
+inline bool is_pinned_host(const void* ptr) {
+#if SPARSEKV_BACKEND_CUDA
+  static std::mutex mutex;
+  static std::vector<const void*> pinned;  // few: one per host cache
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (std::find(pinned.begin(), pinned.end(), ptr) != pinned.end()) return true;
+  }
+  int is_pinned = 0;
+  const int err = sparsekv_cuda_is_pinned(ptr, &is_pinned);
+  if (err != 0) {
+    TVM_FFI_THROW(RuntimeError) << "sparsekv: cudaPointerGetAttributes failed: " << sparsekv_cuda_error_string(err);
+  }
+  if (is_pinned) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    pinned.push_back(ptr);
+  }
+  return is_pinned != 0;
+#else
+  (void)ptr;
+  return true;
 #endif
 }
 
@@ -160,9 +192,20 @@ class Arg {
   // Memory the backend's kernels can address: the backend's device or, for the cuda backend, host
   // memory too (kernels read page-locked host memory over PCIe; a CPU tensor must be pinned or
   // registered, which cannot be told from its DLPack device).
+  // The cuda backend's kernels read host memory only when it is pinned: a pageable buffer would
+  // be an illegal address on the GPU and poison the context.
   const Arg& on_backend_device_or_host() const {
     const DLDeviceType type = t_.device().device_type;
-    if (SPARSEKV_BACKEND_CUDA && (type == kDLCPU || type == kDLCUDAHost)) return *this;
+    if (SPARSEKV_BACKEND_CUDA && type == kDLCUDAHost) return *this;
+    if (SPARSEKV_BACKEND_CUDA && type == kDLCPU) {
+      require_cuda_runtime();
+      if (!is_pinned_host(t_.data_ptr())) {
+        TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name_ << "` is pageable host memory, which the GPU "
+                                  << "cannot read; pin it (torch: tensor.pin_memory(), or allocate it with "
+                                  << "pin_memory=True)";
+      }
+      return *this;
+    }
     return on_backend_device();
   }
   const Arg& same_device(const TensorView& other, const char* other_name) const {
@@ -342,9 +385,36 @@ inline IndexCheck index_check_mode(int64_t mode) {
 }
 
 // Runs kernel K on the module's backend: a host loop, or a launch on the caller's current stream.
+#if SPARSEKV_BACKEND_CUDA
+// Makes the tensors' GPU current for the launch (and for cudaFuncSetAttribute, which acts on the
+// current device), and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    const int err = sparsekv_cuda_set_device(device, &previous_);
+    if (err != 0) {
+      TVM_FFI_THROW(RuntimeError) << "sparsekv: cannot make CUDA device " << device
+                                  << " current: " << sparsekv_cuda_error_string(err);
+    }
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    int ignored = 0;
+    if (previous_ != device_) sparsekv_cuda_set_device(previous_, &ignored);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+#endif
+
 template <class K>
 void launch(const typename K::Params& params, DLDevice device) {
 #if SPARSEKV_BACKEND_CUDA
+  const DeviceGuard guard(device.device_id);
   void* stream = TVMFFIEnvGetStream(device.device_type, device.device_id);
   const int err = run_on_cuda<K>(params, stream);
   if (err != 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: CUDA launch failed: " << sparsekv_cuda_error_string(err);
