@@ -48,13 +48,15 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from sparsekv.jit_kernel import cache, loader
     export, template, arg = sys.argv[2], sys.argv[3], sys.argv[4]
-    plan = loader.make_plan("planted", (template,), header={planted!r}, exports={{"f": export}}, kernels=(),
+    # Both planted entries in one module: one build per sanitizer setting.
+    exports = {{name: f"sparsekv::planted::{{name}}" for name in ("write_past_end", "add_one")}}
+    plan = loader.make_plan("planted", (template,), header={planted!r}, exports=exports, kernels=(),
                             backend="cpu", arch=None, probe_dir=None, csrc=Path(sys.argv[1]))
     module = loader.find_or_build(plan, cache.open_roots())
-    if export.endswith("write_past_end"):
-        module.f(torch.zeros(int(arg), dtype=torch.int32))
+    if export == "write_past_end":
+        module.write_past_end(torch.zeros(int(arg), dtype=torch.int32))
     else:
-        print(module.f(int(arg)))
+        print(module.add_one(int(arg)))
     print("survived", flush=True)
 """).format(planted=PLANTED)
 
@@ -66,7 +68,7 @@ def run_planted(csrc: Path, cache_dir: Path, export: str, template: str, arg: st
     env.pop("LD_PRELOAD", None)
     if preload:
         env["LD_PRELOAD"] = " ".join(PRELOAD)
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(csrc), f"sparsekv::planted::{export}", template, arg],
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(csrc), export, template, arg],
                           capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -86,10 +88,16 @@ def test_a_planted_signed_overflow_is_reported(csrc, cache_dir):
     assert bad.returncode != 0 and "runtime error: signed integer overflow" in bad.stderr
 
 
-def test_without_sanitizers_the_planted_bug_goes_unnoticed(csrc, cache_dir):
-    """The control: the same bug in a plain build is silent, which is why the sanitizer run exists."""
-    done = run_planted(csrc, cache_dir, "add_one", "int32_t", "41", preload=False, sanitize="")
-    assert done.returncode == 0 and done.stdout.split() == ["42", "survived"], done.stderr[-3000:]
+def test_without_sanitizers_the_planted_bugs_go_unnoticed(csrc, cache_dir):
+    """The control: the same bugs, executed in a plain build, are silent, which is why the sanitizer run exists."""
+    overflow = run_planted(csrc, cache_dir, "add_one", "int32_t", str(2**31 - 1), preload=False, sanitize="")
+    # The overflow ran (it wrapped to INT32_MIN) and nothing said so.
+    assert overflow.returncode == 0 and overflow.stdout.split() == [str(-(2**31)), "survived"], overflow.stderr[-3000:]
+    assert "runtime error" not in overflow.stderr
+    # One int past a 7-int tensor lands in the allocation's padding: the process goes on, unaware.
+    write = run_planted(csrc, cache_dir, "write_past_end", "int32_t", "7", preload=False, sanitize="")
+    assert write.returncode == 0 and write.stdout.split() == ["survived"], write.stderr[-3000:]
+    assert "AddressSanitizer" not in write.stderr
 
 
 def test_asan_module_without_the_runtime_preloaded_is_a_clear_error(csrc, cache_dir):
