@@ -91,18 +91,25 @@ def test_key_covers_the_compiler_identity(two_checkouts, tmp_path, monkeypatch):
     assert plan_for(a).entry_name() != base
 
 
-def _worker_script(cache_dir: Path, cxx: Path) -> str:
+def _worker_script(cache_dir: Path, cxx: Path, barrier: bool = False) -> str:
+    """A process that loads gather_rows and checks one call. With ``barrier`` it says ``ready`` once
+    imported, waits for a line on stdin, and prints the wall-clock times around its first call."""
     return textwrap.dedent(f"""
-        import os, torch
+        import os, sys, time, torch
         os.environ["SPARSEKV_CACHE_DIR"] = {str(cache_dir)!r}
         os.environ["SPARSEKV_CXX"] = {str(cxx)!r}
         from sparsekv.jit_kernel.gather_rows import gather_rows
         src = torch.arange(40, dtype=torch.uint8).reshape(4, 10)
         dst = torch.zeros(4, 10, dtype=torch.uint8)
         idx = torch.tensor([3, 2, 1, 0])
+        if {barrier!r}:
+            print("ready", flush=True)
+            sys.stdin.readline()
+        start = time.time()
         gather_rows(dst, torch.arange(4), src, idx)
+        end = time.time()
         assert torch.equal(dst, src.flip(0))
-        print("OK")
+        print("OK", start, end) if {barrier!r} else print("OK")
     """)
 
 
@@ -119,12 +126,24 @@ def counting_cxx(tmp_path):
 def test_racing_processes_build_once_and_all_succeed(tmp_path, counting_cxx):
     cxx, log = counting_cxx
     cache_dir = tmp_path / "cache"
-    script = _worker_script(cache_dir, cxx)
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    script = _worker_script(cache_dir, cxx, barrier=True)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    # A barrier: every process has imported torch and the wrapper before any of them loads the module.
+    if [p.stdout.readline() for p in procs] != ["ready\n"] * 4:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a worker died before the barrier: {[p.communicate()[1][-2000:] for p in procs]}")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [r[1][-2000:] for r in results]
-    assert all(out.strip() == "OK" for out, _ in results)
+    lines = [out.split() for out, _ in results]
+    assert all(line[0] == "OK" for line in lines), lines
+    # They raced: every process entered the loader before the first one came out of it.
+    starts, ends = [float(line[1]) for line in lines], [float(line[2]) for line in lines]
+    assert max(starts) < min(ends), (starts, ends)
     published = [e for e in cache.entries(cache_dir) if e.name.startswith("gather_rows__int64t__cpu")]
     assert len(published) == 1
     assert len(log.read_text().splitlines()) == 1  # the compiler ran exactly once
