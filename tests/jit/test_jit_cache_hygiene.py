@@ -239,24 +239,40 @@ def test_cache_max_size_evicts_after_each_build(tmp_path):
     assert "int64" in kept.name
 
 
-def test_lock_file_unlinked_under_a_waiting_builder_still_excludes(tmp_path):
+def test_lock_file_unlinked_under_a_waiting_builder_still_excludes(tmp_path, monkeypatch):
     """A sweep may unlink a lock file while a builder waits on it; when that builder wakes up on the
     old inode it must re-open and wait for whoever holds the new file, never build alongside it."""
+    import fcntl
+    import queue
     import threading
 
     root = tmp_path / "cache"
     root.mkdir()
     lock = cache._lock_path(root, "e")
     acquired = threading.Event()
+    # The waiter's blocking flock calls announce the inode they are about to wait on: the test steps
+    # on those announcements, not on sleeps.
+    waits: queue.Queue[int] = queue.Queue()
+    real_flock = fcntl.flock
+
+    def announcing_flock(handle, operation):
+        if threading.current_thread().name == "waiter" and not operation & fcntl.LOCK_NB:
+            waits.put(os.fstat(handle.fileno()).st_ino)
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(cache.fcntl, "flock", announcing_flock)
     with cache._build_lock(root, "e"):
-        waiter = threading.Thread(target=lambda: (cache._open_locked(lock, blocking=True), acquired.set()))
+        old_inode = lock.stat().st_ino
+        waiter = threading.Thread(target=lambda: (cache._open_locked(lock, blocking=True), acquired.set()),
+                                  name="waiter", daemon=True)
         waiter.start()
-        time.sleep(0.2)  # the waiter is blocked on the old inode
+        assert waits.get(timeout=30) == old_inode  # the waiter waits on the old inode
         lock.unlink()
         newcomer = cache._open_locked(lock, blocking=False)  # locks the new file
         assert newcomer is not None
+        new_inode = os.fstat(newcomer.fileno()).st_ino
     # The first holder released the old inode; the waiter must now wait for the newcomer.
-    assert not acquired.wait(0.5)
+    assert waits.get(timeout=30) == new_inode and not acquired.is_set()
     newcomer.close()
-    assert acquired.wait(10)
+    assert acquired.wait(30)
     waiter.join()
