@@ -28,7 +28,8 @@ EXAMPLES = {
     "list": "sparsekv jit list\n  sparsekv jit list --json",
     "build": ("sparsekv jit build --all\n  sparsekv jit build gather_rows --backend cuda --arch 9.0a,10.0a\n"
               "  sparsekv jit build --instance 'hisparse:num_top_k=512,hot_buffer_size=1024'\n"
-              "  sparsekv jit build --model dsv4-flash --hot-buffer 1024 -v"),
+              "  sparsekv jit build --model dsv4-flash --hot-buffer 1024 -v\n"
+              "  sparsekv jit build --triton --arch 9.0a,10.0a --json"),
     "info": "sparsekv jit info\n  sparsekv jit info --json",
     "clean": "sparsekv jit clean --stale --dry-run\n  sparsekv jit clean",
     "verify": "sparsekv jit verify\n  sparsekv jit verify --repair --json",
@@ -100,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build = add("build", "prebuild modules ahead of time (for strict-mode serving, images, air-gapped sites)")
     build.add_argument("names", nargs="*", help="kernel families whose whole instance table to build")
     build.add_argument("--all", action="store_true", help="every registered family's instance table")
+    build.add_argument("--triton", action="store_true",
+                       help="compile every Triton kernel ahead of time for --arch (no GPU needed); report registers "
+                            "and shared memory per kernel")
     _instance_args(build)
     build.add_argument("--jobs", "-j", type=_positive_int, metavar="N",
                        help="parallel compiles (default: SPARSEKV_MAX_JOBS, else by free cores and memory)")
@@ -349,9 +353,13 @@ def _build(args) -> int:
     from sparsekv.jit_kernel import cache, loader, resources
     from sparsekv.jit_kernel.registry import discover
 
+    if args.triton:
+        if args.all or args.names or args.instance or args.model:
+            raise UsageError("--triton builds the Triton kernels only; build the header families in another call")
+        return _build_triton(args)
     families = discover()
     if not (args.all or args.names or args.instance or args.model):
-        raise UsageError("name families to build, or --all, --instance or --model")
+        raise UsageError("name families to build, or --all, --instance or --model, or --triton")
     jobs = _selected(args, families)
     roots = cache.open_roots()
     plans = [(f, i, _plan(f, template_args(f, i), args.backend, args.arch, roots.probe_dir())) for f, i in jobs]
@@ -375,6 +383,43 @@ def _build(args) -> int:
            "entries": [p.entry_name() for _, _, p in plans]}
     _emit(args, doc, lambda: f"built {len(plans)} module instances for the {args.backend} backend in {seconds:.1f} s "
                              f"({workers} parallel jobs)")
+    return 0
+
+
+def _build_triton(args) -> int:
+    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.arch import resolve_arch_list
+
+    try:
+        from sparsekv.jit_kernel.triton import aot, interpreting
+    except ImportError as exc:
+        raise UsageError(f"--triton needs triton installed ({exc})") from exc
+    archs = resolve_arch_list(args.arch)
+    if interpreting():
+        # Under the interpreter @triton.jit gives functions that cannot compile: build in a child without it.
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        command = ["jit", "build", "--triton", "--arch", ",".join(archs)] + (["--json"] if args.json else [])
+        return subprocess.run([sys.executable, "-m", "sparsekv", *command], env=env).returncode
+    root = cache.open_roots().write
+    kernels = aot.aot_kernels()
+    start = time.perf_counter()
+    reports = []
+    with _bar(len(kernels) * len(archs), "compiling triton kernels") as bar:
+        for kernel in kernels:
+            for arch in archs:
+                reports.append(aot.build(kernel, arch, root))
+                bar.update()
+    seconds = time.perf_counter() - start
+    doc = {"archs": list(archs), "kernels": reports, "seconds": round(seconds, 2)}
+
+    def text() -> str:
+        rows = [f"{r['kernel']:<40} {r['arch']:>6} {r['registers']:>4} regs {r['shared_bytes']:>7} B shared"
+                f"{'  (cached)' if r['cached'] else ''}" for r in reports]
+        return "\n".join(rows + [f"compiled {len(reports)} Triton kernels for {','.join(archs)} in {seconds:.1f} s"])
+
+    _emit(args, doc, text)
     return 0
 
 

@@ -35,6 +35,7 @@ import torch
 from sparsekv import env
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.triton import resolve_impl
 
 __all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention", "workspace_floats"]
 
@@ -132,6 +133,7 @@ def sparse_decode_attention(
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     workspace: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA decode attention with a per-head sink over one or two paged V4 caches.
 
@@ -167,6 +169,12 @@ def sparse_decode_attention(
         the bf16 output's float32 staging). Default: one buffer per device kept by this module and
         replaced only when a call needs more (calls on one device share it: concurrent calls on
         different streams, and CUDA graphs, pass their own).
+    impl : {"auto", "header", "triton"}
+        ``"header"``: the kernel of ``csrc/dsv4_attention.cuh`` on the cpu or cuda backend by device;
+        ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_attention`), on a GPU
+        or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: triton on CUDA tensors, the
+        header on CPU tensors. Same arguments, same custom op, same refusals; results within the
+        tolerance each implementation documents.
 
     Returns
     -------
@@ -194,9 +202,17 @@ def sparse_decode_attention(
         An entry that is neither -1 nor a slot of its cache, when the indices are host-readable (cpu
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
+    impl = resolve_impl(impl, q.device, auto_triton_on_cuda=True)
     batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
     entries = _entries(indices, extra_indices)
-    splits = _default_splits(backend_of(q), batch, heads, entries) if num_splits is None else num_splits
+    if num_splits is not None:
+        splits = num_splits
+    elif impl == "triton":
+        from sparsekv.jit_kernel.triton.dsv4_attention import default_splits
+
+        splits = default_splits(q.device, batch, heads, entries)
+    else:
+        splits = _default_splits(backend_of(q), batch, heads, entries)
     splits = splits if type(splits) is int else -1  # noqa: E721 - the op body names a bad count
     if out is None:
         out = torch.empty((batch, heads, HEAD_DIM), dtype=out_dtype, device=q.device)
@@ -207,7 +223,7 @@ def sparse_decode_attention(
         workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
     _attention(q, kv_cache, indices, sink, page_size, float(softmax_scale), extra_kv_cache, extra_indices,
-               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace)
+               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace, impl)
     return out, lse
 
 
@@ -215,7 +231,7 @@ def sparse_decode_attention(
 def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_size: int,
                softmax_scale: float, extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
                extra_page_size: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
-               workspace: torch.Tensor | None) -> None:
+               workspace: torch.Tensor | None, impl: str) -> None:
     attention_template_args(q.dtype)
     if sink.dtype != torch.float32:
         raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
@@ -250,6 +266,13 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         part_out = workspace[used:used + batch * num_splits * heads * HEAD_DIM].view(batch, num_splits, heads, HEAD_DIM)
         used += part_out.numel()
         part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
+    if impl == "triton":  # writes bf16 output directly: the staging is the header's
+        from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
+
+        triton_attention.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
+                                                 extra_indices, extra_page_size, num_splits, out, lse, part_out,
+                                                 part_lse)
+        return
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend)
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
                                    extra_page_size, staged, lse, part_out, part_lse, num_splits)

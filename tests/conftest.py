@@ -18,6 +18,19 @@ register_profiles()
 os.environ.setdefault("SPARSEKV_CACHE_DIR", str(REPO / ".cache" / "jit"))
 
 
+def _interpret_triton_without_cuda() -> None:
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, so it is decided once per process,
+    # before any test imports triton: a session without the cuda backend runs the Triton kernels on
+    # CPU tensors under the interpreter; a session with it runs them on the GPU.
+    from sparsekv.testing.backends import kernel_backends
+
+    if "cuda" not in kernel_backends():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_cuda()
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run slow tests and the deep hypothesis profile")
 

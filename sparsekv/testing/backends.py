@@ -45,6 +45,25 @@ def unavailable_reason(backend: str) -> str | None:
     return None
 
 
+def triton_unavailable_reason(backend: str) -> str | None:
+    """Why the Triton kernels cannot run on ``backend``'s tensors in this process, or None when they can.
+
+    CPU tensors need the interpreter (``TRITON_INTERPRET=1`` when triton was imported: ``tests/conftest.py``
+    turns it on for a session without the cuda backend); CUDA tensors need it off and a GPU.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "cuda":
+        return "the Triton interpreter is on in this session" if interpreting else unavailable_reason(backend)
+    if not interpreting:
+        return ("Triton on CPU tensors needs TRITON_INTERPRET=1 at triton's import: a session without the cuda "
+                "backend sets it (SPARSEKV_TEST_BACKENDS=cpu)")
+    return None
+
+
 def device_of(backend: str) -> torch.device:
     """The torch device a backend's tensors live on."""
     return torch.device("cuda" if backend == "cuda" else "cpu")

@@ -1,0 +1,91 @@
+"""The input contract of ``csrc/include/sparsekv/ffi.h``, in Python, for the Triton launchers.
+
+A Triton kernel has no host entry of its own, so its launcher checks the arguments here before it
+allocates or writes anything: the same conditions, exception types and messages as the header's
+``check(t, name)...`` chain (``TypeError`` for a dtype, ``ValueError`` for a shape, stride or device,
+``IndexError`` for an index), so both implementations refuse bad input alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Arg", "check", "check_range", "dtype_name", "page_shift"]
+
+_DTYPE_NAMES = {
+    torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16",
+    torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DLPack-style name the header's messages use (``float32``, ``uint8``, ...)."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+class Arg:
+    """Fluent checks on one tensor argument (mirrors ``sparsekv::Arg``); each returns ``self``."""
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"sparsekv: argument `{name}` must be a torch.Tensor, got {type(tensor).__name__}")
+        self.t = tensor
+        self.name = name
+
+    def dtype(self, *want: torch.dtype) -> Arg:
+        if self.t.dtype not in want:
+            names = " or ".join(dtype_name(w) for w in want)
+            raise TypeError(f"sparsekv: argument `{self.name}` must have dtype {names}, got {dtype_name(self.t.dtype)}")
+        return self
+
+    def ndim(self, want: int) -> Arg:
+        if self.t.dim() != want:
+            raise ValueError(f"sparsekv: argument `{self.name}` must be {want}-D, got shape {_shape(self.t)}")
+        return self
+
+    def size(self, dim: int, want: int, what: str | None = None) -> Arg:
+        if self.t.shape[dim] != want:
+            detail = f" ({what})" if what else ""
+            raise ValueError(f"sparsekv: argument `{self.name}` must have size {want} in dim {dim}{detail}, got shape "
+                             f"{_shape(self.t)}")
+        return self
+
+    def contiguous(self) -> Arg:
+        if not self.t.is_contiguous():
+            raise ValueError(f"sparsekv: argument `{self.name}` must be contiguous (shape {_shape(self.t)})")
+        return self
+
+    def rows_dense(self) -> Arg:
+        if self.t.dim() > 0 and self.t.shape[-1] > 1 and self.t.stride(-1) != 1:
+            raise ValueError(f"sparsekv: argument `{self.name}` must have a unit stride in its last dim")
+        return self
+
+    def same_device(self, other: torch.Tensor, other_name: str) -> Arg:
+        if self.t.device != other.device:
+            raise ValueError(f"sparsekv: argument `{self.name}` and `{other_name}` must be on the same device")
+        return self
+
+
+def check(tensor: torch.Tensor, name: str) -> Arg:
+    """``Arg(tensor, name)``: start a chain of checks on one argument."""
+    return Arg(tensor, name)
+
+
+def check_range(value: int, lo: int, hi_exclusive: int, name: str) -> None:
+    """``value`` in ``[lo, hi_exclusive)``, else ``ValueError`` naming ``name`` (``sparsekv::check_range``)."""
+    if value < lo or value >= hi_exclusive:
+        raise ValueError(f"sparsekv: argument `{name}` must be in [{lo}, {hi_exclusive}), got {value}")
+
+
+def page_shift(page_size: int, name: str) -> int:
+    """log2 of a power-of-two page size in ``[1, 2^20]``, else ``ValueError`` naming ``name``."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1 << 20 \
+            or page_size & (page_size - 1):
+        raise ValueError(f"sparsekv: argument `{name}` must be a power of two in [1, 2^20], got {page_size}")
+    return page_size.bit_length() - 1
+

@@ -1,0 +1,334 @@
+"""Triton twin of ``csrc/dsv4_attention.cuh``: sparse MQA decode attention with a sink, on tensor cores.
+
+Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` (which calls
+:func:`sparse_decode_attention` here for ``impl="triton"``). FlashMLA's design:
+
+* one program holds every head of a row (up to ``BLOCK_H = 64``, padded to 16 for ``tl.dot``;
+  128 heads are two programs), so each selected KV row is gathered and dequantized once per 64
+  heads, not once per 8 as in the header's CUDA path;
+* a tile of ``BLOCK_N`` rows is gathered (the 448 e4m3 bytes and 64 bf16 rope values of a row are
+  contiguous: vectorized loads), dequantized to bf16 (e4m3 times the power-of-two UE8M0 scale is
+  exact in bf16), and ``q . kv^T`` and ``p . kv`` run as ``tl.dot`` with float32 accumulation (wgmma
+  on sm_90a, tcgen05/mma on sm_100a);
+* an online softmax in base 2 with the per-head sink folded in at the end;
+* split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
+  output) pairs the combine kernel merges exactly as the header's ``Combine``.
+
+Precision. A bf16 ``q`` enters the tensor cores as is (the model's own dtype); a float32 ``q`` and
+the softmax weights are split into a bf16 high part and a bf16 remainder (two dots each), which
+keeps float32-level accuracy: against the fp64 reference ``|out - ref| <= 2e-4 + 2e-4 |ref|`` for
+float32 ``q``; for bf16 ``q`` the weights are rounded to bf16 once, ``|out - ref| <= 1e-2 max|ref|``
+(FlashMLA's own rounding of ``p``).
+
+GPU design for batch 64, top-k 512, 64 heads (the README's roofline table): grid ``64 x splits``
+(splits fill ~2 programs per SM of 132), ``BLOCK_N = 16`` rows per tile (``16 x 576`` bytes = 9 KiB
+gathered per step), 8 warps, the float32 accumulators ``64 x 512`` = 128 registers per thread; one
+program per SM (the AOT report: 255 registers, 128 KiB shared for bf16 ``q``), so the loads in
+flight per SM are one tile's: latency, not bandwidth, bounds it until a GPU session tunes the tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.jit_kernel.triton import interpreting
+from sparsekv.jit_kernel.triton.checks import check, page_shift
+
+__all__ = ["AOT_KERNELS", "sparse_decode_attention"]
+
+HEAD_DIM = 512
+NOPE = 448
+VALUE_BYTES = 576
+SCALE_BYTES = 8
+MAX_BLOCK_H = 64
+#: Rows per tile and warps per program on a GPU; the interpreter runs the same tiles.
+BLOCK_N = 16
+NUM_WARPS = 8
+#: A GPU's programs in flight that split-KV aims to fill (132 SMs of an H100/H200, ~2 programs each).
+_TARGET_PROGRAMS = 264
+_MIN_SPLIT_LEN = 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _e4m3_to_float(byte):
+    """e4m3fn byte (int32 0..255) -> float32 (exact; 0x7f/0xff NaN), as ``fp8::e4m3_to_float``."""
+    sign = (byte & 0x80) << 24
+    exponent = (byte >> 3) & 0xF
+    mantissa = byte & 0x7
+    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125
+    subnormal = tl.where(sign != 0, -subnormal, subnormal)
+    value = tl.where(exponent == 0, subnormal, normal)
+    return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def _ue8m0_to_float(byte):
+    """UE8M0 scale byte (int32) -> 2^(byte - 127) (2^-127 is a float32 subnormal)."""
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in, PAGE_VALUE_BYTES: tl.constexpr):
+    """Dequantized ``[BLOCK_N, 512]`` float32 rows of ``slots`` (zero rows where not valid) and their validity."""
+    valid = valid_in & (slots >= 0) & (slots < num_slots)
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = slot >> page_shift
+    in_page = slot & ((1 << page_shift) - 1)
+    page_base = page * page_stride
+    value_off = page_base + in_page * PAGE_VALUE_BYTES
+    scale_off = page_base + (1 << page_shift) * PAGE_VALUE_BYTES + in_page * 8
+    d = tl.arange(0, 512)
+    is_nope = d < 448
+    nope_mask = valid[:, None] & is_nope[None, :]
+    byte = tl.load(cache_ptr + value_off[:, None] + d[None, :], mask=nope_mask, other=0).to(tl.int32)
+    scale = tl.load(cache_ptr + scale_off[:, None] + (d // 64)[None, :], mask=nope_mask, other=127).to(tl.int32)
+    rope_ptr = (cache_ptr + 448).to(tl.pointer_type(tl.uint16))
+    rope_mask = valid[:, None] & (d >= 448)[None, :]
+    rope = tl.load(rope_ptr + (value_off // 2)[:, None] + (d - 448)[None, :], mask=rope_mask, other=0)
+    rope = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    nope = _e4m3_to_float(byte) * _ue8m0_to_float(scale)
+    return tl.where(is_nope[None, :], nope, rope), valid
+
+
+@triton.jit
+def _mma(a, b, BF16_DOT: tl.constexpr):
+    """``a @ b`` of bf16-exact float32 operands, float32 accumulation: bf16 tensor cores when ``BF16_DOT``;
+    float32 otherwise (the interpreter, whose bf16 ``tl.dot`` multiplies bit patterns; same products)."""
+    if BF16_DOT:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _bf16(x):
+    """``x`` rounded to the nearest bf16, kept as float32."""
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_slots, idx_row_ptr, lo, hi,
+            scale_log2, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Online-softmax update of ``(m, denom, acc)`` (base 2) over entries ``[lo, hi)`` of one source."""
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        in_range = j < hi
+        slots = tl.load(idx_row_ptr + j, mask=in_range, other=-1)
+        kv, valid = _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, in_range, 576)
+        kv = _bf16(kv)  # exact: e4m3 times a power of two, or a bf16 rope value
+        kv_t = tl.trans(kv)
+        s = _mma(q_hi, kv_t, BF16_DOT)
+        if SPLIT:
+            s += _mma(q_lo, kv_t, BF16_DOT)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        denom = denom * alpha + tl.sum(p, 1)
+        p_hi = _bf16(p)
+        pv = _mma(p_hi, kv, BF16_DOT)
+        if SPLIT:
+            pv += _mma(_bf16(p - p_hi), kv, BF16_DOT)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
+def attention_partial_kernel(
+        q_ptr, q_stride_b, q_stride_h,
+        cache_ptr, page_stride, page_shift, num_slots, idx_ptr, idx_stride, count,
+        x_cache_ptr, x_page_stride, x_page_shift, x_num_slots, x_idx_ptr, x_idx_stride, x_count,
+        sink_ptr, scale_log2, heads, num_splits, split_len,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_EXTRA: tl.constexpr,
+        BF16_DOT: tl.constexpr):
+    """One (row b, split s, group of BLOCK_H heads): the online softmax over the split's entries."""
+    pid = tl.program_id(0)
+    b = pid // num_splits
+    s = pid - b * num_splits
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    d = tl.arange(0, 512)
+    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
+                mask=h_ok[:, None], other=0.0).to(tl.float32)
+    q_hi = _bf16(q)
+    q_lo = _bf16(q - q_hi)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    first = s * split_len
+    last = tl.minimum(first + split_len, count + x_count)
+    m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_slots,
+                        idx_ptr + b.to(tl.int64) * idx_stride, first, tl.minimum(last, count), scale_log2,
+                        SPLIT, BLOCK_N, BF16_DOT)
+    if HAS_EXTRA:
+        m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, x_cache_ptr, x_page_stride, x_page_shift, x_num_slots,
+                            x_idx_ptr + b.to(tl.int64) * x_idx_stride - count, tl.maximum(first, count), last,
+                            scale_log2, SPLIT, BLOCK_N, BF16_DOT)
+    has = denom > 0.0
+    log2_l = tl.log2(tl.where(has, denom, 1.0))
+    if num_splits == 1:
+        sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634
+        factor = tl.where(has, 1.0 / tl.where(has, denom + tl.exp2(sink2 - m), 1.0), 0.0)
+        row = b.to(tl.int64) * heads + h
+        tl.store(out_ptr + row[:, None] * 512 + d[None, :], (acc * factor[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=h_ok[:, None])
+        tl.store(lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("inf")), mask=h_ok)
+    else:
+        factor = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
+        row = (b.to(tl.int64) * num_splits + s) * heads + h
+        tl.store(part_out_ptr + row[:, None] * 512 + d[None, :], acc * factor[:, None], mask=h_ok[:, None])
+        tl.store(part_lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("-inf")), mask=h_ok)
+
+
+@triton.jit
+def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, heads, num_splits,
+                             BLOCK_S: tl.constexpr):
+    """One (b, h): merge the splits' (lse_s, o_s) with the sink, as the header's ``Combine``."""
+    i = tl.program_id(0).to(tl.int64)
+    b = i // heads
+    h = i - b * heads
+    sp = tl.arange(0, BLOCK_S)
+    s_ok = sp < num_splits
+    lse_s = tl.load(part_lse_ptr + (b * num_splits + sp) * heads + h, mask=s_ok, other=float("-inf"))
+    big = tl.max(lse_s, 0)
+    has = big != float("-inf")
+    big_safe = tl.where(has, big, 0.0)
+    w = tl.where(s_ok & (lse_s != float("-inf")), tl.exp(lse_s - big_safe), 0.0)
+    total = tl.sum(w, 0)
+    denominator = total + tl.exp(tl.load(sink_ptr + h) - big_safe)
+    d = tl.arange(0, 512)
+    o = tl.load(part_out_ptr + ((b * num_splits + sp) * heads + h)[:, None] * 512 + d[None, :],
+                mask=(s_ok & (w > 0.0))[:, None], other=0.0)
+    out = tl.where(has, tl.sum(w[:, None] * o, 0) / denominator, 0.0)
+    tl.store(out_ptr + i * 512 + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + i, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")))
+
+
+def default_splits(device: torch.device, batch: int, heads: int, entries: int) -> int:
+    """Split-KV ranges per row: enough programs to fill a GPU; 1 on CPU (the interpreter)."""
+    if device.type != "cuda" or entries <= _MIN_SPLIT_LEN:
+        return 1
+    programs = max(1, batch * -(-heads // MAX_BLOCK_H))
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), entries // _MIN_SPLIT_LEN))
+
+
+def _check_slots(indices: torch.Tensor, num_slots: int, name: str) -> None:
+    bad = (indices < -1) | (indices >= num_slots)
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise IndexError(f"sparsekv: argument `{name}`[{b}, {j}] = {int(indices[b, j])} is neither -1 nor a slot of "
+                         f"its cache [0, {num_slots})")
+
+
+def _source(cache, cache_name, indices, indices_name, page_size, page_size_name, batch, q):
+    shift = page_shift(page_size, page_size_name)
+    check(cache, cache_name).dtype(torch.uint8).ndim(2).rows_dense().same_device(q, "q")
+    check(cache, cache_name).size(1, V4.page_bytes(page_size), "page_bytes(page_size) of the 584 B V4 layout")
+    check(indices, indices_name).dtype(torch.int32).ndim(2).rows_dense().same_device(q, "q")
+    check(indices, indices_name).size(0, batch, "batch of q")
+    num_slots = cache.shape[0] * page_size
+    if num_slots > 2**31 - 1:
+        raise ValueError(f"sparsekv: argument `{cache_name}` holds {num_slots} slots, more than int32 indices can name")
+    if q.device.type != "cuda":
+        _check_slots(indices, num_slots, indices_name)
+    stride = cache.stride(0) if cache.shape[0] > 1 else cache.shape[1]
+    return cache, stride, shift, num_slots, indices, indices.stride(0), indices.shape[1]
+
+
+def check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
+                    extra_page_size, num_splits, out, lse):
+    """The header entry's checks, in its order; returns the two sources and the split length.
+
+    ``extra_page_size`` is -1 without an extra cache (the header entry's convention).
+    """
+    check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
+    check(q, "q").size(2, HEAD_DIM, "head dim")
+    batch, heads = q.shape[0], q.shape[1]
+    check(sink, "sink").dtype(torch.float32).ndim(1).contiguous().same_device(q, "q")
+    check(sink, "sink").size(0, heads, "heads of q")
+    check(out, "out").ndim(3).contiguous().same_device(q, "q")
+    check(out, "out").size(0, batch, "batch").size(1, heads, "heads").size(2, HEAD_DIM, "head dim")
+    check(lse, "lse").dtype(torch.float32).ndim(2).contiguous().same_device(q, "q")
+    check(lse, "lse").size(0, batch, "batch").size(1, heads, "heads")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"sparsekv: argument `softmax_scale` must be finite, got {softmax_scale}")
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("sparsekv: arguments `extra_kv_cache` and `extra_indices` go together: pass both or neither")
+    if (extra_kv_cache is None) != (extra_page_size < 0):
+        raise ValueError("sparsekv: argument `extra_page_size` is required exactly when `extra_kv_cache` is given")
+    main = _source(kv_cache, "kv_cache", indices, "indices", page_size, "page_size", batch, q)
+    extra = None
+    if extra_kv_cache is not None:
+        extra = _source(extra_kv_cache, "extra_kv_cache", extra_indices, "extra_indices", extra_page_size,
+                        "extra_page_size", batch, q)
+    total = main[-1] + (extra[-1] if extra is not None else 0)
+    if not 1 <= num_splits <= max(1, total):
+        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {max(1, total)}], "
+                         f"got {num_splits}")
+    return main, extra, -(-total // num_splits)
+
+
+def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
+                            extra_page_size, num_splits, out, lse, part_out, part_lse):
+    """Check the arguments (:func:`check_arguments`), then launch: ``out`` (float32 or bfloat16) and ``lse``
+    are written, ``part_out`` / ``part_lse`` are the split partials (None for one split).
+
+    The body of the ``sparsekv::sparse_decode_attention`` op for ``impl="triton"``; see the public
+    :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
+    """
+    main, extra, split_len = check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
+                                             extra_indices, extra_page_size, num_splits, out, lse)
+    batch, heads = q.shape[0], q.shape[1]
+    if batch == 0 or heads == 0:
+        return
+    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
+    x = extra if extra is not None else main[:6] + (0,)
+    grid = (batch * num_splits, triton.cdiv(heads, block_h))
+    attention_partial_kernel[grid](
+        q, q.stride(0), q.stride(1), *main, *x, sink, float(softmax_scale) * LOG2E, heads, num_splits, split_len,
+        out, lse, part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
+        BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=q.dtype == torch.float32, HAS_EXTRA=extra is not None,
+        BF16_DOT=not interpreting(), num_warps=NUM_WARPS)
+    if num_splits > 1:
+        attention_combine_kernel[(batch * heads,)](part_out, part_lse, sink, out, lse, heads, num_splits,
+                                                   BLOCK_S=triton.next_power_of_2(num_splits))
+
+
+def _aot_kernels():
+    from sparsekv.jit_kernel.triton.aot import AotKernel
+
+    source = {"cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32", "num_slots": "i64", "idx_ptr": "*i32",
+              "idx_stride": "i64", "count": "i32"}
+    extra = {"x_" + k: v for k, v in source.items()}
+    pointers = ("q_ptr", "cache_ptr", "idx_ptr", "x_cache_ptr", "x_idx_ptr", "sink_ptr", "out_ptr", "lse_ptr",
+                "part_out_ptr", "part_lse_ptr")
+    kernels = []
+    # The model's bf16 q and bf16 output, and the float32 q (split operands) with float32 output.
+    for q_type, split in (("*bf16", False), ("*fp32", True)):
+        constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT": split, "HAS_EXTRA": True, "BF16_DOT": True}
+        signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", **source, **extra,
+                     "sink_ptr": "*fp32", "scale_log2": "fp32", "heads": "i32", "num_splits": "i32",
+                     "split_len": "i32", "out_ptr": q_type, "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+                     "part_lse_ptr": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
+        kernels.append(AotKernel(f"dsv4_attention.partial[{q_type[1:]}]", attention_partial_kernel, signature,
+                                 constexprs, NUM_WARPS, pointers))
+        signature = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": q_type,
+                     "lse_ptr": "*fp32", "heads": "i32", "num_splits": "i32", "BLOCK_S": "constexpr"}
+        kernels.append(AotKernel(f"dsv4_attention.combine[{q_type[1:]}]", attention_combine_kernel, signature,
+                                 {"BLOCK_S": 8}, 4, ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr")))
+    return kernels
+
+
+#: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.
+AOT_KERNELS = _aot_kernels()

@@ -1,0 +1,124 @@
+"""The Triton twin of DSV4 sparse decode attention (``impl="triton"``) against the fp64 reference and
+against the header implementation on identical inputs; on CPU tensors it runs under the Triton
+interpreter (``tests/conftest.py`` turns it on for sessions without the cuda backend). The refusals
+of bad input are compared in ``test_dsv4_attention.py`` (parametrized by ``impl``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.testing.backends import device_of, triton_unavailable_reason
+from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
+from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
+
+# Documented tolerances (jit_kernel/triton/dsv4_attention.py): a float32 q keeps float32 accuracy (split
+# bf16 operands); a bf16 q enters the tensor cores as is and the weights p are rounded to bf16 once.
+FP32_TOL = {"rtol": 2e-4, "atol": 2e-4}
+BF16_REL = 1e-2
+# The interpreter costs about a second per example at these shapes: a few examples, scaled by --slow.
+EXAMPLES = max(4, settings().max_examples // 5)
+
+
+@pytest.fixture(autouse=True)
+def _triton_runs_here(backend):
+    reason = triton_unavailable_reason(backend)
+    if reason:
+        pytest.skip(reason)
+
+
+def run(case: AttentionCase, backend: str, impl: str, **kwargs):
+    c = case.to(device_of(backend))
+    out, lse = sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, c.page_size, **c.kwargs(), impl=impl,
+                                       **kwargs)
+    return out.cpu().double(), lse.cpu().double()
+
+
+def assert_within_tolerance(case: AttentionCase, got, expected, out_dtype=torch.float32) -> None:
+    (out, lse), (ref_out, ref_lse) = got, expected
+    ref_out, ref_lse = ref_out.double(), ref_lse.double()
+    # A bf16 output is the float32 result rounded once more: half a bf16 step (2^-9 relative) on top.
+    rounding = 2.0**-9 if out_dtype == torch.bfloat16 else 0.0
+    if case.q.dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, rtol=FP32_TOL["rtol"] + rounding, atol=FP32_TOL["atol"])
+        torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+    else:
+        scale = max(1.0, float(ref_out.abs().max()))
+        torch.testing.assert_close(out, ref_out, rtol=rounding, atol=BF16_REL * scale)
+        torch.testing.assert_close(lse, ref_lse, rtol=BF16_REL, atol=BF16_REL)
+
+
+@settings(max_examples=EXAMPLES)
+@given(case=attention_case(max_heads=20), data=st.data())
+def test_triton_matches_the_fp64_reference_and_the_header(backend, case, data):
+    total = case.indices.shape[1] + (0 if case.extra_indices is None else case.extra_indices.shape[1])
+    splits = data.draw(st.integers(1, min(4, max(1, total))), label="num_splits")
+    out_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="out_dtype")
+    got = run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size,
+                                                 **case.kwargs())
+    assert_within_tolerance(case, got, expected, out_dtype)
+    assert_within_tolerance(case, got, run(case, backend, "header", num_splits=splits, out_dtype=out_dtype),
+                            out_dtype)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_dsv4_head_counts_one_program_per_64_heads(backend, heads):
+    # 64 heads fill one program's tile; 128 are two programs. bf16 q as the model runs it.
+    g = torch.Generator().manual_seed(heads)
+    cache = v4_cache(random_rows(40, g), 64)
+    indices = torch.randint(-1, 40, (2, 24), generator=g, dtype=torch.int32)
+    case = AttentionCase((torch.randn(2, heads, 512, generator=g) * 2).bfloat16(), cache, indices,
+                         torch.randn(heads, generator=g), 64)
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size)
+    assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
+
+
+def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend):
+    g = torch.Generator().manual_seed(0)
+    cache = v4_cache(random_rows(8, g), 4)
+    case = AttentionCase(torch.randn(2, 3, 512, generator=g), cache,
+                         torch.tensor([[-1, -1, -1], [2, -1, 5]], dtype=torch.int32), torch.zeros(3), 4)
+    for splits in (1, 3):
+        out, lse = run(case, backend, "triton", num_splits=splits)
+        assert torch.equal(out[0], torch.zeros(3, 512, dtype=torch.float64))
+        assert torch.equal(lse[0], torch.full((3,), float("inf"), dtype=torch.float64))
+        assert bool(torch.isfinite(lse[1]).all()) and bool((out[1] != 0).any())
+
+
+def test_a_decode_step_with_triton_attention_traces_under_torch_compile(backend):
+    # Indexer (scores, top-k through the page table) then attention with impl="triton": one graph with
+    # no break, and the compiled step writes the same bytes as the eager one.
+    from sparsekv.jit_kernel.dsv4 import lightning_indexer
+    from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
+
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(3)
+    pages, page = 4, 16
+    index_cache = torch.zeros(pages, 132 * page, dtype=torch.uint8)
+    write_indexer_keys(torch.randn(pages * page, 128, generator=g), index_cache, torch.arange(pages * page), page,
+                       "fp8")
+    world = {"index_cache": index_cache, "kv_cache": v4_cache(random_rows(pages * page, g), page),
+             "page_table": torch.tensor([[2, 0], [1, 3]], dtype=torch.int32), "positions": torch.tensor([73, 127]),
+             "q_index": torch.randn(2, 4, 128, generator=g), "weights": torch.rand(2, 4, generator=g),
+             "q": torch.randn(2, 16, 512, generator=g).bfloat16(), "sink": torch.randn(16, generator=g)}
+    world = {k: v.to(device) for k, v in world.items()}
+
+    def step(w):
+        _, slots = lightning_indexer(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"],
+                                     12, page_size=page)
+        return sparse_decode_attention(w["q"], w["kv_cache"], slots, w["sink"], page, num_splits=2,
+                                       out_dtype=torch.bfloat16, impl="triton")
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend="eager")(world)
+    finally:
+        torch._dynamo.reset()
+    eager = step(world)
+    for a, b in zip(compiled, eager):
+        assert a.dtype == b.dtype and torch.equal(a.cpu().float(), b.cpu().float())
+    assert bool(torch.isfinite(eager[1]).all())
