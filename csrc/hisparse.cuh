@@ -172,7 +172,9 @@ struct SwapIn {
     return static_cast<int>((static_cast<uint32_t>(token) * 2654435761u) >> (32 - kHashBits)) & (kHashSize - 1);
   }
 
-  SPARSEKV_HOST_DEVICE static void insert(Shared& s, int32_t token, int32_t index) {
+  // The top-k hash table of a scratch S with hash_key and hash_first cells (SwapIn's, IndexedSwapIn's).
+  template <class S>
+  SPARSEKV_HOST_DEVICE static void insert(S& s, int32_t token, int32_t index) {
     for (int pos = hash_of(token);; pos = (pos + 1) & (kHashSize - 1)) {
       const int32_t prev = Team::compare_and_swap(&s.hash_key[pos], kEmpty, token);
       if (prev == kEmpty || prev == token) {
@@ -183,7 +185,8 @@ struct SwapIn {
   }
 
   // Cell of token, or -1 when absent.
-  SPARSEKV_HOST_DEVICE static int lookup(const Shared& s, int32_t token) {
+  template <class S>
+  SPARSEKV_HOST_DEVICE static int lookup(const S& s, int32_t token) {
     for (int pos = hash_of(token);; pos = (pos + 1) & (kHashSize - 1)) {
       const int32_t key = s.hash_key[pos];
       if (key == token) return pos;
@@ -199,10 +202,17 @@ struct SwapIn {
   // them all, in batch order, each with the tables the previous one left (the later rows' units do
   // nothing). Rows of distinct requests are served alone either way.
   SPARSEKV_HOST_DEVICE static void serve(const Params& p, int64_t b, const Team& t, Shared& s) {
+    serve_rows<SwapIn>(p, p, b, t, s);
+  }
+
+  // serve() for a swap-in Kernel whose parameters kp hold these (p) and whose Kernel::run(kp, row, t, s)
+  // serves one row (SwapIn itself, IndexedSwapIn).
+  template <class Kernel, class KP, class S>
+  SPARSEKV_HOST_DEVICE static void serve_rows(const KP& kp, const Params& p, int64_t b, const Team& t, S& s) {
     const int64_t num_real = p.num_real_reqs ? static_cast<int64_t>(*p.num_real_reqs) : p.batch;
     const int64_t rid = load_index(p.req_pool_indices, p.req_is64, b);
     if (b >= num_real || rid < 0 || rid >= p.max_reqs) {
-      run(p, b, t, s);
+      Kernel::run(kp, b, t, s);
       return;
     }
     const int64_t last = num_real < p.batch ? num_real : p.batch;
@@ -221,11 +231,11 @@ struct SwapIn {
       return;
     }
     if (before > 0) return;  // served by the request's first row
-    run(p, b, t, s);
+    Kernel::run(kp, b, t, s);
     for (int64_t r = b + 1; after > 0 && r < last; ++r) {
       if (load_index(p.req_pool_indices, p.req_is64, r) != rid) continue;
       t.sync();  // the previous row's table, LRU and byte writes are seen by every thread
-      run(p, r, t, s);
+      Kernel::run(kp, r, t, s);
       --after;
     }
   }
@@ -248,14 +258,15 @@ struct SwapIn {
     const int64_t seq_len = load_index(p.seq_lens, p.seq_is64, b);
     const int32_t* locs = p.device_buffer_locs + rid * p.buffer_stride;
     if (seq_len <= H) {
-      fast_path(p, b, t, s, out, top_k, locs, seq_len);
+      fast_path(p, b, t, s.warp_counts, out, top_k, locs, seq_len);
     } else {
       slow_path(p, b, rid, t, s, out, top_k, locs, seq_len);
     }
   }
 
-  SPARSEKV_HOST_DEVICE static void fast_path(const Params& p, int64_t b, const Team& t, Shared& s, int32_t* out,
-                                             const int32_t* top_k, const int32_t* locs, int64_t seq_len) {
+  SPARSEKV_HOST_DEVICE static void fast_path(const Params& p, int64_t b, const Team& t, int32_t* warp_counts,
+                                             int32_t* out, const int32_t* top_k, const int32_t* locs,
+                                             int64_t seq_len) {
     const int64_t used = seq_len < K ? seq_len : K;
     int hits = 0;
     for (int base = 0; base < K; base += t.size) {
@@ -264,7 +275,7 @@ struct SwapIn {
       const bool valid = is_token(tok, seq_len);
       if (i < K) out[i] = valid ? locs[tok] : -1;
       int n = 0;
-      t.rank(valid, &n, s.warp_counts);
+      t.rank(valid, &n, warp_counts);
       hits += n;
     }
     if (t.tid == 0) {
@@ -357,7 +368,19 @@ struct SwapIn {
       lru[k] = slot;
     }
 
-    // 5. Outputs; repeated tokens read the slot their first occurrence resolved to.
+    // 5-6. Outputs, copies, plan and counters; the m-th miss took lru_out[H - 1 - m].
+    finish_slow_path(p, b, rid, t, s, out, top_k, locs, seq_len, num_misses, &s.lru_out[H - 1], -1, num_evictable);
+  }
+
+  // Steps 5-6 of the slow path (IndexedSwapIn's too): the outputs, where repeated tokens read the slot
+  // their first occurrence resolved to; then the misses host -> device, one warp per miss, with the
+  // plan and the counters. The m-th miss took slot miss_slots[m * step] if m < num_slots, else none.
+  template <class S>
+  SPARSEKV_HOST_DEVICE static void finish_slow_path(const Params& p, int64_t b, int64_t rid, const Team& t, S& s,
+                                                    int32_t* out, const int32_t* top_k, const int32_t* locs,
+                                                    int64_t seq_len, int num_misses, const int16_t* miss_slots,
+                                                    int step, int num_slots) {
+    const int64_t newest = seq_len - 1;
     int hits = 0;
     for (int base = 0; base < K; base += t.size) {
       const int i = base + t.tid;
@@ -381,11 +404,10 @@ struct SwapIn {
       hits += n;
     }
 
-    // 6. Copy the misses host -> device, one warp per miss.
     const int64_t* host_locs = p.host_cache_locs + rid * p.max_len;
     for (int m = t.warp; m < num_misses; m += t.num_warps) {
       const int32_t tok = top_k[s.miss_index[m]];
-      const int16_t slot = m < num_evictable ? s.lru_out[H - 1 - m] : int16_t(-1);
+      const int16_t slot = m < num_slots ? miss_slots[m * step] : int16_t(-1);
       const int64_t src = tok < p.max_len ? host_locs[tok] : -1;
       const int64_t dst = slot >= 0 && slot < H ? static_cast<int64_t>(locs[slot]) : -1;
       if (p.miss_count && t.lane == 0) {
@@ -427,17 +449,24 @@ __global__ void __launch_bounds__(K::kBlockSize) swap_in_kernel(const typename K
   K::serve(p, blockIdx.x, Team::current(), *reinterpret_cast<typename K::Shared*>(smem));
 }
 
-template <int K, int H, int BlockSize, class Layout>
-int SwapIn<K, H, BlockSize, Layout>::run_on_cuda(const Params& p, void* stream) {
-  if (p.batch == 0) return 0;
-  constexpr size_t bytes = sizeof(Shared);
-  const auto kernel = swap_in_kernel<SwapIn>;
+// One block of Kernel::kBlockSize threads per request row, its Shared in dynamic shared memory (the
+// swap-in kernels: SwapIn, IndexedSwapIn).
+template <class Kernel>
+int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* stream) {
+  if (batch == 0) return 0;
+  constexpr size_t bytes = sizeof(typename Kernel::Shared);
+  const auto kernel = swap_in_kernel<Kernel>;
   if constexpr (bytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kernel<<<static_cast<unsigned>(p.batch), BlockSize, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+  kernel<<<static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <int K, int H, int BlockSize, class Layout>
+int SwapIn<K, H, BlockSize, Layout>::run_on_cuda(const Params& p, void* stream) {
+  return launch_per_request<SwapIn>(p, p.batch, stream);
 }
 #endif
 

@@ -14,12 +14,17 @@ one import.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
+
+if TYPE_CHECKING:
+    from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 
 __all__ = [
     "CHECK_ONLY",
@@ -204,10 +209,12 @@ def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buf
 
 def host_check_args(args: list, index_check: int = CHECK_ONLY) -> list:
     """``args`` for the index-check pass of the cpu build: host copies of the tables and one-row
-    stand-ins of the two caches (the pass reads only their shapes), with ``index_check`` set."""
+    stand-ins of the two caches (the pass reads only their shapes), with ``index_check`` set. The
+    indexed entry's arguments too (its extra tables come after the caches)."""
     out = []
-    for name, value in zip(SWAP_IN_ARGS, args):
-        if name in ("host_cache", "device_buffer"):
+    caches = (SWAP_IN_ARGS.index("host_cache"), SWAP_IN_ARGS.index("device_buffer"))
+    for i, value in enumerate(args):
+        if i in caches:
             value = _stand_in(value)
         elif isinstance(value, torch.Tensor):
             value = value.cpu()
@@ -232,26 +239,37 @@ def swap_in_entry(module, speculative: bool):
 def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
           device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
           hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
-          speculative) -> None:
+          speculative, resident_index) -> None:
     backend = backend_of(top_k_tokens)
     page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
-    module = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                            block_size=block_size, backend=backend)
-    entry = swap_in_entry(module, speculative)
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
                         counters=counters)
+    compiled = swap_in_module
+    if resident_index is not None:
+        from sparsekv.jit_kernel.hisparse_index import ResidentIndex, indexed_module  # it builds on this module
+
+        if not isinstance(resident_index, ResidentIndex):
+            raise TypeError(f"sparsekv: argument `resident_index` must be a ResidentIndex or None, got "
+                            f"{type(resident_index).__name__}")
+        # The indexed entries take the index tables right after lru_slots.
+        at = SWAP_IN_ARGS.index("lru_slots") + 1
+        args[at:at] = [resident_index.slot_of, resident_index.queue, resident_index.queue_pos]
+        compiled = indexed_module
+
+    def entry(on: str):
+        return swap_in_entry(compiled(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout,
+                                      page_slots=page_slots, block_size=block_size, backend=on), speculative)
+
     if env.check_indices():
         if backend == "cpu":
             args[-1] = CHECK_THEN_RUN
         else:
             # Debug mode on the GPU: the cpu build follows every index on host copies of the tables (a
             # sync) before the kernel runs; the caches are only measured, so they are stand-ins.
-            host = swap_in_module(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                                  block_size=block_size, backend="cpu")
-            swap_in_entry(host, speculative)(*host_check_args(args))
-    entry(*args)
+            entry("cpu")(*host_check_args(args))
+    entry(backend)(*args)
 
 
 def load_cache_to_device_buffer_mla(
@@ -277,6 +295,7 @@ def load_cache_to_device_buffer_mla(
     block_size: int | None = None,
     page_slots: int | None = None,
     speculative: bool = False,
+    resident_index: ResidentIndex | None = None,
 ) -> None:
     """Resolve one layer's top-k against the per-request hot buffers; load the misses host -> device.
 
@@ -337,6 +356,11 @@ def load_cache_to_device_buffer_mla(
         block in batch order, each on the tables the previous one left, which equals running them
         one call after another; a token several of them miss is loaded once, and each row's slots
         stay its own while the request's rows select at most ``H`` distinct tokens.
+    resident_index : ResidentIndex, optional
+        Selects the indexed kernel (:mod:`sparsekv.jit_kernel.hisparse_index`): hits by a direct
+        map from position to slot, the LRU order in the index's queue, ``O(K)`` table work per step
+        instead of ``O(H)``; the same results. ``lru_slots`` is then checked but neither read nor
+        written (the order is :meth:`ResidentIndex.lru_order`). Default: the scanning kernel.
 
     Raises
     ------
@@ -358,7 +382,8 @@ def load_cache_to_device_buffer_mla(
     """
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
+          resident_index)
 
 
 def load_cache_to_device_buffer_dsv4_mla(
@@ -384,6 +409,7 @@ def load_cache_to_device_buffer_dsv4_mla(
     block_size: int | None = None,
     page_slots: int | None = None,
     speculative: bool = False,
+    resident_index: ResidentIndex | None = None,
 ) -> None:
     """:func:`load_cache_to_device_buffer_mla` for the DSV4 C4 layout, paged on both sides.
 
@@ -398,7 +424,8 @@ def load_cache_to_device_buffer_dsv4_mla(
     """
     _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative)
+          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
+          resident_index)
 
 
 def copy_cache_planned_mla(

@@ -84,9 +84,11 @@ def test_import_directions(where, anywhere, at_import, why):
     assert not bad, f"{why}:\n" + "\n".join(bad)
 
 
-# The one exception: the fused store runs the compressor's window pooling and the quantizer's row
-# stores in a single pass over the window, so it builds on those two families' headers.
-FUSED_FAMILY_INCLUDES = {"dsv4_store.cuh": {"dsv4_compress.cuh", "dsv4_quant.cuh"}}
+# The exceptions: the fused store runs the compressor's window pooling and the quantizer's row
+# stores in a single pass over the window, so it builds on those two families' headers; the indexed
+# swap-in is the swap-in with other tables, so it builds on its layouts, checks and hash table.
+FUSED_FAMILY_INCLUDES = {"dsv4_store.cuh": {"dsv4_compress.cuh", "dsv4_quant.cuh"},
+                         "hisparse_index.cuh": {"hisparse.cuh"}}
 
 
 def test_kernel_headers_include_only_the_shared_headers():

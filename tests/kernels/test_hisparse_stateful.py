@@ -14,7 +14,9 @@ must agree with
   miss counts, the miss plan and the counters;
 
 and the bytes in every slot the step returned must be the host bytes of the token asked for, in
-the swap-in layer and in a second layer fed only by replaying the miss plan.
+the swap-in layer and in a second layer fed only by replaying the miss plan. The indexed kernel
+(resident-token index) runs the same machine: its LRU order is read from its queue, and its index
+must agree with the slot tokens after every step.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ MAX_REQS, MAX_LEN = 3, 48
 
 
 class SwapInMachine(RuleBasedStateMachine):
-    def __init__(self, backend: str, page_slots: int | None):
+    def __init__(self, backend: str, page_slots: int | None, indexed: bool = False):
         super().__init__()
         self.backend = backend
+        self.indexed = indexed
         self.page_slots = page_slots  # None: the generic layout
         self.is_dsv4_layout = page_slots is not None
         self.seq: dict[int, int] = {}
@@ -55,6 +58,8 @@ class SwapInMachine(RuleBasedStateMachine):
     def build(self, seed):
         self.world = make_world(K, H, is_dsv4_layout=self.is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN,
                                 seed=seed, page_slots=self.page_slots or 64, backend=self.backend)
+        if self.indexed:
+            self.world.use_resident_index()
         self.host2 = random_bytes(tuple(self.world.host_cache.shape), seed + 11)
         self.device2 = random_bytes(tuple(self.world.device_buffer.shape), seed + 12)
         self.counters = torch.zeros(3, dtype=torch.int64)
@@ -109,7 +114,7 @@ class SwapInMachine(RuleBasedStateMachine):
         # Against the reference, on the same pre-step state: all tables and all bytes.
         assert torch.equal(res["out"], expected.top_k_device_locs)
         assert torch.equal(self.world.device_buffer_tokens, expected.device_buffer_tokens)
-        assert torch.equal(self.world.lru_slots, expected.lru_slots)
+        assert [self.world.lru_order(r) for r in range(MAX_REQS)] == expected.lru_slots.tolist()
         assert torch.equal(self.world.device_buffer, expected.device_buffer)
         assert torch.equal(res["miss_count"], expected.miss_count)
         for b, pairs in enumerate(expected.plan):
@@ -124,7 +129,7 @@ class SwapInMachine(RuleBasedStateMachine):
             locs = self.world.device_buffer_locs[rid]
             assert res["out"][b].tolist() == [int(locs[s]) if s >= 0 else -1 for s in step.slots]
             assert self.world.device_buffer_tokens[rid, :H].tolist() == self.model[rid].tokens
-            assert self.world.lru_slots[rid].tolist() == self.model[rid].lru
+            assert self.world.lru_order(rid) == self.model[rid].lru
             assert int(res["miss_count"][b]) == len(step.misses)
         assert res["out"][len(rows):].eq(-1).all()
 
@@ -147,8 +152,14 @@ class SwapInMachine(RuleBasedStateMachine):
     @invariant()
     def lru_rows_are_permutations(self):
         if hasattr(self, "world"):
-            for row in self.world.lru_slots.tolist():
-                assert sorted(row) == list(range(H))
+            for rid in range(MAX_REQS):
+                assert sorted(self.world.lru_order(rid)) == list(range(H))
+
+    @invariant()
+    def the_resident_index_agrees_with_the_slot_tokens(self):
+        if hasattr(self, "world") and self.indexed:
+            for rid in range(MAX_REQS):
+                assert self.world.resident_index.agrees_with(rid, self.world.device_buffer_tokens)
 
 
 # The generic layout, then DSV4 C4 at full-token page sizes 128, 256 and 512.
@@ -159,4 +170,11 @@ LAYOUT_IDS = ["generic", *(f"dsv4-page{p}" for p in DSV4_PAGE_SIZES)]
 @pytest.mark.parametrize("page_slots", LAYOUTS, ids=LAYOUT_IDS)
 def test_swap_in_state_machine(backend, page_slots):
     run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots),
+                              settings=settings(settings.default, stateful_step_count=40))
+
+
+# The indexed kernel (resident-token index) under the same machine: generic rows and one C4 page size.
+@pytest.mark.parametrize("page_slots", LAYOUTS[:1] + LAYOUTS[2:3], ids=LAYOUT_IDS[:1] + LAYOUT_IDS[2:3])
+def test_indexed_swap_in_state_machine(backend, page_slots):
+    run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots, indexed=True),
                               settings=settings(settings.default, stateful_step_count=40))

@@ -38,6 +38,8 @@ class SwapInWorld:
     device_buffer_tokens: torch.Tensor
     lru_slots: torch.Tensor
     backend: str = "cpu"  # where swap_in runs the kernel (the world's tensors stay on the CPU)
+    #: When set (:meth:`use_resident_index`), swap_in runs the indexed kernel on it.
+    resident_index: object = None
 
     @property
     def is_dsv4_layout(self) -> bool:
@@ -92,6 +94,10 @@ class SwapInWorld:
         if num_real_reqs is not None:
             extra["num_real_reqs"] = torch.tensor([num_real_reqs], dtype=torch.int32)
         fn = load_cache_to_device_buffer_dsv4_mla if self.is_dsv4_layout else load_cache_to_device_buffer_mla
+        if self.resident_index is not None:
+            fn = _with_resident_index(fn)
+            index = self.resident_index
+            extra.update(slot_of=index.slot_of, queue=index.queue, queue_pos=index.queue_pos)
         layout = {"page_slots": self.page_slots} if self.is_dsv4_layout else {}
         tensors = dict(top_k_tokens=torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k),
                        device_buffer_tokens=self.device_buffer_tokens, host_cache_locs=self.host_cache_locs,
@@ -102,18 +108,20 @@ class SwapInWorld:
                        counters=counters, **extra)
         run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
                        hot_buffer_size=self.hot, speculative=speculative, **layout)
-        return dict(out=out, **extra)
+        return dict(out=out, **{k: v for k, v in extra.items() if k not in ("slot_of", "queue", "queue_pos")})
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                   num_real_reqs: int | None = None):
-        """The torch reference's expected state for the same call (this world is not modified)."""
+        """The torch reference's expected state for the same call (this world is not modified); its
+        ``lru_slots`` is what :meth:`lru_order` must give afterwards, for either kernel."""
         from sparsekv.testing.reference.hisparse import load_cache_to_device_buffer_reference
 
         bs = len(rids)
+        lru = torch.tensor([self.lru_order(r) for r in range(self.max_reqs)], dtype=torch.int16)
         return load_cache_to_device_buffer_reference(
             torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
             self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer,
-            torch.tensor(rids), torch.tensor(seq_lens), self.lru_slots, self.item_size_bytes, self.hot,
+            torch.tensor(rids), torch.tensor(seq_lens), lru, self.item_size_bytes, self.hot,
             num_real_reqs=num_real_reqs, page_slots=self.page_slots)
 
     def reset_request(self, rid: int, *, resident: bool) -> None:
@@ -122,6 +130,30 @@ class SwapInWorld:
         if resident:
             self.device_buffer_tokens[rid, : self.hot] = torch.arange(self.hot, dtype=torch.int32)
         self.lru_slots[rid] = torch.arange(self.hot, dtype=torch.int16)
+        if self.resident_index is not None:
+            self.resident_index.rebuild_rows([rid], self.device_buffer_tokens, self.lru_slots)
+
+    def use_resident_index(self) -> None:
+        """From now on swap_in runs the indexed kernel, on an index built from the current tables."""
+        from sparsekv.jit_kernel.hisparse_index import ResidentIndex
+
+        self.resident_index = ResidentIndex.build(self.device_buffer_tokens, self.lru_slots, self.max_len)
+
+    def lru_order(self, rid: int) -> list[int]:
+        """Row ``rid``'s LRU order: ``lru_slots`` for the scanning kernel, the index's queue for the indexed one."""
+        if self.resident_index is None:
+            return self.lru_slots[rid].tolist()
+        return self.resident_index.lru_order(rid)
+
+
+def _with_resident_index(fn):
+    """``fn`` taking the index's three tables as tensors (so run_on_backend moves and compares them)."""
+    from sparsekv.jit_kernel.hisparse_index import ResidentIndex
+
+    def call(*, slot_of, queue, queue_pos, **kwargs):
+        fn(**kwargs, resident_index=ResidentIndex(slot_of=slot_of, queue=queue, queue_pos=queue_pos))
+
+    return call
 
 
 def random_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""The HiSparse swap-in with a resident-token index (kernel in ``csrc/hisparse_index.cuh``).
+
+:func:`sparsekv.jit_kernel.hisparse.load_cache_to_device_buffer_mla` scans each request's whole hot
+buffer (``H`` slots) every step to find which of the ``K`` wanted tokens are resident. Given a
+:class:`ResidentIndex` (its ``resident_index=`` argument), it runs the indexed kernel instead: hits
+are found by a direct map from C4 position to slot and the LRU order is a queue with lazy deletion,
+so a step reads ``O(K)`` table entries (amortized), whatever ``H`` is. Results are the scanning
+kernel's, bit for bit: same outputs, slot tokens, bytes, miss plan, counters and LRU order.
+
+The index lives on the device next to ``device_buffer_tokens``, per request row (and per layer: one
+:class:`ResidentIndex` per layer), and costs :func:`resident_index_bytes` per request and layer:
+``2 * max_len + 8 * H + 8`` bytes (``max_len`` = C4 positions per request, the columns of
+``host_cache_locs``). It is built (:meth:`ResidentIndex.build`) or rebuilt for admitted rows
+(:meth:`ResidentIndex.rebuild_rows`) from ``device_buffer_tokens`` and ``lru_slots``; afterwards only
+the kernel changes it, in the same launch that changes residency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsekv.jit_kernel.hisparse import SHARED_MEMORY_LIMIT, _layout_type, default_block_size
+from sparsekv.jit_kernel.registry import KernelFamily, check_int, register
+
+__all__ = [
+    "INDEXED",
+    "SORT_KEY_LIMIT",
+    "ResidentIndex",
+    "indexed_module",
+    "indexed_shared_bytes",
+    "resident_index_bytes",
+]
+
+_WARP = 32
+#: Hot-buffer sizes must keep ``2 H`` queue positions below 2**16 (they share an int32 sort key with the slot).
+SORT_KEY_LIMIT = 32768
+
+
+def _log2_ceil(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def resident_index_bytes(max_len: int, hot_buffer_size: int) -> int:
+    """Device bytes of one request's index in one layer: ``2 * max_len + 8 * H + 8``.
+
+    int16 ``slot_of`` per C4 position, an int16 queue of ``2 H`` entries, an int32 position per slot
+    plus head and tail. Bounded by ``2 * max_len + 8 * H + 8`` for any state (the tables never grow).
+    """
+    return 2 * max_len + 2 * (2 * hot_buffer_size) + 4 * (hot_buffer_size + 2)
+
+
+def indexed_shared_bytes(num_top_k: int, block_size: int) -> int:
+    """Bytes of ``IndexedSwapIn<K, H, BlockSize>::Shared`` (no ``H`` term, unlike the scanning kernel's).
+
+    With ``T = 2 ** ceil(log2(2 K))`` hash cells and ``P = 2 ** ceil(log2 K)`` sort keys:
+    ``align4(10 T + 4 P + 4 K) + 4 (BlockSize / 32) + 8``.
+    """
+    cells = 1 << _log2_ceil(2 * num_top_k)
+    arrays = 10 * cells + 4 * (1 << _log2_ceil(num_top_k)) + 4 * num_top_k
+    return -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 8
+
+
+def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
+                      block_size: int | None = None) -> tuple:
+    """``IndexedSwapIn<K, H, BlockSize, Layout>`` arguments; the scanning kernel's checks, except that
+    the scratch does not grow with ``H`` (only its own bound applies)."""
+    k = check_int("hisparse_index", "num_top_k", num_top_k, 1, SORT_KEY_LIMIT, "int16 slot ids")
+    h = check_int("hisparse_index", "hot_buffer_size", hot_buffer_size, k, SORT_KEY_LIMIT,
+                  "at least num_top_k; 2 * H queue positions below 2**16")
+    block = default_block_size(k) if block_size is None else block_size
+    if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
+        raise ValueError(f"sparsekv: hisparse_index argument `block_size` must be a multiple of 32 in [32, 1024], "
+                         f"got {block_size!r}")
+    need = indexed_shared_bytes(k, block)
+    if need > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"sparsekv: hisparse_index num_top_k={k} needs {need} bytes of per-request scratch, over "
+                         f"the {SHARED_MEMORY_LIMIT} bytes of shared memory a GPU block can have; lower num_top_k")
+    return k, h, block, _layout_type("hisparse_index", layout, page_slots)
+
+
+INDEXED = register(
+    KernelFamily(
+        name="hisparse_index",
+        header="hisparse_index.cuh",
+        # The names of the scanning module's entries, so swap_in_entry picks either module's.
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer_indexed",
+                 "load_cache_to_device_buffer_speculative":
+                     "sparsekv::hisparse::load_cache_to_device_buffer_indexed_speculative"},
+        kernels=("sparsekv::hisparse::IndexedSwapIn",),
+        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
+        complete=_complete_indexed,
+        instances=(
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic"},
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "dsv4", "page_slots": 64},
+            {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
+            {"num_top_k": 1024, "hot_buffer_size": 2048, "layout": "dsv4", "page_slots": 64},
+        ),
+    )
+)
+
+
+def indexed_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool = False,
+                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu"):
+    """The compiled indexed swap-in for ``(K, H)`` and a layout (``page_slots`` defaults to 64 for dsv4)."""
+    values = {"layout": "dsv4", "page_slots": page_slots or 64} if is_dsv4_layout else {"layout": "generic"}
+    return INDEXED.module(num_top_k=num_top_k, hot_buffer_size=hot_buffer_size, block_size=block_size,
+                          backend=backend, **values)
+
+
+@dataclass
+class ResidentIndex:
+    """One layer's resident-token index for every request row (see the module docstring).
+
+    Attributes
+    ----------
+    slot_of : torch.Tensor
+        int16 ``[max_reqs, max_len]``: hot slot holding each C4 position, -1 none.
+    queue : torch.Tensor
+        int16 ``[max_reqs, 2 H]``: the LRU queue (live entries front to back = least recently used first).
+    queue_pos : torch.Tensor
+        int32 ``[max_reqs, H + 2]``: queue position of each slot's live entry, then head and tail.
+    """
+
+    slot_of: torch.Tensor
+    queue: torch.Tensor
+    queue_pos: torch.Tensor
+
+    @property
+    def hot(self) -> int:
+        """``H``, the hot slots per request."""
+        return self.queue.shape[1] // 2
+
+    @classmethod
+    def empty(cls, max_reqs: int, max_len: int, hot_buffer_size: int, *,
+              device: torch.device | str = "cpu") -> ResidentIndex:
+        """An index of ``max_reqs`` rows with nothing resident and LRU ``0..H-1`` (call
+        :meth:`rebuild_rows` for rows whose tables hold tokens)."""
+        hot = check_int("ResidentIndex", "hot_buffer_size", hot_buffer_size, 1, SORT_KEY_LIMIT, "int16 slots")
+        index = cls(slot_of=torch.full((max_reqs, max_len), -1, dtype=torch.int16, device=device),
+                    queue=torch.zeros((max_reqs, 2 * hot), dtype=torch.int16, device=device),
+                    queue_pos=torch.zeros((max_reqs, hot + 2), dtype=torch.int32, device=device))
+        index._reset_queue(slice(None), torch.arange(hot, dtype=torch.int16, device=device).expand(max_reqs, hot))
+        return index
+
+    @classmethod
+    def build(cls, device_buffer_tokens: torch.Tensor, lru_slots: torch.Tensor, max_len: int) -> ResidentIndex:
+        """The index of every row of the swap-in tables (``lru_slots`` gives each row's LRU order)."""
+        max_reqs, hot = lru_slots.shape
+        index = cls.empty(max_reqs, max_len, hot, device=device_buffer_tokens.device)
+        index.rebuild_rows(torch.arange(max_reqs), device_buffer_tokens, lru_slots)
+        return index
+
+    def rebuild_rows(self, rows: torch.Tensor | list[int], device_buffer_tokens: torch.Tensor,
+                     lru_slots: torch.Tensor) -> None:
+        """Rebuild ``rows`` from the swap-in tables (at admission): ``slot_of`` becomes the inverse of
+        ``device_buffer_tokens[row, :H]`` (tokens outside ``[0, max_len)`` are not indexed) and the
+        queue holds ``lru_slots[row]`` from position 0. Full tables, indexed by request row."""
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.slot_of.device).reshape(-1)
+        hot, max_len = self.hot, self.slot_of.shape[1]
+        tokens = device_buffer_tokens[rows.to(device_buffer_tokens.device), :hot].to(self.slot_of.device)
+        slot_of = torch.full((len(rows), max_len), -1, dtype=torch.int16, device=self.slot_of.device)
+        r, s = torch.nonzero((tokens >= 0) & (tokens < max_len), as_tuple=True)
+        slot_of[r, tokens[r, s].long()] = s.to(torch.int16)
+        self.slot_of[rows] = slot_of
+        self._reset_queue(rows, lru_slots[rows.to(lru_slots.device)].to(self.queue.device))
+
+    def _reset_queue(self, rows, lru: torch.Tensor) -> None:
+        hot = self.hot
+        self.queue[rows, :hot] = lru.to(torch.int16)
+        pos = torch.empty(lru.shape, dtype=torch.int32, device=self.queue_pos.device)
+        pos.scatter_(1, lru.long(), torch.arange(hot, dtype=torch.int32, device=pos.device).expand_as(pos).contiguous())
+        self.queue_pos[rows, :hot] = pos
+        self.queue_pos[rows, hot] = 0
+        self.queue_pos[rows, hot + 1] = hot
+
+    def lru_order(self, row: int) -> list[int]:
+        """Row ``row``'s LRU order (least recently used first): what the scanning kernel's
+        ``lru_slots[row]`` holds after the same steps. A host sync (tests and snapshots)."""
+        hot = self.hot
+        queue, pos = self.queue[row].tolist(), self.queue_pos[row].tolist()
+        return [queue[j] for j in range(pos[hot], pos[hot + 1]) if 0 <= queue[j] < hot and pos[queue[j]] == j]
+
+    def agrees_with(self, row: int, device_buffer_tokens: torch.Tensor) -> bool:
+        """Whether row ``row``'s ``slot_of`` is the inverse of ``device_buffer_tokens[row, :H]`` and its
+        queue names every slot exactly once (a host sync; tests and snapshots)."""
+        hot, max_len = self.hot, self.slot_of.shape[1]
+        tokens = device_buffer_tokens[row, :hot].tolist()
+        expected = {t: s for s, t in enumerate(tokens) if 0 <= t < max_len}
+        got = {t: s for t, s in enumerate(self.slot_of[row].tolist()) if s != -1}
+        return got == expected and sorted(self.lru_order(row)) == list(range(hot))

@@ -1,0 +1,172 @@
+"""The indexed swap-in (resident-token index): the scanning kernel's results over many steps, the
+index's agreement with ``device_buffer_tokens``, its bytes, the input contract of its extra tables.
+
+The policy-level stateful check (admissions, growth, padding, finishes) runs the indexed kernel too:
+tests/kernels/test_hisparse_stateful.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_mla
+from sparsekv.jit_kernel.hisparse_index import (
+    INDEXED,
+    ResidentIndex,
+    indexed_shared_bytes,
+    resident_index_bytes,
+)
+from sparsekv.testing.backends import to_backend
+from sparsekv.testing.profiles import scaled_examples
+from sparsekv.testing.strategies.hisparse import make_world
+
+K, H = 5, 7
+MAX_REQS, MAX_LEN = 3, 48
+
+
+def twin_worlds(backend, is_dsv4_layout, seed):
+    """Two identical worlds; the second runs the indexed kernel."""
+    scan, indexed = (make_world(K, H, is_dsv4_layout=is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN, seed=seed,
+                                backend=backend) for _ in range(2))
+    for w in (scan, indexed):
+        for rid in range(MAX_REQS):
+            w.reset_request(rid, resident=rid % 2 == 0)
+    indexed.use_resident_index()
+    return scan, indexed
+
+
+@settings(max_examples=scaled_examples(6), deadline=None)
+@given(seed=st.integers(0, 2**16), is_dsv4_layout=st.booleans())
+def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, seed, is_dsv4_layout):
+    # 40 steps on a queue of 2H = 14 entries: compaction, head moves and stale entries all happen.
+    scan, indexed = twin_worlds(backend, is_dsv4_layout, seed)
+    rng = random.Random(seed)
+    seq = {0: 6, 1: 12, 2: 30}
+    counters = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
+    for _ in range(40):
+        rows = rng.sample(range(MAX_REQS), rng.randint(1, MAX_REQS))
+        for r in rows:
+            seq[r] = min(MAX_LEN, seq[r] + rng.randint(0, 2))
+        top_k = [[rng.choice([rng.randrange(seq[r]), rng.randrange(min(seq[r], H + 3)), -1, seq[r] - 1, seq[r]])
+                  for _ in range(K)] for r in rows]
+        lens = [seq[r] for r in rows]
+        a = scan.swap_in(top_k, rows, lens, plan=True, counters=counters[0])
+        b = indexed.swap_in(top_k, rows, lens, plan=True, counters=counters[1])
+        for name in ("out", "miss_count"):
+            assert torch.equal(a[name], b[name]), name
+        for row, n in enumerate(a["miss_count"].tolist()):
+            assert torch.equal(a["miss_src"][row, :n], b["miss_src"][row, :n])
+            assert torch.equal(a["miss_dst"][row, :n], b["miss_dst"][row, :n])
+        assert torch.equal(scan.device_buffer_tokens, indexed.device_buffer_tokens)
+        assert torch.equal(scan.device_buffer, indexed.device_buffer)
+        assert torch.equal(counters[0], counters[1])
+        for rid in range(MAX_REQS):
+            assert indexed.lru_order(rid) == scan.lru_slots[rid].tolist()
+            assert indexed.resident_index.agrees_with(rid, indexed.device_buffer_tokens)
+
+
+def test_a_step_that_evicts_updates_the_index_in_the_same_launch(backend):
+    _, w = twin_worlds(backend, False, 3)
+    # Row 0 holds positions 0..6 (LRU 0..6); 20 and 21 miss and take slots 0 and 1 (20 first: top-k order).
+    res = w.swap_in([[20, 2, 21, -1, 29]], [0], [30], plan=True)
+    index = w.resident_index
+    assert int(res["miss_count"][0]) == 2
+    slot_of = index.slot_of[0].tolist()
+    assert (slot_of[20], slot_of[21], slot_of[0], slot_of[1], slot_of[2]) == (0, 1, -1, -1, 2)
+    assert index.lru_order(0) == [3, 4, 5, 6, 0, 1, 2]
+
+
+@pytest.mark.no_backend("builds the index with torch on the CPU, no kernel")
+def test_rebuilding_a_row_inverts_its_tokens_and_restarts_its_queue():
+    tokens = torch.full((2, H + 2), -1, dtype=torch.int32)
+    tokens[1, :H] = torch.tensor([9, -1, 3, 60, 0, -1, 5], dtype=torch.int32)  # 60: beyond max_len, not indexed
+    tokens[1, H] = 7  # the newest entry's column is not a hot slot
+    lru = torch.tensor([list(range(H)), [6, 5, 4, 3, 2, 1, 0]], dtype=torch.int16)
+    index = ResidentIndex.build(tokens, lru, max_len=48)
+    assert {t: s for t, s in enumerate(index.slot_of[1].tolist()) if s >= 0} == {9: 0, 3: 2, 0: 4, 5: 6}
+    assert index.slot_of[0].eq(-1).all()
+    assert index.lru_order(1) == [6, 5, 4, 3, 2, 1, 0]
+    assert index.agrees_with(1, tokens)
+    index.slot_of[1, 9] = 1
+    assert not index.agrees_with(1, tokens)
+
+
+@pytest.mark.no_backend("table sizes, no kernel")
+def test_index_bytes_per_request_and_layer_are_the_tables_bytes():
+    max_len, hot = 48, H
+    index = ResidentIndex.empty(MAX_REQS, max_len, hot)
+    per_row = sum(t[0].numel() * t.element_size() for t in (index.slot_of, index.queue, index.queue_pos))
+    assert resident_index_bytes(max_len, hot) == per_row == 2 * max_len + 8 * hot + 8
+
+
+@pytest.mark.no_backend("template arguments, nothing compiles")
+def test_the_scratch_does_not_grow_with_the_hot_buffer():
+    small = INDEXED.template_args({"num_top_k": 512, "hot_buffer_size": 1024, "layout": "generic"})
+    large = INDEXED.template_args({"num_top_k": 512, "hot_buffer_size": 16384, "layout": "generic"})
+    assert small[2] == large[2] == 512
+    assert indexed_shared_bytes(512, 512) < 48 * 1024  # no opt-in to large shared memory at K = 512
+
+
+def _call(w, index, **overrides):
+    args = dict(top_k_tokens=torch.tensor([[20, 2, 21, -1, 29]], dtype=torch.int32),
+                device_buffer_tokens=w.device_buffer_tokens, host_cache_locs=w.host_cache_locs,
+                device_buffer_locs=w.device_buffer_locs, host_cache=w.host_cache, device_buffer=w.device_buffer,
+                top_k_device_locs=torch.full((1, K), 7, dtype=torch.int32),
+                req_pool_indices=torch.tensor([0], dtype=torch.int32), seq_lens=torch.tensor([30], dtype=torch.int32),
+                lru_slots=w.lru_slots, item_size_bytes=w.item_size_bytes, num_top_k=K, hot_buffer_size=H)
+    tables = dict(slot_of=index.slot_of, queue=index.queue, queue_pos=index.queue_pos)
+    tables.update({k: v for k, v in overrides.items() if k in tables})
+    args.update({k: v for k, v in overrides.items() if k not in tables})
+    return args, tables
+
+
+BAD_TABLES = [
+    (lambda i: dict(slot_of=i.slot_of.to(torch.int32)), TypeError, "slot_of"),
+    (lambda i: dict(slot_of=i.slot_of[:, :-1]), ValueError, "slot_of"),
+    (lambda i: dict(queue=i.queue[:, :H]), ValueError, "queue"),
+    (lambda i: dict(queue_pos=i.queue_pos.to(torch.int16)), TypeError, "queue_pos"),
+    (lambda i: dict(queue_pos=i.queue_pos[:2]), ValueError, "queue_pos"),
+    (lambda i: dict(queue=i.slot_of[:, : 2 * H]), ValueError, "slot_of"),  # shares memory with slot_of
+]
+
+
+@pytest.mark.parametrize("mutate, exc, name", BAD_TABLES)
+def test_bad_index_tables_raise_naming_the_argument_and_write_nothing(backend, mutate, exc, name):
+    _, w = twin_worlds(backend, False, 0)
+    args, tables = _call(w, w.resident_index, **mutate(w.resident_index))
+    args, tables = to_backend(backend, args), to_backend(backend, tables)
+    before = [t.cpu().clone() for t in (args["device_buffer_tokens"], args["device_buffer"], *tables.values())]
+    with pytest.raises(exc, match=f"`{name}`"):
+        load_cache_to_device_buffer_mla(**args, resident_index=ResidentIndex(**tables))
+    after = [t.cpu() for t in (args["device_buffer_tokens"], args["device_buffer"], *tables.values())]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_resident_index_of_the_wrong_type_is_rejected(backend):
+    _, w = twin_worlds(backend, False, 0)
+    args, tables = _call(w, w.resident_index)
+    with pytest.raises(TypeError, match="`resident_index`"):
+        load_cache_to_device_buffer_mla(**to_backend(backend, args), resident_index=tables)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda i: i.slot_of[0].__setitem__(3, 5), "disagrees with `device_buffer_tokens`"),
+    (lambda i: i.slot_of[0].__setitem__(3, -1), "indexes 6 tokens"),
+    (lambda i: i.queue_pos[0].__setitem__(2, 9), "not a live queue entry of slot 2"),
+    (lambda i: i.queue_pos[0].__setitem__(H + 1, 2 * H + 1), "head 0 and tail 15"),
+])
+def test_check_indices_mode_rejects_an_index_out_of_step_with_the_tables(backend, monkeypatch, corrupt, message):
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    _, w = twin_worlds(backend, False, 0)
+    corrupt(w.resident_index)
+    args, tables = _call(w, w.resident_index)
+    before = w.device_buffer_tokens.clone()
+    with pytest.raises(ValueError, match=message):
+        load_cache_to_device_buffer_mla(**to_backend(backend, args),
+                                        resident_index=ResidentIndex(**to_backend(backend, tables)))
+    assert torch.equal(w.device_buffer_tokens, before)
