@@ -352,12 +352,13 @@ void validate_resident_index(const P& p) {
 }
 
 template <int K, int H, int BlockSize, class Layout>
-void load_cache_to_device_buffer_indexed(
-    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
-    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
-    TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst,
-    OptionalTensor miss_count, OptionalTensor counters, int64_t index_check) {
+void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+                     TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
+                     TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
+                     TensorView lru_slots, TensorView slot_of, TensorView queue, TensorView queue_pos,
+                     int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
+                     OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check,
+                     bool speculative) {
   // 1-2. Validate and derive the parameters: SwapIn's (lru_slots is checked there, never read or
   //      written here), then the index tables.
   const IndexCheck mode = index_check_mode(index_check);

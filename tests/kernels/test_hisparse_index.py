@@ -170,3 +170,24 @@ def test_check_indices_mode_rejects_an_index_out_of_step_with_the_tables(backend
         load_cache_to_device_buffer_mla(**to_backend(backend, args),
                                         resident_index=ResidentIndex(**to_backend(backend, tables)))
     assert torch.equal(w.device_buffer_tokens, before)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_rows_of_one_request_are_refused_or_served_in_batch_order_as_by_the_scanning_kernel(backend, speculative):
+    # MTP-style: three rows of request 0 (the plain entry refuses them on host tables), one of request 1.
+    scan, indexed = twin_worlds(backend, False, 5)
+    top_k = [[20, 2, 21, -1, 29], [22, 20, 3, 4, 30], [23, 24, 25, 26, 31], [1, 9, 10, 11, 12]]
+    rows, lens = [0, 0, 0, 1], [30, 31, 32, 14]
+    if not speculative and backend == "cpu":
+        for w in (scan, indexed):
+            with pytest.raises(ValueError, match="`req_pool_indices` names request row 0 twice"):
+                w.swap_in(top_k, rows, lens, plan=True)
+        return
+    a = scan.swap_in(top_k, rows, lens, plan=True, speculative=speculative)
+    b = indexed.swap_in(top_k, rows, lens, plan=True, speculative=speculative)
+    assert torch.equal(a["out"], b["out"]) and torch.equal(a["miss_count"], b["miss_count"])
+    assert torch.equal(scan.device_buffer_tokens, indexed.device_buffer_tokens)
+    assert torch.equal(scan.device_buffer, indexed.device_buffer)
+    for rid in range(MAX_REQS):
+        assert indexed.lru_order(rid) == scan.lru_slots[rid].tolist()
+        assert indexed.resident_index.agrees_with(rid, indexed.device_buffer_tokens)
