@@ -68,7 +68,8 @@ def test_indexer_swap_in_attention_equals_the_fully_resident_cache(backend, layo
         lengths = [lengths[0] + 1, min(lengths[1] + 1, HOT)]
         place(0, HOT, lengths[0] - 1)  # the newest entry of a long row lives in column H
         place(1, lengths[1] - 1, lengths[1] - 1)
-        positions = torch.tensor([4 * n - 1 for n in lengths])  # raw positions that see exactly n entries
+        # Any raw position that sees exactly n entries: 4n - 1 .. 4n + 2 (entry n - 1 closes at 4n - 1).
+        positions = torch.tensor([4 * n - 1 + int(torch.randint(0, 4, (), generator=g)) for n in lengths])
         q = torch.randn(2, HEADS, 512, generator=g)
         q_index = torch.randn(2, INDEXER_HEADS, INDEXER_HEAD_DIM, generator=g)
         weights = torch.rand(2, INDEXER_HEADS, generator=g)
@@ -92,6 +93,7 @@ def test_indexer_swap_in_attention_equals_the_fully_resident_cache(backend, layo
         assert torch.equal(swapped[0].cpu(), resident[0].cpu()) and torch.equal(swapped[1].cpu(), resident[1].cpu())
         expected = sparse_decode_attention_reference(q, kv_cache, slots.cpu(), sink, P)
         torch.testing.assert_close(resident[0].cpu().double(), expected[0], rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(resident[1].cpu().double(), expected[1], rtol=2e-4, atol=2e-4)
         assert bool((tokens.cpu() >= 0).sum(dim=1).eq(torch.tensor([min(TOP_K, n) for n in lengths])).all())
         device_buffer.copy_(hot_buffer.cpu())
         for mine, theirs in zip((device_buffer_tokens, device_buffer_locs, lru_slots), tables):

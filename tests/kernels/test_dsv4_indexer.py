@@ -25,8 +25,9 @@ from sparsekv.testing.reference.dsv4_indexer import (
     entry_slots,
     indexer_scores_reference,
     indexer_topk_reference,
+    visible_entry_count,
 )
-from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case, score_rows
+from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case, score_rows, write_indexer_keys
 
 BACKENDS = kernel_backends()
 LAYOUTS = sorted(INDEXER_LAYOUTS)
@@ -115,7 +116,7 @@ def check_topk(tokens: torch.Tensor, scores: torch.Tensor, positions: torch.Tens
     token for token; and, independently of that reference, the same multiset of scores as torch.topk."""
     expected = indexer_topk_reference(scores, positions, top_k)
     assert torch.equal(tokens.to(torch.int64), expected)
-    visible = visible_entries(positions.to(torch.int64)).clamp(max=scores.shape[1])
+    visible = visible_entry_count(positions).clamp(max=scores.shape[1])
     for b in range(tokens.shape[0]):
         n = int(visible[b])
         count = min(top_k, n)
@@ -181,7 +182,7 @@ def test_scores_of_more_rows_than_a_grid_dimension_holds(backend):
 def test_no_invisible_entry_is_ever_selected(backend, rows, top_k):
     # Entries past the visible prefix score highest here: a kernel that looked at them would pick them.
     scores, positions = rows
-    visible = visible_entries(positions).clamp(max=scores.shape[1])
+    visible = visible_entry_count(positions).clamp(max=scores.shape[1])
     poisoned = torch.where(torch.arange(scores.shape[1])[None, :] >= visible[:, None], torch.full((), 1e30), scores)
     device = device_of(backend)
     tokens, _ = indexer_topk(poisoned.to(device), positions.to(device), top_k)
@@ -287,6 +288,40 @@ def test_the_device_side_page_check_agrees_with_the_host_entry(backend, mutate, 
     args = to_backend(backend, args)
     with pytest.raises(exc, match=f"`{name}`"):
         check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+
+
+# Raw position -> visible C4 entries, by hand: entry i closes at raw position 4i + 3.
+VISIBLE = {-5: 0, -1: 0, 0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1, 7: 2, 10: 2, 11: 3, 12: 3, 4095: 1024, 4096: 1024,
+           4098: 1024, 4099: 1025}
+
+
+@pytest.mark.no_backend("literal values of the Python helpers")
+def test_visible_entry_counts_are_the_literal_values():
+    positions = torch.tensor(list(VISIBLE))
+    expected = torch.tensor(list(VISIBLE.values()))
+    assert torch.equal(visible_entry_count(positions), expected)
+    assert torch.equal(visible_entries(positions), expected)  # the wrapper's own (page checks)
+
+
+@pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64], ids=str)
+def test_the_kernel_scores_exactly_the_literal_visible_entries(backend, positions_dtype):
+    # One page table row long enough for every literal position: the kernel's own visibility
+    # formula (csrc/dsv4_indexer.cuh) decides which entries get a finite score.
+    layout, page_size, width = "fp8", 64, 1100
+    pages = -(-width // page_size)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.zeros(pages, INDEXER_LAYOUTS[layout].page_bytes(page_size), dtype=torch.uint8)
+    write_indexer_keys(torch.randn(pages * page_size, 128, generator=g), cache, torch.arange(pages * page_size),
+                       page_size, layout)
+    batch = len(VISIBLE)
+    args = to_backend(backend, dict(
+        q=torch.randn(batch, 2, 128, generator=g), weights=torch.rand(batch, 2, generator=g), k_cache=cache,
+        page_table=torch.arange(pages, dtype=torch.int32).repeat(batch, 1),
+        positions=torch.tensor(list(VISIBLE), dtype=positions_dtype), page_size=page_size, layout=layout,
+        out=torch.zeros(batch, width)))
+    indexer_scores(**args)
+    finite = torch.isfinite(args["out"].cpu()).sum(dim=1)
+    assert finite.tolist() == list(VISIBLE.values())
 
 
 @pytest.mark.no_backend("template arguments are computed in Python")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, visible_entries
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.testing.reference.dsv4_quant import decode_fp4_blocks
 
 
@@ -26,6 +26,17 @@ def decode_indexer_keys(k_cache: torch.Tensor, slots: torch.Tensor, page_size: i
     return decode_fp4_blocks(values, scales)
 
 
+def visible_entry_count(positions: torch.Tensor) -> torch.Tensor:
+    """int64 count of C4 entries a query at raw position ``t`` sees, counted from the entries' spans.
+
+    Entry ``i`` pools tokens ``4i .. 4i + 3``; it exists once its last token ``4i + 3`` is at or
+    before ``t``. So the count is the number of ``i >= 0`` with ``4i + 3 <= t``: none for ``t < 3``,
+    else ``(t - 3) // 4 + 1``.
+    """
+    t = positions.cpu().to(torch.int64)
+    return torch.where(t >= 3, torch.div(t - 3, 4, rounding_mode="floor") + 1, torch.zeros_like(t))
+
+
 def entry_slots(page_table_row: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
     """int64 cache slots of logical entries ``0..n-1`` through one page-table row."""
     i = torch.arange(n)
@@ -37,7 +48,7 @@ def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: to
     """float64 ``[B, width]`` scores; entries past ``min((t + 1) // 4, width)`` are -inf."""
     batch = q.shape[0]
     scores = torch.full((batch, width), float("-inf"), dtype=torch.float64)
-    visible = visible_entries(positions.cpu().to(torch.int64)).clamp(max=width)
+    visible = visible_entry_count(positions).clamp(max=width)
     for b in range(batch):
         n = int(visible[b])
         keys = decode_indexer_keys(k_cache.cpu(), entry_slots(page_table[b].cpu(), n, page_size), page_size, layout)
@@ -57,7 +68,7 @@ def indexer_topk_reference(scores: torch.Tensor, positions: torch.Tensor, top_k:
     """int64 ``[B, top_k]``: the ``min(top_k, visible)`` largest scores of each row's visible prefix,
     equal scores taken lower position first, written in ascending position, -1 padded. The one answer
     both backends give."""
-    visible = visible_entries(positions.cpu().to(torch.int64)).clamp(max=scores.shape[1])
+    visible = visible_entry_count(positions).clamp(max=scores.shape[1])
     out = torch.full((scores.shape[0], top_k), -1, dtype=torch.int64)
     for b in range(scores.shape[0]):
         n = int(visible[b])

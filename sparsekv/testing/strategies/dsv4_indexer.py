@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, visible_entries
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
+from sparsekv.testing.reference.dsv4_indexer import visible_entry_count
 from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, encode_fp4_blocks
 
 PAGE_SIZES = (1, 4, 16, 64)
@@ -70,7 +71,7 @@ def indexer_case(draw, *, layout: str | None = None, max_heads: int = 8, max_pag
                                                     draw(st.integers(0, 4 * capacity - 1))]))
                               for _ in range(batch)], dtype=draw(st.sampled_from([torch.int32, torch.int64])))
     page_table = torch.stack([torch.randperm(num_pages, generator=g)[:table_pages] for _ in range(batch)]).int()
-    used = -(-visible_entries(positions.to(torch.int64)) // page_size)
+    used = -(-visible_entry_count(positions) // page_size)
     page_table[torch.arange(table_pages)[None, :] >= used[:, None]] = -1
     q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     q = torch.randn(batch, heads, INDEXER_HEAD_DIM, generator=g).to(q_dtype)
