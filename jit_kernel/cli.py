@@ -76,7 +76,8 @@ def _common(json_flag: bool) -> _Parser:
 def _instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance", action="append", default=[], metavar="FAMILY:k=v,...",
                    help="one module instance, e.g. 'gather_rows:index_dtype=int64' (repeatable)")
-    p.add_argument("--model", choices=("dsv4-flash", "dsv4-pro"), help="every instance this model's serving path loads")
+    p.add_argument("--model", choices=("dsv4-flash", "dsv4-pro", "demo"),
+                   help="every instance this model's serving path loads ('demo': what `sparsekv demo` loads)")
     p.add_argument("--hot-buffer", type=int, metavar="N", help="with --model: hot-buffer slots (default 2 x top-k)")
     p.add_argument("--page-size", type=int, metavar="N", help="with --model: full-pool page size (default 256)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
@@ -363,6 +364,7 @@ def _build(args) -> int:
     jobs = _selected(args, families)
     roots = cache.open_roots()
     plans = [(f, i, _plan(f, template_args(f, i), args.backend, args.arch, roots.probe_dir())) for f, i in jobs]
+    cached = [p for _, _, p in plans if any(cache.valid_artifact(root / p.entry_name()) for root in roots.read)]
     workers = min(len(plans), resources.build_jobs(args.backend, args.jobs)) or 1
     start = time.perf_counter()
     with _bar(len(plans), f"building ({workers} jobs)") as bar, \
@@ -379,10 +381,11 @@ def _build(args) -> int:
                 future.cancel()
             raise
     seconds = time.perf_counter() - start
-    doc = {"backend": args.backend, "built": len(plans), "jobs": workers, "seconds": round(seconds, 2),
-           "entries": [p.entry_name() for _, _, p in plans]}
-    _emit(args, doc, lambda: f"built {len(plans)} module instances for the {args.backend} backend in {seconds:.1f} s "
-                             f"({workers} parallel jobs)")
+    built = len(plans) - len(cached)
+    doc = {"backend": args.backend, "built": built, "cached": len(cached), "jobs": workers,
+           "seconds": round(seconds, 2), "entries": [p.entry_name() for _, _, p in plans]}
+    _emit(args, doc, lambda: f"built {built} module instances for the {args.backend} backend in {seconds:.1f} s "
+                             f"({workers} parallel jobs); {len(cached)} were already cached")
     return 0
 
 

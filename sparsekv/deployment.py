@@ -17,16 +17,21 @@ INDEX_TOP_K = {"dsv4-flash": 512, "dsv4-pro": 1024}
 C4_RATIO = 4
 
 
+#: The model of ``sparsekv demo`` (:mod:`sparsekv.demo.model`): its top-k, hot buffer and query dtype.
+DEMO = "demo"
+DEMO_TOP_K, DEMO_HOT_BUFFER = 64, 128
+
+
 def model_instances(model: str, *, hot_buffer: int | None = None,
                     page_size: int | None = None) -> list[tuple[str, dict[str, object]]]:
     """``(family, {param: value})`` for every kernel instance a HiSparse server of ``model`` loads.
 
     Parameters
     ----------
-    model : {"dsv4-flash", "dsv4-pro"}
-        A planner preset.
+    model : {"dsv4-flash", "dsv4-pro", "demo"}
+        A planner preset, or the model of ``sparsekv demo`` (float32 queries, FP8 indexer keys).
     hot_buffer : int, optional
-        Device hot-buffer slots per request (default ``2 * index_topk``).
+        Device hot-buffer slots per request (default ``2 * index_topk``; 128 for the demo).
     page_size : int, optional
         Full-pool page size (default the planner's :class:`ServerSpec` default).
 
@@ -35,17 +40,29 @@ def model_instances(model: str, *, hot_buffer: int | None = None,
     ValueError
         Unknown model, or a hot buffer smaller than the top-k.
     """
+    if model == DEMO:
+        import torch
+
+        hot = DEMO_HOT_BUFFER if hot_buffer is None else hot_buffer
+        _check_hot_buffer(hot, DEMO_TOP_K)
+        server = ServerSpec() if page_size is None else ServerSpec(page_size=page_size)
+        return serving_instances(top_k=DEMO_TOP_K, hot_buffer=hot, page_size=server.page_size,
+                                 q_dtypes=(torch.float32,), indexer_layouts=("fp8",))
     if model not in DSV4_PRESETS:
-        raise ValueError(f"sparsekv: unknown model {model!r}; expected one of {sorted(DSV4_PRESETS)}")
+        raise ValueError(f"sparsekv: unknown model {model!r}; expected one of {sorted(DSV4_PRESETS) + [DEMO]}")
     spec = dsv4_preset(model)
     if C4_RATIO not in spec.compress_ratios:
         return []
     top_k = INDEX_TOP_K[model]
     hot = 2 * top_k if hot_buffer is None else hot_buffer
-    if hot < top_k:
-        raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({top_k})")
+    _check_hot_buffer(hot, top_k)
     server = ServerSpec() if page_size is None else ServerSpec(page_size=page_size)
     return serving_instances(top_k=top_k, hot_buffer=hot, page_size=server.page_size)
+
+
+def _check_hot_buffer(hot: int, top_k: int) -> None:
+    if hot < top_k:
+        raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({top_k})")
 
 
 def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dtypes=None,

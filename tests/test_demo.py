@@ -7,6 +7,9 @@ longer one misses and the swap-in moves bytes; six decode steps.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from sparsekv.cli import main
 from sparsekv.kv_layout import V4
@@ -47,3 +50,16 @@ def test_demo_refuses_what_this_build_lacks_naming_the_flag(capsys):
     assert "--backend sim" in capsys.readouterr().err
     assert main(["demo", "--hisparse", "many"]) == 2
     assert "--hisparse" in capsys.readouterr().err
+
+
+def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model():
+    """`jit build --model demo` lists every family the demo's serving path loads: with compiling
+    forbidden (SPARSEKV_JIT_STRICT=1), a whole prefill + HiSparse decode step still runs."""
+    env = dict(os.environ)
+    built = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "--model", "demo", "--json"],
+                           capture_output=True, text=True, env=env, timeout=1800)
+    assert built.returncode == 0, built.stderr[-2000:]
+    strict = subprocess.run([sys.executable, "-m", "sparsekv", "demo", "--tokens", "64", "--steps", "1"],
+                            capture_output=True, text=True, env=env | {"SPARSEKV_JIT_STRICT": "1"}, timeout=600)
+    assert strict.returncode == 0, strict.stderr[-2000:]
+    assert "0 built" in strict.stdout and "HiSparse (small hot buffer) outputs == all-resident outputs" in strict.stdout

@@ -35,7 +35,6 @@ from sparsekv.cli import UsageError
 IMPLS = ("header", "triton")
 BACKENDS = ("cpu", "cuda", "sim")
 REQUESTS = 2
-HOT_BUFFER = 128
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class DemoSpec:
     hisparse: int | None = 2
     pd: bool = False
     backend: str = "cpu"
-    hot_buffer: int = HOT_BUFFER
+    hot_buffer: int = 128  # deployment.DEMO_HOT_BUFFER: what `jit build --model demo` builds
     seed: int = 0
 
     def prompts(self) -> tuple[int, ...]:
@@ -127,24 +126,18 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
     return DemoSpec(tokens=args.tokens, steps=args.steps, hisparse=hisparse, pd=args.pd, backend=args.backend)
 
 
-def serving_instances(spec: DemoSpec, shape) -> list[tuple[str, dict]]:
-    """``(family, values)`` of every kernel instance the demo loads."""
-    import torch
-
-    from sparsekv.deployment import serving_instances as instances
-
-    return instances(top_k=shape.top_k, hot_buffer=spec.hot_buffer, page_size=256, q_dtypes=(torch.float32,),
-                     indexer_layouts=("fp8",))
-
-
-def load_kernels(spec: DemoSpec, shape, progress) -> dict:
-    """Load (building where missing) every kernel instance the run uses; what came from where."""
+def load_kernels(spec: DemoSpec, progress) -> dict:
+    """Load (building where missing) every kernel instance the run uses (what ``sparsekv jit build
+    --model demo`` prebuilds); what came from where."""
+    from sparsekv.demo.stack import PAGE_SIZE
+    from sparsekv.deployment import DEMO, model_instances
     from sparsekv.jit_kernel import loader
     from sparsekv.jit_kernel.registry import discover
 
     families = discover()
     built, cached, build_s = [], [], 0.0
-    for name, values in progress(serving_instances(spec, shape), desc="kernels", unit="module"):
+    instances = model_instances(DEMO, hot_buffer=spec.hot_buffer, page_size=PAGE_SIZE)
+    for name, values in progress(instances, desc="kernels", unit="module"):
         family = families[name]
         before = len(loader.COMPILED)
         family.module(backend=spec.backend, **values)
@@ -192,7 +185,6 @@ def same_outputs(a, b) -> tuple[bool, float]:
 
 def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
     """Run the demo (see the module docstring) and return its report; nothing printed but progress."""
-    from sparsekv.demo.model import ModelShape
     from sparsekv.demo.stack import ATTENTION_TOL, COMPRESS_TOL, INDEXER_TOL, STORE_REL_TOL
 
     if progress is None:
@@ -201,7 +193,7 @@ def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
 
     report = DemoReport(spec=asdict(spec))
     start = time.perf_counter()
-    report.kernels = load_kernels(spec, ModelShape(), progress)
+    report.kernels = load_kernels(spec, progress)
     report.setup_s = time.perf_counter() - start
     resident, resident_out, _, prefill_s = run_single(spec, progress, hisparse=None, check=True)
     report.plan = {"budget_bytes": resident.budget, "full_tokens": resident.config.full_max_total_num_tokens,
