@@ -4,7 +4,9 @@
 // Contract. For batch row b and head h, let J(b) be the valid entries of indices[b, :] (slots in
 // [0, pages * page_size) of kv_cache) followed by those of extra_indices[b, :] (slots of
 // extra_kv_cache); -1 and any other out-of-range entry is skipped (a slot listed twice counts
-// twice). kv_j is the dequantized 512-wide row of slot j: dims 0..447 = e4m3 * 2^(ue8m0 - 127)
+// twice). With topk_length (int32 [batch], as FlashMLA's argument of that name), only the first
+// topk_length[b] entries of indices[b, :] are candidates (a length outside [0, K] is clamped to it;
+// host-readable lengths are checked). kv_j is the dequantized 512-wide row of slot j: dims 0..447 = e4m3 * 2^(ue8m0 - 127)
 // per 64-dim block, dims 448..511 = bf16; key = value = kv_j. With l_j = softmax_scale * q[b,h].kv_j:
 //   out[b,h] = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink[h]))
 //   lse[b,h] = log sum_j exp(l_j)           (natural log, sink excluded)
@@ -58,10 +60,12 @@ struct Source {
   const int32_t* indices;
   int64_t index_row_stride;
   int64_t count;  // entries per batch row (0: no such cache)
+  const int32_t* lengths = nullptr;  // [batch]: entries j >= lengths[b] of row b are skipped (null: none)
 };
 
 // The value and scale records of entry j of row b, or false when the entry names no slot.
 SPARSEKV_HOST_DEVICE bool resolve(const Source& s, int64_t b, int64_t j, const uint8_t** value, const uint8_t** scale) {
+  if (s.lengths && j >= s.lengths[b]) return false;
   const int64_t slot = s.indices[b * s.index_row_stride + j];
   if (slot < 0 || slot >= s.num_slots) return false;
   const int64_t page_slots = int64_t{1} << s.page_shift;
@@ -425,7 +429,7 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                              double softmax_scale, Optional<TensorView> extra_kv_cache,
                              Optional<TensorView> extra_indices, int64_t extra_page_size, TensorView out,
                              TensorView lse, Optional<TensorView> part_out, Optional<TensorView> part_lse,
-                             int64_t num_splits) {
+                             int64_t num_splits, Optional<TensorView> topk_length) {
   // 1. Validate: q, sink, outputs, both caches and their indices (host-readable indices in full).
   constexpr DLDataType kBf16{kDLBfloat, 16, 1};
   check(q, "q").dtype(std::is_same_v<QT, float> ? dtype_of<float>() : kBf16).ndim(3).rows_dense();
@@ -448,7 +452,16 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `extra_page_size` is required exactly when `extra_kv_cache` is "
                               << "given";
   }
-  const Source main = make_source(kv_cache, "kv_cache", indices, "indices", page_size, "page_size", batch, q);
+  Source main = make_source(kv_cache, "kv_cache", indices, "indices", page_size, "page_size", batch, q);
+  if (topk_length.has_value()) {
+    const TensorView lengths = topk_length.value();
+    check(lengths, "topk_length").dtype<int32_t>().ndim(1).contiguous().same_device(q, "q");
+    check(lengths, "topk_length").size(0, batch, "batch of q");
+    main.lengths = static_cast<const int32_t*>(lengths.data_ptr());
+    if (q.device().device_type != kDLCUDA) {
+      for (int64_t b = 0; b < batch; ++b) check_range(main.lengths[b], 0, main.count + 1, "topk_length");
+    }
+  }
   Source extra{nullptr, 0, 0, 0, nullptr, 0, 0};
   if (extra_kv_cache.has_value()) {
     extra = make_source(extra_kv_cache.value(), "extra_kv_cache", extra_indices.value(), "extra_indices",

@@ -1,8 +1,9 @@
 """DSV4 sparse decode attention with a sink over paged fp8_ds_mla caches (kernel in ``csrc/dsv4_attention.cuh``).
 
 For batch row ``b`` and head ``h``, with ``J`` the valid entries of ``indices[b]`` (slots of
-``kv_cache``) followed by those of ``extra_indices[b]`` (slots of ``extra_kv_cache``), ``kv_j`` the
-dequantized 512-wide row of slot ``j`` (key = value) and ``l_j = softmax_scale * q[b, h] . kv_j``::
+``kv_cache``; only the first ``topk_length[b]`` when given) followed by those of
+``extra_indices[b]`` (slots of ``extra_kv_cache``), ``kv_j`` the dequantized 512-wide row of slot
+``j`` (key = value) and ``l_j = softmax_scale * q[b, h] . kv_j``::
 
     out[b, h] = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink[h]))
     lse[b, h] = log sum_j exp(l_j)                 (natural log; the sink is excluded)
@@ -134,6 +135,7 @@ def sparse_decode_attention(
     out_dtype: torch.dtype = torch.float32,
     workspace: torch.Tensor | None = None,
     impl: str = "auto",
+    topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA decode attention with a per-head sink over one or two paged V4 caches.
 
@@ -175,6 +177,12 @@ def sparse_decode_attention(
         or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: triton on CUDA tensors, the
         header on CPU tensors. Same arguments, same custom op, same refusals; results within the
         tolerance each implementation documents.
+    topk_length : torch.Tensor, optional
+        int32 ``[B]``, contiguous, on ``q``'s device (FlashMLA's argument of that name): only the
+        first ``topk_length[b]`` entries of ``indices[b]`` are candidates, so a row with fewer valid
+        entries need not pad with -1 (``extra_indices`` is not affected). Values in ``[0, K]``:
+        checked when host-readable (cpu backend) or with ``SPARSEKV_CHECK_INDICES=1``, clamped by the
+        kernel otherwise.
 
     Returns
     -------
@@ -223,7 +231,8 @@ def sparse_decode_attention(
         workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
     _attention(q, kv_cache, indices, sink, page_size, float(softmax_scale), extra_kv_cache, extra_indices,
-               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace, impl)
+               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace, impl,
+               topk_length)
     return out, lse
 
 
@@ -231,7 +240,8 @@ def sparse_decode_attention(
 def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_size: int,
                softmax_scale: float, extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
                extra_page_size: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
-               workspace: torch.Tensor | None, impl: str) -> None:
+               workspace: torch.Tensor | None, impl: str,
+               topk_length: torch.Tensor | None) -> None:
     attention_template_args(q.dtype)
     if sink.dtype != torch.float32:
         raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
@@ -255,6 +265,9 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         _check_slots_on_device(indices, kv_cache, page_size, "indices")
         if extra_indices is not None and extra_kv_cache is not None and extra_page_size >= 0:
             _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
+        if topk_length is not None and bool(((topk_length < 0) | (topk_length > rows_of(indices, 2, 1))).any()):
+            raise ValueError(f"sparsekv: argument `topk_length` must be in [0, {rows_of(indices, 2, 1) + 1}), "
+                             f"got {topk_length.tolist()}")
     # Workspace order: the bf16 output's float32 staging, then the split partials.
     staged = out
     used = 0
@@ -269,12 +282,16 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     if impl == "triton":  # writes bf16 output directly: the staging is the header's
         from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 
+        if topk_length is not None:  # the twin has no length argument yet: the same rows as -1 padding
+            past = torch.arange(indices.shape[1], device=indices.device)[None, :] >= topk_length[:, None]
+            indices = indices.masked_fill(past, -1)
+
         triton_attention.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
                                                  extra_indices, extra_page_size, num_splits, out, lse, part_out,
                                                  part_lse)
         return
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend)
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                                   extra_page_size, staged, lse, part_out, part_lse, num_splits)
+                                   extra_page_size, staged, lse, part_out, part_lse, num_splits, topk_length)
     if staged is not out:
         out.copy_(staged)

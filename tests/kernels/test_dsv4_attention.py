@@ -4,6 +4,8 @@ bad-input contract."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -62,6 +64,21 @@ def test_minus_one_entries_are_ignored(backend, case, holes, seed):
     wider = torch.cat([case.indices, torch.full((case.indices.shape[0], holes), -1, dtype=torch.int32)], dim=1)
     case.indices = torch.stack([row[torch.randperm(row.numel(), generator=g)] for row in wider])
     assert_same(run(case, backend), before, ORDER_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=attention_case(), data=st.data())
+def test_topk_length_equals_padding_the_rest_with_minus_one(backend, case, data):
+    batch, k = case.indices.shape
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, k), min_size=batch, max_size=batch)), dtype=torch.int32)
+    got = run(case, backend, topk_length=lengths.to(device_of(backend)))
+    padded = case.indices.masked_fill(torch.arange(k)[None, :] >= lengths[:, None].long(), -1)
+    expected = run(dataclasses.replace(case, indices=padded), backend)
+    # The same valid entries in the same order: the same float32 operations, bit for bit.
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    reference = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size,
+                                                  **case.kwargs(), topk_length=lengths)
+    assert_same(got, reference, TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -158,6 +175,10 @@ BAD_INPUTS = [
      "extra_indices"),
     (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
     (lambda a: a.update(num_splits=0), ValueError, "num_splits"),
+    (lambda a: a.update(topk_length=torch.tensor([1, 4], dtype=torch.int32)), ValueError, "topk_length"),
+    (lambda a: a.update(topk_length=torch.tensor([-1, 2], dtype=torch.int32)), ValueError, "topk_length"),
+    (lambda a: a.update(topk_length=torch.tensor([1, 2])), TypeError, "topk_length"),
+    (lambda a: a.update(topk_length=torch.tensor([1], dtype=torch.int32)), ValueError, "topk_length"),
 ]
 
 

@@ -29,9 +29,13 @@ def sparse_decode_attention_reference(
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_page_size: int | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``(out [B, H, 512], lse [B, H])`` of the contract in :mod:`sparsekv.jit_kernel.dsv4_attention`."""
     batch, heads, _ = q.shape
+    if topk_length is not None:  # entries past a row's length are not candidates
+        past = torch.arange(indices.shape[1])[None, :] >= topk_length.cpu().to(torch.int64)[:, None]
+        indices = torch.where(past, torch.full((), -1, dtype=indices.dtype), indices.cpu())
     out = torch.zeros(batch, heads, DIM, dtype=torch.float64)
     lse = torch.full((batch, heads), float("inf"), dtype=torch.float64)
     sink64 = sink.to(torch.float64).cpu()
