@@ -94,6 +94,20 @@ def _check_slots_on_device(indices: torch.Tensor, cache: torch.Tensor, page_size
                          f"of its cache [0, {cache.shape[0] * page_size})")
 
 
+def _check_topk_length(topk_length: torch.Tensor, q: torch.Tensor, width: int, *, values: bool) -> None:
+    # Shape, dtype and device always (both implementations); values when host-readable, or on the
+    # GPU with SPARSEKV_CHECK_INDICES=1 (a sync); otherwise the kernel clamps them to [0, K].
+    if topk_length.dtype != torch.int32:
+        raise TypeError(f"sparsekv: argument `topk_length` must have dtype int32, got {topk_length.dtype}")
+    if topk_length.dim() != 1 or topk_length.shape[0] != q.shape[0] or not topk_length.is_contiguous():
+        raise ValueError(f"sparsekv: argument `topk_length` must be contiguous [B={q.shape[0]}], got shape "
+                         f"{list(topk_length.shape)}")
+    if topk_length.device != q.device:
+        raise ValueError(f"sparsekv: argument `topk_length` must be on {q.device} (with `q`), got {topk_length.device}")
+    if values and bool(((topk_length < 0) | (topk_length > width)).any()):
+        raise ValueError(f"sparsekv: argument `topk_length` must be in [0, K={width}], got {topk_length.tolist()}")
+
+
 def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.dtype = torch.float32) -> int:
     """float32 elements of the workspace one :func:`sparse_decode_attention` call needs.
 
@@ -261,13 +275,12 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
                          f"at least {floats} elements (workspace_floats), got {got}")
     backend = backend_of(q)
+    if topk_length is not None:
+        _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=backend != "cuda" or env.check_indices())
     if backend == "cuda" and env.check_indices():
         _check_slots_on_device(indices, kv_cache, page_size, "indices")
         if extra_indices is not None and extra_kv_cache is not None and extra_page_size >= 0:
             _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
-        if topk_length is not None and bool(((topk_length < 0) | (topk_length > rows_of(indices, 2, 1))).any()):
-            raise ValueError(f"sparsekv: argument `topk_length` must be in [0, {rows_of(indices, 2, 1) + 1}), "
-                             f"got {topk_length.tolist()}")
     # Workspace order: the bf16 output's float32 staging, then the split partials.
     staged = out
     used = 0
