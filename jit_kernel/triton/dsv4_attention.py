@@ -99,45 +99,60 @@ def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in,
 
 
 @triton.jit
-def _mma(a, b, BF16_DOT: tl.constexpr):
-    """``a @ b`` of bf16-exact float32 operands, float32 accumulation: bf16 tensor cores when ``BF16_DOT``;
-    float32 otherwise (the interpreter, whose bf16 ``tl.dot`` multiplies bit patterns; same products)."""
-    if BF16_DOT:
+def _mma(a, b, NATIVE_BF16: tl.constexpr):
+    """``a @ b`` of bf16-exact float32 operands with float32 accumulation: bf16 tensor cores when
+    ``NATIVE_BF16`` (compiled); float32 under the interpreter, whose bf16 ``tl.dot`` multiplies the bit
+    patterns (triton 3.9): the same products, so the same result up to summation order."""
+    if NATIVE_BF16:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _bf16(x):
-    """``x`` rounded to the nearest bf16, kept as float32."""
-    return x.to(tl.bfloat16).to(tl.float32)
+def _round_bf16(x, NATIVE_BF16: tl.constexpr):
+    """``x`` rounded to the nearest bf16 (ties to even), kept as float32. The interpreter's float32 -> bf16
+    cast truncates, so there the rounding is done on the bits (finite ``x``)."""
+    if NATIVE_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_out(ptr, x, mask, NATIVE_BF16: tl.constexpr):
+    """Store float32 ``x`` into a float32 or bfloat16 output (round to nearest even)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, _round_bf16(x, NATIVE_BF16).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
 
 
 @triton.jit
 def _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_slots, idx_row_ptr, lo, hi,
-            scale_log2, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BF16_DOT: tl.constexpr):
+            scale_log2, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_BF16: tl.constexpr):
     """Online-softmax update of ``(m, denom, acc)`` (base 2) over entries ``[lo, hi)`` of one source."""
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         in_range = j < hi
         slots = tl.load(idx_row_ptr + j, mask=in_range, other=-1)
         kv, valid = _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, in_range, 576)
-        kv = _bf16(kv)  # exact: e4m3 times a power of two, or a bf16 rope value
-        kv_t = tl.trans(kv)
-        s = _mma(q_hi, kv_t, BF16_DOT)
+        kv_t = tl.trans(kv)  # bf16-exact: e4m3 times a power of two, or a bf16 rope value
+        s = _mma(q_hi, kv_t, NATIVE_BF16)
         if SPLIT:
-            s += _mma(q_lo, kv_t, BF16_DOT)
+            s += _mma(q_lo, kv_t, NATIVE_BF16)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         denom = denom * alpha + tl.sum(p, 1)
-        p_hi = _bf16(p)
-        pv = _mma(p_hi, kv, BF16_DOT)
+        p_hi = _round_bf16(p, NATIVE_BF16)
+        pv = _mma(p_hi, kv, NATIVE_BF16)
         if SPLIT:
-            pv += _mma(_bf16(p - p_hi), kv, BF16_DOT)
+            pv += _mma(_round_bf16(p - p_hi, NATIVE_BF16), kv, NATIVE_BF16)
         acc = acc * alpha[:, None] + pv
         m = m_new
     return m, denom, acc
@@ -151,7 +166,7 @@ def attention_partial_kernel(
         sink_ptr, scale_log2, heads, num_splits, split_len,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_EXTRA: tl.constexpr,
-        BF16_DOT: tl.constexpr):
+        NATIVE_BF16: tl.constexpr):
     """One (row b, split s, group of BLOCK_H heads): the online softmax over the split's entries."""
     pid = tl.program_id(0)
     b = pid // num_splits
@@ -161,8 +176,8 @@ def attention_partial_kernel(
     d = tl.arange(0, 512)
     q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
                 mask=h_ok[:, None], other=0.0).to(tl.float32)
-    q_hi = _bf16(q)
-    q_lo = _bf16(q - q_hi)
+    q_hi = _round_bf16(q, NATIVE_BF16)
+    q_lo = _round_bf16(q - q_hi, NATIVE_BF16)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
@@ -170,19 +185,18 @@ def attention_partial_kernel(
     last = tl.minimum(first + split_len, count + x_count)
     m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_slots,
                         idx_ptr + b.to(tl.int64) * idx_stride, first, tl.minimum(last, count), scale_log2,
-                        SPLIT, BLOCK_N, BF16_DOT)
+                        SPLIT, BLOCK_N, NATIVE_BF16)
     if HAS_EXTRA:
         m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, x_cache_ptr, x_page_stride, x_page_shift, x_num_slots,
                             x_idx_ptr + b.to(tl.int64) * x_idx_stride - count, tl.maximum(first, count), last,
-                            scale_log2, SPLIT, BLOCK_N, BF16_DOT)
+                            scale_log2, SPLIT, BLOCK_N, NATIVE_BF16)
     has = denom > 0.0
     log2_l = tl.log2(tl.where(has, denom, 1.0))
     if num_splits == 1:
         sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634
         factor = tl.where(has, 1.0 / tl.where(has, denom + tl.exp2(sink2 - m), 1.0), 0.0)
         row = b.to(tl.int64) * heads + h
-        tl.store(out_ptr + row[:, None] * 512 + d[None, :], (acc * factor[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=h_ok[:, None])
+        _store_out(out_ptr + row[:, None] * 512 + d[None, :], acc * factor[:, None], h_ok[:, None], NATIVE_BF16)
         tl.store(lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("inf")), mask=h_ok)
     else:
         factor = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
@@ -193,7 +207,7 @@ def attention_partial_kernel(
 
 @triton.jit
 def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, heads, num_splits,
-                             BLOCK_S: tl.constexpr):
+                             BLOCK_S: tl.constexpr, NATIVE_BF16: tl.constexpr):
     """One (b, h): merge the splits' (lse_s, o_s) with the sink, as the header's ``Combine``."""
     i = tl.program_id(0).to(tl.int64)
     b = i // heads
@@ -211,7 +225,7 @@ def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_
     o = tl.load(part_out_ptr + ((b * num_splits + sp) * heads + h)[:, None] * 512 + d[None, :],
                 mask=(s_ok & (w > 0.0))[:, None], other=0.0)
     out = tl.where(has, tl.sum(w[:, None] * o, 0) / denominator, 0.0)
-    tl.store(out_ptr + i * 512 + d, out.to(out_ptr.dtype.element_ty))
+    _store_out(out_ptr + i * 512 + d, out, d < 512, NATIVE_BF16)
     tl.store(lse_ptr + i, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")))
 
 
@@ -299,10 +313,11 @@ def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale
         q, q.stride(0), q.stride(1), *main, *x, sink, float(softmax_scale) * LOG2E, heads, num_splits, split_len,
         out, lse, part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
         BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=q.dtype == torch.float32, HAS_EXTRA=extra is not None,
-        BF16_DOT=not interpreting(), num_warps=NUM_WARPS)
+        NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
     if num_splits > 1:
         attention_combine_kernel[(batch * heads,)](part_out, part_lse, sink, out, lse, heads, num_splits,
-                                                   BLOCK_S=triton.next_power_of_2(num_splits))
+                                                   BLOCK_S=triton.next_power_of_2(num_splits),
+                                                   NATIVE_BF16=not interpreting())
 
 
 def _aot_kernels():
@@ -316,7 +331,8 @@ def _aot_kernels():
     kernels = []
     # The model's bf16 q and bf16 output, and the float32 q (split operands) with float32 output.
     for q_type, split in (("*bf16", False), ("*fp32", True)):
-        constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT": split, "HAS_EXTRA": True, "BF16_DOT": True}
+        constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT": split, "HAS_EXTRA": True,
+                      "NATIVE_BF16": True}
         signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", **source, **extra,
                      "sink_ptr": "*fp32", "scale_log2": "fp32", "heads": "i32", "num_splits": "i32",
                      "split_len": "i32", "out_ptr": q_type, "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
@@ -324,9 +340,11 @@ def _aot_kernels():
         kernels.append(AotKernel(f"dsv4_attention.partial[{q_type[1:]}]", attention_partial_kernel, signature,
                                  constexprs, NUM_WARPS, pointers))
         signature = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": q_type,
-                     "lse_ptr": "*fp32", "heads": "i32", "num_splits": "i32", "BLOCK_S": "constexpr"}
+                     "lse_ptr": "*fp32", "heads": "i32", "num_splits": "i32", "BLOCK_S": "constexpr",
+                     "NATIVE_BF16": "constexpr"}
         kernels.append(AotKernel(f"dsv4_attention.combine[{q_type[1:]}]", attention_combine_kernel, signature,
-                                 {"BLOCK_S": 8}, 4, ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr")))
+                                 {"BLOCK_S": 8, "NATIVE_BF16": True}, 4,
+                                 ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr")))
     return kernels
 
 
