@@ -295,13 +295,9 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     if impl == "triton":  # writes bf16 output directly: the staging is the header's
         from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 
-        if topk_length is not None:  # the twin has no length argument yet: the same rows as -1 padding
-            past = torch.arange(indices.shape[1], device=indices.device)[None, :] >= topk_length[:, None]
-            indices = indices.masked_fill(past, -1)
-
         triton_attention.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
                                                  extra_indices, extra_page_size, num_splits, out, lse, part_out,
-                                                 part_lse)
+                                                 part_lse, topk_length)
         return
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend)
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,

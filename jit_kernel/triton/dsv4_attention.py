@@ -163,9 +163,10 @@ def attention_partial_kernel(
         q_ptr, q_stride_b, q_stride_h,
         cache_ptr, page_stride, page_shift, num_slots, idx_ptr, idx_stride, count,
         x_cache_ptr, x_page_stride, x_page_shift, x_num_slots, x_idx_ptr, x_idx_stride, x_count,
-        sink_ptr, scale_log2, heads, num_splits, split_len,
+        sink_ptr, scale_log2, heads, num_splits, split_len, lengths_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_EXTRA: tl.constexpr,
+        HAS_LENGTHS: tl.constexpr,
         NATIVE_BF16: tl.constexpr):
     """One (row b, split s, group of BLOCK_H heads): the online softmax over the split's entries."""
     pid = tl.program_id(0)
@@ -183,8 +184,11 @@ def attention_partial_kernel(
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
     first = s * split_len
     last = tl.minimum(first + split_len, count + x_count)
+    main_end = tl.minimum(last, count)
+    if HAS_LENGTHS:  # only the first topk_length[b] entries of indices[b] (clamped to [0, K])
+        main_end = tl.minimum(main_end, tl.maximum(tl.load(lengths_ptr + b), 0))
     m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_slots,
-                        idx_ptr + b.to(tl.int64) * idx_stride, first, tl.minimum(last, count), scale_log2,
+                        idx_ptr + b.to(tl.int64) * idx_stride, first, main_end, scale_log2,
                         SPLIT, BLOCK_N, NATIVE_BF16)
     if HAS_EXTRA:
         m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, x_cache_ptr, x_page_stride, x_page_shift, x_num_slots,
@@ -294,9 +298,10 @@ def check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_
 
 
 def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                            extra_page_size, num_splits, out, lse, part_out, part_lse):
+                            extra_page_size, num_splits, out, lse, part_out, part_lse, topk_length=None):
     """Check the arguments (:func:`check_arguments`), then launch: ``out`` (float32 or bfloat16) and ``lse``
-    are written, ``part_out`` / ``part_lse`` are the split partials (None for one split).
+    are written, ``part_out`` / ``part_lse`` are the split partials (None for one split); ``topk_length``
+    (int32 ``[B]`` or None, checked by the caller) bounds the entries of ``indices`` taken per row.
 
     The body of the ``sparsekv::sparse_decode_attention`` op for ``impl="triton"``; see the public
     :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
@@ -311,9 +316,10 @@ def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale
     grid = (batch * num_splits, triton.cdiv(heads, block_h))
     attention_partial_kernel[grid](
         q, q.stride(0), q.stride(1), *main, *x, sink, float(softmax_scale) * LOG2E, heads, num_splits, split_len,
-        out, lse, part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
+        topk_length if topk_length is not None else lse, out, lse,
+        part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
         BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=q.dtype == torch.float32, HAS_EXTRA=extra is not None,
-        NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
+        HAS_LENGTHS=topk_length is not None, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
     if num_splits > 1:
         attention_combine_kernel[(batch * heads,)](part_out, part_lse, sink, out, lse, heads, num_splits,
                                                    BLOCK_S=triton.next_power_of_2(num_splits),
@@ -326,16 +332,18 @@ def _aot_kernels():
     source = {"cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32", "num_slots": "i64", "idx_ptr": "*i32",
               "idx_stride": "i64", "count": "i32"}
     extra = {"x_" + k: v for k, v in source.items()}
-    pointers = ("q_ptr", "cache_ptr", "idx_ptr", "x_cache_ptr", "x_idx_ptr", "sink_ptr", "out_ptr", "lse_ptr",
+    pointers = ("q_ptr", "cache_ptr", "idx_ptr", "x_cache_ptr", "x_idx_ptr", "sink_ptr", "lengths_ptr", "out_ptr",
+                "lse_ptr",
                 "part_out_ptr", "part_lse_ptr")
     kernels = []
     # The model's bf16 q and bf16 output, and the float32 q (split operands) with float32 output.
     for q_type, split in (("*bf16", False), ("*fp32", True)):
         constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT": split, "HAS_EXTRA": True,
-                      "NATIVE_BF16": True}
+                      "HAS_LENGTHS": True, "NATIVE_BF16": True}
         signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", **source, **extra,
                      "sink_ptr": "*fp32", "scale_log2": "fp32", "heads": "i32", "num_splits": "i32",
-                     "split_len": "i32", "out_ptr": q_type, "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+                     "split_len": "i32", "lengths_ptr": "*i32", "out_ptr": q_type, "lse_ptr": "*fp32",
+                     "part_out_ptr": "*fp32",
                      "part_lse_ptr": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
         kernels.append(AotKernel(f"dsv4_attention.partial[{q_type[1:]}]", attention_partial_kernel, signature,
                                  constexprs, NUM_WARPS, pointers))

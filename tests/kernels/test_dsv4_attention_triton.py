@@ -124,3 +124,18 @@ def test_a_decode_step_with_triton_attention_traces_under_torch_compile(backend)
     for a, b in zip(compiled, eager):
         assert a.dtype == b.dtype and torch.equal(a.cpu().float(), b.cpu().float())
     assert bool(torch.isfinite(eager[1]).all())
+
+
+def test_topk_length_equals_padding_the_rest_with_minus_one(backend):
+    # The twin bounds each row by topk_length in the kernel: bit-identical to -1 past the length.
+    g = torch.Generator().manual_seed(4)
+    cache = v4_cache(random_rows(30, g), 4)
+    indices = torch.randint(0, 30, (3, 20), generator=g, dtype=torch.int32)
+    lengths = torch.tensor([0, 7, 20], dtype=torch.int32)
+    padded = indices.masked_fill(torch.arange(20)[None, :] >= lengths[:, None], -1)
+    case = AttentionCase(torch.randn(3, 4, 512, generator=g), cache, indices, torch.randn(4, generator=g), 4,
+                         cache, indices.flip(1).contiguous(), 4)
+    got = run(case, backend, "triton", num_splits=3, topk_length=lengths.to(device_of(backend)))
+    case.indices = padded
+    expected = run(case, backend, "triton", num_splits=3)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
