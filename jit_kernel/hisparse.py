@@ -21,6 +21,7 @@ import torch
 from sparsekv import env
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
+from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 if TYPE_CHECKING:
@@ -240,6 +241,36 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
           device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
           hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
           speculative, resident_index) -> None:
+    """Checks the Python-object arguments and unpacks the resident index into the op's tensors."""
+    if not isinstance(speculative, bool):
+        raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
+    index = (None, None, None)
+    if resident_index is not None:
+        from sparsekv.jit_kernel.hisparse_index import ResidentIndex  # it builds on this module
+
+        if not isinstance(resident_index, ResidentIndex):
+            raise TypeError(f"sparsekv: argument `resident_index` must be a ResidentIndex or None, got "
+                            f"{type(resident_index).__name__}")
+        index = (resident_index.slot_of, resident_index.queue, resident_index.queue_pos)
+    _swap_in(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+             device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
+             hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
+             speculative, *index)
+
+
+@kernel_op("load_cache_to_device_buffer", mutates_args=(
+    "device_buffer_tokens", "device_buffer", "top_k_device_locs", "lru_slots", "miss_src", "miss_dst", "miss_count",
+    "counters", "index_slot_of", "index_queue", "index_queue_pos"))
+def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor,
+             host_cache_locs: torch.Tensor, device_buffer_locs: torch.Tensor, host_cache: torch.Tensor,
+             device_buffer: torch.Tensor, top_k_device_locs: torch.Tensor, req_pool_indices: torch.Tensor,
+             seq_lens: torch.Tensor, lru_slots: torch.Tensor, item_size_bytes: int, num_top_k: int,
+             hot_buffer_size: int, num_real_reqs: torch.Tensor | None, miss_src: torch.Tensor | None,
+             miss_dst: torch.Tensor | None, miss_count: torch.Tensor | None, counters: torch.Tensor | None,
+             block_size: int | None, page_slots: int | None, speculative: bool, index_slot_of: torch.Tensor | None,
+             index_queue: torch.Tensor | None, index_queue_pos: torch.Tensor | None) -> None:
+    """Every swap-in variant (layout, speculative rows, resident index) as the custom op
+    ``sparsekv::load_cache_to_device_buffer``."""
     backend = backend_of(top_k_tokens)
     page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
@@ -247,15 +278,12 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
                         counters=counters)
     compiled = swap_in_module
-    if resident_index is not None:
-        from sparsekv.jit_kernel.hisparse_index import ResidentIndex, indexed_module  # it builds on this module
+    if index_slot_of is not None:
+        from sparsekv.jit_kernel.hisparse_index import indexed_module  # it builds on this module
 
-        if not isinstance(resident_index, ResidentIndex):
-            raise TypeError(f"sparsekv: argument `resident_index` must be a ResidentIndex or None, got "
-                            f"{type(resident_index).__name__}")
         # The indexed entries take the index tables right after lru_slots.
         at = SWAP_IN_ARGS.index("lru_slots") + 1
-        args[at:at] = [resident_index.slot_of, resident_index.queue, resident_index.queue_pos]
+        args[at:at] = [index_slot_of, index_queue, index_queue_pos]
         compiled = indexed_module
 
     def entry(on: str):
@@ -471,6 +499,14 @@ def copy_cache_planned_mla(
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: a planned entry out of range, negative ones included.
     """
+    _copy_planned(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer, item_size_bytes,
+                  is_dsv4_layout, page_slots)
+
+
+@kernel_op("copy_cache_planned_mla", mutates_args=("device_buffer",))
+def _copy_planned(miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: torch.Tensor, num_real_reqs: torch.Tensor,
+                  host_cache: torch.Tensor, device_buffer: torch.Tensor, item_size_bytes: int, is_dsv4_layout: bool,
+                  page_slots: int | None) -> None:
     backend = backend_of(miss_src)
     values = _layout_values(is_dsv4_layout, _page_slots(is_dsv4_layout, page_slots, device_buffer))
     module = PLANNED.module(backend=backend, **values)

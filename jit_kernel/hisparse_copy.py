@@ -6,10 +6,16 @@
 * :func:`transfer_pages_dsv4_mla` moves whole pages as opaque rows (37,440 B for 64 slots).
 
 Both take per-layer base-address tables (uint64 ``[L]``) on the device the ids live on, so one call
-covers every layer and any pair of memory spaces (device, pinned host, plain host). Ids are
-validated in full before any byte moves: in C++ for host-resident ids, with torch on the device for
-CUDA ids (which synchronizes the stream, so these calls are not CUDA-graph capturable). The cpu
-backend runs on up to ``torch.get_num_threads()`` threads when a call moves more than a few MiB.
+covers every layer and any pair of memory spaces (device, pinned host, plain host). Host-resident
+ids are validated in full (in C++) before any byte moves. CUDA ids are validated with torch on the
+device only with ``SPARSEKV_CHECK_INDICES=1`` (a host sync); otherwise the kernel skips an id outside
+its table, so the copies neither synchronize nor allocate and can be captured in a CUDA graph. The
+cpu backend runs on up to ``torch.get_num_threads()`` threads when a call moves more than a few MiB.
+
+Both are the custom ops ``sparsekv::transfer_cache_dsv4_mla`` and ``sparsekv::transfer_pages_dsv4_mla``.
+The bytes move through the addresses in ``dst_ptrs``, which torch cannot see: the ops declare
+``dst_ptrs`` written, so a compiled graph keeps each copy in place among the ops that use the same
+table, but it does not order a copy against ops on the destination buffers themselves.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
+from sparsekv import env
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 #: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.kv_layout`).
@@ -98,8 +106,9 @@ def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int 
 def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids: torch.Tensor,
                          dst_ids: torch.Tensor, src_count: int | None, dst_count: int | None,
                          names: tuple[str, str]) -> None:
-    """Validate tables and id pairs with torch on their own device (the CUDA path; the C++ entry
-    checks host-readable ones the same way, rules 3-5 of ``csrc/include/sparsekv/ffi.h``).
+    """Validate tables and id pairs with torch on their own device (the CUDA path with
+    ``SPARSEKV_CHECK_INDICES=1``, a host sync; the C++ entry checks host-readable ones the same way,
+    rules 3-5 of ``csrc/include/sparsekv/ffi.h``).
 
     Every base address must be non-null; every id in ``[0, count)`` (``count`` None: only
     non-negative); a destination may repeat only with the same source; and when the two tables
@@ -151,7 +160,7 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
     src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
     src_n, dst_n = _count(src_count, count_names[0]), _count(dst_count, count_names[1])
     backend = backend_of(src_ptrs)
-    if backend == "cuda":
+    if backend == "cuda" and env.check_indices():
         # Only the dtype must be right for the comparisons; shapes and devices are checked in C++.
         for name, ids in zip(names, (src_ids, dst_ids)):
             if ids.dtype != torch.int64:
@@ -206,10 +215,19 @@ def transfer_cache_dsv4_mla(
         Wrong shape, stride, device or length (including pointer tables of different lengths), or
         a destination slot named twice with different sources.
     IndexError
-        A negative id, or one at or beyond its slot count.
+        A negative id, or one at or beyond its slot count (CUDA ids: with ``SPARSEKV_CHECK_INDICES=1``;
+        otherwise the kernel skips such a pair, and repeated or chained CUDA ids are the caller's duty).
 
     All checks happen before any byte moves.
     """
+    _transfer_tokens(src_ptrs, dst_ptrs, src_indices, dst_indices, src_num_slots, dst_num_slots, page_slots,
+                     src_page_stride, dst_page_stride)
+
+
+@kernel_op("transfer_cache_dsv4_mla", mutates_args=("dst_ptrs",))
+def _transfer_tokens(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_indices: torch.Tensor,
+                     dst_indices: torch.Tensor, src_num_slots: int | None, dst_num_slots: int | None, page_slots: int,
+                     src_page_stride: int | None, dst_page_stride: int | None) -> None:
     _run("transfer_tokens", src_ptrs, dst_ptrs, src_indices, dst_indices, ("src_indices", "dst_indices"),
          src_num_slots, dst_num_slots, ("src_num_slots", "dst_num_slots"), page_slots, src_page_stride,
          dst_page_stride)
@@ -233,6 +251,14 @@ def transfer_pages_dsv4_mla(
     errors are those of :func:`transfer_cache_dsv4_mla`, with page ids in place of slot ids and
     page counts in place of slot counts.
     """
+    _copy_pages(src_ptrs, dst_ptrs, src_pages, dst_pages, src_num_pages, dst_num_pages, page_slots, src_page_stride,
+                dst_page_stride)
+
+
+@kernel_op("transfer_pages_dsv4_mla", mutates_args=("dst_ptrs",))
+def _copy_pages(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+                src_num_pages: int | None, dst_num_pages: int | None, page_slots: int, src_page_stride: int | None,
+                dst_page_stride: int | None) -> None:
     _run("copy_pages", src_ptrs, dst_ptrs, src_pages, dst_pages, ("src_pages", "dst_pages"),
          src_num_pages, dst_num_pages, ("src_num_pages", "dst_num_pages"), page_slots, src_page_stride,
          dst_page_stride)

@@ -168,7 +168,12 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         device_side = (self.device_ptrs[layers], device, self.device_num_pages, self.device_page_stride)
         (src_ptrs, src, src_pages, src_stride), (dst_ptrs, dst, dst_pages, dst_stride) = \
             (device_side, host_side) if to_host else (host_side, device_side)
-        src_whole, dst_whole = src.whole_pages(p), dst.whole_pages(p)
+        # The side on the CPU is read first; device ids (a host sync) are read only when it is whole pages,
+        # as in a staging backup of a prefill, never for a decode step's single entries.
+        first, second = (src, dst) if src.tensor.device.type == "cpu" else (dst, src)
+        first_whole = first.whole_pages(p)
+        second_whole = second.whole_pages(p) if first_whole is not None else None
+        src_whole, dst_whole = (first_whole, second_whole) if first is src else (second_whole, first_whole)
         if src_whole is not None and dst_whole is not None:
             transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, self._ids(src_whole), self._ids(dst_whole),
                                     src_num_pages=src_pages, dst_num_pages=dst_pages, page_slots=p,
