@@ -19,6 +19,8 @@
 //     -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
 //     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
 //   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
+//   Decode step (DecodeRows): both of the above for one new token per batch row, with the sources
+//     and ring rows read on the device from the caller's state rows and positions (no host plan).
 //   OnlineC128: folds a segment of one 128-window token by token into a running (max, sum,
 //     accumulator) per channel, starting from a stored snapshot or from nothing, stores the
 //     snapshot after chosen tokens, and emits acc / sum when the segment closes the window.
@@ -43,6 +45,24 @@ inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lan
 
 SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
 
+// A decode step: one new token per batch row b, at positions[b]. rows[b, j] is the ring row of
+// position positions[b] - (W - 1) + j (W = window_of(ratio)); j = W - 1 is the new token's own row.
+// The row's token completes an entry iff (positions[b] + 1) % ratio == 0, and that entry's window
+// is exactly those W positions. Planned on the device: nothing is read on the host.
+struct DecodeRows {
+  const void* rows = nullptr;  // int32 or int64 [batch, W], row stride `stride`; null: not a decode step
+  bool rows_int64 = false;
+  int64_t stride = 0;
+  const int64_t* positions = nullptr;  // [batch]
+  int64_t ratio = 0;
+
+  SPARSEKV_HOST_DEVICE int64_t row(int64_t b, int64_t j) const {
+    return rows_int64 ? static_cast<const int64_t*>(rows)[b * stride + j]
+                      : static_cast<int64_t>(static_cast<const int32_t*>(rows)[b * stride + j]);
+  }
+  SPARSEKV_HOST_DEVICE bool emits(int64_t b) const { return positions[b] >= 0 && (positions[b] + 1) % ratio == 0; }
+};
+
 struct EventParams {
   const float* kv;
   const float* score;
@@ -58,6 +78,8 @@ struct EventParams {
   int64_t num_events;
   int64_t d;
   int64_t ratio;
+  DecodeRows decode{};      // a decode step: event e is batch row e (sources unused)
+  bool* emitted = nullptr;  // decode: [batch], whether row e completed an entry
 };
 
 // Window slots of an entry: 8 for ratio 4 (two halves of 4), 128 for ratio 128.
@@ -95,7 +117,17 @@ struct CompressEvents {
     const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
     const int64_t ape_row = p.ratio == 4 ? (j & 3) : j;
     int64_t src;
-    if (p.sources != nullptr) {
+    if (p.decode.rows != nullptr) {
+      const int64_t last = window_of(p.ratio) - 1;
+      if (p.decode.positions[e] - last + j < 0) return false;  // before the sequence (C4's entry 0)
+      if (j == last) {
+        src = e;  // the new token: input row e
+      } else {
+        const int64_t r = p.decode.row(e, j);
+        if (r < 0) return false;
+        src = -2 - r;
+      }
+    } else if (p.sources != nullptr) {
       src = p.sources[e * window_of(p.ratio) + j];
     } else {
       src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
@@ -169,7 +201,13 @@ struct CompressEvents {
     const int64_t e = i / tiles(p);
     const int64_t first = (i - e * tiles(p)) * kTile;
     float out[team::kVirtualPerThread];
-    pool_tile(p, e, first, lanes, out);
+    const bool emits = p.decode.rows == nullptr || p.decode.emits(e);
+    if (p.emitted != nullptr && first == 0 && lanes.lane == 0) p.emitted[e] = emits;
+    if (emits) {
+      pool_tile(p, e, first, lanes, out);
+    } else {
+      for (int v = 0; v < team::kVirtualPerThread; ++v) out[v] = 0.0f;  // a decode row without an entry
+    }
     for (int v = 0; v < team::kVirtualPerThread; ++v) {
       const int64_t c = first + lanes.lane + v;
       if (c < p.d) p.out[e * p.d + c] = out[v];
@@ -188,7 +226,8 @@ struct WriteParams {
   bool ring_bf16;
   const int64_t* writes;  // [num_writes, 2]: (input row, ring row)
   int64_t num_writes;
-  int64_t width;  // coff * d
+  int64_t width;      // coff * d
+  DecodeRows decode{};  // a decode step: write i is input row i into its own ring row (writes unused)
 };
 
 struct RingWrite {
@@ -197,7 +236,9 @@ struct RingWrite {
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_writes; }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
-    const int64_t src = p.writes[2 * i], dst = p.writes[2 * i + 1];
+    const bool decode = p.decode.rows != nullptr;
+    const int64_t src = decode ? i : p.writes[2 * i];
+    const int64_t dst = decode ? p.decode.row(i, window_of(p.decode.ratio) - 1) : p.writes[2 * i + 1];
     if (src < 0 || src >= p.num_inputs || dst < 0 || dst >= p.num_ring_rows) return;
     const float* kv = p.kv + src * p.kv_stride;
     const float* score = p.score + src * p.score_stride;
@@ -304,6 +345,9 @@ struct OnlineC128 {
 }  // namespace sparsekv::dsv4_compress
 
 #ifdef SPARSEKV_HOST_ENTRY
+#include <algorithm>
+#include <vector>
+
 #include "sparsekv/ffi.h"
 
 namespace sparsekv::dsv4_compress {
@@ -408,6 +452,75 @@ inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int
   check(out, "out").size(0, sources.size(0), "events").size(1, plan.events.d, "d");
 
   // 2. Pool every event (reading ring rows as they were), then store the new ring rows.
+  if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
+  if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
+}
+
+// Validates a decode step (inputs, state, the state rows and positions of each batch row) and returns
+// its launch parameters; events write to `out` (null for the fused store). Host-readable tables are
+// checked in full: every ring row the step reads or writes is in `state`, no two rows write one ring row.
+inline ExtendPlan check_decode(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                               TensorView state_rows, TensorView positions, TensorView emitted, float* out) {
+  const int64_t d = check_inputs(kv, score, ape, ratio);
+  const int64_t width = kv.size(1), batch = kv.size(0), window = window_of(ratio);
+  const bool ring_bf16 = check_state(state, kv, width, true);
+  const bool rows64 = state_rows.dtype() == dtype_of<int64_t>();
+  if (!rows64 && !(state_rows.dtype() == dtype_of<int32_t>())) {
+    TVM_FFI_THROW(TypeError) << "sparsekv: argument `state_rows` must have dtype int32 or int64, got "
+                             << dtype_name(state_rows.dtype());
+  }
+  check(state_rows, "state_rows").ndim(2).rows_dense().same_device(kv, "kv").size(0, batch, "rows of kv");
+  check(state_rows, "state_rows").size(1, window, "the window (8 for ratio 4, 128 for ratio 128)");
+  check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().same_device(kv, "kv");
+  check(positions, "positions").size(0, batch, "rows of kv");
+  check(emitted, "emitted").dtype<bool>().ndim(1).contiguous().same_device(kv, "kv").size(0, batch, "rows of kv");
+  const int64_t ring_rows = state.size(0);
+  const DecodeRows decode{state_rows.data_ptr(), rows64, state_rows.stride(0),
+                          static_cast<const int64_t*>(positions.data_ptr()), ratio};
+  if (kv.device().device_type != kDLCUDA) {
+    std::vector<int64_t> written(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t pos = decode.positions[b];
+      if (pos < 0) TVM_FFI_THROW(IndexError) << "sparsekv: argument `positions`[" << b << "] = " << pos << " is negative";
+      for (int64_t j = pos < window - 1 ? window - 1 - pos : 0; j < window; ++j) {
+        const int64_t r = decode.row(b, j);
+        if (r < 0 || r >= ring_rows) {
+          TVM_FFI_THROW(IndexError) << "sparsekv: argument `state_rows`[" << b << ", " << j << "] = " << r
+                                    << " is outside state [0, " << ring_rows << ")";
+        }
+      }
+      written[b] = decode.row(b, window - 1);
+    }
+    std::sort(written.begin(), written.end());
+    for (int64_t b = 1; b < batch; ++b) {
+      if (written[b] == written[b - 1]) {
+        TVM_FFI_THROW(ValueError) << "sparsekv: argument `state_rows` gives ring row " << written[b]
+                                  << " to the new token of two batch rows";
+      }
+    }
+  }
+  EventParams events{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                     kv.stride(0), score.stride(0), batch, static_cast<const float*>(ape.data_ptr()),
+                     state.data_ptr(), ring_rows, ring_bf16, nullptr, out, batch, d, ratio};
+  events.decode = decode;
+  events.emitted = static_cast<bool*>(emitted.data_ptr());
+  WriteParams ring{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                   kv.stride(0), score.stride(0), batch, state.data_ptr(), ring_rows, ring_bf16, nullptr, batch, width};
+  ring.decode = decode;
+  return {events, ring};
+}
+
+// One decode step of the raw ring: each batch row's new token into its ring row, and the entry it
+// completes (zeros and emitted = false for a row whose token completes none).
+inline void compress_decode(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                            TensorView state_rows, TensorView positions, TensorView out, TensorView emitted) {
+  // 1. Validate.
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  const ExtendPlan plan = check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted,
+                                       static_cast<float*>(out.data_ptr()));
+  check(out, "out").size(0, kv.size(0), "rows of kv").size(1, plan.events.d, "d");
+
+  // 2. Pool every row's window (reading ring rows as they were), then store the new ring rows.
   if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
   if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
 }

@@ -244,7 +244,7 @@ inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slot
 // Validates a paged cache of layout L and its slots; returns (page_stride, num_slots).
 template <class L>
 std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_size,
-                                              bool unique_slots) {
+                                              bool unique_slots, bool read_slots = true) {
   if (page_size <= 0 || (page_size & (page_size - 1)) != 0) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `page_size` must be a positive power of two, got " << page_size;
   }
@@ -252,7 +252,7 @@ std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots
   check(cache, "cache").size(1, L::page_bytes(page_size), "page bytes for page_size");
   check(slots, "slots").dtype<int64_t>().ndim(1).contiguous().same_device(cache, "cache");
   const int64_t num_slots = cache.size(0) * page_size;
-  if (cache.device().device_type != kDLCUDA) {
+  if (cache.device().device_type != kDLCUDA && read_slots) {
     const auto* s = static_cast<const int64_t*>(slots.data_ptr());
     if (unique_slots) {
       check_unique_slots(s, slots.size(0), num_slots, "slots");

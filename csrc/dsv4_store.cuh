@@ -184,6 +184,7 @@ struct NormRopeStore {
 struct CompressStoreParams {
   dsv4_compress::EventParams events;
   StoreParams store;
+  float* entries = nullptr;  // decode step: [batch, D], the pooled entries (zeros for rows without one)
 };
 
 template <class Kind>
@@ -195,16 +196,30 @@ struct CompressStore {
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
+    // A decode step: row n stores only when its token completes an entry, at anchor position - ratio + 1.
+    const dsv4_compress::DecodeRows& decode = p.events.decode;
+    const bool emits = decode.rows == nullptr || decode.emits(n);
+    if (p.events.emitted != nullptr && lanes.lane == 0) p.events.emitted[n] = emits;
     const int64_t slot = p.store.slots[n];
-    if (slot < 0 || slot >= p.store.num_slots) return;
+    const bool stores = emits && slot >= 0 && slot < p.store.num_slots;
+    if (!stores && p.entries == nullptr) return;
     // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
     Row x;
     for (int k = 0; k < Row::kPerLane; ++k) {
       float tile[team::kVirtualPerThread];
-      dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
-      for (int j = 0; j < team::kVirtualPerThread; ++j) x.v[j][k] = tile[j];
+      if (emits) {
+        dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
+      } else {
+        for (int j = 0; j < team::kVirtualPerThread; ++j) tile[j] = 0.0f;
+      }
+      for (int j = 0; j < team::kVirtualPerThread; ++j) {
+        x.v[j][k] = tile[j];
+        if (p.entries != nullptr) p.entries[n * Kind::kDim + team::kTeamLanes * k + lanes.lane + j] = tile[j];
+      }
     }
-    Store::finish(x, p.store, p.store.positions[n], slot, lanes);
+    if (!stores) return;
+    const int64_t anchor = decode.rows != nullptr ? decode.positions[n] - (p.events.ratio - 1) : p.store.positions[n];
+    Store::finish(x, p.store, anchor, slot, lanes);
   }
 };
 
@@ -239,7 +254,8 @@ inline void rope_inv_freq(double theta, double factor, int64_t original_max_posi
 template <class Kind>
 StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorView positions, TensorView cache,
                         TensorView slots, int64_t page_size, double theta, double factor,
-                        int64_t original_max_positions, double beta_fast, double beta_slow) {
+                        int64_t original_max_positions, double beta_fast, double beta_slow,
+                        bool read_slots = true) {
   check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous();
   check(weight, "weight").same_device(cache, "cache");
   check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, entries, "entries");
@@ -253,7 +269,7 @@ StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorVi
   }
   if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
   const auto [page_stride, num_slots] =
-      dsv4_quant::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true);
+      dsv4_quant::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true, read_slots);
   StoreParams params{nullptr,
                      0,
                      static_cast<const float*>(weight.data_ptr()),
@@ -309,6 +325,46 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
 
   // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
   if (plan.events.num_events > 0) launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device());
+  if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
+}
+
+// A decode step fused with the store: each row's new token into its ring row; a row whose token
+// completes an entry pools it into `out` and stores it at slots[row] (RoPE position: the entry's
+// anchor positions[row] - ratio + 1); other rows get zeros and emitted = false and store nothing.
+template <class Kind>
+void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                           TensorView state_rows, TensorView positions, TensorView out, TensorView emitted,
+                           TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_size,
+                           double theta, double factor, int64_t original_max_positions, double beta_fast,
+                           double beta_slow) {
+  // 1. Validate (slots are read for the rows that store: host-readable ones are checked here).
+  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  const dsv4_compress::ExtendPlan plan = dsv4_compress::check_decode(kv, score, ape, ratio, state, state_rows,
+                                                                     positions, emitted,
+                                                                     static_cast<float*>(out.data_ptr()));
+  if (plan.events.d != Kind::kDim) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
+                              << ", but this cache stores " << Kind::kDim;
+  }
+  check(out, "out").size(0, kv.size(0), "rows of kv").size(1, Kind::kDim, "d");
+  check(cache, "cache").same_device(kv, "kv");
+  const StoreParams store = check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_size, theta,
+                                              factor, original_max_positions, beta_fast, beta_slow, false);
+  if (cache.device().device_type != kDLCUDA) {
+    std::vector<int64_t> stored;
+    for (int64_t b = 0; b < kv.size(0); ++b) {
+      if (plan.events.decode.emits(b)) stored.push_back(store.slots[b]);
+    }
+    dsv4_quant::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
+  }
+  check_no_overlap(kv, "kv", cache, "cache");
+  check_no_overlap(state, "state", cache, "cache");
+
+  // 2. Pool + store every row (reading ring rows as they were), then store the new ring rows.
+  if (plan.events.num_events > 0) {
+    launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store, static_cast<float*>(out.data_ptr())},
+                                kv.device());
+  }
   if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
 }
 

@@ -7,7 +7,7 @@ and benchmark share the stem).
 from __future__ import annotations
 
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_pool
+from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from sparsekv.jit_kernel.dsv4_store import RopeParams, StoreTarget, norm_rope_store
@@ -16,6 +16,7 @@ __all__ = [
     "CompressorState",
     "RopeParams",
     "StoreTarget",
+    "compress_decode_step",
     "compress_pool",
     "dequantize_fp8_ds_mla",
     "indexer_scores",

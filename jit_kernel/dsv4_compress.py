@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_store_step
+from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_decode_store_step, compress_store_step
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
 RATIOS = (4, 128)
 
@@ -28,6 +29,7 @@ DSV4_COMPRESS = register(
             "compress_pool": "sparsekv::dsv4_compress::compress_pool",
             "compress_extend": "sparsekv::dsv4_compress::compress_extend",
             "compress_online_c128": "sparsekv::dsv4_compress::compress_online_c128",
+            "compress_decode": "sparsekv::dsv4_compress::compress_decode",
         },
         kernels=(
             "sparsekv::dsv4_compress::CompressEvents",
@@ -55,7 +57,8 @@ def first_needed(length: int, ratio: int) -> int:
     return max(0, (length // ratio) * ratio - (4 if ratio == 4 else 0))
 
 
-def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Every complete compressed entry of one sequence, before any norm.
 
     Parameters
@@ -66,11 +69,13 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
         float32 ``[ratio, coff * d]``, contiguous.
     ratio : int
         4 or 128.
+    out : torch.Tensor, optional
+        float32 ``[T // ratio, d]``, contiguous, to write (default: a new tensor).
 
     Returns
     -------
     torch.Tensor
-        A new float32 ``[T // ratio, d]``.
+        ``out``, float32 ``[T // ratio, d]``.
 
     Raises
     ------
@@ -79,12 +84,111 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     TypeError
         A dtype other than float32.
     """
-    check_ratio(ratio)
-    coff = 2 if ratio == 4 else 1
-    out = torch.empty(kv.shape[0] // ratio if kv.dim() == 2 else 0, kv.shape[-1] // coff, dtype=torch.float32,
-                      device=kv.device)
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out)
+    if out is None:
+        coff = 2 if ratio == 4 else 1
+        out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, kv.shape[-1] // coff,
+                          dtype=torch.float32, device=kv.device)
+    _compress_pool(kv, score, ape, ratio, out)
     return out
+
+
+@kernel_op("compress_pool", mutates_args=("out",))
+def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, out: torch.Tensor) -> None:
+    check_ratio(ratio)
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out)
+
+
+@kernel_op("compress_extend", mutates_args=("state", "out"))
+def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                     sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, ape, ratio, state, sources, writes, out)
+
+
+@kernel_op("compress_online_c128", mutates_args=("state", "out"))
+def _compress_online(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor, snapshots: int,
+                     segments: torch.Tensor, out: torch.Tensor) -> None:
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_online_c128(kv, score, ape, state, snapshots, segments, out)
+
+
+def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                         state_rows: torch.Tensor, positions: torch.Tensor, *, store: StoreTarget | None = None,
+                         entry_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                         emitted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of a batch on the raw ring of :class:`CompressorState`, planned on the device.
+
+    Row ``b`` brings one new token at ``positions[b]``; its kv and score go into ring row
+    ``state_rows[b, W - 1]``. When the token completes an entry (``(positions[b] + 1) % ratio == 0``),
+    the entry is pooled from the ``W`` window positions ending at it (``state_rows[b]``, then the new
+    token), exactly as :meth:`CompressorState.extend` pools it. No host sync, no Python loop over
+    rows; given ``out`` and ``emitted`` a call allocates nothing (CUDA-graph capturable).
+
+    Parameters
+    ----------
+    kv, score : torch.Tensor
+        float32 ``[B, coff * d]`` (coff = 2 for ratio 4, 1 for ratio 128), unit last stride: each row's new token.
+    ape : torch.Tensor
+        float32 ``[ratio, coff * d]``, contiguous.
+    ratio : int
+        4 or 128.
+    state : torch.Tensor
+        float32 or bfloat16 ``[rows, 2 * coff * d]``: the raw ring (same layout as :class:`CompressorState`).
+    state_rows : torch.Tensor
+        int32 or int64 ``[B, W]`` (W = 8 for ratio 4, 128 for ratio 128), unit last stride, on the
+        device: the state rows of each row's last W positions, the new token's last (a scheduler's
+        slot mapping). Rows of positions before 0 are not read.
+    positions : torch.Tensor
+        int64 ``[B]``, contiguous, on the device: the new tokens' positions.
+    store : StoreTarget, optional
+        Also normalize, rotate, quantize and store each completed entry into ``store.cache`` at
+        ``entry_slots[b]`` (RoPE position: the entry's anchor ``positions[b] - ratio + 1``).
+    entry_slots : torch.Tensor, optional
+        int64 ``[B]``, with ``store`` only: each row's entry slot in ``store.cache`` (read for rows
+        that complete an entry; for a pool, ``out_cache_loc // ratio``).
+    out : torch.Tensor, optional
+        float32 ``[B, d]``, contiguous, to write (default: a new tensor).
+    emitted : torch.Tensor, optional
+        bool ``[B]``, contiguous, to write (default: a new tensor).
+
+    Returns
+    -------
+    entries : torch.Tensor
+        float32 ``[B, d]``: row ``b``'s completed entry, zeros where none.
+    emitted : torch.Tensor
+        bool ``[B]``: whether row ``b``'s token completed an entry.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Wrong dtype, shape or device (the message names the argument); ``ratio`` not 4 or 128;
+        ``store`` without ``entry_slots``; two rows writing one ring row (host-readable tables).
+    IndexError
+        A negative position, a ring row outside ``state``, or a stored slot outside the cache
+        (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
+    """
+    coff = 2 if ratio == 4 else 1
+    batch = rows_of(kv, 2)
+    if out is None:
+        out = torch.empty(batch, kv.shape[-1] // coff, dtype=torch.float32, device=kv.device)
+    if emitted is None:
+        emitted = torch.empty(batch, dtype=torch.bool, device=kv.device)
+    if store is None or entry_slots is None:
+        _compress_decode(kv, score, ape, ratio, state, state_rows, positions, out, emitted, entry_slots,
+                         store is not None)
+    else:
+        compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, entry_slots,
+                                   store)
+    return out, emitted
+
+
+@kernel_op("compress_decode", mutates_args=("state", "out", "emitted"))
+def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                     state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor,
+                     entry_slots: torch.Tensor | None, with_store: bool) -> None:
+    check_ratio(ratio)
+    if with_store or entry_slots is not None:  # the fused op takes them
+        raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
+                                                                 out, emitted)
 
 
 @dataclass
@@ -288,14 +392,14 @@ class CompressorState:
         device = kv.device
         src = torch.tensor(sources, dtype=torch.int64).reshape(-1, win).to(device)
         wr = torch.tensor(writes, dtype=torch.int64).reshape(-1, 2).to(device)
+        host_anchors = torch.tensor(anchors, dtype=torch.int64)  # returned from the host: no device read-back
         if store is not None:
-            positions = torch.tensor(anchors, dtype=torch.int64, device=device)
             slots = torch.tensor(slot_ids, dtype=torch.int64, device=device)
-            compress_store_step(kv, score, self.ape, m, self.state, src, wr, positions, slots, store)
-            return None, positions.cpu()
+            compress_store_step(kv, score, self.ape, m, self.state, src, wr, host_anchors.to(device), slots, store)
+            return None, host_anchors
         out = torch.empty(src.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=device)
-        DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, self.ape, m, self.state, src, wr, out)
-        return out, torch.tensor(anchors, dtype=torch.int64)
+        _compress_extend(kv, score, self.ape, m, self.state, src, wr, out)
+        return out, host_anchors
 
     def _plan_online(self, rings, starts, lengths, kv, score, span):
         k_snap = self.snapshots
@@ -319,9 +423,8 @@ class CompressorState:
             row0 += n
         device = kv.device
         out = torch.empty(len(anchors), kv.shape[-1], dtype=torch.float32, device=device)
-        module = DSV4_COMPRESS.module(backend=backend_of(kv))
         # Segments that read a snapshot run first: a later segment may store into the same slot.
         for group in (readers, others):
             segs = torch.tensor(group, dtype=torch.int64).reshape(-1, 7).to(device)
-            module.compress_online_c128(kv, score, self.ape, self.state, k_snap, segs, out)
+            _compress_online(kv, score, self.ape, self.state, k_snap, segs, out)
         return out, torch.tensor(anchors, dtype=torch.int64)

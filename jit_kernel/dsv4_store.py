@@ -14,6 +14,7 @@ import torch
 
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.torch_op import kernel_op
 
 CACHE_KINDS = {
     "V4": "sparsekv::dsv4_store::V4",
@@ -42,6 +43,7 @@ DSV4_STORE = register(
         exports={
             "norm_rope_store": "sparsekv::dsv4_store::norm_rope_store",
             "compress_store": "sparsekv::dsv4_store::compress_store",
+            "compress_decode_store": "sparsekv::dsv4_store::compress_decode_store",
         },
         kernels=(
             "sparsekv::dsv4_store::NormRopeStore",
@@ -105,11 +107,22 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     IndexError
         A slot outside the cache. Nothing is written when anything is raised.
     """
+    _norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), *_rope_args(rope), cache_kind)
+
+
+def _rope_args(rope: RopeParams) -> tuple[float, float, int, float, float]:
+    return (float(rope.theta), float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
+            float(rope.beta_slow))
+
+
+@kernel_op("norm_rope_store", mutates_args=("cache",))
+def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cache: torch.Tensor,
+                     slots: torch.Tensor, page_size: int, theta: float, factor: float, original_max_positions: int,
+                     beta_fast: float, beta_slow: float, cache_kind: str) -> None:
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
-    check_device_slots(slots, cache.shape[0] * int(page_size), unique=True)
-    module.norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), float(rope.theta),
-                           float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
-                           float(rope.beta_slow))
+    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, theta, factor, original_max_positions,
+                           beta_fast, beta_slow)
 
 
 @dataclass(frozen=True)
@@ -146,9 +159,36 @@ def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions
     The planned ``sources`` / ``writes`` tables come from
     :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
     """
-    module = DSV4_STORE.module(cache_kind=target.cache_kind, backend=backend_of(kv))
-    check_device_slots(slots, target.cache.shape[0] * int(target.page_size), unique=True)
-    r = target.rope
-    module.compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
-                          target.cache, slots, int(target.page_size), float(r.theta), float(r.factor),
-                          int(r.original_max_positions), float(r.beta_fast), float(r.beta_slow))
+    _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
+                    target.cache, slots, int(target.page_size), *_rope_args(target.rope), target.cache_kind)
+
+
+@kernel_op("compress_store", mutates_args=("state", "cache"))
+def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                    sources: torch.Tensor, writes: torch.Tensor, weight: torch.Tensor, eps: float,
+                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, theta: float,
+                    factor: float, original_max_positions: int, beta_fast: float, beta_slow: float,
+                    cache_kind: str) -> None:
+    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
+                          page_size, theta, factor, original_max_positions, beta_fast, beta_slow)
+
+
+def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, slots,
+                               target: StoreTarget) -> None:
+    """One fused decode step (see :func:`~sparsekv.jit_kernel.dsv4_compress.compress_decode_step`, the public entry)."""
+    _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, target.weight,
+                           float(target.eps), target.cache, slots, int(target.page_size), *_rope_args(target.rope),
+                           target.cache_kind)
+
+
+@kernel_op("compress_decode_store", mutates_args=("state", "out", "emitted", "cache"))
+def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                           state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                           emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                           slots: torch.Tensor, page_size: int, theta: float, factor: float,
+                           original_max_positions: int, beta_fast: float, beta_slow: float, cache_kind: str) -> None:
+    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+    module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
+                                 slots, page_size, theta, factor, original_max_positions, beta_fast, beta_slow)
