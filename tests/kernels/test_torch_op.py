@@ -11,16 +11,29 @@ import pytest
 import torch
 
 from sparsekv.jit_kernel.dsv4 import (
+    RopeParams,
+    StoreTarget,
+    compress_decode_step,
+    compress_pool,
     dequantize_fp8_ds_mla,
     indexer_scores,
     indexer_topk,
     lightning_indexer,
+    norm_rope_store,
     quantize_fp8_ds_mla,
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, visible_entries
 from sparsekv.jit_kernel.gather_rows import gather_rows
+from sparsekv.jit_kernel.hisparse import (
+    copy_cache_planned_mla,
+    load_cache_to_device_buffer_dsv4_mla,
+    transfer_cache_dsv4_mla,
+    transfer_pages_dsv4_mla,
+)
+from sparsekv.jit_kernel.hisparse_copy import pointer_table
+from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
@@ -58,6 +71,7 @@ def world(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
                        P, "fp8")
     tensors = {
         "kv_cache": v4_cache(random_rows(pages * P, g), P),
+        "copy_src": v4_cache(random_rows(2 * 32, g), 32),  # copies take C4 pages of 32, 64 or 128 slots
         "index_cache": index_cache,
         "page_table": torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
         "positions": torch.tensor([4 * P + 9, 4 * 2 * P - 1]),
@@ -68,7 +82,11 @@ def world(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
         "rows": random_rows(5, g),
         "indices": torch.tensor([[3, -1, 17, 40, 3], [63, 0, 1, -1, 22]], dtype=torch.int32),
     }
-    return {name: t.to(device) for name, t in tensors.items()}
+    on = {name: t.to(device) for name, t in tensors.items()}
+    on["copy_dst"] = torch.zeros_like(on["copy_src"])
+    if device.type != "meta":  # the copies' per-layer address tables (built once, outside a step)
+        on["src_ptrs"], on["dst_ptrs"] = pointer_table([on["copy_src"]]), pointer_table([on["copy_dst"]])
+    return on
 
 
 def op_cases(device: torch.device) -> dict[str, Callable[[dict], tuple[torch.Tensor, ...]]]:
@@ -108,8 +126,40 @@ def op_cases(device: torch.device) -> dict[str, Callable[[dict], tuple[torch.Ten
         return lightning_indexer(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"], 4,
                                  page_size=P)
 
+    def store(w):
+        norm_rope_store(w["rows"], torch.linspace(0.5, 2, 512, device=device), 1e-6, torch.tensor([0, 9, 4, 300, 7],
+                        device=device), w["kv_cache"], torch.tensor([1, 2, 40, 3, 63], device=device), P,
+                        RopeParams(10000))
+        return (w["kv_cache"],)
+
+    def compress(w):
+        kv, score = w["rows"][:, :64].contiguous(), w["rows"][:, 64:128].contiguous()
+        ape = w["rows"][:4, 128:192].contiguous()
+        state = torch.zeros(2 * 8, 128, device=device)
+        positions = torch.tensor([3, 7], device=device)
+        state_rows = torch.stack([torch.arange(8), 8 + torch.arange(8)]).to(device)
+        entries, emitted = compress_decode_step(kv[:2], score[:2], ape, 4, state, state_rows, positions)
+        return compress_pool(kv[:4].repeat(2, 1), score[:4].repeat(2, 1), ape, 4), entries, emitted, state
+
+    def copies(w):
+        src_ptrs, dst_ptrs = w["src_ptrs"], w["dst_ptrs"]
+        transfer_cache_dsv4_mla(src_ptrs, dst_ptrs, torch.tensor([5, 0, 63], device=device),
+                                torch.tensor([1, 2, 3], device=device), src_num_slots=64, dst_num_slots=64,
+                                page_slots=32)
+        transfer_pages_dsv4_mla(src_ptrs, dst_ptrs, torch.tensor([0], device=device), torch.tensor([1], device=device),
+                                src_num_pages=2, dst_num_pages=2, page_slots=32)
+        planned = torch.zeros_like(w["kv_cache"])
+        copy_cache_planned_mla(miss_src=torch.tensor([[4, 9, -1], [60, 1, 2]], device=device),
+                               miss_dst=torch.tensor([[0, 17, -1], [33, 5, 6]], device=device),
+                               miss_count=torch.tensor([2, 1], dtype=torch.int32, device=device),
+                               num_real_reqs=torch.tensor([2], dtype=torch.int32, device=device),
+                               host_cache=w["kv_cache"].view(-1)[: 64 * 584].view(64, 584),
+                               device_buffer=planned.view(-1)[: 64 * 584].view(64, 584), item_size_bytes=584)
+        return w["copy_dst"], planned
+
     return {"gather_rows": gather, "quantize_dequantize": quantize, "attention": attention,
-            "attention_bf16_split": attention_bf16_split, "indexer": indexer, "lightning_indexer": lightning}
+            "attention_bf16_split": attention_bf16_split, "indexer": indexer, "lightning_indexer": lightning,
+            "norm_rope_store": store, "compress": compress, "copies": copies}
 
 
 @pytest.mark.parametrize("case", sorted(op_cases(torch.device("cpu"))))
@@ -121,15 +171,23 @@ def test_compiled_op_writes_the_same_bytes_as_eager(backend, case):
 
 @pytest.mark.no_backend("reads the registered schemas; nothing runs")
 def test_every_entry_is_a_sparsekv_op_with_its_writes_declared():
+    expected = {
+        "gather_rows": ["dst"], "transfer_cache_dsv4_mla": ["dst_ptrs"], "transfer_pages_dsv4_mla": ["dst_ptrs"],
+        "load_cache_to_device_buffer": ["counters", "device_buffer", "device_buffer_tokens", "lru_slots", "miss_count",
+                                        "miss_dst", "miss_src", "top_k_device_locs"],
+        "copy_cache_planned_mla": ["device_buffer"], "quantize_fp8_ds_mla": ["cache"],
+        "dequantize_fp8_ds_mla": ["out"], "norm_rope_store": ["cache"], "compress_pool": ["out"],
+        "compress_extend": ["out", "state"], "compress_online_c128": ["out", "state"],
+        "compress_store": ["cache", "state"], "compress_decode": ["emitted", "out", "state"],
+        "compress_decode_store": ["cache", "emitted", "out", "state"], "indexer_scores": ["out"],
+        "indexer_topk": ["out", "out_slots"], "sparse_decode_attention": ["lse", "out", "workspace"],
+    }
     writes = {}
-    for name in ("gather_rows", "quantize_fp8_ds_mla", "dequantize_fp8_ds_mla", "sparse_decode_attention",
-                 "indexer_scores", "indexer_topk"):
+    for name in expected:
         schema = getattr(torch.ops.sparsekv, name).default._schema
         writes[name] = sorted(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
         assert not schema.returns, name  # out-variants: outputs are arguments
-    assert writes == {"gather_rows": ["dst"], "quantize_fp8_ds_mla": ["cache"], "dequantize_fp8_ds_mla": ["out"],
-                      "sparse_decode_attention": ["lse", "out", "workspace"], "indexer_scores": ["out"],
-                      "indexer_topk": ["out", "out_slots"]}
+    assert writes == expected
 
 
 @pytest.mark.no_backend("meta tensors: shapes only, no kernel runs")
@@ -141,6 +199,131 @@ def test_meta_tensors_give_output_shapes_without_running_a_kernel():
                                       page_size=P)
     assert tokens.shape == slots.shape == (2, 7) and tokens.device.type == "meta"
     assert dequantize_fp8_ds_mla(w["kv_cache"], torch.zeros(9, dtype=torch.int64, device="meta"), P).shape == (9, 512)
+
+
+# ---- one whole decode step: compressor step -> store -> indexer -> top-k -> swap-in -> attention ----
+
+TOP_K, HOT, C4P = 5, 7, 64  # a swap-in instance of the table; C4 page slots of 256-token pages
+STEP_BATCH, STEP_HEADS, STEP_INDEX_HEADS, STEP_PAGES = 2, 4, 3, 2
+
+
+def step_tensors(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The state of one C4 layer of a two-request batch: compressor rings (main 512 wide, indexer 128 wide),
+    the V4 and indexer caches, HiSparse tables and the step's inputs. Row 0 is longer than the hot
+    buffer (misses), row 1 fits it; both tokens complete an entry this step."""
+    g = torch.Generator().manual_seed(seed)
+    host_pages = STEP_BATCH * STEP_PAGES
+    index_cache = torch.zeros(host_pages, INDEXER_LAYOUTS["fp8"].page_bytes(C4P), dtype=torch.uint8)
+    write_indexer_keys(torch.randn(host_pages * C4P, INDEXER_HEAD_DIM, generator=g), index_cache,
+                       torch.arange(host_pages * C4P), C4P, "fp8")
+    page_table = torch.randperm(host_pages, generator=g).reshape(STEP_BATCH, STEP_PAGES).int()
+    entry = torch.arange(STEP_PAGES * C4P)
+    columns = HOT + C4P
+    device_pages = -(-STEP_BATCH * columns // C4P) + 1
+    positions = torch.tensor([4 * 90 - 1, 4 * 5 - 1])  # both complete an entry: 90 and 5 visible after it
+    ring = 16
+    t = {
+        "main_state": torch.randn(STEP_BATCH * ring, 4 * 512, generator=g),
+        "index_state": torch.randn(STEP_BATCH * ring, 4 * 128, generator=g),
+        "state_rows": torch.stack([b * ring + (positions[b] - 7 + torch.arange(8)) % ring for b in range(STEP_BATCH)]),
+        "positions": positions,
+        "entry_slots": torch.stack([page_table[b, e // C4P].long() * C4P + e % C4P
+                                    for b, e in enumerate((positions + 1) // 4 - 1)]),
+        "main_kv": torch.randn(STEP_BATCH, 1024, generator=g), "main_score": torch.randn(STEP_BATCH, 1024, generator=g),
+        "main_ape": torch.randn(4, 1024, generator=g), "main_weight": torch.rand(512, generator=g) + 0.5,
+        "index_kv": torch.randn(STEP_BATCH, 256, generator=g), "index_score": torch.randn(STEP_BATCH, 256, generator=g),
+        "index_ape": torch.randn(4, 256, generator=g), "index_weight": torch.rand(128, generator=g) + 0.5,
+        "kv_cache": v4_cache(random_rows(host_pages * C4P, g), C4P),
+        "index_cache": index_cache,
+        "page_table": page_table,
+        "host_cache_locs": (page_table.long()[:, entry // C4P] * C4P + entry % C4P).contiguous(),
+        "device_buffer": v4_cache(random_rows(device_pages * C4P, g), C4P),
+        "device_buffer_locs": torch.randperm(device_pages * C4P, generator=g)[: STEP_BATCH * columns]
+        .reshape(STEP_BATCH, columns).int(),
+        "device_buffer_tokens": torch.cat([torch.full((1, columns), -1, dtype=torch.int32),
+                                           torch.cat([torch.arange(HOT, dtype=torch.int32),
+                                                      torch.full((C4P,), -1, dtype=torch.int32)])[None]]),
+        "lru_slots": torch.arange(HOT, dtype=torch.int16).repeat(STEP_BATCH, 1),
+        "req_pool_indices": torch.arange(STEP_BATCH),
+        "seq_lens": visible_entries(positions),
+        "q": torch.randn(STEP_BATCH, STEP_HEADS, 512, generator=g),
+        "q_index": torch.randn(STEP_BATCH, STEP_INDEX_HEADS, INDEXER_HEAD_DIM, generator=g),
+        "weights": torch.rand(STEP_BATCH, STEP_INDEX_HEADS, generator=g),
+        "sink": torch.randn(STEP_HEADS, generator=g),
+        # Caller-owned outputs of every op: with them the step allocates nothing.
+        "main_entries": torch.empty(STEP_BATCH, 512), "index_entries": torch.empty(STEP_BATCH, 128),
+        "main_emitted": torch.empty(STEP_BATCH, dtype=torch.bool),
+        "index_emitted": torch.empty(STEP_BATCH, dtype=torch.bool),
+        "scores": torch.empty(STEP_BATCH, STEP_PAGES * C4P),
+        "tokens": torch.empty(STEP_BATCH, TOP_K, dtype=torch.int32),
+        "slots": torch.empty(STEP_BATCH, TOP_K, dtype=torch.int32),
+        "top_k_device_locs": torch.empty(STEP_BATCH, TOP_K, dtype=torch.int32),
+        "out": torch.empty(STEP_BATCH, STEP_HEADS, 512, dtype=torch.bfloat16),
+        "lse": torch.empty(STEP_BATCH, STEP_HEADS),
+        "workspace": torch.empty(workspace_floats(STEP_BATCH, STEP_HEADS, 1, torch.bfloat16)),
+    }
+    return {name: value.to(device) for name, value in t.items()}
+
+
+def decode_step(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One C4 layer's decode step, every op writing into the caller's buffers (what an engine captures)."""
+    rope = RopeParams(160000, 16, 65536, 32, 1)
+    compress_decode_step(t["main_kv"], t["main_score"], t["main_ape"], 4, t["main_state"], t["state_rows"],
+                         t["positions"], store=StoreTarget(t["kv_cache"], t["main_weight"], 1e-6, C4P, rope),
+                         entry_slots=t["entry_slots"], out=t["main_entries"], emitted=t["main_emitted"])
+    compress_decode_step(t["index_kv"], t["index_score"], t["index_ape"], 4, t["index_state"], t["state_rows"],
+                         t["positions"], store=StoreTarget(t["index_cache"], t["index_weight"], 1e-6, C4P, rope,
+                                                           "INDEXER_FP8"),
+                         entry_slots=t["entry_slots"], out=t["index_entries"], emitted=t["index_emitted"])
+    lightning_indexer(t["q_index"], t["weights"], t["index_cache"], t["page_table"], t["positions"], TOP_K,
+                      page_size=C4P, scores=t["scores"], out=t["tokens"], out_slots=t["slots"])
+    load_cache_to_device_buffer_dsv4_mla(
+        t["tokens"], t["device_buffer_tokens"], t["host_cache_locs"], t["device_buffer_locs"], t["kv_cache"],
+        t["device_buffer"], t["top_k_device_locs"], t["req_pool_indices"], t["seq_lens"], t["lru_slots"],
+        V4.bytes_per_token, TOP_K, HOT)
+    return sparse_decode_attention(t["q"], t["device_buffer"], t["top_k_device_locs"], t["sink"], C4P, out=t["out"],
+                                   lse=t["lse"], out_dtype=torch.bfloat16, workspace=t["workspace"])
+
+
+def test_a_compiled_decode_step_writes_the_same_bytes_as_eager(backend):
+    device = device_of(backend)
+    eager, traced = step_tensors(device), step_tensors(device)
+    decode_step(eager)
+    compiled(decode_step)(traced)
+    for name in eager:
+        assert torch.equal(as_bytes(eager[name]), as_bytes(traced[name])), name
+    # The step did real work: both tokens completed an entry, the top-k is full, misses were loaded.
+    assert bool(eager["main_emitted"].all()) and bool((eager["tokens"] >= 0).all())
+    assert not torch.equal(as_bytes(eager["device_buffer"]), as_bytes(step_tensors(device)["device_buffer"]))
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_step_replays_without_a_host_sync(backend):
+    if backend != "cuda":
+        pytest.skip("CUDA-graph capture needs the cuda backend")
+    device = device_of(backend)
+    expected, static = step_tensors(device), step_tensors(device)
+    decode_step(step_tensors(device))  # loads every module before the sync check and the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync of the eager step raises
+    try:
+        decode_step(expected)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            decode_step(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Capture ran nothing; start from the step's inputs again and replay.
+    for name, value in step_tensors(device).items():
+        static[name].copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in expected:
+        assert torch.equal(as_bytes(expected[name]), as_bytes(static[name])), name
 
 
 BAD = {
@@ -174,22 +357,16 @@ def test_a_compiled_call_refuses_bad_input_like_an_eager_one(backend, bad):
     assert messages[0] == messages[1]
 
 
-def test_given_its_buffers_attention_allocates_nothing(backend):
+def test_given_its_buffers_a_decode_step_allocates_nothing(backend):
     device = device_of(backend)
+    t = step_tensors(device)
+    decode_step(t)  # loads every module
     w = world(device)
-    batch, heads = w["q"].shape[:2]
-    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
-    lse = torch.empty(batch, heads, device=device)
-    workspace = torch.empty(workspace_floats(batch, heads, 3, torch.bfloat16), device=device)
-    sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, out=out, lse=lse, num_splits=3,
-                            out_dtype=torch.bfloat16, workspace=workspace)  # warm: loads the module
-    assert allocations(lambda: sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P,
-                                                       num_splits=3, out_dtype=torch.bfloat16)), "the probe sees none"
+    assert allocations(lambda: sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P)), \
+        "the probe sees the allocations of a call without buffers"
     got = []
-    assert allocations(lambda: got.extend(sparse_decode_attention(
-        w["q"], w["kv_cache"], w["indices"], w["sink"], P, out=out, lse=lse, num_splits=3, out_dtype=torch.bfloat16,
-        workspace=workspace))) == []
-    assert got[0] is out and got[1] is lse
+    assert allocations(lambda: got.extend(decode_step(t))) == []
+    assert got[0] is t["out"] and got[1] is t["lse"]
 
 
 def allocations(call: Callable[[], object]) -> list[str]:
