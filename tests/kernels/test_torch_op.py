@@ -173,8 +173,9 @@ def test_compiled_op_writes_the_same_bytes_as_eager(backend, case):
 def test_every_entry_is_a_sparsekv_op_with_its_writes_declared():
     expected = {
         "gather_rows": ["dst"], "transfer_cache_dsv4_mla": ["dst_ptrs"], "transfer_pages_dsv4_mla": ["dst_ptrs"],
-        "load_cache_to_device_buffer": ["counters", "device_buffer", "device_buffer_tokens", "lru_slots", "miss_count",
-                                        "miss_dst", "miss_src", "top_k_device_locs"],
+        "load_cache_to_device_buffer": ["counters", "device_buffer", "device_buffer_tokens", "index_queue",
+                                        "index_queue_pos", "index_slot_of", "lru_slots", "miss_count", "miss_dst",
+                                        "miss_src", "top_k_device_locs"],
         "copy_cache_planned_mla": ["device_buffer"], "quantize_fp8_ds_mla": ["cache"],
         "dequantize_fp8_ds_mla": ["out"], "norm_rope_store": ["cache"], "compress_pool": ["out"],
         "compress_extend": ["out", "state"], "compress_online_c128": ["out", "state"],
