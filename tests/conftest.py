@@ -37,7 +37,6 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_backend(reason): a kernel test whose body does not depend on the backend")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (runs in make test-gpu, skips elsewhere)")
     settings.load_profile("slow" if config.getoption("--slow") else "ci")
 
 
