@@ -272,6 +272,23 @@ class CompressorState:
         self.coff = 2 if ratio == 4 else 1
         self._progress: dict[int, _Progress] = {}
 
+    def resume(self, request_id: int, length: int) -> None:
+        """Continue a request whose rings already hold its first ``length`` tokens, written by another
+        instance (a PD prefill sent them with the SWA pages or request slot); its next chunk starts at
+        ``length``.
+
+        Raises
+        ------
+        ValueError
+            ``length`` is negative, or the request is already tracked here.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"sparsekv: argument `length` must be an int >= 0, got {length!r}")
+        if int(request_id) in self._progress:
+            raise ValueError(f"sparsekv: argument `request_id`: request {request_id} is already tracked; release it "
+                             f"first")
+        self._progress[int(request_id)] = _Progress(valid=length, high=length)
+
     def release(self, request_id: int) -> None:
         """Forget a finished request (its rings may be reused)."""
         self._progress.pop(request_id, None)

@@ -11,8 +11,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sparsekv.cli import main
 from sparsekv.kv_layout import V4
+from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
 
 TINY = ["--tokens", "640", "--steps", "6"]
 
@@ -63,3 +66,19 @@ def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model():
                             capture_output=True, text=True, env=env | {"SPARSEKV_JIT_STRICT": "1"}, timeout=600)
     assert strict.returncode == 0, strict.stderr[-2000:]
     assert "0 built" in strict.stdout and "HiSparse (small hot buffer) outputs == all-resident outputs" in strict.stdout
+
+
+def test_tiny_demo_over_pd_equals_the_single_process_run(tmp_path):
+    """Prefill and decode in two processes, the KV over NIXL on 127.0.0.1 (C4 KV straight into the
+    decode's host pool): bit for bit the single-process outputs. NIXL is the `pd` extra (make test
+    installs it)."""
+    try:
+        load_nixl_api()
+    except ImportError as e:
+        pytest.skip(f"NIXL cannot be imported: {e}")
+    code, report = run_demo(tmp_path, "--pd")
+    assert code == 0
+    pd = report["checks"]["pd_equals_single_process"]
+    assert pd["ok"] and pd["max_abs_diff"] == 0 and pd["transfer"]["statuses"] == {"1": "SUCCESS", "2": "SUCCESS"}
+    # Two requests' pages of every full-token, SWA and state region crossed: at least their C4 KV bytes.
+    assert pd["bytes_sent"] >= (640 // 4 + 403 // 4) * 2 * 584

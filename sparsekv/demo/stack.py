@@ -193,6 +193,19 @@ class Stack:
             req.swa_pages.append(int(self.swa_alloc.alloc(1)[0]))
         req.kv_allocated_len = length
 
+    def adopt(self, req: Request, length: int) -> list[int]:
+        """PD decode: allocate a request whose first ``length`` tokens another process prefilled
+        (logical locations without device slots, SWA pages), continue its compressors at ``length``;
+        returns its full-token pages (the transfer's KV destinations)."""
+        full = self.allocator.alloc_extend(self.req_to_token, req.req_pool_idx, 0, length, with_device=False)
+        req.locs = full.tolist()
+        while len(req.swa_pages) * PAGE_SIZE < length:
+            req.swa_pages.append(int(self.swa_alloc.alloc(1)[0]))
+        req.kv_allocated_len = length
+        for state in (*self.kv_state.values(), *self.index_state.values()):
+            state.resume(req.req_pool_idx, length)
+        return [req.locs[p] // PAGE_SIZE for p in range(0, length, PAGE_SIZE)]
+
     def _swa_slots(self, req: Request, positions) -> torch.Tensor:
         return torch.tensor([req.swa_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions],
                             dtype=torch.int64)
