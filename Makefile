@@ -2,20 +2,25 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparsekv-installed
+PD_STAMP := $(VENV)/.sparsekv-pd-installed
 # nvcc on PATH here is a wrapper; the toolkit root it calls is what the cuda backend needs.
 CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install demo lint test test-gpu test-slow test-sanitize clean-venv
+.PHONY: install install-pd demo lint test test-gpu test-slow test-sanitize clean-venv
 
-$(STAMP): pyproject.toml setup.py constraints.txt tools/fetch_mooncake_libs.sh
+$(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone, so the pinned CPU wheel is taken and nothing pulls a CUDA build.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
+	touch $(STAMP)
+
+# The optional PD transfer engines, each an extra of its own (the demo and the kernels need neither).
+$(PD_STAMP): $(STAMP) tools/fetch_mooncake_libs.sh
 	# The `pd` extra (NIXL), after torch and without its declared dependencies: see pyproject.toml.
 	$(PY) -m pip install -q -c constraints.txt --no-deps nixl-cu12 nixl
 	# The `mooncake` extra (the optional second engine), and the system libraries it links where the
@@ -23,10 +28,15 @@ $(STAMP): pyproject.toml setup.py constraints.txt tools/fetch_mooncake_libs.sh
 	# tests skip, with the reason.
 	$(PY) -m pip install -q -c constraints.txt mooncake-transfer-engine-non-cuda
 	PYTHON=$(PY) tools/fetch_mooncake_libs.sh $(VENV)/sysroot || echo "warning: Mooncake's system libraries are missing; its tests will skip"
-	touch $(STAMP)
+	touch $(PD_STAMP)
 
-# The venv the README's first command creates; `source .venv/bin/activate` enters it.
+# The venv the README's first command creates (what the demo and the tests need);
+# `source .venv/bin/activate` enters it.
 install: $(STAMP)
+
+# NIXL (`pd` extra) and Mooncake (`mooncake` extra, with its system libraries): `sparsekv demo --pd`,
+# `sparsekv pd-demo` and the PD tests. `make test` installs them; `make demo` does not.
+install-pd: $(PD_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m sparsekv demo
@@ -34,10 +44,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: lint
+test: lint $(PD_STAMP)
 	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
+test-slow: $(PD_STAMP)
 	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS)
 
 # Runs the kernel tests on the cuda backend too, and fails if no GPU is visible.

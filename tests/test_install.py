@@ -35,3 +35,19 @@ def test_build_prints_no_warnings(source_copy, tmp_path, hook):
         names = set(zipfile.ZipFile(tmp_path / done.stdout.split()[-1]).namelist())
         assert {"sparsekv/py.typed", "sparsekv/srt/model_executor/cases/examples.json",
                 "sparsekv/csrc/include/sparsekv/ffi.h", "sparsekv/csrc/hisparse.cuh"} <= names
+
+
+def test_make_demo_installs_no_pd_engine_and_make_test_installs_both(tmp_path):
+    """`make install` / `make demo` set up what the demo and the kernels need; the PD engines (NIXL,
+    Mooncake and the system libraries it fetches) come with `make install-pd`, which `make test` runs."""
+    def planned(target: str) -> str:
+        done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    engines = ("nixl", "mooncake", "fetch_mooncake_libs")
+    for target in ("install", "demo"):
+        assert not [e for e in engines if e in planned(target)], planned(target)
+    for target in ("install-pd", "test"):
+        assert all(e in planned(target) for e in engines), planned(target)
