@@ -162,7 +162,8 @@ def sparse_decode_attention(
     indices : torch.Tensor
         int32 ``[B, K]``, unit last stride: flat slots ``page * page_size + offset``, -1 = none.
     sink : torch.Tensor
-        float32 ``[H]`` sink logits (a bf16 sink is rejected: reading fp32 sinks as bf16 is a known bug).
+        float32 ``[H]`` sink logits. A bfloat16 sink is rejected rather than converted: a caller
+        that keeps its sinks in bf16 has usually lost precision already, and a silent cast would hide it.
     page_size : int
         Slots per page of ``kv_cache``, a power of two.
     softmax_scale : float

@@ -74,3 +74,17 @@ def test_importing_creates_nothing_and_the_planner_stays_torch_free(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == "True"
     assert not cache_dir.exists() and not (tmp_path / "home").exists()
+
+
+def test_help_of_the_dsv4_reexport_shows_the_maths():
+    """A reader of help(sparsekv.jit_kernel.dsv4) sees the formulas, not only the names."""
+    import pydoc
+
+    import sparsekv.jit_kernel.dsv4 as dsv4
+
+    text = " ".join(pydoc.render_doc(dsv4, renderer=pydoc.plaintext).split())
+    for formula in ("(sum_j exp(l_j) + exp(sink[h]))",  # the sink joins the denominator only
+                    "key = value",
+                    "slots 4-7 are tokens ``4i .. 4i+3`` on the *last* ``d``",  # which half each token feeds
+                    "relu(q[b, h] . k_i)", "i < (t + 1) // 4"):
+        assert formula in text, formula
