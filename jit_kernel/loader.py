@@ -524,8 +524,9 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
         raise JitCacheMissError(
             f"sparsekv: JIT module {plan.describe()} is not in the cache "
             f"({', '.join(map(str, roots.read)) or 'none exists'}; entry {entry}) and SPARSEKV_JIT_STRICT=1 "
-            f"forbids compiling; prebuild it with `sparsekv jit build --instance '{plan.name}:...'` or import a "
-            f"bundle (`sparsekv jit import`); `sparsekv jit explain-key` shows the key inputs"
+            f"forbids compiling; prebuild it with `sparsekv jit build {plan.name}` (its table), "
+            f"`sparsekv jit build --model MODEL` (a model's serving path) or import a bundle (`sparsekv jit import`); "
+            f"`sparsekv jit explain-key` shows the key inputs"
         )
     if plan.cxx is ABSENT or plan.nvcc is ABSENT:  # only reachable when strict mode was switched off meanwhile
         raise toolchain.ToolchainError(f"sparsekv: no compiler to build {plan.describe()}")

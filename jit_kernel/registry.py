@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import tvm_ffi
 
-from sparsekv.jit_kernel.loader import load_jit
+from sparsekv.jit_kernel.loader import JitCacheMissError, load_jit
 
 
 def _no_params() -> tuple:
@@ -138,10 +138,19 @@ class KernelFamily:
         if loaded is not None:
             return loaded
         args = self.template_args(values)
-        module = load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
-                          backend=backend, arch=arch)
+        try:
+            module = load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
+                              backend=backend, arch=arch)
+        except JitCacheMissError as e:  # name this very instance in the form `jit build --instance` takes
+            raise JitCacheMissError(f"{e}; this instance alone: sparsekv jit build --backend {backend} "
+                                    f"--instance '{self.instance_spec(values)}'") from None
         self._loaded[memo] = module
         return module
+
+    def instance_spec(self, values: Mapping[str, object]) -> str:
+        """``name:k=v,...`` of plain values, as ``sparsekv jit build --instance`` reads it (dtypes by name)."""
+        plain = [f"{k}={str(v).removeprefix('torch.')}" for k, v in values.items()]
+        return f"{self.name}:{','.join(plain)}" if plain else self.name
 
     def describe(self, values: Mapping[str, object]) -> str:
         """``name<arg=value, ...>`` of plain values, for logs and the CLI."""
