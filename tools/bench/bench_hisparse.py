@@ -19,6 +19,13 @@ Candidates, all measured in the same run on the same state:
 Before timing, each case checks that kernel and model produce the same outputs. Item: 584 bytes
 (one V4 token) for both layouts. Prints JSON (``--json``), plots latency per case (``--plot``),
 ``--quick`` runs a short sweep.
+
+``--hot-sweep``: the scanning kernel (baseline) against the indexed one
+(:mod:`sparsekv.jit_kernel.hisparse_index`) over H in {1k, 2k, 4k, 8k} and miss rates
+{0, 0.1 %, 1 %, 10 %}, K = 512, DSV4 layout, batch 8 (``--quick``: H 1k and 8k, misses 0 and
+0.1 %). The indexed kernel is timed twice: from a fresh queue (the common step) and with a queue
+that must be compacted first (the step that comes once every ~(H / K) steps at most); the summary
+gives each kernel's growth from H = 1k to 8k per miss rate.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_args,
     swap_in_module,
 )
+from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4, c4_page_slots
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
@@ -141,6 +149,40 @@ class Case:
         if kernel_out.tolist() != model_out or not torch.equal(kernel_bytes, self.model_device):
             raise SystemExit(f"bench_hisparse: kernel and model disagree on {self.describe()}")
 
+    # ---- the indexed kernel (--hot-sweep) ------------------------------------------------
+    def use_index(self, *, compact: bool) -> None:
+        """Build the resident index of the initial tables; with ``compact`` the LRU queue sits at
+        the end of its 2H entries, so the step must compact it first."""
+        index = ResidentIndex.build(self.tokens0, self.lru0, self.host_cache_locs.shape[1])
+        if compact:
+            shift = self.h - self.k + 1  # the tail lands past 2H - K: no room for K appends
+            index.queue[:, shift:shift + self.h] = index.queue[:, : self.h].clone()
+            index.queue_pos[:, : self.h] += shift
+            index.queue_pos[:, self.h:] += shift
+        self.index0 = index
+        self.index = ResidentIndex(*(t.clone() for t in (index.slot_of, index.queue, index.queue_pos)))
+
+    def restore_index(self) -> None:
+        for live, saved in ((self.index.slot_of, self.index0.slot_of), (self.index.queue, self.index0.queue),
+                            (self.index.queue_pos, self.index0.queue_pos)):
+            live.copy_(saved)
+        self.tokens.copy_(self.tokens0)
+
+    def indexed(self) -> None:
+        self.restore_index()
+        fn = load_cache_to_device_buffer_dsv4_mla if self.dsv4 else load_cache_to_device_buffer_mla
+        fn(self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
+           self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, self.k, self.h,
+           resident_index=self.index)
+
+    def check_indexed(self) -> None:
+        """The indexed kernel's outputs and bytes are the scanning kernel's."""
+        self.kernel()
+        scan_out, scan_bytes = self.out.clone(), self.device_buffer.clone()
+        self.indexed()
+        if not (torch.equal(self.out, scan_out) and torch.equal(self.device_buffer, scan_bytes)):
+            raise SystemExit(f"bench_hisparse: indexed and scanning kernels disagree on {self.describe()}")
+
     def describe(self) -> str:
         return f"K={self.k} H={self.h} bs={self.bs} misses={self.misses} {'dsv4' if self.dsv4 else 'generic'}"
 
@@ -152,11 +194,58 @@ def sweep(quick: bool) -> list[tuple[int, int, bool, int, float]]:
     return [(k, h, dsv4, bs, rate) for k, h, dsv4 in shapes for bs in batches for rate in rates]
 
 
+HOT_SWEEP_K = 512
+HOT_SWEEP_BATCH = 8
+
+
+def hot_sweep(args: argparse.Namespace) -> None:
+    """Scanning vs indexed swap-in over H and miss rates (see the module docstring)."""
+    hots = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192]
+    rates = [0.0, 0.001] if args.quick else [0.0, 0.001, 0.01, 0.1]
+    repeats = 3 if args.quick else 5
+    result = BenchResult(name=f"hisparse swap-in, scanning vs indexed over H ({args.backend} backend)",
+                         baseline="scan", notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4",
+                                                 "backend": args.backend, "item_bytes": ITEM_BYTES,
+                                                 "latency": "per step, table restore subtracted"})
+    time_kernel = timer(args.backend)
+    for h, rate in tqdm([(h, r) for h in hots for r in rates], desc="bench_hisparse --hot-sweep", unit="case"):
+        case = Case(HOT_SWEEP_K, h, HOT_SWEEP_BATCH, rate, True, args.backend)
+        case.use_index(compact=False)
+        case.check_indexed()
+        scan_s = time_kernel(case.kernel, repeats=repeats).median_s - time_kernel(case.restore_tables,
+                                                                                  repeats=repeats).median_s
+        restore_index_s = time_kernel(case.restore_index, repeats=repeats).median_s
+        indexed_s = time_kernel(case.indexed, repeats=repeats).median_s - restore_index_s
+        case.use_index(compact=True)
+        case.check_indexed()
+        compact_s = time_kernel(case.indexed, repeats=repeats).median_s - restore_index_s
+        result.rows.append({
+            "case": f"H{h} miss{rate:g}", "hot_buffer_size": h, "miss_rate": rate,
+            "misses_per_request": case.misses, "scan_us": scan_s * 1e6, "indexed_us": indexed_s * 1e6,
+            "indexed_compacting_us": compact_s * 1e6, "speedup_vs_scan": scan_s / indexed_s,
+        })
+    growth = {}
+    for rate in rates:
+        rows = {r["hot_buffer_size"]: r for r in result.rows if r["miss_rate"] == rate}
+        lo, hi = rows[hots[0]], rows[hots[-1]]
+        growth[f"miss{rate:g}"] = {key: hi[f"{key}_us"] / lo[f"{key}_us"] for key in ("scan", "indexed")}
+    result.notes[f"growth_H{hots[0]}_to_H{hots[-1]}"] = growth
+    report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
+                                                        value_keys=("scan_us", "indexed_us", "indexed_compacting_us"),
+                                                        ylabel="step latency (us, log)", log=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     add_backend_arg(parser)
+    parser.add_argument("--hot-sweep", action="store_true",
+                        help="scanning vs indexed swap-in over H in {1k..8k} and miss rates {0..10%%}")
     args = parser.parse_args()
+    if args.hot_sweep:
+        torch.set_num_threads(1)
+        hot_sweep(args)
+        return
     # One thread for everything: the kernel's cpu backend runs one request after another on one
     # thread, and torch's pool would only add spin-wait noise to the table restores on a busy machine.
     torch.set_num_threads(1)
