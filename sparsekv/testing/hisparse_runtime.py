@@ -65,6 +65,8 @@ def snapshot(coord, req_to_token: torch.Tensor) -> dict[str, object]:
         "req_to_device_buffer": c.req_to_device_buffer, "buffer_tokens": c.req_device_buffer_tokens,
         "buffer_token_locs": c.req_device_buffer_token_locs, "lru_slots": c.lru_slots,
         "top_k_device_locs": c.top_k_device_locs_buffer,
+        "resident_indexes": [t for index in c.resident_indexes or () for t in (index.slot_of, index.queue,
+                                                                             index.queue_pos)],
         "phases": {rid: (s.phase, s.skip_first_backup) for rid, s in c._reqs.items()},
         "staging_queue": [(id(event), q.req_pool_idx) for event, q in c.ack_staging_queue],
         "pending_backup": id(c._pending_backup) if c._pending_backup is not None else None,
@@ -79,6 +81,14 @@ def _equal(x: object, y: object) -> bool:
     if isinstance(x, list):
         return isinstance(y, list) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y))
     return x == y
+
+
+def resident_index_disagreements(coord) -> list[tuple[int, int]]:
+    """``(layer, request row)`` of every row whose resident index disagrees with the coordinator's
+    slot tokens (empty when the coordinator runs the scanning kernel)."""
+    rows = coord.req_device_buffer_tokens.shape[1]
+    return [(layer, rid) for layer, index in enumerate(coord.resident_indexes or ()) for rid in range(rows)
+            if not index.agrees_with(rid, coord.req_device_buffer_tokens[layer])]
 
 
 def changed(before: dict[str, object], after: dict[str, object]) -> list[str]:

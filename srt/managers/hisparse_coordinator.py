@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 import torch
 
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
+from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4
 from sparsekv.srt.checks import as_bool, as_int, index_in, index_table, int_in
 from sparsekv.srt.errors import RequestStateError
@@ -88,6 +89,14 @@ class HiSparseCoordinator:
         GPU threads per request of the swap-in (default from the kernel's instantiation table).
     collect_counters : bool
         Accumulate device-side ``(hits, misses, bytes)`` counters over swap-ins (:meth:`read_counters`).
+    resident_index : bool
+        Swap in with the indexed kernel (:mod:`sparsekv.jit_kernel.hisparse_index`): one
+        :class:`~sparsekv.jit_kernel.hisparse_index.ResidentIndex` per layer (``resident_indexes``),
+        rebuilt from ``req_device_buffer_tokens`` whenever a row's tables are reset (admission,
+        release), updated by the kernel otherwise; the LRU order then lives in the index and
+        ``lru_slots`` stays at its reset value. Same results; ``O(K)`` instead of ``O(H)`` table work
+        per step and layer, for :func:`~sparsekv.jit_kernel.hisparse_index.resident_index_bytes`
+        more device bytes per request and layer. Default False: the scanning kernel.
 
     Raises
     ------
@@ -130,7 +139,8 @@ class HiSparseCoordinator:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: HiSparseTokenToKVPoolAllocator,
                  device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
                  host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
-                 tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False) -> None:
+                 tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False,
+                 resident_index: bool = False) -> None:
         if not isinstance(allocator, HiSparseTokenToKVPoolAllocator):
             raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
                             f"{type(allocator).__name__}")
@@ -140,6 +150,7 @@ class HiSparseCoordinator:
         if swap_in_block_size is not None:
             swap_in_block_size = int_in(swap_in_block_size, "swap_in_block_size", 1)
         collect_counters = as_bool(collect_counters, "collect_counters")
+        resident_index = as_bool(resident_index, "resident_index")
         if device_buffer_size < top_k:
             raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "
                              f"({top_k})")
@@ -176,6 +187,9 @@ class HiSparseCoordinator:
         self.top_k_device_locs_buffer = torch.full((num_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device) if collect_counters else None
+        # Columns of req_to_host_pool: the C4 positions a request can reach.
+        self.resident_indexes = [ResidentIndex.empty(num_reqs, max_entries, hot, device=device)
+                                 for _ in range(layers)] if resident_index else None
 
         self.streams = streams if streams is not None else make_streams(device)
         self.write_staging_stream = self.streams.new()
@@ -390,7 +404,13 @@ class HiSparseCoordinator:
         if resident:
             self.req_device_buffer_tokens[:, rid, :hot] = torch.arange(hot, dtype=torch.int32)
         self.lru_slots[:, rid] = torch.arange(hot, dtype=torch.int16)
+        self._rebuild_resident_index(rid)
         self._reqs[rid] = _ReqState("decode", skip_first_backup=True)
+
+    def _rebuild_resident_index(self, rid: int) -> None:
+        """Row ``rid`` of every layer's resident index, from its (just reset) slot tokens and LRU."""
+        for layer, index in enumerate(self.resident_indexes or ()):
+            index.rebuild_rows([rid], self.req_device_buffer_tokens[layer], self.lru_slots[layer])
 
     # ---- decode -----------------------------------------------------------------------
 
@@ -541,7 +561,8 @@ class HiSparseCoordinator:
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
             num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
-            page_slots=self.page_size, speculative=True)
+            page_slots=self.page_size, speculative=True,
+            resident_index=self.resident_indexes[layer_id] if self.resident_indexes else None)
         return out
 
     # ---- release ----------------------------------------------------------------------
@@ -590,6 +611,7 @@ class HiSparseCoordinator:
         self.req_device_buffer_tokens[:, rid] = -1
         self.req_device_buffer_token_locs[:, rid] = -1
         self.lru_slots[:, rid] = torch.arange(self.device_buffer_size, dtype=torch.int16)
+        self._rebuild_resident_index(rid)
         del self._reqs[rid]
 
     def _free_host_slots(self, rid: int, *, keep: int = 0) -> None:

@@ -35,7 +35,14 @@ from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostPages, HostSlots
 from sparsekv.srt.streams import CpuStreams
-from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
+from sparsekv.testing.hisparse_runtime import (
+    Req,
+    ReqToTokenPool,
+    changed,
+    entry_bytes,
+    resident_index_disagreements,
+    snapshot,
+)
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
@@ -56,6 +63,9 @@ class Row:
 
 
 class HiSparseRuntime(RuleBasedStateMachine):
+    #: Swap in through the resident-token index (the indexed kernel) instead of the scanning kernel.
+    RESIDENT_INDEX = False
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT, dtype=torch.int64))
@@ -64,7 +74,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
         host_pool = DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, HOST_PAGES)
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
                                          device_buffer_size=HOT, host_pool=host_pool,
-                                         streams=CpuStreams(deferred=True))
+                                         streams=CpuStreams(deferred=True), resident_index=self.RESIDENT_INDEX)
         self.host = self.coord.mem_pool_host
         self.rows: dict[int, Row] = {}
         self.staging_order: list[int] = []
@@ -513,6 +523,10 @@ class HiSparseRuntime(RuleBasedStateMachine):
                 assert bool((c.req_to_device_buffer[rid] == -1).all())
 
     @invariant()
+    def the_resident_index_agrees_with_the_slot_tokens(self):
+        assert resident_index_disagreements(self.coord) == []
+
+    @invariant()
     def phases_match_the_coordinator(self):
         phases = {rid: s.phase for rid, s in self.coord._reqs.items()}
         assert phases == {rid: row.phase for rid, row in self.rows.items()}
@@ -547,3 +561,14 @@ def one_torch_thread():
 TestHiSparseRuntime = HiSparseRuntime.TestCase
 TestHiSparseRuntime.settings = settings(settings.default, max_examples=scaled_examples(10),
                                         stateful_step_count=100 if scaled_examples(10) > 10 else 40)
+
+
+class HiSparseRuntimeIndexed(HiSparseRuntime):
+    RESIDENT_INDEX = True
+
+
+# The same machine on the indexed swap-in (its index rebuilt at admission and release, checked
+# against the slot tokens after every rule); fewer examples, the kernels' own machines go deeper.
+TestHiSparseRuntimeIndexed = HiSparseRuntimeIndexed.TestCase
+TestHiSparseRuntimeIndexed.settings = settings(settings.default, max_examples=scaled_examples(4),
+                                               stateful_step_count=100 if scaled_examples(10) > 10 else 40)
