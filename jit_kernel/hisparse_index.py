@@ -23,6 +23,7 @@ import torch
 
 from sparsekv.jit_kernel.hisparse import SHARED_MEMORY_LIMIT, _layout_type, default_block_size
 from sparsekv.jit_kernel.registry import KernelFamily, check_int, register
+from sparsekv.kv_layout import resident_index_bytes
 
 __all__ = [
     "INDEXED",
@@ -40,15 +41,6 @@ SORT_KEY_LIMIT = 32768
 
 def _log2_ceil(n: int) -> int:
     return max(0, (n - 1).bit_length())
-
-
-def resident_index_bytes(max_len: int, hot_buffer_size: int) -> int:
-    """Device bytes of one request's index in one layer: ``2 * max_len + 8 * H + 8``.
-
-    int16 ``slot_of`` per C4 position, an int16 queue of ``2 H`` entries, an int32 position per slot
-    plus head and tail. Bounded by ``2 * max_len + 8 * H + 8`` for any state (the tables never grow).
-    """
-    return 2 * max_len + 2 * (2 * hot_buffer_size) + 4 * (hot_buffer_size + 2)
 
 
 def indexed_shared_bytes(num_top_k: int, block_size: int) -> int:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["C4_PAGE_SLOTS", "C4_RATIO", "DSV4_PAGE_SIZES", "INDEXER_FP4", "INDEXER_FP8", "LAYOUTS", "V4", "V41",
-           "V41_FP4", "KVLayout", "c4_page_slots"]
+           "V41_FP4", "KVLayout", "c4_page_slots", "resident_index_bytes"]
 
 
 @dataclass(frozen=True)
@@ -178,3 +178,13 @@ def c4_page_slots(page_size: int) -> int:
     if isinstance(page_size, bool) or page_size not in DSV4_PAGE_SIZES:
         raise ValueError(f"sparsekv: argument `page_size` must be one of {DSV4_PAGE_SIZES}, got {page_size!r}")
     return page_size // C4_RATIO
+
+
+def resident_index_bytes(max_len: int, hot_buffer_size: int) -> int:
+    """Device bytes of one request's HiSparse resident-token index in one C4 layer (the indexed
+    swap-in, ``sparsekv.jit_kernel.hisparse_index``): ``2 * max_len + 8 * H + 8``.
+
+    An int16 slot per C4 position (``max_len`` of them), an int16 LRU queue of ``2 H`` entries, an
+    int32 queue position per hot slot plus head and tail. The tables never grow: this is the bound.
+    """
+    return 2 * max_len + 2 * (2 * hot_buffer_size) + 4 * (hot_buffer_size + 2)

@@ -34,7 +34,8 @@ MHA_REQUIRED = ("num_layers", "kv_heads", "head_dim")
 SERVER_FIELDS = (
     "page_size", "swa_sizing", "swa_full_tokens_ratio", "max_running_requests", "chunked_prefill_size",
     "disable_overlap_schedule", "disable_radix_cache", "max_total_tokens", "enable_hisparse",
-    "hisparse_host_to_device_ratio", "speculative", "disaggregation_mode", "disaggregation_decode_extra_slots",
+    "hisparse_host_to_device_ratio", "hisparse_resident_index", "speculative", "disaggregation_mode",
+    "disaggregation_decode_extra_slots",
     "compress_state_dtype", "attn_dp_size",
 )
 SPECULATIVE_FIELDS = ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens")
@@ -57,6 +58,7 @@ LIMITS = {
     "sliding_window": 1 << 31, "swa_window": 1 << 31, "context_len": 1 << 31,
     "page_size": 1 << 20, "max_running_requests": 1 << 24, "chunked_prefill_size": 1 << 31,
     "max_total_tokens": 1 << 40, "hisparse_host_to_device_ratio": 1024,
+    "hisparse_resident_index": 32767,
     "disaggregation_decode_extra_slots": 1 << 24, "attn_dp_size": 1024,
     "num_steps": 64, "eagle_topk": 64, "num_draft_tokens": 4096,
     "swa_full_tokens_ratio": 1.0,

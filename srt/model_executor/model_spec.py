@@ -230,6 +230,10 @@ class ServerSpec:
     enable_hisparse : bool
     hisparse_host_to_device_ratio : int
         Logical C4 entries per device C4 entry under HiSparse.
+    hisparse_resident_index : int or None
+        Hot-buffer slots per request (``H``) of the indexed swap-in, whose resident-token index
+        (``kv_layout.resident_index_bytes`` per request and C4 layer) counts in the device bytes;
+        ``None``: the scanning swap-in, no index.
     speculative : SpeculativeSpec or None
     disaggregation_mode : str
         ``"null"`` (none), ``"prefill"`` or ``"decode"``.
@@ -253,6 +257,7 @@ class ServerSpec:
     max_total_tokens: int | None = None
     enable_hisparse: bool = False
     hisparse_host_to_device_ratio: int = 2
+    hisparse_resident_index: int | None = None
     speculative: SpeculativeSpec | None = None
     disaggregation_mode: str = "null"
     disaggregation_decode_extra_slots: int = 0
@@ -276,6 +281,8 @@ class ServerSpec:
         if self.max_total_tokens is not None:
             check_int("max_total_tokens", self.max_total_tokens, minimum=1)
         check_int("hisparse_host_to_device_ratio", self.hisparse_host_to_device_ratio, minimum=1)
+        if self.hisparse_resident_index is not None:
+            check_int("hisparse_resident_index", self.hisparse_resident_index, minimum=1)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeSpec):
             raise TypeError(f"speculative must be a SpeculativeSpec or None, got {self.speculative!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

@@ -27,6 +27,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from sparsekv.kv_layout import resident_index_bytes
+
 from . import cases as shipped_cases
 from . import dsv4_geometry as geo
 from .memory_case import LIMITS, MemoryCase, parse_case, rank_answer
@@ -52,6 +54,7 @@ FLAG_OF = {
     "server.max_total_tokens": "--max-total-tokens",
     "server.chunked_prefill_size": "--chunked-prefill-size",
     "server.hisparse_host_to_device_ratio": "--hisparse",
+    "server.hisparse_resident_index": "--hisparse-index",
     "server.speculative.num_steps": "--eagle-steps",
     "server.speculative.num_draft_tokens": "--eagle-steps",
     "server.disaggregation_mode": "--disaggregation-mode",
@@ -113,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_argument("--kv-budget", metavar="SIZE", help=f"bytes for KV on each PP rank: {SIZE_HELP}")
     flags.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (default 1)")
     flags.add_argument("--hisparse", type=int, metavar="RATIO", help="enable HiSparse with this host:device ratio")
+    flags.add_argument("--hisparse-index", type=int, metavar="H",
+                       help="with --hisparse: the indexed swap-in with H hot slots per request (its resident-token "
+                            "index counts in the device bytes)")
     flags.add_argument("--page-size", type=int)
     flags.add_argument("--swa-full-tokens-ratio", "--swa-ratio", dest="swa_ratio", type=float, metavar="RATIO",
                        help="SWA pool size relative to the full pool, as the operator sets it")
@@ -156,6 +162,10 @@ def _case_from_flags(args: argparse.Namespace) -> dict:
         server["swa_sizing"] = "cap"
     if args.hisparse is not None:
         server.update(enable_hisparse=True, hisparse_host_to_device_ratio=args.hisparse)
+    if args.hisparse_index is not None:
+        if args.hisparse is None:
+            raise CaseError("--hisparse-index needs --hisparse")
+        server["hisparse_resident_index"] = args.hisparse_index
     if args.max_running_requests is not None:
         mrr = args.max_running_requests
         if mrr != "auto" and not (mrr.isascii() and mrr.isdigit() and len(mrr) < 20):
@@ -275,6 +285,24 @@ def host_bytes(rank: RankPlan, page_size: int) -> dict:
             "c4_layers": layers}
 
 
+def resident_index(rank: RankPlan, case: MemoryCase, requests: int) -> dict | None:
+    """Device bytes of the indexed swap-in's resident-token index on one rank (None: not used).
+
+    Per request row and C4 layer ``kv_layout.resident_index_bytes(positions, H)``, with ``positions =
+    ceil(context_len / 4) + page_size / 4`` (the coordinator's host-table columns) and
+    ``H = server.hisparse_resident_index``, for every request slot.
+    """
+    s = case.server
+    if not s.enable_hisparse or s.hisparse_resident_index is None:
+        return None
+    c = rank.configurator
+    positions = -(-case.model.context_len // 4) + s.page_size // 4
+    per = resident_index_bytes(positions, s.hisparse_resident_index)
+    rows, layers = c.num_req_slots(requests), c.num_layers_by_ratio[4]
+    return {"hot_buffer_size": s.hisparse_resident_index, "positions": positions, "bytes_per_request_layer": per,
+            "request_slots": rows, "c4_layers": layers, "bytes": per * rows * layers}
+
+
 def _dsv4_rank(rank: RankPlan, case: MemoryCase) -> dict:
     c, cfg, b = rank.configurator, rank.config, rank.configurator.token_bytes
     counts = c.num_layers_by_ratio
@@ -286,6 +314,7 @@ def _dsv4_rank(rank: RankPlan, case: MemoryCase) -> dict:
         "c128_state": cfg.c128_state_pool_size,
     }
     pool_bytes = {k: round(v) for k, v in c.component_bytes(cfg).items()}
+    index = resident_index(rank, case, requests)
     return {
         "layer_counts": {"swa_only": c.num_layers_total - counts[4] - counts[128], "c4": counts[4],
                          "c128": counts[128]},
@@ -299,7 +328,8 @@ def _dsv4_rank(rank: RankPlan, case: MemoryCase) -> dict:
                         "swa_cap_tokens": c.swa_cap_tokens, "swa_prefix_tails": c.swa_prefix_tails},
         "pool_entries": entries,
         "pool_bytes": pool_bytes,
-        "device_bytes": sum(pool_bytes.values()),
+        "device_bytes": sum(pool_bytes.values()) + (index["bytes"] if index else 0),
+        "resident_index": index,
         "host": host_bytes(rank, case.server.page_size) if case.server.enable_hisparse else None,
     }
 
@@ -414,6 +444,12 @@ def _text_rank_pools(i: int, r: dict, available_bytes: int) -> list[str]:
     if "pool_bytes" in r:
         for key, label in COMPONENT_LABELS.items():
             lines.append(f"  {label:31s} {r['pool_entries'][key]:>13,} entries {_gib(r['pool_bytes'][key]):>12}")
+        index = r.get("resident_index")
+        if index is not None:
+            label = "HiSparse resident index"
+            lines.append(f"  {label:31s} {index['request_slots']:>13,} requests {_gib(index['bytes']):>11} "
+                         f"({index['c4_layers']} layers x {index['bytes_per_request_layer']:,} B, "
+                         f"H {index['hot_buffer_size']})")
         label = "device total (no draft worker)"
         lines.append(f"  {label:31s} {'':>21} {_gib(r['device_bytes']):>12} of {_gib(available_bytes)}")
         if r["host"] is not None:

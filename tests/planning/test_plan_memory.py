@@ -313,3 +313,27 @@ def test_the_case_schema_document_names_every_field():
               + memory_case.SPECULATIVE_FIELDS + ("preset", "kind", "available_bytes", "pp_size", "description"))
     missing = [f for f in fields if f"`{f}`" not in doc]
     assert missing == []
+
+
+def test_the_indexed_swap_in_adds_its_resident_index_to_the_device_bytes(capsys):
+    base = ["--model", "dsv4-flash", "--kv-budget", "40GiB", "--hisparse", "2", "--json"]
+    code, out, _ = run_cli(capsys, *base)
+    plain = json.loads(out)["ranks"][0]
+    code2, out, _ = run_cli(capsys, *base, "--hisparse-index", "1024")
+    indexed = json.loads(out)["ranks"][0]
+    assert code == code2 == 0 and plain["resident_index"] is None
+    index = indexed["resident_index"]
+    # 1M context: 262,144 C4 positions + 64 page slots; 2 B each, then an int16 queue of 2H and int32 per slot.
+    positions = 1048576 // 4 + 256 // 4
+    assert index["bytes_per_request_layer"] == 2 * positions + 4 * 1024 + 4 * (1024 + 2)
+    assert index["bytes"] == index["bytes_per_request_layer"] * index["request_slots"] * 21
+    assert index["request_slots"] == plain["fixed_bytes"]["request_slots"]
+    assert indexed["device_bytes"] == plain["device_bytes"] + index["bytes"]
+    code, out, _ = run_cli(capsys, *base[:-1], "--hisparse-index", "1024")
+    gib = index["bytes"] / 2**30
+    assert code == 0 and re.search(rf"HiSparse resident index +{index['request_slots']:,} requests +{gib:.2f} GiB", out)
+
+
+def test_hisparse_index_without_hisparse_is_refused(capsys):
+    code, _, err = run_cli(capsys, "--model", "dsv4-flash", "--kv-budget", "40GiB", "--hisparse-index", "1024")
+    assert code == 2 and "--hisparse-index needs --hisparse" in err
