@@ -7,6 +7,7 @@ package never imports the pools or the planner.
 
 from __future__ import annotations
 
+from sparsekv.kv_layout import DSV4_PAGE_SIZES
 from sparsekv.srt.model_executor.dsv4_geometry import kv_page_tokens
 from sparsekv.srt.model_executor.model_spec import DSV4_PRESETS, ServerSpec, dsv4_preset
 
@@ -86,6 +87,9 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
     """
     import torch
 
+    if isinstance(page_size, bool) or page_size not in DSV4_PAGE_SIZES:
+        raise ValueError(f"sparsekv: --page-size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} (the page "
+                         f"sizes the DSV4 kernels serve), got {page_size}")
     q_dtypes = (torch.bfloat16, torch.float32) if q_dtypes is None else tuple(q_dtypes)
     page_slots = kv_page_tokens(page_size, C4_RATIO)
     store_kinds = ["V4"] + [f"INDEXER_{layout.upper()}" for layout in indexer_layouts]

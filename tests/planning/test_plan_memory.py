@@ -70,6 +70,11 @@ def test_flags_build_the_same_case_as_json(capsys):
     "argv, needle",
     [
         (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "100"], "--page-size"),
+        # Multiples of 128 that no DSV4 kernel serves: refused, naming the sizes that are served.
+        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "384"], "--page-size must be one of 128, "
+                                                                                  "256, 512"),
+        (["--model", "dsv4-flash", "--kv-budget", "40GiB", "--page-size", "1024", "--hisparse", "2"],
+         "--page-size must be one of 128, 256, 512"),
         (["--model", "dsv4-flash", "--kv-budget", "forty"], "--kv-budget"),
         (["--model", "dsv4-flash"], "--kv-budget"),
         (["--model", "dsv4-flash", "--kv-budget", "1GiB", "--pp", "99"], "--pp"),
