@@ -42,6 +42,7 @@ from sparsekv import env
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.triton import resolve_impl
 
 __all__ = [
     "INDEXER",
@@ -146,6 +147,7 @@ def indexer_scores(
     page_size: int = 64,
     layout: str = "fp8",
     out: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Lightning indexer scores ``sum_h w[b,h] relu(q[b,h] . k_i)`` of every visible entry, -inf beyond.
 
@@ -169,6 +171,11 @@ def indexer_scores(
     out : torch.Tensor, optional
         float32 ``[B, L]`` to write (unit last stride); default a new ``[B, max_pages * page_size]``.
         Entries of a row past its visible count (or past ``L``) are -inf.
+    impl : {"auto", "header", "triton"}
+        ``"header"``: the ``csrc/dsv4_indexer.cuh`` kernel on the cpu or cuda backend by device;
+        ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or,
+        on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: triton on CUDA tensors, the header on
+        CPU tensors. Same arguments, same custom op, same refusals, scores within the same tolerance.
 
     Returns
     -------
@@ -189,19 +196,25 @@ def indexer_scores(
     if out is None:
         out = torch.empty((rows_of(page_table, 2, 0), rows_of(page_table, 2, 1) * page_size), dtype=torch.float32,
                           device=q.device)
-    _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out)
+    impl = resolve_impl(impl, q.device, auto_triton_on_cuda=True)
+    _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out, impl)
     return out
 
 
 @kernel_op("indexer_scores", mutates_args=("out",))
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
-                    positions: torch.Tensor, page_size: int, layout: str, out: torch.Tensor) -> None:
+                    positions: torch.Tensor, page_size: int, layout: str, out: torch.Tensor, impl: str) -> None:
     indexer_template_args(layout, q.dtype)
     if page_table.dim() != 2:
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
     backend = backend_of(out)
     if backend == "cuda" and env.check_indices():
         check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+        triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out)
+        return
     module = INDEXER.module(layout=layout, q_dtype=q.dtype, backend=backend)
     module.indexer_scores(q, weights, k_cache, page_table, positions, page_size, out)
 
@@ -215,6 +228,7 @@ def indexer_topk(
     page_size: int = 64,
     out: torch.Tensor | None = None,
     out_slots: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``min(top_k, visible)`` highest-scoring visible entries of each row, -1 padded.
 
@@ -233,6 +247,11 @@ def indexer_topk(
         Entries per page of the table, a power of two.
     out, out_slots : torch.Tensor, optional
         int32 ``[B, top_k]`` (unit last stride) to write; default new tensors.
+    impl : {"auto", "header", "triton"}
+        ``"header"``: the ``csrc/dsv4_indexer.cuh`` top-k on the cpu or cuda backend by device;
+        ``"triton"``: the Triton twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or, on
+        CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (its GPU kernel runs a block
+        of 1024 threads per row; the twin one program of 4 warps). Identical outputs, same refusals.
 
     Returns
     -------
@@ -256,19 +275,25 @@ def indexer_topk(
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     if page_table is not None and out_slots is None:
         out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
-    _indexer_topk(scores, positions, k, page_table, page_size, out, out_slots)
+    impl = resolve_impl(impl, scores.device, auto_triton_on_cuda=False)
+    _indexer_topk(scores, positions, k, page_table, page_size, out, out_slots, impl)
     return out, out_slots
 
 
 @kernel_op("indexer_topk", mutates_args=("out", "out_slots"))
 def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None) -> None:
+                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, impl: str) -> None:
     if top_k < 1:
         raise ValueError("sparsekv: argument `top_k` must be an int >= 1 (any k; no per-k instances)")
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
     if out.dim() != 2 or out.shape[1] != top_k:
         raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_size)
+        return
     INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
                                                                  page_size)
 
@@ -286,14 +311,16 @@ def lightning_indexer(
     scores: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_slots: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`indexer_scores` then :func:`indexer_topk` through the page table.
+    """:func:`indexer_scores` then :func:`indexer_topk` through the page table (``impl`` passed to both).
 
     Returns ``(tokens, slots)``, both int32 ``[B, top_k]`` (``out`` and ``out_slots`` when given).
     ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_size``).
     Same parameters and errors as the two; given the three buffers, a call allocates nothing.
     """
-    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores)
+    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores,
+                            impl=impl)
     tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
-                                 out_slots=out_slots)
+                                 out_slots=out_slots, impl=impl)
     return tokens, slots

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Arg", "check", "check_range", "dtype_name", "page_shift"]
+__all__ = ["Arg", "check", "check_range", "dtype_name", "page_shift", "row_stride"]
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -89,3 +89,8 @@ def page_shift(page_size: int, name: str) -> int:
         raise ValueError(f"sparsekv: argument `{name}` must be a power of two in [1, 2^20], got {page_size}")
     return page_size.bit_length() - 1
 
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Elements between the rows of a 2-D tensor (its row length when it has one row: any stride is legal then)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.jit_kernel.triton import interpreting
-from sparsekv.jit_kernel.triton.checks import check, page_shift
+from sparsekv.jit_kernel.triton.checks import check, page_shift, row_stride
 
 __all__ = ["AOT_KERNELS", "sparse_decode_attention"]
 
@@ -260,8 +260,7 @@ def _source(cache, cache_name, indices, indices_name, page_size, page_size_name,
         raise ValueError(f"sparsekv: argument `{cache_name}` holds {num_slots} slots, more than int32 indices can name")
     if q.device.type != "cuda":
         _check_slots(indices, num_slots, indices_name)
-    stride = cache.stride(0) if cache.shape[0] > 1 else cache.shape[1]
-    return cache, stride, shift, num_slots, indices, indices.stride(0), indices.shape[1]
+    return cache, row_stride(cache), shift, num_slots, indices, indices.stride(0), indices.shape[1]
 
 
 def check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,

@@ -48,14 +48,14 @@ def test_every_triton_kernel_compiles_for_sm90a_and_sm100a_and_reports_its_resou
         # The PTX is for the arch asked for (the 'a' variants carry wgmma / tcgen05).
         ptx = (entry / "kernel.ptx").read_text()
         assert f".target sm_{arch.replace('.', '')}" in ptx, ptx[:400]
-    # The attention tile's dots run on the tensor cores (wgmma on Hopper, tcgen05 on Blackwell), their
-    # operands staged in shared memory.
+    # The attention and indexer-score dots run on the tensor cores (wgmma on Hopper, tcgen05 on
+    # Blackwell), their operands staged in shared memory.
     tensor_core = {"9.0a": "wgmma.mma_async", "10.0a": "tcgen05.mma"}
     for name, arch in built:
-        if name.startswith("dsv4_attention.partial"):
+        if name.startswith(("dsv4_attention.partial", "dsv4_indexer.scores")):
             report = built[name, arch]
             assert tensor_core[arch] in (aot_cache / ".triton" / report["key"] / "kernel.ptx").read_text(), name
-            assert report["shared_bytes"] >= 64 * 512 * 2, report
+            assert report["shared_bytes"] > 0, report
     assert len({r["key"] for r in doc["kernels"]}) == len(expected)  # the arch is part of the key
     again = build(aot_cache)
     assert all(r["cached"] for r in again["kernels"])

@@ -19,7 +19,7 @@ from sparsekv.jit_kernel.dsv4_indexer import (
     lightning_indexer,
     visible_entries,
 )
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend
+from sparsekv.testing.backends import device_of, kernel_backends, to_backend, triton_unavailable_reason
 from sparsekv.testing.reference.dsv4_indexer import (
     decode_indexer_keys,
     entry_slots,
@@ -238,15 +238,19 @@ SCORE_BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["header", "triton"])
 @pytest.mark.parametrize("mutate, exc, name", SCORE_BAD_INPUTS)
 def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(backend, index_checks, mutate, exc,
-                                                                              name):
+                                                                              name, impl):
+    # Both implementations refuse the same inputs with the same exception naming the same argument.
+    if impl == "triton" and triton_unavailable_reason(backend):
+        pytest.skip(triton_unavailable_reason(backend))
     args = _fresh()
     mutate(args)
     args = to_backend(backend, args)
     before = args["out"].clone()
     with pytest.raises(exc, match=f"`{name}`"):
-        indexer_scores(**args)
+        indexer_scores(**args, impl=impl)
     assert torch.equal(args["out"], before)
 
 
@@ -264,9 +268,12 @@ TOPK_BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["header", "triton"])
 @pytest.mark.parametrize("change, exc, name", TOPK_BAD_INPUTS)
 def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(backend, index_checks, change, exc,
-                                                                                name):
+                                                                                name, impl):
+    if impl == "triton" and triton_unavailable_reason(backend):
+        pytest.skip(triton_unavailable_reason(backend))
     args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), top_k=4,
                 page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_size=4,
                 out=torch.full((2, 4), 7, dtype=torch.int32), out_slots=torch.full((2, 4), 7, dtype=torch.int32))
@@ -274,7 +281,7 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
     args = to_backend(backend, args)
     outputs = [t.clone() for t in (args["out"], args["out_slots"])]
     with pytest.raises(exc, match=f"`{name}`"):
-        indexer_topk(**args)
+        indexer_topk(**args, impl=impl)
     assert torch.equal(args["out"], outputs[0]) and torch.equal(args["out_slots"], outputs[1])
 
 

@@ -1,0 +1,328 @@
+"""Triton twins of ``csrc/dsv4_indexer.cuh``: lightning-indexer scores on tensor cores, and the top-k.
+
+Same contracts as :func:`sparsekv.jit_kernel.dsv4_indexer.indexer_scores` and
+:func:`~sparsekv.jit_kernel.dsv4_indexer.indexer_topk` (which call these for ``impl="triton"``).
+
+Scores. One program per (row, ``ENTRIES`` consecutive entries): the row's query ``[heads, 128]``
+(padded to 16 heads for ``tl.dot``) and weights stay resident while it sweeps its entries in tiles of
+``BLOCK_E``; each key is one contiguous 128-byte (FP8) or 64-byte (FP4) record, loaded as whole rows
+(16-byte vector loads), and ``q . k^T`` is one ``tl.dot`` ``[heads, 128] x [128, BLOCK_E]`` with
+float32 accumulation; ``relu`` and the head weights are the epilogue. The operands are exact in bf16
+(FP8: the e4m3 codes, their fp32 scale applied to the dot's result; FP4: e2m1 times a power of two),
+so the products are exact and a float32 ``q`` is split into bf16 high and low parts: the scores keep
+the header's tolerance, ``|s - ref| <= 1e-5 sum_h |w_h| |q_h| |k|``.
+
+Top-k. One program per row: three histogram passes of 11, 11 and 10 bits of the monotone 32-bit key
+(``tl.histogram`` over the row's keys that share the prefix found so far) give the key of the k-th
+largest score; a last pass writes the selected positions in ascending order (prefix sums of the
+selection), equal keys at the threshold taken lowest position first. The output is identical to the
+header's (same keys, same order rule).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
+from sparsekv.jit_kernel.triton import interpreting
+from sparsekv.jit_kernel.triton.checks import check, page_shift, row_stride
+from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
+
+__all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk"]
+
+DIM = 128
+MAX_HEADS = 64
+BLOCK_E = 64
+ENTRIES = 512  # per program: the query is loaded once per 8 tiles
+TOPK_BLOCK = 1024
+NUM_WARPS = 4
+_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
+
+
+@triton.jit
+def _e2m1_to_float(code):
+    """e2m1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, as ``fp8::e2m1_to_float``."""
+    magnitude = code & 7
+    half = magnitude.to(tl.float32) * 0.5
+    whole = ((2 + (magnitude & 1)) << tl.maximum((magnitude >> 1) - 2, 0)).to(tl.float32)
+    value = tl.where(magnitude < 4, half, whole)
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_ptr, page_stride, num_pages, page_shift,
+                          table_ptr, table_stride, max_pages, positions_ptr, out_ptr, out_stride, width, heads,
+                          FP4: tl.constexpr, SPLIT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr,
+                          ENTRIES: tl.constexpr, NATIVE_BF16: tl.constexpr):
+    """Scores of entries ``[chunk * ENTRIES, (chunk + 1) * ENTRIES)`` of row ``b``."""
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * ENTRIES
+    t = tl.load(positions_ptr + b).to(tl.int64)
+    n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+    h = tl.arange(0, BLOCK_HI)
+    d = tl.arange(0, 128)
+    h_ok = h < heads
+    q = tl.load(q_ptr + b * q_stride_b + h[:, None] * q_stride_h + d[None, :], mask=h_ok[:, None],
+                other=0.0).to(tl.float32)
+    q_hi = _round_bf16(q, NATIVE_BF16)
+    q_lo = _round_bf16(q - q_hi, NATIVE_BF16)
+    w = tl.load(w_ptr + b * w_stride + h, mask=h_ok, other=0.0)
+    page_slots = 1 << page_shift
+    for e0 in range(first, first + ENTRIES, BLOCK_E):
+        i = e0 + tl.arange(0, BLOCK_E)
+        in_row = i < width
+        page_index = i >> page_shift
+        page = tl.load(table_ptr + b * table_stride + page_index, mask=in_row & (i < n) & (page_index < max_pages),
+                       other=-1).to(tl.int64)
+        valid = (page >= 0) & (page < num_pages)
+        in_page = i & (page_slots - 1)
+        base = tl.where(valid, page, 0) * page_stride
+        if FP4:  # 64 bytes of e2m1 pairs (even element in the low nibble), 4 UE8M0 scales per 32 dims
+            packed = tl.load(cache_ptr + (base + in_page * 64)[:, None] + tl.arange(0, 64)[None, :],
+                             mask=valid[:, None], other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_E, 128))
+            scale = tl.load(cache_ptr + (base + page_slots * 64 + in_page * 4)[:, None] + (d // 32)[None, :],
+                            mask=valid[:, None], other=127).to(tl.int32)
+            keys = _e2m1_to_float(codes) * _ue8m0_to_float(scale)  # exact in bf16
+            logits = _mma(q_hi, tl.trans(keys), NATIVE_BF16)
+            if SPLIT:
+                logits += _mma(q_lo, tl.trans(keys), NATIVE_BF16)
+        else:  # 128 e4m3 codes, then one fp32 scale per entry applied to the dot's result
+            codes = tl.load(cache_ptr + (base + in_page * 128)[:, None] + d[None, :], mask=valid[:, None],
+                            other=0).to(tl.int32)
+            scale_ptr = (cache_ptr + page_slots * 128).to(tl.pointer_type(tl.float32))
+            scale = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0.0)
+            keys = tl.trans(_e4m3_to_float(codes))
+            logits = _mma(q_hi, keys, NATIVE_BF16)
+            if SPLIT:
+                logits += _mma(q_lo, keys, NATIVE_BF16)
+            logits = logits * scale[None, :]
+        score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), 0)
+        tl.store(out_ptr + b * out_stride + i, tl.where(valid, score, float("-inf")), mask=in_row)
+
+
+@triton.jit
+def _order_key(x):
+    """Monotone uint32 key of a float32 (larger float, larger key), as ``order_key`` of the header."""
+    u = x.to(tl.uint32, bitcast=True)
+    return tl.where((u & 0x80000000) != 0, ~u, u | 0x80000000)
+
+
+@triton.jit
+def _radix_step(row, n, prefix, known, remaining, SHIFT: tl.constexpr, DIGITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One digit of the threshold: histogram the digit at ``SHIFT`` of the keys that share ``prefix``
+    (on the bits in ``known``), take the highest digit whose bin, with those above, reaches ``remaining``."""
+    hist = tl.zeros((DIGITS,), tl.int32)
+    for c in range(0, n, BLOCK):
+        i = c + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(row + i, mask=i < n, other=0.0))
+        match = (i < n) & ((key & known) == prefix)
+        hist += tl.histogram(((key >> SHIFT) & (DIGITS - 1)).to(tl.int32), DIGITS, mask=match)
+    bins = tl.arange(0, DIGITS)
+    at_or_above = tl.cumsum(hist, 0, reverse=True)
+    digit = tl.max(tl.where(at_or_above >= remaining, bins, 0), 0)
+    remaining -= tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
+    return prefix | (digit.to(tl.uint32) << SHIFT), known | (tl.full((), DIGITS - 1, tl.uint32) << SHIFT), remaining
+
+
+@triton.jit
+def indexer_topk_kernel(scores_ptr, scores_stride, width, positions_ptr, k, tokens_ptr, tokens_stride, slots_ptr,
+                        slots_stride, table_ptr, table_stride, max_pages, page_shift,
+                        HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``b``: the k largest of its visible scores, ascending positions, then -1."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.load(positions_ptr + b).to(tl.int64)
+    n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+    row = scores_ptr + b * scores_stride
+    # 1. The threshold key, 11 + 11 + 10 bits; `remaining` = keys equal to it still to take.
+    prefix = (n * 0).to(tl.uint32)
+    known = prefix
+    remaining = tl.minimum(k, n)
+    prefix, known, remaining = _radix_step(row, n, prefix, known, remaining, 21, 2048, BLOCK)
+    prefix, known, remaining = _radix_step(row, n, prefix, known, remaining, 10, 2048, BLOCK)
+    prefix, known, remaining = _radix_step(row, n, prefix, known, remaining, 0, 1024, BLOCK)
+    # 2. Ascending positions: every key above the threshold, and the first `remaining` equal to it.
+    written = n * 0
+    equal_seen = (n * 0).to(tl.int32)
+    take_all = n <= k
+    for c in range(0, n, BLOCK):
+        i = c + tl.arange(0, BLOCK)
+        in_row = i < n
+        key = _order_key(tl.load(row + i, mask=in_row, other=0.0))
+        equal = in_row & (key == prefix)
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)
+        chosen = tl.where(take_all, in_row, in_row & ((key > prefix) | (equal & (equal_rank <= remaining))))
+        at = written + tl.cumsum(chosen.to(tl.int64), 0) - 1
+        chosen = chosen & (at < k)  # never past the row, whatever the scores hold
+        tl.store(tokens_ptr + b * tokens_stride + at, i.to(tl.int32), mask=chosen)
+        if HAS_SLOTS:
+            page_index = i >> page_shift
+            page = tl.load(table_ptr + b * table_stride + page_index, mask=chosen & (page_index < max_pages), other=-1)
+            slot = tl.where(page >= 0, (page << page_shift) | (i & ((1 << page_shift) - 1)), -1)
+            tl.store(slots_ptr + b * slots_stride + at, slot, mask=chosen)
+        written += tl.sum(chosen.to(tl.int64), 0)
+        equal_seen += tl.sum(equal.to(tl.int32), 0)
+    # 3. -1 after them.
+    for c in range(0, k, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        pad = (j < k) & (j >= written)
+        tl.store(tokens_ptr + b * tokens_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        if HAS_SLOTS:
+            tl.store(slots_ptr + b * slots_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+
+
+def _check_positions(positions, batch, like):
+    check(positions, "positions").dtype(torch.int32, torch.int64)
+    check(positions, "positions").ndim(1).contiguous().same_device(like, "scores")
+    check(positions, "positions").size(0, batch, "batch")
+
+
+def _check_page_table(page_table, batch, like):
+    check(page_table, "page_table").dtype(torch.int32).ndim(2).rows_dense().same_device(like, "scores")
+    check(page_table, "page_table").size(0, batch, "batch")
+
+
+def _check_pages_in_use(page_table, positions, width, page_size, num_pages):
+    """The header entry's host-table check (``check_pages_in_use`` of ``dsv4_indexer.cuh``), same messages."""
+    t = positions.to(torch.int64)
+    n_all = torch.div((t + 1).clamp_min(0), 4, rounding_mode="floor")
+    pages_seen = -(-n_all // page_size)
+    for b in range(page_table.shape[0]):
+        if int(pages_seen[b]) > page_table.shape[1]:
+            raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
+                             f"sees {int(n_all[b])} entries ({int(pages_seen[b])} pages)")
+        used = -(-min(int(n_all[b]), width) // page_size)
+        pages = page_table[b, :used]
+        bad = (pages < 0) | ((pages >= num_pages) if num_pages >= 0 else torch.zeros_like(pages, dtype=torch.bool))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            limit = num_pages if num_pages >= 0 else 2**31 - 1
+            raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(pages[i])} names no page of the cache "
+                             f"[0, {limit}) but holds visible entries")
+
+
+def check_scores_arguments(q, weights, k_cache, page_table, positions, page_size, layout, scores):
+    """The header entry ``indexer_scores``'s checks, in its order."""
+    check(scores, "scores").dtype(torch.float32).ndim(2).rows_dense()
+    batch, width = scores.shape
+    check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
+    check(q, "q").same_device(scores, "scores").size(0, batch, "batch of scores").size(2, DIM, "index head dim")
+    heads = q.shape[1]
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"sparsekv: argument `q` has {heads} heads; the indexer supports 1 to {MAX_HEADS}")
+    check(weights, "weights").dtype(torch.float32).ndim(2).rows_dense().same_device(scores, "scores")
+    check(weights, "weights").size(0, batch, "batch").size(1, heads, "heads of q")
+    shift = page_shift(page_size, "page_size")
+    check(k_cache, "k_cache").dtype(torch.uint8).ndim(2).rows_dense().same_device(scores, "scores")
+    check(k_cache, "k_cache").size(1, _LAYOUTS[layout].page_bytes(page_size),
+                                   "page_bytes(page_size) of the indexer layout")
+    _check_page_table(page_table, batch, scores)
+    _check_positions(positions, batch, scores)
+    if width > 2**31 - 1:
+        raise ValueError("sparsekv: argument `scores` is wider than 2^31 - 1 entries")
+    if scores.device.type != "cuda":
+        _check_pages_in_use(page_table, positions, width, page_size, k_cache.shape[0])
+    return shift
+
+
+def indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out):
+    """Check (:func:`check_scores_arguments`), then write the scores of every row into ``out``.
+
+    The body of the ``sparsekv::indexer_scores`` op for ``impl="triton"``.
+    """
+    shift = check_scores_arguments(q, weights, k_cache, page_table, positions, page_size, layout, out)
+    batch, width = out.shape
+    if batch == 0 or width == 0:
+        return
+    grid = (batch, triton.cdiv(width, ENTRIES))
+    indexer_scores_kernel[grid](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, row_stride(k_cache), k_cache.shape[0],
+        shift, page_table, page_table.stride(0), page_table.shape[1], positions, out, out.stride(0), width, q.shape[1],
+        FP4=layout == "fp4", SPLIT=q.dtype == torch.float32, BLOCK_HI=max(16, triton.next_power_of_2(q.shape[1])),
+        BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
+
+
+def check_topk_arguments(scores, positions, out, page_table, out_slots, page_size):
+    """The header entry ``indexer_topk``'s checks, in its order; the page shift (0 without a table)."""
+    check(scores, "scores").dtype(torch.float32).ndim(2).rows_dense()
+    batch, width = scores.shape
+    if width > 2**31 - 1:
+        raise ValueError("sparsekv: argument `scores` is wider than 2^31 - 1 entries")
+    _check_positions(positions, batch, scores)
+    check(out, "out").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
+    check(out, "out").size(0, batch, "batch")
+    if out.shape[1] < 1:
+        raise ValueError(f"sparsekv: argument `top_k` must be at least 1, got {out.shape[1]}")
+    if (page_table is None) != (out_slots is None):
+        raise ValueError("sparsekv: arguments `page_table` and `out_slots` go together")
+    if page_table is None:
+        return 0
+    shift = page_shift(page_size, "page_size")
+    _check_page_table(page_table, batch, scores)
+    check(out_slots, "out_slots").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
+    check(out_slots, "out_slots").size(0, batch, "batch").size(1, out.shape[1], "top_k")
+    if _overlap(out_slots, out):
+        raise ValueError("sparsekv: arguments `out_slots` and `out` must not share memory (the kernel writes one "
+                         "while reading the other)")
+    if scores.device.type != "cuda":
+        _check_pages_in_use(page_table, positions, width, page_size, -1)
+    return shift
+
+
+def _overlap(a, b) -> bool:
+    def span(t):
+        if t.numel() == 0:
+            return 0, 0
+        first = t.data_ptr()
+        last = first + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
+        return first, last
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+
+
+def indexer_topk(scores, positions, out, page_table, out_slots, page_size):
+    """Check (:func:`check_topk_arguments`), then write each row's top ``out.shape[1]`` into ``out`` (and slots).
+
+    The body of the ``sparsekv::indexer_topk`` op for ``impl="triton"``.
+    """
+    shift = check_topk_arguments(scores, positions, out, page_table, out_slots, page_size)
+    batch = scores.shape[0]
+    if batch == 0:
+        return
+    slots = (out_slots, out_slots.stride(0), page_table, page_table.stride(0), page_table.shape[1], shift) \
+        if page_table is not None else (out, 0, out, 0, 0, 0)
+    indexer_topk_kernel[(batch,)](scores, scores.stride(0), scores.shape[1], positions, out.shape[1], out,
+                                  out.stride(0), *slots, HAS_SLOTS=page_table is not None, BLOCK=TOPK_BLOCK,
+                                  num_warps=NUM_WARPS)
+
+
+def _aot_kernels():
+    from sparsekv.jit_kernel.triton.aot import AotKernel
+
+    kernels = []
+    for layout in ("fp8", "fp4"):
+        for q_type, split in (("*bf16", False), ("*fp32", True)):
+            constexprs = {"FP4": layout == "fp4", "SPLIT": split, "BLOCK_HI": MAX_HEADS, "BLOCK_E": BLOCK_E,
+                          "ENTRIES": ENTRIES, "NATIVE_BF16": True}
+            signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", "w_ptr": "*fp32",
+                         "w_stride": "i64", "cache_ptr": "*u8", "page_stride": "i64", "num_pages": "i64",
+                         "page_shift": "i32", "table_ptr": "*i32", "table_stride": "i64", "max_pages": "i64",
+                         "positions_ptr": "*i64", "out_ptr": "*fp32", "out_stride": "i64", "width": "i64",
+                         "heads": "i32", **dict.fromkeys(constexprs, "constexpr")}
+            kernels.append(AotKernel(f"dsv4_indexer.scores[{layout},{q_type[1:]}]", indexer_scores_kernel, signature,
+                                     constexprs, NUM_WARPS, ("q_ptr", "w_ptr", "cache_ptr", "table_ptr", "out_ptr")))
+    constexprs = {"HAS_SLOTS": True, "BLOCK": TOPK_BLOCK}
+    signature = {"scores_ptr": "*fp32", "scores_stride": "i64", "width": "i64", "positions_ptr": "*i64", "k": "i32",
+                 "tokens_ptr": "*i32", "tokens_stride": "i64", "slots_ptr": "*i32", "slots_stride": "i64",
+                 "table_ptr": "*i32", "table_stride": "i64", "max_pages": "i64", "page_shift": "i32",
+                 **dict.fromkeys(constexprs, "constexpr")}
+    kernels.append(AotKernel("dsv4_indexer.topk", indexer_topk_kernel, signature, constexprs, NUM_WARPS,
+                             ("scores_ptr", "tokens_ptr", "slots_ptr", "table_ptr")))
+    return kernels
+
+
+#: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.
+AOT_KERNELS = _aot_kernels()
