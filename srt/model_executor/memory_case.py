@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparsekv.kv_layout import DSV4_PAGE_SIZES
-
 from .model_spec import (
     DSV4_PRESETS,
     DSV4ModelSpec,
@@ -215,9 +213,8 @@ def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
         spec = ServerSpec(speculative=speculative, **fields)
     except (TypeError, ValueError) as e:
         raise _prefixed("server", e) from None
-    if is_dsv4 and spec.page_size not in DSV4_PAGE_SIZES:
-        raise ValueError(f"server.page_size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} for DSV4 (the page "
-                         f"sizes the DSV4 kernels serve), got {spec.page_size}")
+    if is_dsv4 and spec.page_size % 128 != 0:
+        raise ValueError(f"server.page_size must be a multiple of 128 for DSV4, got {spec.page_size}")
     return spec, attn_dp_size
 
 

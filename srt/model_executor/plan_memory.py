@@ -27,7 +27,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sparsekv.kv_layout import resident_index_bytes
+from sparsekv.kv_layout import DSV4_PAGE_SIZES, resident_index_bytes
 
 from . import cases as shipped_cases
 from . import dsv4_geometry as geo
@@ -244,6 +244,11 @@ def load_case(args: argparse.Namespace) -> tuple[MemoryCase, dict[str, str]]:
     except (TypeError, ValueError, RecursionError) as e:
         message = "the case nests too deeply" if isinstance(e, RecursionError) else str(e)
         raise CaseError(name_flags(message) if from_flags else message) from None
+    # The configurators follow sglang, which plans any multiple of 128; the kernels serve fewer.
+    if case.is_dsv4 and case.server.page_size not in DSV4_PAGE_SIZES:
+        message = (f"server.page_size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} for DSV4 (the page "
+                   f"sizes the DSV4 kernels serve), got {case.server.page_size}")
+        raise CaseError(name_flags(message) if from_flags else message)
     return case, (dict(FLAG_OF) if from_flags else {})
 
 
