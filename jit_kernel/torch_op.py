@@ -8,7 +8,8 @@ The ops are out-variants: each output is an argument listed in ``mutates_args`` 
 nothing. The public wrapper allocates what the caller did not pass (with torch, which traces and
 runs on meta tensors) and returns it, so the fake implementation has no shape of its own to compute
 and every op shares :func:`_writes_only`. Given its outputs, a call allocates nothing, which is what
-CUDA-graph capture needs.
+CUDA-graph capture needs. A plain eager call skips the dispatcher and runs the op's body directly
+(:func:`_through_dispatcher`); anything that traces sees the op.
 
 Where the checks run: the op body runs only on real tensors (eager, or when a compiled graph runs),
 and holds every check, the C++ entry's shape / dtype / device checks and the value-reading ones
@@ -32,8 +33,19 @@ def _writes_only(*args, **kwargs) -> None:
     return None
 
 
-def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[..., None]], torch.library.CustomOpDef]:
-    """Decorator: register ``body`` as the custom op ``sparsekv::<name>`` and return the op.
+def _through_dispatcher(args: tuple) -> bool:
+    """Whether a call must go through the op: while tracing (dynamo, a dispatch mode such as FakeTensorMode)
+    or on meta tensors. A plain eager call runs the body directly: the Python custom-op layer costs tens
+    to hundreds of microseconds per call (schema defaults, autograd and in-place-view kernels), which the
+    op's only purpose, being seen by tracers, does not need."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return tensor is not None and (tensor.device.type == "meta" or type(tensor) is not torch.Tensor)
+
+
+def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: register ``body`` as the custom op ``sparsekv::<name>``; return the function wrappers call.
 
     Parameters
     ----------
@@ -45,13 +57,20 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
         and writers and never drops it as unused.
 
     The body's type annotations give the schema (``torch.Tensor``, ``torch.Tensor | None``, int,
-    float, bool, str); it returns None.
+    float, bool, str); it returns None and is called with positional arguments. The returned function
+    calls the op when anything traces (see :func:`_through_dispatcher`), the body directly otherwise;
+    its ``op`` attribute is the registered op.
     """
 
-    def register(body: Callable[..., None]) -> torch.library.CustomOpDef:
+    def register(body: Callable[..., None]) -> Callable[..., None]:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", body, mutates_args=tuple(mutates_args))
         op.register_fake(_writes_only)
-        return op
+
+        def call(*args) -> None:
+            (op if _through_dispatcher(args) else body)(*args)
+
+        call.op = op
+        return call
 
     return register
 

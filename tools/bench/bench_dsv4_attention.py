@@ -12,6 +12,11 @@ Measured, each against a baseline timed in the same run on the same inputs:
   vs float32 torch (dequantize, matmul, relu, weighted sum); :func:`indexer_topk` (k = 512, 1024,
   2048) vs ``torch.topk`` on the same scores, set-checked.
 
+* ``op overhead``: what the ``sparsekv::`` custom-op layer costs per call on a tiny call (B1 K8, given
+  ``out`` and ``lse``): the raw module call vs the eager op call (the public wrapper) vs the same
+  wrapper compiled with ``torch.compile(fullgraph=True, backend="eager")``; on cuda also a CUDA-graph
+  replay of the call vs the eager call.
+
 On paper (``notes.paper``): bytes and FLOPs per decode step per layer for DSV4-Flash at 1M context
 (CSA/C4: indexer + top-k + attention over 512 + 128 entries; HCA/C128: attention over all 8,192
 compressed + 128 window entries), the H200 roofline time of each, and what a GPU top-k must do
@@ -116,7 +121,7 @@ class AttentionCase:
 
     def raw(self):
         self.module.sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE, 512**-0.5, None, None,
-                                            -1, self.out, self.lse, None, None, 1)
+                                            -1, self.out, self.lse, None, None, 1, None)
 
     def reference(self):
         cache, indices, q, sink = self.host
@@ -161,6 +166,34 @@ class IndexerCase:
         return (self.weights[0] @ torch.relu(self.q[0] @ keys.T))[None, :]
 
 
+def op_overhead(backend: str, time_it) -> dict:
+    """Per-call cost of the op layer: raw module call, eager op call, compiled op call (and, on cuda, graph replay)."""
+    case = AttentionCase(1, 8, backend)
+
+    def eager():
+        return sparse_decode_attention(case.q, case.cache, case.indices, case.sink, PAGE, out=case.out, lse=case.lse,
+                                       impl="header")
+
+    compiled = torch.compile(eager, fullgraph=True, backend="eager")
+    expected = [t.clone() for t in eager()]
+    if not all(torch.equal(a, b) for a, b in zip(compiled(), expected)):
+        raise RuntimeError("the compiled op call disagrees with the eager one")
+    raw_s, eager_s, compiled_s = (time_it(fn).median_s for fn in (case.raw, eager, compiled))
+    row = {"case": "op overhead B1 K8", "raw_us": raw_s * 1e6, "eager_op_us": eager_s * 1e6,
+           "compiled_op_us": compiled_s * 1e6, "op_layer_us": (eager_s - raw_s) * 1e6,
+           "compiled_vs_eager": eager_s / compiled_s}
+    if backend == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        graph.replay()
+        if not torch.equal(case.out, expected[0]):
+            raise RuntimeError("the replayed graph disagrees with the eager call")
+        replay_s = time_it(graph.replay).median_s
+        row.update(graph_replay_us=replay_s * 1e6, speedup_replay_vs_eager=eager_s / replay_s)
+    return row
+
+
 def check_topk(tokens: torch.Tensor, scores: torch.Tensor, k: int) -> None:
     expected = torch.topk(scores[0], k, sorted=False).values.sort().values
     if not torch.equal(scores[0, tokens[0].long()].sort().values, expected):
@@ -182,7 +215,10 @@ def main() -> None:
     attention_cases = [(1, 512)] if args.quick else [(b, k) for b in (1, 32) for k in (512, 2048)]
     indexer_cases = [1 << 16] if args.quick else [1 << 16, 1 << 18]
     topks = (512,) if args.quick else (512, 1024, 2048)
-    bar = tqdm(total=len(attention_cases) + len(indexer_cases), desc="bench_dsv4_attention", unit="case")
+    bar = tqdm(total=len(attention_cases) + len(indexer_cases) + 1, desc="bench_dsv4_attention", unit="case")
+    bar.update()
+    # Microsecond calls: each sample loops for 20 ms, so the op layer's cost is not lost in timer noise.
+    result.rows.append(op_overhead(args.backend, functools.partial(time_it, min_time_s=0.02)))
     for batch, k in attention_cases:
         bar.update()
         case = AttentionCase(batch, k, args.backend)
@@ -222,7 +258,9 @@ def main() -> None:
         result.rows.append(row)
     bar.close()
     report(result, args, plot=lambda r, path: bar_plot(
-        r, path, label_key="case", value_keys=("kernel_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us"),
+        r, path, label_key="case",
+        value_keys=("kernel_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us", "raw_us", "eager_op_us",
+                    "compiled_op_us", "graph_replay_us"),
         ylabel="latency (us, log)", log=True))
 
 
