@@ -10,7 +10,8 @@
 // per 64-dim block, dims 448..511 = bf16; key = value = kv_j. With l_j = softmax_scale * q[b,h].kv_j:
 //   out[b,h] = sum_j exp(l_j) kv_j / (sum_j exp(l_j) + exp(sink[h]))
 //   lse[b,h] = log sum_j exp(l_j)           (natural log, sink excluded)
-// and a row with no valid entry gives out = 0, lse = +inf. Nothing but out, lse and the split
+// and a row with no valid entry gives out = 0, lse = +inf; a NaN logit (NaN in q or in a row) gives
+// out = lse = NaN for its (b, h), whatever the split. Nothing but out, lse and the split
 // workspace is written.
 //
 // Split-KV. The concatenated list [indices[b] | extra_indices[b]] is cut into num_splits ranges of
@@ -119,15 +120,16 @@ SPARSEKV_HOST_DEVICE int64_t total_entries(const Params<QT>& p) {
 SPARSEKV_HOST_DEVICE float safe_exp(float x) { return x == -INFINITY ? 0.0f : expf(x); }
 
 // Finishing one (b, h) from its online state (m, l, acc): the caller scales dims by the returned
-// factor; writes lse. An empty state (l == 0) gives factor 0 and lse = +inf.
+// factor; writes lse. An empty state (l == 0) gives factor 0 and lse = +inf; a NaN logit (NaN in q
+// or in a row) made l NaN, and NaN carries through (never mistaken for an empty row).
 SPARSEKV_HOST_DEVICE float finish_factor(float m, float l, float sink) {
-  if (!(l > 0.0f)) return 0.0f;
+  if (l == 0.0f) return 0.0f;
   return 1.0f / (l + safe_exp(sink - m));
 }
-SPARSEKV_HOST_DEVICE float finish_lse(float m, float l) { return l > 0.0f ? m + logf(l) : INFINITY; }
+SPARSEKV_HOST_DEVICE float finish_lse(float m, float l) { return l == 0.0f ? INFINITY : m + logf(l); }
 // What split s stores: lse_s and the factor that turns acc into o_s = acc / l.
-SPARSEKV_HOST_DEVICE float split_lse(float m, float l) { return l > 0.0f ? m + logf(l) : -INFINITY; }
-SPARSEKV_HOST_DEVICE float split_factor(float l) { return l > 0.0f ? 1.0f / l : 0.0f; }
+SPARSEKV_HOST_DEVICE float split_lse(float m, float l) { return l == 0.0f ? -INFINITY : m + logf(l); }
+SPARSEKV_HOST_DEVICE float split_factor(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
 
 // ---------------------------------------------------------------------------------------------
 // Combine: one (b, h) per item, lanes over the 512 dims.
@@ -142,8 +144,17 @@ struct Combine {
     const int64_t h = i - b * p.heads;
     const float* part_lse = p.part_lse + b * p.num_splits * p.heads + h;
     float m = -INFINITY;
-    for (int64_t s = 0; s < p.num_splits; ++s) m = fmaxf(m, part_lse[s * p.heads]);
+    bool nan = false;  // fmaxf skips NaN: a NaN split is looked for separately and carried through
+    for (int64_t s = 0; s < p.num_splits; ++s) {
+      m = fmaxf(m, part_lse[s * p.heads]);
+      nan = nan || part_lse[s * p.heads] != part_lse[s * p.heads];
+    }
     float* out = p.out + i * kDim;
+    if (nan) {
+      for (int d = lanes.lane; d < kDim; d += lanes.count) out[d] = NAN;
+      if (lanes.lane == 0) p.lse[i] = NAN;
+      return;
+    }
     if (m == -INFINITY) {
       for (int d = lanes.lane; d < kDim; d += lanes.count) out[d] = 0.0f;
       if (lanes.lane == 0) p.lse[i] = INFINITY;
@@ -377,16 +388,6 @@ namespace sparsekv::dsv4_attention {
 
 using tvm::ffi::Optional;
 
-inline int page_shift_of(int64_t page_size, const char* name) {
-  if (page_size < 1 || page_size > (int64_t{1} << 20) || (page_size & (page_size - 1)) != 0) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be a power of two in [1, 2^20], got "
-                              << page_size;
-  }
-  int shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
-  return shift;
-}
-
 // Every entry of a host-readable index table is -1 or a slot of its cache.
 inline void check_slots(const TensorView& indices, int64_t num_slots, const char* name) {
   const auto* base = static_cast<const int32_t*>(indices.data_ptr());
@@ -404,12 +405,12 @@ inline void check_slots(const TensorView& indices, int64_t num_slots, const char
 inline Source make_source(const TensorView& cache, const char* cache_name, const TensorView& indices,
                           const char* indices_name, int64_t page_size, const char* page_size_name, int64_t batch,
                           const TensorView& device_of) {
-  const int shift = page_shift_of(page_size, page_size_name);
+  const int shift = check_page_size(page_size, page_size_name);
   check(cache, cache_name).dtype<uint8_t>().ndim(2).rows_dense().same_device(device_of, "q");
   check(cache, cache_name).size(1, Layout::page_bytes(page_size), "page_bytes(page_size) of the 584 B V4 layout");
   check(indices, indices_name).dtype<int32_t>().ndim(2).rows_dense().same_device(device_of, "q");
   check(indices, indices_name).size(0, batch, "batch of q");
-  const int64_t num_slots = cache.size(0) * page_size;
+  const int64_t num_slots = checked_product(cache.size(0), page_size, "pages x page_size of the cache");
   if (num_slots > INT32_MAX) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << cache_name << "` holds " << num_slots
                               << " slots, more than int32 indices can name";
@@ -430,7 +431,13 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                              Optional<TensorView> extra_indices, int64_t extra_page_size, TensorView out,
                              TensorView lse, Optional<TensorView> part_out, Optional<TensorView> part_lse,
                              int64_t num_splits, Optional<TensorView> topk_length) {
-  // 1. Validate: q, sink, outputs, both caches and their indices (host-readable indices in full).
+  // 1. Validate: memory, q, sink, outputs, both caches and their indices (host-readable indices in full).
+  check_disjoint({read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
+                  read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
+                  read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
+                  read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
+                  written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
+                  written(optional_arg(part_lse, "part_lse"), "part_lse")});
   constexpr DLDataType kBf16{kDLBfloat, 16, 1};
   check(q, "q").dtype(std::is_same_v<QT, float> ? dtype_of<float>() : kBf16).ndim(3).rows_dense();
   check(q, "q").size(2, kDim, "head dim").on_backend_device();

@@ -380,13 +380,13 @@ inline bool check_state(TensorView state, TensorView kv, int64_t width, bool all
   if (!bf16) check(state, "state").dtype<float>();
   check(state, "state").ndim(2).contiguous().same_device(kv, "kv");
   check(state, "state").size(1, 2 * width, "2 x width of kv");
-  check_no_overlap(kv, "kv", state, "state");
   return bf16;
 }
 
 // One-shot compression of a whole sequence.
 inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView out) {
   // 1. Validate.
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(out, "out")});
   const int64_t d = check_inputs(kv, score, ape, ratio);
   const int64_t entries = kv.size(0) / ratio;
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
@@ -445,7 +445,9 @@ inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, 
 // Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
 inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                             TensorView sources, TensorView writes, TensorView out) {
-  // 1. Validate.
+  // 1. Validate (memory first: the plan checks read `sources` and `writes`).
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                  read(sources, "sources"), read(writes, "writes"), written(out, "out")});
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
   const ExtendPlan plan = check_extend(kv, score, ape, ratio, state, sources, writes,
                                        static_cast<float*>(out.data_ptr()));
@@ -514,7 +516,10 @@ inline ExtendPlan check_decode(TensorView kv, TensorView score, TensorView ape, 
 // completes (zeros and emitted = false for a row whose token completes none).
 inline void compress_decode(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                             TensorView state_rows, TensorView positions, TensorView out, TensorView emitted) {
-  // 1. Validate.
+  // 1. Validate (memory first: the row checks read `state_rows` and `positions`).
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                  read(state_rows, "state_rows"), read(positions, "positions"), written(out, "out"),
+                  written(emitted, "emitted")});
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
   const ExtendPlan plan = check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted,
                                        static_cast<float*>(out.data_ptr()));
@@ -528,7 +533,9 @@ inline void compress_decode(TensorView kv, TensorView score, TensorView ape, int
 // Streaming step of the online C128 state.
 inline void compress_online_c128(TensorView kv, TensorView score, TensorView ape, TensorView state,
                                  int64_t snapshots, TensorView segments, TensorView out) {
-  // 1. Validate.
+  // 1. Validate (memory first: the segment checks read `segments`).
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                  read(segments, "segments"), written(out, "out")});
   const int64_t d = check_inputs(kv, score, ape, 128);
   check_state(state, kv, d, false);
   check(segments, "segments").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 7, "fields");

@@ -17,7 +17,8 @@
 // visible entry is taken. Both backends give this one answer: the swap-in assigns miss slots in
 // top-k order and attention sums in index order, so an order left to the scheduler would make
 // both vary from run to run. Scores are ordered as their float32 bit patterns (monotone key, NaN above +inf). With a
-// page table, slots[b, j] = page_table[b, tok / P] * P + tok % P (-1 for -1 or a negative page):
+// page table, slots[b, j] = page_table[b, tok / P] * P + tok % P (-1 for -1, a negative page, or a
+// slot past INT32_MAX; the host entry refuses such a page when the table is host-readable):
 // tokens is what the HiSparse swap-in takes as top_k_tokens, slots is what sparse decode attention
 // takes as indices into the fully resident cache.
 //
@@ -56,8 +57,10 @@ struct Bf16 {
 SPARSEKV_HOST_DEVICE float load_q(const float* p) { return *p; }
 SPARSEKV_HOST_DEVICE float load_q(const Bf16* p) { return fp8::bf16_to_float(p->bits); }
 
-// Entries visible from raw position t: i < (t + 1) / 4.
-SPARSEKV_HOST_DEVICE int64_t visible(int64_t position) { return position < 0 ? 0 : (position + 1) / kRatio; }
+// Entries visible from raw position t: i < (t + 1) / 4, computed without t + 1 (t may be INT64_MAX).
+SPARSEKV_HOST_DEVICE int64_t visible(int64_t position) {
+  return position < 0 ? 0 : position / kRatio + (position % kRatio == kRatio - 1 ? 1 : 0);
+}
 
 SPARSEKV_HOST_DEVICE int64_t load_position(const void* positions, bool is64, int64_t b) {
   return is64 ? static_cast<const int64_t*>(positions)[b] : static_cast<const int32_t*>(positions)[b];
@@ -263,7 +266,8 @@ SPARSEKV_HOST_DEVICE int32_t entry_slot(const int32_t* page_row, int64_t max_pag
   if (page_index >= max_pages) return -1;
   const int64_t page = page_row[page_index];
   if (page < 0) return -1;
-  return static_cast<int32_t>((page << page_shift) | (tok & ((int64_t{1} << page_shift) - 1)));
+  const int64_t slot = (page << page_shift) | (tok & ((int64_t{1} << page_shift) - 1));
+  return slot > INT32_MAX ? -1 : static_cast<int32_t>(slot);  // never a wrapped slot on another page
 }
 
 struct TopK {
@@ -440,16 +444,6 @@ int IndexerScores<Layout, QT>::run_on_cuda(const Params& p, void* stream) {
 
 namespace sparsekv::dsv4_indexer {
 
-inline int page_shift_of(int64_t page_size) {
-  if (page_size < 1 || page_size > (int64_t{1} << 20) || (page_size & (page_size - 1)) != 0) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `page_size` must be a power of two in [1, 2^20], got "
-                              << page_size;
-  }
-  int shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
-  return shift;
-}
-
 // positions: int32 or int64 [batch], contiguous; returns whether it is int64.
 inline bool check_positions(const TensorView& positions, int64_t batch, const TensorView& like) {
   const bool is64 = check(positions, "positions").int32_or_int64();
@@ -464,10 +458,10 @@ inline void check_page_table(const TensorView& page_table, int64_t batch, const 
 }
 
 // Host-readable tables: the visible entries of every row fit its table row, and every page that
-// holds an entry the kernel reads (the first `width`) is a page of the cache (num_pages < 0:
-// unknown, only negative pages are refused).
+// holds an entry the kernel reads (the first `width`) is in [0, num_pages): the pages of the cache
+// for scores, the pages whose slots fit int32 for top-k (`pages_are` says which, for the message).
 inline void check_pages_in_use(const TensorView& page_table, const TensorView& positions, bool is64, int64_t width,
-                               int page_shift, int64_t num_pages) {
+                               int page_shift, int64_t num_pages, const char* pages_are) {
   const auto* table = static_cast<const int32_t*>(page_table.data_ptr());
   for (int64_t b = 0; b < page_table.size(0); ++b) {
     const int64_t n_all = visible(load_position(positions.data_ptr(), is64, b));
@@ -480,9 +474,9 @@ inline void check_pages_in_use(const TensorView& page_table, const TensorView& p
     const int64_t pages_used = (n + (int64_t{1} << page_shift) - 1) >> page_shift;
     for (int64_t i = 0; i < pages_used; ++i) {
       const int32_t page = table[b * page_table.stride(0) + i];
-      if (page < 0 || (num_pages >= 0 && page >= num_pages)) {
+      if (page < 0 || page >= num_pages) {
         TVM_FFI_THROW(IndexError) << "sparsekv: argument `page_table`[" << b << ", " << i << "] = " << page
-                                  << " names no page of the cache [0, " << (num_pages >= 0 ? num_pages : INT32_MAX)
+                                  << " is outside [0, " << num_pages << ") (" << pages_are
                                   << ") but holds visible entries";
       }
     }
@@ -492,7 +486,9 @@ inline void check_pages_in_use(const TensorView& page_table, const TensorView& p
 template <class Layout, class QT>
 void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, TensorView page_table, TensorView positions,
                     int64_t page_size, TensorView scores) {
-  // 1. Validate.
+  // 1. Validate (memory first: the table checks read `page_table` and `positions`).
+  check_disjoint({read(q, "q"), read(weights, "weights"), read(k_cache, "k_cache"), read(page_table, "page_table"),
+                  read(positions, "positions"), written(scores, "out")});
   using K = IndexerScores<Layout, QT>;
   constexpr DLDataType kBf16{kDLBfloat, 16, 1};
   check(scores, "scores").dtype<float>().ndim(2).rows_dense().on_backend_device();
@@ -506,14 +502,14 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
   }
   check(weights, "weights").dtype<float>().ndim(2).rows_dense().same_device(scores, "scores");
   check(weights, "weights").size(0, batch, "batch").size(1, heads, "heads of q");
-  const int shift = page_shift_of(page_size);
+  const int shift = check_page_size(page_size, "page_size");
   check(k_cache, "k_cache").dtype<uint8_t>().ndim(2).rows_dense().same_device(scores, "scores");
   check(k_cache, "k_cache").size(1, Layout::page_bytes(page_size), "page_bytes(page_size) of the indexer layout");
   check_page_table(page_table, batch, scores);
   const bool is64 = check_positions(positions, batch, scores);
   if (width > INT32_MAX) TVM_FFI_THROW(ValueError) << "sparsekv: argument `scores` is wider than 2^31 - 1 entries";
   if (scores.device().device_type != kDLCUDA) {
-    check_pages_in_use(page_table, positions, is64, width, shift, k_cache.size(0));
+    check_pages_in_use(page_table, positions, is64, width, shift, k_cache.size(0), "the pages of `k_cache`");
   }
 
   // 2. Derive the parameters.
@@ -545,7 +541,10 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
 inline void indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
                          tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
                          int64_t page_size) {
-  // 1. Validate.
+  // 1. Validate (memory first: the table checks read `page_table` and `positions`).
+  check_disjoint({read(scores, "scores"), read(positions, "positions"), written(tokens, "out"),
+                  read(optional_arg(page_table, "page_table"), "page_table"),
+                  written(optional_arg(slots, "out_slots"), "out_slots")});
   check(scores, "scores").dtype<float>().ndim(2).rows_dense().on_backend_device();
   const int64_t batch = scores.size(0), width = scores.size(1);
   if (width > INT32_MAX) TVM_FFI_THROW(ValueError) << "sparsekv: argument `scores` is wider than 2^31 - 1 entries";
@@ -574,12 +573,14 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
                       0};
   if (page_table.has_value()) {
     const TensorView table = page_table.value(), out_slots = slots.value();
-    params.page_shift = page_shift_of(page_size);
+    params.page_shift = check_page_size(page_size, "page_size");
     check_page_table(table, batch, scores);
     check(out_slots, "out_slots").dtype<int32_t>().ndim(2).rows_dense().same_device(scores, "scores");
     check(out_slots, "out_slots").size(0, batch, "batch").size(1, k, "top_k");
-    check_no_overlap(out_slots, "out_slots", tokens, "out");
-    if (scores.device().device_type != kDLCUDA) check_pages_in_use(table, positions, is64, width, params.page_shift, -1);
+    if (scores.device().device_type != kDLCUDA) {
+      check_pages_in_use(table, positions, is64, width, params.page_shift, int64_t{1} << (31 - params.page_shift),
+                         "pages whose slots fit int32");
+    }
     params.slots = static_cast<int32_t*>(out_slots.data_ptr());
     params.slots_stride = out_slots.stride(0);
     params.page_table = static_cast<const int32_t*>(table.data_ptr());

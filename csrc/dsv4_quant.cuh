@@ -245,13 +245,11 @@ inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slot
 template <class L>
 std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_size,
                                               bool unique_slots, bool read_slots = true) {
-  if (page_size <= 0 || (page_size & (page_size - 1)) != 0) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `page_size` must be a positive power of two, got " << page_size;
-  }
+  check_page_size(page_size, "page_size");
   check(cache, "cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device();
   check(cache, "cache").size(1, L::page_bytes(page_size), "page bytes for page_size");
   check(slots, "slots").dtype<int64_t>().ndim(1).contiguous().same_device(cache, "cache");
-  const int64_t num_slots = cache.size(0) * page_size;
+  const int64_t num_slots = checked_product(cache.size(0), page_size, "argument `cache`: pages x page_size");
   if (cache.device().device_type != kDLCUDA && read_slots) {
     const auto* s = static_cast<const int64_t*>(slots.data_ptr());
     if (unique_slots) {
@@ -264,7 +262,8 @@ std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots
 }
 
 inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
-  // 1. Validate.
+  // 1. Validate (memory first: the slot checks below read `slots`).
+  check_disjoint({read(x, "x"), written(cache, "cache"), read(slots, "slots")});
   const bool is_float = x.dtype() == dtype_of<float>();
   if (!is_float && !(x.dtype() == DLDataType{kDLBfloat, 16, 1})) {
     TVM_FFI_THROW(TypeError) << "sparsekv: argument `x` must have dtype float32 or bfloat16, got "
@@ -273,7 +272,6 @@ inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots
   check(x, "x").ndim(2).size(1, kDim, "head dim").rows_dense().same_device(cache, "cache");
   check(slots, "slots").ndim(1).size(0, x.size(0), "rows of x");
   const auto [page_stride, num_slots] = check_paged_cache<V4>(cache, slots, page_size, true);
-  check_no_overlap(x, "x", cache, "cache");
 
   // 2. Derive sizes.
   const QuantizeParams params{x.data_ptr(), x.stride(0), static_cast<const int64_t*>(slots.data_ptr()),
@@ -290,6 +288,7 @@ inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots
 
 inline void dequantize_fp8_ds_mla(TensorView cache, TensorView slots, int64_t page_size, TensorView out) {
   // 1. Validate.
+  check_disjoint({read(cache, "cache"), read(slots, "slots"), written(out, "out")});
   const auto [page_stride, num_slots] = check_paged_cache<V4>(cache, slots, page_size, false);
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(cache, "cache");
   check(out, "out").size(0, slots.size(0), "length of slots").size(1, kDim, "head dim");

@@ -290,11 +290,12 @@ template <class Kind>
 void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
                      TensorView slots, int64_t page_size, double theta, double factor, int64_t original_max_positions,
                      double beta_fast, double beta_slow) {
-  // 1. Validate.
+  // 1. Validate (memory first: the slot checks read `slots`).
+  check_disjoint({read(x, "x"), read(weight, "weight"), read(positions, "positions"), written(cache, "cache"),
+                  read(slots, "slots")});
   check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
   StoreParams params = check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, theta, factor,
                                          original_max_positions, beta_fast, beta_slow);
-  check_no_overlap(x, "x", cache, "cache");
 
   // 2. Derive sizes and launch.
   params.x = static_cast<const float*>(x.data_ptr());
@@ -310,7 +311,10 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
                     TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
                     TensorView cache, TensorView slots, int64_t page_size, double theta, double factor,
                     int64_t original_max_positions, double beta_fast, double beta_slow) {
-  // 1. Validate.
+  // 1. Validate (memory first: the plan checks read `sources` and `writes`).
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                  read(sources, "sources"), read(writes, "writes"), read(weight, "weight"),
+                  read(positions, "positions"), written(cache, "cache"), read(slots, "slots")});
   const dsv4_compress::ExtendPlan plan = dsv4_compress::check_extend(kv, score, ape, ratio, state, sources, writes,
                                                                      nullptr);
   if (plan.events.d != Kind::kDim) {
@@ -320,8 +324,6 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
   const StoreParams store = check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, theta,
                                               factor, original_max_positions, beta_fast, beta_slow);
   check(cache, "cache").same_device(kv, "kv");
-  check_no_overlap(kv, "kv", cache, "cache");
-  check_no_overlap(state, "state", cache, "cache");
 
   // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
   if (plan.events.num_events > 0) launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device());
@@ -337,7 +339,10 @@ void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int6
                            TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_size,
                            double theta, double factor, int64_t original_max_positions, double beta_fast,
                            double beta_slow) {
-  // 1. Validate (slots are read for the rows that store: host-readable ones are checked here).
+  // 1. Validate (memory first; slots are read for the rows that store: host-readable ones are checked here).
+  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                  read(state_rows, "state_rows"), read(positions, "positions"), written(out, "out"),
+                  written(emitted, "emitted"), read(weight, "weight"), written(cache, "cache"), read(slots, "slots")});
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
   const dsv4_compress::ExtendPlan plan = dsv4_compress::check_decode(kv, score, ape, ratio, state, state_rows,
                                                                      positions, emitted,
@@ -357,8 +362,6 @@ void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int6
     }
     dsv4_quant::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
   }
-  check_no_overlap(kv, "kv", cache, "cache");
-  check_no_overlap(state, "state", cache, "cache");
 
   // 2. Pool + store every row (reading ring rows as they were), then store the new ring rows.
   if (plan.events.num_events > 0) {

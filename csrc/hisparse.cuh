@@ -545,7 +545,7 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
     const TensorView& device_buffer_locs, const TensorView& host_cache, const TensorView& device_buffer,
     const TensorView& top_k_device_locs, const TensorView& req_pool_indices, const TensorView& seq_lens,
     const TensorView& lru_slots, int64_t item_size_bytes, const TensorView* num_real_reqs, const TensorView* miss_src,
-    const TensorView* miss_dst, const TensorView* miss_count, const TensorView* counters) {
+    const TensorView* miss_dst, const TensorView* miss_count, const TensorView* counters, bool moves_bytes) {
   const TensorView& dev = top_k_tokens;
   check(top_k_tokens, "top_k_tokens").dtype<int32_t>().ndim(2).rows_dense().on_backend_device();
   const int64_t bs = top_k_tokens.size(0);
@@ -614,7 +614,7 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   // output row: no written argument may share memory with any other argument.
   check_disjoint({read(top_k_tokens, "top_k_tokens"), written(device_buffer_tokens, "device_buffer_tokens"),
                   read(host_cache_locs, "host_cache_locs"), read(device_buffer_locs, "device_buffer_locs"),
-                  read(host_cache, "host_cache"), written(device_buffer, "device_buffer"),
+                  read(host_cache, "host_cache"), Operand{&device_buffer, "device_buffer", moves_bytes},
                   written(top_k_device_locs, "top_k_device_locs"), read(req_pool_indices, "req_pool_indices"),
                   read(seq_lens, "seq_lens"), written(lru_slots, "lru_slots"), read(num_real_reqs, "num_real_reqs"),
                   written(miss_src, "miss_src"), written(miss_dst, "miss_dst"), written(miss_count, "miss_count"),
@@ -753,7 +753,8 @@ void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorVie
       top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
       top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
       optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
-      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
+      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"),
+      mode != IndexCheck::kOnly);  // a check-only pass gets a one-row stand-in of the cache (expand)
   p.speculative = speculative;
   const bool on_device = top_k_tokens.device().device_type == kDLCUDA;
   // 3. The index-check pass, when asked for (host-readable tables only).
@@ -841,7 +842,7 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(miss_src, "miss_src");
   check_disjoint({read(miss_src, "miss_src"), read(miss_dst, "miss_dst"), read(miss_count, "miss_count"),
                   read(num_real_reqs, "num_real_reqs"), read(host_cache, "host_cache"),
-                  written(device_buffer, "device_buffer")});
+                  Operand{&device_buffer, "device_buffer", mode != IndexCheck::kOnly}});  // check-only: a stand-in
 
   // 2. Derive the parameters.
   typename CopyPlanned<Layout>::Params p{};

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
+from sparsekv.jit_kernel.arguments import float_arg, int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -205,7 +206,8 @@ def sparse_decode_attention(
         ``[B, H, 512]`` of ``out_dtype`` (``out`` when given).
     lse : torch.Tensor
         float32 ``[B, H]`` (``lse`` when given); natural-log logsumexp of the logits without the
-        sink, +inf for a row with no valid entry.
+        sink, +inf for a row with no valid entry. A NaN in ``q[b, h]`` (or in a row it selects)
+        gives NaN in ``out[b, h]`` and ``lse[b, h]``, never a value that reads like an empty row.
 
     Notes
     -----
@@ -217,15 +219,22 @@ def sparse_decode_attention(
     Raises
     ------
     TypeError
-        Wrong dtype (the message names the argument), including a bf16 ``sink``.
+        Wrong dtype (the message names the argument), including a bf16 ``sink``; a scalar of the
+        wrong type (``page_size`` 64.0, ``softmax_scale`` '0.1', ``num_splits`` True).
     ValueError
-        Wrong shape, stride or device; ``page_size`` not a power of two; ``extra_*`` given partly; a
-        ``workspace`` smaller than :func:`workspace_floats`.
+        Wrong shape, stride or device; ``page_size`` not a power of two in ``[1, 2^20]``; ``extra_*``
+        given partly; ``num_splits`` out of range (before anything is allocated); a ``workspace``
+        smaller than :func:`workspace_floats`; an output sharing memory with another argument.
     IndexError
         An entry that is neither -1 nor a slot of its cache, when the indices are host-readable (cpu
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
     impl = resolve_impl(impl, q.device, auto_triton_on_cuda=True)
+    page_size = int_arg("page_size", page_size)
+    softmax_scale = float_arg("softmax_scale", softmax_scale)
+    extra_page_size = -1 if extra_page_size is None else int_arg("extra_page_size", extra_page_size)
+    if num_splits is not None:
+        num_splits = int_arg("num_splits", num_splits)
     batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
     entries = _entries(indices, extra_indices)
     if num_splits is not None:
@@ -245,9 +254,8 @@ def sparse_decode_attention(
     if workspace is None and floats:
         workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
-    _attention(q, kv_cache, indices, sink, page_size, float(softmax_scale), extra_kv_cache, extra_indices,
-               -1 if extra_page_size is None else extra_page_size, splits, out, lse, workspace, impl,
-               topk_length)
+    _attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices, extra_page_size,
+               splits, out, lse, workspace, impl, topk_length)
     return out, lse
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_decode_store_step, compress_store_step
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
@@ -41,10 +42,11 @@ DSV4_COMPRESS = register(
 
 
 def check_ratio(ratio: int) -> int:
-    """``ratio`` if it is 4 or 128, else ValueError naming ``ratio``."""
-    if isinstance(ratio, bool) or ratio not in RATIOS:
+    """``ratio`` if it is 4 or 128, else TypeError (not an int) or ValueError naming ``ratio``."""
+    ratio = int_arg("ratio", ratio)
+    if ratio not in RATIOS:
         raise ValueError(f"sparsekv: argument `ratio` must be 4 or 128, got {ratio!r}")
-    return int(ratio)
+    return ratio
 
 
 def window(ratio: int) -> int:
@@ -84,6 +86,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     TypeError
         A dtype other than float32.
     """
+    ratio = int_arg("ratio", ratio)
     if out is None:
         coff = 2 if ratio == 4 else 1
         out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, kv.shape[-1] // coff,
@@ -165,6 +168,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         A negative position, a ring row outside ``state``, or a stored slot outside the cache
         (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
     """
+    ratio = int_arg("ratio", ratio)
     coff = 2 if ratio == 4 else 1
     batch = rows_of(kv, 2)
     if out is None:
@@ -226,9 +230,12 @@ class CompressorState:
     Raises
     ------
     ValueError
-        ``ratio`` not 4 or 128, ``online`` with ratio 4, or ``ring_size`` too small.
+        ``ratio`` not 4 or 128, ``online`` with ratio 4, ``ring_size`` too small or larger than
+        ``state``, a ``state`` that is not 2-D or not twice as wide as ``ape``, an ``ape`` that is
+        not ``[ratio, W]``,.
     TypeError
-        ``ape`` not float32, ``state`` neither float32 nor bfloat16 (float32 only for ``online``).
+        ``ape`` not float32, ``state`` neither float32 nor bfloat16 (float32 only for ``online``),
+        or an int argument that is not an int.
 
     Raw ring: token at position ``p`` of a request lives in ring row ``ring_of(p) * ring_size +
     p % ring_size`` where ``ring_of(p) = rings[p // ring_span]`` (``ring_span=None``: one ring per
@@ -254,7 +261,8 @@ class CompressorState:
     """
 
     def __init__(self, state: torch.Tensor, ape: torch.Tensor, ratio: int, ring_size: int, online: bool = False):
-        self.ratio = check_ratio(ratio)
+        self.ratio = ratio = check_ratio(ratio)
+        ring_size = int_arg("ring_size", ring_size)
         if online and ratio != 128:
             raise ValueError(f"sparsekv: argument `online` is for ratio 128 only, got ratio {ratio}")
         need = 2 if online else window(ratio)
@@ -267,7 +275,13 @@ class CompressorState:
         if state.dtype not in allowed:
             raise TypeError(f"sparsekv: argument `state` must have dtype {' or '.join(map(str, allowed))}"
                             f"{' (online C128 keeps float32 snapshots)' if online else ''}, got {state.dtype}")
-        self.state, self.ape, self.ring_size, self.online = state, ape, int(ring_size), online
+        if state.dim() != 2 or ape.dim() != 2 or ape.shape[0] != ratio or state.shape[1] != 2 * ape.shape[1]:
+            raise ValueError(f"sparsekv: arguments `state` [rows, 2 W] and `ape` [ratio={ratio}, W] disagree: got "
+                             f"state {list(state.shape)}, ape {list(ape.shape)}")
+        if ring_size > state.shape[0]:
+            raise ValueError(f"sparsekv: argument `ring_size` ({ring_size}) is larger than `state` "
+                             f"({state.shape[0]} rows)")
+        self.state, self.ape, self.ring_size, self.online = state, ape, ring_size, bool(online)
         self.snapshots = ring_size // 2
         self.coff = 2 if ratio == 4 else 1
         self._progress: dict[int, _Progress] = {}
@@ -282,12 +296,11 @@ class CompressorState:
         ValueError
             ``length`` is negative, or the request is already tracked here.
         """
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"sparsekv: argument `length` must be an int >= 0, got {length!r}")
-        if int(request_id) in self._progress:
+        length, request_id = int_arg("length", length, 0), int_arg("request_id", request_id)
+        if request_id in self._progress:
             raise ValueError(f"sparsekv: argument `request_id`: request {request_id} is already tracked; release it "
                              f"first")
-        self._progress[int(request_id)] = _Progress(valid=length, high=length)
+        self._progress[request_id] = _Progress(valid=length, high=length)
 
     def release(self, request_id: int) -> None:
         """Forget a finished request (its rings may be reused)."""
@@ -347,12 +360,22 @@ class CompressorState:
         ------
         ValueError
             A start beyond what the request holds, a rollback past what its ring keeps (the ring was
-            overwritten since), or lengths that do not add up to N.
+            overwritten since), lengths that do not add up to N, a request id named twice in one
+            batch, or a tensor sharing memory with the ring, ``ape`` or ``store.cache``.
+        TypeError
+            An id, start, length or ``ring_span`` that is not an int (``1.7`` is not truncated).
         IndexError
             A ring id outside ``state`` or missing from ``rings`` (named ``rings``), or, with
             ``store``, a slot outside the cache. Nothing is written when anything is raised.
         """
-        lengths = [kv.shape[0]] if lengths is None else [int(n) for n in lengths]
+        lengths = [kv.shape[0]] if lengths is None else [int_arg("lengths", n) for n in lengths]
+        request_ids = [int_arg("request_ids", r) for r in request_ids]
+        starts = [int_arg("starts", s) for s in starts]
+        rings = [[int_arg("rings", r) for r in ring_ids] for ring_ids in rings]
+        if ring_span is not None:
+            ring_span = int_arg("ring_span", ring_span, 1)
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"sparsekv: argument `request_ids` names a request twice in one batch: {request_ids}")
         if not (len(request_ids) == len(rings) == len(starts) == len(lengths)):
             raise ValueError("sparsekv: arguments `request_ids`, `rings`, `starts`, `lengths` must have one entry "
                              "per request")
@@ -361,14 +384,13 @@ class CompressorState:
                              f"({kv.shape[0]}), got {lengths}")
         if store is not None and (self.online or entry_slots is None):
             raise ValueError("sparsekv: argument `store` needs `entry_slots` and the raw ring (online=False)")
-        progress = [self._check_start(int(r), int(s)) for r, s in zip(request_ids, starts)]
+        progress = [self._check_start(r, s) for r, s in zip(request_ids, starts)]
         if self.online:
-            entries, anchors = self._plan_online(rings, [int(s) for s in starts], lengths, kv, score, ring_span)
+            entries, anchors = self._plan_online(rings, starts, lengths, kv, score, ring_span)
         else:
-            entries, anchors = self._plan_raw(rings, [int(s) for s in starts], lengths, kv, score, ring_span, store,
-                                              entry_slots)
+            entries, anchors = self._plan_raw(rings, starts, lengths, kv, score, ring_span, store, entry_slots)
         for prog, s, n in zip(progress, starts, lengths):
-            prog.valid = int(s) + n
+            prog.valid = s + n
             prog.high = max(prog.high, prog.valid)
         return entries, anchors
 
@@ -377,7 +399,7 @@ class CompressorState:
         if index >= len(ring_ids):
             raise IndexError(f"sparsekv: argument `rings` has {len(ring_ids)} ring ids, position {pos} needs "
                              f"id {index} (ring_span {span})")
-        ring = int(ring_ids[index])
+        ring = ring_ids[index]
         if ring < 0 or (ring + 1) * self.ring_size > self.state.shape[0]:
             raise IndexError(f"sparsekv: argument `rings`: ring {ring} is outside state "
                              f"({self.state.shape[0] // self.ring_size} rings of {self.ring_size} rows)")

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
+from sparsekv.jit_kernel.arguments import int_arg
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -61,6 +62,8 @@ __all__ = [
 INDEXER_HEAD_DIM = 128
 MAX_INDEXER_HEADS = 64
 COMPRESS_RATIO = 4
+#: Entry positions and cache slots are int32: a top-k longer than that names nothing more.
+_MAX_TOP_K = 2**31 - 1
 #: Indexer K cache layouts by name.
 INDEXER_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::dsv4_indexer::Bf16"}
@@ -107,14 +110,18 @@ def indexer_template_args(layout: str, q_dtype: torch.dtype) -> tuple[str, str]:
 
 
 def visible_entries(positions: torch.Tensor) -> torch.Tensor:
-    """Compressed (C4) entries visible from raw positions: ``(t + 1) // 4`` (0 for t < 0)."""
-    return torch.div(positions.clamp_min(-1) + 1, COMPRESS_RATIO, rounding_mode="floor")
+    """Compressed (C4) entries visible from raw positions: ``(t + 1) // 4`` (0 for t < 0), without
+    computing ``t + 1`` (which wraps at ``t = 2**63 - 1``)."""
+    t = positions.clamp_min(-1)
+    return torch.div(t, COMPRESS_RATIO, rounding_mode="floor") + (t.remainder(COMPRESS_RATIO) == COMPRESS_RATIO - 1)
 
 
-def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> None:
+def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int,
+                       pages_are: str = "the pages of `k_cache`") -> None:
     """Torch check, on the tables' own device, that every page holding a visible entry is in ``[0, num_pages)``
     and that every row's visible entries fit its table row (the kernel's host entry does the same for
     host tensors; on the GPU this runs with ``SPARSEKV_CHECK_INDICES=1`` and costs a sync).
+    ``pages_are`` says what the bound is, for the message.
 
     Raises
     ------
@@ -133,8 +140,8 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
     bad = in_use & ((page_table < 0) | (page_table >= num_pages))
     if bool(bad.any()):
         b, i = (int(x) for x in bad.nonzero()[0])
-        raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(page_table[b, i])} names no page of the "
-                         f"cache [0, {num_pages}) but holds visible entries")
+        raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(page_table[b, i])} is outside "
+                         f"[0, {num_pages}) ({pages_are}) but holds visible entries")
 
 
 def indexer_scores(
@@ -185,17 +192,19 @@ def indexer_scores(
     Raises
     ------
     TypeError
-        Wrong dtype (the message names the argument).
+        Wrong dtype, or a ``page_size`` that is not an int (the message names the argument).
     ValueError
-        Wrong shape, stride or device; more than 64 heads; ``page_size`` not a power of two; a row
-        that sees more entries than its page-table row holds (host-readable tables).
+        Wrong shape, stride or device; more than 64 heads; ``page_size`` not a power of two in
+        ``[1, 2^20]``; a row that sees more entries than its page-table row holds (host-readable
+        tables); ``out`` sharing memory with another argument or with itself.
     IndexError
         A page holding visible entries outside the cache (host-readable tables; the kernel scores
         such entries -inf otherwise).
     """
-    if out is None:
-        out = torch.empty((rows_of(page_table, 2, 0), rows_of(page_table, 2, 1) * page_size), dtype=torch.float32,
-                          device=q.device)
+    page_size = int_arg("page_size", page_size)
+    if out is None:  # a page size out of range gives no columns; the op body refuses it
+        width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
+        out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     impl = resolve_impl(impl, q.device, auto_triton_on_cuda=True)
     _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out, impl)
     return out
@@ -240,7 +249,7 @@ def indexer_topk(
     positions : torch.Tensor
         int32 or int64 ``[B]``, contiguous: raw query positions ``t``.
     top_k : int
-        ``k >= 1``.
+        ``1 <= k < 2^31`` (an int or a numpy integer).
     page_table : torch.Tensor, optional
         int32 ``[B, max_pages]``; when given, the cache slots of the selected entries are returned too.
     page_size : int
@@ -265,30 +274,38 @@ def indexer_topk(
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape, stride or device; ``top_k < 1``; ``out_slots`` without ``page_table``.
+        Wrong dtype, shape, stride or device; ``top_k`` not an int or out of range (refused before
+        anything is allocated); ``out_slots`` without ``page_table``; an output sharing memory with
+        another argument or with itself.
     IndexError
-        A negative page holding visible entries (host-readable tables).
+        A page holding visible entries that is negative or whose slots overflow int32 (host-readable
+        tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
     """
-    k = top_k if type(top_k) is int and top_k >= 1 else 0  # noqa: E721 - the op body names a bad top_k
+    top_k, page_size = int_arg("top_k", top_k), int_arg("page_size", page_size)
+    k = top_k if 1 <= top_k <= _MAX_TOP_K else 0  # the op body names a bad top_k
     batch = rows_of(scores, 2)
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     if page_table is not None and out_slots is None:
         out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     impl = resolve_impl(impl, scores.device, auto_triton_on_cuda=False)
-    _indexer_topk(scores, positions, k, page_table, page_size, out, out_slots, impl)
+    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, impl)
     return out, out_slots
 
 
 @kernel_op("indexer_topk", mutates_args=("out", "out_slots"))
 def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
                   page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, impl: str) -> None:
-    if top_k < 1:
-        raise ValueError("sparsekv: argument `top_k` must be an int >= 1 (any k; no per-k instances)")
+    if not 1 <= top_k <= _MAX_TOP_K:
+        raise ValueError(f"sparsekv: argument `top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
+                         f"{top_k}")
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
     if out.dim() != 2 or out.shape[1] != top_k:
         raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
+    if page_table is not None and backend_of(scores) == "cuda" and env.check_indices() and page_size > 0:
+        # The host entry's check of host tables, on the device (a sync): no page whose slots wrap int32.
+        check_pages_in_use(page_table, positions, page_size, 2**31 // page_size, "pages whose slots fit int32")
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 

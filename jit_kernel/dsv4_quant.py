@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
+from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
@@ -68,22 +69,22 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     slots : torch.Tensor
         int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
     page_size : int
-        Slots per page, a power of two.
+        Slots per page, a power of two in ``[1, 2^20]``.
 
     Raises
     ------
     TypeError
-        A wrong dtype (the message names the argument).
+        A wrong dtype, or a ``page_size`` that is not an int (the message names the argument).
     ValueError
-        A wrong shape, stride, device or page size, a duplicated slot, or ``x`` sharing memory
-        with ``cache``.
+        A wrong shape, stride, device or page size, a duplicated slot, or two arguments sharing
+        memory (or a ``cache`` whose elements overlap, e.g. an ``expand``).
     IndexError
         A slot outside the cache.
 
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
-    _quantize(x, cache, slots, int(page_size))
+    _quantize(x, cache, slots, int_arg("page_size", page_size))
 
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
@@ -120,7 +121,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
     """
     if out is None:
         out = torch.empty(rows_of(slots, 1), 512, dtype=torch.float32, device=cache.device)
-    _dequantize(cache, slots, int(page_size), out)
+    _dequantize(cache, slots, int_arg("page_size", page_size), out)
     return out
 
 

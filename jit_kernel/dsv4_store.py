@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.jit_kernel.arguments import float_arg, int_arg
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
@@ -62,7 +63,8 @@ class RopeParams:
     """RoPE with optional YaRN blending (``factor > 1``), no mscale.
 
     DSV4 compressed layers: ``RopeParams(160000, 16, 65536, 32, 1)``; SWA-only layers:
-    ``RopeParams(10000)``.
+    ``RopeParams(10000)``. The kernels check the values; the types are checked here (TypeError
+    naming the field for a string or a bool, a float ``original_max_positions``).
     """
 
     theta: float
@@ -70,6 +72,16 @@ class RopeParams:
     original_max_positions: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("theta", "factor", "beta_fast", "beta_slow"):
+            float_arg(f"rope.{name}", getattr(self, name))
+        int_arg("rope.original_max_positions", self.original_max_positions)
+
+    def kernel_args(self) -> tuple[float, float, int, float, float]:
+        """The five values in the order the store kernels take them."""
+        return (float(self.theta), float(self.factor), int(self.original_max_positions), float(self.beta_fast),
+                float(self.beta_slow))
 
 
 def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -101,18 +113,18 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     Raises
     ------
     TypeError
-        A wrong dtype (named).
+        A wrong dtype, or a scalar of the wrong type (named).
     ValueError
-        A wrong shape, page size, RoPE parameter, or a duplicated slot.
+        A wrong shape, page size, RoPE parameter, a duplicated slot, or a written
+        ``cache`` that shares memory with another argument.
     IndexError
         A slot outside the cache. Nothing is written when anything is raised.
     """
-    _norm_rope_store(x, weight, float(eps), positions, cache, slots, int(page_size), *_rope_args(rope), cache_kind)
+    eps, page_size = float_arg("eps", eps), int_arg("page_size", page_size)
+    if not isinstance(rope, RopeParams):
+        raise TypeError(f"sparsekv: argument `rope` must be a RopeParams, got {type(rope).__name__}")
+    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, *rope.kernel_args(), cache_kind)
 
-
-def _rope_args(rope: RopeParams) -> tuple[float, float, int, float, float]:
-    return (float(rope.theta), float(rope.factor), int(rope.original_max_positions), float(rope.beta_fast),
-            float(rope.beta_slow))
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))
@@ -152,6 +164,12 @@ class StoreTarget:
     rope: RopeParams
     cache_kind: str = "V4"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eps", float_arg("store.eps", self.eps))
+        object.__setattr__(self, "page_size", int_arg("store.page_size", self.page_size))
+        if not isinstance(self.rope, RopeParams):
+            raise TypeError(f"sparsekv: argument `store.rope` must be a RopeParams, got {type(self.rope).__name__}")
+
 
 def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions, slots, target: StoreTarget) -> None:
     """One fused streaming step (pool + norm + RoPE + quantize + store, then the ring writes).
@@ -159,8 +177,8 @@ def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions
     The planned ``sources`` / ``writes`` tables come from
     :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
     """
-    _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, float(target.eps), positions,
-                    target.cache, slots, int(target.page_size), *_rope_args(target.rope), target.cache_kind)
+    _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
+                    target.cache, slots, target.page_size, *target.rope.kernel_args(), target.cache_kind)
 
 
 @kernel_op("compress_store", mutates_args=("state", "cache"))
@@ -179,7 +197,7 @@ def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positio
                                target: StoreTarget) -> None:
     """One fused decode step (see :func:`~sparsekv.jit_kernel.dsv4_compress.compress_decode_step`, the public entry)."""
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, target.weight,
-                           float(target.eps), target.cache, slots, int(target.page_size), *_rope_args(target.rope),
+                           target.eps, target.cache, slots, target.page_size, *target.rope.kernel_args(),
                            target.cache_kind)
 
 

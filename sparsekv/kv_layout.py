@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["C4_PAGE_SLOTS", "C4_RATIO", "DSV4_PAGE_SIZES", "INDEXER_FP4", "INDEXER_FP8", "LAYOUTS", "V4", "V41",
-           "V41_FP4", "KVLayout", "c4_page_slots", "resident_index_bytes"]
+__all__ = ["C4_PAGE_SLOTS", "C4_RATIO", "DSV4_PAGE_SIZES", "INDEXER_FP4", "INDEXER_FP8", "LAYOUTS", "MAX_PAGE_SLOTS",
+           "V4", "V41", "V41_FP4", "KVLayout", "c4_page_slots", "resident_index_bytes"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class KVLayout:
         Raises
         ------
         ValueError
-            ``page_slots`` is not positive.
+            ``page_slots`` is not an int in ``[1, MAX_PAGE_SLOTS]``.
         """
         _check_page_slots(page_slots)
         tokens = self.bytes_per_token * page_slots
@@ -146,9 +146,13 @@ class KVLayout:
 
 
 def _check_page_slots(page_slots: int) -> None:
-    if isinstance(page_slots, bool) or not isinstance(page_slots, int) or page_slots <= 0:
-        raise ValueError(f"sparsekv: argument `page_slots` must be a positive int, got {page_slots!r}")
+    if isinstance(page_slots, bool) or not isinstance(page_slots, int) or not 0 < page_slots <= MAX_PAGE_SLOTS:
+        raise ValueError(f"sparsekv: argument `page_slots` must be an int in [1, 2^20], got {page_slots!r}")
 
+
+#: The largest page any kernel takes, in slots (``kv_layout::kMaxPageSlots``): every size product
+#: of a page then fits int64 with room to spare.
+MAX_PAGE_SLOTS = 2**20
 
 V4 = KVLayout("V4", "V4", value_bytes=576, scale_bytes=8, page_align=576)
 V41 = KVLayout("V41", "V41", value_bytes=512, scale_bytes=16, page_align=512)

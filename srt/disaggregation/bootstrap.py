@@ -26,8 +26,12 @@ import struct
 import threading
 import time
 
+from sparsekv.srt.disaggregation.messages import ProtocolError
+
 LOOPBACK = "127.0.0.1"
-MAX_MESSAGE_BYTES = 256 << 20
+#: The largest frame either side reads (the biggest real message, a 2^20-token room's index lists,
+#: is a few MiB); a larger length prefix ends the connection before anything is allocated for it.
+MAX_MESSAGE_BYTES = 16 << 20
 _HEADER = struct.Struct(">I")
 
 
@@ -111,15 +115,22 @@ class Channel:
         PeerClosedError
             The peer closed the connection.
         ValueError
-            A frame over :data:`MAX_MESSAGE_BYTES` or not a JSON object.
+            A frame over :data:`MAX_MESSAGE_BYTES` (the stream is then out of step, close it).
+        ProtocolError
+            A whole frame that is not a JSON object (invalid UTF-8 or JSON, nested too deeply, or
+            another JSON value); the stream is still in step.
         """
         deadline = time.monotonic() + timeout_s
         (size,) = _HEADER.unpack(self._recv_exact(_HEADER.size, deadline))
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"sparsekv: bootstrap message of {size} B exceeds {MAX_MESSAGE_BYTES} B")
-        message = json.loads(self._recv_exact(size, deadline))
+        frame = self._recv_exact(size, deadline)
+        try:
+            message = json.loads(frame)
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser's stack
+            raise ProtocolError(f"sparsekv: bootstrap message is not JSON: {type(e).__name__}: {str(e):.200}") from None
         if not isinstance(message, dict):
-            raise ValueError("sparsekv: bootstrap message is not a JSON object")
+            raise ProtocolError("sparsekv: bootstrap message is not a JSON object")
         return message
 
     def peer_closed(self) -> bool:

@@ -10,12 +10,22 @@ every prefill PP stage). Each stage then
    index-length mismatch, an out-of-range index, a state type with no sender or a TP split the
    state cannot take fails the room here, with nothing written;
 2. posts the writes in batches of at most ``max_batch_rows`` rows, ``max_inflight`` at a time,
-   each batch carrying the notification ``b"<stage port>:<room>:<batch>:<batches>"``;
-3. reports the room's status on the bootstrap connection.
+   each batch carrying the notification ``b"<session>:<stage port>:<room>:<batch>:<batches>"``
+   (``session``: the decode's random id from its hello, so no other deployment's notification
+   counts);
+3. reports the room's status on the bootstrap connection, with a digest of every host region it
+   sent when the decode asked for them (:mod:`.integrity`).
 
-The decode side declares a room done when every stage reported success *and* every batch's
-notification arrived (NIXL delivers a batch's notification after its data). Every wait is
-bounded (``timeout_s``); a peer that dies mid-transfer fails the room on the other side within it.
+The decode side declares a room done when every stage reported success, every batch's
+notification arrived (NIXL delivers a batch's notification after its data) *and*, with
+``checksums`` (the default), every region's digest equals that of the bytes it received; a
+mismatch fails the room naming the regions. Every wait is bounded (``timeout_s``); a peer that
+dies mid-transfer fails the room on the other side within it.
+
+Peer input is untrusted (:mod:`.messages`): every message is checked against its schema, a bad
+one gets one refusal on its connection and changes nothing else; frames are bounded
+(:data:`~.bootstrap.MAX_MESSAGE_BYTES`) and so are the connections a sender serves
+(``max_connections``). With a shared ``secret`` the sender serves only decodes that present it.
 
 Lifecycle: ``KVSender(kv_args, backend)`` registers its regions and listens; ``close()`` stops it
 and releases every handle and registration. ``KVReceiver(kv_args, backend, addresses)`` registers,
@@ -25,11 +35,13 @@ sides); ``close()`` likewise.
 
 from __future__ import annotations
 
+import binascii
 import logging
 import queue
 import select
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +52,7 @@ import numpy as np
 
 from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
+from sparsekv.srt.disaggregation.integrity import mismatched, room_digests
 from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
 from sparsekv.srt.disaggregation.manifest import (
     TP_SHARDED_STATES,
@@ -47,6 +60,13 @@ from sparsekv.srt.disaggregation.manifest import (
     ManifestMismatchError,
     Region,
     check_manifests,
+)
+from sparsekv.srt.disaggregation.messages import (
+    ProtocolError,
+    op_of,
+    parse_hello,
+    parse_transfer,
+    secret_matches,
 )
 from sparsekv.srt.disaggregation.transfer_plan import check_index_pairs, plan_transfer
 
@@ -263,6 +283,13 @@ def plan_batches(plan: Plan, max_batch_rows: int) -> list[tuple[str, str, np.nda
 # ---- prefill side --------------------------------------------------------------------------------
 
 
+class _Session(NamedTuple):
+    """What one decode connection asked for in its hello."""
+
+    id: str  # the decode's session id, echoed in every notification to it
+    checksums: bool  # report region digests with each room's status
+
+
 @dataclass
 class _Room:
     kv_indices: np.ndarray
@@ -300,14 +327,25 @@ class KVSender:
     history : int
         Finished rooms remembered for :meth:`status`, :meth:`error` and :meth:`stats`; older ones
         are forgotten (a server's memory stays bounded, and their ids may be declared again).
+    secret : str, optional
+        The deployment's shared secret: a decode whose hello does not present it is refused
+        (constant-time comparison). None serves any decode that can reach the port (README, "PD
+        trust model").
+    max_connections : int
+        Decode connections served at once; one more is refused (one message) and closed.
     """
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, *, host: str = LOOPBACK, port: int = 0,
                  timeout_s: float = 30.0, max_batch_rows: int = 16384, max_inflight: int = 4, coalesce: bool = True,
                  progress: Callable[[int, int, int], None] | None = None, close_backend: bool = True,
-                 history: int = 4096) -> None:
-        if max_batch_rows < 1 or max_inflight < 1 or history < 1:
-            raise ValueError("sparsekv: arguments `max_batch_rows`, `max_inflight` and `history` must be >= 1")
+                 history: int = 4096, secret: str | None = None, max_connections: int = 64) -> None:
+        if max_batch_rows < 1 or max_inflight < 1 or history < 1 or max_connections < 1:
+            raise ValueError("sparsekv: arguments `max_batch_rows`, `max_inflight`, `history` and `max_connections` "
+                             "must be >= 1")
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            raise ValueError("sparsekv: argument `secret` must be a non-empty string or None")
+        self.secret = secret
+        self.max_connections = max_connections
         self.kv_args = kv_args
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
@@ -425,10 +463,25 @@ class KVSender:
             except (OSError, ValueError):
                 return
             ch = Channel(sock)
+            self._channels = [c for c in self._channels if not c.closed]
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._channels) >= self.max_connections:
+                self._refuse(ch, f"sparsekv: this prefill serves at most {self.max_connections} decode connections")
+                continue
             self._channels.append(ch)
             t = threading.Thread(target=self._serve, args=(ch,), name="kv-sender-conn", daemon=True)
             self._threads.append(t)
             t.start()
+
+    def _refuse(self, ch: Channel, error: str) -> None:
+        """Refuse a decode connection: one ``refused`` message, then close it."""
+        self.refusals.append(error)
+        logger.error("refusing a decode connection: %s", error)
+        try:
+            ch.send({"op": "refused", "error": error})
+        except PeerClosedError:
+            pass
+        ch.close()
 
     def _finish(self, room: int, status: RoomStatus, error: str = "") -> None:
         with self._cond:
@@ -445,7 +498,9 @@ class KVSender:
             callback(room, status == RoomStatus.SUCCESS)
 
     def _next_message(self, ch: Channel) -> dict | None:
-        """The decode's next message; None once it hung up or the sender closes."""
+        """The decode's next message; None once it hung up or the sender closes. A frame that is
+        whole but not a JSON object is refused (one message) and skipped; a frame over the size
+        bound ends the connection, after a refusal (the stream cannot be trusted past it)."""
         while not self._closing:
             try:
                 readable, _, _ = select.select([ch.sock], [], [], 0.1)
@@ -454,49 +509,70 @@ class KVSender:
             if readable:
                 try:
                     return ch.recv(self.timeout_s)
-                except (PeerClosedError, TimeoutError, ValueError):
+                except ProtocolError as e:
+                    self._send_refusal(ch, str(e))
+                    continue
+                except ValueError as e:
+                    self._send_refusal(ch, str(e))
+                    return None
+                except (PeerClosedError, TimeoutError):
                     return None
         return None
+
+    def _send_refusal(self, ch: Channel, error: str, room: int | None = None) -> None:
+        """One message telling the decode a message of its was refused (a room's status when it named one)."""
+        logger.error("refusing a decode message: %s", error)
+        message = {"op": "refused", "error": error} if room is None else \
+            {"op": "status", "room": room, "ok": False, "error": error}
+        try:
+            ch.send(message)
+        except PeerClosedError:
+            pass
 
     def _serve(self, ch: Channel) -> None:
         peer = None
         try:
-            hello = ch.recv(self.timeout_s)
-            if hello.get("op") != "hello":
-                raise ManifestMismatchError(f"sparsekv: expected a hello, got {hello.get('op')!r}")
-            remote = Manifest.from_dict(hello.get("manifest", {}))
+            hello_message = ch.recv(self.timeout_s)
+            if op_of(hello_message) != "hello":
+                raise ProtocolError(f"sparsekv: expected a hello, got {hello_message.get('op')!r:.80}")
+            hello = parse_hello(hello_message)
+            if not secret_matches(self.secret, hello.secret):
+                raise ProtocolError("sparsekv: the decode did not present this deployment's secret")
+            remote = Manifest.from_dict(hello.manifest)
             check_manifests(self.manifest, remote)
-            descriptor = unb64(hello["agent"])
-        except (ManifestMismatchError, KeyError) as e:
-            self.refusals.append(str(e))
-            logger.error("refusing a decode connection: %s", e)
-            try:
-                ch.send({"op": "refused", "error": str(e)})
-            except PeerClosedError:
-                pass
-            ch.close()
+            descriptor = unb64(hello.agent)
+        except (ManifestMismatchError, ValueError, binascii.Error, TypeError, KeyError, AttributeError) as e:
+            self._refuse(ch, str(e))  # a malformed hello (ProtocolError), manifest or descriptor
             return
-        except (PeerClosedError, TimeoutError, ValueError) as e:
+        except (PeerClosedError, TimeoutError) as e:
             logger.error("decode connection failed during the handshake: %s", e)
             ch.close()
             return
         try:
             peer = self.backend.connect(descriptor)
+        except Exception as e:  # a peer's descriptor is untrusted input: any engine error refuses it
+            self._refuse(ch, f"sparsekv: the decode's engine descriptor was refused: {type(e).__name__}: {e}")
+            return
+        try:
             ch.send({"op": "welcome", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
             planner = RoomPlanner(self.manifest, remote, self.kv_args)
+            session = _Session(hello.session, hello.checksums)
             # Two stages: this thread reads and plans the next room while the poster thread's
             # writes of the previous one run (the engine releases the GIL while it copies).
             posts: queue.Queue = queue.Queue()
-            poster = threading.Thread(target=self._post_loop, args=(ch, peer, posts), name="kv-sender-post",
+            poster = threading.Thread(target=self._post_loop, args=(ch, peer, posts, session), name="kv-sender-post",
                                       daemon=True)
             poster.start()
             try:
                 while poster.is_alive() and (message := self._next_message(ch)) is not None:
-                    if message.get("op") == "transfer":
-                        if (prepared := self._prepare(ch, planner, message)) is not None:
+                    op = message.get("op")
+                    if op == "transfer":
+                        if (prepared := self._prepare(ch, planner, message, session)) is not None:
                             posts.put(prepared)
-                    elif message.get("op") == "bye":
+                    elif op == "bye":
                         break
+                    else:
+                        self._send_refusal(ch, f"sparsekv: unknown bootstrap op {op!r:.80}")
             finally:
                 posts.put(None)
                 poster.join()
@@ -520,10 +596,17 @@ class KVSender:
                 self._cond.wait(left)
             return self._rooms.get(room)
 
-    def _prepare(self, ch: Channel, planner: RoomPlanner, message: dict) -> tuple[int, _Room, Plan] | None:
-        """The room a ``transfer`` message asks for, claimed and planned; None if refused (the
-        decode was told why)."""
-        room = int(message.get("room", -1))
+    def _prepare(self, ch: Channel, planner: RoomPlanner, message: dict,
+                 session: _Session) -> tuple[int, _Room, Plan, dict] | None:
+        """The room a ``transfer`` message asks for, claimed, planned and (when the decode asked)
+        digested; None if refused (the decode was told why, nothing else changed)."""
+        try:
+            request = parse_transfer(message)
+        except ProtocolError as e:
+            room = message.get("room")  # a refusal names the room only when the room itself is valid
+            self._send_refusal(ch, str(e), room if type(room) is int and 0 <= room < 1 << 63 else None)  # noqa: E721
+            return None
+        room = request.room
         source = self._wait_source(room)
         if source is None:
             ch.send({"op": "status", "room": room, "ok": False,
@@ -536,22 +619,24 @@ class KVSender:
             ch.send({"op": "status", "room": room, "ok": False, "error": f"sparsekv: room {room} is already {state}"})
             return None
         try:
-            return room, source, planner.plan(source.kv_indices, source.state_indices, message,
-                                              coalesce=self.coalesce)
+            plan = planner.plan(source.kv_indices, source.state_indices, request._asdict(), coalesce=self.coalesce)
+            digests = room_digests(self.manifest.components, source.kv_indices, {}, source.state_indices) \
+                if session.checksums else {}
+            return room, source, plan, digests
         except (ValueError, IndexError, TypeError, TransferError) as e:
             self._fail(ch, room, f"sparsekv: room {room} refused before any write: {e}")
             return None
 
-    def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue) -> None:
+    def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue, session: _Session) -> None:
         """Write the planned rooms in order; after a failed transfer fail the rest and stop."""
         lost = ""
         while (item := posts.get()) is not None:
-            room, source, plan = item
+            room, source, plan, digests = item
             if lost:
                 self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
                 continue
             try:
-                batches, nbytes, seconds = self._write(ch, peer, room, plan)
+                batches, nbytes, seconds = self._write(ch, peer, room, plan, session)
             except TransferError as e:
                 self._fail(ch, room, str(e))
                 lost = str(e)
@@ -561,7 +646,8 @@ class KVSender:
                 source.nbytes, source.seconds = nbytes, seconds
             self._finish(room, RoomStatus.SUCCESS)
             try:
-                ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes})
+                ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes,
+                         "digests": {k: f"{v:016x}" for k, v in digests.items()}})
             except PeerClosedError as e:
                 lost = str(e)
 
@@ -573,7 +659,7 @@ class KVSender:
         except PeerClosedError:
             pass
 
-    def _write(self, ch: Channel, peer: str, room: int, plan: Plan) -> tuple[int, int, float]:
+    def _write(self, ch: Channel, peer: str, room: int, plan: Plan, session: _Session) -> tuple[int, int, float]:
         batches = plan_batches(plan, self.max_batch_rows)
         n = len(batches)
         nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
@@ -591,7 +677,7 @@ class KVSender:
                     if self.progress is not None:
                         self.progress(room, done, n)
                 inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind,
-                                                   notif=f"{self.address[1]}:{room}:{i}:{n}".encode()))
+                                                   notif=f"{session.id}:{self.address[1]}:{room}:{i}:{n}".encode()))
             while inflight:
                 self._wait_one(ch, inflight.pop(0), deadline, room)
                 done += 1
@@ -654,6 +740,11 @@ class KVReceiver:
     history : int
         Finished rooms whose outcome :meth:`poll` still reports; older ones are forgotten (a
         server's memory stays bounded).
+    secret : str, optional
+        The deployment's shared secret, presented to every stage (see :class:`KVSender`).
+    checksums : bool
+        Verify every host region of every room against the digest its stage computed before
+        sending (:mod:`.integrity`); a mismatch fails the room. On by default.
 
     Raises
     ------
@@ -665,9 +756,16 @@ class KVReceiver:
     """
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, bootstrap_addresses: list[tuple[str, int]], *,
-                 timeout_s: float = 30.0, history: int = 4096) -> None:
+                 timeout_s: float = 30.0, history: int = 4096, secret: str | None = None,
+                 checksums: bool = True) -> None:
         if history < 1:
             raise ValueError(f"sparsekv: argument `history` must be >= 1, got {history}")
+        self.secret = secret
+        self.checksums = checksums
+        #: This receiver's identity in every notification sent to it (another deployment's never match).
+        self.session = uuid.uuid4().hex
+        # Destination indices of each requested room, for its digests: (kv, kv groups, states).
+        self._requested: dict[int, tuple[list[int], dict[str, list[int]], list[list[int]]]] = {}
         self.kv_args = kv_args
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
@@ -691,7 +789,11 @@ class KVReceiver:
     def _connect(self, address: tuple[str, int]) -> _Stage:
         ch = Channel.connect(address, self.timeout_s)
         try:
-            ch.send({"op": "hello", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict()})
+            hello = {"op": "hello", "agent": b64(self.backend.descriptor()), "manifest": self.manifest.to_dict(),
+                     "session": self.session, "checksums": self.checksums}
+            if self.secret is not None:
+                hello["secret"] = self.secret
+            ch.send(hello)
             reply = ch.recv(self.timeout_s)
             if reply.get("op") == "refused":
                 raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} refused this "
@@ -716,11 +818,14 @@ class KVReceiver:
                 message = stage.channel.recv(self.timeout_s)
             except (PeerClosedError, TimeoutError, ValueError, OSError):
                 break
-            if message.get("op") == "status":
+            room = message.get("room")
+            if message.get("op") == "status" and type(room) is int:  # noqa: E721
                 with self._cond:
-                    if int(message["room"]) not in self._finished:
-                        stage.statuses[int(message["room"])] = message
+                    if room not in self._finished:
+                        stage.statuses[room] = message
                     self._cond.notify_all()
+            elif message.get("op") == "refused":
+                logger.error("prefill stage %d refused a message: %s", stage.port, message.get("error"))
         with self._cond:
             stage.closed = True
             self._cond.notify_all()
@@ -758,6 +863,8 @@ class KVReceiver:
                    "state_indices": [[int(i) for i in s] for s in state_indices],
                    "kv_group_indices": {k: [int(i) for i in v] for k, v in (kv_group_indices or {}).items()}}
         with self._cond:  # a room asked for again is a new transfer: forget what the last one reported
+            self._requested[int(room)] = (message["kv_indices"], message["kv_group_indices"],
+                                          message["state_indices"])
             self._finished.pop(int(room), None)
             for stage in self._stages:
                 stage.statuses.pop(int(room), None)
@@ -772,9 +879,13 @@ class KVReceiver:
             for peer, messages in notifs.items():
                 for m in messages:
                     try:
-                        port, room, batch, _ = (int(x) for x in m.decode().split(":"))
+                        session, *fields = m.decode().split(":")
+                        port, room, batch, _ = (int(x) for x in fields)
                     except ValueError:
                         logger.warning("ignoring an unexpected notification %r from %s", m, peer)
+                        continue
+                    if session != self.session:
+                        logger.warning("ignoring a notification of another session from %s", peer)
                         continue
                     stage = by_port.get(port)
                     if stage is not None and room not in self._finished:  # late ones of a failed room
@@ -794,7 +905,27 @@ class KVReceiver:
                 for stage in self._stages:
                     stage.statuses.pop(room, None)
                     stage.notifs.pop(room, None)
+                self._requested.pop(room, None)
             return outcome
+
+    def _verify(self, room: int) -> str:
+        """Why the room's received bytes disagree with its stages' digests ("" when they agree or
+        checksums are off); caller holds ``_cond``."""
+        if not self.checksums or room not in self._requested:
+            return ""
+        kv, groups, states = self._requested[room]
+        for i, stage in enumerate(self._stages):
+            try:
+                expected = {str(k): int(v, 16) for k, v in (stage.statuses[room].get("digests") or {}).items()}
+                got = room_digests(self.manifest.components, kv, groups, states, only=set(expected))
+            except (IndexError, ValueError, TypeError, AttributeError) as e:
+                return f"prefill stage {i}: the received bytes cannot be checked: {e}"
+            local_host = {k for k in expected if k in got}
+            bad = mismatched({k: expected[k] for k in local_host}, got)
+            if bad:
+                return (f"prefill stage {i}: {len(bad)} region(s) arrived with other bytes than were sent "
+                        f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        return ""
 
     def _outcome(self, room: int) -> tuple[RoomStatus, str]:
         """What the stages' statuses and notifications say of ``room`` (caller holds ``_cond``)."""
@@ -809,7 +940,10 @@ class KVReceiver:
                 done = False
             elif len(stage.notifs.get(room, ())) < int(status.get("batches", 0)):
                 done = False
-        return (RoomStatus.SUCCESS if done else RoomStatus.PENDING), ""
+        if not done:
+            return RoomStatus.PENDING, ""
+        error = self._verify(room)
+        return (RoomStatus.FAILED, error) if error else (RoomStatus.SUCCESS, "")
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
         """Wait until room ``room`` has fully arrived.

@@ -28,6 +28,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import sys
 import time
@@ -67,6 +68,10 @@ class DemoSpec:
     kill_decode_after: int = 0
     #: Transfer engine of both sides (:data:`~.backend.ENGINES`).
     engine: str = "nixl"
+    #: The session's shared secret (README, "PD trust model"); :func:`run_session` draws one when empty.
+    secret: str = ""
+    #: The decode verifies every region's digest (:mod:`.integrity`).
+    checksums: bool = True
 
 
 # ---- pools and regions ---------------------------------------------------------------------------
@@ -255,7 +260,8 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
             args = kv_args_of(pool, is_mla=spec.is_mla)
             fill_regions(args, spec.seed)
             senders.append(KVSender(args, backend, timeout_s=spec.timeout_s, max_batch_rows=spec.max_batch_rows,
-                                    max_inflight=spec.max_inflight, progress=progress, close_backend=False))
+                                    max_inflight=spec.max_inflight, progress=progress, close_backend=False,
+                                    secret=spec.secret or None))
         conn.send({"addresses": [s.address for s in senders]})
         decode_pid["pid"] = _recv(conn, ROLE_TIMEOUT_S)["decode_pid"]
         for room in plan:
@@ -361,7 +367,8 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     result: dict = {"rooms": {}}
     try:
         receiver = KVReceiver(args, open_backend(spec.engine, f"decode-{os.getpid()}", timeout_s=spec.timeout_s),
-                              addresses, timeout_s=spec.timeout_s)
+                              addresses, timeout_s=spec.timeout_s, secret=spec.secret or None,
+                              checksums=spec.checksums)
     except ManifestMismatchError as e:
         result["refused"] = str(e)
         result["unchanged"] = all(np.array_equal(region_array(p, n), snapshot[lb]) for lb, p, n in _regions(args))
@@ -458,6 +465,8 @@ def run_session(spec: DemoSpec) -> dict:
     TimeoutError
         A role did not report within its bound.
     """
+    if not spec.secret:  # one per session: another deployment on this host cannot claim its rooms
+        spec = replace(spec, secret=secrets.token_hex(16))
     plan = make_plan(spec)
     ctx = mp.get_context("spawn")
     p_parent, p_child = ctx.Pipe()
@@ -494,7 +503,8 @@ def run_session(spec: DemoSpec) -> dict:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(10)
-    return {"spec": asdict(spec), "plan": plan, "prefill": prefill_report, "decode": decode_report}
+    return {"spec": {**asdict(spec), "secret": "<set>"}, "plan": plan, "prefill": prefill_report,
+            "decode": decode_report}
 
 
 def verdict(report: dict) -> bool:

@@ -256,7 +256,7 @@ def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(bac
 
 TOPK_BAD_INPUTS = [
     (dict(top_k=0), ValueError, "top_k"),
-    (dict(top_k=2.5), ValueError, "top_k"),
+    (dict(top_k=2.5), TypeError, "top_k"),
     (dict(out=torch.zeros(2, 5, dtype=torch.int32)), ValueError, "out"),
     (dict(out=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "out"),
     (dict(out_slots=torch.zeros(2, 4, dtype=torch.int32), page_table=None), ValueError, "out_slots"),

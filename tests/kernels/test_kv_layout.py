@@ -42,9 +42,12 @@ def test_page_geometry_invariants(layout):
 
 def test_cpp_header_agrees_with_python(tmp_path):
     """Generate static_asserts from the Python mirror and let the host compiler check them."""
-    lines = ['#include "sparsekv/kv_layout.h"', "using namespace sparsekv::kv_layout;"]
+    lines = ['#include "sparsekv/kv_layout.h"', "using namespace sparsekv::kv_layout;",
+             f"static_assert(kMaxPageSlots == {kv_layout.MAX_PAGE_SLOTS});"]
     for layout in kv_layout.LAYOUTS.values():
         t = layout.cpp_name
+        # Outside [1, kMaxPageSlots] no page exists: the C++ size is -1 (a 2^62-slot page once wrapped to 0).
+        lines += [f"static_assert({t}::page_bytes({p}) == -1);" for p in (0, -1, kv_layout.MAX_PAGE_SLOTS + 1, 2**62)]
         lines += [
             f"static_assert({t}::kValueBytes == {layout.value_bytes});",
             f"static_assert({t}::kScaleBytes == {layout.scale_bytes});",
@@ -68,6 +71,13 @@ def test_cpp_header_agrees_with_python(tmp_path):
     cmd = [host_compiler(None).path, "-std=c++17", "-fsyntax-only", f"-I{root / 'include'}", str(source)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("page_slots", [0, kv_layout.MAX_PAGE_SLOTS + 1, 2**62, 64.0, True])
+def test_page_bytes_refuses_a_page_no_kernel_takes(page_slots):
+    assert kv_layout.V4.padding_offset(kv_layout.MAX_PAGE_SLOTS) == 584 * 2**20 <= kv_layout.V4.page_bytes(2**20)
+    with pytest.raises(ValueError, match="`page_slots`"):
+        kv_layout.V4.page_bytes(page_slots)
 
 
 @given(layout=st.sampled_from(list(kv_layout.LAYOUTS.values())), page_slots=st.sampled_from([1, 2, 8, 64]),

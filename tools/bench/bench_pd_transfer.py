@@ -11,6 +11,9 @@ pages would let a short stream run from the CPU cache):
   (as a decode server admits a batch) and waited for, end to end (planning, batches,
   notifications, status messages); GB/s = the rooms' bytes / the time to the last arrival.
   ``ours_uncoalesced`` is the same without coalescing (one write per page and region);
+  ``ours_unchecked`` the same as ``ours`` through a second decode connection that does not verify
+  the rooms' region digests (``KVReceiver(checksums=False)``): ``checksum_cost`` is the share of
+  throughput the end-to-end integrity check takes (hashing on both sides);
 * ``ours_latency``: one room alone, the decode's request -> its arrival;
 * ``raw``: the engine alone, in the same run, on the same bytes at the same transfer sizes: each
   room's rows as our plan produced them, one engine write per room as we issue them (for NIXL
@@ -172,7 +175,7 @@ def prefill_main(engine: str, layers: int, max_len: int, conn) -> None:
                 nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in rooms[0]))
                 blocks = np.array_split(one_mib_rows(sender.manifest, remote, nbytes * len(rooms)), len(rooms))
                 blocks = [[("DRAM", "DRAM", b)] for b in blocks]
-                (peer,) = backend.peers
+                peer = "bench-decode"  # the checking receiver's endpoint (the unchecked one shares its memory)
                 conn.send({"raw": [_raw_write(backend, peer, rooms) for _ in range(cmd["repeats"])],
                            "raw_1mib": [_raw_write(backend, peer, blocks) for _ in range(cmd["repeats"])],
                            "rows": int(sum(rows.shape[0] for _, _, rows in rooms[0])), "bytes": nbytes})
@@ -207,8 +210,11 @@ def main() -> None:
     while not parent.poll(0.1):
         if not proc.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the prefill process did not start (exit code {proc.exitcode})")
-    receiver = KVReceiver(kv_args, open_backend(args.engine, "bench-decode", timeout_s=TIMEOUT_S), [parent.recv()],
+    address = parent.recv()
+    receiver = KVReceiver(kv_args, open_backend(args.engine, "bench-decode", timeout_s=TIMEOUT_S), [address],
                           timeout_s=TIMEOUT_S)
+    unchecked = KVReceiver(kv_args, open_backend(args.engine, "bench-decode-unchecked", timeout_s=TIMEOUT_S),
+                           [address], timeout_s=TIMEOUT_S, checksums=False)
     result = BenchResult(name=f"PD transfer of DSV4 requests over {args.engine} (127.0.0.1)",
                          baseline=f"raw {args.engine}, same rows and bytes, same run",
                          notes={"layers": args.layers, "pool_tokens": pool.size, "repeats": args.repeats,
@@ -217,9 +223,11 @@ def main() -> None:
     try:
         for seq_len in tqdm(lengths, desc="bench_pd_transfer", unit="request"):
             row = {"case": f"{seq_len // 1024}k tokens", "seq_len": seq_len}
-            for key, count, coalesce in (("ours", args.stream, True), ("ours_uncoalesced", args.stream, False),
-                                         ("ours_latency", 1, True)):
-                row[f"{key}_s"] = statistics.median(run_rooms(parent, receiver, pool.size // PAGE, room_ids, seq_len,
+            for key, count, coalesce, rx in (("ours", args.stream, True, receiver),
+                                             ("ours_unchecked", args.stream, True, unchecked),
+                                             ("ours_uncoalesced", args.stream, False, receiver),
+                                             ("ours_latency", 1, True, receiver)):
+                row[f"{key}_s"] = statistics.median(run_rooms(parent, rx, pool.size // PAGE, room_ids, seq_len,
                                                               count, coalesce)
                                                     for _ in range(args.repeats))
             parent.send({"op": "raw", "seq_len": seq_len, "repeats": args.repeats, "stream": args.stream,
@@ -229,8 +237,9 @@ def main() -> None:
             raw = parent.recv()
             row.update(bytes=raw["bytes"], rows=raw["rows"], raw_s=statistics.median(raw["raw"]),
                        raw_1mib_s=statistics.median(raw["raw_1mib"]))
-            for key in ("ours", "ours_uncoalesced", "ours_latency", "raw", "raw_1mib"):
+            for key in ("ours", "ours_unchecked", "ours_uncoalesced", "ours_latency", "raw", "raw_1mib"):
                 row[f"{key}_gbps"] = raw["bytes"] / row[f"{key}_s"] / 1e9
+            row["checksum_cost"] = 1 - row["ours_gbps"] / row["ours_unchecked_gbps"]
             row["ours_vs_raw"] = row["ours_gbps"] / row["raw_gbps"]
             row["ours_vs_raw_1mib"] = row["ours_gbps"] / row["raw_1mib_gbps"]
             row["latency_vs_raw"] = row["ours_latency_gbps"] / row["raw_gbps"]
@@ -238,6 +247,7 @@ def main() -> None:
             result.rows.append(row)
     finally:
         parent.send({"op": "stop"})
+        unchecked.close()
         receiver.close()
         proc.join(30)
         if proc.is_alive():

@@ -7,7 +7,9 @@
 //   1. Types, shapes, strides, devices: `check(t, "name")...` (TypeError / ValueError naming it).
 //   2. Memory: an argument the kernel writes must not share memory with any other argument it
 //      reads or writes, or it would read its own writes or write twice (`check_disjoint`,
-//      ValueError naming both). Byte spans are compared, so interleaved views of one buffer count.
+//      ValueError naming both, one call per entry listing every tensor argument). Byte spans are
+//      compared, so interleaved views of one buffer count. A written argument must not overlap
+//      itself either (an `expand`ed view writes one element from many places).
 //   3. Destinations: a destination named twice must come with the same source
 //      (`check_no_conflicting_destinations`). Checked where the ids are host-readable; for
 //      device-resident ids it is the caller's duty (say so in the kernel's contract) unless the
@@ -37,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
 
 #ifndef SPARSEKV_BACKEND_CUDA
@@ -234,6 +237,27 @@ inline void check_range(int64_t value, int64_t lo, int64_t hi_exclusive, const c
   }
 }
 
+// a * b for non-negative sizes, or ValueError naming `what` when the product leaves int64.
+inline int64_t checked_product(int64_t a, int64_t b, const char* what) {
+  int64_t product = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &product)) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: " << what << " (" << a << " x " << b << ") does not fit int64";
+  }
+  return product;
+}
+
+// A page size (slots per page) argument: a power of two in [1, kv_layout::kMaxPageSlots]; returns
+// its log2. Every entry that takes a page size checks it here first, so no size product overflows.
+inline int check_page_size(int64_t page_size, const char* name) {
+  if (page_size < 1 || page_size > kv_layout::kMaxPageSlots || (page_size & (page_size - 1)) != 0) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be a power of two in [1, 2^20], got "
+                              << page_size;
+  }
+  int shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  return shift;
+}
+
 // The bytes [first, last) a tensor's elements span (first == last when it has none). A strided
 // view spans from its lowest to its highest element, gaps included.
 inline std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
@@ -329,8 +353,31 @@ inline Operand written(const TensorView* t, const char* name) { return {t, name,
 inline Operand read(const TensorView& t, const char* name) { return {&t, name, false}; }
 inline Operand read(const TensorView* t, const char* name) { return {t, name, false}; }
 
-// Rule 2: no written argument shares memory with any other argument.
+// Whether distinct indices of t may name one element: with its dims of size > 1 sorted by stride,
+// each stride must step past everything the smaller dims reach (true for every slice, transpose or
+// column view of a dense buffer; false for a stride-0 `expand`).
+inline bool may_self_overlap(const TensorView& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int i = 0; i < t.ndim(); ++i) {
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i) < 0 ? -t.stride(i) : t.stride(i), t.size(i));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest element offset reached by the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
+// Rule 2: no written argument shares memory with any other argument, nor overlaps itself.
 inline void check_disjoint(std::initializer_list<Operand> args) {
+  for (const Operand& a : args) {
+    if (a.written && a.tensor && may_self_overlap(*a.tensor)) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << a.name << "` is written but its elements overlap each "
+                                << "other (e.g. an expand()ed view, stride 0); pass a tensor with distinct elements";
+    }
+  }
   for (auto a = args.begin(); a != args.end(); ++a) {
     for (auto b = a + 1; b != args.end(); ++b) {
       if ((a->written || b->written) && a->tensor && b->tensor) {

@@ -23,8 +23,10 @@
 // (no padding; at any power-of-two P >= 4 a page is a multiple of 16 bytes anyway).
 //
 // API (stable; kernels of other families include this header):
+//   kMaxPageSlots (2^20: the largest page any kernel takes; every size product below fits int64)
 //   Layout::kValueBytes, kScaleBytes, kBytesPerToken, kPageAlign
-//   Layout::page_bytes(page_slots), value_offset(slot_in_page), scale_offset(slot_in_page, page_slots)
+//   Layout::page_bytes(page_slots) (-1 outside [1, kMaxPageSlots]), value_offset(slot_in_page),
+//   scale_offset(slot_in_page, page_slots)
 //   PagedKV<Layout, PageSlots>::kPageBytes, kScaleBase, token(base, slot) -> TokenBytes{value, scale}
 // Everything is constexpr / SPARSEKV_HOST_DEVICE, so it works in kernels, host code and static_asserts.
 #pragma once
@@ -35,18 +37,27 @@
 
 namespace sparsekv::kv_layout {
 
+// The largest page, in slots. With records of at most 2^10 bytes a page is at most 2^30 bytes, so
+// no size product of this header can overflow int64 for a page size in [1, kMaxPageSlots] and a
+// slot inside its page (a 2^62-slot page once wrapped page_bytes to 0 and passed a shape check).
+inline constexpr int64_t kMaxPageSlots = int64_t{1} << 20;
+
 template <int64_t ValueBytes, int64_t ScaleBytes, int64_t PageAlign>
 struct Layout {
   static_assert(ValueBytes > 0 && ScaleBytes > 0, "kv_layout: value and scale records must be non-empty");
   static_assert(PageAlign > 0, "kv_layout: page alignment must be positive");
+  static_assert(ValueBytes + ScaleBytes <= 1024 && PageAlign <= 1024, "kv_layout: records of at most 1 KiB keep "
+                "every page size product below 2^31");
 
   static constexpr int64_t kValueBytes = ValueBytes;
   static constexpr int64_t kScaleBytes = ScaleBytes;
   static constexpr int64_t kBytesPerToken = ValueBytes + ScaleBytes;
   static constexpr int64_t kPageAlign = PageAlign;
 
-  // Bytes of one page of page_slots tokens, padding included.
+  // Bytes of one page of page_slots tokens, padding included; -1 (no buffer has that width) for a
+  // page_slots outside [1, kMaxPageSlots], so a shape check against it refuses such a page size.
   SPARSEKV_HOST_DEVICE static constexpr int64_t page_bytes(int64_t page_slots) {
+    if (page_slots < 1 || page_slots > kMaxPageSlots) return -1;
     return (kBytesPerToken * page_slots + kPageAlign - 1) / kPageAlign * kPageAlign;
   }
   // Byte offset, inside its page, of the value record of slot slot_in_page.
@@ -80,7 +91,7 @@ struct TokenBytes {
 // buffer [pages, layers, kPageBytes] seen from one layer has page_stride = layers * kPageBytes).
 template <class L, int64_t PageSlots>
 struct PagedKV {
-  static_assert(PageSlots > 0, "kv_layout: a page holds at least one slot");
+  static_assert(PageSlots > 0 && PageSlots <= kMaxPageSlots, "kv_layout: a page holds 1 to kMaxPageSlots slots");
   using LayoutT = L;
   static constexpr int64_t kPageSlots = PageSlots;
   static constexpr int64_t kPageBytes = L::page_bytes(PageSlots);
