@@ -1,9 +1,11 @@
-"""Replay top-k traces through the HiSparse hot buffer: LRU (the kernel's policy) against Belady's optimum.
+"""Replay top-k traces through the HiSparse hot buffer: LRU, a recency-protected LRU and Belady's optimum.
 
 For each hot-buffer size H, reports per decode step the hit rate (lookups served without a load)
-and the bytes moved host -> device (loads x item bytes), for the LRU policy of the swap-in kernel
-and for Belady's offline optimum on the same trace (:mod:`sparsekv.testing.hisparse_traces`). The
-gap is the headroom any better online policy can win.
+and the bytes moved host -> device (loads x item bytes), for the LRU policy of the swap-in kernel,
+the recency-protected LRU (``recent_lru``: entries of the last ``--protect-recent`` positions are
+evicted last) and Belady's offline optimum on the same trace
+(:mod:`sparsekv.testing.hisparse_traces`). The gap to Belady is the headroom any better online
+policy can win; each policy's bytes over Belady's are in the table and the JSON.
 
 Input: ``--trace FILE`` (our JSON trace format, see the module above), or a synthetic trace with
 tunable growth, drift, recency bias and locality (``--save-trace`` writes it out).
@@ -28,7 +30,7 @@ from tqdm import tqdm
 from sparsekv.cli import CliParser
 from sparsekv.kv_layout import V4
 from sparsekv.testing.bench import add_common_args
-from sparsekv.testing.hisparse_traces import POLICIES, Trace, replay, synthetic_trace
+from sparsekv.testing.hisparse_traces import POLICIES, PROTECT_RECENT, Trace, replay, synthetic_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of hot-buffer sizes H (each >= the trace's top-k)")
     p.add_argument("--item-bytes", type=int, default=V4.bytes_per_token, help="bytes per loaded entry (584: V4)")
     p.add_argument("--per-step", type=int, metavar="H", help="also print the per-step table of this H")
+    p.add_argument("--protect-recent", type=int, default=PROTECT_RECENT, metavar="W",
+                   help="recent_lru: positions before the newest evicted last (default %(default)s)")
     g = p.add_argument_group("synthetic trace")
     g.add_argument("--requests", type=int, default=4)
     g.add_argument("--steps", type=int, default=400)
@@ -67,39 +71,45 @@ def load_or_make_trace(args: argparse.Namespace) -> Trace:
                            locality_span=args.locality_span, seed=args.seed)
 
 
-def simulate(trace: Trace, hots: list[int], item_bytes: int) -> list[dict]:
-    """One row per H: overall hit rates and bytes, and every per-step series, for both policies."""
+def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int = PROTECT_RECENT) -> list[dict]:
+    """One row per H: overall hit rates and bytes, and every per-step series, for every policy."""
     rows = []
     for hot in tqdm(hots, desc="hisparse_sim", unit="H"):
         row: dict = {"hot": hot}
         for policy in POLICIES:
-            result = replay(trace, hot, policy)
+            result = replay(trace, hot, policy, protect_recent=protect_recent)
             row[f"{policy}_hit_rate"] = result.hit_rate
             row[f"{policy}_bytes"] = result.loads * item_bytes
             row[f"{policy}_bytes_per_step"] = result.loads * item_bytes / max(len(result.steps), 1)
             row[f"{policy}_steps"] = [{"hit_rate": s.hit_rate, "bytes": s.loads * item_bytes} for s in result.steps]
         row["belady_over_lru_bytes"] = row["belady_bytes"] / row["lru_bytes"] if row["lru_bytes"] else 1.0
+        for policy in ("lru", "recent_lru"):
+            row[f"{policy}_over_belady_bytes"] = row[f"{policy}_bytes"] / row["belady_bytes"] if row["belady_bytes"] \
+                else 1.0
         rows.append(row)
     return rows
 
 
 def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None:
-    print(f"{'H':>6} {'LRU hit':>9} {'Belady hit':>11} {'LRU MB/step':>12} {'Belady MB/step':>15} {'Belady/LRU':>11}",
-          file=out)
+    names = {"lru": "LRU", "recent_lru": "recent", "belady": "Belady"}
+    print(f"{'H':>6} " + " ".join(f"{names[p] + ' hit':>11}" for p in POLICIES) + " "
+          + " ".join(f"{names[p] + ' MB/step':>15}" for p in POLICIES)
+          + f" {'LRU/Belady':>11} {'recent/Belady':>14}", file=out)
     for r in rows:
-        print(f"{r['hot']:>6} {r['lru_hit_rate']:>9.4f} {r['belady_hit_rate']:>11.4f} "
-              f"{r['lru_bytes_per_step'] / 1e6:>12.4f} {r['belady_bytes_per_step'] / 1e6:>15.4f} "
-              f"{r['belady_over_lru_bytes']:>11.3f}", file=out)
+        print(f"{r['hot']:>6} " + " ".join(f"{r[p + '_hit_rate']:>11.4f}" for p in POLICIES) + " "
+              + " ".join(f"{r[p + '_bytes_per_step'] / 1e6:>15.4f}" for p in POLICIES)
+              + f" {r['lru_over_belady_bytes']:>11.3f} {r['recent_lru_over_belady_bytes']:>14.3f}", file=out)
     if per_step is None:
         return
     row = next((r for r in rows if r["hot"] == per_step), None)
     if row is None:
         raise SystemExit(f"hisparse_sim: --per-step {per_step} is not one of the simulated H")
     print(f"\nper step, H={per_step}", file=out)
-    print(f"{'step':>6} {'LRU hit':>9} {'Belady hit':>11} {'LRU bytes':>11} {'Belady bytes':>13}", file=out)
-    for i, (lru, opt) in enumerate(zip(row["lru_steps"], row["belady_steps"])):
-        print(f"{i:>6} {lru['hit_rate']:>9.4f} {opt['hit_rate']:>11.4f} {lru['bytes']:>11} {opt['bytes']:>13}",
-              file=out)
+    print(f"{'step':>6} " + " ".join(f"{names[p] + ' hit':>11}" for p in POLICIES) + " "
+          + " ".join(f"{names[p] + ' bytes':>13}" for p in POLICIES), file=out)
+    for i, steps in enumerate(zip(*(row[f"{p}_steps"] for p in POLICIES))):
+        print(f"{i:>6} " + " ".join(f"{s['hit_rate']:>11.4f}" for s in steps) + " "
+              + " ".join(f"{s['bytes']:>13}" for s in steps), file=out)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -110,7 +120,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     hots = [r["hot"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy, style in (("lru", "o-"), ("belady", "s--")):
+    for policy, style in (("lru", "o-"), ("recent_lru", "^-"), ("belady", "s--")):
         ax1.plot(hots, [r[f"{policy}_hit_rate"] for r in rows], style, label=policy)
         ax2.plot(hots, [r[f"{policy}_bytes_per_step"] / 1e6 for r in rows], style, label=policy)
     ax1.set_xlabel("hot buffer size H")
@@ -134,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     hots = sorted({int(h) for h in args.hot.split(",")})
     if hots[0] < trace.num_top_k:
         raise SystemExit(f"hisparse_sim: every H must be >= the trace's top-k ({trace.num_top_k}), got {hots[0]}")
-    rows = simulate(trace, hots, args.item_bytes)
+    rows = simulate(trace, hots, args.item_bytes, args.protect_recent)
     print_tables(rows, args.per_step)
     source = args.trace or "synthetic"
-    doc = {"name": "hisparse_sim", "trace": source, "num_top_k": trace.num_top_k,
+    doc = {"name": "hisparse_sim", "trace": source, "num_top_k": trace.num_top_k, "protect_recent": args.protect_recent,
            "requests": len(trace.requests), "steps": trace.num_steps, "item_bytes": args.item_bytes,
            "synthetic": None if args.trace else {k: getattr(args, k) for k in (
                "growth", "drift", "recency", "recency_window", "locality", "locality_span", "start_len", "seed")},
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json_path, "w") as f:
             json.dump(doc, f)
     if args.plot:
-        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: LRU vs Belady")
+        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: LRU, recent LRU, Belady")
 
 
 if __name__ == "__main__":

@@ -74,8 +74,13 @@ class StepResult:
     hits: int
 
 
-def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int) -> StepResult:
+def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int, *, protect_recent: int = 0) -> StepResult:
     """Apply one step's top-k to ``buffer`` (updated in place) and say which slot serves each entry.
+
+    ``protect_recent > 0`` selects the recency-protected LRU (simulated in ``tools/hisparse_sim.py``,
+    not in the kernels): the misses evict, in LRU order, first the slots whose token lies before the
+    last ``protect_recent`` positions (``token < seq_len - 1 - protect_recent``), then the others;
+    the LRU order is updated as for LRU. 0 (default) is the kernels' LRU.
 
     Parameters
     ----------
@@ -103,6 +108,10 @@ def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int) -> StepR
     hit_tokens = set(holder)
     hit_slot_set = set(hit_slots)
     evictable = [s for s in buffer.lru if s not in hit_slot_set]
+    victims = evictable
+    if protect_recent > 0:
+        old = newest - protect_recent
+        victims = [s for s in evictable if buffer.tokens[s] < old] + [s for s in evictable if buffer.tokens[s] >= old]
 
     # Distinct missing tokens in first-occurrence order (dict keys keep insertion order).
     missing = list(dict.fromkeys(t for t in top_k if t in wanted and t not in hit_tokens))
@@ -110,11 +119,12 @@ def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int) -> StepR
         raise ValueError(f"hisparse model: {len(missing)} misses but only {len(evictable)} evictable slots "
                          "(a hot buffer smaller than the top-k?)")
     misses = []
-    for t, s in zip(missing, evictable):
+    for t, s in zip(missing, victims):
         buffer.tokens[s] = t
         holder[t] = s
         misses.append((t, s))
-    buffer.lru = evictable[len(missing):] + evictable[: len(missing)] + hit_slots
+    taken = {s for _, s in misses}
+    buffer.lru = [s for s in evictable if s not in taken] + [s for _, s in misses] + hit_slots
 
     slots = [hot if t == newest else holder[t] if t in wanted else -1 for t in top_k]
     hits = sum(1 for t in top_k if t == newest or t in hit_tokens)

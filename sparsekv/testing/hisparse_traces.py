@@ -5,6 +5,9 @@ compressed length and its top-k positions. :func:`replay` runs a policy over it 
 step, the lookups served from the hot buffer and the entries loaded host -> device:
 
 * ``"lru"``: the swap-in kernel's policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`);
+* ``"recent_lru"``: LRU that evicts entries of the last :data:`PROTECT_RECENT` positions only after
+  every older one (``swap_in_step(..., protect_recent=...)``): decode attention returns to recent
+  entries more than to old ones;
 * ``"belady"``: Belady's MIN on the same trace, the offline optimum for demand loading: a missing
   entry must be loaded, and the entry evicted is the one (not needed this step) whose next use is
   furthest in the future.
@@ -34,7 +37,9 @@ from pathlib import Path
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 FORMAT = "sparsekv.hisparse_trace/1"
-POLICIES = ("lru", "belady")
+POLICIES = ("lru", "recent_lru", "belady")
+#: Positions before the newest that ``"recent_lru"`` protects (the synthetic traces' recency window).
+PROTECT_RECENT = 256
 
 
 @dataclass
@@ -177,11 +182,11 @@ def _lookups(seq_len: int, top_k: list[int], hot: int) -> int:
     return sum(0 <= t < seq_len for t in top_k[:used])
 
 
-def _replay_lru(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+def _replay_lru(steps: list[tuple[int, list[int]]], hot: int, protect_recent: int = 0) -> list[tuple[int, int, int]]:
     buffer = HotBuffer.resident_prefix(hot)
     out = []
     for seq_len, top_k in steps:
-        step = swap_in_step(buffer, top_k, seq_len)
+        step = swap_in_step(buffer, top_k, seq_len, protect_recent=protect_recent)
         out.append((_lookups(seq_len, top_k, hot), step.hits, len(step.misses)))
     return out
 
@@ -216,8 +221,9 @@ def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[i
     return out
 
 
-def replay(trace: Trace, hot: int, policy: str) -> ReplayResult:
-    """Run ``policy`` (``"lru"`` or ``"belady"``) with ``hot`` slots per request over ``trace``.
+def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT_RECENT) -> ReplayResult:
+    """Run ``policy`` (one of :data:`POLICIES`) with ``hot`` slots per request over ``trace``
+    (``protect_recent``: the window of ``"recent_lru"``).
 
     Raises
     ------
@@ -228,7 +234,9 @@ def replay(trace: Trace, hot: int, policy: str) -> ReplayResult:
         raise ValueError(f"sparsekv: argument `policy` must be one of {POLICIES}, got {policy!r}")
     if hot < trace.num_top_k:
         raise ValueError(f"sparsekv: argument `hot` ({hot}) must be >= the trace's num_top_k ({trace.num_top_k})")
-    run = _replay_lru if policy == "lru" else _replay_belady
+    runs = {"lru": _replay_lru, "recent_lru": lambda steps, h: _replay_lru(steps, h, protect_recent),
+            "belady": _replay_belady}
+    run = runs[policy]
     result = ReplayResult(policy, hot, [StepStats() for _ in range(trace.num_steps)])
     for request in trace.requests:
         for stats, (lookups, hits, loads) in zip(result.steps, run(request.steps, hot)):

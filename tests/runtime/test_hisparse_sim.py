@@ -15,7 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv.testing.hisparse_traces import RequestTrace, Trace, replay, synthetic_trace
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+from sparsekv.testing.hisparse_traces import POLICIES, RequestTrace, Trace, replay, synthetic_trace
 from sparsekv.testing.strategies.hisparse import make_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +65,25 @@ def test_belady_never_loads_more_than_lru(steps):
     lru, opt = replay(trace, 4, "lru"), replay(trace, 4, "belady")
     assert opt.loads <= lru.loads
     assert [s.lookups for s in opt.steps] == [s.lookups for s in lru.steps]
+
+
+@given(steps=tiny_steps(hot=4, k=3), window=st.integers(0, 3))
+def test_belady_never_loads_more_than_recent_lru_and_window_0_is_lru(steps, window):
+    trace = Trace(3, [RequestTrace("r", steps)])
+    recent = replay(trace, 4, "recent_lru", protect_recent=window)
+    assert replay(trace, 4, "belady").loads <= recent.loads
+    if window == 0:
+        assert [(s.hits, s.loads) for s in recent.steps] == [(s.hits, s.loads) for s in replay(trace, 4, "lru").steps]
+
+
+def test_recent_lru_evicts_an_old_entry_before_a_less_recently_used_recent_one():
+    # Slots 0..2 hold tokens 42 (recent: within 4 of the newest, 45), 3 and 7; LRU order 0, 1, 2.
+    # One miss (token 9): LRU takes slot 0 (token 42), the recency-protected LRU slot 1 (token 3).
+    for window, victim in ((0, 0), (4, 1)):
+        buffer = HotBuffer(tokens=[42, 3, 7], lru=[0, 1, 2])
+        step = swap_in_step(buffer, [9, 7], 46, protect_recent=window)
+        assert step.misses == [(9, victim)]
+        assert buffer.lru == [s for s in (0, 1) if s != victim] + [victim, 2]
 
 
 def test_belady_hand_example():
@@ -116,7 +136,7 @@ def test_synthetic_trace_is_a_drifting_distinct_top_k():
     assert 0.75 < sum(kept) / len(kept) < 0.99
 
 
-def test_sim_tool_reports_both_policies(tmp_path):
+def test_sim_tool_reports_every_policy(tmp_path):
     trace = synthetic_trace(num_requests=2, num_steps=30, num_top_k=8, start_len=100, seed=2)
     trace_path, out = tmp_path / "trace.json", tmp_path / "out.json"
     trace.save(trace_path)
@@ -126,7 +146,7 @@ def test_sim_tool_reports_both_policies(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["hot"] for r in rows] == [8, 16]
     for r in rows:
-        for policy in ("lru", "belady"):
+        for policy in POLICIES:
             result = replay(trace, r["hot"], policy)
             assert r[f"{policy}_hit_rate"] == result.hit_rate
             assert r[f"{policy}_bytes"] == result.loads * 584
