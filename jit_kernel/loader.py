@@ -26,7 +26,7 @@ from pathlib import Path
 import tvm_ffi
 import tvm_ffi.libinfo
 
-from sparsekv import env
+from sparsekv import env, log
 from sparsekv.jit_kernel import arch as arch_mod
 from sparsekv.jit_kernel import cache, toolchain
 
@@ -378,6 +378,21 @@ def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi
         _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what)
 
 
+_logging_checked = False
+
+
+def _log_from_environment() -> None:
+    """``SPARSEKV_LOG_LEVEL`` set: give the ``sparsekv`` logger its stderr handler at that level on the
+    first module load of the process, unless it has a handler already (the CLI's, or the
+    application's). Library users need not call :func:`sparsekv.log.configure`; root is never touched."""
+    global _logging_checked
+    if _logging_checked:
+        return
+    _logging_checked = True
+    if env.log_level() and not logging.getLogger(log.LOGGER_NAME).handlers:
+        log.configure()
+
+
 def _show_compiles() -> None:
     """``SPARSEKV_JIT_VERBOSE=1``: show the ``sparsekv.jit`` logger's compile lines and command lines,
     giving it a stderr handler when it has none (an application that configured no logging still sees
@@ -507,7 +522,9 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
         if so is None:
             continue
         try:
-            return _load(so)
+            module = _load(so)
+            logger.debug("JIT: cache hit %s (%s)", entry, root)
+            return module
         except Exception:  # noqa: BLE001 - unloadable artifact: a miss, rebuilt below
             logger.warning("JIT artifact %s does not load; rebuilding", so)
     if _capturing_cuda_graph():
@@ -592,7 +609,9 @@ def _load_indexed(request: ModuleRequest, roots: cache.CacheRoots) -> tvm_ffi.Mo
                 continue
             so = cache.valid_artifact(root / index["entry"])
             if so is not None:
-                return _load(so)
+                module = _load(so)
+                logger.debug("JIT: cache hit %s (%s)", index["entry"], root)
+                return module
         except (OSError, ValueError, KeyError, TypeError):
             continue
         except Exception:  # noqa: BLE001 - an unloadable artifact: take the full path
@@ -701,6 +720,7 @@ def load_jit(
     with _modules_lock:
         module = _modules.get(memo)
         if module is None:
+            _log_from_environment()
             roots = cache.open_roots()
             request = _resolve_request(name, template_args, header, exports, kernels, backend, arch)
             module = _load_indexed(request, roots)

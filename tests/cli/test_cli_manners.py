@@ -222,3 +222,23 @@ def test_logging_configures_the_sparsekv_logger_never_the_root(restore_sparsekv_
     assert (root.level, list(root.handlers)) == before
     logging.getLogger("sparsekv.jit").info("a record")
     assert "sparsekv.jit INFO: a record" in capsys.readouterr().err
+
+
+def test_sparsekv_log_level_reaches_library_users_with_cache_hits_at_debug(tmp_path):
+    """A program that never configures logging still sees the JIT's records when SPARSEKV_LOG_LEVEL is
+    set (a handler on the `sparsekv` logger, not on root); DEBUG shows cache hits."""
+    probe = ("import logging, torch\n"
+             "from sparsekv.jit_kernel.gather_rows import GATHER_ROWS\n"
+             "GATHER_ROWS.module(index_dtype=torch.int64)\n"
+             "logging.getLogger('other').info('not ours')\n"
+             "print(len(logging.getLogger().handlers), len(logging.getLogger('sparsekv').handlers))\n")
+    env = dict(os.environ, SPARSEKV_LOG_LEVEL="DEBUG")
+    first = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    hit = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert hit.stdout.split() == ["0", "1"]
+    assert re.search(r"sparsekv\.jit DEBUG: JIT: cache hit gather_rows__", hit.stderr), hit.stderr
+    assert "not ours" not in hit.stderr
+    quiet = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                           env={k: v for k, v in env.items() if k != "SPARSEKV_LOG_LEVEL"})
+    assert quiet.stderr == "" and quiet.stdout.split() == ["0", "0"]
