@@ -20,11 +20,14 @@ keeps float32-level accuracy: against the fp64 reference ``|out - ref| <= 2e-4 +
 float32 ``q``; for bf16 ``q`` the weights are rounded to bf16 once, ``|out - ref| <= 1e-2 max|ref|``
 (FlashMLA's own rounding of ``p``).
 
-GPU design for batch 64, top-k 512, 64 heads (the README's roofline table): grid ``64 x splits``
-(splits fill ~2 programs per SM of 132), ``BLOCK_N = 16`` rows per tile (``16 x 576`` bytes = 9 KiB
-gathered per step), 8 warps, the float32 accumulators ``64 x 512`` = 128 registers per thread; one
-program per SM (the AOT report: 255 registers, 128 KiB shared for bf16 ``q``), so the loads in
-flight per SM are one tile's: latency, not bandwidth, bounds it until a GPU session tunes the tile.
+GPU design for batch 64, top-k 512, 64 heads (``tools/bench/bench_dsv4_attention.py`` prints the
+roofline on paper): grid ``64 x 1`` (no split: 64 programs are half a wave, and a split would add a
+float32 partial larger than the KV rows), ``BLOCK_N = 16`` rows per tile (``16 x 584`` bytes = 9 KiB
+gathered per step), 8 warps, the float32 accumulators ``64 x 512`` = 128 registers per thread, one
+program per SM (the AOT report: 255 registers, 128 KiB shared for bf16 ``q``). The bytes are the KV
+rows once (19 MB) plus q and out: ~8 us on an H100 at 3.35 TB/s; 64 of 132 SMs each with one 9 KiB
+tile in flight is what limits it, so reaching 2x of that roofline needs two tiles in flight per
+program (``num_stages=2`` on the gather) -- a tuning step for a session with a GPU.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ MAX_BLOCK_H = 64
 #: Rows per tile and warps per program on a GPU; the interpreter runs the same tiles.
 BLOCK_N = 16
 NUM_WARPS = 8
-#: A GPU's programs in flight that split-KV aims to fill (132 SMs of an H100/H200, ~2 programs each).
-_TARGET_PROGRAMS = 264
+#: SMs of an H100 / H200: one attention program per SM (255 registers x 256 threads fill its register file).
+_GPU_SMS = 132
 _MIN_SPLIT_LEN = 64
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -234,11 +237,13 @@ def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_
 
 
 def default_splits(device: torch.device, batch: int, heads: int, entries: int) -> int:
-    """Split-KV ranges per row: enough programs to fill a GPU; 1 on CPU (the interpreter)."""
-    if device.type != "cuda" or entries <= _MIN_SPLIT_LEN:
-        return 1
+    """Split-KV ranges per row: 1 on CPU (the interpreter) and whenever the rows alone give half a wave
+    of a 132-SM GPU (each split costs a float32 ``[B, H, 512]`` partial written and read back, more
+    bytes than the KV rows at batch 64); else enough splits for one program per SM."""
     programs = max(1, batch * -(-heads // MAX_BLOCK_H))
-    return max(1, min(-(-_TARGET_PROGRAMS // programs), entries // _MIN_SPLIT_LEN))
+    if device.type != "cuda" or entries <= _MIN_SPLIT_LEN or 2 * programs >= _GPU_SMS:
+        return 1
+    return max(1, min(_GPU_SMS // programs, entries // _MIN_SPLIT_LEN))
 
 
 def _check_slots(indices: torch.Tensor, num_slots: int, name: str) -> None:

@@ -17,10 +17,16 @@ Measured, each against a baseline timed in the same run on the same inputs:
   wrapper compiled with ``torch.compile(fullgraph=True, backend="eager")``; on cuda also a CUDA-graph
   replay of the call vs the eager call.
 
-On paper (``notes.paper``): bytes and FLOPs per decode step per layer for DSV4-Flash at 1M context
-(CSA/C4: indexer + top-k + attention over 512 + 128 entries; HCA/C128: attention over all 8,192
-compressed + 128 window entries), the H200 roofline time of each, and what a GPU top-k must do
-to beat sglang's ~15 us at 256k candidates.
+Each kernel row also times the Triton twin (``impl="triton"``, column ``triton_us``): on the GPU
+with CUDA events, on the cpu backend under the Triton interpreter (``TRITON_INTERPRET=1``, set here
+before triton is imported), whose timings are not speed (``notes.triton_timing`` says which).
+
+On paper per implementation (``notes.paper_per_impl``), at batch 64, top-k 512, 64 heads (attention)
+and 64 rows of 64k C4 entries (indexer): bytes, FLOPs, HBM round trips of each KV row, and the H100 /
+H200 roofline time. On paper (``notes.paper``): bytes and FLOPs per decode step per layer for
+DSV4-Flash at 1M context (CSA/C4: indexer + top-k + attention over 512 + 128 entries; HCA/C128:
+attention over all 8,192 compressed + 128 window entries), the H200 roofline time of each, and what
+a GPU top-k must do to beat sglang's ~15 us at 256k candidates.
 
 cuda: tensors on the GPU, every figure timed with CUDA events. Prints JSON (``--json``), plots
 latencies (``--plot``), ``--quick`` runs a short sweep.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import torch
 from tqdm import tqdm
@@ -50,6 +57,54 @@ HEADS, INDEXER_HEADS, PAGE = 64, 64, 64
 FLASH = {"heads": 64, "head_dim": 512, "indexer_heads": 64, "indexer_dim": 128, "index_topk": 512, "window": 128,
          "csa_layers": 21, "hca_layers": 20}
 H200 = {"hbm_bytes_per_s": 4.8e12, "fp8_flops": 1979e12, "bf16_flops": 989e12}
+# Dense peaks: bf16 tensor cores, float32 FMA on CUDA cores (what the header's cuda kernels use).
+GPUS = {"H100": {"hbm_bytes_per_s": 3.35e12, "bf16_flops": 989e12, "fp32_flops": 67e12},
+        "H200": {"hbm_bytes_per_s": 4.8e12, "bf16_flops": 989e12, "fp32_flops": 67e12}}
+
+
+def paper_per_impl(batch: int = 64, top_k: int = 512, heads: int = 64, c4_entries: int = 1 << 16) -> dict:
+    """Bytes, FLOPs, HBM round trips per KV row and the H100/H200 roofline of each implementation.
+
+    Attention: the header's cuda kernel serves 8 heads per block (each block gathers every row again:
+    8 round trips per row, 7 of them L2 hits at best) on CUDA cores; the Triton twin gathers each row
+    once per 64 heads and runs both products on bf16 tensor cores. Indexer scores: the same bytes
+    (every visible key once), CUDA-core float32 against bf16 tensor cores. Top-k: both read the score
+    row once from HBM; the later passes come from L2.
+    """
+    kv = batch * top_k * V4.bytes_per_token
+    q_out = batch * heads * 512 * 2 * 2  # bf16 q in, bf16 out
+    attn_flops = 4 * batch * heads * 512 * top_k
+    index_bytes = batch * c4_entries * (INDEXER_FP8.bytes_per_token + 4)  # keys + the fp32 score written
+    index_flops = 2 * batch * 64 * 128 * c4_entries
+    impls = {
+        "attention_header": {"bytes": kv + q_out, "flops": attn_flops, "math": "fp32_flops",
+                             "kv_row_round_trips": heads // 8, "design": "8 heads per 256-thread block, CUDA cores"},
+        "attention_triton": {"bytes": kv + q_out, "flops": attn_flops, "math": "bf16_flops",
+                             "kv_row_round_trips": -(-heads // 64),
+                             "design": "64 heads per program, BLOCK_N=16 rows per tile, 8 warps, tl.dot (wgmma / "
+                                       "tcgen05), no split at batch 64 (64 programs, one per SM)"},
+        "indexer_scores_header": {"bytes": index_bytes, "flops": index_flops, "math": "fp32_flops",
+                                  "kv_row_round_trips": 1, "design": "one warp per entry, CUDA cores"},
+        "indexer_scores_triton": {"bytes": index_bytes, "flops": index_flops, "math": "bf16_flops",
+                                  "kv_row_round_trips": 1,
+                                  "design": "query resident over 512 entries per program, 64-key tiles, tl.dot"},
+        "indexer_topk_header": {"bytes": batch * c4_entries * 4, "flops": 0, "math": "fp32_flops",
+                                "kv_row_round_trips": 5,
+                                "design": "1024 threads per row, 4 x 8-bit histograms + write"},
+        "indexer_topk_triton": {"bytes": batch * c4_entries * 4, "flops": 0, "math": "fp32_flops",
+                                "kv_row_round_trips": 4, "design": "4 warps per row, 11+11+10-bit histograms + write"},
+    }
+    for impl in impls.values():
+        for gpu, peak in GPUS.items():
+            t_mem, t_math = impl["bytes"] / peak["hbm_bytes_per_s"], impl["flops"] / peak[impl["math"]]
+            impl[f"{gpu}_roofline_us"] = max(t_mem, t_math) * 1e6
+            impl[f"{gpu}_bound"] = "memory" if t_mem >= t_math else "math"
+    return {"batch": batch, "top_k": top_k, "heads": heads, "indexer_entries_per_row": c4_entries, "gpus": GPUS,
+            "impls": impls,
+            "target": "attention within 2x of roofline on the GPU: one gather of each row per 64 heads (the header "
+                      "repeats it 8 times) and tensor-core products take it from math-bound on CUDA cores to "
+                      "memory-bound; 64 programs on 132 SMs with one 9 KiB tile in flight each is the remaining gap "
+                      "(two tiles in flight per program closes it: tuning needs a GPU session)"}
 
 
 def paper(context: int = 1 << 20) -> dict:
@@ -116,8 +171,8 @@ class AttentionCase:
         self.lse = torch.empty(batch, HEADS, device=device)
         self.module = ATTENTION.module(backend=backend, q_dtype=torch.float32)
 
-    def kernel(self):
-        return sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE)
+    def kernel(self, impl: str = "header"):
+        return sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE, impl=impl)
 
     def raw(self):
         self.module.sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE, 512**-0.5, None, None,
@@ -155,9 +210,9 @@ class IndexerCase:
         self.scores = torch.empty(1, entries, device=device)
         self.entries = entries
 
-    def kernel_scores(self):
+    def kernel_scores(self, impl: str = "header"):
         return indexer_scores(self.q, self.weights, self.cache, self.page_table, self.positions, page_size=PAGE,
-                              out=self.scores)
+                              out=self.scores, impl=impl)
 
     def torch_scores(self):
         values = INDEXER_FP8.value_view(self.cache, PAGE)[self.page_table[0].long()].reshape(-1, 128)
@@ -205,13 +260,23 @@ def main() -> None:
     add_common_args(parser)
     add_backend_arg(parser)
     args = parser.parse_args()
+    if args.backend == "cpu":  # the Triton twins run on CPU tensors only under the interpreter (read at import)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpreted = args.backend == "cpu"
+    # The interpreter takes seconds per call at these shapes: one sample, and it is not speed.
+    time_triton = functools.partial(time_call, repeats=1, warmup=0, min_time_s=0.0) if interpreted else \
+        functools.partial(timer(args.backend), repeats=3 if args.quick else 5, warmup=1, min_time_s=0.0)
     torch.set_num_threads(1)  # the cpu backend runs on one thread: compare like with like
     repeats = 3 if args.quick else 5
     time_it = functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
     result = BenchResult(name=f"DSV4 sparse decode attention and lightning indexer ({args.backend} backend)",
                          baseline="torch (fp64 reference / fp32 torch; torch.topk)",
                          notes={"backend": args.backend, "torch_threads": 1, "heads": HEADS, "page_size": PAGE,
-                                "paper": paper()})
+                                "triton_timing": ("Triton interpreter on the CPU: NOT speed (numpy per program op), "
+                                                  "one sample, the first attention case and the top-k only (the "
+                                                  "indexer scores take minutes per call there); run --backend cuda "
+                                                  "for GPU figures") if interpreted else
+                                "GPU, CUDA events", "paper": paper(), "paper_per_impl": paper_per_impl()})
     attention_cases = [(1, 512)] if args.quick else [(b, k) for b in (1, 32) for k in (512, 2048)]
     indexer_cases = [1 << 16] if args.quick else [1 << 16, 1 << 18]
     topks = (512,) if args.quick else (512, 1024, 2048)
@@ -225,6 +290,11 @@ def main() -> None:
         out, lse = case.kernel()
         ref_out, ref_lse = case.reference()
         torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-4, atol=2e-4)
+        triton_s = None
+        if not interpreted or (batch, k) == attention_cases[0]:
+            triton_out, _ = case.kernel("triton")
+            torch.testing.assert_close(triton_out.cpu().double(), ref_out, rtol=2e-4, atol=2e-4)
+            triton_s = time_triton(functools.partial(case.kernel, "triton")).median_s
         kernel_s = time_it(case.kernel).median_s
         raw_s = time_it(case.raw).median_s
         ref_s = time_call(case.reference, repeats=repeats, warmup=1, min_time_s=0.0).median_s  # host fp64
@@ -232,7 +302,9 @@ def main() -> None:
         flops = 4 * batch * HEADS * 512 * k
         result.rows.append({
             "case": f"attention B{batch} K{k}", "batch": batch, "top_k": k, "kernel_us": kernel_s * 1e6,
-            "raw_us": raw_s * 1e6, "reference_fp64_us": ref_s * 1e6, "torch_fp32_us": fp32_s * 1e6,
+            "raw_us": raw_s * 1e6, **({"triton_us": triton_s * 1e6} if triton_s else {}),
+            "reference_fp64_us": ref_s * 1e6,
+            "torch_fp32_us": fp32_s * 1e6,
             "speedup_vs_reference": ref_s / kernel_s, "speedup_vs_torch_fp32": fp32_s / kernel_s,
             "kernel_gflops": flops / kernel_s / 1e9, "kv_bytes": case.bytes_read(),
         })
@@ -241,26 +313,36 @@ def main() -> None:
         case = IndexerCase(entries, args.backend)
         scores = case.kernel_scores().clone()
         torch.testing.assert_close(scores, case.torch_scores(), rtol=1e-4, atol=1e-4)
+        triton_scores_s = None
+        if not interpreted:  # minutes per call in the interpreter at 64k entries
+            torch.testing.assert_close(case.kernel_scores("triton").clone(), scores, rtol=1e-4, atol=1e-4)
+            triton_scores_s = time_triton(functools.partial(case.kernel_scores, "triton")).median_s
         scores_s = time_it(case.kernel_scores).median_s
         torch_scores_s = time_it(case.torch_scores).median_s
         row = {"case": f"indexer {entries >> 10}k", "entries": entries, "kernel_us": scores_s * 1e6,
+               **({"triton_us": triton_scores_s * 1e6} if triton_scores_s else {}),
                "torch_fp32_us": torch_scores_s * 1e6, "speedup_vs_torch_fp32": torch_scores_s / scores_s,
                "index_bytes": entries * INDEXER_FP8.bytes_per_token}
         for k in topks:
             out = torch.empty(1, k, dtype=torch.int32, device=scores.device)
             tokens, _ = indexer_topk(scores, case.positions, k, out=out)
             check_topk(tokens, scores, k)
+            if not torch.equal(indexer_topk(scores, case.positions, k, impl="triton")[0], tokens):
+                raise RuntimeError("the Triton top-k disagrees with the header's")
+            triton_topk_s = time_triton(functools.partial(indexer_topk, scores, case.positions, k, out=out,
+                                                          impl="triton")).median_s
             topk_s = time_it(functools.partial(indexer_topk, scores, case.positions, k, out=out)).median_s
             torch_s = time_it(functools.partial(torch.topk, scores, k, sorted=False)).median_s
             result.rows.append({"case": f"top-k {k} of {entries >> 10}k", "entries": entries, "top_k": k,
-                                "kernel_us": topk_s * 1e6, "torch_topk_us": torch_s * 1e6,
+                                "kernel_us": topk_s * 1e6, "triton_us": triton_topk_s * 1e6,
+                                "torch_topk_us": torch_s * 1e6,
                                 "speedup_vs_torch_topk": torch_s / topk_s})
         result.rows.append(row)
     bar.close()
     report(result, args, plot=lambda r, path: bar_plot(
         r, path, label_key="case",
-        value_keys=("kernel_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us", "raw_us", "eager_op_us",
-                    "compiled_op_us", "graph_replay_us"),
+        value_keys=("kernel_us", "triton_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us", "raw_us",
+                    "eager_op_us", "compiled_op_us", "graph_replay_us"),
         ylabel="latency (us, log)", log=True))
 
 
