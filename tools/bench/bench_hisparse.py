@@ -25,7 +25,17 @@ Before timing, each case checks that kernel and model produce the same outputs. 
 {0, 0.1 %, 1 %, 10 %}, K = 512, DSV4 layout, batch 8 (``--quick``: H 1k and 8k, misses 0 and
 0.1 %). The indexed kernel is timed twice: from a fresh queue (the common step) and with a queue
 that must be compacted first (the step that comes once every ~(H / K) steps at most); the summary
-gives each kernel's growth from H = 1k to 8k per miss rate.
+gives each kernel's growth from H = 1k to 8k per miss rate, and each row the table bytes one request
+reads and writes (``scan_table_bytes``: 8 H, the LRU row read and rewritten and each slot's token;
+``indexed_table_bytes``: 16 per distinct top-k token and ~18 per miss).
+
+On paper, H200 (one block of 512 threads per request): both kernels are latency-bound, not
+bandwidth-bound (64 KiB of tables at H = 8k is 14 ns of HBM). The scan walks H / 512 chunks one
+after another, each two dependent global loads (LRU entry, then its slot's token, ~0.7 us each) and
+two block-wide ranks: ~1.5 us per chunk, ~3 us at H = 1k and ~24 us at H = 8k (sglang measures ~30 us
+for its scan at 0.1 % misses). The indexed step is ~3 dependent loads (index, token, queue position),
+a 45-stage bitonic sort of 512 keys in shared memory and the appends: ~5 us whatever H is, plus the
+compaction step (~H / 512 chunks, ~24 us at 8k) at most once every H / K steps (~1.5 us amortized).
 """
 
 from __future__ import annotations
@@ -243,6 +253,11 @@ def hot_sweep(args: argparse.Namespace) -> None:
             "case": f"H{h} miss{rate:g}", "hot_buffer_size": h, "miss_rate": rate,
             "misses_per_request": case.misses, "scan_us": scan_s * 1e6, "indexed_us": indexed_s * 1e6,
             "indexed_compacting_us": compact_s * 1e6, "speedup_vs_scan": scan_s / indexed_s,
+            # Per request. Scan: the LRU row read and rewritten (2 B each) and each slot's token (4 B).
+            # Indexed: per distinct wanted token its index entry, token and queue position (2 + 4 + 4 B)
+            # and its re-append (2 + 4 B); per miss the head's queue entry and position (2 + 4 B), the
+            # evicted token (4 B), two index entries and the slot's token written (2 + 2 + 4 B).
+            "scan_table_bytes": 8 * h, "indexed_table_bytes": 16 * HOT_SWEEP_K + 18 * case.misses,
         })
     growth = {}
     for rate in rates:
