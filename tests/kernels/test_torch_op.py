@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsekv.jit_kernel.dsv4 import (
     RopeParams,
@@ -296,6 +298,32 @@ def test_a_compiled_decode_step_writes_the_same_bytes_as_eager(backend):
     # The step did real work: both tokens completed an entry, the top-k is full, misses were loaded.
     assert bool(eager["main_emitted"].all()) and bool((eager["tokens"] >= 0).all())
     assert not torch.equal(as_bytes(eager["device_buffer"]), as_bytes(step_tensors(device)["device_buffer"]))
+
+
+class RecordOps(TorchDispatchMode):
+    """Records every ``sparsekv::`` op call (a dispatch mode also routes eager calls through the ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "sparsekv":  # the arguments as the op found them (opcheck reruns it on them)
+            self.calls.append((func, pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs or {}))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_op_of_a_decode_step_writes_only_what_it_declares(backend):
+    """torch.library.opcheck on every op call of the step: the schema's declared writes are exactly the
+    arguments the kernel changes, and the fake implementation agrees with the real one."""
+    with RecordOps() as recorder:
+        decode_step(step_tensors(device_of(backend)))
+    names = [func.__name__ for func, _ in recorder.calls]
+    assert names == ["compress_decode_store.default"] * 2 + ["indexer_scores.default", "indexer_topk.default",
+                                                            "load_cache_to_device_buffer.default",
+                                                            "sparse_decode_attention.default"]
+    for func, (args, kwargs) in recorder.calls:
+        torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
