@@ -202,6 +202,10 @@ def test_meta_tensors_give_output_shapes_without_running_a_kernel():
                                       page_size=P)
     assert tokens.shape == slots.shape == (2, 7) and tokens.device.type == "meta"
     assert dequantize_fp8_ds_mla(w["kv_cache"], torch.zeros(9, dtype=torch.int64, device="meta"), P).shape == (9, 512)
+    t = step_tensors(torch.device("meta"))
+    entries, emitted = compress_decode_step(t["main_kv"], t["main_score"], t["main_ape"], 4, t["main_state"],
+                                            t["state_rows"], t["positions"])
+    assert (entries.shape, entries.dtype, emitted.shape, emitted.dtype) == ((2, 512), torch.float32, (2,), torch.bool)
 
 
 # ---- one whole decode step: compressor step -> store -> indexer -> top-k -> swap-in -> attention ----
@@ -361,6 +365,35 @@ BAD = {
     "bf16 sink": (lambda w: w.update(sink=w["sink"].bfloat16()), TypeError, "`sink`"),
     "short out": (lambda w: w.update(out=torch.empty(2, 3, 100, device=w["q"].device)), ValueError, "`out`"),
 }
+
+
+STEP_BAD = {
+    "wrong dtype": (lambda t: t.update(state_rows=t["state_rows"].float()), TypeError, "`state_rows`"),
+    "wrong shape": (lambda t: t.update(state_rows=t["state_rows"][:, :4].contiguous()), ValueError, "`state_rows`"),
+    "short emitted": (lambda t: t.update(index_emitted=t["index_emitted"][:1]), ValueError, "`emitted`"),
+    "ring row outside state": (lambda t: t["state_rows"].__setitem__((1, 7), 10**6), IndexError, "`state_rows`"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(STEP_BAD))
+def test_a_compiled_decode_step_refuses_bad_input_like_an_eager_one_and_writes_nothing(backend, bad):
+    if bad == "ring row outside state" and backend == "cuda":
+        pytest.skip("device-resident rows are not read by the host: the kernel skips them")
+    device = device_of(backend)
+    change, error, name = STEP_BAD[bad]
+    messages = []
+    for fn in (decode_step, compiled(decode_step)):
+        t = step_tensors(device)
+        change(t)
+        before = {k: v.clone() for k, v in t.items()}
+        with pytest.raises(error, match=name) as info:
+            fn(t)
+        messages.append(str(info.value))
+        # The first op refused it (the main compressor step) or a later one did (the indexer's step), but no
+        # op wrote anything once an argument of its own was bad: here the index ring and cache stay as they were.
+        for k in ("index_state", "index_cache", "index_entries", "scores", "tokens", "out", "lse"):
+            assert torch.equal(as_bytes(t[k]), as_bytes(before[k])), k
+    assert messages[0] == messages[1]
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
