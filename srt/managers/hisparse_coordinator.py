@@ -60,7 +60,14 @@ _PHASE_WORDS = {None: "not admitted (unknown, or already finished)",
 @dataclass
 class _ReqState:
     phase: Phase
+    #: The request's length as the coordinator accounts for it: ``kv_allocated_len`` at admission,
+    #: then each decode step's sequence length. A finishing request must agree.
+    length: int = 0
     skip_first_backup: bool = False
+    #: While staging: the prefill's C4 locations and their device slots, as admitted. Collection
+    #: and release use these, never the scheduler's tables again (which the scheduler may reuse).
+    locs: torch.Tensor | None = None
+    device: DeviceSlots | None = None
 
 
 class HiSparseCoordinator:
@@ -132,8 +139,15 @@ class HiSparseCoordinator:
     frees them with ``allocator.free_logical``.
 
     A call out of that order (admitted twice, admitted while staging, finished twice, decoded
-    before admission) raises :class:`~sparsekv.srt.errors.RequestStateError`; bad arguments raise
-    ``TypeError`` / ``ValueError`` / ``IndexError`` naming them. Either way nothing has changed.
+    before admission, swapped in while not decoding) raises
+    :class:`~sparsekv.srt.errors.RequestStateError`; bad arguments raise ``TypeError`` /
+    ``ValueError`` / ``IndexError`` naming them. Either way nothing has changed.
+
+    Ownership: the coordinator records what it admitted for each request (its length, and while
+    staging its C4 locations and device slots) and frees exactly that. A scheduler field that
+    disagrees with the record (a ``kv_allocated_len`` at finish shorter than the length admitted or
+    last decoded, an admission shorter than what the allocator gave the row) is a
+    ``RequestStateError``, never a leak or a free of another request's pages.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: HiSparseTokenToKVPoolAllocator,
@@ -238,6 +252,31 @@ class HiSparseCoordinator:
     def _compressed_locs(self, req: Request) -> torch.Tensor:
         return self.allocator.compressed_locs(self.req_to_token[req.req_pool_idx, : req.kv_allocated_len].cpu())
 
+    def _check_admitted_length(self, rid: int, length: int) -> None:
+        """Refuse an admission of ``length`` tokens when the allocator gave row ``rid`` more: a
+        logical page beyond them, or a C4 entry on the device in the rest of their last page (what
+        the coordinator is not told of it could never free)."""
+        full = self.req_to_token[rid, :length].cpu()
+        page = self.allocator.page_size
+        beyond = self.allocator.logical_pages_of_row(rid) - set((full // page).tolist())
+        tail = torch.empty(0, dtype=torch.int64)
+        if length % page:
+            last_page = int(full[-1]) // page
+            tail = self.allocator.compressed_locs(last_page * page + torch.arange(int(full[-1]) % page + 1, page))
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        if beyond or bool((mapping[tail.to(mapping.device)] >= 0).any()):
+            raise RequestStateError(f"sparsekv: request row {rid} was allocated more than `req.kv_allocated_len` = "
+                                    f"{length} tokens (logical pages {sorted(beyond)} beyond them, or C4 entries on "
+                                    "the device past them): admit it with its whole allocated length")
+
+    def _check_finishing_length(self, rid: int, state: _ReqState, req: Request) -> None:
+        # Longer is fine (tokens allocated for a step the coordinator refused or never saw hold
+        # nothing of its); shorter says the scheduler lost track of what was admitted.
+        if req.kv_allocated_len < state.length:
+            raise RequestStateError(f"sparsekv: request row {rid} finishes with `req.kv_allocated_len` = "
+                                    f"{req.kv_allocated_len}, but the coordinator admitted (or last decoded) "
+                                    f"{state.length} tokens; nothing was freed")
+
     # ---- admission --------------------------------------------------------------------
 
     def admit_request_into_staging(self, req: Request) -> None:
@@ -265,6 +304,7 @@ class HiSparseCoordinator:
             and the request is not admitted (its prefill slots stay the caller's).
         """
         rid = self._check_req(req, (None,), "admitted into staging")
+        self._check_admitted_length(rid, req.kv_allocated_len)
         locs = self._compressed_locs(req)
         device_idx = self.allocator.device_slots(locs)
         if bool((device_idx.tensor < 0).any()):
@@ -282,7 +322,7 @@ class HiSparseCoordinator:
             self._free_host_slots(rid, keep=allocated_before)
             raise
         self.ack_staging_queue.append((self.write_staging_stream.record_event(), req))
-        self._reqs[rid] = _ReqState("staging")
+        self._reqs[rid] = _ReqState("staging", req.kv_allocated_len, locs=locs, device=device_idx)
 
     def collect_ready_reqs(self) -> list[Request]:
         """Requests whose staging backup has completed, in admission order, now ready to decode.
@@ -312,16 +352,18 @@ class HiSparseCoordinator:
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
             ready = int(count)
         for _, req in self.ack_staging_queue[:ready]:
-            slots = self.allocator.device_slots(self._compressed_locs(req)).tensor
+            state = self._reqs[req.req_pool_idx]
+            slots = self.allocator.device_slots(state.locs).tensor
             pages = self.allocator.device_alloc.pages_of(slots).tolist()
-            if bool((slots < 0).any()) or not all(self.allocator.device_alloc.is_allocated(p) for p in pages):
+            if not torch.equal(slots, state.device.tensor) or \
+                    not all(self.allocator.device_alloc.is_allocated(p) for p in pages):
                 raise ValueError(f"sparsekv: request row {req.req_pool_idx} was staged, but its C4 entries are no "
                                  "longer in allocated device slots (freed outside the coordinator?)")
         collected = []
         while len(collected) < ready:
             _, req = self.ack_staging_queue[0]
             try:
-                self._install_buffer(req, self._compressed_locs(req), resident=True)
+                self._install_buffer(req, self._reqs[req.req_pool_idx].locs, resident=True)
             except AllocatorExhaustedError:
                 break
             self.ack_staging_queue.pop(0)
@@ -349,7 +391,7 @@ class HiSparseCoordinator:
         num_entries = int_in(num_entries, "num_entries", 0, self.req_to_host_pool.shape[1] - self.page_size)
         slots = self.mem_pool_host.alloc_paged_token_slots(
             self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, num_entries)
-        self._reqs.setdefault(rid, _ReqState("transfer"))
+        self._reqs.setdefault(rid, _ReqState("transfer")).length = req.kv_allocated_len
         return slots
 
     def admit_request_direct(self, req: Request) -> None:
@@ -374,6 +416,7 @@ class HiSparseCoordinator:
             The hot buffer does not fit in the device pool; nothing changed.
         """
         rid = self._check_req(req, (None, "transfer"), "admitted directly")
+        self._check_admitted_length(rid, req.kv_allocated_len)
         n = self.host_token_len(req.kv_allocated_len)
         held = int(self.req_to_host_pool_allocated_len[rid])
         if n > held:
@@ -405,7 +448,7 @@ class HiSparseCoordinator:
             self.req_device_buffer_tokens[:, rid, :hot] = torch.arange(hot, dtype=torch.int32)
         self.lru_slots[:, rid] = torch.arange(hot, dtype=torch.int16)
         self._rebuild_resident_index(rid)
-        self._reqs[rid] = _ReqState("decode", skip_first_backup=True)
+        self._reqs[rid] = _ReqState("decode", req.kv_allocated_len, skip_first_backup=True)
 
     def _rebuild_resident_index(self, rid: int) -> None:
         """Row ``rid`` of every layer's resident index, from its (just reset) slot tokens and LRU."""
@@ -488,7 +531,7 @@ class HiSparseCoordinator:
                                      f"request row {rid}, whose host slots end at {held}: entries would be skipped")
                 pages_needed += self.mem_pool_host.host_pages_needed(backup, 1, held)
             produced = seq_len // ratio - 1 if seq_len % ratio == 0 else None
-            rows.append((rid, state, backup, produced, out_loc))
+            rows.append((rid, state, backup, produced, out_loc, seq_len))
         if pages_needed > self.mem_pool_host.available_pages:
             raise HostPoolExhaustedError(f"sparsekv: this step's decode backups need {pages_needed} host pages, "
                                          f"{self.mem_pool_host.available_pages} free")
@@ -499,12 +542,13 @@ class HiSparseCoordinator:
             self._pending_backup = None
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         host_ids, device_ids = [], []
-        for rid, state, p, q, out_loc in rows:
+        for rid, state, p, q, out_loc, seq_len in rows:
             if p is not None:
                 host_ids.append(self.mem_pool_host.alloc_paged_token_slots(
                     self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, p, 1).tensor)
                 device_ids.append(self.req_to_device_buffer[rid, min(p, hot)].reshape(1))
             state.skip_first_backup = False
+            state.length = seq_len
             if q is not None:
                 mapping[out_loc // ratio] = self.req_to_device_buffer[rid, min(q, hot)]
         if host_ids:
@@ -546,8 +590,21 @@ class HiSparseCoordinator:
             ``layer_id`` is not a C4 layer (a negative one included).
         ValueError
             More rows than the coordinator's tables, or the kernel's shape and device checks.
+        RequestStateError
+            Host-readable ``req_pool_indices`` name a (real) row that is not decoding (an O(1)
+            check per row). On the device no row is read back: a row that is not decoding has
+            every slot column at -1 (reset at finish, set only at admission), so the kernel loads
+            nothing into it and returns -1 for it.
         """
         layer_id = index_in(layer_id, "layer_id", self.device_pool.layer_num)
+        if isinstance(req_pool_indices, torch.Tensor) and req_pool_indices.device.type == "cpu" and \
+                (num_real_reqs is None or num_real_reqs.device.type == "cpu"):
+            real = req_pool_indices.tolist()[: int(num_real_reqs[0]) if num_real_reqs is not None else None]
+            for r in real:
+                state = self._reqs.get(r)
+                if state is None or state.phase != "decode":
+                    raise RequestStateError(f"sparsekv: request row {r} is "
+                                            f"{_PHASE_WORDS[state.phase if state else None]}; it cannot be swapped in")
         if not isinstance(top_k_result, torch.Tensor) or top_k_result.dim() != 2:
             raise TypeError("sparsekv: argument `top_k_result` must be a 2-D tensor")
         bs = top_k_result.shape[0]
@@ -586,6 +643,7 @@ class HiSparseCoordinator:
         """
         rid = self._check_req(req, ("transfer", "staging", "decode"), "finished")
         state = self._reqs[rid]
+        self._check_finishing_length(rid, state, req)
         if state.phase == "transfer":  # an abandoned direct transfer: only its host slots are held
             self._free_host_slots(rid)
             del self._reqs[rid]
@@ -598,15 +656,20 @@ class HiSparseCoordinator:
             self._pending_backup.synchronize()
             self._pending_backup = None
         # Each free (all or nothing) is followed by clearing the record it was read from, and the
-        # state goes last: when a free raises, a retry finds only what is still held.
-        locs = self._compressed_locs(req)
+        # state goes last: when a free raises, a retry finds only what is still held. What is freed
+        # is what was recorded (the staged prefill's slots, or the hot buffer), and the mapping loses
+        # exactly the entries naming those slots: the scheduler's tables are not read again (a row
+        # whose logical pages went to another request must not free or unmap that one's).
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         if state.phase == "staging":
-            self.allocator.free_device_buffer(self.allocator.device_slots(locs))
+            slots = state.device.tensor
+            self.allocator.free_device_buffer(state.device)
+            state.device = DeviceSlots(torch.empty(0, dtype=torch.int64))
         else:
-            self.allocator.free_device_buffer(DeviceSlots(self.req_to_device_buffer[rid].cpu()))
+            slots = self.req_to_device_buffer[rid].cpu().clone()  # the row is reset below
+            self.allocator.free_device_buffer(DeviceSlots(slots))
             self.req_to_device_buffer[rid] = -1
-        mapping[locs.to(mapping.device)] = -1
+        mapping[torch.isin(mapping, slots.to(mapping.device)) & (mapping >= 0)] = -1
         self._free_host_slots(rid)
         self.req_device_buffer_tokens[:, rid] = -1
         self.req_device_buffer_token_locs[:, rid] = -1

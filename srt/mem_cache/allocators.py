@@ -191,6 +191,10 @@ class HiSparseTokenToKVPoolAllocator:
         page = as_int(loc, "loc") // self.page_size
         return self._logical_row[page] if self.logical.is_allocated(page) else -1
 
+    def logical_pages_of_row(self, rid: int) -> set[int]:
+        """The allocated logical pages whose allocation was for request row ``rid``."""
+        return {p for p, r in enumerate(self._logical_row) if r == rid and self.logical.is_allocated(p)}
+
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Logical compressed locations produced by ``full_locs`` (an integer tensor): keep
         ``(loc + 1) % ratio == 0``, store at ``loc // ratio``."""

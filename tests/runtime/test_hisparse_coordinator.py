@@ -758,3 +758,112 @@ def test_draft_rows_of_one_request_swap_in_together_with_their_own_bytes():
                 assert torch.equal(got, entry_bytes(req.uid, tok, 1)), (b, tok)
     w.finish(req)
     w.check_all_free()
+
+
+# -- request ownership: the coordinator frees what it admitted, whatever the scheduler's fields say --
+
+
+def _decoding_pair(w: World) -> tuple[Req, Req]:
+    a, b = Req(0, 0, uid=31), Req(1, 0, uid=32)
+    for req, length in ((a, 300), (b, 200)):
+        w.prefill(req, length)
+        w.coord.admit_request_into_staging(req)
+    assert w.coord.collect_ready_reqs() == [a, b]
+    for _ in range(5):
+        w.decode_step([a, b])
+    return a, b
+
+
+@pytest.mark.parametrize("delta", [-1, -125])
+def test_finishing_with_a_shorter_length_is_refused_and_frees_nothing(delta):
+    # Once: 2 device pages and 125 mapping entries leaked.
+    w = World()
+    a, b = _decoding_pair(w)
+    before = snapshot(w.coord, w.pool.req_to_token)
+    with pytest.raises(RequestStateError, match="finishes with `req.kv_allocated_len`"):
+        w.coord.request_finished(Req(a.req_pool_idx, a.kv_allocated_len + delta, a.uid))
+    assert changed(before, snapshot(w.coord, w.pool.req_to_token)) == []
+    w.finish(a)
+    w.finish(b)
+    w.check_all_free()
+
+
+def test_finishing_with_a_longer_length_frees_only_its_own_pages():
+    # Once: the pages and mapping entries past the request's own length (another request's) were freed.
+    w = World()
+    a, b = _decoding_pair(w)
+    b_pages, b_buffer = w.owned_device_pages(b), w.coord.req_to_device_buffer[b.req_pool_idx].clone()
+    w.coord.request_finished(Req(a.req_pool_idx, a.kv_allocated_len + 300, a.uid))
+    w.allocator.free_logical(w.pool.req_to_token[a.req_pool_idx, : a.kv_allocated_len])
+    assert w.allocator.device_alloc.used_pages == b_pages
+    mapping = w.allocator.full_to_hisparse_device_index_mapping
+    assert bool(torch.isin(mapping[mapping >= 0], b_buffer).all())
+    w.check_results(w.decode_step([b]))
+    w.finish(b)
+    w.check_all_free()
+
+
+def test_admitting_fewer_tokens_than_were_allocated_is_refused():
+    # Once: the C4 entries past the admitted length kept a device page nobody freed.
+    w = World()
+    for length, short in ((300, 296), (300, 256), (520, 300)):
+        req = Req(0, 0, uid=41)
+        w.prefill(req, length)
+        before = snapshot(w.coord, w.pool.req_to_token)
+        with pytest.raises(RequestStateError, match="was allocated more than"):
+            w.coord.admit_request_into_staging(Req(0, short, req.uid))
+        assert changed(before, snapshot(w.coord, w.pool.req_to_token)) == []
+        w.coord.admit_request_into_staging(req)
+        w.coord.collect_ready_reqs()
+        w.finish(req)
+        w.check_all_free()
+
+
+def test_finishing_a_staged_request_whose_pages_were_reused_frees_only_its_own():
+    # The scheduler frees A's logical pages while A is staging and B reuses them. Finishing A once
+    # freed B's device pages and wiped B's mapping (re-reading A's row), while A's own pages leaked.
+    w = World(deferred=True)
+    a = Req(0, 0, uid=51)
+    w.prefill(a, 300)
+    w.coord.admit_request_into_staging(a)
+    a_pages = w.owned_device_pages(a)
+    w.allocator.free_logical(w.pool.req_to_token[0, :300])
+    b = Req(0 + 1, 0, uid=52)
+    w.pool.req_to_token[1] = 0
+    w.prefill(b, 300)  # takes A's logical pages again: A's row and B's row name the same locations
+    mapping = w.allocator.full_to_hisparse_device_index_mapping
+    b_locs = w.allocator.compressed_locs(w.pool.req_to_token[1, :300])
+    b_slots = mapping[b_locs].clone()
+    b_pages = w.allocator.device_alloc.used_pages - a_pages
+    w.coord.request_finished(a)
+    assert w.allocator.device_alloc.used_pages == b_pages  # A's pages freed, B's kept
+    assert torch.equal(mapping[b_locs], b_slots)  # B's entries intact; nothing names A's slots any more
+    assert bool((mapping[mapping >= 0].unsqueeze(1) // w.slots != torch.tensor(sorted(a_pages))).all())
+    w.coord.write_staging_stream.synchronize()
+    w.coord.admit_request_into_staging(b)
+    w.coord.write_staging_stream.synchronize()
+    assert w.coord.collect_ready_reqs() == [b]
+    w.check_results(w.decode_step([b]))
+    w.finish(b)
+    w.check_all_free()
+
+
+@pytest.mark.parametrize("phase", ["unknown", "staging", "transfer"])
+def test_swap_in_refuses_a_row_that_is_not_decoding(phase):
+    w = World(deferred=True)
+    a = Req(0, 0, uid=61)
+    if phase == "staging":
+        w.prefill(a, 300)
+        w.coord.admit_request_into_staging(a)
+    elif phase == "transfer":
+        w.direct_transfer(a, 300)
+    before = snapshot(w.coord, w.pool.req_to_token)
+    with pytest.raises(RequestStateError, match="request row 0 .* cannot be swapped in"):
+        w.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([75], dtype=torch.int32),
+                                       torch.zeros(1, TOP_K, dtype=torch.int32), 0)
+    assert changed(before, snapshot(w.coord, w.pool.req_to_token)) == []
+    # A padding row past num_real_reqs is not a request: never refused.
+    out = w.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([75], dtype=torch.int32),
+                                         torch.zeros(1, TOP_K, dtype=torch.int32), 0,
+                                         num_real_reqs=torch.zeros(1, dtype=torch.int32))
+    assert bool((out == -1).all())

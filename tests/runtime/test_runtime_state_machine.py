@@ -3,7 +3,9 @@
 Hypothesis interleaves what a scheduler does (prefill + staging, direct PD transfers, collection,
 decode steps with swap-ins, finishing) with misuse of every kind found so far (rows twice admitted,
 unknown or negative rows, locations that would hit the mapping's sentinel, bools and floats for
-ints, float id tensors, double frees, bad layers, exhausted pools). The invariants:
+ints, float id tensors, double frees, bad layers, exhausted pools, a finish or an admission whose
+length disagrees with what was admitted or allocated, a swap-in of a row that is not decoding).
+The invariants:
 
 * a refused call raises the documented error and leaves the whole observable state unchanged
   (free lists, tables, mapping, staging queue, pending backup, device and host bytes);
@@ -141,6 +143,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
         if locs.numel():
             self.refused(lambda: self.coord.admit_request_direct(req), (ValueError,),
                          "admit_direct a prefill with device slots")
+        if prompt_len >= RATIO:  # the last C4 entry's tokens left out: its device slot would leak
+            self.refused(lambda: self.coord.admit_request_into_staging(Req(rid, prompt_len - RATIO, req.uid)),
+                         (RequestStateError,), "admit_staging shorter than allocated")
         before = self.snap()
         try:
             self.coord.admit_request_into_staging(req)
@@ -399,6 +404,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
             free_rid = data.draw(st.sampled_from(free), label="free row")
             calls |= {
                 "finish unknown row": (lambda: c.request_finished(Req(free_rid, 0, 0)), state),
+                "swap_in an unknown row": (lambda: c.swap_in_selected_pages(
+                    torch.tensor([free_rid]), torch.ones(1, dtype=torch.int32),
+                    torch.zeros(1, TOP_K, dtype=torch.int32), 0), state),
                 "map_last_loc unknown row": (lambda: c.map_last_loc_to_buffer([free_rid], [5], [3]), state),
                 "alloc_extend continuing an empty row": (lambda: a.alloc_extend(rtt, free_rid, 10, 300),
                                                          (ValueError,)),
@@ -425,6 +433,12 @@ class HiSparseRuntime(RuleBasedStateMachine):
             if live.phase != "decode":
                 calls["map_last_loc not decoding"] = (
                     lambda: c.map_last_loc_to_buffer([live_rid], [live.req.kv_allocated_len + 1], [3]), state)
+                calls["swap_in a row not decoding"] = (lambda: c.swap_in_selected_pages(
+                    torch.tensor([live_rid]), torch.ones(1, dtype=torch.int32),
+                    torch.zeros(1, TOP_K, dtype=torch.int32), 0), state)
+            if live.req.kv_allocated_len >= 1:
+                calls["finish with a shorter length"] = (
+                    lambda: c.request_finished(Req(live_rid, live.req.kv_allocated_len - 1, live.req.uid)), state)
             owned = sorted(a.logical.used_pages)
             calls["logical double free"] = (lambda: a.logical.free(torch.tensor([owned[0], owned[0]])), (ValueError,))
             table = c.req_to_host_pool[live_rid]
