@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv import env
 from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_decode_store_step, compress_store_step
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
@@ -184,6 +185,36 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
     return out, emitted
 
 
+def check_decode_rows_on_device(state_rows: torch.Tensor, positions: torch.Tensor, ring_rows: int) -> None:
+    """Torch check, on the tables' own device, of the ring rows a decode step reads and writes (the C++
+    entry checks host-readable tables the same way; on the GPU this runs with ``SPARSEKV_CHECK_INDICES=1``
+    and costs a host sync).
+
+    Raises
+    ------
+    IndexError
+        A negative position, or a row of a position >= 0 outside ``[0, ring_rows)``.
+    """
+    if bool((positions < 0).any()):
+        b = int((positions < 0).nonzero()[0, 0])
+        raise IndexError(f"sparsekv: argument `positions`[{b}] = {int(positions[b])} is negative")
+    window = state_rows.shape[1]
+    offsets = torch.arange(window - 1, -1, -1, device=state_rows.device)
+    read = positions.to(state_rows.device)[:, None] >= offsets[None, :]  # position - offset >= 0
+    bad = read & ((state_rows < 0) | (state_rows >= ring_rows))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise IndexError(f"sparsekv: argument `state_rows`[{b}, {j}] = {int(state_rows[b, j])} is outside state "
+                         f"[0, {ring_rows})")
+
+
+def check_decode_on_cuda(state_rows: torch.Tensor, positions: torch.Tensor, state: torch.Tensor) -> None:
+    """:func:`check_decode_rows_on_device` for CUDA tables with ``SPARSEKV_CHECK_INDICES=1`` (the op bodies' hook)."""
+    if (state_rows.device.type == "cuda" and env.check_indices() and state_rows.dim() == 2 and positions.dim() == 1
+            and state_rows.shape[0] == positions.shape[0] and state.dim() == 2):
+        check_decode_rows_on_device(state_rows, positions, state.shape[0])
+
+
 @kernel_op("compress_decode", mutates_args=("state", "out", "emitted"))
 def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                      state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor,
@@ -191,6 +222,7 @@ def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, r
     check_ratio(ratio)
     if with_store or entry_slots is not None:  # the fused op takes them
         raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
+    check_decode_on_cuda(state_rows, positions, state)
     DSV4_COMPRESS.module(backend=backend_of(kv)).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
                                                                  out, emitted)
 

@@ -207,6 +207,9 @@ def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
                            emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
                            slots: torch.Tensor, page_size: int, theta: float, factor: float,
                            original_max_positions: int, beta_fast: float, beta_slow: float, cache_kind: str) -> None:
+    from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda  # the compressor builds on this module
+
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+    check_decode_on_cuda(state_rows, positions, state)
     module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
                                  slots, page_size, theta, factor, original_max_positions, beta_fast, beta_slow)

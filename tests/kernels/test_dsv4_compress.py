@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_decode_step, compress_pool
+from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP8
 from sparsekv.testing.backends import device_of, kernel_backends
@@ -414,3 +415,16 @@ def test_decode_step_equals_extend_over_the_same_tokens(backend, ratio, with_sto
         else:
             assert torch.equal(caches[1].cpu(), caches[0].cpu())
         assert torch.equal(planned.state.cpu(), reference.state.cpu())
+
+
+def test_the_device_check_of_decode_rows_reads_only_the_rows_a_step_uses(backend):
+    # What SPARSEKV_CHECK_INDICES=1 runs for CUDA tables, here on the backend's device.
+    device = device_of(backend)
+    rows = torch.arange(16, device=device).reshape(2, 8)
+    rows[1, :5] = -1  # position 2: its window starts 5 rows before the sequence, never read
+    check_decode_rows_on_device(rows, torch.tensor([9, 2], device=device), 16)
+    rows[1, 5] = 16
+    with pytest.raises(IndexError, match=r"`state_rows`\[1, 5\] = 16 is outside state \[0, 16\)"):
+        check_decode_rows_on_device(rows, torch.tensor([9, 2], device=device), 16)
+    with pytest.raises(IndexError, match=r"`positions`\[0\] = -1"):
+        check_decode_rows_on_device(rows, torch.tensor([-1, 2], device=device), 32)
