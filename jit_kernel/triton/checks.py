@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Arg", "check", "check_range", "dtype_name", "page_shift", "row_stride"]
+__all__ = ["Arg", "check", "check_disjoint", "check_no_overlap", "check_range", "dtype_name", "optional_arg",
+           "page_shift", "read", "row_stride", "written"]
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -94,3 +95,57 @@ def page_shift(page_size: int, name: str) -> int:
 def row_stride(t: torch.Tensor) -> int:
     """Elements between the rows of a 2-D tensor (its row length when it has one row: any stride is legal then)."""
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def optional_arg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """An optional tensor argument: None stays None; a 0-dim tensor is refused (``optional_arg`` of ffi.h)."""
+    if t is not None and t.dim() == 0:
+        raise ValueError(f"sparsekv: argument `{name}` is a 0-dim tensor; pass None to omit it")
+    return t
+
+
+def read(t: torch.Tensor | None, name: str) -> tuple:
+    """An argument the kernel reads, for :func:`check_disjoint` (None: an absent optional one)."""
+    return t, name, False
+
+
+def written(t: torch.Tensor | None, name: str) -> tuple:
+    """An argument the kernel writes, for :func:`check_disjoint`."""
+    return t, name, True
+
+
+def _may_self_overlap(t: torch.Tensor) -> bool:
+    reach = 0
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return 0, 0
+    low = sum(min(0, (n - 1) * st) for st, n in zip(t.stride(), t.shape))
+    high = sum(max(0, (n - 1) * st) for st, n in zip(t.stride(), t.shape))
+    return t.data_ptr() + low * t.element_size(), t.data_ptr() + (high + 1) * t.element_size()
+
+
+def check_no_overlap(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
+    """``a`` and ``b`` span disjoint bytes, else ``ValueError`` naming both (``check_no_overlap`` of ffi.h)."""
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1:
+        raise ValueError(f"sparsekv: arguments `{a_name}` and `{b_name}` must not share memory (the kernel writes one "
+                         f"while reading the other)")
+
+
+def check_disjoint(*operands: tuple) -> None:
+    """No written argument shares memory with another argument, nor overlaps itself (``check_disjoint``)."""
+    for t, name, is_written in operands:
+        if is_written and t is not None and _may_self_overlap(t):
+            raise ValueError(f"sparsekv: argument `{name}` is written but its elements overlap each other (e.g. an "
+                             f"expand()ed view, stride 0); pass a tensor with distinct elements")
+    for i, (a, a_name, a_written) in enumerate(operands):
+        for b, b_name, b_written in operands[i + 1:]:
+            if (a_written or b_written) and a is not None and b is not None:
+                check_no_overlap(a, a_name, b, b_name)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.jit_kernel.triton import interpreting
-from sparsekv.jit_kernel.triton.checks import check, page_shift, row_stride
+from sparsekv.jit_kernel.triton.checks import check, check_disjoint, optional_arg, page_shift, read, row_stride, written
 
 __all__ = ["AOT_KERNELS", "sparse_decode_attention"]
 
@@ -269,11 +269,17 @@ def _source(cache, cache_name, indices, indices_name, page_size, page_size_name,
 
 
 def check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                    extra_page_size, num_splits, out, lse):
+                    extra_page_size, num_splits, out, lse, part_out=None, part_lse=None, topk_length=None):
     """The header entry's checks, in its order; returns the two sources and the split length.
 
     ``extra_page_size`` is -1 without an extra cache (the header entry's convention).
     """
+    check_disjoint(read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
+                   read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
+                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
+                   read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
+                   written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
+                   written(optional_arg(part_lse, "part_lse"), "part_lse"))
     check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
     check(q, "q").size(2, HEAD_DIM, "head dim")
     batch, heads = q.shape[0], q.shape[1]
@@ -311,7 +317,8 @@ def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale
     :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
     """
     main, extra, split_len = check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
-                                             extra_indices, extra_page_size, num_splits, out, lse)
+                                             extra_indices, extra_page_size, num_splits, out, lse, part_out,
+                                             part_lse, topk_length)
     batch, heads = q.shape[0], q.shape[1]
     if batch == 0 or heads == 0:
         return

@@ -27,7 +27,15 @@ import triton.language as tl
 
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
 from sparsekv.jit_kernel.triton import interpreting
-from sparsekv.jit_kernel.triton.checks import check, page_shift, row_stride
+from sparsekv.jit_kernel.triton.checks import (
+    check,
+    check_disjoint,
+    optional_arg,
+    page_shift,
+    read,
+    row_stride,
+    written,
+)
 from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
 
 __all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk"]
@@ -184,7 +192,7 @@ def _check_page_table(page_table, batch, like):
     check(page_table, "page_table").size(0, batch, "batch")
 
 
-def _check_pages_in_use(page_table, positions, width, page_size, num_pages):
+def _check_pages_in_use(page_table, positions, width, page_size, num_pages, pages_are):
     """The header entry's host-table check (``check_pages_in_use`` of ``dsv4_indexer.cuh``), same messages."""
     t = positions.to(torch.int64)
     n_all = torch.div((t + 1).clamp_min(0), 4, rounding_mode="floor")
@@ -193,18 +201,18 @@ def _check_pages_in_use(page_table, positions, width, page_size, num_pages):
         if int(pages_seen[b]) > page_table.shape[1]:
             raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
                              f"sees {int(n_all[b])} entries ({int(pages_seen[b])} pages)")
-        used = -(-min(int(n_all[b]), width) // page_size)
-        pages = page_table[b, :used]
-        bad = (pages < 0) | ((pages >= num_pages) if num_pages >= 0 else torch.zeros_like(pages, dtype=torch.bool))
+        pages = page_table[b, :-(-min(int(n_all[b]), width) // page_size)].to(torch.int64)
+        bad = (pages < 0) | (pages >= num_pages)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            limit = num_pages if num_pages >= 0 else 2**31 - 1
-            raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(pages[i])} names no page of the cache "
-                             f"[0, {limit}) but holds visible entries")
+            raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(pages[i])} is outside [0, {num_pages}) "
+                             f"({pages_are}) but holds visible entries")
 
 
 def check_scores_arguments(q, weights, k_cache, page_table, positions, page_size, layout, scores):
     """The header entry ``indexer_scores``'s checks, in its order."""
+    check_disjoint(read(q, "q"), read(weights, "weights"), read(k_cache, "k_cache"), read(page_table, "page_table"),
+                   read(positions, "positions"), written(scores, "out"))
     check(scores, "scores").dtype(torch.float32).ndim(2).rows_dense()
     batch, width = scores.shape
     check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
@@ -223,7 +231,7 @@ def check_scores_arguments(q, weights, k_cache, page_table, positions, page_size
     if width > 2**31 - 1:
         raise ValueError("sparsekv: argument `scores` is wider than 2^31 - 1 entries")
     if scores.device.type != "cuda":
-        _check_pages_in_use(page_table, positions, width, page_size, k_cache.shape[0])
+        _check_pages_in_use(page_table, positions, width, page_size, k_cache.shape[0], "the pages of `k_cache`")
     return shift
 
 
@@ -246,6 +254,9 @@ def indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout
 
 def check_topk_arguments(scores, positions, out, page_table, out_slots, page_size):
     """The header entry ``indexer_topk``'s checks, in its order; the page shift (0 without a table)."""
+    check_disjoint(read(scores, "scores"), read(positions, "positions"), written(out, "out"),
+                   read(optional_arg(page_table, "page_table"), "page_table"),
+                   written(optional_arg(out_slots, "out_slots"), "out_slots"))
     check(scores, "scores").dtype(torch.float32).ndim(2).rows_dense()
     batch, width = scores.shape
     if width > 2**31 - 1:
@@ -263,24 +274,9 @@ def check_topk_arguments(scores, positions, out, page_table, out_slots, page_siz
     _check_page_table(page_table, batch, scores)
     check(out_slots, "out_slots").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
     check(out_slots, "out_slots").size(0, batch, "batch").size(1, out.shape[1], "top_k")
-    if _overlap(out_slots, out):
-        raise ValueError("sparsekv: arguments `out_slots` and `out` must not share memory (the kernel writes one "
-                         "while reading the other)")
     if scores.device.type != "cuda":
-        _check_pages_in_use(page_table, positions, width, page_size, -1)
+        _check_pages_in_use(page_table, positions, width, page_size, 1 << (31 - shift), "pages whose slots fit int32")
     return shift
-
-
-def _overlap(a, b) -> bool:
-    def span(t):
-        if t.numel() == 0:
-            return 0, 0
-        first = t.data_ptr()
-        last = first + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())))
-        return first, last
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def indexer_topk(scores, positions, out, page_table, out_slots, page_size):

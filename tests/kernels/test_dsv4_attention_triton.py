@@ -139,3 +139,26 @@ def test_topk_length_equals_padding_the_rest_with_minus_one(backend):
     case.indices = padded
     expected = run(case, backend, "triton", num_splits=3)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def _aliased_attention_calls(device):
+    g = torch.Generator().manual_seed(5)
+    cache = v4_cache(random_rows(8, g), 4).to(device)
+    q = torch.randn(2, 3, 512, generator=g).to(device)
+    base = dict(q=q, kv_cache=cache, indices=torch.tensor([[0, 7, -1], [3, 3, 1]], dtype=torch.int32, device=device),
+                sink=torch.zeros(3, device=device), page_size=4)
+    return [dict(base, out=q),  # out over q
+            dict(base, lse=q[:, :, 0]),  # lse inside q
+            dict(base, out=torch.zeros(1, 1, 512, device=device).expand(2, 3, 512))]  # out over itself
+
+
+def test_memory_sharing_is_refused_with_the_headers_message_and_nothing_written(backend):
+    for impl_args in _aliased_attention_calls(device_of(backend)):
+        messages = []
+        for impl in ("header", "triton"):
+            before = {k: v.clone() for k, v in impl_args.items() if isinstance(v, torch.Tensor)}
+            with pytest.raises(ValueError, match="share memory|overlap each other") as error:
+                sparse_decode_attention(**impl_args, impl=impl)
+            messages.append(str(error.value))
+            assert all(torch.equal(impl_args[k], v) for k, v in before.items())
+        assert messages[0] == messages[1]

@@ -81,3 +81,24 @@ def test_triton_topk_equals_the_header_on_long_rows_with_ties_and_infinities(bac
     for k in (1, 300, 1500, 3000):
         got = indexer_topk(scores.to(device), positions.to(device), k, impl="triton")[0].cpu()
         assert torch.equal(got, indexer_topk(scores.to(device), positions.to(device), k, impl="header")[0].cpu())
+
+
+def test_memory_sharing_is_refused_with_the_headers_message(backend):
+    # The scores written over the query, the tokens over the slots: both refused, same message.
+    device = device_of(backend)
+    q = torch.randn(2, 4, 128, device=device)
+    k_cache = torch.zeros(3, 132 * 4, dtype=torch.uint8, device=device)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=device)
+    positions = torch.tensor([30, 12], device=device)
+    shared = torch.full((2, 4), 7, dtype=torch.int32, device=device)
+    calls = [(indexer_scores, dict(q=q, weights=torch.rand(2, 4, device=device), k_cache=k_cache, page_table=table,
+                                   positions=positions, page_size=4, out=q.view(-1)[:16].view(2, 8))),
+             (indexer_topk, dict(scores=torch.randn(2, 8, device=device), positions=positions, top_k=4,
+                                 page_table=table, page_size=4, out=shared, out_slots=shared))]
+    for fn, args in calls:
+        messages = []
+        for impl in ("header", "triton"):
+            with pytest.raises(ValueError, match="must not share memory") as error:
+                fn(**args, impl=impl)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1]
