@@ -9,13 +9,13 @@
 //   x_c   = bf16(x_c)                                  (the compressor's bf16 cast)
 //   ms    = (sum_c x_c^2) / D                          (team order, see team.h), inv = 1 / sqrt(ms + eps)
 //   y_c   = bf16((x_c * inv) * weight_c)
-//   RoPE on the trailing 64 dims, interleaved pairs (2i, 2i + 1) of that tail, i < 32:
-//     angle = pos * inv_freq_i (double), c = float(cos angle), s = float(sin angle)
+//   RoPE on the trailing 64 dims, interleaved pairs (2i, 2i + 1) of that tail, i < 32, from the
+//   model's float32 table (rope_cos, rope_sin: [max_position, 32] each, what the model applies to
+//   its queries, so keys and queries rotate by the same float32 angles):
+//     c = rope_cos[pos, i], s = rope_sin[pos, i]
 //     (y_2i, y_2i+1) <- (bf16(y_2i c - y_2i+1 s), bf16(y_2i s + y_2i+1 c))
-//   inv_freq_i = theta^(-2i/64), blended by YaRN when factor > 1 (DeepSeek's rule, no mscale):
-//     corr(r) = 64 ln(orig / (2 pi r)) / (2 ln theta); low = max(floor(corr(beta_fast)), 0),
-//     high = min(ceil(corr(beta_slow)), 63); ramp_i = clamp((i - low) / (high - low), 0, 1)
-//     (high += 0.001 when equal); inv_freq_i = f_i / factor * ramp_i + f_i * (1 - ramp_i).
+//   An entry whose position is outside [0, max_position) is not stored (the host entries reject it
+//   when the positions are host-readable).
 //   main: store_v4(y) (dsv4_quant.cuh). Indexer: z = H y / sqrt(128) (H the 128-point Walsh-Hadamard
 //   matrix; butterflies of stride 1, 2, ..., 64, each (a, b) -> (a + b, a - b), then one multiply
 //   by 1/sqrt(128) rounded to float), then store_indexer_fp8(z) or store_indexer_fp4(z).
@@ -69,7 +69,9 @@ struct StoreParams {
   int64_t page_stride;
   int64_t num_slots;
   float eps;
-  double inv_freq[kRopePairs];
+  const float* rope_cos;  // [rope_positions, kRopePairs]
+  const float* rope_sin;
+  int64_t rope_positions;
 };
 
 SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
@@ -106,9 +108,8 @@ struct NormRopeStore {
       const team::Share partner = team::exchange(own, 1);
       for (int j = 0; j < team::kVirtualPerThread; ++j) {
         const int t = Row::channel(lanes, j, k) - (kDim - kRopeDims);
-        const double angle = static_cast<double>(pos) * p.inv_freq[t / 2];
-        const float c = static_cast<float>(cos(angle));
-        const float s = static_cast<float>(sin(angle));
+        const float c = p.rope_cos[pos * kRopePairs + t / 2];
+        const float s = p.rope_sin[pos * kRopePairs + t / 2];
         const float v = (t & 1) == 0 ? team::sub_rn(team::mul_rn(own.v[j], c), team::mul_rn(partner.v[j], s))
                                      : team::add_rn(team::mul_rn(partner.v[j], s), team::mul_rn(own.v[j], c));
         x.v[j][k] = round_bf16(v);
@@ -148,6 +149,7 @@ struct NormRopeStore {
 
   // Rounds a loaded row to bf16, then norm, RoPE, (Hadamard,) quantize and store into slot `slot`.
   SPARSEKV_HOST_DEVICE static void finish(Row& x, const StoreParams& p, int64_t pos, int64_t slot, Lanes lanes) {
+    if (pos < 0 || pos >= p.rope_positions) return;  // no angle for it in the table: not stored
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
       for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = round_bf16(x.v[j][k]);
     }
@@ -232,40 +234,31 @@ struct StoreRingWrite : dsv4_compress::RingWrite {};
 #ifdef SPARSEKV_HOST_ENTRY
 namespace sparsekv::dsv4_store {
 
-// YaRN-blended inverse frequencies of the 32 rope pairs (see the contract above).
-inline void rope_inv_freq(double theta, double factor, int64_t original_max_positions, double beta_fast,
-                          double beta_slow, double* out) {
-  for (int i = 0; i < kRopePairs; ++i) out[i] = 1.0 / std::pow(theta, 2.0 * i / kRopeDims);
-  if (factor <= 1.0) return;
-  const auto corr = [&](double rotations) {
-    return kRopeDims * std::log(static_cast<double>(original_max_positions) / (rotations * 2.0 * 3.14159265358979323846)) /
-           (2.0 * std::log(theta));
-  };
-  const double low = std::max(std::floor(corr(beta_fast)), 0.0);
-  double high = std::min(std::ceil(corr(beta_slow)), static_cast<double>(kRopeDims - 1));
-  if (high == low) high += 0.001;
-  for (int i = 0; i < kRopePairs; ++i) {
-    const double ramp = std::min(std::max((i - low) / (high - low), 0.0), 1.0);
-    out[i] = out[i] / factor * ramp + out[i] * (1.0 - ramp);
+// A host-readable RoPE position of entry n must be a row of the table.
+inline void check_rope_position(int64_t pos, int64_t n, int64_t rope_positions, const char* name) {
+  if (pos < 0 || pos >= rope_positions) {
+    TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << n << "] gives RoPE position " << pos
+                              << ", outside the RoPE table [0, " << rope_positions << ")";
   }
 }
 
 // Validates the store arguments for `entries` rows and returns the store parameters (x unset).
 template <class Kind>
 StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorView positions, TensorView cache,
-                        TensorView slots, int64_t page_size, double theta, double factor,
-                        int64_t original_max_positions, double beta_fast, double beta_slow,
+                        TensorView slots, int64_t page_size, TensorView rope_cos, TensorView rope_sin,
                         bool read_slots = true) {
   check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous();
   check(weight, "weight").same_device(cache, "cache");
   check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, entries, "entries");
   check(positions, "positions").same_device(cache, "cache");
   check(slots, "slots").ndim(1).size(0, entries, "entries");
-  if (!(theta > 1.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `theta` must be > 1, got " << theta;
-  if (!(factor > 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `factor` must be > 0, got " << factor;
-  if (factor > 1.0 && (original_max_positions <= 0 || !(beta_fast > 0.0) || !(beta_slow > 0.0))) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: arguments `original_max_positions`, `beta_fast`, `beta_slow` must be "
-                                 "positive when YaRN is on (factor > 1)";
+  check(rope_cos, "rope_cos").dtype<float>().ndim(2).contiguous().size(1, kRopePairs, "rope pairs (64 / 2)");
+  check(rope_cos, "rope_cos").same_device(cache, "cache");
+  check(rope_sin, "rope_sin").dtype<float>().ndim(2).contiguous().size(1, kRopePairs, "rope pairs (64 / 2)");
+  check(rope_sin, "rope_sin").same_device(cache, "cache").size(0, rope_cos.size(0), "max positions of rope_cos");
+  if (read_slots && positions.device().device_type != kDLCUDA) {  // positions are the entries' own
+    const auto* pos = static_cast<const int64_t*>(positions.data_ptr());
+    for (int64_t n = 0; n < entries; ++n) check_rope_position(pos[n], n, rope_cos.size(0), "positions");
   }
   if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
   const auto [page_stride, num_slots] =
@@ -281,21 +274,21 @@ StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorVi
                      page_stride,
                      num_slots,
                      static_cast<float>(eps),
-                     {}};
-  rope_inv_freq(theta, factor, original_max_positions, beta_fast, beta_slow, params.inv_freq);
+                     static_cast<const float*>(rope_cos.data_ptr()),
+                     static_cast<const float*>(rope_sin.data_ptr()),
+                     rope_cos.size(0)};
   return params;
 }
 
 template <class Kind>
 void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
-                     TensorView slots, int64_t page_size, double theta, double factor, int64_t original_max_positions,
-                     double beta_fast, double beta_slow) {
+                     TensorView slots, int64_t page_size, TensorView rope_cos, TensorView rope_sin) {
   // 1. Validate (memory first: the slot checks read `slots`).
   check_disjoint({read(x, "x"), read(weight, "weight"), read(positions, "positions"), written(cache, "cache"),
-                  read(slots, "slots")});
+                  read(slots, "slots"), read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
   check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
-  StoreParams params = check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, theta, factor,
-                                         original_max_positions, beta_fast, beta_slow);
+  StoreParams params =
+      check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin);
 
   // 2. Derive sizes and launch.
   params.x = static_cast<const float*>(x.data_ptr());
@@ -309,20 +302,21 @@ void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView pos
 template <class Kind>
 void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                     TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
-                    TensorView cache, TensorView slots, int64_t page_size, double theta, double factor,
-                    int64_t original_max_positions, double beta_fast, double beta_slow) {
+                    TensorView cache, TensorView slots, int64_t page_size, TensorView rope_cos,
+                    TensorView rope_sin) {
   // 1. Validate (memory first: the plan checks read `sources` and `writes`).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
                   read(sources, "sources"), read(writes, "writes"), read(weight, "weight"),
-                  read(positions, "positions"), written(cache, "cache"), read(slots, "slots")});
+                  read(positions, "positions"), written(cache, "cache"), read(slots, "slots"),
+                  read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
   const dsv4_compress::ExtendPlan plan = dsv4_compress::check_extend(kv, score, ape, ratio, state, sources, writes,
                                                                      nullptr);
   if (plan.events.d != Kind::kDim) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
                               << ", but this cache stores " << Kind::kDim;
   }
-  const StoreParams store = check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, theta,
-                                              factor, original_max_positions, beta_fast, beta_slow);
+  const StoreParams store =
+      check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin);
   check(cache, "cache").same_device(kv, "kv");
 
   // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
@@ -337,12 +331,12 @@ template <class Kind>
 void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                            TensorView state_rows, TensorView positions, TensorView out, TensorView emitted,
                            TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_size,
-                           double theta, double factor, int64_t original_max_positions, double beta_fast,
-                           double beta_slow) {
+                           TensorView rope_cos, TensorView rope_sin) {
   // 1. Validate (memory first; slots are read for the rows that store: host-readable ones are checked here).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
                   read(state_rows, "state_rows"), read(positions, "positions"), written(out, "out"),
-                  written(emitted, "emitted"), read(weight, "weight"), written(cache, "cache"), read(slots, "slots")});
+                  written(emitted, "emitted"), read(weight, "weight"), written(cache, "cache"), read(slots, "slots"),
+                  read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
   const dsv4_compress::ExtendPlan plan = dsv4_compress::check_decode(kv, score, ape, ratio, state, state_rows,
                                                                      positions, emitted,
@@ -353,12 +347,14 @@ void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int6
   }
   check(out, "out").size(0, kv.size(0), "rows of kv").size(1, Kind::kDim, "d");
   check(cache, "cache").same_device(kv, "kv");
-  const StoreParams store = check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_size, theta,
-                                              factor, original_max_positions, beta_fast, beta_slow, false);
+  const StoreParams store =
+      check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, false);
   if (cache.device().device_type != kDLCUDA) {
     std::vector<int64_t> stored;
     for (int64_t b = 0; b < kv.size(0); ++b) {
-      if (plan.events.decode.emits(b)) stored.push_back(store.slots[b]);
+      if (!plan.events.decode.emits(b)) continue;
+      stored.push_back(store.slots[b]);
+      check_rope_position(plan.events.decode.positions[b] - (ratio - 1), b, store.rope_positions, "positions");
     }
     dsv4_quant::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
   }

@@ -44,11 +44,12 @@ from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-from sparsekv.jit_kernel.dsv4_store import RopeParams, StoreTarget, norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable, StoreTarget, norm_rope_store
 
 __all__ = [
     "CompressorState",
     "RopeParams",
+    "RopeTable",
     "StoreTarget",
     "compress_decode_step",
     "compress_pool",

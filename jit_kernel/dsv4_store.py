@@ -3,11 +3,15 @@
 Main cache: 512-wide rows into the 584-byte ``fp8_ds_mla`` (V4) layout. Indexer cache: 128-wide
 rows, rotated by the 128-point Walsh-Hadamard matrix over sqrt(128), into ``INDEXER_FP8`` (132 B, one
 fp32 scale ``max(amax, 1e-4) / 448``) or ``INDEXER_FP4`` (68 B, a UE8M0 scale per 32 values).
-The RoPE/YaRN parameters are explicit (published configs disagree on the compressed layers' theta).
+RoPE comes from the model's float32 cos/sin table (:class:`RopeTable`, built by
+:meth:`RopeParams.table` the way the model builds it), so stored keys rotate by exactly the angles
+the model applies to its queries; the RoPE/YaRN parameters are explicit (published configs disagree
+on the compressed layers' theta).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,9 @@ from sparsekv.jit_kernel.arguments import float_arg, int_arg
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
+
+#: Rotated dims at the tail of every stored entry (32 pairs).
+ROPE_DIMS = 64
 
 CACHE_KINDS = {
     "V4": "sparsekv::dsv4_store::V4",
@@ -59,12 +66,26 @@ DSV4_STORE = register(
 
 
 @dataclass(frozen=True)
+class RopeTable:
+    """The float32 RoPE table a store rotates by: ``cos[pos, i]`` and ``sin[pos, i]`` of pair ``i``
+    of the 64 rotated dims, ``[max_position, 32]`` each, contiguous, on the cache's device (the
+    model's own table when it has one; :meth:`RopeParams.table` builds it the model's way)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def max_position(self) -> int:
+        return self.cos.shape[0]
+
+
+@dataclass(frozen=True)
 class RopeParams:
     """RoPE with optional YaRN blending (``factor > 1``), no mscale.
 
     DSV4 compressed layers: ``RopeParams(160000, 16, 65536, 32, 1)``; SWA-only layers:
-    ``RopeParams(10000)``. The kernels check the values; the types are checked here (TypeError
-    naming the field for a string or a bool, a float ``original_max_positions``).
+    ``RopeParams(10000)``. The types are checked here (TypeError naming the field for a string or
+    a bool, a float ``original_max_positions``), the values when the table is built.
     """
 
     theta: float
@@ -78,14 +99,48 @@ class RopeParams:
             float_arg(f"rope.{name}", getattr(self, name))
         int_arg("rope.original_max_positions", self.original_max_positions)
 
-    def kernel_args(self) -> tuple[float, float, int, float, float]:
-        """The five values in the order the store kernels take them."""
-        return (float(self.theta), float(self.factor), int(self.original_max_positions), float(self.beta_fast),
-                float(self.beta_slow))
+    def inv_freq(self) -> torch.Tensor:
+        """float32 ``[32]`` inverse frequencies ``theta^(-2i/64)``, YaRN-blended when ``factor > 1``
+        (DeepSeek's rule: correction range from beta_fast / beta_slow, a linear ramp between)."""
+        if not self.theta > 1.0:
+            raise ValueError(f"sparsekv: argument `theta` must be > 1, got {self.theta}")
+        if not self.factor > 0.0:
+            raise ValueError(f"sparsekv: argument `factor` must be > 0, got {self.factor}")
+        freq = 1.0 / (self.theta ** (torch.arange(0, ROPE_DIMS, 2, dtype=torch.float32) / ROPE_DIMS))
+        if self.factor <= 1.0:
+            return freq
+        if self.original_max_positions <= 0 or not self.beta_fast > 0 or not self.beta_slow > 0:
+            raise ValueError("sparsekv: arguments `original_max_positions`, `beta_fast`, `beta_slow` must be positive "
+                             "when YaRN is on (factor > 1)")
+
+        def corr(rotations: float) -> float:
+            return ROPE_DIMS * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (
+                2 * math.log(self.theta))
+
+        low = max(math.floor(corr(self.beta_fast)), 0)
+        high = min(math.ceil(corr(self.beta_slow)), ROPE_DIMS - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(ROPE_DIMS // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        return freq / self.factor * ramp + freq * (1 - ramp)
+
+    def table(self, max_position: int, device: torch.device | str | None = None) -> RopeTable:
+        """The model's float32 table for positions ``[0, max_position)``: ``t`` and the inverse
+        frequencies in float32, ``angle = outer(t, inv_freq)`` in float32, then its cos and sin.
+
+        Raises
+        ------
+        ValueError
+            ``max_position < 1`` or invalid parameters (named).
+        """
+        if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
+            raise ValueError(f"sparsekv: argument `max_position` must be an int >= 1, got {max_position!r}")
+        angle = torch.outer(torch.arange(max_position, dtype=torch.float32), self.inv_freq())
+        return RopeTable(torch.cos(angle).to(device).contiguous(), torch.sin(angle).to(device).contiguous())
 
 
 def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                    cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeParams,
+                    cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeTable,
                     cache_kind: str = "V4") -> None:
     """Normalize, rotate and quantize entries straight into a paged cache, in place.
 
@@ -98,15 +153,17 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     eps : float
         RMSNorm epsilon.
     positions : torch.Tensor
-        int64 ``[N]`` RoPE positions (a compressed entry's anchor ``m * i``).
+        int64 ``[N]`` RoPE positions (a compressed entry's anchor ``m * i``), in
+        ``[0, rope.max_position)`` (an entry outside is not stored on the device; host-readable
+        positions are checked).
     cache : torch.Tensor
         uint8 ``[pages, layout.page_bytes(page_size)]`` (a pool's page buffer).
     slots : torch.Tensor
         int64 ``[N]``, unique token slots.
     page_size : int
         Slots per page, a power of two.
-    rope : RopeParams
-        theta, YaRN factor, original max positions, beta_fast, beta_slow.
+    rope : RopeTable
+        The model's float32 cos/sin table (``RopeParams(...).table(max_position, device)``).
     cache_kind : str
         ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
 
@@ -115,26 +172,26 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     TypeError
         A wrong dtype, or a scalar of the wrong type (named).
     ValueError
-        A wrong shape, page size, RoPE parameter, a duplicated slot, or a written
-        ``cache`` that shares memory with another argument.
+        A wrong shape, page size or RoPE table, a duplicated slot, or a written ``cache`` that
+        shares memory with another argument.
     IndexError
-        A slot outside the cache. Nothing is written when anything is raised.
+        A slot outside the cache, a position outside the RoPE table. Nothing is written when
+        anything is raised.
     """
     eps, page_size = float_arg("eps", eps), int_arg("page_size", page_size)
-    if not isinstance(rope, RopeParams):
-        raise TypeError(f"sparsekv: argument `rope` must be a RopeParams, got {type(rope).__name__}")
-    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, *rope.kernel_args(), cache_kind)
-
+    if not isinstance(rope, RopeTable):
+        raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
+                        f"{type(rope).__name__}")
+    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope.cos, rope.sin, cache_kind)
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))
 def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cache: torch.Tensor,
-                     slots: torch.Tensor, page_size: int, theta: float, factor: float, original_max_positions: int,
-                     beta_fast: float, beta_slow: float, cache_kind: str) -> None:
+                     slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                     cache_kind: str) -> None:
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
-    module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, theta, factor, original_max_positions,
-                           beta_fast, beta_slow)
+    module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)
 
 
 @dataclass(frozen=True)
@@ -151,8 +208,8 @@ class StoreTarget:
         RMSNorm epsilon.
     page_size : int
         Slots per page of ``cache``.
-    rope : RopeParams
-        RoPE / YaRN parameters.
+    rope : RopeTable
+        The model's float32 cos/sin table.
     cache_kind : str
         ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
     """
@@ -161,14 +218,15 @@ class StoreTarget:
     weight: torch.Tensor
     eps: float
     page_size: int
-    rope: RopeParams
+    rope: RopeTable
     cache_kind: str = "V4"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eps", float_arg("store.eps", self.eps))
         object.__setattr__(self, "page_size", int_arg("store.page_size", self.page_size))
-        if not isinstance(self.rope, RopeParams):
-            raise TypeError(f"sparsekv: argument `store.rope` must be a RopeParams, got {type(self.rope).__name__}")
+        if not isinstance(self.rope, RopeTable):
+            raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(max_position)), "
+                            f"got {type(self.rope).__name__}")
 
 
 def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions, slots, target: StoreTarget) -> None:
@@ -178,26 +236,25 @@ def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions
     :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
     """
     _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
-                    target.cache, slots, target.page_size, *target.rope.kernel_args(), target.cache_kind)
+                    target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind)
 
 
 @kernel_op("compress_store", mutates_args=("state", "cache"))
 def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                     sources: torch.Tensor, writes: torch.Tensor, weight: torch.Tensor, eps: float,
-                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, theta: float,
-                    factor: float, original_max_positions: int, beta_fast: float, beta_slow: float,
-                    cache_kind: str) -> None:
+                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
+                    rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str) -> None:
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
     module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
-                          page_size, theta, factor, original_max_positions, beta_fast, beta_slow)
+                          page_size, rope_cos, rope_sin)
 
 
 def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, slots,
                                target: StoreTarget) -> None:
     """One fused decode step (see :func:`~sparsekv.jit_kernel.dsv4_compress.compress_decode_step`, the public entry)."""
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, target.weight,
-                           target.eps, target.cache, slots, target.page_size, *target.rope.kernel_args(),
+                           target.eps, target.cache, slots, target.page_size, target.rope.cos, target.rope.sin,
                            target.cache_kind)
 
 
@@ -205,11 +262,11 @@ def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positio
 def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                            state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
                            emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                           slots: torch.Tensor, page_size: int, theta: float, factor: float,
-                           original_max_positions: int, beta_fast: float, beta_slow: float, cache_kind: str) -> None:
+                           slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                           cache_kind: str) -> None:
     from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda  # the compressor builds on this module
 
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     check_decode_on_cuda(state_rows, positions, state)
     module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
-                                 slots, page_size, theta, factor, original_max_positions, beta_fast, beta_slow)
+                                 slots, page_size, rope_cos, rope_sin)

@@ -31,14 +31,14 @@ from sparsekv.jit_kernel.dsv4 import (
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_indexer import visible_entries
-from sparsekv.jit_kernel.dsv4_store import StoreTarget
+from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
 from sparsekv.srt.mem_cache.allocators import PagedAllocator
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, entry_slots, indexer_scores_reference
-from sparsekv.testing.reference.dsv4_store import normalize_rotate, rope_inv_freq
+from sparsekv.testing.reference.dsv4_store import normalize_rotate
 
 PAGE_SIZE = 256
 C4_PAGE = PAGE_SIZE // 4
@@ -141,6 +141,8 @@ class Stack:
         self.model = model
         self.device = torch.device(device)
         self.check = check
+        # The model's float32 RoPE tables, one per RoPE setting, covering every position a request reaches.
+        self.rope_tables = {w.rope: w.rope.table(tokens + PAGE_SIZE, self.device) for w in model.layers}
         self.hisparse = hisparse
         self.budget, rank, self.server = plan(model, tokens=tokens, hisparse=hisparse, requests=requests)
         self.config = rank.config
@@ -218,6 +220,9 @@ class Stack:
             return int(self.allocator.full_to_hisparse_device_index_mapping[loc])
         return loc
 
+    def _rope(self, w) -> RopeTable:
+        return self.rope_tables[w.rope]
+
     def _c4_cache(self, layer: int) -> torch.Tensor:
         if self.hisparse is None:
             return self.pool.get_compressed_kv_buffer(layer)
@@ -231,9 +236,8 @@ class Stack:
     def _store(self, x, weight, positions, cache, slots, page, rope, kind, errors: Errors) -> None:
         norm_rope_store(x, weight, EPS, positions, cache, slots, page, rope, kind)
         if self.check and slots.numel():
-            inv_freq = rope_inv_freq(rope.theta, rope.factor, rope.original_max_positions, rope.beta_fast,
-                                     rope.beta_slow)
-            exact = normalize_rotate(x.cpu(), weight.cpu(), EPS, positions.cpu(), inv_freq, hadamard=kind != "V4")
+            exact = normalize_rotate(x.cpu(), weight.cpu(), EPS, positions.cpu(), rope.cos, rope.sin,
+                                     hadamard=kind != "V4")
             if kind == "V4":
                 stored = dequantize_fp8_ds_mla(cache, slots, page).cpu()
             else:
@@ -253,8 +257,8 @@ class Stack:
         positions = torch.arange(length, dtype=torch.int64, device=self.device)
         swa = self._swa_slots(req, range(length)).to(self.device)
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
-            self._store(x @ w.w_kv, w.kv_norm, positions, self.pool.get_swa_kv_buffer(layer), swa, PAGE_SIZE, w.rope,
-                        "V4", errors)
+            self._store(x @ w.w_kv, w.kv_norm, positions, self.pool.get_swa_kv_buffer(layer), swa, PAGE_SIZE,
+                        self._rope(w), "V4", errors)
             if not ratio:
                 continue
             kv, score = x @ w.w_ckv, x @ w.w_cscore
@@ -268,7 +272,7 @@ class Stack:
                                  dtype=torch.int64, device=self.device)
             cache = self._c4_cache(layer) if ratio == 4 else self.pool.get_compressed_kv_buffer(layer)
             self._store(entries, w.c_norm, anchors.to(self.device), cache, slots, C4_PAGE if ratio == 4 else C128_PAGE,
-                        w.rope, "V4", errors)
+                        self._rope(w), "V4", errors)
             if ratio == 4:
                 ikv, iscore = x @ w.w_ikv, x @ w.w_iscore
                 keys, anchors = self.index_state[layer].extend([req.req_pool_idx], [rings], [0], ikv, iscore, span)
@@ -278,7 +282,7 @@ class Stack:
                 islots = torch.tensor([self._entry_slot(req, 4, int(a), hot=False) for a in anchors],
                                       dtype=torch.int64, device=self.device)
                 self._store(keys, w.i_norm, anchors.to(self.device), self.pool.get_indexer_buffer(layer), islots,
-                            C4_PAGE, w.rope, "INDEXER_FP8", errors)
+                            C4_PAGE, self._rope(w), "INDEXER_FP8", errors)
         self.errors.merge(errors)
         return errors
 
@@ -320,14 +324,14 @@ class Stack:
         outputs = []
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
             swa_cache = self.pool.get_swa_kv_buffer(layer)
-            norm_rope_store(x @ w.w_kv, w.kv_norm, EPS, positions, swa_cache, swa_new, PAGE_SIZE, w.rope, "V4")
+            norm_rope_store(x @ w.w_kv, w.kv_norm, EPS, positions, swa_cache, swa_new, PAGE_SIZE, self._rope(w), "V4")
             q = (x @ w.wq).reshape(len(reqs), -1, HEAD_DIM)
             extra = {}
             if ratio:
                 hot = ratio == 4 and self.hisparse is not None
                 page = C4_PAGE if ratio == 4 else C128_PAGE
                 cache = self._c4_cache(layer) if ratio == 4 else self.pool.get_compressed_kv_buffer(layer)
-                target = StoreTarget(cache, w.c_norm, EPS, page, w.rope)
+                target = StoreTarget(cache, w.c_norm, EPS, page, self._rope(w))
                 ring_args = [self._rings(r, ratio) for r in reqs]
                 self.kv_state[layer].extend(
                     rids, [a for a, _ in ring_args], n_before, x @ w.w_ckv, x @ w.w_cscore, ring_args[0][1],
@@ -364,7 +368,8 @@ class Stack:
         self.index_state[layer].extend(
             rids, [r.swa_pages for r in reqs], n_before, x @ w.w_ikv, x @ w.w_iscore, PAGE_SIZE,
             lengths=[1] * len(reqs),
-            store=StoreTarget(self.pool.get_indexer_buffer(layer), w.i_norm, EPS, C4_PAGE, w.rope, "INDEXER_FP8"),
+            store=StoreTarget(self.pool.get_indexer_buffer(layer), w.i_norm, EPS, C4_PAGE, self._rope(w),
+                              "INDEXER_FP8"),
             entry_slots=lambda b, anchor: self._entry_slot(reqs[b], 4, anchor, hot=False))
         pages = max(-(-len(r.locs) // PAGE_SIZE) for r in reqs)
         page_table = torch.zeros(len(reqs), pages, dtype=torch.int32)

@@ -370,7 +370,7 @@ def test_decode_step_equals_extend_over_the_same_tokens(backend, ratio, with_sto
     state_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
     state = torch.zeros((batch + 1) * ring_size, 2 * coff * dim, dtype=state_dtype, device=device)
     reference, planned = (CompressorState(s, ape, ratio, ring_size=ring_size) for s in (state, state.clone()))
-    page, rope = 4, RopeParams(10000)
+    page, rope = 4, RopeParams(10000).table(total, device)
     caches = [torch.zeros(-(-batch * (total // ratio + 1) // page), INDEXER_FP8.page_bytes(page), dtype=torch.uint8,
                           device=device) for _ in range(2)]
     weight = (torch.rand(dim, generator=gen) + 0.5).to(device)

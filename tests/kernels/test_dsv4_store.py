@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import (
     CompressorState,
     RopeParams,
+    RopeTable,
     StoreTarget,
     compress_pool,
     dequantize_fp8_ds_mla,
@@ -21,10 +23,21 @@ from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
 from sparsekv.testing.strategies.dsv4_quant import slot_case
-from sparsekv.testing.strategies.dsv4_store import store_case
+from sparsekv.testing.strategies.dsv4_store import TABLE_POSITIONS, store_case
 
 BACKENDS = kernel_backends()
 KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
+DSV4_C4_ROPE = (160000, 16, 65536, 32, 1)
+
+
+@functools.cache
+def host_table(rope: tuple) -> RopeTable:
+    return RopeParams(*rope).table(TABLE_POSITIONS)
+
+
+def table_on(backend: str, rope: tuple = DSV4_C4_ROPE) -> RopeTable:
+    t = host_table(rope)
+    return RopeTable(t.cos.to(device_of(backend)), t.sin.to(device_of(backend)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -37,11 +50,12 @@ def test_stored_bytes_equal_the_reference(backend, kind, data):
     layout = LAYOUTS[kind]
     cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8)
     expected = cache.clone()
-    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, rope_inv_freq(*rope), kind)
+    table = host_table(rope)
+    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, table.cos, table.sin, kind)
     device = device_of(backend)
     got = cache.to(device)
     norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, slots.to(device), page_size,
-                    RopeParams(*rope), kind)
+                    table_on(backend, rope), kind)
     # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
     assert torch.equal(got.cpu(), expected)
 
@@ -49,11 +63,11 @@ def test_stored_bytes_equal_the_reference(backend, kind, data):
 def test_reference_is_norm_rope_in_fp64_within_the_quantization_error(backend):
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(6, 512, generator=gen), torch.rand(512, generator=gen) + 0.5
-    positions = torch.tensor([0, 1, 4, 128, 4096, 1 << 20])
-    inv_freq = rope_inv_freq(160000, 16, 65536, 32, 1)
+    positions = torch.tensor([0, 1, 4, 128, 4096, 1 << 16])
+    inv_freq = rope_inv_freq(*DSV4_C4_ROPE)
     cache = torch.zeros(1, LAYOUTS["V4"].page_bytes(8), dtype=torch.uint8)
     dx, dweight, dpositions, cache, slots = to_backend(backend, [x, weight, positions, cache, torch.arange(6)])
-    norm_rope_store(dx, dweight, 1e-6, dpositions, cache, slots, 8, RopeParams(160000, 16, 65536, 32, 1))
+    norm_rope_store(dx, dweight, 1e-6, dpositions, cache, slots, 8, table_on(backend))
     got = dequantize_fp8_ds_mla(cache, slots, 8).cpu().double()
     xd = x.double()
     y = xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + 1e-6) * weight.double()
@@ -77,9 +91,9 @@ def test_hadamard_step_is_the_orthonormal_walsh_matrix():
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(5, 128, generator=gen), torch.rand(128, generator=gen) + 0.5
     positions = torch.arange(5) * 4
-    inv_freq = rope_inv_freq(10000)
-    plain = normalize_rotate(x, weight, 1e-6, positions, inv_freq, hadamard=False).double()
-    rotated = normalize_rotate(x, weight, 1e-6, positions, inv_freq, hadamard=True).double()
+    table = RopeParams(10000).table(20)
+    plain = normalize_rotate(x, weight, 1e-6, positions, table.cos, table.sin, hadamard=False).double()
+    rotated = normalize_rotate(x, weight, 1e-6, positions, table.cos, table.sin, hadamard=True).double()
     torch.testing.assert_close(rotated, plain @ h.T / math.sqrt(128), atol=1e-5, rtol=1e-5)
     # Orthogonal: unquantized dot products (indexer scores) are unchanged.
     torch.testing.assert_close(rotated @ rotated.T, plain @ plain.T, atol=1e-4, rtol=1e-5)
@@ -94,6 +108,38 @@ def test_yarn_frequencies_blend_between_interpolation_and_extrapolation():
     assert bool((yarn <= base).all()) and bool((yarn >= base / 16).all())
 
 
+@pytest.mark.no_backend("checks the table builder against the float64 frequencies")
+@pytest.mark.parametrize("rope", [DSV4_C4_ROPE, (10000,), (10000, 40, 4096, 32, 1)])
+def test_the_table_is_the_models_float32_rotation(rope):
+    params = RopeParams(*rope)
+    table = params.table(4096)
+    assert table.cos.dtype == torch.float32 and table.cos.shape == (4096, 32) and table.max_position == 4096
+    # The model's construction, step by step in float32: t, inv_freq, outer product, cos and sin.
+    angle = torch.outer(torch.arange(4096, dtype=torch.float32), params.inv_freq())
+    assert torch.equal(table.cos, torch.cos(angle)) and torch.equal(table.sin, torch.sin(angle))
+    torch.testing.assert_close(params.inv_freq().double(), rope_inv_freq(*rope), rtol=1e-6, atol=0)
+    # Against float64 angles: float32 rounding of t * inv_freq, small at these positions.
+    exact = torch.arange(4096, dtype=torch.float64)[:, None] * rope_inv_freq(*rope)[None, :]
+    assert float((table.cos.double() - exact.cos()).abs().max()) < 1e-3
+
+
+def test_a_position_outside_the_table_is_refused_before_writing(backend, index_checks):
+    args = to_backend(backend, _args())
+    cache = args[4]
+    before = cache.clone()
+    small = RopeParams(10000).table(3, device=device_of(backend))  # positions 0..2; the args use 0 and 4
+    if backend == "cpu":
+        with pytest.raises(IndexError, match=r"`positions`\[1\] gives RoPE position 4, outside the RoPE table"):
+            norm_rope_store(*args, small)
+        assert torch.equal(cache, before)
+    else:  # device positions: that entry is skipped, the other one is stored
+        only_first = before.clone()
+        x, weight, eps, positions, _, slots, page_size = args
+        norm_rope_store(x[:1], weight, eps, positions[:1], only_first, slots[:1], page_size, small)
+        norm_rope_store(*args, small)
+        assert torch.equal(cache, only_first)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_streamed_entries_store_the_one_shot_cache_bytes(backend):
     device = device_of(backend)
@@ -103,7 +149,7 @@ def test_streamed_entries_store_the_one_shot_cache_bytes(backend):
                       torch.randn(4, 1024, generator=gen))
     kv, score, ape = kv.to(device), score.to(device), ape.to(device)
     weight = torch.rand(512, generator=gen).to(device) + 0.5
-    rope = RopeParams(160000, 16, 65536, 32, 1)
+    rope = table_on(backend)
     layout = LAYOUTS["V4"]
     one_shot = torch.zeros(2, layout.page_bytes(8), dtype=torch.uint8, device=device)
     entries = compress_pool(kv, score, ape, 4)
@@ -131,8 +177,9 @@ BAD = [
     (lambda a: (*a[:5], torch.tensor([0, 4]), a[6]), {}, IndexError, "slots"),
     (lambda a: (*a[:5], torch.tensor([1, 1]), a[6]), {}, ValueError, "slots"),
     (lambda a: (*a[:6], 3), {}, ValueError, "page_size"),
-    (lambda a: a, {"rope": RopeParams(1.0)}, ValueError, "theta"),
-    (lambda a: a, {"rope": RopeParams(160000, 16, 0)}, ValueError, "original_max_positions"),
+    (lambda a: a, {"rope": lambda t: RopeTable(t.cos.double(), t.sin)}, TypeError, "rope_cos"),
+    (lambda a: a, {"rope": lambda t: RopeTable(t.cos, t.sin[:, :16].contiguous())}, ValueError, "rope_sin"),
+    (lambda a: a, {"rope": lambda t: RopeTable(t.cos, t.sin[:8])}, ValueError, "rope_sin"),
     (lambda a: a, {"kind": "INDEXER_FP8"}, ValueError, "x"),
     (lambda a: a, {"kind": "FP16"}, ValueError, "cache_kind"),
 ]
@@ -143,7 +190,7 @@ def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks
     args = to_backend(backend, _args())
     cache = args[4]
     before = cache.clone()
-    rope = extra.get("rope", RopeParams(160000, 16, 65536, 32, 1))
+    rope = extra.get("rope", lambda t: t)(table_on(backend))
     with pytest.raises(exc, match=f"`{name}`"):
         norm_rope_store(*to_backend(backend, mutate(args)), rope, extra.get("kind", "V4"))
     assert torch.equal(cache, before)
@@ -161,7 +208,7 @@ def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, d
     kv, score = torch.randn(t, coff * dim, generator=gen), torch.randn(t, coff * dim, generator=gen)
     ape, weight = torch.randn(ratio, coff * dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
     kv, score, ape, weight = kv.to(device), score.to(device), ape.to(device), weight.to(device)
-    rope = RopeParams(160000, 16, 65536, 32, 1)
+    rope = table_on(backend)
     layout, page = LAYOUTS[kind], 4
     ring = 2 * (8 if ratio == 4 else 128)
     cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=3)) + [0, t]))
@@ -190,7 +237,7 @@ def test_fused_store_with_a_bad_slot_changes_nothing(backend, index_checks):
     cache = torch.full((2, LAYOUTS["V4"].page_bytes(4)), 7, dtype=torch.uint8)
     kv, score, ape, cache, state, weight = to_backend(backend, [kv, score, ape, cache, torch.zeros(32, 2048),
                                                                 torch.ones(512)])
-    target = StoreTarget(cache, weight, 1e-6, 4, RopeParams(10000))
+    target = StoreTarget(cache, weight, 1e-6, 4, table_on(backend, (10000,)))
     comp = CompressorState(state, ape, 4, ring_size=16)
     before_cache, before_state = cache.clone(), state.clone()
     with pytest.raises(IndexError, match="`slots`"):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsekv.jit_kernel.dsv4 import (
     RopeParams,
+    RopeTable,
     StoreTarget,
     compress_decode_step,
     compress_pool,
@@ -131,7 +132,7 @@ def op_cases(device: torch.device) -> dict[str, Callable[[dict], tuple[torch.Ten
     def store(w):
         norm_rope_store(w["rows"], torch.linspace(0.5, 2, 512, device=device), 1e-6, torch.tensor([0, 9, 4, 300, 7],
                         device=device), w["kv_cache"], torch.tensor([1, 2, 40, 3, 63], device=device), P,
-                        RopeParams(10000))
+                        RopeParams(10000).table(301, device))
         return (w["kv_cache"],)
 
     def compress(w):
@@ -269,12 +270,14 @@ def step_tensors(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]
         "lse": torch.empty(STEP_BATCH, STEP_HEADS),
         "workspace": torch.empty(workspace_floats(STEP_BATCH, STEP_HEADS, 1, torch.bfloat16)),
     }
+    rope = RopeParams(160000, 16, 65536, 32, 1).table(int(positions.max()) + 1)
+    t["rope_cos"], t["rope_sin"] = rope.cos, rope.sin  # the model's table, built once like its weights
     return {name: value.to(device) for name, value in t.items()}
 
 
 def decode_step(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One C4 layer's decode step, every op writing into the caller's buffers (what an engine captures)."""
-    rope = RopeParams(160000, 16, 65536, 32, 1)
+    rope = RopeTable(t["rope_cos"], t["rope_sin"])
     compress_decode_step(t["main_kv"], t["main_score"], t["main_ape"], 4, t["main_state"], t["state_rows"],
                          t["positions"], store=StoreTarget(t["kv_cache"], t["main_weight"], 1e-6, C4P, rope),
                          entry_slots=t["entry_slots"], out=t["main_entries"], emitted=t["main_emitted"])

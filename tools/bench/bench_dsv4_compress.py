@@ -39,7 +39,7 @@ from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
-from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference, rope_inv_freq
+from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 D = 512
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -85,7 +85,8 @@ def _fused_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     cache = torch.zeros(entries // PAGE + 1, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
     ring = 2 * (8 if ratio == 4 else 128)
     state = torch.zeros(2 * ring, 2 * coff * D, device=device)
-    target = StoreTarget(cache, weight, 1e-6, PAGE, ROPE)
+    rope = ROPE.table(t, device)  # anchors are raw positions below t
+    target = StoreTarget(cache, weight, 1e-6, PAGE, rope)
     idx = torch.arange(entries, device=device)
 
     def fused():
@@ -94,13 +95,11 @@ def _fused_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
 
     def two_pass():
         out = compress_pool(kv, score, ape, ratio)
-        norm_rope_store(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, ROPE)
-
-    inv_freq = rope_inv_freq(ROPE.theta, ROPE.factor, ROPE.original_max_positions, ROPE.beta_fast, ROPE.beta_slow)
+        norm_rope_store(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, rope)
 
     def torch_fp32():
         out = compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32)
-        norm_rope_store_reference(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, inv_freq)
+        norm_rope_store_reference(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, rope.cos, rope.sin)
 
     time_it = timer(backend)
     ours = time_it(fused, repeats=repeats)

@@ -5,8 +5,9 @@ Float32 throughout, every step rounded in the kernel's order, so stored bytes co
 * ``x = bf16(x)``; sum of squares: 32 partial sums (partial ``l`` adds channels ``l, l + 32, ...`` in
   order), then an xor butterfly (offsets 16, 8, 4, 2, 1); ``inv = 1 / sqrt(sum / D + eps)``;
   ``y = bf16((x * inv) * weight)``.
-* RoPE on the trailing 64 dims, interleaved pairs, angle ``pos * inv_freq`` in float64, cos/sin
-  rounded to float32; results rounded to bf16. ``inv_freq`` is computed here independently (YaRN).
+* RoPE on the trailing 64 dims, interleaved pairs, by the same float32 cos/sin table the kernel
+  reads (the model's); results rounded to bf16. :func:`rope_inv_freq` (float64, computed here
+  independently) checks the table builder.
 * Indexer: Walsh-Hadamard butterflies of stride 1 .. 64, then ``* float32(1/sqrt(128))``.
 * Quantization: :mod:`sparsekv.testing.reference.dsv4_quant` (V4, FP4) and the FP8 indexer rule
   ``scale = max(amax, 1e-4) / 448`` (float32, not a power of two), ``e4m3(x / scale)``.
@@ -59,15 +60,15 @@ def _team_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                     inv_freq: torch.Tensor, hadamard: bool) -> torch.Tensor:
+                     rope_cos: torch.Tensor, rope_sin: torch.Tensor, hadamard: bool) -> torch.Tensor:
     """float32 ``[N, D]``: the values the kernel quantizes."""
     n, d = x.shape
     x = _bf16(x.to(torch.float32))
     ms = _team_sum(x * x) / torch.tensor(float(d), dtype=torch.float32)
     inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
     y = _bf16((x * inv[:, None]) * weight.to(torch.float32))
-    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
+    rows = positions.cpu().to(torch.int64)
+    cos, sin = rope_cos.cpu()[rows], rope_sin.cpu()[rows]
     even, odd = y[:, d - 64 :: 2], y[:, d - 63 :: 2]
     rotated = torch.stack([_bf16(even * cos - odd * sin), _bf16(even * sin + odd * cos)], dim=2).reshape(n, 64)
     y = torch.cat([y[:, : d - 64], rotated], dim=1)
@@ -89,10 +90,12 @@ def encode_indexer_fp8(z: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, scale.contiguous().view(torch.uint8).reshape(-1, 4)], dim=1)
 
 
-def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_size, inv_freq, cache_kind="V4") -> None:
-    """In place: the kernel's bytes for every entry into ``cache`` at ``slots``."""
+def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+                              cache_kind="V4") -> None:
+    """In place: the kernel's bytes for every entry into ``cache`` at ``slots`` (RoPE from the float32
+    table ``rope_cos`` / ``rope_sin``, ``[max_position, 32]`` each)."""
     layout = LAYOUTS[cache_kind]
-    z = normalize_rotate(x, weight, eps, positions, inv_freq, hadamard=cache_kind != "V4")
+    z = normalize_rotate(x, weight, eps, positions, rope_cos, rope_sin, hadamard=cache_kind != "V4")
     if cache_kind == "V4":
         records = encode_fp8_ds_mla(z)
     elif cache_kind == "INDEXER_FP8":

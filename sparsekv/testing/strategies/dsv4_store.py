@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+#: Positions the tests' RoPE tables cover (0 .. 2^16 inclusive: the C4 anchors of a 64k context and more).
+TABLE_POSITIONS = (1 << 16) + 1
+
 ROPE_SETTINGS = [
     (160000.0, 16.0, 65536, 32.0, 1.0),  # DSV4 compressed layers (YaRN)
     (10000.0, 1.0, 0, 32.0, 1.0),  # SWA-only layers
@@ -23,7 +26,7 @@ def store_case(draw, dim: int):
         x[0] = 0.0  # an all-zero entry: eps keeps the norm finite
     weight = torch.rand(dim, generator=gen) * 2 - 0.5
     eps = draw(st.sampled_from([1e-6, 1e-5]))
-    positions = torch.tensor(draw(st.lists(st.integers(0, 1 << 21) | st.sampled_from([0, 4, 128, 65536]),
-                                           min_size=n, max_size=n)), dtype=torch.int64)
+    position = (st.integers(0, 1 << 21) | st.sampled_from([0, 4, 128, 65536])).map(lambda p: p % TABLE_POSITIONS)
+    positions = torch.tensor(draw(st.lists(position, min_size=n, max_size=n)), dtype=torch.int64)
     rope = draw(st.sampled_from(ROPE_SETTINGS))
     return x, weight, eps, positions, rope
