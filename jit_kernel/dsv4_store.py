@@ -225,7 +225,7 @@ class StoreTarget:
         object.__setattr__(self, "eps", float_arg("store.eps", self.eps))
         object.__setattr__(self, "page_size", int_arg("store.page_size", self.page_size))
         if not isinstance(self.rope, RopeTable):
-            raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(max_position)), "
+            raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(n)), "
                             f"got {type(self.rope).__name__}")
 
 

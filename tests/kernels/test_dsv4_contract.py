@@ -78,7 +78,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
     backend = "cuda" if device.type == "cuda" else "cpu"
     v4_cache = torch.zeros(2, V4.page_bytes(PAGE), dtype=torch.uint8)
     idx_cache = torch.zeros(2, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)
-    rope = (10000.0, 1.0, 0, 32.0, 1.0)
+    table = RopeParams(1e4).table(16)
     entries = {
         "quantize_fp8_ds_mla": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_fp8_ds_mla,
                                      dict(x=rand(2, 512), cache=v4_cache.clone(), slots=_i64(0, 5), page_size=PAGE),
@@ -105,17 +105,15 @@ def _entries(device: torch.device) -> dict[str, Entry]:
             ("out", "lse", "part_out", "part_lse")),
         "norm_rope_store": Entry(lambda: DSV4_STORE.module(cache_kind="V4", backend=backend).norm_rope_store,
                                  dict(x=rand(2, 512), weight=torch.ones(512), eps=1e-6, positions=_i64(0, 4),
-                                      cache=v4_cache.clone(), slots=_i64(1, 6), page_size=PAGE, theta=rope[0],
-                                      factor=rope[1], original_max_positions=rope[2], beta_fast=rope[3],
-                                      beta_slow=rope[4]), ("cache",)),
+                                      cache=v4_cache.clone(), slots=_i64(1, 6), page_size=PAGE,
+                                      rope_cos=table.cos.clone(), rope_sin=table.sin.clone()), ("cache",)),
         # C4 over d = 128 (the indexer cache): one entry from kv rows 0-3, two ring writes.
         "compress_store": Entry(lambda: DSV4_STORE.module(cache_kind="INDEXER_FP8", backend=backend).compress_store,
                                 dict(kv=rand(4, 256), score=rand(4, 256), ape=rand(4, 256), ratio=4,
                                      state=torch.zeros(8, 512), sources=_i64(-1, -1, -1, -1, 0, 1, 2, 3)[None],
                                      writes=_i64(0, 0, 1, 1).reshape(2, 2), weight=torch.ones(128), eps=1e-6,
                                      positions=_i64(0), cache=idx_cache.clone(), slots=_i64(2), page_size=PAGE,
-                                     theta=rope[0], factor=rope[1], original_max_positions=rope[2],
-                                     beta_fast=rope[3], beta_slow=rope[4]), ("state", "cache")),
+                                     rope_cos=table.cos.clone(), rope_sin=table.sin.clone()), ("state", "cache")),
         "compress_pool": Entry(lambda: DSV4_COMPRESS.module(backend=backend).compress_pool,
                                dict(kv=rand(8, 32), score=rand(8, 32), ape=rand(4, 32), ratio=4,
                                     out=torch.zeros(2, 16)), ("out",)),
@@ -134,8 +132,8 @@ def _entries(device: torch.device) -> dict[str, Entry]:
             dict(kv=rand(2, 256), score=rand(2, 256), ape=rand(4, 256), ratio=4, state=torch.zeros(16, 512),
                  state_rows=torch.arange(16).reshape(2, 8), positions=_i64(3, 9), out=torch.zeros(2, 128),
                  emitted=torch.zeros(2, dtype=torch.bool), weight=torch.ones(128), eps=1e-6, cache=idx_cache.clone(),
-                 slots=_i64(2, 5), page_size=PAGE, theta=rope[0], factor=rope[1], original_max_positions=rope[2],
-                 beta_fast=rope[3], beta_slow=rope[4]), ("state", "out", "emitted", "cache")),
+                 slots=_i64(2, 5), page_size=PAGE, rope_cos=table.cos.clone(), rope_sin=table.sin.clone()),
+            ("state", "out", "emitted", "cache")),
         "compress_online_c128": Entry(lambda: DSV4_COMPRESS.module(backend=backend).compress_online_c128,
                                       dict(kv=rand(4, 16), score=rand(4, 16), ape=rand(128, 16),
                                            state=torch.zeros(4, 32), snapshots=2,
@@ -245,7 +243,8 @@ def test_every_entry_bounds_its_page_size(backend, name, arg, page_size):
     lambda d: quantize_fp8_ds_mla(torch.zeros(1, 512, device=d), torch.zeros(1, 0, dtype=torch.uint8, device=d),
                                   _i64(5).to(d), 2**62),
     lambda d: norm_rope_store(torch.zeros(1, 512, device=d), torch.ones(512, device=d), 1e-6, _i64(0).to(d),
-                              torch.zeros(1, 0, dtype=torch.uint8, device=d), _i64(5).to(d), 2**62, RopeParams(1e4)),
+                              torch.zeros(1, 0, dtype=torch.uint8, device=d), _i64(5).to(d), 2**62,
+                              RopeParams(1e4).table(1, d)),
 ], ids=["dequantize", "quantize", "norm_rope_store"])
 def test_a_page_size_whose_page_bytes_overflow_is_refused(backend, call):
     with pytest.raises(ValueError, match="`page_size`"):
@@ -318,7 +317,7 @@ def _wrapper_calls(device):
                                             page_table=tk["page_table"], page_size=PAGE)),
         "norm_rope_store": (norm_rope_store, dict(x=st_["x"], weight=st_["weight"], eps=1e-6,
                                                   positions=st_["positions"], cache=st_["cache"], slots=st_["slots"],
-                                                  page_size=PAGE, rope=RopeParams(1e4))),
+                                                  page_size=PAGE, rope=RopeParams(1e4).table(64, device))),
     }
 
 
@@ -358,9 +357,9 @@ def test_rope_and_store_target_fields_are_typed():
         RopeParams(1e4, 2.0, 4096.5)
     cache = torch.zeros(1, V4.page_bytes(PAGE), dtype=torch.uint8)
     with pytest.raises(TypeError, match="`store.page_size`"):
-        StoreTarget(cache, torch.ones(512), 1e-6, 4.0, RopeParams(1e4))
+        StoreTarget(cache, torch.ones(512), 1e-6, 4.0, RopeParams(1e4).table(8))
     with pytest.raises(TypeError, match="`store.rope`"):
-        StoreTarget(cache, torch.ones(512), 1e-6, 4, (1e4,))
+        StoreTarget(cache, torch.ones(512), 1e-6, 4, RopeParams(1e4))  # the parameters, not the table
 
 
 @pytest.mark.parametrize("wrapper", ["quantize", "dequantize", "attention", "indexer_scores", "indexer_topk",
