@@ -584,5 +584,5 @@ class HiSparseRuntimeIndexed(HiSparseRuntime):
 # The same machine on the indexed swap-in (its index rebuilt at admission and release, checked
 # against the slot tokens after every rule); fewer examples, the kernels' own machines go deeper.
 TestHiSparseRuntimeIndexed = HiSparseRuntimeIndexed.TestCase
-TestHiSparseRuntimeIndexed.settings = settings(settings.default, max_examples=scaled_examples(4),
+TestHiSparseRuntimeIndexed.settings = settings(settings.default, max_examples=scaled_examples(3),
                                                stateful_step_count=100 if scaled_examples(10) > 10 else 40)
