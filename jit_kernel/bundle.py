@@ -85,7 +85,9 @@ def read_bundle(path: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
     try:
         tar = tarfile.open(path, "r")
     except (OSError, tarfile.TarError) as exc:
-        raise BundleError(f"sparsekv: {path} is not a readable bundle ({exc})") from exc
+        reason = str(exc).splitlines()[0].rstrip(":") if str(exc) else type(exc).__name__
+        raise BundleError(f"sparsekv: {path} is not a readable bundle (a tar file as `sparsekv jit export` writes: "
+                          f"{reason})") from exc
     files: dict[str, bytes] = {}
     with tar:
         try:

@@ -586,8 +586,9 @@ def _explain(args) -> int:
         rows = diff_keys(*docs)
         doc = {"identical": not rows, "differences": [{"field": k, "a": x, "b": y} for k, x, y in rows]}
         _emit(args, doc, lambda: "identical keys" if not rows else "\n".join(
-            [f"{len(rows)} key inputs differ:"] + [f"  {k}:\n    A: {x}\n    B: {y}" for k, x, y in rows]))
-        return 0
+            [f"{len(rows)} key input{' differs' if len(rows) == 1 else 's differ'}:"]
+            + [f"  {k}:\n    A: {x}\n    B: {y}" for k, x, y in rows]))
+        return 1 if rows else 0  # as diff(1): 1 when the keys differ
     if not args.family:
         raise UsageError("name a kernel family (or use --diff A.json B.json)")
     family = _family(discover(), args.family)

@@ -14,6 +14,7 @@ import shutil
 import stat
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from sparsekv import env
 
@@ -46,20 +47,25 @@ def _versions() -> list[Check]:
     return checks
 
 
+def _version_of(compiler) -> str:
+    """The compiler's ``--version`` line (its identity without the leading file name)."""
+    return compiler.identity.removeprefix(Path(compiler.path).name + " ")
+
+
 def _compilers() -> list[Check]:
     from sparsekv.jit_kernel import toolchain
 
     checks = []
     try:
         cxx = toolchain.host_compiler(None)
-        checks.append(Check("host compiler", "ok", f"{cxx.path}: {cxx.identity}"))
+        checks.append(Check("host compiler", "ok", f"{cxx.path}: {_version_of(cxx)}"))
     except toolchain.ToolchainError as exc:
         checks.append(Check("host compiler", "fail", str(exc).removeprefix("sparsekv: "),
                             "install g++ (e.g. `apt-get install g++`) or set SPARSEKV_CXX to a C++17 compiler"))
     try:
         home = toolchain.cuda_home()
         nvcc = toolchain.nvcc(None)
-        checks.append(Check("nvcc", "ok", f"{nvcc.path}: {nvcc.identity}"))
+        checks.append(Check("nvcc", "ok", f"{nvcc.path}: {_version_of(nvcc)}"))
         cudart = home / "lib64" / "libcudart.so"
         checks.append(Check("CUDA home", "ok" if cudart.exists() else "warn",
                             f"{home} ({'has' if cudart.exists() else 'no'} lib64/libcudart.so)",

@@ -43,6 +43,7 @@ runs once per distinct instance per process. ``template_args(values)`` runs ``co
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -120,10 +121,13 @@ class KernelFamily:
         unknown = sorted(set(values) - set(self.params))
         if unknown:
             raise ValueError(f"sparsekv: {self.name} has no parameter {unknown[0]!r}; parameters: {list(self.params)}")
-        try:
-            return tuple(self.complete(**values))
-        except TypeError as e:  # a missing keyword: name it as a bad argument, not a Python error
-            raise ValueError(f"sparsekv: {self.name} needs the parameters {list(self.params)}: {e}") from None
+        missing = [name for name, p in inspect.signature(self.complete).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY and p.default is p.empty and name not in values]
+        if missing:
+            example = f"; e.g. {self.instance_spec(self.instances[0])!r}" if self.instances else ""
+            raise ValueError(f"sparsekv: {self.name} needs the parameters {list(self.params)}: "
+                             f"{', '.join(missing)} not given{example}")
+        return tuple(self.complete(**values))
 
     def module(self, *, backend: str = "cpu", arch: str | None = None, **values: object) -> tvm_ffi.Module:
         """Load (building at first use) the instance for ``values``.

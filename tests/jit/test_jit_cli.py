@@ -60,6 +60,9 @@ BAD_ARGUMENTS = [
     (("explain-key",), 2, "name a kernel family"),
     (("explain-key", "--diff", "missing-a.json", "missing-b.json"), 1, "cannot read"),
     (("import", "missing.tar"), 1, "not a readable bundle"),
+    # A missing parameter names it and shows a form that works, never a Python function's name.
+    (("explain-key", "gather_rows"), 2, "index_dtype not given; e.g. 'gather_rows:index_dtype="),
+    (("build", "--instance", "hisparse:num_top_k=abc"), 2, "hot_buffer_size not given; e.g. 'hisparse:"),
     (("export", "out.tar"), 2, "--all, --instance or --model"),
 ]
 
@@ -70,6 +73,7 @@ def test_bad_arguments_give_one_line_and_the_exit_code(args, code, message, tmp_
     assert done.returncode == code, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+    assert not re.search(r"\b_[a-z]\w*\(\)", done.stderr), done.stderr  # no Python-internal function names
 
 
 @pytest.mark.skipif(_gpu_visible(), reason="a GPU is visible: its arch is used")

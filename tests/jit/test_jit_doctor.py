@@ -34,7 +34,10 @@ def test_doctor_reports_this_machine(tmp_path):
     checks = {c["name"]: c for c in report["checks"]}
     assert report["usable"] is True
     assert checks["host compiler"]["status"] == "ok"
-    assert toolchain.host_compiler(None).identity in checks["host compiler"]["value"]
+    cxx = toolchain.host_compiler(None)
+    # The path, then the --version line once ("/usr/bin/c++: c++ (Debian ...)", not "c++ c++ (...)").
+    version = cxx.identity.split(" ", 1)[1]
+    assert checks["host compiler"]["value"] == f"{cxx.path}: {version}"
     import tvm_ffi
 
     assert checks["tvm-ffi"]["value"] == tvm_ffi.__version__

@@ -123,9 +123,12 @@ def test_cli_json_and_diff(tmp_path, monkeypatch):
     (tmp_path / "a.json").write_text(a.stdout)
     (tmp_path / "b.json").write_text(b.stdout)
     diff = run("--diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json")
+    assert diff.returncode == 1  # as diff(1): the keys differ
     assert json.loads(diff.stdout) == {"identical": False,
                                        "differences": [{"field": "extra_cflags", "a": [], "b": ["-DFAST=1"]}]}
     text = run("--diff", str(tmp_path / "a.json"), str(tmp_path / "a.json"))
-    assert text.stdout.strip() == "identical keys"
+    assert text.stdout.strip() == "identical keys" and text.returncode == 0
+    one = run("--diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert one.stdout.splitlines()[0] == "1 key input differs:"
     plain = run("gather_rows", "index_dtype=int64")
     assert plain.stdout.splitlines()[0] == f"gather_rows<index_dtype=torch.int64> -> entry {doc['entry']}"
