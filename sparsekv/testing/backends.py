@@ -64,6 +64,14 @@ def triton_unavailable_reason(backend: str) -> str | None:
     return None
 
 
+def triton_examples() -> int:
+    """Hypothesis examples for a Triton-twin property test: the interpreter costs about a second per
+    example at the tests' shapes, so a fifth of the active profile's count (at least 4)."""
+    from hypothesis import settings
+
+    return max(4, settings().max_examples // 5)
+
+
 def device_of(backend: str) -> torch.device:
     """The torch device a backend's tensors live on."""
     return torch.device("cuda" if backend == "cuda" else "cpu")

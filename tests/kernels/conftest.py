@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparsekv.testing.backends import kernel_backends
+from sparsekv.testing.backends import kernel_backends, triton_unavailable_reason
 
 
 @pytest.fixture(params=kernel_backends(), autouse=True, scope="module")
@@ -29,3 +29,12 @@ def index_checks(backend, monkeypatch) -> None:
     """
     if backend != "cpu":
         monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+
+
+@pytest.fixture
+def triton_runs_here(backend) -> None:
+    """Skip a test of a Triton twin where the twin cannot run on ``backend`` in this process (CPU
+    tensors need the interpreter, which ``tests/conftest.py`` turns on for sessions without cuda)."""
+    reason = triton_unavailable_reason(backend)
+    if reason:
+        pytest.skip(reason)

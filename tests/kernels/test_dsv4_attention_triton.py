@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
-from sparsekv.testing.backends import device_of, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
 
@@ -19,15 +19,8 @@ from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_
 # bf16 operands); a bf16 q enters the tensor cores as is and the weights p are rounded to bf16 once.
 FP32_TOL = {"rtol": 2e-4, "atol": 2e-4}
 BF16_REL = 1e-2
-# The interpreter costs about a second per example at these shapes: a few examples, scaled by --slow.
-EXAMPLES = max(4, settings().max_examples // 5)
 
-
-@pytest.fixture(autouse=True)
-def _triton_runs_here(backend):
-    reason = triton_unavailable_reason(backend)
-    if reason:
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 
 def run(case: AttentionCase, backend: str, impl: str, **kwargs):
@@ -50,7 +43,7 @@ def assert_within_tolerance(case: AttentionCase, got, expected, rounding: float 
         torch.testing.assert_close(lse, ref_lse, rtol=BF16_REL, atol=BF16_REL)
 
 
-@settings(max_examples=EXAMPLES)
+@settings(max_examples=triton_examples())
 @given(case=attention_case(max_heads=20), data=st.data())
 def test_triton_matches_the_fp64_reference_and_the_header(backend, case, data):
     total = case.indices.shape[1] + (0 if case.extra_indices is None else case.extra_indices.shape[1])

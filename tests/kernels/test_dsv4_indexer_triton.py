@@ -12,19 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
-from sparsekv.testing.backends import device_of, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, indexer_scores_reference
 from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case
 
-# The interpreter costs about a second per example at these shapes: a few examples, scaled by --slow.
-EXAMPLES = max(4, settings().max_examples // 5)
-
-
-@pytest.fixture(autouse=True)
-def _triton_runs_here(backend):
-    reason = triton_unavailable_reason(backend)
-    if reason:
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 
 def scores_of(case: IndexerCase, backend: str, impl: str) -> torch.Tensor:
@@ -47,7 +39,7 @@ def assert_scores_close(case: IndexerCase, got: torch.Tensor, expected: torch.Te
     assert bool((error.abs() <= tol * score_bound(case)[:, None]).all()), float(error.abs().max())
 
 
-@settings(max_examples=EXAMPLES)
+@settings(max_examples=triton_examples())
 @given(case=indexer_case(), k=st.integers(1, 40))
 def test_triton_scores_and_topk_match_the_reference_and_the_header(backend, case, k):
     got = scores_of(case, backend, "triton")
