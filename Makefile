@@ -54,6 +54,14 @@ test-slow: $(PD_STAMP)
 test-gpu: $(STAMP)
 	SPARSEKV_TEST_BACKENDS=cpu,cuda $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# One-call GPU verification on a bare GPU image (no venv: the image's python3 and torch; apache-tvm-ffi
+# from the carried wheel folder): tools/gpu_check.py. DRY_RUN=1 lists the steps and checks the
+# plumbing without a GPU (CI runs it).
+GPU_CHECK_OUT ?= gpu-check
+GPU_CHECK_PYTHON ?= python3
+gpu-check:
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) $(if $(DRY_RUN),--dry-run,)
+
 # Every kernel property test (and the planted-bug test) against cpu modules built with ASan and
 # UBSan: "memcheck without a GPU". Python is not instrumented, so the compiler's ASan runtime is
 # preloaded, with libstdc++ (whose __cxa_throw ASan intercepts: kernels raise C++ exceptions for bad

@@ -314,16 +314,17 @@ struct OnlineC128 {
       for (int64_t t = 0; t < seg.count; ++t) {
         const int64_t pos = seg.pos0 + t;
         const float v = p.kv[(seg.row0 + t) * p.kv_stride + c];
-        const float logit = p.score[(seg.row0 + t) * p.score_stride + c] + p.ape[(pos % kRatio) * p.d + c];
+        const float logit = team::add_rn(p.score[(seg.row0 + t) * p.score_stride + c], p.ape[(pos % kRatio) * p.d + c]);
+        // Explicitly rounded steps: nvcc would contract `sum * decay + 1` into an FMA, the host build not.
         if (logit > m) {
           const float decay = expf(m - logit);  // 0 for the first token (m = -inf)
-          sum = sum * decay + 1.0f;
-          acc = acc * decay + v;
+          sum = team::add_rn(team::mul_rn(sum, decay), 1.0f);
+          acc = team::add_rn(team::mul_rn(acc, decay), v);
           m = logit;
         } else {
           const float w = expf(logit - m);
-          sum += w;
-          acc += w * v;
+          sum = team::add_rn(sum, w);
+          acc = team::add_rn(acc, team::mul_rn(w, v));
         }
         const int64_t length = pos + 1;
         if (length >= seg.keep_from && length % kRatio != 0) {

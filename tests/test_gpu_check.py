@@ -1,0 +1,49 @@
+"""`make gpu-check DRY_RUN=1`: the one-call GPU verification lists its steps and checks its own
+plumbing (named tests exist, benchmarks take the flags it passes, the summary writes) without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    done = subprocess.run(["make", "-s", "gpu-check", "DRY_RUN=1", f"GPU_CHECK_OUT={tmp_path}",
+                           f"GPU_CHECK_PYTHON={sys.executable}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    names = [s["name"] for s in summary["steps"]]
+    assert names[:5] == ["install tvm-ffi", "install sparsekv", "build cuda modules", "kernel tests cpu,cuda",
+                         "graph capture"]
+    assert [n for n in names if n.startswith(("memcheck", "racecheck"))] == [
+        f"{tool} (one case per family)" for tool in gpu_check.SANITIZER_TOOLS]
+    assert [n for n in names if n.startswith("bench ")] == [
+        "bench " + b[len("bench_"):-len(".py")] for b in gpu_check.KERNEL_BENCHMARKS]
+    assert {s["status"] for s in summary["steps"]} == {"planned"}
+    assert (tmp_path / "summary.md").read_text().startswith("# sparsekv gpu-check on dry run")
+    # Every kernel family with a test file has its sanitizer case, and every kernel benchmark is run.
+    families = {p.stem[len("test_"):] for p in (REPO / "tests" / "kernels").glob("test_*.py")}
+    assert set(gpu_check.SANITIZER_CASES) <= families
+    timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py") if "add_backend_arg" in p.read_text()}
+    assert timed == set(gpu_check.KERNEL_BENCHMARKS)
+
+
+def test_the_dry_run_reports_a_missing_test(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setitem(gpu_check.SANITIZER_CASES, "gather_rows", "tests/kernels/test_gather_rows.py::test_gone")
+    monkeypatch.setattr(gpu_check, "KERNEL_BENCHMARKS", ())
+    assert gpu_check.check_plumbing([], tmp_path) == ["tests/kernels/test_gather_rows.py has no test test_gone"]
