@@ -22,7 +22,7 @@ HBM round trips of the compressed-KV path: ours is **2** at decode (fused pool +
 quantize + store, then the ring-row write; the state rows a decode step pools are read in the
 fused pass) and **1** for a prefill chunk (plus a ring tail of at most ``ring_size`` rows). The
 unfused path is 3 (pool -> float entries -> store). Each row reports the bytes and the implied H200
-time at 4.8 TB/s (``h200_us``) for the fused path.
+time at 4.8 TB/s (``h200_us``) and H100 time at 3.35 TB/s (``h100_us``) for the fused path.
 
 Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 """
@@ -43,6 +43,7 @@ from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 D = 512
 H200_HBM_BYTES_PER_S = 4.8e12
+H100_HBM_BYTES_PER_S = 3.35e12
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 PAGE = 64
 
@@ -64,6 +65,7 @@ def _paper(t: int, ratio: int) -> dict:
         "hbm_write_b_per_token": round(fused_write, 2),
         "unfused_hbm_b_per_token": round(unfused, 2),
         "h200_us": round((read + fused_write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
+        "h100_us": round((read + fused_write) * t / H100_HBM_BYTES_PER_S * 1e6, 2),
     }
 
 
@@ -120,7 +122,8 @@ def main() -> None:
     cases = [(kind, t, ratio) for t in lengths for ratio in (4, 128) for kind in ("pool", "fused")]
     result = BenchResult(name=f"dsv4_compress ({args.backend} backend, d=512)", baseline="float32 torch reference",
                          notes={"threads": torch.get_num_threads(), "hbm_round_trips_fused": 2,
-                                "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S})
+                                "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S,
+                                "h100_hbm_bytes_per_s": H100_HBM_BYTES_PER_S})
     for kind, t, ratio in tqdm(cases, desc="bench_dsv4_compress", unit="case"):
         run = _pool_case if kind == "pool" else _fused_case
         result.rows.append(run(t, ratio, repeats, args.backend))

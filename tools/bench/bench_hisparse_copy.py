@@ -24,7 +24,8 @@ Bytes per token: 584 per layer (576 value + 8 scale) are read and 584 written; G
 device -> device in ``2 * 584 * L / 4.8 TB/s`` (read + write HBM: 0.24 ns per token-layer, so 1M
 tokens of 1 layer in 0.24 ms) and host <-> device in ``584 * L / 55 GB/s`` over PCIe (10.6 ns per
 token-layer, 1M tokens in 11 ms): the PCIe copy is ~44x slower, which is why HiSparse moves only the
-misses of each step. Each row carries both numbers (``h200_hbm_us``, ``h200_pcie_us``).
+misses of each step. Each row carries both numbers (``h200_hbm_us``, ``h200_pcie_us``), and the
+H100's HBM time at 3.35 TB/s (``h100_hbm_us``).
 
 Targets (issue 4): kernel >= 60% of memcpy bandwidth and >= 3x torch. Prints JSON; ``--plot PNG``
 draws GB/s per case.
@@ -55,6 +56,7 @@ from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
 PAGE_SLOTS = 64
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_PCIE_BYTES_PER_S = 55e9
+H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM; its PCIe Gen5 x16 link is the H200's
 CASES = ((1 << 10, 1), (1 << 16, 1), (1 << 16, 21), (1 << 20, 1))
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -141,6 +143,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, b
         "kernel_vs_torch": round(timings["torch"].median_s / timings["kernel"].median_s, 1),
         "raw_vs_memcpy": round(gbps["raw"] / gbps["memcpy"], 3),
         "h200_hbm_us": round(2 * payload / H200_HBM_BYTES_PER_S * 1e6, 2),
+        "h100_hbm_us": round(2 * payload / H100_HBM_BYTES_PER_S * 1e6, 2),
         "h200_pcie_us": round(payload / H200_PCIE_BYTES_PER_S * 1e6, 1),
     }
 
@@ -168,6 +171,7 @@ def main() -> None:
         "threads": args.threads,
         "thp": (THP_MODE.read_text().strip() if THP_MODE.exists() else "n/a") if args.thp else "not advised",
         "h200_model": "hbm_us = 2 * payload / 4.8 TB/s (read + write); pcie_us = payload / 55 GB/s",
+        "h100_model": "hbm_us = 2 * payload / 3.35 TB/s (read + write); PCIe as the H200's",
         "targets": {"kernel_vs_memcpy": 0.6, "kernel_vs_torch": 3},
     }
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", ylabel="GB/s (584 B per token-layer)",
