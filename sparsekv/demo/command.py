@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -46,6 +47,7 @@ class DemoSpec:
     hisparse: int | None = 2
     pd: bool = False
     backend: str = "cpu"
+    impl: str = "header"
     hot_buffer: int = 128  # deployment.DEMO_HOT_BUFFER: what `jit build --model demo` builds
     seed: int = 0
 
@@ -82,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HiSparse host:device ratio of the C4 KV, or 'off' (default: %(default)s)")
     parser.add_argument("--pd", action="store_true",
                         help="also run prefill and decode in two processes over NIXL (the `pd` extra)")
-    parser.add_argument("--impl", choices=IMPLS, default="header", help="kernel implementation (default: header)")
+    parser.add_argument("--impl", choices=IMPLS, default="header",
+                        help="indexer and attention implementation: the CUDA/C++ headers or their Triton twins "
+                             "(on the cpu backend under the Triton interpreter; slow) (default: header)")
     parser.add_argument("--backend", choices=BACKENDS, default="cpu", help="kernel backend (default: cpu)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot hit rate and bytes moved per step (matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': stdout)")
@@ -105,7 +109,10 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
         if hisparse < 1:
             raise UsageError(f"--hisparse takes a host:device ratio >= 1 or 'off', got {hisparse}")
     if args.impl == "triton":
-        raise UsageError("--impl triton: this build has no Triton kernels yet; use --impl header")
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise UsageError("--impl triton needs triton installed (pip install triton); use --impl header")
     if args.backend == "sim":
         raise UsageError("--backend sim: this build has no sim backend yet; use --backend cpu (or cuda on a GPU)")
     if args.backend == "cuda":
@@ -123,7 +130,8 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
         except ImportError as e:
             raise UsageError(f"--pd needs NIXL (`make install-pd`, or pip install --no-deps nixl-cu12 nixl): {e}"
                              ) from None
-    return DemoSpec(tokens=args.tokens, steps=args.steps, hisparse=hisparse, pd=args.pd, backend=args.backend)
+    return DemoSpec(tokens=args.tokens, steps=args.steps, hisparse=hisparse, pd=args.pd, backend=args.backend,
+                    impl=args.impl)
 
 
 def load_kernels(spec: DemoSpec, progress) -> dict:
@@ -157,7 +165,8 @@ def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool):
     model = DemoModel(ModelShape(), spec.seed)
     prompts = spec.prompts()
     stack = Stack(model, tokens=max(prompts) + spec.steps, requests=REQUESTS, hisparse=hisparse,
-                  hot_buffer=spec.hot_buffer, device="cuda" if spec.backend == "cuda" else "cpu", check=check)
+                  hot_buffer=spec.hot_buffer, device="cuda" if spec.backend == "cuda" else "cpu", check=check,
+                  impl=spec.impl)
     reqs = [Request(i + 1, 0) for i in range(REQUESTS)]
     start = time.perf_counter()
     for req, n in zip(reqs, prompts):
@@ -306,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     spec = spec_from_args(args)
+    if spec.impl == "triton" and spec.backend == "cpu":
+        # Triton on CPU tensors is its interpreter, chosen before triton is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # The demo's matrices are small: torch's thread pool costs more than it saves (and much more on
     # a machine whose cores are busy).
     torch.set_num_threads(1)

@@ -43,7 +43,7 @@ def _stack(spec, hisparse):
     torch.set_num_threads(1)
     model = DemoModel(ModelShape(), spec.seed)
     return Stack(model, tokens=max(spec.prompts()) + spec.steps, requests=REQUESTS, hisparse=hisparse,
-                 hot_buffer=spec.hot_buffer, check=False)
+                 hot_buffer=spec.hot_buffer, check=False, impl=spec.impl)
 
 
 def prefill_main(spec, conn) -> None:

@@ -134,11 +134,15 @@ class Stack:
         ``"cpu"`` (the cpu backend) or ``"cuda"``.
     check : bool
         Run the fp64 reference checks.
+    impl : str
+        ``"header"`` or ``"triton"``: the implementation of the indexer and the attention (the
+        functions with a Triton twin; on CPU tensors Triton runs under ``TRITON_INTERPRET=1``).
     """
 
     def __init__(self, model: DemoModel, *, tokens: int, requests: int, hisparse: int | None, hot_buffer: int,
-                 device: str = "cpu", check: bool = True):
+                 device: str = "cpu", check: bool = True, impl: str = "header"):
         self.model = model
+        self.impl = impl
         self.device = torch.device(device)
         self.check = check
         # The model's float32 RoPE tables, one per RoPE setting, covering every position a request reaches.
@@ -347,7 +351,7 @@ class Stack:
                 extra = dict(extra_kv_cache=cache, extra_indices=c128.to(dev), extra_page_size=C128_PAGE)
             elif ratio == 4:
                 extra = self._select_c4(layer, w, reqs, rids, n_before, x, positions, cache, errors)
-            out, lse = sparse_decode_attention(q, swa_cache, window, w.sink, PAGE_SIZE, **extra)
+            out, lse = sparse_decode_attention(q, swa_cache, window, w.sink, PAGE_SIZE, impl=self.impl, **extra)
             if self.check:
                 ref_out, ref_lse = sparse_decode_attention_reference(q, swa_cache, window, w.sink, PAGE_SIZE, **extra)
                 errors.attention = max(errors.attention, _rel(out, ref_out, ATTENTION_TOL),
@@ -380,7 +384,8 @@ class Stack:
         iq = (x @ w.w_iq).reshape(len(reqs), -1, 128)
         weights = torch.sigmoid(x @ w.w_iw)
         k_cache = self.pool.get_indexer_buffer(layer)
-        scores = indexer_scores(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE, layout="fp8")
+        scores = indexer_scores(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE, layout="fp8",
+                                impl=self.impl)
         if self.check:
             ref = indexer_scores_reference(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE,
                                            layout="fp8", width=scores.shape[1])
@@ -393,7 +398,7 @@ class Stack:
             if bool(finite.any()):
                 errors.indexer = max(errors.indexer, float((diff[finite] / bound.expand_as(diff)[finite]).max()))
         tokens, slots = indexer_topk(scores, positions, self.model.shape.top_k, page_table=page_table,
-                                     page_size=C4_PAGE)
+                                     page_size=C4_PAGE, impl=self.impl)
         if self.coordinator is None:
             return dict(extra_kv_cache=cache, extra_indices=slots, extra_page_size=C4_PAGE)
         c4_lens = torch.tensor([(n + 1) // 4 for n in n_before], dtype=torch.int32, device=dev)
