@@ -47,3 +47,19 @@ def test_the_dry_run_reports_a_missing_test(tmp_path, monkeypatch):
     monkeypatch.setitem(gpu_check.SANITIZER_CASES, "gather_rows", "tests/kernels/test_gather_rows.py::test_gone")
     monkeypatch.setattr(gpu_check, "KERNEL_BENCHMARKS", ())
     assert gpu_check.check_plumbing([], tmp_path) == ["tests/kernels/test_gather_rows.py has no test test_gone"]
+
+
+def test_the_summary_puts_each_kernel_time_beside_its_roofline(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    result = {"name": "dsv4_compress", "rows": [{"case": "pool C4 T=8k", "kernel_ms": 1.5, "torch_fp32_ms": 9.0,
+                                                 "h200_us": 12.0, "h100_us": 17.2}]}
+    (tmp_path / "bench_dsv4_compress.json").write_text(json.dumps(result))
+    step = gpu_check.Step("bench dsv4_compress", ["python", "bench", str(tmp_path / "bench_dsv4_compress.json")], 1,
+                          status="pass", seconds=2.0)
+    doc = gpu_check.write_summary([step], tmp_path, "test")
+    assert doc["passed"] and doc["benchmarks"]["dsv4_compress"] == result
+    assert "| pool C4 T=8k | kernel_ms=1.5 | h200_us=12.0, h100_us=17.2 |" in (tmp_path / "summary.md").read_text()

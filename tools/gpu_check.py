@@ -163,9 +163,23 @@ def write_summary(steps: list[Step], out: Path, device: str) -> dict:
     lines = [f"# sparsekv gpu-check on {device}", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.detail.replace('|', '/')[:160]} |" for s in steps]
     for name, result in benches.items():
-        lines += ["", f"## bench {name}", "", "```json", json.dumps(result, indent=1)[:4000], "```"]
+        lines += ["", f"## bench {name}: kernel time against the roofline", "", "| case | measured | roofline |",
+                  "|---|---|---|"]
+        lines += [f"| {case} | {measured} | {roofline} |" for case, measured, roofline in roofline_rows(result)]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return doc
+
+
+def roofline_rows(result: dict) -> list[tuple[str, str, str]]:
+    """(case, the kernel's measured times, the paper H100/H200 times) of each row of a benchmark's JSON:
+    measured are the ``*_us`` / ``*_ms`` fields naming the kernel, paper ones start with h100 / h200."""
+    rows = []
+    for row in result.get("rows", []):
+        case = str(row.get("case", next((v for v in row.values() if isinstance(v, str)), "?")))
+        measured = ", ".join(f"{k}={v}" for k, v in row.items() if "kernel" in k and k.endswith(("_us", "_ms")))
+        roofline = ", ".join(f"{k}={v}" for k, v in row.items() if k.startswith(("h100", "h200")))
+        rows.append((case, measured or "-", roofline or "-"))
+    return rows
 
 
 def device_name() -> str:
