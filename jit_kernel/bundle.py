@@ -26,6 +26,10 @@ from sparsekv.jit_kernel import cache, loader
 
 MANIFEST = "sparsekv-bundle.json"
 BUNDLE_FORMAT = 1
+#: What an import reads at most, by the members' declared sizes (a bundle of every DSV4 module for
+#: two archs is a few hundred MiB): a compressed bomb is refused before it is inflated.
+MAX_BUNDLE_BYTES = 4 << 30
+MAX_BUNDLE_MEMBERS = 20_000
 
 
 class BundleError(RuntimeError):
@@ -89,18 +93,26 @@ def read_bundle(path: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
         raise BundleError(f"sparsekv: {path} is not a readable bundle (a tar file as `sparsekv jit export` writes: "
                           f"{reason})") from exc
     files: dict[str, bytes] = {}
+    total = 0
     with tar:
         try:
             for member in tar:
                 if not member.isfile():
                     raise BundleError(f"sparsekv: refusing bundle {path}: member {member.name!r} is not a regular file")
-                files[member.name] = tar.extractfile(member).read()
+                total += member.size  # declared sizes, checked before reading (a gzip bomb is refused unread)
+                if total > MAX_BUNDLE_BYTES or len(files) >= MAX_BUNDLE_MEMBERS:
+                    raise BundleError(f"sparsekv: refusing bundle {path}: more than {MAX_BUNDLE_BYTES >> 20} MiB or "
+                                      f"{MAX_BUNDLE_MEMBERS} members")
+                files[member.name] = tar.extractfile(member).read(member.size)
         except (OSError, tarfile.TarError) as exc:
             raise BundleError(f"sparsekv: refusing bundle {path}: damaged tar ({exc})") from exc
     try:
         manifest = json.loads(files.pop(MANIFEST))
     except (KeyError, ValueError) as exc:
         raise BundleError(f"sparsekv: refusing bundle {path}: no readable {MANIFEST}") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict) or \
+            not isinstance(manifest.get("platform", {}), dict):
+        raise BundleError(f"sparsekv: refusing bundle {path}: {MANIFEST} is not a manifest object")
     if manifest.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"sparsekv: refusing bundle {path}: format {manifest.get('format')!r}, "
                           f"this sparsekv reads format {BUNDLE_FORMAT}")
@@ -118,6 +130,9 @@ def read_bundle(path: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
         try:
             key_bytes, so = files[f"{entry}/{cache.KEY_FILE}"], files[f"{entry}/{cache.ARTIFACT}"]
             key = json.loads(key_bytes)
+            if not isinstance(key, dict) or not isinstance(key.get("artifact"), dict) or \
+                    not isinstance(recorded, dict):
+                raise ValueError(f"{cache.KEY_FILE} or its manifest record is not an object")
         except (KeyError, ValueError) as exc:
             raise BundleError(f"sparsekv: refusing bundle {path}: entry {entry} is incomplete ({exc})") from exc
         if loader.entry_name(key) != entry:

@@ -118,6 +118,9 @@ class CacheRoots:
     """
 
     def __init__(self, primary: Path) -> None:
+        if primary.exists() and not primary.is_dir():  # once: silently fell back to $TMPDIR
+            raise CacheUnwritableError(f"sparsekv: SPARSEKV_CACHE_DIR={primary} is not a directory (a regular file "
+                                       "is there); point it at a directory")
         self.primary = primary
         _private_dir_or_absent(primary)  # refuse an unsafe configured root up front
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sparsekv import env
+from sparsekv.argtypes import int_range, number_range
 
 logger = logging.getLogger("sparsekv.jit")
 
@@ -53,12 +54,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse's hook
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def _common(json_flag: bool) -> _Parser:
@@ -106,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="compile every Triton kernel ahead of time for --arch (no GPU needed); report registers "
                             "and shared memory per kernel")
     _instance_args(build)
-    build.add_argument("--jobs", "-j", type=_positive_int, metavar="N",
+    build.add_argument("--jobs", "-j", type=int_range(1), metavar="N",
                        help="parallel compiles (default: SPARSEKV_MAX_JOBS, else by free cores and memory)")
     add("info", "cache roots, entry counts and sizes")
     clean = add("clean", "delete cached modules (all, or only stale ones)")
@@ -116,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verify = add("verify", "check every cached artifact's sha256 against its key.json")
     verify.add_argument("--repair", action="store_true", help="remove bad entries (the next load rebuilds them)")
     prune = add("prune", "remove entries not loaded for a while, or the least recently loaded beyond a size")
-    prune.add_argument("--older-than", type=float, metavar="DAYS", help="entries not loaded for DAYS days")
+    prune.add_argument("--older-than", type=number_range(0), metavar="DAYS",
+                       help="entries not loaded for DAYS days (a finite number >= 0)")
     prune.add_argument("--max-size", metavar="SIZE", help="keep the cache under SIZE, e.g. 20G (default: "
                                                           "SPARSEKV_CACHE_MAX_SIZE)")
     prune.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
@@ -157,6 +153,8 @@ def parse_values(items: list[str], what: str) -> dict[str, object]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"{what}: expected k=v, got {item!r}")
+        if key.strip() in values:
+            raise UsageError(f"{what}: {key.strip()!r} is given twice")
         values[key.strip()] = parse_value(value)
     return values
 

@@ -553,6 +553,7 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
                               f"it is retried once its sources, flags or compiler change)",
                               what=failed.what, command=failed.command, cwd=failed.cwd, output=failed.output,
                               hint=failed.hint)
+    env.cache_max_size()  # a malformed SPARSEKV_CACHE_MAX_SIZE is reported before anything compiles
     _show_compiles()
     try:
         return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging),

@@ -27,6 +27,7 @@ import sys
 
 from tqdm import tqdm
 
+from sparsekv.argtypes import int_list, int_range, number_range, output_path
 from sparsekv.cli import CliParser
 from sparsekv.kv_layout import V4
 from sparsekv.testing.bench import add_common_args
@@ -39,31 +40,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--trace", help="replay this JSON trace instead of a synthetic one")
-    p.add_argument("--save-trace", help="write the (synthetic) trace to this JSON file")
-    p.add_argument("--hot", default="512,576,640,768,1024,1536,2048",
-                   help="comma list of hot-buffer sizes H (each >= the trace's top-k)")
-    p.add_argument("--item-bytes", type=int, default=V4.bytes_per_token, help="bytes per loaded entry (584: V4)")
-    p.add_argument("--per-step", type=int, metavar="H", help="also print the per-step table of this H")
-    p.add_argument("--protect-recent", type=int, default=PROTECT_RECENT, metavar="W",
+    p.add_argument("--save-trace", type=output_path, help="write the (synthetic) trace to this JSON file")
+    p.add_argument("--hot", type=int_list(1, 1 << 20), default=(512, 576, 640, 768, 1024, 1536, 2048),
+                   help="comma list of hot-buffer sizes H (each >= the trace's top-k; default "
+                        "512,576,640,768,1024,1536,2048)")
+    p.add_argument("--item-bytes", type=int_range(1), default=V4.bytes_per_token,
+                   help="bytes per loaded entry (584: V4)")
+    p.add_argument("--per-step", type=int_range(1), metavar="H", help="also print the per-step table of this H")
+    p.add_argument("--protect-recent", type=int_range(0), default=PROTECT_RECENT, metavar="W",
                    help="recent_lru: positions before the newest evicted last (default %(default)s)")
     g = p.add_argument_group("synthetic trace")
-    g.add_argument("--requests", type=int, default=4)
-    g.add_argument("--steps", type=int, default=400)
-    g.add_argument("--top-k", type=int, default=512)
-    g.add_argument("--start-len", type=int, default=8192, help="initial compressed length of every request")
-    g.add_argument("--growth", type=float, default=0.25, help="chance per step of one more compressed entry")
-    g.add_argument("--drift", type=float, default=0.05, help="fraction of the top-k replaced per step")
-    g.add_argument("--recency", type=float, default=0.3, help="share of new picks among the latest entries")
-    g.add_argument("--recency-window", type=int, default=256)
-    g.add_argument("--locality", type=float, default=0.3, help="share of other new picks next to a current pick")
-    g.add_argument("--locality-span", type=int, default=16)
-    g.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    g.add_argument("--requests", type=int_range(1), default=4)
+    g.add_argument("--steps", type=int_range(1), default=400)
+    g.add_argument("--top-k", type=int_range(1), default=512)
+    g.add_argument("--start-len", type=int_range(0), default=8192, help="initial compressed length of every request")
+    g.add_argument("--growth", type=number_range(0, 1), default=0.25,
+                   help="chance per step of one more compressed entry, in [0, 1]")
+    g.add_argument("--drift", type=number_range(0, 1), default=0.05, help="fraction of the top-k replaced per step")
+    g.add_argument("--recency", type=number_range(0, 1), default=0.3,
+                   help="share of new picks among the latest entries")
+    g.add_argument("--recency-window", type=int_range(1), default=256)
+    g.add_argument("--locality", type=number_range(0, 1), default=0.3,
+                   help="share of other new picks next to a current pick")
+    g.add_argument("--locality-span", type=int_range(1), default=16)
+    g.add_argument("--seed", type=int_range(0), default=0)
+    args = p.parse_args(argv)
+    args.loaded_trace = None
+    if args.trace is not None:  # read now: a missing or malformed file is a usage error, not a traceback
+        try:
+            args.loaded_trace = Trace.load(args.trace)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            p.error(f"--trace {args.trace}: not a readable trace file ({type(e).__name__}: {e})")
+    return args
 
 
 def load_or_make_trace(args: argparse.Namespace) -> Trace:
-    if args.trace:
-        return Trace.load(args.trace)
+    if args.loaded_trace is not None:  # loaded (and checked) when the arguments were parsed
+        return args.loaded_trace
     steps, requests = (100, 2) if args.quick else (args.steps, args.requests)
     return synthetic_trace(num_requests=requests, num_steps=steps, num_top_k=args.top_k, start_len=args.start_len,
                            growth=args.growth, drift=args.drift, recency=args.recency,
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = load_or_make_trace(args)
     if args.save_trace:
         trace.save(args.save_trace)
-    hots = sorted({int(h) for h in args.hot.split(",")})
+    hots = sorted(set(args.hot))
     if hots[0] < trace.num_top_k:
         raise SystemExit(f"hisparse_sim: every H must be >= the trace's top-k ({trace.num_top_k}), got {hots[0]}")
     rows = simulate(trace, hots, args.item_bytes, args.protect_recent)

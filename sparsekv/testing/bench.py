@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
+from sparsekv.argtypes import output_path
+
 
 @dataclass
 class Timing:
@@ -83,16 +85,29 @@ def timer(backend: str) -> Callable[..., Timing]:
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--json PATH`` (also write the JSON to a file), ``--plot PNG``, ``--quick`` (fewer cases)."""
-    parser.add_argument("--json", dest="json_path", help="also write the JSON result to this file")
-    parser.add_argument("--plot", help="draw a PNG plot to this path")
+    """``--json PATH`` (also write the JSON to a file), ``--plot PNG``, ``--quick`` (fewer cases).
+
+    Both paths are checked at parse time (a writable file in an existing folder), not after the run."""
+    parser.add_argument("--json", dest="json_path", type=output_path, help="also write the JSON result to this file")
+    parser.add_argument("--plot", type=output_path, help="draw a PNG plot to this path")
     parser.add_argument("--quick", action="store_true", help="a short sweep (smaller cases, fewer repeats)")
 
 
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:
-    """``--backend {cpu,cuda}``: which build of the kernels a benchmark runs (default cpu)."""
-    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
-                        help="kernel backend (cuda: tensors on the GPU, timed with CUDA events)")
+    """``--backend {cpu,cuda}``: which build of the kernels a benchmark runs (default cpu); ``cuda``
+    without a visible GPU is a usage error at parse time."""
+    parser.add_argument("--backend", type=_backend, default="cpu",
+                        help="kernel backend: cpu or cuda (tensors on the GPU, timed with CUDA events)")
+
+
+def _backend(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    import torch
+
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda: torch sees no CUDA device here (run on a GPU machine, or use cpu)")
+    return text
 
 
 def report(result: BenchResult, args: argparse.Namespace,

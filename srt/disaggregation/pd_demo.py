@@ -38,9 +38,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from sparsekv.argtypes import int_list, int_range, number_range
+from sparsekv.cli import UsageError
 from sparsekv.srt.disaggregation.backend import ENGINES, load_engine
 
 ROLE_TIMEOUT_S = 120.0
+#: The largest --budget-mib: the demo's pools live in this machine's memory (1 TiB at most).
+_MAX_BUDGET_MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -521,31 +525,43 @@ def verdict(report: dict) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``sparsekv pd-demo``."""
-    parser.add_argument("--seq-lens", default="1000,3000,700,5000,256",
-                        help="comma-separated request lengths in tokens (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=6, help="model layers (default: %(default)s)")
-    parser.add_argument("--pp-size", type=int, default=2, help="prefill PP stages (default: %(default)s)")
-    parser.add_argument("--budget-mib", type=int, default=48, help="KV budget per prefill stage (default: %(default)s)")
+    parser.add_argument("--seq-lens", type=int_list(1, 1 << 20), default=(1000, 3000, 700, 5000, 256),
+                        help="comma-separated request lengths in tokens, each in [1, 2^20] (default: "
+                             "1000,3000,700,5000,256)")
+    parser.add_argument("--layers", type=int_range(1, 256), default=6, help="model layers (default: %(default)s)")
+    parser.add_argument("--pp-size", type=int_range(1, 256), default=2,
+                        help="prefill PP stages, at most --layers (default: %(default)s)")
+    parser.add_argument("--budget-mib", type=int_range(1, _MAX_BUDGET_MIB), default=48,
+                        help=f"KV budget per prefill stage, at most {_MAX_BUDGET_MIB} MiB (default: %(default)s)")
     parser.add_argument("--hisparse", choices=("off", "on", "both"), default="both",
                         help="HiSparse on the decode side (default: %(default)s)")
-    parser.add_argument("--kill-decode-after", type=int, default=0, metavar="N",
+    parser.add_argument("--kill-decode-after", type=int_range(0), default=0, metavar="N",
                         help="kill the decode after N completed batches, to show the failure path")
-    parser.add_argument("--timeout", type=float, default=30.0, help="bound of every wait in seconds")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=number_range(0, 3600, lo_open=True), default=30.0,
+                        help="bound of every wait in seconds, in (0, 3600]")
+    parser.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0)
     parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                         help="transfer engine of both sides (default: %(default)s; mooncake: the `mooncake` extra)")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sessions; 0 only if every byte of every session matched."""
+    """Run the sessions; 0 only if every byte of every session matched.
+
+    Raises
+    ------
+    UsageError
+        ``--pp-size`` above ``--layers`` (every stage holds at least one layer).
+    """
+    if args.pp_size > args.layers:
+        raise UsageError(f"--pp-size {args.pp_size}: more prefill stages than --layers {args.layers}")
     try:
         load_engine(args.engine)
     except ImportError as e:
         print(f"pd-demo --engine {args.engine}: {e}", file=sys.stderr)
         return 2
     base = DemoSpec(num_layers=args.layers, pp_size=args.pp_size, budget_mib=args.budget_mib,
-                    seq_lens=tuple(int(x) for x in args.seq_lens.split(",")), seed=args.seed,
+                    seq_lens=tuple(args.seq_lens), seed=args.seed,
                     timeout_s=args.timeout, kill_decode_after=args.kill_decode_after,
                     max_inflight=1 if args.kill_decode_after else 4,
                     max_batch_rows=4 if args.kill_decode_after else 16384, engine=args.engine)

@@ -84,7 +84,60 @@ BAD_ARGUMENTS = [
     (["jit", "build", "no_such_kernel"], 2, "no_such_kernel"),
     # no GPU and no arch given (or a GPU but a bogus arch list): a failure of ours, not a traceback
     (["jit", "build", "gather_rows", "--backend", "cuda"], (1, 2), "arch"),
+    (["jit", "build", "--instance", "gather_rows:index_dtype=int64,index_dtype=int32"], 2, "given twice"),
+    (["jit", "prune", "--older-than", "-1", "--dry-run"], 2, "--older-than"),
+    (["jit", "prune", "--older-than", "nan", "--dry-run"], 2, "--older-than"),
+    # pd-demo: every flag checked when parsed (these once ran, stalled or printed a traceback)
+    (["pd-demo", "--seq-lens", "-5"], 2, "--seq-lens"),
+    (["pd-demo", "--seq-lens", ""], 2, "--seq-lens"),
+    (["pd-demo", "--seq-lens", "abc"], 2, "--seq-lens"),
+    (["pd-demo", "--layers", "0"], 2, "--layers"),
+    (["pd-demo", "--pp-size", "0"], 2, "--pp-size"),
+    (["pd-demo", "--pp-size", "100"], 2, "--pp-size"),
+    (["pd-demo", "--timeout", "-1"], 2, "--timeout"),
+    (["pd-demo", "--timeout", "nan"], 2, "--timeout"),
+    (["pd-demo", "--budget-mib", str(10**9)], 2, "--budget-mib"),
 ]
+
+#: Every tool script's flags, held to the same manners (exit 2, one line naming the flag, no traceback).
+BAD_TOOL_ARGUMENTS = [
+    ("tools/hisparse_sim.py", ["--hot", "abc"], "--hot"),
+    ("tools/hisparse_sim.py", ["--trace", "/nonexistent/trace.json"], "--trace"),
+    ("tools/hisparse_sim.py", ["--top-k", "0"], "--top-k"),
+    ("tools/hisparse_sim.py", ["--requests", "-1"], "--requests"),
+    ("tools/hisparse_sim.py", ["--growth", "2"], "--growth"),
+    ("tools/hisparse_sim.py", ["--json", "/nonexistent/out.json"], "--json"),
+    ("tools/bench/bench_pd_transfer.py", ["--layers", "0"], "--layers"),
+    ("tools/bench/bench_pd_transfer.py", ["--repeats", "0"], "--repeats"),
+    ("tools/bench/bench_pd_transfer.py", ["--stream", "-1"], "--stream"),
+    ("tools/bench/bench_jit_loader.py", ["--fresh-runs", "0"], "--fresh-runs"),
+    ("tools/bench/bench_jit_loader.py", ["--plot", "/nonexistent/plot.png"], "--plot"),
+    ("tools/bench/bench_dsv4_compress.py", ["--backend", "gpu"], "--backend"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, needle", BAD_TOOL_ARGUMENTS, ids=lambda v: " ".join(v) if isinstance(v, list)
+                         else v)
+def test_bad_tool_arguments_give_one_line_and_exit_2(tool, argv, needle):
+    done = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert_no_traceback(done)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr, done.stderr
+
+
+def test_a_cuda_backend_without_a_gpu_is_a_usage_error():
+    done = subprocess.run([sys.executable, "tools/bench/bench_dsv4_compress.py", "--backend", "cuda"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert_no_traceback(done)
+    assert done.returncode == 2 and "--backend" in done.stderr and "CUDA" in done.stderr, done.stderr
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = sparsekv("jit", "build", "gather_rows", env={"SPARSEKV_CACHE_DIR": str(tmp_path / "file")})
+    assert_no_traceback(done)
+    assert done.returncode == 1 and "not a directory" in done.stderr
 
 
 @pytest.mark.parametrize("argv, code, needle", BAD_ARGUMENTS, ids=lambda v: " ".join(v)[:60] if isinstance(v, list)

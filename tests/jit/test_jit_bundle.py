@@ -134,3 +134,31 @@ def test_export_refuses_a_corrupted_entry(tmp_path):
     (entry / cache.ARTIFACT).write_bytes(bytes(data))
     done = jit("export", str(tmp_path / "out.tar"), "--all", cache_dir=cache_dir)
     assert done.returncode == 1 and "jit verify --repair" in done.stderr and not (tmp_path / "out.tar").exists()
+
+
+def _tar(path: Path, members: dict[str, bytes], mode: str = "w") -> Path:
+    with tarfile.open(path, mode) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("members, reason", [
+    ({bundle.MANIFEST: b"[1, 2]"}, "not a manifest object"),  # once: AttributeError
+    ({bundle.MANIFEST: json.dumps({"format": bundle.BUNDLE_FORMAT, "platform": {},
+                                   "entries": {"e": {"sha256": "0", "size": 1}}}).encode(),
+      f"e/{cache.KEY_FILE}": b"[1]", f"e/{cache.ARTIFACT}": b"x"}, "is not an object"),
+], ids=["manifest list", "key.json list"])
+def test_json_that_is_not_an_object_is_refused_naming_it(tmp_path, members, reason):
+    with pytest.raises(bundle.BundleError, match=reason):
+        bundle.read_bundle(_tar(tmp_path / "b.tar", members))
+
+
+def test_a_compressed_bomb_is_refused_before_it_is_inflated(tmp_path, monkeypatch):
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1 << 20)
+    path = _tar(tmp_path / "bomb.tar.gz", {"big": bytes(4 << 20)}, mode="w:gz")  # 4 MiB of zeros, a few KiB on disk
+    assert path.stat().st_size < 64 << 10
+    with pytest.raises(bundle.BundleError, match="more than 1 MiB"):
+        bundle.read_bundle(path)

@@ -34,13 +34,13 @@ latencies (``--plot``), ``--quick`` runs a short sweep.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 
 import torch
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
 from sparsekv.jit_kernel.kv_layout import V4
@@ -256,7 +256,7 @@ def check_topk(tokens: torch.Tensor, scores: torch.Tensor, k: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     add_backend_arg(parser)
     args = parser.parse_args()

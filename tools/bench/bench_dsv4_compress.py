@@ -29,11 +29,10 @@ Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.backends import device_of
@@ -113,7 +112,7 @@ def _fused_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     add_backend_arg(parser)
     args = parser.parse_args()

@@ -48,6 +48,7 @@ import torch
 import torch.utils.benchmark as benchmark
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.hisparse import (
     load_cache_to_device_buffer_dsv4_mla,
     load_cache_to_device_buffer_mla,
@@ -271,7 +272,7 @@ def hot_sweep(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     add_backend_arg(parser)
     parser.add_argument("--hot-sweep", action="store_true",

@@ -33,7 +33,6 @@ draws GB/s per case.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import math
 import statistics
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.hisparse_copy import (
     HISPARSE_COPY,
     pointer_table,
@@ -149,7 +149,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, b
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     add_backend_arg(parser)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),

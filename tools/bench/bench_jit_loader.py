@@ -13,7 +13,6 @@ Example: ``python tools/bench/bench_jit_loader.py --quick --plot jit.png``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,6 +28,8 @@ import torch
 import tvm_ffi.cpp
 from tqdm import tqdm
 
+from sparsekv.argtypes import int_range
+from sparsekv.cli import CliParser
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
@@ -110,9 +111,9 @@ def model_build_rows(selection: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.add_argument("--fresh-runs", type=int, default=5)
+    parser.add_argument("--fresh-runs", type=int_range(1), default=5)
     parser.add_argument("--model", default="dsv4-flash", choices=("dsv4-flash", "dsv4-pro"),
                         help="model whose serving instances `jit build --model` builds (with --quick: gather_rows)")
     args = parser.parse_args()

@@ -37,7 +37,6 @@ draws GB/s.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import multiprocessing as mp
 import statistics
@@ -46,6 +45,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from sparsekv.argtypes import int_range
+from sparsekv.cli import CliParser
 from sparsekv.srt.disaggregation.backend import ENGINES, TransferBackend, load_engine, open_backend, poll_pause
 from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender, plan_batches, plan_room
 from sparsekv.srt.disaggregation.kv_args import kv_args_of
@@ -186,14 +187,14 @@ def prefill_main(engine: str, layers: int, max_len: int, conn) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=STAGE_LAYERS,
+    parser = CliParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int_range(1, 256), default=STAGE_LAYERS,
                         help="layers of the sending stage (default: %(default)s, one stage of DSV4-Flash's 43 "
                              "layers at PP 4)")
-    parser.add_argument("--repeats", type=int, default=9, help="runs per figure, the median reported (default: "
-                        "%(default)s; fewer move by 10-20%% here)")
+    parser.add_argument("--repeats", type=int_range(1), default=9,
+                        help="runs per figure, the median reported (default: %(default)s; fewer move by 10-20%% here)")
     parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="transfer engine (default: %(default)s)")
-    parser.add_argument("--stream", type=int, default=8, help="rooms in flight for the throughput figures "
+    parser.add_argument("--stream", type=int_range(1), default=8, help="rooms in flight for the throughput figures "
                         "(default: %(default)s)")
     add_common_args(parser)
     args = parser.parse_args()

@@ -8,7 +8,6 @@ the same run). Prints JSON (``sparsekv.testing.bench``); ``--plot PNG`` draws th
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from sparsekv.cli import CliParser
 from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import fixes
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
@@ -37,7 +37,7 @@ def fresh_process_ms(argv: list[str], runs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     args = parser.parse_args()
     runs = 3 if args.quick else 9
