@@ -54,7 +54,7 @@ BAD_ARGUMENTS = [
     (("build", "--hot-buffer", "8", "gather_rows"), 2, "go with --model"),
     (("build", "--model", "dsv4-pro", "--hot-buffer", "8"), 2, "must be >="),
     (("build", "--model", "dsv4-flash", "--page-size", "3"), 2, "--page-size must be one of 128, 256, 512"),
-    (("build", "--jobs", "0", "gather_rows"), 2, "positive integer"),
+    (("build", "--jobs", "0", "gather_rows"), 2, "an integer >= 1"),
     (("prune",), 2, "--older-than"),
     (("prune", "--max-size", "lots"), 2, "not a size"),
     (("explain-key",), 2, "name a kernel family"),
