@@ -36,7 +36,7 @@ SERVER_FIELDS = (
     "disable_overlap_schedule", "disable_radix_cache", "max_total_tokens", "enable_hisparse",
     "hisparse_host_to_device_ratio", "hisparse_resident_index", "speculative", "disaggregation_mode",
     "disaggregation_decode_extra_slots",
-    "compress_state_dtype", "attn_dp_size",
+    "compress_state_dtype", "attn_dp_size", "swa_prefix_tails",
 )
 SPECULATIVE_FIELDS = ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens")
 STATE_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
@@ -59,7 +59,7 @@ LIMITS = {
     "page_size": 1 << 20, "max_running_requests": 1 << 24, "chunked_prefill_size": 1 << 31,
     "max_total_tokens": 1 << 40, "hisparse_host_to_device_ratio": 1024,
     "hisparse_resident_index": 32767,
-    "disaggregation_decode_extra_slots": 1 << 24, "attn_dp_size": 1024,
+    "disaggregation_decode_extra_slots": 1 << 24, "attn_dp_size": 1024, "swa_prefix_tails": 1 << 24,
     "num_steps": 64, "eagle_topk": 64, "num_draft_tokens": 4096,
     "swa_full_tokens_ratio": 1.0,
 }

@@ -61,6 +61,7 @@ FLAG_OF = {
     "server.disaggregation_decode_extra_slots": "--decode-extra-slots",
     "server.compress_state_dtype": "--compress-state-dtype",
     "server.attn_dp_size": "--attn-dp",
+    "server.swa_prefix_tails": "--swa-prefix-tails",
 }
 # Planner messages name some settings bare ("Reduce max_running_requests"); those map too.
 _BARE = {f.rsplit(".", 1)[1]: flag for f, flag in FLAG_OF.items() if f.startswith("server.") and "speculative" not in f}
@@ -123,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_argument("--swa-full-tokens-ratio", "--swa-ratio", dest="swa_ratio", type=float, metavar="RATIO",
                        help="SWA pool size relative to the full pool, as the operator sets it")
     flags.add_argument("--swa-cap", action="store_true", help="leave the ratio unset: size SWA by the request cap")
+    flags.add_argument("--swa-prefix-tails", type=int, metavar="N",
+                       help="cached prefix tails the SWA cap keeps addressable (default 4 per request)")
     flags.add_argument("--max-running-requests", metavar="N|auto", help="'auto' estimates it from capacity")
     flags.add_argument("--max-total-tokens", type=int)
     flags.add_argument("--chunked-prefill-size", type=int)
@@ -156,6 +159,7 @@ def _case_from_flags(args: argparse.Namespace) -> dict:
         "disaggregation_decode_extra_slots": args.decode_extra_slots,
         "compress_state_dtype": args.compress_state_dtype,
         "attn_dp_size": args.attn_dp,
+        "swa_prefix_tails": args.swa_prefix_tails,
     }
     server.update({k: v for k, v in optional.items() if v is not None})
     if args.swa_cap:

@@ -121,6 +121,15 @@ def test_infeasible_plan_explains_and_fixes(capsys):
     assert "raise the KV budget (available_bytes) to >=" in out
 
 
+def test_the_swa_prefix_tails_the_planner_suggests_lowering_is_a_flag(capsys):
+    argv = ("--model", "dsv4-flash", "--kv-budget", "20GiB", "--swa-cap")
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 1 and "lower --swa-prefix-tails" in out and "swa_prefix_tails" not in out
+    # Following the advice works: without the 4 tails per request the cap leaves room for the full pool.
+    code, _, _ = run_cli(capsys, *argv, "--swa-prefix-tails", "0")
+    assert code == 0
+
+
 @pytest.mark.parametrize("name", ["flash-pp1-2.55GiB-swa-floor", "flash-pp1-20GiB-cap-mode", "mixed-02"])
 def test_suggested_budget_is_the_smallest_that_plans(name):
     case = parse_case(BY_NAME[name])
