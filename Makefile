@@ -27,7 +27,7 @@ $(PD_STAMP): $(STAMP) tools/fetch_mooncake_libs.sh
 	# system lacks them, extracted into $(VENV)/sysroot. Best effort: without them only the Mooncake
 	# tests skip, with the reason.
 	$(PY) -m pip install -q -c constraints.txt mooncake-transfer-engine-non-cuda
-	PYTHON=$(PY) tools/fetch_mooncake_libs.sh $(VENV)/sysroot || echo "warning: Mooncake's system libraries are missing; its tests will skip"
+	PYTHON=$(PY) tools/fetch_mooncake_libs.sh $(VENV)/sysroot || { echo "warning: Mooncake's system libraries are missing; its tests will skip (and fail under SPARSEKV_REQUIRE_ALL=1)"; test "$$SPARSEKV_REQUIRE_ALL" != 1; }
 	touch $(PD_STAMP)
 
 # The venv the README's first command creates (what the demo and the tests need);

@@ -60,6 +60,12 @@ def check_indices() -> bool:
     return _flag("SPARSEKV_CHECK_INDICES")
 
 
+def require_all() -> bool:
+    """``SPARSEKV_REQUIRE_ALL=1`` (CI): a test whose optional component (NIXL, Mooncake, nvcc, ...) is
+    missing fails with the reason instead of skipping."""
+    return _flag("SPARSEKV_REQUIRE_ALL")
+
+
 def jit_strict() -> bool:
     """``SPARSEKV_JIT_STRICT=1``: a cache miss raises instead of compiling (pre-seeded images, no
     compiler on the serving path, never a compile during CUDA-graph capture)."""

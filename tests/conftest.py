@@ -10,6 +10,8 @@ from hypothesis import settings
 from sparsekv.testing.profiles import register_profiles
 
 REPO = Path(__file__).resolve().parent.parent
+# needs(...) marks: skip where an optional component is missing, fail under SPARSEKV_REQUIRE_ALL=1.
+pytest_plugins = ["pytester", "sparsekv.testing.components"]
 
 # A small default keeps `make test` within minutes on 2 cores; `--slow` digs deeper.
 register_profiles()

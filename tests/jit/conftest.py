@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparsekv.jit_kernel import cache
+from sparsekv.testing.components import component_missing
 
 
 def _undo_read_only(path: Path) -> None:
@@ -30,7 +31,7 @@ def read_only():
         if os.geteuid() == 0:  # root ignores mode bits; an immutable directory refuses even root
             subprocess.run(["chattr", "+i", str(path)], check=False, capture_output=True)
         if cache._writable(path):
-            pytest.skip("cannot make a directory read-only here (root without chattr)")
+            component_missing("a read-only directory", "root without chattr cannot make one here")
 
     yield make
     for path in done:

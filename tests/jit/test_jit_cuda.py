@@ -12,6 +12,7 @@ import torch
 
 from sparsekv.jit_kernel import toolchain
 from sparsekv.jit_kernel.registry import discover
+from sparsekv.testing.components import needs
 
 
 def _nvcc_available() -> str | None:
@@ -23,7 +24,7 @@ def _nvcc_available() -> str | None:
 
 
 NO_NVCC = _nvcc_available()
-needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc is not installed: {NO_NVCC}")
+needs_nvcc = needs("nvcc", NO_NVCC)
 
 
 @needs_nvcc

@@ -13,6 +13,7 @@ import pytest
 
 from sparsekv.jit_kernel import cache, loader, toolchain
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+from sparsekv.testing.components import needs
 
 CSRC = loader.csrc_root()
 
@@ -91,7 +92,7 @@ def _has_nvcc() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _has_nvcc(), reason="nvcc is not installed")
+@needs("nvcc", None if _has_nvcc() else "nvcc is not installed")
 def test_an_arch_nvcc_does_not_know_gets_the_arch_hint(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(loader.JitCompileError) as info:

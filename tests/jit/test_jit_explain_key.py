@@ -16,6 +16,7 @@ import tvm_ffi
 
 from sparsekv.jit_kernel import cli, loader, toolchain
 from sparsekv.jit_kernel.registry import discover
+from sparsekv.testing.components import needs
 
 CSRC = loader.csrc_root()
 FAMILY = discover()["gather_rows"]
@@ -91,7 +92,7 @@ def test_each_key_input_perturbed_changes_the_key(what, two_checkouts, monkeypat
     assert changed == fields
 
 
-@pytest.mark.skipif(_nvcc_missing(), reason="nvcc is not installed")
+@needs("nvcc", "nvcc is not installed" if _nvcc_missing() else None)
 def test_backend_and_arch_change_the_key():
     cpu, sm90 = explain(), explain(backend="cuda", arch="9.0a")
     both = explain(backend="cuda", arch="9.0a,10.0a")

@@ -15,6 +15,7 @@ import pytest
 
 from sparsekv.jit_kernel import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+from sparsekv.testing.components import component_missing
 
 CSRC = loader.csrc_root()
 
@@ -71,7 +72,7 @@ def test_key_covers_flags_backend_and_arch(two_checkouts, monkeypatch):
     assert plan_for(a).entry_name() != base
     monkeypatch.delenv("SPARSEKV_EXTRA_CFLAGS")
     if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
-        pytest.skip("nvcc is not installed: the cuda-backend half of the key cannot be computed")
+        component_missing("nvcc", "the cuda-backend half of the key cannot be computed")
     cuda_90 = plan_for(a, backend="cuda", arch="9.0a").entry_name()
     cuda_both = plan_for(a, backend="cuda", arch="9.0a,10.0a").entry_name()
     assert len({base, cuda_90, cuda_both}) == 3

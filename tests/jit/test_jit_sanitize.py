@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sparsekv.jit_kernel import loader
+from sparsekv.testing.components import needs
 
 HERE = Path(__file__).resolve().parent
 PLANTED = "planted_oob.cuh"
@@ -25,7 +26,7 @@ def _runtime(name: str) -> str | None:
 
 
 PRELOAD = [_runtime("libasan.so"), _runtime("libstdc++.so")]
-needs_asan = pytest.mark.skipif(None in PRELOAD, reason="the compiler's libasan is not installed")
+needs_asan = needs("libasan", "the compiler's libasan is not installed" if None in PRELOAD else None)
 
 
 @pytest.fixture(scope="module")

@@ -443,27 +443,49 @@ def _in_table(k, h, layout):
                                                                            OPEN_INSTANCES])
 def test_any_valid_instance_compiles_and_follows_the_policy_model(backend, k, h, layout, page_slots):
     assert not _in_table(k, h, layout)
+    _follow_the_policy_model(backend, k, h, layout, page_slots, steps=4, hit_share=1 / 3)
+
+
+# The serving instances on the DSV4 layout: DSV4-Flash (top-k 512), DSV4-Pro (1024) and a 2048 top-k,
+# each with a hot buffer of twice its top-k. A few steps each, at a serving-like share of hits.
+SERVING_INSTANCES = [(512, 1024), (1024, 2048), (2048, 4096)]
+
+
+@pytest.mark.parametrize("k, h", SERVING_INSTANCES, ids=[f"K{k}-H{h}" for k, h in SERVING_INSTANCES])
+def test_serving_instances_follow_the_policy_model(backend, k, h):
+    misses = _follow_the_policy_model(backend, k, h, "dsv4", 64, steps=3, hit_share=0.75)
+    # Row 0 (longer than H) loads some of each step's entries and serves the rest from its slots;
+    # row 1 starts empty, so its first step loads every entry it asks for.
+    assert all(0 < m[0] < k for m in misses), misses
+    assert misses[0][1] > misses[-1][1] > 0, misses
+
+
+def _follow_the_policy_model(backend, k, h, layout, page_slots, *, steps: int, hit_share: float) -> list[list[int]]:
+    """Run ``steps`` decode steps of two requests (one twice the hot buffer with a resident prefix,
+    one starting empty) against the policy model; each step's top-k asks for held tokens
+    about ``hit_share`` of the time. Returns the kernel's miss counts per step and row."""
     max_len = 3 * h + 8
     w = make_world(k, h, is_dsv4_layout=layout == "dsv4", max_reqs=2, max_len=max_len, seed=k + h,
                    page_slots=page_slots or 64, backend=backend)
     gen = torch.Generator().manual_seed(h)
     w.reset_request(0, resident=True)
     models = {0: HotBuffer.resident_prefix(h), 1: HotBuffer.empty(h)}
-    seq = {0: h + 1, 1: 2 * h}
+    seq = {0: 2 * h + 1, 1: 2 * h}  # row 0: positions h .. 2h - 1 only in the host cache
     for rid, n in seq.items():  # the model writes every resident token and the newest one
         for pos in range(min(n, h) if rid == 0 else 0):
             w.place(rid, pos, pos)
         w.place(rid, h, n - 1)
-    for _ in range(4):
+    misses = []
+    for _ in range(steps):
         rids = [0, 1]
         top_k = []
         for rid in rids:
             n = seq[rid]
             held = [t for t in models[rid].tokens if t >= 0]
             row = torch.randint(0, n, (k,), generator=gen).tolist()
-            for i in range(0, k, 3):  # a third of the entries ask for held tokens: hits
-                if held:
-                    row[i] = held[int(torch.randint(0, len(held), (1,), generator=gen))]
+            asks_held = torch.rand(k, generator=gen) < hit_share
+            for i in asks_held.nonzero().flatten().tolist() if held else ():  # hits
+                row[i] = held[int(torch.randint(0, len(held), (1,), generator=gen))]
             row[-1] = n - 1 if k > 1 else row[-1]
             if k > 2:
                 row[1] = -1
@@ -483,9 +505,13 @@ def test_any_valid_instance_compiles_and_follows_the_policy_model(backend, k, h,
                 loc = int(res["out"][b, i])
                 if loc >= 0:
                     assert torch.equal(w.device_token(loc), w.host_token(rid, tok))
+        misses.append(res["miss_count"].tolist())
         for rid in rids:  # one new token per step, written by the model into the reserved column
             seq[rid] += 1
             w.place(rid, h, seq[rid] - 1)
+    return misses
+
+
 
 
 INVALID_INSTANCES = [

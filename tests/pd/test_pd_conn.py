@@ -20,6 +20,7 @@ from sparsekv.srt.disaggregation.pd_demo import fill_regions, region_array
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+from sparsekv.testing.components import needs
 from sparsekv.testing.profiles import scaled_examples
 
 try:
@@ -28,7 +29,7 @@ try:
 except ImportError as e:  # the only reason the transfer tests may skip
     NIXL_MISSING = str(e)
 
-needs_nixl = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL cannot be imported: {NIXL_MISSING}")
+needs_nixl = needs("NIXL", NIXL_MISSING and f"NIXL cannot be imported: {NIXL_MISSING}")
 ROOMS = 6
 
 

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.mooncake_backend import RegionTable, check_rows, load_mooncake_engine
+from sparsekv.testing.components import needs
 
 try:
     load_mooncake_engine()
@@ -40,8 +41,7 @@ try:
 except ImportError as e:  # the only reason the engine tests may skip
     MOONCAKE_MISSING = str(e)
 
-needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None,
-                                    reason=f"Mooncake cannot be imported: {MOONCAKE_MISSING}")
+needs_mooncake = needs("Mooncake", MOONCAKE_MISSING and f"Mooncake cannot be imported: {MOONCAKE_MISSING}")
 
 SMALL = {"num_layers": 6, "budget_mib": 16, "seq_lens": [1000, 3000, 700, 200], "timeout_s": 30.0,
          "engine": "mooncake"}

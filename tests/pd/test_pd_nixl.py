@@ -16,6 +16,7 @@ import pytest
 
 from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
 from sparsekv.srt.disaggregation.pd_demo import DemoSpec, run_session, verdict
+from sparsekv.testing.components import needs
 
 try:
     load_nixl_api()
@@ -23,7 +24,7 @@ try:
 except ImportError as e:  # the only reason these tests may skip
     NIXL_MISSING = str(e)
 
-pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL cannot be imported: {NIXL_MISSING}")
+pytestmark = needs("NIXL", NIXL_MISSING and f"NIXL cannot be imported: {NIXL_MISSING}")
 
 # With HiSparse the demo's hot buffer holds 64 C4 entries: room 4 (200 tokens, 50 entries) is preloaded
 # whole by admit_request_direct, the others (>= 175 entries) load only their newest entry.
