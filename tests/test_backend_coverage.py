@@ -103,3 +103,17 @@ def test_every_kernel_benchmark_takes_a_backend():
         used = sorted(w for w in wrappers if re.search(rf"from sparsekv\.jit_kernel\.{w} import", text))
         if used and bench.name not in NOT_KERNEL_BENCHMARKS:
             assert "add_backend_arg(parser)" in text, f"{bench.name} times {used} but takes no --backend"
+
+
+def test_every_benchmark_says_the_threads_of_each_side():
+    # sparsekv.testing.bench.report refuses a result without them; this finds a benchmark that would
+    # only fail when run.
+    for bench in sorted((REPO / "tools" / "bench").glob("bench_*.py")):
+        tree = ast.parse(bench.read_text())
+        results = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Name) and node.func.id == "BenchResult"]
+        assert results, f"{bench.name} builds no BenchResult"
+        for call in results:
+            threads = next((k.value for k in call.keywords if k.arg == "threads"), None)
+            assert isinstance(threads, ast.Dict), f"{bench.name}: BenchResult(threads={{'ours': ..., 'baseline': ...}})"
+            assert {k.value for k in threads.keys if isinstance(k, ast.Constant)} >= {"ours", "baseline"}, bench.name

@@ -4,13 +4,21 @@ A benchmark builds a list of cases (shown with a tqdm progress bar); each case t
 (our kernel, the raw module call, the baseline measured in the same run) with :func:`time_call` on
 the host, or :func:`time_cuda` (CUDA events, never host clocks) for the cuda backend; :func:`report`
 prints one JSON document and optionally plots it.
+
+Every document says how to reproduce its figures: the threads each side used (``threads``, which
+the benchmark must fill: a figure of 1 thread against 2 is not a kernel speedup) and the run's
+environment (the command line, the torch build, its thread settings, the cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import shlex
 import statistics
+import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterable
@@ -53,6 +61,31 @@ class BenchResult:
     baseline: str
     rows: list[dict] = field(default_factory=list)
     notes: dict = field(default_factory=dict)
+    #: The threads each side ran on, e.g. ``{"ours": 1, "baseline": 2}`` (required by :func:`report`).
+    threads: dict = field(default_factory=dict)
+    #: Filled by :func:`report`: see :func:`environment`.
+    environment: dict = field(default_factory=dict)
+
+
+def environment() -> dict:
+    """What a figure needs to be reproduced: the command, the torch build and its threads, the cores."""
+    import torch
+
+    info = torch.__config__.parallel_info().splitlines()
+    parallel = next((line.split(":", 1)[1].strip() for line in info if line.startswith("ATen parallel backend")), None)
+    return {
+        "command": shlex.join([os.path.relpath(sys.argv[0]) if sys.argv[0] else "python", *sys.argv[1:]]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "torch_cuda": torch.version.cuda,
+        "torch_parallel_backend": parallel,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "machine": platform.machine(),
+    }
 
 
 def time_cuda(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.05) -> Timing:
@@ -112,7 +145,18 @@ def _backend(text: str) -> str:
 
 def report(result: BenchResult, args: argparse.Namespace,
            plot: Callable[[BenchResult, str], None] | None = None) -> None:
-    """Print ``result`` as JSON on stdout; write it and the plot where asked."""
+    """Print ``result`` as JSON on stdout (with its :func:`environment`); write it and the plot where asked.
+
+    Raises
+    ------
+    ValueError
+        ``result.threads`` does not say the threads of both sides (``ours`` and ``baseline``).
+    """
+    missing = {"ours", "baseline"} - set(result.threads)
+    if missing:
+        raise ValueError(f"{result.name}: BenchResult.threads must say the threads of each side; "
+                         f"missing {sorted(missing)}")
+    result.environment = environment()
     text = json.dumps(asdict(result), indent=2)
     print(text)
     if getattr(args, "json_path", None):

@@ -271,7 +271,8 @@ def main() -> None:
     time_it = functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
     result = BenchResult(name=f"DSV4 sparse decode attention and lightning indexer ({args.backend} backend)",
                          baseline="torch (fp64 reference / fp32 torch; torch.topk)",
-                         notes={"backend": args.backend, "torch_threads": 1, "heads": HEADS, "page_size": PAGE,
+                         threads={"ours": 1 if args.backend == "cpu" else "cuda", "baseline": 1},
+                         notes={"backend": args.backend, "heads": HEADS, "page_size": PAGE,
                                 "triton_timing": ("Triton interpreter on the CPU: NOT speed (numpy per program op), "
                                                   "one sample, the first attention case and the top-k only (the "
                                                   "indexer scores take minutes per call there); run --backend cuda "

@@ -287,7 +287,8 @@ def main() -> None:
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
     result = BenchResult(name=f"hisparse swap-in step ({args.backend} backend, 1 host thread)", baseline="model",
-                         notes={"item_bytes": ITEM_BYTES, "threads": 1, "backend": args.backend,
+                         threads={"ours": 1 if args.backend == "cpu" else "cuda", "baseline": 1},
+                         notes={"item_bytes": ITEM_BYTES, "backend": args.backend,
                                 "timer": "CUDA events" if args.backend == "cuda" else "perf_counter",
                                 "latency": "per step, table restore subtracted"})
     time_kernel = timer(args.backend)

@@ -160,7 +160,9 @@ def main() -> None:
     cases = QUICK_CASES if args.quick else CASES
     repeats, torch_repeats = (3, 1) if args.quick else (7, 3)
     result = BenchResult(name="bench_hisparse_copy",
-                         baseline="memcpy of the same bytes; torch indexing")
+                         baseline="memcpy of the same bytes; torch indexing",
+                         threads={"ours": args.threads if args.backend == "cpu" else "cuda",
+                                  "baseline": {"copy_": args.threads, "memmove": 1, "torch": args.threads}})
     for n, layers in tqdm(cases, desc="bench_hisparse_copy", unit="case"):
         result.rows.append(run_case(n, layers, repeats, torch_repeats, args.thp, args.backend))
     result.notes = {

@@ -119,7 +119,9 @@ def main() -> None:
     args = parser.parse_args()
     has_nvcc = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
     backends = [("cpu", None)] + ([("cuda", "9.0a")] if has_nvcc else [])
-    result = BenchResult(name="bench_jit_loader", baseline="tvm_ffi.cpp.load on the same source (ninja every call)")
+    result = BenchResult(name="bench_jit_loader", baseline="tvm_ffi.cpp.load on the same source (ninja every call)",
+                         threads={"ours": "one compiler process per build",
+                                  "baseline": "one compiler process per build"})
     for backend, arch in tqdm(backends, desc="bench_jit_loader: cold build + warm loads", unit="backend"):
         cold = cold_build_s(backend, arch)
         GATHER_ROWS.module(index_dtype=torch.int64, backend=backend, arch=arch)

@@ -218,6 +218,8 @@ def main() -> None:
                            [address], timeout_s=TIMEOUT_S, checksums=False)
     result = BenchResult(name=f"PD transfer of DSV4 requests over {args.engine} (127.0.0.1)",
                          baseline=f"raw {args.engine}, same rows and bytes, same run",
+                         threads={"ours": "a planning and a posting thread per decode connection",
+                                  "baseline": "the caller's thread posts"},
                          notes={"layers": args.layers, "pool_tokens": pool.size, "repeats": args.repeats,
                                 "stream": args.stream, "engine": args.engine})
     room_ids = itertools.count(1)

@@ -42,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = 3 if args.quick else 9
     by_name = {c["name"]: c for c in json.loads(GOLDEN.read_text())}
-    result = BenchResult(name="plan_memory", baseline="fresh `python -c 'import sparsekv'`")
+    result = BenchResult(name="plan_memory", baseline="fresh `python -c 'import sparsekv'`",
+                         threads={"ours": 1, "baseline": 1})
     baseline_ms = fresh_process_ms(["-c", "import sparsekv"], runs)
     result.notes["baseline_fresh_process_ms"] = baseline_ms
     for name in tqdm(CASES, desc="bench_plan_memory", unit="case"):
