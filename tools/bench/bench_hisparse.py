@@ -223,7 +223,9 @@ def hot_sweep(args: argparse.Namespace) -> None:
     rates = [0.0, 0.001] if args.quick else [0.0, 0.001, 0.01, 0.1]
     repeats = 3 if args.quick else 7
     result = BenchResult(name=f"hisparse swap-in, scanning vs indexed over H ({args.backend} backend)",
-                         baseline="scan", notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4",
+                         baseline="scan", threads={"ours": 1 if args.backend == "cpu" else "cuda",
+                                                   "baseline": 1 if args.backend == "cpu" else "cuda"},
+                         notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4",
                                                  "backend": args.backend, "item_bytes": ITEM_BYTES,
                                                  "latency": "per step, min over repeats, table restore "
                                                             "subtracted",
