@@ -20,6 +20,11 @@ keeps float32-level accuracy: against the fp64 reference ``|out - ref| <= 2e-4 +
 float32 ``q``; for bf16 ``q`` the weights are rounded to bf16 once, ``|out - ref| <= 1e-2 max|ref|``
 (FlashMLA's own rounding of ``p``).
 
+Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 and 3.6 with tensor-core
+instructions, except one found by compiling on 3.6: the float32-``q`` partial kernel for sm_100a
+compiles there to a single ``trap`` (4 registers); bf16 ``q`` (the model's dtype) is unaffected.
+The AOT test checks each kernel's PTX for wgmma / tcgen05, so running it on 3.6 shows this.
+
 GPU design for batch 64, top-k 512, 64 heads (``tools/bench/bench_dsv4_attention.py`` prints the
 roofline on paper): grid ``64 x 1`` (no split: 64 programs are half a wave, and a split would add a
 float32 partial larger than the KV rows), ``BLOCK_N = 16`` rows per tile (``16 x 584`` bytes = 9 KiB
@@ -102,14 +107,15 @@ def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in,
 
 
 @triton.jit
-def _mma(a, b, NATIVE_BF16: tl.constexpr):
-    """``a @ b`` of bf16-exact float32 operands with float32 accumulation: bf16 tensor cores when
+def _mma(a, b, acc, NATIVE_BF16: tl.constexpr):
+    """``acc + a @ b`` of bf16-exact float32 operands with float32 accumulation: bf16 tensor cores when
     ``NATIVE_BF16`` (compiled); float32 under the interpreter, whose bf16 ``tl.dot`` multiplies the bit
-    patterns (triton 3.9): the same products, so the same result up to summation order."""
+    patterns (triton 3.9): the same products, so the same result up to summation order. The split
+    operands' two dots chain through one accumulator (no second float32 tile)."""
     if NATIVE_BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -143,9 +149,9 @@ def _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_s
         slots = tl.load(idx_row_ptr + j, mask=in_range, other=-1)
         kv, valid = _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, in_range, 576)
         kv_t = tl.trans(kv)  # bf16-exact: e4m3 times a power of two, or a bf16 rope value
-        s = _mma(q_hi, kv_t, NATIVE_BF16)
+        s = _mma(q_hi, kv_t, tl.zeros((q_hi.shape[0], BLOCK_N), tl.float32), NATIVE_BF16)
         if SPLIT:
-            s += _mma(q_lo, kv_t, NATIVE_BF16)
+            s = _mma(q_lo, kv_t, s, NATIVE_BF16)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -153,10 +159,9 @@ def _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_s
         alpha = tl.exp2(m - m_safe)
         denom = denom * alpha + tl.sum(p, 1)
         p_hi = _round_bf16(p, NATIVE_BF16)
-        pv = _mma(p_hi, kv, NATIVE_BF16)
+        acc = _mma(p_hi, kv, acc * alpha[:, None], NATIVE_BF16)
         if SPLIT:
-            pv += _mma(_round_bf16(p - p_hi, NATIVE_BF16), kv, NATIVE_BF16)
-        acc = acc * alpha[:, None] + pv
+            acc = _mma(_round_bf16(p - p_hi, NATIVE_BF16), kv, acc, NATIVE_BF16)
         m = m_new
     return m, denom, acc
 

@@ -94,18 +94,18 @@ def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_
             scale = tl.load(cache_ptr + (base + page_slots * 64 + in_page * 4)[:, None] + (d // 32)[None, :],
                             mask=valid[:, None], other=127).to(tl.int32)
             keys = _e2m1_to_float(codes) * _ue8m0_to_float(scale)  # exact in bf16
-            logits = _mma(q_hi, tl.trans(keys), NATIVE_BF16)
+            logits = _mma(q_hi, tl.trans(keys), tl.zeros((BLOCK_HI, BLOCK_E), tl.float32), NATIVE_BF16)
             if SPLIT:
-                logits += _mma(q_lo, tl.trans(keys), NATIVE_BF16)
+                logits = _mma(q_lo, tl.trans(keys), logits, NATIVE_BF16)
         else:  # 128 e4m3 codes, then one fp32 scale per entry applied to the dot's result
             codes = tl.load(cache_ptr + (base + in_page * 128)[:, None] + d[None, :], mask=valid[:, None],
                             other=0).to(tl.int32)
             scale_ptr = (cache_ptr + page_slots * 128).to(tl.pointer_type(tl.float32))
             scale = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0.0)
             keys = tl.trans(_e4m3_to_float(codes))
-            logits = _mma(q_hi, keys, NATIVE_BF16)
+            logits = _mma(q_hi, keys, tl.zeros((BLOCK_HI, BLOCK_E), tl.float32), NATIVE_BF16)
             if SPLIT:
-                logits += _mma(q_lo, keys, NATIVE_BF16)
+                logits = _mma(q_lo, keys, logits, NATIVE_BF16)
             logits = logits * scale[None, :]
         score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), 0)
         tl.store(out_ptr + b * out_stride + i, tl.where(valid, score, float("-inf")), mask=in_row)
