@@ -5,9 +5,9 @@ The prefill process builds the all-resident stack, prefills the requests and ser
 indexer keys, C128 KV), its SWA pages with their C4 compressor rings, and its request slot's C128
 compressor ring. The decode process builds the HiSparse stack, allocates the destinations (logical
 pages; host pages for the C4 KV, which lands straight in the host pool), receives every room over
-NIXL on 127.0.0.1, admits the requests (``admit_request_direct``), continues the compressors where
-the prefill stopped, and decodes. Its outputs go back to the parent, which compares them with the
-single-process run.
+NIXL on 127.0.0.1 (each region checked against the prefill's digest), admits the requests
+(``admit_request_direct``), continues the compressors where the prefill stopped, and decodes. Its
+outputs go back to the parent, which compares them with the single-process run.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def decode_main(spec, conn, address) -> None:
         stack = _stack(spec, spec.hisparse)
         receiver = KVReceiver(hisparse_decode_kv_args(stack.pool, stack.coordinator),
                               open_backend("nixl", f"demo-decode-{os.getpid()}", timeout_s=30.0), [address],
-                              timeout_s=30.0)
+                              timeout_s=30.0, checksums=True)  # every region's digest checked on arrival
         reqs = [Request(i + 1, 0) for i in range(len(spec.prompts()))]
         start = time.perf_counter()
         for req, n in zip(reqs, spec.prompts()):
