@@ -124,6 +124,8 @@ def run_pd(spec) -> dict:
     """
     import torch
 
+    from sparsekv.srt.disaggregation.pd_demo import reap
+
     ctx = mp.get_context("spawn")
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
@@ -138,12 +140,7 @@ def run_pd(spec) -> dict:
         p_parent.send({"decode_done": True})
         sent = _recv(p_parent, prefill, "prefill process")
     finally:
-        for proc in (prefill, decode):
-            if proc is not None:
-                proc.join(10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(10)
+        reap(prefill, decode)
     outputs = [[torch.from_numpy(o) for o in step] for step in decoded["outputs"]]
     return {"outputs": outputs, "transfer_ok": sent["ok"], "bytes": sent["bytes"],
             "transfer": {"statuses": sent["statuses"], "seconds": decoded["transfer_s"]}}

@@ -455,6 +455,16 @@ def _role(target, spec, plan, conn, *extra) -> None:
         conn.close()
 
 
+def reap(*procs) -> None:
+    """Join each started process (``None`` skipped), killing one that has not ended within 10 s."""
+    for proc in procs:
+        if proc is not None:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+
+
 def run_session(spec: DemoSpec) -> dict:
     """Run one prefill process and one decode process; the two sides' reports.
 
@@ -501,12 +511,7 @@ def run_session(spec: DemoSpec) -> dict:
         p_parent.send({"decode_done": True})
         prefill_report = _recv(p_parent, ROLE_TIMEOUT_S)
     finally:
-        for proc in (prefill, decode):
-            if proc is not None:
-                proc.join(10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(10)
+        reap(prefill, decode)
     return {"spec": {**asdict(spec), "secret": "<set>"}, "plan": plan, "prefill": prefill_report,
             "decode": decode_report}
 
