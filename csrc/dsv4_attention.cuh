@@ -372,8 +372,7 @@ int Partial<QT>::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0 || p.heads == 0) return 0;
   const dim3 grid(static_cast<unsigned>(p.batch * p.num_splits),
                   static_cast<unsigned>((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  partial_kernel<QT><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch_kernel<partial_kernel<QT>>(grid, kThreads, 0, stream, p);
 }
 #endif
 

@@ -423,8 +423,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
 
 inline int TopK::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0) return 0;
-  topk_kernel<<<static_cast<unsigned>(p.batch), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch_kernel<topk_kernel>(static_cast<unsigned>(p.batch), kThreads, 0, stream, p);
 }
 
 template <class Layout, class QT>
@@ -432,8 +431,7 @@ int IndexerScores<Layout, QT>::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0 || p.width == 0) return 0;
   const dim3 grid(static_cast<unsigned>((p.width + kEntriesPerBlock - 1) / kEntriesPerBlock),
                   static_cast<unsigned>(p.batch < kMaxGridY ? p.batch : kMaxGridY));
-  scores_kernel<IndexerScores><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch_kernel<scores_kernel<IndexerScores>>(grid, kThreads, 0, stream, p);
 }
 #endif
 

@@ -445,8 +445,7 @@ struct SwapIn {
 #ifdef __CUDACC__
 template <class K>
 __global__ void __launch_bounds__(K::kBlockSize) swap_in_kernel(const typename K::Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  K::serve(p, blockIdx.x, Team::current(), *reinterpret_cast<typename K::Shared*>(smem));
+  K::serve(p, blockIdx.x, Team::current(), *dynamic_shared<typename K::Shared>());
 }
 
 // One block of Kernel::kBlockSize threads per request row, its Shared in dynamic shared memory (the
@@ -460,8 +459,7 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kernel<<<static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch_kernel<swap_in_kernel<Kernel>>(static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, stream, p);
 }
 
 template <int K, int H, int BlockSize, class Layout>

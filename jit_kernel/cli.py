@@ -75,7 +75,7 @@ def _instance_args(p: argparse.ArgumentParser) -> None:
                    help="every instance this model's serving path loads ('demo': what `sparsekv demo` loads)")
     p.add_argument("--hot-buffer", type=int, metavar="N", help="with --model: hot-buffer slots (default 2 x top-k)")
     p.add_argument("--page-size", type=int, metavar="N", help="with --model: full-pool page size (default 256)")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("cpu", "cuda", "sim"), default="cpu")
     p.add_argument("--arch", help="cuda archs, e.g. 9.0a,10.0a (default: SPARSEKV_CUDA_ARCH, then the visible GPU)")
 
 
@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     explain = add("explain-key", "every input of a module's cache key (why two machines or checkouts differ)")
     explain.add_argument("family", nargs="?", help="kernel family, e.g. gather_rows")
     explain.add_argument("values", nargs="*", metavar="k=v", help="template arguments by name")
-    explain.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    explain.add_argument("--backend", choices=("cpu", "cuda", "sim"), default="cpu")
     explain.add_argument("--arch", help="cuda archs (cuda backend)")
     explain.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
                          help="compare two `explain-key --json` outputs field by field")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import tvm_ffi
 
+from sparsekv import env
 from sparsekv.jit_kernel.loader import JitCacheMissError, load_jit
 
 
@@ -162,8 +163,9 @@ class KernelFamily:
 
 
 def backend_of(tensor) -> str:
-    """The backend that runs on a torch tensor's device: ``"cuda"`` for CUDA tensors, else ``"cpu"``."""
-    return "cuda" if tensor.device.type == "cuda" else "cpu"
+    """The backend that runs on a torch tensor's device: ``"cuda"`` for CUDA tensors, else the CPU
+    backend ``SPARSEKV_CPU_BACKEND`` names (``"cpu"`` by default, or ``"sim"``)."""
+    return "cuda" if tensor.device.type == "cuda" else env.cpu_backend()
 
 
 REGISTRY: dict[str, KernelFamily] = {}

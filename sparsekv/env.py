@@ -2,6 +2,8 @@
 
 Each function reads the environment when called (never at import), so tests and tools can change a
 variable between calls. The README's configuration table lists the same variables and defaults.
+One is read outside Python: ``SPARSEKV_SIM_SEED`` (the sim backend's thread and block order, default
+0), by the simulator itself (``csrc/include/sparsekv/sim.h``) at every launch.
 """
 
 from __future__ import annotations
@@ -64,6 +66,18 @@ def require_all() -> bool:
     """``SPARSEKV_REQUIRE_ALL=1`` (CI): a test whose optional component (NIXL, Mooncake, nvcc, ...) is
     missing fails with the reason instead of skipping."""
     return _flag("SPARSEKV_REQUIRE_ALL")
+
+
+CPU_BACKENDS = ("cpu", "sim")
+
+
+def cpu_backend() -> str:
+    """``SPARSEKV_CPU_BACKEND``: the build that runs kernels on CPU tensors: ``cpu`` (default, the
+    headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``sparsekv/sim.h``)."""
+    name = os.environ.get("SPARSEKV_CPU_BACKEND", "").strip() or "cpu"
+    if name not in CPU_BACKENDS:
+        raise ValueError(f"sparsekv: SPARSEKV_CPU_BACKEND must be one of {CPU_BACKENDS}, got {name!r}")
+    return name
 
 
 def jit_strict() -> bool:

@@ -1,23 +1,27 @@
 """Which backends kernel tests run on, and how a test moves its tensors there.
 
-``SPARSEKV_TEST_BACKENDS`` (comma list) forces a set, e.g. ``cpu,cuda`` for ``make test-gpu``;
-otherwise ``cpu`` always, plus ``cuda`` when torch sees a GPU. Forcing ``cuda`` without a GPU still
-collects the cuda tests (so the set of tests can be checked anywhere); they fail at run time with
-the reason (``tests/conftest.py``).
+``SPARSEKV_TEST_BACKENDS`` (comma list) forces a set, e.g. ``cpu,cuda`` for ``make test-gpu`` or
+``sim`` for ``make test-sim``; otherwise ``cpu`` always, plus ``cuda`` when torch sees a GPU. Forcing
+``cuda`` without a GPU still collects the cuda tests (so the set of tests can be checked anywhere);
+they fail at run time with the reason (``tests/conftest.py``).
+
+The sim backend takes CPU tensors: while a sim test runs, ``SPARSEKV_CPU_BACKEND=sim`` routes every
+call on CPU tensors to the sim build (:func:`cpu_backend`), so a test runs there unchanged.
 
 On a non-cpu backend, :func:`run_on_backend` first runs the cpu build of the same header on copies
-of the inputs: the cpu build is the reference the cuda build must match bit for bit.
+of the inputs: the cpu build is the reference the cuda and sim builds must match bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
 
 import torch
 
-BACKENDS = ("cpu", "cuda")
+from sparsekv.jit_kernel.loader import BACKENDS
 
 
 def kernel_backends() -> list[str]:
@@ -73,8 +77,28 @@ def triton_examples() -> int:
 
 
 def device_of(backend: str) -> torch.device:
-    """The torch device a backend's tensors live on."""
+    """The torch device a backend's tensors live on (the sim backend's are CPU tensors)."""
     return torch.device("cuda" if backend == "cuda" else "cpu")
+
+
+def host_readable(backend: str) -> bool:
+    """Whether the host entry can read ``backend``'s tensors (and so validates indices in full)."""
+    return device_of(backend).type == "cpu"
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str) -> Iterator[None]:
+    """Run the calls on CPU tensors inside the block on the ``name`` build (``cpu`` or ``sim``):
+    ``SPARSEKV_CPU_BACKEND`` is set for the block and restored after it."""
+    before = os.environ.get("SPARSEKV_CPU_BACKEND")
+    os.environ["SPARSEKV_CPU_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARSEKV_CPU_BACKEND", None)
+        else:
+            os.environ["SPARSEKV_CPU_BACKEND"] = before
 
 
 @overload
@@ -110,10 +134,13 @@ def run_on_backend(backend: str, fn: Callable[..., object], tensors: Mapping[str
         fn(**tensors, **scalars)
         return
     reference = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
-    fn(**reference, **scalars)
-    moved = to_backend(backend, tensors)
-    fn(**moved, **scalars)
-    torch.cuda.synchronize()
+    with cpu_backend("cpu"):
+        fn(**reference, **scalars)
+    moved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in to_backend(backend, tensors).items()}
+    with cpu_backend(backend if backend == "sim" else "cpu"):
+        fn(**moved, **scalars)
+    if backend == "cuda":
+        torch.cuda.synchronize()
     for name, value in tensors.items():
         if isinstance(value, torch.Tensor):
             value.copy_(moved[name].cpu())

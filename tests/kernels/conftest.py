@@ -1,8 +1,10 @@
-"""Every test under tests/kernels runs once per kernel backend (cpu; cuda too on a GPU).
+"""Every test under tests/kernels runs once per kernel backend (cpu; cuda too on a GPU; sim on request).
 
 The autouse fixture parametrizes each test with ``backend``; a test that runs a kernel takes the
 ``backend`` argument and puts its tensors on ``device_of(backend)`` (or goes through
-``run_on_backend``, which also checks the cuda build against the cpu build). A test whose body
+``run_on_backend``, which also checks the cuda or sim build against the cpu build). While a sim test
+runs, calls on CPU tensors go to the sim build (``SPARSEKV_CPU_BACKEND=sim``), so the same test body
+exercises the kernels' CUDA path. A test whose body
 does not depend on the backend (it runs no kernel, or only a documented CPU example) says so with
 ``@pytest.mark.no_backend("why")``. ``tests/test_backend_coverage.py`` checks
 both: every test is collected per backend, and every test body uses its backend or carries the mark.
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from sparsekv.testing.backends import kernel_backends, triton_unavailable_reason
+from sparsekv.testing.backends import cpu_backend, kernel_backends, triton_unavailable_reason
 
 
 @pytest.fixture(params=kernel_backends(), autouse=True, scope="module")
-def backend(request) -> str:
-    return request.param
+def backend(request):
+    with cpu_backend("sim" if request.param == "sim" else "cpu"):
+        yield request.param
 
 
 @pytest.fixture

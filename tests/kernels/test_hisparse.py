@@ -33,7 +33,7 @@ from sparsekv.jit_kernel.hisparse import (
 )
 from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
-from sparsekv.testing.backends import device_of, run_on_backend, to_backend
+from sparsekv.testing.backends import device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.reference.hisparse import copy_cache_planned_reference
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
@@ -593,7 +593,7 @@ def _plan(backend, src, dst, *, count=None):
 def test_plan_replay_rejects_a_destination_named_twice_with_different_sources(backend):
     w, args = _plan(backend, [3, 4, 3], [9, 9, 10])
     before = args["device_buffer"].cpu().clone()
-    if backend == "cpu":  # host-readable plan: rejected; on the device, distinct destinations are the caller's duty
+    if host_readable(backend):  # host-readable plan: rejected; on the device, distinct destinations are the caller's duty
         with pytest.raises(ValueError, match="`miss_dst` names destination 9 twice"):
             copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
         assert torch.equal(args["device_buffer"].cpu(), before)

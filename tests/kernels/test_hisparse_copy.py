@@ -17,7 +17,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import V4
-from sparsekv.testing.backends import device_of
+from sparsekv.testing.backends import device_of, host_readable
 from sparsekv.testing.reference.hisparse_copy import (
     read_token,
     token_pattern,
@@ -34,7 +34,7 @@ def run(backend, fn, src, dst, src_ids, dst_ids, **kw):
     """``fn`` on ``backend``: both sides and the ids moved there (pointer tables of the moved layers),
     ``dst.owner`` updated from the backend's copy afterwards, also when ``fn`` raises."""
     device = device_of(backend)
-    s, d = (src, dst) if backend == "cpu" else (src.to(device), dst.to(device))
+    s, d = (src, dst) if host_readable(backend) else (src.to(device), dst.to(device))
     try:
         fn(pointer_table(s.layers), pointer_table(d.layers), src_ids.to(device), dst_ids.to(device), **kw)
     finally:

@@ -1,6 +1,7 @@
 // Host-side glue, compiled only in the tvm-ffi translation unit the loader generates: argument
 // checks that raise Python TypeError / ValueError / IndexError naming the argument, and launch(),
-// which runs a kernel on the module's backend (SPARSEKV_BACKEND_CUDA, set by the loader).
+// which runs a kernel on the module's backend (SPARSEKV_BACKEND_CUDA / SPARSEKV_BACKEND_SIM, set by
+// the loader; the sim backend takes CPU tensors and runs the kernels' CUDA path in the simulator).
 //
 // THE INPUT CONTRACT of every host entry (every kernel family follows it; each rule has a helper
 // below). All checks run before any byte moves.
@@ -46,8 +47,12 @@
 #error "SPARSEKV_BACKEND_CUDA must be defined (0 or 1) by the translation unit the loader generates"
 #endif
 
-#if SPARSEKV_BACKEND_CUDA
-// Defined in the loader-generated .cu, so this file needs no CUDA header.
+#ifndef SPARSEKV_BACKEND_SIM
+#define SPARSEKV_BACKEND_SIM 0
+#endif
+
+#if SPARSEKV_BACKEND_CUDA || SPARSEKV_BACKEND_SIM
+// Defined in the loader-generated .cu (kernels_sim.cpp for sim), so this file needs no CUDA header.
 extern "C" const char* sparsekv_cuda_error_string(int error);
 extern "C" int sparsekv_cuda_device_count(int* count);
 extern "C" int sparsekv_cuda_set_device(int device, int* previous);
@@ -60,7 +65,7 @@ using tvm::ffi::TensorView;
 using OptionalTensor = tvm::ffi::Optional<TensorView>;
 
 inline constexpr DLDeviceType kBackendDevice = SPARSEKV_BACKEND_CUDA ? kDLCUDA : kDLCPU;
-inline constexpr const char* kBackendName = SPARSEKV_BACKEND_CUDA ? "cuda" : "cpu";
+inline constexpr const char* kBackendName = SPARSEKV_BACKEND_CUDA ? "cuda" : SPARSEKV_BACKEND_SIM ? "sim" : "cpu";
 
 template <class T>
 constexpr DLDataType dtype_of() {
@@ -465,6 +470,10 @@ void launch(const typename K::Params& params, DLDevice device) {
   void* stream = TVMFFIEnvGetStream(device.device_type, device.device_id);
   const int err = run_on_cuda<K>(params, stream);
   if (err != 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: CUDA launch failed: " << sparsekv_cuda_error_string(err);
+#elif SPARSEKV_BACKEND_SIM
+  (void)device;
+  const int err = run_on_cuda<K>(params, nullptr);
+  if (err != 0) TVM_FFI_THROW(RuntimeError) << "sparsekv: sim launch failed: " << sparsekv_cuda_error_string(err);
 #else
   (void)device;
   run_on_host<K>(params);
@@ -476,7 +485,7 @@ void launch(const typename K::Params& params, DLDevice device) {
 template <class K, class OnChunkEnd>
 void launch_threaded(const typename K::Params& params, DLDevice device, int64_t num_threads, int64_t bytes_per_item,
                      OnChunkEnd on_chunk_end) {
-#if SPARSEKV_BACKEND_CUDA
+#if SPARSEKV_BACKEND_CUDA || SPARSEKV_BACKEND_SIM
   (void)num_threads, (void)bytes_per_item, (void)on_chunk_end;
   launch<K>(params, device);
 #else

@@ -9,6 +9,12 @@
 // launch shape of its own. The drivers below run item() for every i: a loop on the host, one warp
 // per item on the GPU. Nothing here includes tvm-ffi, so a .cu that includes a kernel header stays
 // cheap to compile.
+//
+// The CUDA path is also built by the host compiler for the sim backend (sparsekv/sim.h, which
+// defines SPARSEKV_SIM, __CUDACC__ and __CUDA_ARCH__ first). So a kernel launches through
+// launch_kernel (never `<<<...>>>`, which only nvcc parses) and takes dynamic shared memory from
+// dynamic_shared<T>() (never a block-scope `extern __shared__`, which the host compiler cannot give
+// one copy per block).
 #pragma once
 
 #include <algorithm>
@@ -20,8 +26,10 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) && !defined(SPARSEKV_SIM)
 #include <cuda_runtime.h>
+#endif
+#ifdef __CUDACC__
 #define SPARSEKV_HOST_DEVICE __host__ __device__ __forceinline__
 #define SPARSEKV_DEVICE __device__ __forceinline__
 #else
@@ -109,6 +117,30 @@ template <class K>
 int run_on_cuda(const typename K::Params& params, void* stream);
 
 #ifdef __CUDACC__
+// Launches Kernel(args...) on `stream` (the cuda build) or runs it in the simulator (the sim
+// build); returns a cudaError_t as int, 0 on success.
+template <auto Kernel, class... Args>
+int launch_kernel(dim3 grid, dim3 block, size_t dynamic_smem, void* stream, const Args&... args) {
+#ifdef SPARSEKV_SIM
+  (void)stream;
+  return static_cast<int>(cuda_sim::launch<Kernel>(grid, block, dynamic_smem, args...));
+#else
+  Kernel<<<grid, block, dynamic_smem, static_cast<cudaStream_t>(stream)>>>(args...);
+  return static_cast<int>(cudaGetLastError());
+#endif
+}
+
+// The block's dynamic shared memory (the launch's dynamic_smem bytes, 16-byte aligned).
+template <class T>
+SPARSEKV_DEVICE T* dynamic_shared() {
+#ifdef SPARSEKV_SIM
+  return reinterpret_cast<T*>(cuda_sim::g.dynamic_smem);
+#else
+  extern __shared__ __align__(16) unsigned char sparsekv_dynamic_smem[];
+  return reinterpret_cast<T*>(sparsekv_dynamic_smem);
+#endif
+}
+
 template <class K, class = void>
 struct HasOwnCudaLaunch : std::false_type {};
 template <class K>
@@ -134,8 +166,7 @@ int run_on_cuda(const typename K::Params& params, void* stream) {
     constexpr int64_t kItemsPerBlock = kThreads / kWarpSize;
     const int64_t blocks = (n + kItemsPerBlock - 1) / kItemsPerBlock;
     const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-    warp_per_item_kernel<K><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(params);
-    return static_cast<int>(cudaGetLastError());
+    return launch_kernel<warp_per_item_kernel<K>>(grid, kThreads, 0, stream, params);
   }
 }
 #endif
