@@ -212,20 +212,20 @@ inline Sim g;
 inline thread_local std::string last_error;
 inline thread_local cudaError_t last_code = cudaSuccess;
 
-// The kernel's qualified name, from the compiler's signature of this function.
+// The qualified name in a function signature "... [with auto Kernel = NAME; ...]".
+inline std::string kernel_name_in(std::string signature) {
+  const std::string key = "Kernel = ";
+  const size_t at = signature.find(key);
+  if (at != std::string::npos) signature = signature.substr(at + key.size());
+  signature = signature.substr(0, signature.find_first_of(";]"));
+  // The sim translation unit renames namespace sparsekv (see the loader); show the real name.
+  for (size_t p; (p = signature.find("sparsekv_sim::")) != std::string::npos;) signature.erase(p + 8, 4);
+  return signature;
+}
+
 template <auto Kernel>
 const std::string& kernel_name() {
-  static const std::string name = [] {
-    std::string s = __PRETTY_FUNCTION__;
-    const std::string key = "Kernel = ";
-    size_t at = s.find(key);
-    s = at == std::string::npos ? s : s.substr(at + key.size());
-    const size_t end = s.find_first_of(";]");
-    s = s.substr(0, end);
-    // The sim translation unit renames namespace sparsekv (see the loader); show the real name.
-    for (size_t p; (p = s.find("sparsekv_sim::")) != std::string::npos;) s.erase(p + 8, 4);
-    return s;
-  }();
+  static const std::string name = kernel_name_in(__PRETTY_FUNCTION__);
   return name;
 }
 
@@ -566,6 +566,11 @@ inline std::string check_limits(const void* kernel, dim3 grid, dim3 block, size_
   const std::string who = "sim: kernel `" + g.kernel + "`: ";
   const unsigned gd[3] = {grid.x, grid.y, grid.z}, bd[3] = {block.x, block.y, block.z};
   const char* axis = "xyz";
+  const unsigned long long threads = 1ull * block.x * block.y * block.z;
+  if (threads > kMaxThreadsPerBlock) {
+    return who + "blockDim " + triple(block) + " has " + std::to_string(threads) + " threads, over the limit of " +
+           std::to_string(kMaxThreadsPerBlock) + " threads per block";
+  }
   for (int a = 0; a < 3; ++a) {
     if (gd[a] == 0 || bd[a] == 0) {
       return who + "gridDim " + triple(grid) + ", blockDim " + triple(block) + ": a launch dimension is 0";
@@ -578,11 +583,6 @@ inline std::string check_limits(const void* kernel, dim3 grid, dim3 block, size_
       return who + "blockDim." + axis[a] + " = " + std::to_string(bd[a]) + " exceeds the limit of " +
              std::to_string(kMaxBlockDim[a]) + " (maximum blockDim." + axis[a] + ")";
     }
-  }
-  const unsigned long long threads = 1ull * block.x * block.y * block.z;
-  if (threads > kMaxThreadsPerBlock) {
-    return who + "blockDim " + triple(block) + " has " + std::to_string(threads) + " threads, over the limit of " +
-           std::to_string(kMaxThreadsPerBlock) + " threads per block";
   }
   if (smem > kMaxDynamicSmem) {
     return who + std::to_string(smem) + " bytes of dynamic shared memory exceed the limit of " +
