@@ -1,5 +1,5 @@
 """Every kernel test runs on every backend, checked on the ids pytest collects (so it is verified
-on a machine without a GPU): forcing ``cpu,cuda`` collects each kernel test twice, every
+on a machine without a GPU): forcing ``cpu,cuda`` (or ``cpu,sim``) collects each kernel test twice, every
 registered kernel family has a backend-parametrized test file sharing its header's stem, and every
 kernel test's body uses its ``backend`` (a test that takes no notice of it would run its cuda copy on
 CPU tensors) unless it is marked ``no_backend`` with the reason."""
@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from sparsekv.jit_kernel.registry import discover
 
@@ -38,12 +40,13 @@ def _on(backend: str, test_id: str) -> str:
     return f"{name}[{'-'.join(backend if p == 'cpu' else p for p in parts)}]"
 
 
-def test_forcing_cpu_and_cuda_collects_every_kernel_test_twice():
+@pytest.mark.parametrize("other", ["cuda", "sim"])
+def test_forcing_cpu_and_another_backend_collects_every_kernel_test_twice(other):
     cpu = _collect("cpu")
-    both = _collect("cpu,cuda")
+    both = _collect(f"cpu,{other}")
     assert cpu, "no kernel tests collected"
     assert all("[" in test_id for test_id in cpu), [t for t in cpu if "[" not in t]
-    assert sorted(both) == sorted(cpu + [_on("cuda", t) for t in cpu])
+    assert sorted(both) == sorted(cpu + [_on(other, t) for t in cpu])
 
 
 def test_every_registered_family_has_a_backend_parametrized_test_file():

@@ -593,7 +593,7 @@ def _plan(backend, src, dst, *, count=None):
 def test_plan_replay_rejects_a_destination_named_twice_with_different_sources(backend):
     w, args = _plan(backend, [3, 4, 3], [9, 9, 10])
     before = args["device_buffer"].cpu().clone()
-    if host_readable(backend):  # host-readable plan: rejected; on the device, distinct destinations are the caller's duty
+    if host_readable(backend):  # rejected; on the device, distinct destinations are the caller's duty
         with pytest.raises(ValueError, match="`miss_dst` names destination 9 twice"):
             copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
         assert torch.equal(args["device_buffer"].cpu(), before)
