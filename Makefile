@@ -8,7 +8,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install install-pd demo lint test test-gpu test-slow test-sanitize clean-venv
+.PHONY: install install-pd demo lint test test-gpu test-slow test-sanitize test-sim clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -72,6 +72,12 @@ test-sanitize: $(STAMP)
 	LD_PRELOAD="$$($(SANITIZE_CXX) -print-file-name=libasan.so) $$($(SANITIZE_CXX) -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 SPARSEKV_SANITIZE=address,undefined \
 	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels tests/jit/test_jit_sanitize.py
+
+# Every kernel test on the sim backend (each header's CUDA path run on the CPU with GPU semantics:
+# barriers, warp shuffles and ballots, shared memory, launch limits). The simulator's own planted-bug
+# tests (tests/jit/test_jit_sim.py) run in `make test`. Sim modules have their own cache keys.
+test-sim: $(STAMP)
+	SPARSEKV_TEST_BACKENDS=sim $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,7 +1,8 @@
 """The sim backend's own guarantees, on planted kernels (tests/jit/data/planted_sim.cuh): a shared-memory
 race changes its result with SPARSEKV_SIM_SEED, a partial-warp shuffle and a partial barrier are errors
 naming kernel, block and thread, unwritten shared memory reads as the poison, launches over Hopper's
-limits are refused naming the limit, and the warp operations mean what they mean in CUDA."""
+limits are refused naming the limit, and the warp operations mean what they mean in CUDA; and how
+calls reach the sim build (SPARSEKV_CPU_BACKEND, a cache key of its own)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
+from sparsekv.jit_kernel.registry import backend_of
 
 HERE = Path(__file__).resolve().parent
 PLANTED = "planted_sim.cuh"
@@ -118,3 +121,23 @@ def test_warp_operations_mean_what_they_mean_in_cuda(planted):
     assert rows[7].tolist() == ([0xAAAA] * 16 + [-1] * 16) * 2  # a half-warp mask, odd lanes
     assert (rows[8] == 64).all()  # shared-memory atomicAdd by every thread, read after the barrier
     assert rows[9, 0].item() == 63  # global atomicMax
+
+
+def test_sparsekv_cpu_backend_sim_routes_calls_on_cpu_tensors_to_the_sim_build(monkeypatch):
+    cpu_tensor = torch.zeros(1)
+    assert backend_of(cpu_tensor) == "cpu"
+    monkeypatch.setenv("SPARSEKV_CPU_BACKEND", "sim")
+    assert backend_of(cpu_tensor) == "sim"
+    monkeypatch.setenv("SPARSEKV_CPU_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="SPARSEKV_CPU_BACKEND must be one of"):
+        backend_of(cpu_tensor)
+
+
+def test_the_cache_key_includes_the_backend_and_the_emulation_header():
+    plans = {b: loader.make_plan("gather_rows", ("int32_t",), header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
+                                 kernels=GATHER_ROWS.kernels, backend=b, arch=None, probe_dir=None)
+             for b in ("cpu", "sim")}
+    assert plans["cpu"].entry_name() != plans["sim"].entry_name()
+    assert plans["sim"].key_doc()["backend"] == "sim"
+    assert loader.SIM_HEADER in plans["sim"].closure and loader.SIM_HEADER not in plans["cpu"].closure
+    assert "kernels_sim.cpp" in plans["sim"].sources

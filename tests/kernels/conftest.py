@@ -18,9 +18,17 @@ from sparsekv.testing.backends import cpu_backend, kernel_backends, triton_unava
 
 
 @pytest.fixture(params=kernel_backends(), autouse=True, scope="module")
-def backend(request):
-    with cpu_backend("sim" if request.param == "sim" else "cpu"):
-        yield request.param
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tensors_go_to_the_sim_build_in_sim_tests(request):
+    # Per test, from the test's own `backend` parameter: a test may parametrize `backend` itself.
+    callspec = getattr(request.node, "callspec", None)
+    backend = callspec.params.get("backend") if callspec else None
+    with cpu_backend("sim" if backend == "sim" else "cpu"):
+        yield
 
 
 @pytest.fixture
