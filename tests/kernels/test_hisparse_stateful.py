@@ -38,10 +38,12 @@ from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla
 from sparsekv.kv_layout import C4_PAGE_SLOTS, DSV4_PAGE_SIZES
 from sparsekv.testing.backends import run_on_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
 
 K, H = 5, 7
 MAX_REQS, MAX_LEN = 3, 48
+SIM_EXAMPLES = 5
 
 
 class SwapInMachine(RuleBasedStateMachine):
@@ -167,10 +169,17 @@ LAYOUTS = [None, *C4_PAGE_SLOTS]
 LAYOUT_IDS = ["generic", *(f"dsv4-page{p}" for p in DSV4_PAGE_SIZES)]
 
 
+def machine_settings(backend: str) -> settings:
+    # The simulator runs every thread of a block as a fiber: a fifth of the runs keeps the sim part
+    # of the suite to its budget (the deep profile scales both).
+    examples = scaled_examples(SIM_EXAMPLES) if backend == "sim" else settings.default.max_examples
+    return settings(settings.default, max_examples=examples, stateful_step_count=40)
+
+
 @pytest.mark.parametrize("page_slots", LAYOUTS, ids=LAYOUT_IDS)
 def test_swap_in_state_machine(backend, page_slots):
     run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots),
-                              settings=settings(settings.default, stateful_step_count=40))
+                              settings=machine_settings(backend))
 
 
 # The indexed kernel (resident-token index) under the same machine, on generic rows (its DSV4 paths
@@ -178,4 +187,4 @@ def test_swap_in_state_machine(backend, page_slots):
 @pytest.mark.parametrize("page_slots", LAYOUTS[:1], ids=LAYOUT_IDS[:1])
 def test_indexed_swap_in_state_machine(backend, page_slots):
     run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots, indexed=True),
-                              settings=settings(settings.default, stateful_step_count=40))
+                              settings=machine_settings(backend))

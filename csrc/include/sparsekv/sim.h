@@ -532,9 +532,13 @@ __attribute__((weak, visibility("hidden"))) extern unsigned char __stop_cuda_sim
 }
 
 inline void poison(unsigned char* begin, unsigned char* end) {
-  for (unsigned char* p = begin; p < end; ++p) {
-    *p = static_cast<unsigned char>(kPoisonWord >> (8 * (reinterpret_cast<uintptr_t>(p) % 4)));
-  }
+  // Byte p gets byte (p % 4) of the word, so every aligned word reads kPoisonWord.
+  const auto byte_of = [](const unsigned char* p) {
+    return static_cast<unsigned char>(kPoisonWord >> (8 * (reinterpret_cast<uintptr_t>(p) % 4)));
+  };
+  for (; begin < end && reinterpret_cast<uintptr_t>(begin) % 4 != 0; ++begin) *begin = byte_of(begin);
+  for (; begin + 4 <= end; begin += 4) std::memcpy(begin, &kPoisonWord, 4);
+  for (; begin < end; ++begin) *begin = byte_of(begin);
 }
 
 inline uint64_t mix(uint64_t x) {  // splitmix64
