@@ -754,7 +754,7 @@ def test_the_cuda_swap_in_refuses_a_pageable_host_cache_naming_it():
     load_cache_to_device_buffer_mla(**args)
 
 
-def _two_rows_of_request_0(w, seed, monkeypatch):
+def _two_rows_of_request_0(w, seed, monkeypatch, speculative):
     """One launch whose two real rows both name request 0 (slow path, different misses), run with
     SPARSEKV_SIM_SEED=seed: the output rows and request 0's tables after it, or "refused"."""
     monkeypatch.setenv("SPARSEKV_SIM_SEED", str(seed))
@@ -764,7 +764,7 @@ def _two_rows_of_request_0(w, seed, monkeypatch):
                       req_pool_indices=torch.tensor([0, 0], dtype=torch.int32),
                       seq_lens=torch.tensor([30, 30], dtype=torch.int32))
     try:
-        load_cache_to_device_buffer_mla(**args)
+        load_cache_to_device_buffer_mla(**args, speculative=speculative)
     except ValueError as refused:
         assert "`req_pool_indices`" in str(refused)
         return "refused"
@@ -772,14 +772,23 @@ def _two_rows_of_request_0(w, seed, monkeypatch):
             tuple(w.lru_slots[0].tolist()))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="GPU hazard of issue 23, fix not on main yet: the plain swap-in serves two real rows of "
-                          "one request in two blocks that race on the request's tables and slots (sim shows the "
-                          "outcome changing with the block order)")
 def test_rows_of_one_request_in_one_launch_do_not_depend_on_the_block_order(backend, monkeypatch):
-    # On the GPU the two blocks run at once; sim runs them one after the other in a seeded order, so
-    # a race between them is an outcome that changes with the seed. Refusing such a launch is fine.
+    # The GPU hazard of issue 23: two real rows of one request served by two blocks at once race on
+    # the request's tables and slots. Sim runs the blocks one after the other in a seeded order, so
+    # such a race is an outcome that changes with the seed (before the fix: two outcomes in these 8
+    # seeds). Now the plain entry refuses the launch and the speculative one serves both rows in one
+    # block, in batch order: the same as two calls one after the other.
     if backend != "sim":
         pytest.skip("only the sim backend runs blocks in a seeded order")
-    outcomes = {seed: _two_rows_of_request_0(world(backend), seed, monkeypatch) for seed in range(8)}
-    assert len(set(outcomes.values())) == 1, f"the outcome depends on the block order: {outcomes}"
+    plain = {seed: _two_rows_of_request_0(world(backend), seed, monkeypatch, False) for seed in range(8)}
+    assert set(plain.values()) == {"refused"}
+    together = {seed: _two_rows_of_request_0(world(backend), seed, monkeypatch, True) for seed in range(8)}
+    assert len(set(together.values())) == 1, f"the outcome depends on the block order: {together}"
+    w = world(backend)
+    hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
+    rows = []
+    for top_k in ([8, 3, 9, 7, 13], [20, 3, 21, 22, 12]):  # one call after the other
+        args = _call_args(w, top_k_tokens=torch.tensor([top_k], dtype=torch.int32))
+        load_cache_to_device_buffer_mla(**args)
+        rows += args["top_k_device_locs"].flatten().tolist()
+    assert together[0] == (tuple(rows), tuple(w.device_buffer_tokens[0].tolist()), tuple(w.lru_slots[0].tolist()))
