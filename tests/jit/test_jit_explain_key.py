@@ -42,6 +42,7 @@ def test_two_checkouts_explain_identically_and_without_paths(two_checkouts):
     for path in (str(a), str(b), str(CSRC), toolchain.host_compiler_path()):
         assert path not in text
     assert set(doc_a["key"]["include_closure"]) == {"gather_rows.cuh", "include/sparsekv/ffi.h",
+                                                    "include/sparsekv/kv_layout.h",
                                                     "include/sparsekv/portability.h"}
     assert doc_a["entry"] == loader.entry_name(doc_a["key"])
 
