@@ -28,14 +28,18 @@ for prefix, folder in FOLDER_OF.items():
 # Header folders hold no Python; they are listed as (namespace) packages so setuptools ships them
 # as data without warning that an importable folder is missing from `packages`.
 packages += ["sparsekv.csrc.include", "sparsekv.csrc.include.sparsekv"]
+# The benchmark scripts ship as data, so `sparsekv bench` runs them from a wheel too (they stay
+# scripts in tools/bench; the command runs them as files, never imports them).
+packages += ["sparsekv.benchmarks"]
 
 setup(
     packages=packages,
-    package_dir={"sparsekv": "sparsekv", **FOLDER_OF},
+    package_dir={"sparsekv": "sparsekv", "sparsekv.benchmarks": "tools/bench", **FOLDER_OF},
     package_data={
         "sparsekv": ["py.typed"],
         "sparsekv.csrc": ["*.cuh", "*.h"],
         "sparsekv.csrc.include.sparsekv": ["*.h", "*.cuh"],
         "sparsekv.srt.model_executor.cases": ["*.json"],
+        "sparsekv.benchmarks": ["bench_*.py"],
     },
 )

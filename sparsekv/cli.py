@@ -68,6 +68,16 @@ SUBCOMMANDS = {
             "sparsekv demo --hisparse off",
         ),
     ),
+    "bench": Subcommand(
+        "sparsekv.testing.bench_suite",
+        "run the benchmark of every kernel family (or one): results.json, PNG plots, a table of ratios",
+        (
+            "sparsekv bench all --quick --out bench-results",
+            "sparsekv bench gather_rows --quick --out /tmp/bench",
+            "sparsekv bench dsv4_attention --backend cuda",
+            "sparsekv bench --list",
+        ),
+    ),
     "plan-memory": Subcommand(
         "sparsekv.srt.model_executor.plan_memory",
         "plan KV pool sizes for a model and a per-rank KV budget",

@@ -87,6 +87,8 @@ BAD_ARGUMENTS = [
     (["jit", "build", "--instance", "gather_rows:index_dtype=int64,index_dtype=int32"], 2, "given twice"),
     (["jit", "prune", "--older-than", "-1", "--dry-run"], 2, "--older-than"),
     (["jit", "prune", "--older-than", "nan", "--dry-run"], 2, "--older-than"),
+    (["bench", "no_such_bench"], 2, "NAME"),
+    (["bench", "gather_rows", "--backend", "gpu"], 2, "--backend"),
     # pd-demo: every flag checked when parsed (these once ran, stalled or printed a traceback)
     (["pd-demo", "--seq-lens", "-5"], 2, "--seq-lens"),
     (["pd-demo", "--seq-lens", ""], 2, "--seq-lens"),

@@ -1,0 +1,53 @@
+"""``sparsekv bench``: one small benchmark run through the command, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from sparsekv.testing.bench_suite import available, kernel_family_stems, selected
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_one_name_writes_results_json_plot_and_a_ratio_table(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "sparsekv", "bench", "gather_rows", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads((out / "results.json").read_text())
+    entry = document["benchmarks"]["gather_rows"]
+    assert entry["returncode"] == 0 and document["quick"] and document["backend"] == "cpu"
+    rows = entry["result"]["rows"]
+    assert rows and entry["result"]["threads"] == {"ours": 1, "baseline": entry["result"]["environment"]
+                                                   ["torch_threads"]}
+    # The ratio is the same-run baseline's time over the kernel's, and the table summarizes those rows.
+    for row in rows:
+        assert abs(row["kernel_vs_torch"] - row["torch_us"] / row["kernel_us"]) < 1e-9 * row["kernel_vs_torch"]
+    values = [row["kernel_vs_torch"] for row in rows]
+    summary = entry["ratios"]["kernel_vs_torch"]
+    assert (summary["min"], summary["max"], summary["cases"]) == (min(values), max(values), len(values))
+    table_row = next(line for line in done.stdout.splitlines() if "kernel_vs_torch" in line)
+    assert table_row.split()[0] == "gather_rows" and f"{summary['median']:.3g}" in table_row.split()
+    assert (out / entry["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "bench_gather_rows.json").exists()  # folded into results.json
+
+
+def test_all_means_every_kernel_family_benchmark():
+    families = kernel_family_stems()
+    chosen = selected("all")
+    assert {"gather_rows", "dsv4_quant", "hisparse_copy", "dsv4_attention"} <= set(chosen) <= families
+    assert set(available()) - set(chosen) == {stem for stem in available() if stem not in families}
+
+
+def test_the_wheel_ships_every_benchmark_where_the_command_looks(tmp_path):
+    # Outside a checkout the command runs the copies under sparsekv/benchmarks/ (setup.py maps tools/bench).
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("sparsekv-*.whl")
+    shipped = {Path(name).name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("sparsekv/benchmarks/")}
+    assert shipped == {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py")}
+    assert "sparsekv/testing/bench_suite.py" in zipfile.ZipFile(wheel).namelist()
