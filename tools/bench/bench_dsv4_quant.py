@@ -1,4 +1,4 @@
-"""Benchmark ``quantize_fp8_ds_mla`` (512-wide rows into a paged V4 cache) against a torch quantizer (``--backend cpu`` or ``cuda``).
+"""Benchmark ``quantize_fp8_ds_mla`` (rows into a paged V4 cache) against a torch quantizer (``--backend cpu|cuda``).
 
 For N rows (bf16 and float32) quantized into N random distinct slots of a 64-slot-page cache:
 
