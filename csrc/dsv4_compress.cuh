@@ -31,6 +31,9 @@
 // row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
 // by construction).
 // GPU: one warp per (event, 32-channel tile); lane = channel, so each slot is one 128-byte load.
+// cpu backend: the events of a prefill call (compress_pool, compress_extend and the fused store)
+// run on up to num_threads host threads (run_on_host_threads); each item is computed whole by one
+// thread, so the output does not depend on the thread count.
 #pragma once
 
 #include <cmath>
@@ -84,6 +87,12 @@ struct EventParams {
 
 // Window slots of an entry: 8 for ratio 4 (two halves of 4), 128 for ratio 128.
 SPARSEKV_HOST_DEVICE int64_t window_of(int64_t ratio) { return ratio == 4 ? 8 : ratio; }
+
+// The bytes an event reads per pooled channel (kv and score of every window slot): the work measure
+// by which the threaded host driver splits events over threads.
+inline int64_t event_bytes_per_channel(int64_t ratio) {
+  return window_of(ratio) * 2 * static_cast<int64_t>(sizeof(float));
+}
 
 struct CompressEvents {
   using Params = EventParams;
@@ -385,7 +394,8 @@ inline bool check_state(TensorView state, TensorView kv, int64_t width, bool all
 }
 
 // One-shot compression of a whole sequence.
-inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView out) {
+inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView out,
+                          int64_t num_threads) {
   // 1. Validate.
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(out, "out")});
   const int64_t d = check_inputs(kv, score, ape, ratio);
@@ -398,7 +408,7 @@ inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64
                            kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
                            nullptr, 0, false, nullptr, static_cast<float*>(out.data_ptr()), entries, d, ratio};
   if (entries == 0) return;
-  launch<CompressEvents>(params, kv.device());
+  launch_threaded<CompressEvents>(params, kv.device(), num_threads, event_bytes_per_channel(ratio) * kTile, [] {});
 }
 
 struct ExtendPlan {
@@ -445,7 +455,7 @@ inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, 
 
 // Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
 inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
-                            TensorView sources, TensorView writes, TensorView out) {
+                            TensorView sources, TensorView writes, TensorView out, int64_t num_threads) {
   // 1. Validate (memory first: the plan checks read `sources` and `writes`).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
                   read(sources, "sources"), read(writes, "writes"), written(out, "out")});
@@ -455,7 +465,10 @@ inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int
   check(out, "out").size(0, sources.size(0), "events").size(1, plan.events.d, "d");
 
   // 2. Pool every event (reading ring rows as they were), then store the new ring rows.
-  if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
+  if (plan.events.num_events > 0) {
+    launch_threaded<CompressEvents>(plan.events, kv.device(), num_threads,
+                                    event_bytes_per_channel(ratio) * kTile, [] {});
+  }
   if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
 }
 

@@ -303,7 +303,7 @@ template <class Kind>
 void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                     TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
                     TensorView cache, TensorView slots, int64_t page_size, TensorView rope_cos,
-                    TensorView rope_sin) {
+                    TensorView rope_sin, int64_t num_threads) {
   // 1. Validate (memory first: the plan checks read `sources` and `writes`).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
                   read(sources, "sources"), read(writes, "writes"), read(weight, "weight"),
@@ -320,7 +320,11 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
   check(cache, "cache").same_device(kv, "kv");
 
   // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
-  if (plan.events.num_events > 0) launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device());
+  // The cpu backend splits the events over up to num_threads threads, one whole entry per item.
+  if (plan.events.num_events > 0) {
+    launch_threaded<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device(), num_threads,
+                                         dsv4_compress::event_bytes_per_channel(ratio) * Kind::kDim, [] {});
+  }
   if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
 }
 

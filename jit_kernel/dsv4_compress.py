@@ -6,6 +6,10 @@ Entry ``i`` of ratio ``m`` pools, per channel, a softmax over its window's slots
 channels, masked for ``i = 0``; slots 4-7 = tokens ``4i..4i+3`` with the last ``d``; C128: slot ``j``
 = token ``128i + j``). Entry ``i`` exists once token ``m*i + m - 1`` has arrived; its RoPE anchor
 is position ``m*i``.
+
+On the cpu backend the prefill kernels (``compress_pool``, :meth:`CompressorState.extend`, fused store
+included) split their entries over up to ``torch.get_num_threads()`` threads when a call reads more
+than a few MiB; each entry is computed by one thread, so results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -99,13 +103,14 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
 @kernel_op("compress_pool", mutates_args=("out",))
 def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, out: torch.Tensor) -> None:
     check_ratio(ratio)
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out)
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out, torch.get_num_threads())
 
 
 @kernel_op("compress_extend", mutates_args=("state", "out"))
 def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                      sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, ape, ratio, state, sources, writes, out)
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, ape, ratio, state, sources, writes, out,
+                                                                 torch.get_num_threads())
 
 
 @kernel_op("compress_online_c128", mutates_args=("state", "out"))

@@ -247,7 +247,7 @@ def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
     module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
-                          page_size, rope_cos, rope_sin)
+                          page_size, rope_cos, rope_sin, torch.get_num_threads())
 
 
 def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, slots,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP8
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP8, V4
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
@@ -428,3 +428,35 @@ def test_the_device_check_of_decode_rows_reads_only_the_rows_a_step_uses(backend
         check_decode_rows_on_device(rows, torch.tensor([9, 2], device=device), 16)
     with pytest.raises(IndexError, match=r"`positions`\[0\] = -1"):
         check_decode_rows_on_device(rows, torch.tensor([-1, 2], device=device), 32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_results_do_not_depend_on_the_thread_count(backend):
+    # 1024 tokens of C4 at d = 512 read 16 MiB: enough for the cpu backend to split the events over
+    # two threads (one chunk per 4 MiB). Planted bug this catches: a chunk bound that skips or
+    # repeats items, or an item shared by two threads.
+    t, d, ratio, page = 1024, 512, 4, 64
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(7)
+    shapes = ((t, 2 * d), (t, 2 * d), (ratio, 2 * d))
+    kv, score, ape = (torch.randn(shape, generator=gen).to(device) for shape in shapes)
+    weight = (torch.rand(d, generator=gen) + 0.5).to(device)
+    rope = RopeParams(160000, 16, 65536, 32, 1).table(t, device)
+
+    def run(threads):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            pooled = compress_pool(kv, score, ape, ratio).cpu()
+            cache = torch.zeros(t // ratio // page + 1, V4.page_bytes(page), dtype=torch.uint8, device=device)
+            comp = CompressorState(torch.zeros(32, 4 * d, device=device), ape, ratio, ring_size=16)
+            comp.extend([0], [[1]], [0], kv, score, store=StoreTarget(cache, weight, 1e-6, page, rope),
+                        entry_slots=lambda _b, anchor: anchor // ratio)
+            return pooled, cache.cpu()
+        finally:
+            torch.set_num_threads(previous)
+
+    (pooled_1, cache_1), (pooled_2, cache_2) = run(1), run(2)
+    assert torch.equal(pooled_1, pooled_2)
+    assert torch.equal(cache_1, cache_2)
+    assert cache_1.count_nonzero() > 0
