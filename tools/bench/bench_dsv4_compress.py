@@ -120,7 +120,8 @@ def main() -> None:
     repeats = 2 if args.quick else 3
     cases = [(kind, t, ratio) for t in lengths for ratio in (4, 128) for kind in ("pool", "fused")]
     result = BenchResult(name=f"dsv4_compress ({args.backend} backend, d=512)", baseline="float32 torch reference",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda", "baseline": torch.get_num_threads()},
+                         threads={"ours": torch.get_num_threads() if args.backend == "cpu" else "cuda",
+                                  "baseline": torch.get_num_threads()},
                          notes={"hbm_round_trips_fused": 2,
                                 "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S,
                                 "h100_hbm_bytes_per_s": H100_HBM_BYTES_PER_S})
