@@ -117,6 +117,11 @@ def timer(backend: str) -> Callable[..., Timing]:
     return time_cuda if backend == "cuda" else time_call
 
 
+def backend_notes(backend: str, **notes) -> dict:
+    """``BenchResult.notes`` saying the backend and its timer, with ``notes`` added."""
+    return {"backend": backend, "timer": "CUDA events" if backend == "cuda" else "perf_counter", **notes}
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--json PATH`` (also write the JSON to a file), ``--plot PNG``, ``--quick`` (fewer cases).
 

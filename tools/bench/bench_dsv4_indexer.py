@@ -24,7 +24,15 @@ from tqdm import tqdm
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS, lightning_indexer
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import (
+    BenchResult,
+    add_backend_arg,
+    add_common_args,
+    backend_notes,
+    bar_plot,
+    report,
+    timer,
+)
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
 
@@ -85,9 +93,8 @@ def main() -> None:
     result = BenchResult(name=f"dsv4_indexer lightning_indexer ({args.backend} backend)",
                          baseline="torch: decode keys, fp32 matmul + relu + weighted sum, torch.topk (same run)",
                          threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                  "baseline": 1 if args.backend == "cpu" else "cuda"},
-                         notes={"backend": args.backend, "heads": HEADS, "page_size": PAGE, "top_k": TOP_K,
-                                "timer": "CUDA events" if args.backend == "cuda" else "perf_counter"})
+                                  "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
+                         notes=backend_notes(args.backend, heads=HEADS, page_size=PAGE, top_k=TOP_K))
     for entries, layout in tqdm(cases, desc="bench_dsv4_indexer", unit="case"):
         result.rows.append(run_case(entries, layout, repeats, args.backend))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("kernel_us", "torch_us"),

@@ -21,7 +21,15 @@ from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import (
+    BenchResult,
+    add_backend_arg,
+    add_common_args,
+    backend_notes,
+    bar_plot,
+    report,
+    timer,
+)
 from sparsekv.testing.reference.dsv4_quant import quantize_fp8_ds_mla as quantize_reference
 
 PAGE_SIZE = 64
@@ -63,8 +71,7 @@ def main() -> None:
                          baseline="torch reference quantizer (same records, same slots, same run)",
                          threads={"ours": 1 if args.backend == "cpu" else "cuda",
                                   "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes={"backend": args.backend, "page_size": PAGE_SIZE, "record_bytes": V4.bytes_per_token,
-                                "timer": "CUDA events" if args.backend == "cuda" else "perf_counter"})
+                         notes=backend_notes(args.backend, page_size=PAGE_SIZE, record_bytes=V4.bytes_per_token))
     for n, dtype_name in tqdm(cases, desc="bench_dsv4_quant", unit="case"):
         result.rows.append(run_case(n, dtype_name, repeats, args.backend))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case",

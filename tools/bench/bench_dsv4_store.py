@@ -22,7 +22,15 @@ from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
 from sparsekv.kv_layout import LAYOUTS
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import (
+    BenchResult,
+    add_backend_arg,
+    add_common_args,
+    backend_notes,
+    bar_plot,
+    report,
+    timer,
+)
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 PAGE_SIZE = 64
@@ -72,8 +80,7 @@ def main() -> None:
                          baseline="torch reference store (same entries, same slots, same run)",
                          threads={"ours": 1 if args.backend == "cpu" else "cuda",
                                   "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes={"backend": args.backend, "page_size": PAGE_SIZE,
-                                "timer": "CUDA events" if args.backend == "cuda" else "perf_counter"})
+                         notes=backend_notes(args.backend, page_size=PAGE_SIZE))
     for n, kind in tqdm(cases, desc="bench_dsv4_store", unit="case"):
         result.rows.append(run_case(n, kind, repeats, args.backend))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case",

@@ -21,7 +21,15 @@ from tqdm import tqdm
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import (
+    BenchResult,
+    add_backend_arg,
+    add_common_args,
+    backend_notes,
+    bar_plot,
+    report,
+    timer,
+)
 
 CASES = ((1 << 12, 584), (1 << 16, 584), (1 << 16, 4096), (1 << 18, 584))
 QUICK_CASES = ((1 << 10, 584), (1 << 14, 584))
@@ -60,8 +68,7 @@ def main() -> None:
                          baseline="torch index_select + index_copy_ (same rows, same run)",
                          threads={"ours": 1 if args.backend == "cpu" else "cuda",
                                   "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes={"backend": args.backend, "timer": "CUDA events" if args.backend == "cuda"
-                                else "perf_counter"})
+                         notes=backend_notes(args.backend))
     for n, row_bytes in tqdm(cases, desc="bench_gather_rows", unit="case"):
         result.rows.append(run_case(n, row_bytes, repeats, args.backend))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("kernel_gbps", "torch_gbps"),
