@@ -16,6 +16,8 @@
 //   IndexerFp4 (68 B): 4 blocks of 32: a = max(amax, 6 * 2^-126), e the smallest integer with
 //     6 * 2^e >= a; code = e2m1 round-to-nearest-even of x / 2^e, two codes per byte (even element
 //     in the low nibble); scale byte = e + 127.
+//   quantize_indexer_fp8 / _fp4 store keys as given (no norm, no RoPE, no Hadamard); the fused store
+//   (dsv4_store.cuh) calls the same row encoders on its normalized, rotated rows.
 //
 // Safety: a slot outside [0, num_slots) is skipped by the kernel; the host entry rejects such
 // slots and duplicated slots before any byte is written when the slots are host-readable.
@@ -162,6 +164,24 @@ struct QuantizeParams {
   int64_t num_slots;    // pages * page_size
 };
 
+// Row i of the quantizer input, held by a team. InT: float or uint16_t (bf16 bits, widened exactly).
+template <int D, class InT>
+SPARSEKV_HOST_DEVICE team::Row<D> load_row(const QuantizeParams& p, int64_t i, Lanes lanes) {
+  const InT* row = static_cast<const InT*>(p.x) + i * p.x_row_stride;
+  team::Row<D> x;
+  for (int j = 0; j < team::kVirtualPerThread; ++j) {
+    for (int k = 0; k < team::Row<D>::kPerLane; ++k) {
+      const InT v = row[team::Row<D>::channel(lanes, j, k)];
+      if constexpr (std::is_same_v<InT, float>) {
+        x.v[j][k] = v;
+      } else {
+        x.v[j][k] = fp8::bf16_to_float(v);
+      }
+    }
+  }
+  return x;
+}
+
 // InT: float or uint16_t (bf16 bits).
 template <class InT>
 struct QuantizeFp8DsMla {
@@ -173,19 +193,30 @@ struct QuantizeFp8DsMla {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t slot = p.slots[i];
     if (slot < 0 || slot >= p.num_slots) return;
-    const InT* row = static_cast<const InT*>(p.x) + i * p.x_row_stride;
-    team::Row<kDim> x;
-    for (int j = 0; j < team::kVirtualPerThread; ++j) {
-      for (int k = 0; k < team::Row<kDim>::kPerLane; ++k) {
-        const InT v = row[team::Row<kDim>::channel(lanes, j, k)];
-        if constexpr (std::is_same_v<InT, float>) {
-          x.v[j][k] = v;
-        } else {
-          x.v[j][k] = fp8::bf16_to_float(v);
-        }
-      }
+    store_v4(load_row<kDim, InT>(p, i, lanes), token_bytes<V4>(p.cache, slot, p.page_size, p.page_stride), lanes);
+  }
+};
+
+// The plain indexer-key quantizer: 128-wide keys into an IndexerFp8 (132 B) or IndexerFp4 (68 B)
+// token as given (no norm, no RoPE, no Hadamard), the bytes the fused store writes for its rotated row.
+template <class L, class InT>
+struct QuantizeIndexer {
+  static_assert(std::is_same_v<L, IndexerFp8> || std::is_same_v<L, IndexerFp4>, "dsv4_quant: an indexer layout");
+  static_assert(std::is_same_v<InT, float> || std::is_same_v<InT, uint16_t>, "dsv4_quant: input is float or bf16");
+  using Params = QuantizeParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_tokens; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const int64_t slot = p.slots[i];
+    if (slot < 0 || slot >= p.num_slots) return;
+    const auto x = load_row<kIndexerDim, InT>(p, i, lanes);
+    const auto token = token_bytes<L>(p.cache, slot, p.page_size, p.page_stride);
+    if constexpr (std::is_same_v<L, IndexerFp8>) {
+      store_indexer_fp8(x, token, lanes);
+    } else {
+      store_indexer_fp4(x, token, lanes);
     }
-    store_v4(x, token_bytes<V4>(p.cache, slot, p.page_size, p.page_stride), lanes);
   }
 };
 
@@ -261,29 +292,58 @@ std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots
   return {cache.stride(0), num_slots};
 }
 
-inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
-  // 1. Validate (memory first: the slot checks below read `slots`).
+// Validates a quantizer call (float32 or bf16 rows of width D into unique slots of a paged cache of
+// layout L); returns its parameters and whether the rows are float32.
+template <class L, int D>
+std::pair<QuantizeParams, bool> check_quantize(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
   check_disjoint({read(x, "x"), written(cache, "cache"), read(slots, "slots")});
   const bool is_float = x.dtype() == dtype_of<float>();
   if (!is_float && !(x.dtype() == DLDataType{kDLBfloat, 16, 1})) {
     TVM_FFI_THROW(TypeError) << "sparsekv: argument `x` must have dtype float32 or bfloat16, got "
                              << dtype_name(x.dtype());
   }
-  check(x, "x").ndim(2).size(1, kDim, "head dim").rows_dense().same_device(cache, "cache");
+  check(x, "x").ndim(2).size(1, D, "head dim").rows_dense().same_device(cache, "cache");
   check(slots, "slots").ndim(1).size(0, x.size(0), "rows of x");
-  const auto [page_stride, num_slots] = check_paged_cache<V4>(cache, slots, page_size, true);
+  const auto [page_stride, num_slots] = check_paged_cache<L>(cache, slots, page_size, true);
+  return {QuantizeParams{x.data_ptr(), x.stride(0), static_cast<const int64_t*>(slots.data_ptr()),
+                         static_cast<uint8_t*>(cache.data_ptr()), x.size(0), page_size, page_stride, num_slots},
+          is_float};
+}
 
-  // 2. Derive sizes.
-  const QuantizeParams params{x.data_ptr(), x.stride(0), static_cast<const int64_t*>(slots.data_ptr()),
-                              static_cast<uint8_t*>(cache.data_ptr()), x.size(0), page_size, page_stride, num_slots};
+inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+  // 1. Validate (memory first: the slot checks read `slots`) and derive sizes.
+  const auto [params, is_float] = check_quantize<V4, kDim>(x, cache, slots, page_size);
   if (params.num_tokens == 0) return;
 
-  // 3. Launch.
+  // 2. Launch.
   if (is_float) {
     launch<QuantizeFp8DsMla<float>>(params, cache.device());
   } else {
     launch<QuantizeFp8DsMla<uint16_t>>(params, cache.device());
   }
+}
+
+// Plain indexer keys (no norm, no RoPE) into an IndexerFp8 or IndexerFp4 cache.
+template <class L>
+void quantize_indexer(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+  // 1. Validate (memory first: the slot checks read `slots`) and derive sizes.
+  const auto [params, is_float] = check_quantize<L, kIndexerDim>(x, cache, slots, page_size);
+  if (params.num_tokens == 0) return;
+
+  // 2. Launch.
+  if (is_float) {
+    launch<QuantizeIndexer<L, float>>(params, cache.device());
+  } else {
+    launch<QuantizeIndexer<L, uint16_t>>(params, cache.device());
+  }
+}
+
+inline void quantize_indexer_fp8(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+  quantize_indexer<IndexerFp8>(x, cache, slots, page_size);
+}
+
+inline void quantize_indexer_fp4(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+  quantize_indexer<IndexerFp4>(x, cache, slots, page_size);
 }
 
 inline void dequantize_fp8_ds_mla(TensorView cache, TensorView slots, int64_t page_size, TensorView out) {

@@ -19,7 +19,8 @@ its RoPE position is ``m i``.
 kinds then rotated by the 128-point Walsh-Hadamard matrix over sqrt(128), then quantized into the
 page: ``V4`` (584 B: dims 0-447 e4m3 with a power-of-two scale per 64, dims 448-511 bf16),
 ``INDEXER_FP8`` (132 B: 128 e4m3 + one fp32 scale ``max(amax, 1e-4) / 448``), ``INDEXER_FP4``
-(68 B). :func:`quantize_fp8_ds_mla` / :func:`dequantize_fp8_ds_mla` do the ``V4`` step alone.
+(68 B). :func:`quantize_fp8_ds_mla` / :func:`dequantize_fp8_ds_mla` do the ``V4`` step alone, and
+:func:`quantize_indexer_keys` the indexer step alone (plain keys: no norm, RoPE or Hadamard).
 
 **Indexer** (:func:`indexer_scores`, :func:`indexer_topk`, :func:`lightning_indexer`): a decode
 query at raw position ``t`` sees C4 entries ``i < (t + 1) // 4`` (:func:`visible_entries`)::
@@ -43,7 +44,7 @@ from __future__ import annotations
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
-from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, quantize_indexer_keys
 from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable, StoreTarget, norm_rope_store
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "lightning_indexer",
     "norm_rope_store",
     "quantize_fp8_ds_mla",
+    "quantize_indexer_keys",
     "sparse_decode_attention",
     "visible_entries",
 ]

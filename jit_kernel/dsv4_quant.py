@@ -6,6 +6,12 @@ power-of-two scale ``2^e``, ``e`` the smallest integer with ``448 * 2^e >= max(a
 bytes are the e4m3 round-to-nearest-even codes of ``x / 2^e``, scale bytes ``e + 127``; dims 448-511
 are bf16. A page of ``page_size`` slots stores all value records (576 B) first, then all scale
 records (8 B), padded to a multiple of 576 B.
+
+:func:`quantize_indexer_keys` writes 128-wide indexer keys as given (no norm, no RoPE, no
+Hadamard) into the indexer cache layouts that :func:`~sparsekv.jit_kernel.dsv4_indexer.indexer_scores`
+reads: ``"fp8"`` (132 B: 128 e4m3 codes of ``x / s`` and the fp32 scale ``s = max(amax, 1e-4) / 448``)
+or ``"fp4"`` (68 B: e2m1 codes, two per byte with the even element in the low nibble, and a UE8M0
+scale per 32 values, the smallest power of two that brings the block's amax within 6).
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ DSV4_QUANT = register(
         exports={
             "quantize_fp8_ds_mla": "sparsekv::dsv4_quant::quantize_fp8_ds_mla",
             "dequantize_fp8_ds_mla": "sparsekv::dsv4_quant::dequantize_fp8_ds_mla",
+            "quantize_indexer_fp8": "sparsekv::dsv4_quant::quantize_indexer_fp8",
+            "quantize_indexer_fp4": "sparsekv::dsv4_quant::quantize_indexer_fp4",
         },
         kernels=(
             "sparsekv::dsv4_quant::QuantizeFp8DsMla<float>",
             "sparsekv::dsv4_quant::QuantizeFp8DsMla<uint16_t>",
             "sparsekv::dsv4_quant::DequantizeFp8DsMla",
+            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp8, float>",
+            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp8, uint16_t>",
+            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp4, float>",
+            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp4, uint16_t>",
         ),
     )
 )
@@ -129,3 +141,60 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
 def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
     check_device_slots(slots, cache.shape[0] * page_size, unique=False)
     DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_size, out)
+
+
+#: Export of the indexer-key quantizer per indexer cache format (``indexer_scores``'s ``layout``).
+INDEXER_QUANTIZERS = {"fp8": "quantize_indexer_fp8", "fp4": "quantize_indexer_fp4"}
+
+
+def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, page_size: int,
+                          fmt: str = "fp8") -> None:
+    """Quantize plain 128-wide indexer keys into token slots of a paged indexer cache, in place.
+
+    The keys are stored as given: no RMSNorm, RoPE or Hadamard rotation (apply them first if the
+    model does; :func:`~sparsekv.jit_kernel.dsv4_store.norm_rope_store` fuses them). The bytes are
+    the ones the fused store writes for the same rows, read back by
+    :func:`~sparsekv.jit_kernel.dsv4_indexer.indexer_scores` with ``layout=fmt``.
+
+    Parameters
+    ----------
+    keys : torch.Tensor
+        float32 or bfloat16 ``[N, 128]``, unit last stride. float32 keys are quantized from their
+        own values (not rounded to bf16 first).
+    cache : torch.Tensor
+        uint8 ``[pages, layout.page_bytes(page_size)]`` (``INDEXER_FP8`` or ``INDEXER_FP4`` of
+        :mod:`sparsekv.jit_kernel.kv_layout`), unit last stride, same device as ``keys``.
+    slots : torch.Tensor
+        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
+    page_size : int
+        Slots per page, a power of two the kernels serve.
+    fmt : {"fp8", "fp4"}
+        ``"fp8"``: 132 B per key (128 e4m3 + one fp32 scale ``max(amax, 1e-4) / 448``); ``"fp4"``:
+        68 B per key (64 B of e2m1 pairs + 4 UE8M0 scale bytes, one per 32 values).
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype, or a ``page_size`` / ``fmt`` of the wrong type (the message names the argument).
+    ValueError
+        A wrong shape, stride, device, page size or ``fmt``, a duplicated slot, or two arguments
+        sharing memory.
+    IndexError
+        A slot outside the cache.
+
+    Nothing is written when an exception is raised (slots on a CUDA device are not read by the
+    host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
+    """
+    if not isinstance(fmt, str):
+        raise TypeError(f"sparsekv: argument `fmt` must be a str, one of {sorted(INDEXER_QUANTIZERS)}, got "
+                        f"{type(fmt).__name__}")
+    if fmt not in INDEXER_QUANTIZERS:
+        raise ValueError(f"sparsekv: argument `fmt` must be one of {sorted(INDEXER_QUANTIZERS)}, got {fmt!r}")
+    _quantize_indexer(keys, cache, slots, int_arg("page_size", page_size), fmt)
+
+
+@kernel_op("quantize_indexer_keys", mutates_args=("cache",))
+def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, fmt: str) -> None:
+    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    module = DSV4_QUANT.module(backend=backend_of(cache))
+    getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_size)

@@ -31,6 +31,7 @@ from sparsekv.jit_kernel.dsv4 import (
     indexer_topk,
     norm_rope_store,
     quantize_fp8_ds_mla,
+    quantize_indexer_keys,
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION
@@ -38,7 +39,7 @@ from sparsekv.jit_kernel.dsv4_compress import DSV4_COMPRESS
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER, INDEXER_TOPK, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import DSV4_QUANT
 from sparsekv.jit_kernel.dsv4_store import DSV4_STORE
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP8, MAX_PAGE_SLOTS, V4
+from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS, V4
 from sparsekv.testing.backends import device_of
 
 PAGE = 4
@@ -86,6 +87,13 @@ def _entries(device: torch.device) -> dict[str, Entry]:
         "dequantize_fp8_ds_mla": Entry(lambda: DSV4_QUANT.module(backend=backend).dequantize_fp8_ds_mla,
                                        dict(cache=v4_cache.clone(), slots=_i64(0, 5), page_size=PAGE,
                                             out=torch.zeros(2, 512)), ("out",)),
+        "quantize_indexer_fp8": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_indexer_fp8,
+                                      dict(x=rand(2, 128), cache=idx_cache.clone(), slots=_i64(0, 5), page_size=PAGE),
+                                      ("cache",)),
+        "quantize_indexer_fp4": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_indexer_fp4,
+                                      dict(x=rand(2, 128), cache=torch.zeros(2, INDEXER_FP4.page_bytes(PAGE),
+                                                                             dtype=torch.uint8),
+                                           slots=_i64(0, 5), page_size=PAGE), ("cache",)),
         "indexer_scores": Entry(lambda: INDEXER.module(layout="fp8", q_dtype=torch.float32,
                                                        backend=backend).indexer_scores,
                                 dict(q=rand(2, 2, 128), weights=rand(2, 2), k_cache=idx_cache.clone(),
@@ -305,10 +313,13 @@ def _wrapper_calls(device):
     """Each public wrapper with valid arguments, as (call(**overrides), the arguments)."""
     e = _entries(device)
     q, kv = e["quantize_fp8_ds_mla"].args, e["sparse_decode_attention"].args
+    qi = e["quantize_indexer_fp8"].args
     ix, tk, st_ = e["indexer_scores"].args, e["indexer_topk"].args, e["norm_rope_store"].args
     return {
         "quantize": (quantize_fp8_ds_mla, dict(x=q["x"], cache=q["cache"], slots=q["slots"], page_size=PAGE)),
         "dequantize": (dequantize_fp8_ds_mla, dict(cache=q["cache"], slots=q["slots"], page_size=PAGE)),
+        "quantize_indexer_keys": (quantize_indexer_keys, dict(keys=qi["x"], cache=qi["cache"], slots=qi["slots"],
+                                                              page_size=PAGE, fmt="fp8")),
         "attention": (sparse_decode_attention, dict(q=kv["q"], kv_cache=kv["kv_cache"], indices=kv["indices"],
                                                     sink=kv["sink"], page_size=PAGE)),
         "indexer_scores": (indexer_scores, dict(q=ix["q"], weights=ix["weights"], k_cache=ix["k_cache"],
@@ -329,6 +340,8 @@ BAD_SCALARS = [
     ("attention", "num_splits", 1.0), ("indexer_scores", "page_size", 4.5), ("indexer_topk", "page_size", "4"),
     ("indexer_topk", "top_k", 3.0), ("indexer_topk", "top_k", True), ("norm_rope_store", "eps", "1e-6"),
     ("norm_rope_store", "page_size", True), ("norm_rope_store", "eps", True),
+    ("quantize_indexer_keys", "page_size", 4.0), ("quantize_indexer_keys", "page_size", True),
+    ("quantize_indexer_keys", "fmt", 8),
 ]
 
 
@@ -364,7 +377,7 @@ def test_rope_and_store_target_fields_are_typed():
 
 
 @pytest.mark.parametrize("wrapper", ["quantize", "dequantize", "attention", "indexer_scores", "indexer_topk",
-                                     "norm_rope_store"])
+                                     "norm_rope_store", "quantize_indexer_keys"])
 def test_meta_tensors_run_through_the_fake_implementations(backend, wrapper):
     # Custom ops: meta tensors (shapes only) give outputs of the eager shapes, without "Cannot pack tensors on meta".
     fn, args = _wrapper_calls(device_of(backend))[wrapper]

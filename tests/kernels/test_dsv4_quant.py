@@ -1,4 +1,5 @@
-"""dsv4_quant: the FP8 ``fp8_ds_mla`` quantizer and dequantizer against the torch byte oracle."""
+"""dsv4_quant: the FP8 ``fp8_ds_mla`` quantizer and dequantizer, and the plain indexer-key quantizer
+(FP8 132 B / FP4 68 B), against the torch byte oracle; indexer keys round-trip through the indexer."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, indexer_scores, quantize_fp8_ds_mla, quantize_indexer_keys
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
 from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref
+from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, entry_slots
 from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 
 BACKENDS = kernel_backends()
@@ -127,3 +130,123 @@ def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
     _, cache, _, page_size = to_backend(backend, _args())
     with pytest.raises(IndexError, match="`slots`"):
         dequantize_fp8_ds_mla(cache, torch.tensor([4], device=cache.device), page_size)
+
+
+# ---- plain indexer keys (no norm, no RoPE) ----
+
+FORMATS = sorted(INDEXER_LAYOUTS)
+
+
+def _indexer_noise_cache(fmt: str, pages: int, page_size: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size)), dtype=torch.uint8,
+                         generator=gen)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@settings(max_examples=scaled_examples(10), deadline=None)
+@given(data=st.data())
+def test_indexer_keys_bytes_equal_the_reference(backend, fmt, dtype, data):
+    # Blocks of 32 (the FP4 scale block) drawn at the rounding edges: zeros, amax below the floor, ties.
+    keys = data.draw(quant_rows(width=128, block=32)).to(dtype)
+    page_size, pages, slots = data.draw(slot_case(keys.shape[0]))
+    cache = _indexer_noise_cache(fmt, pages, page_size, data.draw(st.integers(0, 1000)))
+    expected = cache.clone()
+    ref.quantize_indexer_keys(keys, expected, slots, page_size, fmt)
+    device = device_of(backend)
+    got = cache.to(device)
+    quantize_indexer_keys(keys.to(device), got, slots.to(device), page_size=page_size, fmt=fmt)
+    # Bytes outside the written slots keep their noise.
+    assert torch.equal(got.cpu(), expected)
+
+
+def _quantization_bound(keys: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Half a code step at each key's magnitude: e4m3 (3 mantissa bits, subnormal step 2^-9 of the scale)
+    or e2m1 (grid 0, .5, 1, 1.5, 2, 3, 4, 6 of the block's power-of-two scale)."""
+    x = keys.double()
+    if fmt == "fp8":
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-4) / 448
+        return x.abs() * 2.0**-4 + scale * 2.0**-10
+    amax = x.reshape(-1, 4, 32).abs().amax(dim=2).clamp_min(6 * 2.0**-126)
+    scale = torch.ldexp(torch.ones_like(amax), ref.ceil_scale_exponent(amax.float(), 6.0).to(torch.int64))
+    return x.abs() / 4 + scale.repeat_interleave(32, dim=1) / 4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=scaled_examples(8), deadline=None)
+@given(data=st.data())
+def test_indexer_keys_round_trip_through_the_indexer_scores(backend, fmt, data):
+    page_size = data.draw(st.sampled_from([1, 4, 16]))
+    n = data.draw(st.integers(1, 40))
+    pages = -(-n // page_size) + data.draw(st.integers(0, 2))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    keys = torch.randn(n, 128, generator=gen) * 2.0 ** data.draw(st.integers(-8, 8))
+    heads = data.draw(st.integers(1, 4))
+    q, weights = torch.randn(2, heads, 128, generator=gen), torch.rand(2, heads, generator=gen)
+    page_table = torch.randperm(pages, generator=gen).to(torch.int32)[None].repeat(2, 1)
+    slots = entry_slots(page_table[0], n, page_size)
+    # Row 0 sees every key, row 1 a drawn prefix (a raw position t sees (t + 1) // 4 entries).
+    positions = torch.tensor([4 * n - 1, data.draw(st.integers(0, 4 * n - 1))])
+
+    device = device_of(backend)
+    cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size), dtype=torch.uint8, device=device)
+    quantize_indexer_keys(keys.to(device), cache, slots.to(device), page_size=page_size, fmt=fmt)
+    got = indexer_scores(*(t.to(device) for t in (q, weights, cache, page_table, positions)), page_size=page_size,
+                         layout=fmt).cpu().double()
+
+    # The reference's dequantized keys, within half a code step of the keys given.
+    reference_cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size), dtype=torch.uint8)
+    ref.quantize_indexer_keys(keys, reference_cache, slots, page_size, fmt)
+    dequantized = decode_indexer_keys(reference_cache, slots, page_size, fmt)
+    assert bool(((dequantized - keys.double()).abs() <= _quantization_bound(keys, fmt)).all())
+    # The scores of those keys in fp64, within the indexer's documented 1e-5 of sum_h |w_h| |q_h| |k|.
+    for b in range(2):
+        visible = (int(positions[b]) + 1) // 4
+        logits = q[b].double() @ dequantized[:visible].T
+        expected = weights[b].double() @ logits.clamp_min(0)
+        bound = (weights[b].double().abs() * q[b].double().norm(dim=1)).sum() * dequantized.norm(dim=1).max()
+        assert bool(((got[b, :visible] - expected).abs() <= 1e-5 * bound + 1e-30).all())
+        assert bool((got[b, visible:] == float("-inf")).all())
+
+
+def _indexer_args(fmt: str = "fp8"):
+    cache = torch.full((2, INDEXER_LAYOUTS[fmt].page_bytes(2)), 5, dtype=torch.uint8)
+    return torch.randn(3, 128), cache, torch.tensor([0, 3, 1]), 2, fmt
+
+
+INDEXER_BAD = [
+    (lambda x, c, s, p, f: (x.double(), c, s, p, f), TypeError, "x"),
+    (lambda x, c, s, p, f: (x.half(), c, s, p, f), TypeError, "x"),
+    (lambda x, c, s, p, f: (x[:, :64], c, s, p, f), ValueError, "x"),
+    (lambda x, c, s, p, f: (torch.randn(3, 512), c, s, p, f), ValueError, "x"),
+    (lambda x, c, s, p, f: (x.t().contiguous().t(), c, s, p, f), ValueError, "x"),
+    (lambda x, c, s, p, f: (x, c, s[:2], p, f), ValueError, "slots"),
+    (lambda x, c, s, p, f: (x, c, s.to(torch.int32), p, f), TypeError, "slots"),
+    (lambda x, c, s, p, f: (x, c, torch.tensor([0, 4, 1]), p, f), IndexError, "slots"),
+    (lambda x, c, s, p, f: (x, c, torch.tensor([0, -1, 1]), p, f), IndexError, "slots"),
+    (lambda x, c, s, p, f: (x, c, torch.tensor([0, 1, 1]), p, f), ValueError, "slots"),
+    (lambda x, c, s, p, f: (x, c, s, 3, f), ValueError, "page_size"),
+    (lambda x, c, s, p, f: (x, c, s, 2**21, f), ValueError, "page_size"),
+    (lambda x, c, s, p, f: (x, c, s, 2.0, f), TypeError, "page_size"),
+    (lambda x, c, s, p, f: (x, c, s, 4, f), ValueError, "cache"),
+    (lambda x, c, s, p, f: (x, c, s, p, "fp4" if f == "fp8" else "fp8"), ValueError, "cache"),
+    (lambda x, c, s, p, f: (x, c.to(torch.int8), s, p, f), TypeError, "cache"),
+    (lambda x, c, s, p, f: (x, c[:, :-1], s, p, f), ValueError, "cache"),
+    (lambda x, c, s, p, f: (x, c, s, p, "e4m3"), ValueError, "fmt"),
+    (lambda x, c, s, p, f: (x, c, s, p, None), TypeError, "fmt"),
+    # The keys read from the bytes the call writes.
+    (lambda x, c, s, p, f: (c.view(torch.float32)[:, :128], c, s[:2], p, f), ValueError, "cache"),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mutate, exc, name", INDEXER_BAD)
+def test_indexer_keys_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, index_checks, fmt, mutate,
+                                                                                exc, name):
+    x, cache, slots, page_size, fmt = to_backend(backend, _indexer_args(fmt))
+    before = cache.clone()
+    keys, target, slots, page_size, fmt = to_backend(backend, mutate(x, cache, slots, page_size, fmt))
+    with pytest.raises(exc, match=f"`{name}`"):
+        quantize_indexer_keys(keys, target, slots, page_size=page_size, fmt=fmt)
+    assert torch.equal(cache, before)

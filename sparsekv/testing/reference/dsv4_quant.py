@@ -13,6 +13,11 @@ The e2m1 (FP4) block quantizer of the indexer cache is here too: blocks of 32, `
 6 * 2^-126)``, ``e`` the smallest integer with ``6 * 2^e >= a``, codes round to nearest even of
 ``x / 2^e`` clamped to +-6, two codes per byte with the even element in the low nibble.
 
+The indexer keys (:func:`quantize_indexer_keys`, the oracle of the plain indexer-key quantizer and
+the last step of the fused store): ``INDEXER_FP8`` (132 B) is 128 e4m3 codes of ``x / s`` then the
+fp32 scale ``s = max(amax, 1e-4) / 448`` (float32 divisions); ``INDEXER_FP4`` (68 B) is the packed
+FP4 codes then the 4 scale bytes.
+
 Everything works on whole tensors; scale exponents are found exactly (mantissa comparison, not a
 rounded ``log2``), the rounding is torch's own float8 cast after clamping.
 """
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.kv_layout import V4
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
+from sparsekv.kv_layout import V4, KVLayout
 
 NOPE_DIMS = 448
 ROPE_DIMS = 64
@@ -138,3 +144,38 @@ def decode_fp4_blocks(packed: torch.Tensor, scale_bytes: torch.Tensor) -> torch.
     codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(n, -1)
     values = decode_e2m1(codes).reshape(n, -1, FP4_BLOCK)
     return (values * _pow2(scale_bytes.to(torch.int64) - 127)[:, :, None]).reshape(n, -1)
+
+
+#: Format of each indexer cache kind of the fused store.
+INDEXER_FORMATS = {"INDEXER_FP8": "fp8", "INDEXER_FP4": "fp4"}
+
+
+def encode_indexer_fp8(z: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, 132]``: 128 e4m3 values of ``z / scale`` then the fp32 scale bytes (float32 ``z``)."""
+    scale = z.abs().amax(dim=1).clamp_min(FP8_AMAX_FLOOR) / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    values = (z / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([values, scale.contiguous().view(torch.uint8).reshape(-1, 4)], dim=1)
+
+
+def encode_indexer_keys(z: torch.Tensor, fmt: str) -> torch.Tensor:
+    """uint8 ``[N, 132]`` (``"fp8"``) or ``[N, 68]`` (``"fp4"``) records (value then scale) of 128-wide rows."""
+    z = z.to(torch.float32)
+    if fmt == "fp8":
+        return encode_indexer_fp8(z)
+    packed, scales = encode_fp4_blocks(z)
+    return torch.cat([packed, scales], dim=1)
+
+
+def store_records(records: torch.Tensor, layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor,
+                  page_size: int) -> None:
+    """In place: ``[N, layout.token_bytes]`` records (value then scale) into ``slots`` of a paged cache."""
+    slots = slots.to(torch.int64)
+    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
+    layout.value_view(cache, page_size)[page, offset] = records[:, : layout.value_bytes]
+    layout.scale_view(cache, page_size)[page, offset] = records[:, layout.value_bytes :]
+
+
+def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
+                          fmt: str) -> None:
+    """In place: the records of plain keys (float32 or bf16 ``[N, 128]``, no norm or RoPE) into ``slots``."""
+    store_records(encode_indexer_keys(keys, fmt), INDEXER_LAYOUTS[fmt], cache, slots, page_size)

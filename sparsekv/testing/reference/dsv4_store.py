@@ -20,7 +20,7 @@ import math
 import torch
 
 from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
-from sparsekv.testing.reference.dsv4_quant import encode_fp4_blocks, encode_fp8_ds_mla
+from sparsekv.testing.reference.dsv4_quant import INDEXER_FORMATS, encode_fp8_ds_mla, encode_indexer_keys, store_records
 
 LAYOUTS = {"V4": V4, "INDEXER_FP8": INDEXER_FP8, "INDEXER_FP4": INDEXER_FP4}
 
@@ -83,26 +83,11 @@ def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, position
     return y
 
 
-def encode_indexer_fp8(z: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, 132]``: 128 e4m3 values of ``z / scale`` then the fp32 scale bytes."""
-    scale = z.abs().amax(dim=1).clamp_min(1e-4) / torch.tensor(448.0, dtype=torch.float32)
-    values = (z / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([values, scale.contiguous().view(torch.uint8).reshape(-1, 4)], dim=1)
-
-
 def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
                               cache_kind="V4") -> None:
     """In place: the kernel's bytes for every entry into ``cache`` at ``slots`` (RoPE from the float32
     table ``rope_cos`` / ``rope_sin``, ``[max_position, 32]`` each)."""
     layout = LAYOUTS[cache_kind]
     z = normalize_rotate(x, weight, eps, positions, rope_cos, rope_sin, hadamard=cache_kind != "V4")
-    if cache_kind == "V4":
-        records = encode_fp8_ds_mla(z)
-    elif cache_kind == "INDEXER_FP8":
-        records = encode_indexer_fp8(z)
-    else:
-        packed, scales = encode_fp4_blocks(z)
-        records = torch.cat([packed, scales], dim=1)
-    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
-    layout.value_view(cache, page_size)[page, offset] = records[:, : layout.value_bytes]
-    layout.scale_view(cache, page_size)[page, offset] = records[:, layout.value_bytes :]
+    records = encode_fp8_ds_mla(z) if cache_kind == "V4" else encode_indexer_keys(z, INDEXER_FORMATS[cache_kind])
+    store_records(records, layout, cache, slots, page_size)

@@ -11,26 +11,16 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.testing.reference.dsv4_indexer import visible_entry_count
-from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, encode_fp4_blocks
+from sparsekv.testing.reference.dsv4_quant import quantize_indexer_keys
 
 PAGE_SIZES = (1, 4, 16, 64)
 
 
 def write_indexer_keys(keys: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, page_size: int,
                        layout: str) -> None:
-    """In place: float32 ``[N, 128]`` keys into ``slots``. FP8: e4m3 of ``x / s`` with ``s = amax / 448``
-    (an un-rounded fp32 scale); FP4: the UE8M0 block quantizer of :mod:`sparsekv.testing.reference.dsv4_quant`."""
-    cache_layout = INDEXER_LAYOUTS[layout]
-    slots = slots.to(torch.int64)
-    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
-    if layout == "fp8":
-        scale = (keys.abs().amax(dim=1, keepdim=True).clamp_min(1e-4) / E4M3_MAX).to(torch.float32)
-        values = (keys / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        scales = scale.view(torch.uint8)
-    else:
-        values, scales = encode_fp4_blocks(keys)
-    cache_layout.value_view(k_cache, page_size)[page, offset] = values
-    cache_layout.scale_view(k_cache, page_size)[page, offset] = scales
+    """In place: float32 ``[N, 128]`` keys into ``slots``, the bytes of the reference indexer-key
+    quantizer (:func:`sparsekv.testing.reference.dsv4_quant.quantize_indexer_keys`)."""
+    quantize_indexer_keys(keys, k_cache, slots, page_size, layout)
 
 
 @dataclass
