@@ -182,26 +182,13 @@ SPARSEKV_HOST_DEVICE team::Row<D> load_row(const QuantizeParams& p, int64_t i, L
   return x;
 }
 
-// InT: float or uint16_t (bf16 bits).
-template <class InT>
-struct QuantizeFp8DsMla {
-  static_assert(std::is_same_v<InT, float> || std::is_same_v<InT, uint16_t>, "dsv4_quant: input is float or bf16");
-  using Params = QuantizeParams;
-
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_tokens; }
-
-  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
-    const int64_t slot = p.slots[i];
-    if (slot < 0 || slot >= p.num_slots) return;
-    store_v4(load_row<kDim, InT>(p, i, lanes), token_bytes<V4>(p.cache, slot, p.page_size, p.page_stride), lanes);
-  }
-};
-
-// The plain indexer-key quantizer: 128-wide keys into an IndexerFp8 (132 B) or IndexerFp4 (68 B)
-// token as given (no norm, no RoPE, no Hadamard), the bytes the fused store writes for its rotated row.
+// Rows into tokens of layout L: V4 (fp8_ds_mla, 512 wide), or IndexerFp8 (132 B) / IndexerFp4 (68 B)
+// for 128-wide indexer keys as given (no norm, no RoPE, no Hadamard: the bytes the fused store writes
+// for its rotated row). InT: float or uint16_t (bf16 bits).
 template <class L, class InT>
-struct QuantizeIndexer {
-  static_assert(std::is_same_v<L, IndexerFp8> || std::is_same_v<L, IndexerFp4>, "dsv4_quant: an indexer layout");
+struct QuantizeRows {
+  static_assert(std::is_same_v<L, V4> || std::is_same_v<L, IndexerFp8> || std::is_same_v<L, IndexerFp4>,
+                "dsv4_quant: a V4 or indexer layout");
   static_assert(std::is_same_v<InT, float> || std::is_same_v<InT, uint16_t>, "dsv4_quant: input is float or bf16");
   using Params = QuantizeParams;
 
@@ -210,15 +197,19 @@ struct QuantizeIndexer {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t slot = p.slots[i];
     if (slot < 0 || slot >= p.num_slots) return;
-    const auto x = load_row<kIndexerDim, InT>(p, i, lanes);
     const auto token = token_bytes<L>(p.cache, slot, p.page_size, p.page_stride);
-    if constexpr (std::is_same_v<L, IndexerFp8>) {
-      store_indexer_fp8(x, token, lanes);
+    if constexpr (std::is_same_v<L, V4>) {
+      store_v4(load_row<kDim, InT>(p, i, lanes), token, lanes);
+    } else if constexpr (std::is_same_v<L, IndexerFp8>) {
+      store_indexer_fp8(load_row<kIndexerDim, InT>(p, i, lanes), token, lanes);
     } else {
-      store_indexer_fp4(x, token, lanes);
+      store_indexer_fp4(load_row<kIndexerDim, InT>(p, i, lanes), token, lanes);
     }
   }
 };
+
+template <class InT>
+using QuantizeFp8DsMla = QuantizeRows<V4, InT>;
 
 struct DequantizeParams {
   const uint8_t* cache;
@@ -332,9 +323,9 @@ void quantize_indexer(TensorView x, TensorView cache, TensorView slots, int64_t 
 
   // 2. Launch.
   if (is_float) {
-    launch<QuantizeIndexer<L, float>>(params, cache.device());
+    launch<QuantizeRows<L, float>>(params, cache.device());
   } else {
-    launch<QuantizeIndexer<L, uint16_t>>(params, cache.device());
+    launch<QuantizeRows<L, uint16_t>>(params, cache.device());
   }
 }
 

@@ -37,10 +37,10 @@ DSV4_QUANT = register(
             "sparsekv::dsv4_quant::QuantizeFp8DsMla<float>",
             "sparsekv::dsv4_quant::QuantizeFp8DsMla<uint16_t>",
             "sparsekv::dsv4_quant::DequantizeFp8DsMla",
-            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp8, float>",
-            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp8, uint16_t>",
-            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp4, float>",
-            "sparsekv::dsv4_quant::QuantizeIndexer<sparsekv::dsv4_quant::IndexerFp4, uint16_t>",
+            "sparsekv::dsv4_quant::QuantizeRows<sparsekv::dsv4_quant::IndexerFp8, float>",
+            "sparsekv::dsv4_quant::QuantizeRows<sparsekv::dsv4_quant::IndexerFp8, uint16_t>",
+            "sparsekv::dsv4_quant::QuantizeRows<sparsekv::dsv4_quant::IndexerFp4, float>",
+            "sparsekv::dsv4_quant::QuantizeRows<sparsekv::dsv4_quant::IndexerFp4, uint16_t>",
         ),
     )
 )
