@@ -27,6 +27,7 @@ from pathlib import Path
 
 import sparsekv
 from sparsekv.cli import UsageError
+from sparsekv.testing.bench import add_backend_arg
 
 RATIO_KEY = re.compile(r"(_vs_|^speedup|_over_)")
 
@@ -55,8 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", default="all", metavar="NAME",
                         help="a benchmark (e.g. gather_rows), or 'all': every kernel family's (default: all)")
     parser.add_argument("--quick", action="store_true", help="each benchmark's short sweep")
-    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
-                        help="kernel backend the benchmarks run (default: cpu)")
+    add_backend_arg(parser)  # cuda without a visible GPU: a usage error here, not one failure per benchmark
     parser.add_argument("--out", default="bench-results", metavar="DIR",
                         help="folder for results.json and the PNG plots (default: %(default)s)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
