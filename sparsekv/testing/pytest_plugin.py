@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pytest
+
 PROFILE = "sparsekv"
 
 
@@ -64,11 +66,14 @@ def pytest_addoption(parser) -> None:
                      help="load every table instance of these sparsekv kernel families (or 'all') before the tests")
 
 
+@pytest.hookimpl(tryfirst=True)  # before any conftest, so a profile that a conftest loads wins
 def pytest_configure(config) -> None:
     if register_profile():
         from hypothesis import settings
 
-        if settings.get_current_profile_name() == "default":  # the session chose no profile: ours
+        # "default", or "ci", which hypothesis loads by itself when it sees a CI environment: the
+        # session chose no profile, so ours (no deadline: first calls compile) applies.
+        if settings.get_current_profile_name() in ("default", "ci"):
             settings.load_profile(PROFILE)
 
 
