@@ -227,7 +227,8 @@ def test_pp_stages_arrive_byte_for_byte(hisparse):
     report = run_isolated("scenario_session", {**SMALL, "pp_size": 2, "hisparse": hisparse, "bad_rooms": [3]})
     prefill, decode = report["prefill"], report["decode"]
     assert report["spec"]["engine"] == "mooncake"
-    assert decode["mismatched"] == {}, decode["mismatched"]
+    # A room that fails (a timeout) still receives its bytes: name the rooms' outcomes with any mismatch.
+    assert decode["mismatched"] == {}, (decode["mismatched"], decode["rooms"])
     assert decode["bytes_checked"] > 0
     statuses = {int(r): v["status"] for r, v in decode["rooms"].items()}
     assert statuses == {1: "success", 2: "success", 3: "failed", 4: "success"}

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from pd_cpu_lock import hold_cpu_load_lock
 from test_pd_mooncake import MOONCAKE_MISSING, SMALL, run_isolated  # the namespaced child runner
 
 from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
@@ -30,12 +31,14 @@ except ImportError as e:
 
 @pytest.fixture
 def cpu_load():
-    """One busy-looping process per core for the test's duration (ours, stopped by pid)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    yield
-    for hog in hogs:
-        hog.kill()
-        hog.wait(10)
+    """One busy-looping process per core for the test's duration (ours, stopped by pid), while no
+    other PD test runs (conftest: their timeouts are not this test's subject)."""
+    with hold_cpu_load_lock(exclusive=True):
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        yield
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
 
 
 def _rounds(request) -> tuple[int, list[bool]]:
