@@ -113,8 +113,6 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
 
         if importlib.util.find_spec("triton") is None:
             raise UsageError("--impl triton needs triton installed (pip install triton); use --impl header")
-    if args.backend == "sim":
-        raise UsageError("--backend sim: this build has no sim backend yet; use --backend cpu (or cuda on a GPU)")
     if args.backend == "cuda":
         import torch
 
@@ -315,9 +313,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     spec = spec_from_args(args)
-    if spec.impl == "triton" and spec.backend == "cpu":
+    if spec.impl == "triton" and spec.backend != "cuda":
         # Triton on CPU tensors is its interpreter, chosen before triton is first imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if spec.backend == "sim":
+        # sim runs on CPU tensors: every kernel call on them (the PD processes inherit it) takes the
+        # sim build of the kernels' CUDA path. Slow: use a few tokens and steps.
+        os.environ["SPARSEKV_CPU_BACKEND"] = "sim"
     # The demo's matrices are small: torch's thread pool costs more than it saves (and much more on
     # a machine whose cores are busy).
     torch.set_num_threads(1)
