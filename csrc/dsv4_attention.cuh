@@ -330,9 +330,13 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads) partial_kernel(const Pa
     // 3. Online softmax update of this thread's dims, for every head of the group.
     for (int g = 0; g < G; ++g) {
       float tile_max = -INFINITY;
-      for (int t = 0; t < T; ++t) tile_max = fmaxf(tile_max, logit_s[g][t]);
+      bool tile_nan = false;  // fmaxf skips NaN: a NaN logit must not read as an empty tile
+      for (int t = 0; t < T; ++t) {
+        tile_max = fmaxf(tile_max, logit_s[g][t]);
+        tile_nan = tile_nan || logit_s[g][t] != logit_s[g][t];
+      }
       const float m_new = fmaxf(m[g], tile_max);
-      if (m_new == -INFINITY) continue;
+      if (m_new == -INFINITY && !tile_nan) continue;
       const float c = safe_exp(m[g] - m_new);
       float w[T];
       float wsum = 0.0f;
