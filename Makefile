@@ -59,8 +59,9 @@ test-gpu: $(STAMP)
 # plumbing without a GPU (CI runs it).
 GPU_CHECK_OUT ?= gpu-check
 GPU_CHECK_PYTHON ?= python3
+GPU_CHECK_BUDGET_S ?= 420
 gpu-check:
-	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) $(if $(DRY_RUN),--dry-run,)
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --budget-s $(GPU_CHECK_BUDGET_S) $(if $(DRY_RUN),--dry-run,)
 
 # Every kernel property test (and the planted-bug test) against cpu modules built with ASan and
 # UBSan: "memcheck without a GPU". Python is not instrumented, so the compiler's ASan runtime is

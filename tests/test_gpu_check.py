@@ -3,28 +3,36 @@ plumbing (named tests exist, benchmarks take the flags it passes, the summary wr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
+@pytest.fixture
+def gpu_check(monkeypatch):
+    """tools/gpu_check.py as a module (tools/ is not a package); registered, as its dataclasses need."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_check, tmp_path):
     done = subprocess.run(["make", "-s", "gpu-check", "DRY_RUN=1", f"GPU_CHECK_OUT={tmp_path}",
                            f"GPU_CHECK_PYTHON={sys.executable}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     names = [s["name"] for s in summary["steps"]]
-    assert names[:5] == ["install tvm-ffi", "install sparsekv", "build cuda modules", "kernel tests cpu,cuda",
-                         "graph capture"]
+    assert names[:7] == ["probe", "install tvm-ffi", "install sparsekv", "build cuda modules", "build cpu modules",
+                         "kernel tests cpu,cuda", "graph capture"]
     assert [n for n in names if n.startswith(("memcheck", "racecheck"))] == [
         f"{tool} (one case per family)" for tool in gpu_check.SANITIZER_TOOLS]
     assert [n for n in names if n.startswith("bench ")] == [
@@ -38,23 +46,13 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(tmp_pat
     assert timed == set(gpu_check.KERNEL_BENCHMARKS)
 
 
-def test_the_dry_run_reports_a_missing_test(tmp_path, monkeypatch):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
+def test_the_dry_run_reports_a_missing_test(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setitem(gpu_check.SANITIZER_CASES, "gather_rows", "tests/kernels/test_gather_rows.py::test_gone")
     monkeypatch.setattr(gpu_check, "KERNEL_BENCHMARKS", ())
     assert gpu_check.check_plumbing([], tmp_path) == ["tests/kernels/test_gather_rows.py has no test test_gone"]
 
 
-def test_the_summary_puts_each_kernel_time_beside_its_roofline(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
+def test_the_summary_puts_each_kernel_time_beside_its_roofline(gpu_check, tmp_path):
     result = {"name": "dsv4_compress", "rows": [{"case": "pool C4 T=8k", "kernel_ms": 1.5, "torch_fp32_ms": 9.0,
                                                  "h200_us": 12.0, "h100_us": 17.2}]}
     (tmp_path / "bench_dsv4_compress.json").write_text(json.dumps(result))
@@ -63,3 +61,14 @@ def test_the_summary_puts_each_kernel_time_beside_its_roofline(tmp_path):
     doc = gpu_check.write_summary([step], tmp_path, "test")
     assert doc["passed"] and doc["benchmarks"]["dsv4_compress"] == result
     assert "| pool C4 T=8k | kernel_ms=1.5 | h200_us=12.0, h100_us=17.2 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_step_gets_what_is_left_of_the_budget(gpu_check, tmp_path):
+    late = gpu_check.Step("late", [sys.executable, "-c", "print('ran')"], 60)
+    gpu_check.run_step(late, tmp_path, left_s=5)
+    assert (late.status, late.detail) == ("not run", "budget spent")
+    slow = gpu_check.Step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 60)
+    gpu_check.run_step(slow, tmp_path, left_s=11)
+    assert (slow.status, slow.detail) == ("fail", "over its 11 s limit")
+    doc = gpu_check.write_summary([slow, late], tmp_path, "test")
+    assert (doc["passed"], doc["complete"]) == (False, False)

@@ -3,19 +3,27 @@
 A session is lent a GPU by chance, for minutes, on a bare image (CUDA 13, python3 3.12 with torch,
 triton, pytest, pytest-xdist and hypothesis; no network). This script, run from the repository root:
 
+0. probes the machine (GPU, driver, nvcc, torch and triton versions);
 1. installs apache-tvm-ffi from the wheel folder carried with the tree (``--wheels``, default
    ``wheels/``), then sparsekv itself with ``--no-deps`` into the image's Python (no venv);
-2. builds every registered cuda module for the GPU it finds (``sparsekv jit build --backend cuda --all``);
-3. runs every kernel test on the backends cpu,cuda (the cuda build compared with the cpu build);
+2. builds every registered module for the GPU it finds and for the cpu backend (``sparsekv jit build
+   --all``), so the tests below find them built;
+3. runs every kernel test on the backends cpu,cuda (the cuda build compared with the cpu build; the
+   Triton twins run natively);
 4. runs the graph-capture test of a full decode step;
-5. runs compute-sanitizer (memcheck, then racecheck) on one small test per kernel family; where the
-   tool is missing or refuses the device, the step says so and the run goes on;
+5. runs compute-sanitizer memcheck on one small test per kernel family; where the tool is missing or
+   refuses the device, the step says so and the run goes on;
 6. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events);
-7. writes ``summary.json`` and ``summary.md`` into ``--out``: pass/fail and seconds per step, and
+7. runs compute-sanitizer racecheck on the same cases;
+8. writes ``summary.json`` and ``summary.md`` into ``--out``: pass/fail and seconds per step, and
    each benchmark's JSON (its time against its roofline time where it reports one).
 
-Each step has a time limit (they add up to about 15 minutes, the worst case); the whole run is
-meant to finish in under 8 minutes on an H100 (not yet measured: no GPU has run it).
+Each step has a time limit, and the whole run has a budget (``--budget-s``, default 420 s): a step
+gets at most what is left of it, and a step that would start with under 10 s left is reported as
+"not run (budget)". A lent GPU's minutes are few, so the most telling steps go first. The summary is
+rewritten after every step, so a run killed from outside still leaves what it had. ``--out`` holds
+three files: ``summary.json``, ``summary.md`` and ``logs.tar.gz`` (each step's full output and each
+benchmark's JSON), few enough to come back from a lent machine.
 ``--dry-run`` (``make gpu-check DRY_RUN=1``) needs no GPU: it lists the steps and checks the
 plumbing (every test and benchmark the steps name exists, each benchmark takes the flags the
 steps pass, the summary writes), which CI runs.
@@ -34,6 +42,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,15 +83,19 @@ class Step:
     detail: str = ""
 
 
-def plan(python: str, wheels: Path, out: Path, jobs: int) -> list[Step]:
-    """The steps, in order."""
+def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
+    """The steps, in order: the most telling first (a lent GPU's minutes are few)."""
     cuda_tests = {"SPARSEKV_TEST_BACKENDS": "cpu,cuda"}
     steps = [
+        Step("probe", ["sh", "-c", "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "
+                                   "nvcc --version | tail -1; " + python + " -c 'import torch, triton; "
+                                   "print(torch.__version__, triton.__version__)'"], 30),
         Step("install tvm-ffi", [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
                                  "apache-tvm-ffi"], 60),
         Step("install sparsekv", [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e",
                                   str(REPO)], 60),
-        Step("build cuda modules", [python, "-m", "sparsekv", "jit", "build", "--backend", "cuda", "--all"], 180),
+        *(Step(f"build {backend} modules", [python, "-m", "sparsekv", "jit", "build", "--backend", backend, "--all",
+                                            "--jobs", str(jobs)], 180) for backend in ("cuda", "cpu")),
         Step("kernel tests cpu,cuda", [python, "-m", "pytest", "-q", "-n", str(jobs), "-p", "no:cacheprovider",
                                        "tests/kernels"], 180, cuda_tests),
         Step("graph capture", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", GRAPH_CAPTURE_TEST], 60,
@@ -90,28 +104,31 @@ def plan(python: str, wheels: Path, out: Path, jobs: int) -> list[Step]:
     # One process per tool (the sanitizer's start-up dominates a small case): every family's case in it.
     sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
     cases = [case + "[cuda]" for case in SANITIZER_CASES.values()]
-    for tool in SANITIZER_TOOLS:
-        steps.append(Step(f"{tool} (one case per family)", [sanitizer, "--tool", tool, "--error-exitcode", "1",
-                                                            python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                            *cases], 150, {"SPARSEKV_TEST_BACKENDS": "cuda"},
-                          optional=True))
-    for bench in KERNEL_BENCHMARKS:
-        steps.append(Step(f"bench {bench[len('bench_'):-len('.py')]}",
-                          [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
-                           str(out / (bench[:-len(".py")] + ".json"))], 60))
-    return steps
+    sanitized = [Step(f"{tool} (one case per family)", [sanitizer, "--tool", tool, "--error-exitcode", "1", python,
+                                                        "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases],
+                      150, {"SPARSEKV_TEST_BACKENDS": "cuda"}, optional=True) for tool in SANITIZER_TOOLS]
+    benches = [Step(f"bench {bench[len('bench_'):-len('.py')]}",
+                    [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
+                     str(work / (bench[:-len(".py")] + ".json"))], 60) for bench in KERNEL_BENCHMARKS]
+    # memcheck (memory safety) before the benchmarks, racecheck (slowest, least likely to find news) last.
+    return steps + sanitized[:1] + benches + sanitized[1:]
 
 
-def run_step(step: Step, log_dir: Path) -> None:
-    """Run one step with its time limit; record pass / fail / skipped (a missing optional tool)."""
+def run_step(step: Step, log_dir: Path, left_s: float) -> None:
+    """Run one step within its time limit and ``left_s``; record pass / fail / skipped (a missing
+    optional tool) / not run (too little of the budget left)."""
     if step.optional and shutil.which(step.command[0]) is None:
         step.status, step.detail = "skipped", f"{step.command[0]} is not on PATH"
         return
+    if left_s < 10:
+        step.status, step.detail = "not run", "budget spent"
+        return
     started = time.monotonic()
-    log = log_dir / (step.name.replace(" ", "_").replace(",", "_") + ".log")
+    log = log_dir / (step.name.replace(" ", "_").replace(",", "_").replace("(", "").replace(")", "") + ".log")
+    limit_s = min(step.limit_s, int(left_s))
     try:
         done = subprocess.run(step.command, cwd=REPO, env={**os.environ, **step.env}, capture_output=True,
-                              text=True, timeout=step.limit_s)
+                              text=True, timeout=limit_s)
         log.write_text(done.stdout + done.stderr)
         step.status = "pass" if done.returncode == 0 else "fail"
         tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
@@ -119,7 +136,7 @@ def run_step(step: Step, log_dir: Path) -> None:
         if step.optional and step.status == "fail" and "not supported" in done.stdout + done.stderr:
             step.status = "skipped"  # the sanitizer refuses this device: say so and go on
     except subprocess.TimeoutExpired:
-        step.status, step.detail = "fail", f"over its {step.limit_s} s limit"
+        step.status, step.detail = "fail", f"over its {limit_s} s limit"
     step.seconds = round(time.monotonic() - started, 1)
 
 
@@ -159,7 +176,8 @@ def write_summary(steps: list[Step], out: Path, device: str) -> dict:
                 benches[step.name[len("bench "):]] = json.loads(path.read_text())
     doc = {"device": device, "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds,
                                         "detail": s.detail} for s in steps],
-           "passed": all(s.status in ("pass", "skipped", "planned") for s in steps), "benchmarks": benches}
+           "passed": all(s.status in ("pass", "skipped", "planned") for s in steps),
+           "complete": all(s.status not in ("pending", "not run") for s in steps), "benchmarks": benches}
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [f"# sparsekv gpu-check on {device}", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.detail.replace('|', '/')[:160]} |" for s in steps]
@@ -183,15 +201,6 @@ def roofline_rows(result: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def device_name() -> str:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    except ImportError:
-        return "no torch"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -199,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "gpu-check", help="where the summaries go")
     parser.add_argument("--wheels", type=Path, default=REPO / "wheels", help="folder of the apache-tvm-ffi wheel")
     parser.add_argument("--python", default=sys.executable, help="the image's Python (default: this one)")
-    parser.add_argument("--jobs", type=int, default=4, help="pytest-xdist workers for the kernel tests")
+    parser.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+                        help="compile jobs and pytest-xdist workers (default: the cores less two, at most 12)")
+    parser.add_argument("--budget-s", type=float, default=420, help="the whole run's time budget, in seconds")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and check the plumbing, no GPU")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    steps = plan(args.python, args.wheels, args.out, args.jobs)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # logs and benchmark JSON; tarred into --out
+    steps = plan(args.python, args.wheels, work, args.jobs)
     print(f"{len(steps)} steps, at most {sum(s.limit_s for s in steps)} s by their limits:")
     for step in steps:
         print(f"  {step.name:32s} {step.limit_s:4d} s  {' '.join(step.command[:6])} ...")
@@ -215,14 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"problem: {problem}")
         return 1 if problems else 0
-    log_dir = args.out / "logs"
-    log_dir.mkdir(exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    device = "unknown"
     for step in steps:
-        run_step(step, log_dir)
+        run_step(step, work, deadline - time.monotonic())
         print(f"{step.status:8s} {step.seconds:6.1f} s  {step.name}  {step.detail[:100]}", flush=True)
+        if step.name == "probe" and step.status == "pass":
+            device = step.detail.split(" | ")[0]
         if step.name.startswith("install") and step.status != "pass":
             break  # nothing after it can run
-    doc = write_summary(steps, args.out, device_name())
+        write_summary(steps, args.out, device)
+        with tarfile.open(args.out / "logs.tar.gz", "w:gz") as logs:
+            logs.add(work, arcname="gpu-check")
+    doc = write_summary(steps, args.out, device)
     print(f"summary: {args.out / 'summary.md'}")
     return 0 if doc["passed"] else 1
 
