@@ -31,8 +31,9 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_che
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     names = [s["name"] for s in summary["steps"]]
-    assert names[:7] == ["probe", "install tvm-ffi", "install sparsekv", "build cuda modules", "build cpu modules",
-                         "kernel tests cpu,cuda", "graph capture"]
+    assert names[:6] == ["probe", "install tvm-ffi", "install sparsekv", "build cuda modules", "build cpu modules",
+                         "graph capture"]
+    assert names[-1] == "kernel tests cuda"
     assert [n for n in names if n.startswith(("memcheck", "racecheck"))] == [
         f"{tool} (one case per family)" for tool in gpu_check.SANITIZER_TOOLS]
     assert [n for n in names if n.startswith("bench ")] == [
@@ -69,6 +70,6 @@ def test_a_step_gets_what_is_left_of_the_budget(gpu_check, tmp_path):
     assert (late.status, late.detail) == ("not run", "budget spent")
     slow = gpu_check.Step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 60)
     gpu_check.run_step(slow, tmp_path, left_s=11)
-    assert (slow.status, slow.detail) == ("fail", "over its 11 s limit")
+    assert slow.status == "fail" and slow.detail.startswith("over its 11 s limit")
     doc = gpu_check.write_summary([slow, late], tmp_path, "test")
     assert (doc["passed"], doc["complete"]) == (False, False)

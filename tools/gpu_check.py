@@ -8,13 +8,13 @@ triton, pytest, pytest-xdist and hypothesis; no network). This script, run from 
    ``wheels/``), then sparsekv itself with ``--no-deps`` into the image's Python (no venv);
 2. builds every registered module for the GPU it finds and for the cpu backend (``sparsekv jit build
    --all``), so the tests below find them built;
-3. runs every kernel test on the backends cpu,cuda (the cuda build compared with the cpu build; the
-   Triton twins run natively);
-4. runs the graph-capture test of a full decode step;
-5. runs compute-sanitizer memcheck on one small test per kernel family; where the tool is missing or
+3. runs the graph-capture test of a full decode step;
+4. runs compute-sanitizer memcheck on one small test per kernel family; where the tool is missing or
    refuses the device, the step says so and the run goes on;
-6. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events);
-7. runs compute-sanitizer racecheck on the same cases;
+5. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events);
+6. runs compute-sanitizer racecheck on the same cases;
+7. runs every kernel test on the cuda backend (each compared with the cpu build of its header; the
+   Triton twins run natively), with what is left of the budget;
 8. writes ``summary.json`` and ``summary.md`` into ``--out``: pass/fail and seconds per step, and
    each benchmark's JSON (its time against its roofline time where it reports one).
 
@@ -84,8 +84,10 @@ class Step:
 
 
 def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
-    """The steps, in order: the most telling first (a lent GPU's minutes are few)."""
-    cuda_tests = {"SPARSEKV_TEST_BACKENDS": "cpu,cuda"}
+    """The steps, in order: the short, telling ones first, the whole kernel suite last (it takes what
+    is left of the budget, and its log says how far it got)."""
+    # The cuda tests run the cpu build of each header as their reference; the cpu-only tests ran in CI.
+    cuda_tests = {"SPARSEKV_TEST_BACKENDS": "cuda"}
     steps = [
         Step("probe", ["sh", "-c", "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "
                                    "nvcc --version | tail -1; " + python + " -c 'import torch, triton; "
@@ -96,22 +98,23 @@ def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
                                   str(REPO)], 60),
         *(Step(f"build {backend} modules", [python, "-m", "sparsekv", "jit", "build", "--backend", backend, "--all",
                                             "--jobs", str(jobs)], 180) for backend in ("cuda", "cpu")),
-        Step("kernel tests cpu,cuda", [python, "-m", "pytest", "-q", "-n", str(jobs), "-p", "no:cacheprovider",
-                                       "tests/kernels"], 180, cuda_tests),
         Step("graph capture", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", GRAPH_CAPTURE_TEST], 60,
              cuda_tests),
     ]
     # One process per tool (the sanitizer's start-up dominates a small case): every family's case in it.
     sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
-    cases = [case + "[cuda]" for case in SANITIZER_CASES.values()]
     sanitized = [Step(f"{tool} (one case per family)", [sanitizer, "--tool", tool, "--error-exitcode", "1", python,
-                                                        "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases],
-                      150, {"SPARSEKV_TEST_BACKENDS": "cuda"}, optional=True) for tool in SANITIZER_TOOLS]
+                                                        "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                        *SANITIZER_CASES.values()], 150, cuda_tests, optional=True)
+                 for tool in SANITIZER_TOOLS]
     benches = [Step(f"bench {bench[len('bench_'):-len('.py')]}",
                     [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
                      str(work / (bench[:-len(".py")] + ".json"))], 60) for bench in KERNEL_BENCHMARKS]
-    # memcheck (memory safety) before the benchmarks, racecheck (slowest, least likely to find news) last.
-    return steps + sanitized[:1] + benches + sanitized[1:]
+    # -v: each test's outcome is in the log as it ends, so a suite stopped by the budget still tells.
+    kernel_tests = Step("kernel tests cuda", [python, "-m", "pytest", "-v", "-n", str(jobs), "-p", "no:cacheprovider",
+                                              "--durations=30", "tests/kernels"], 600, cuda_tests)
+    # memcheck (memory safety) before the benchmarks, racecheck after them, the whole suite last.
+    return steps + sanitized[:1] + benches + sanitized[1:] + [kernel_tests]
 
 
 def run_step(step: Step, log_dir: Path, left_s: float) -> None:
@@ -126,17 +129,19 @@ def run_step(step: Step, log_dir: Path, left_s: float) -> None:
     started = time.monotonic()
     log = log_dir / (step.name.replace(" ", "_").replace(",", "_").replace("(", "").replace(")", "") + ".log")
     limit_s = min(step.limit_s, int(left_s))
-    try:
-        done = subprocess.run(step.command, cwd=REPO, env={**os.environ, **step.env}, capture_output=True,
-                              text=True, timeout=limit_s)
-        log.write_text(done.stdout + done.stderr)
-        step.status = "pass" if done.returncode == 0 else "fail"
-        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-        step.detail = " | ".join(tail)
-        if step.optional and step.status == "fail" and "not supported" in done.stdout + done.stderr:
-            step.status = "skipped"  # the sanitizer refuses this device: say so and go on
-    except subprocess.TimeoutExpired:
-        step.status, step.detail = "fail", f"over its {limit_s} s limit"
+    with log.open("w") as sink:  # streamed: a step stopped at its limit leaves what it printed
+        try:
+            done = subprocess.run(step.command, cwd=REPO, env={**os.environ, **step.env}, stdout=sink,
+                                  stderr=subprocess.STDOUT, timeout=limit_s)
+            step.status = "pass" if done.returncode == 0 else "fail"
+        except subprocess.TimeoutExpired:
+            step.status = "fail"
+    output = log.read_text(errors="replace")
+    step.detail = " | ".join(output.strip().splitlines()[-3:])
+    if step.status == "fail" and time.monotonic() - started >= limit_s:
+        step.detail = f"over its {limit_s} s limit: {step.detail}"
+    if step.optional and step.status == "fail" and "not supported" in output:
+        step.status = "skipped"  # the sanitizer refuses this device: say so and go on
     step.seconds = round(time.monotonic() - started, 1)
 
 

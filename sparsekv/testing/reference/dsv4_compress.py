@@ -27,12 +27,12 @@ def compress_pool_reference(kv: torch.Tensor, score: torch.Tensor, ape: torch.Te
     else:
         d = kv.shape[1] // 2
         if n == 0:
-            return torch.zeros(0, d, dtype=dtype)
+            return torch.zeros(0, d, dtype=dtype, device=kv.device)
         kv_w = kv[: n * 4].reshape(n, 4, 2 * d)
         logit_w = score[: n * 4].reshape(n, 4, 2 * d) + ape
         # A halves of the previous window (none before entry 0), then the own window's B halves.
-        a_values = torch.cat([torch.zeros(1, 4, d, dtype=kv.dtype), kv_w[:-1, :, :d]])
-        a_logits = torch.cat([torch.full((1, 4, d), float("-inf"), dtype=kv.dtype), logit_w[:-1, :, :d]])
+        a_values = torch.cat([kv.new_zeros(1, 4, d), kv_w[:-1, :, :d]])
+        a_logits = torch.cat([kv.new_full((1, 4, d), float("-inf")), logit_w[:-1, :, :d]])
         values = torch.cat([a_values[:n], kv_w[:, :, d:]], dim=1)
         logits = torch.cat([a_logits[:n], logit_w[:, :, d:]], dim=1)
     weights = torch.softmax(logits, dim=1)

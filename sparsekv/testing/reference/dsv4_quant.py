@@ -70,7 +70,7 @@ def encode_fp8_ds_mla(x: torch.Tensor) -> torch.Tensor:
     scaled = (blocks.to(torch.float64) / _pow2(e)[:, :, None]).to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX)
     values = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, NOPE_DIMS)
     rope = x32[:, NOPE_DIMS:].to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * ROPE_DIMS)
-    scales = torch.zeros(n, V4.scale_bytes, dtype=torch.uint8)
+    scales = torch.zeros(n, V4.scale_bytes, dtype=torch.uint8, device=x.device)
     scales[:, :NUM_FP8_BLOCKS] = (e + 127).to(torch.uint8)
     return torch.cat([values, rope, scales], dim=1)
 
@@ -108,10 +108,10 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8, one per element) of ``x``: nearest of +-{0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even code."""
     a = x.to(torch.float64).abs().clamp(max=E2M1_MAX)
-    distance = (a[..., None] - _E2M1_GRID).abs()
+    distance = (a[..., None] - _E2M1_GRID.to(a.device)).abs()
     best = distance.min(dim=-1, keepdim=True).values
     # Among equally near grid points the even code wins: rank candidates by (code is odd, code).
-    codes = torch.arange(8)
+    codes = torch.arange(8, device=x.device)
     rank = torch.where(distance == best, (codes % 2) * 8 + codes, torch.full_like(codes, 64))
     code = rank.argmin(dim=-1).to(torch.uint8)
     return code | (torch.signbit(x).to(torch.uint8) << 3)
@@ -119,7 +119,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """float64 values of 4-bit e2m1 codes."""
-    magnitude = _E2M1_GRID[(codes & 7).to(torch.int64)]
+    magnitude = _E2M1_GRID.to(codes.device)[(codes & 7).to(torch.int64)]
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 

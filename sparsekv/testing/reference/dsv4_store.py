@@ -50,10 +50,10 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 def _team_sum(values: torch.Tensor) -> torch.Tensor:
     n, d = values.shape
     lanes = values.reshape(n, d // 32, 32)
-    partial = torch.zeros(n, 32, dtype=torch.float32)
+    partial = torch.zeros(n, 32, dtype=torch.float32, device=values.device)
     for k in range(d // 32):
         partial = partial + lanes[:, k]
-    lane = torch.arange(32)
+    lane = torch.arange(32, device=values.device)
     for offset in (16, 8, 4, 2, 1):
         partial = partial + partial[:, lane ^ offset]
     return partial[:, 0]
@@ -67,8 +67,8 @@ def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, position
     ms = _team_sum(x * x) / torch.tensor(float(d), dtype=torch.float32)
     inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
     y = _bf16((x * inv[:, None]) * weight.to(torch.float32))
-    rows = positions.cpu().to(torch.int64)
-    cos, sin = rope_cos.cpu()[rows], rope_sin.cpu()[rows]
+    rows = positions.to(rope_cos.device, torch.int64)
+    cos, sin = rope_cos[rows].to(y.device), rope_sin[rows].to(y.device)
     even, odd = y[:, d - 64 :: 2], y[:, d - 63 :: 2]
     rotated = torch.stack([_bf16(even * cos - odd * sin), _bf16(even * sin + odd * cos)], dim=2).reshape(n, 64)
     y = torch.cat([y[:, : d - 64], rotated], dim=1)
