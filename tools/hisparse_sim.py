@@ -3,9 +3,12 @@
 For each hot-buffer size H, reports per decode step the hit rate (lookups served without a load)
 and the bytes moved host -> device (loads x item bytes), for the LRU policy of the swap-in kernel,
 the recency-protected LRU (``recent_lru``: entries of the last ``--protect-recent`` positions are
-evicted last) and Belady's offline optimum on the same trace
-(:mod:`sparsekv.testing.hisparse_traces`). The gap to Belady is the headroom any better online
-policy can win; each policy's bytes over Belady's are in the table and the JSON.
+evicted last), the neighbour-protected LRU (``near_lru``: also entries within ``--protect-near``
+positions of a requested token) and Belady's offline optimum on the same trace
+(:mod:`sparsekv.testing.hisparse_traces`). On a synthetic trace (also one saved by
+``--save-trace``) it adds ``informed``: an online policy told the generator's own pick chances, the
+closest to Belady that any online policy can expect on that trace. Each policy's bytes over
+Belady's are in the table and the JSON.
 
 Input: ``--trace FILE`` (our JSON trace format, see the module above), or a synthetic trace with
 tunable growth, drift, recency bias and locality (``--save-trace`` writes it out).
@@ -31,7 +34,7 @@ from sparsekv.argtypes import int_list, int_range, number_range, output_path
 from sparsekv.cli import CliParser
 from sparsekv.kv_layout import V4
 from sparsekv.testing.bench import add_common_args
-from sparsekv.testing.hisparse_traces import POLICIES, PROTECT_RECENT, Trace, replay, synthetic_trace
+from sparsekv.testing.hisparse_traces import POLICIES, PROTECT_NEAR, PROTECT_RECENT, Trace, replay, synthetic_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bytes per loaded entry (584: V4)")
     p.add_argument("--per-step", type=int_range(1), metavar="H", help="also print the per-step table of this H")
     p.add_argument("--protect-recent", type=int_range(0), default=PROTECT_RECENT, metavar="W",
-                   help="recent_lru: positions before the newest evicted last (default %(default)s)")
+                   help="recent_lru, near_lru: positions before the newest evicted last (default %(default)s)")
+    p.add_argument("--protect-near", type=int_range(0), default=PROTECT_NEAR, metavar="S",
+                   help="near_lru: positions either side of a requested token evicted last (default %(default)s)")
     g = p.add_argument_group("synthetic trace")
     g.add_argument("--requests", type=int_range(1), default=4)
     g.add_argument("--steps", type=int_range(1), default=400)
@@ -84,19 +89,26 @@ def load_or_make_trace(args: argparse.Namespace) -> Trace:
                            locality_span=args.locality_span, seed=args.seed)
 
 
-def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int = PROTECT_RECENT) -> list[dict]:
+def trace_policies(trace: Trace) -> list[str]:
+    """The policies a trace can be replayed with (``informed`` needs a synthetic trace's generator)."""
+    return [p for p in POLICIES if p != "informed" or trace.generator is not None]
+
+
+def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int = PROTECT_RECENT,
+             protect_near: int = PROTECT_NEAR) -> list[dict]:
     """One row per H: overall hit rates and bytes, and every per-step series, for every policy."""
     rows = []
+    policies = trace_policies(trace)
     for hot in tqdm(hots, desc="hisparse_sim", unit="H"):
         row: dict = {"hot": hot}
-        for policy in POLICIES:
-            result = replay(trace, hot, policy, protect_recent=protect_recent)
+        for policy in policies:
+            result = replay(trace, hot, policy, protect_recent=protect_recent, protect_near=protect_near)
             row[f"{policy}_hit_rate"] = result.hit_rate
             row[f"{policy}_bytes"] = result.loads * item_bytes
             row[f"{policy}_bytes_per_step"] = result.loads * item_bytes / max(len(result.steps), 1)
             row[f"{policy}_steps"] = [{"hit_rate": s.hit_rate, "bytes": s.loads * item_bytes} for s in result.steps]
         row["belady_over_lru_bytes"] = row["belady_bytes"] / row["lru_bytes"] if row["lru_bytes"] else 1.0
-        for policy in ("lru", "recent_lru"):
+        for policy in (p for p in policies if p != "belady"):
             row[f"{policy}_over_belady_bytes"] = row[f"{policy}_bytes"] / row["belady_bytes"] if row["belady_bytes"] \
                 else 1.0
         rows.append(row)
@@ -104,25 +116,27 @@ def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int
 
 
 def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None:
-    names = {"lru": "LRU", "recent_lru": "recent", "belady": "Belady"}
-    print(f"{'H':>6} " + " ".join(f"{names[p] + ' hit':>11}" for p in POLICIES) + " "
-          + " ".join(f"{names[p] + ' MB/step':>15}" for p in POLICIES)
-          + f" {'LRU/Belady':>11} {'recent/Belady':>14}", file=out)
+    names = {"lru": "LRU", "recent_lru": "recent", "near_lru": "near", "belady": "Belady", "informed": "informed"}
+    policies = [p for p in POLICIES if f"{p}_bytes" in rows[0]]
+    online = [p for p in policies if p != "belady"]
+    print(f"{'H':>6} " + " ".join(f"{names[p] + ' hit':>13}" for p in policies) + " "
+          + " ".join(f"{names[p] + ' MB/step':>17}" for p in policies)
+          + " " + " ".join(f"{names[p] + '/Belady':>16}" for p in online), file=out)
     for r in rows:
-        print(f"{r['hot']:>6} " + " ".join(f"{r[p + '_hit_rate']:>11.4f}" for p in POLICIES) + " "
-              + " ".join(f"{r[p + '_bytes_per_step'] / 1e6:>15.4f}" for p in POLICIES)
-              + f" {r['lru_over_belady_bytes']:>11.3f} {r['recent_lru_over_belady_bytes']:>14.3f}", file=out)
+        print(f"{r['hot']:>6} " + " ".join(f"{r[p + '_hit_rate']:>13.4f}" for p in policies) + " "
+              + " ".join(f"{r[p + '_bytes_per_step'] / 1e6:>17.4f}" for p in policies)
+              + " " + " ".join(f"{r[p + '_over_belady_bytes']:>16.3f}" for p in online), file=out)
     if per_step is None:
         return
     row = next((r for r in rows if r["hot"] == per_step), None)
     if row is None:
         raise SystemExit(f"hisparse_sim: --per-step {per_step} is not one of the simulated H")
     print(f"\nper step, H={per_step}", file=out)
-    print(f"{'step':>6} " + " ".join(f"{names[p] + ' hit':>11}" for p in POLICIES) + " "
-          + " ".join(f"{names[p] + ' bytes':>13}" for p in POLICIES), file=out)
-    for i, steps in enumerate(zip(*(row[f"{p}_steps"] for p in POLICIES))):
-        print(f"{i:>6} " + " ".join(f"{s['hit_rate']:>11.4f}" for s in steps) + " "
-              + " ".join(f"{s['bytes']:>13}" for s in steps), file=out)
+    print(f"{'step':>6} " + " ".join(f"{names[p] + ' hit':>13}" for p in policies) + " "
+          + " ".join(f"{names[p] + ' bytes':>15}" for p in policies), file=out)
+    for i, steps in enumerate(zip(*(row[f"{p}_steps"] for p in policies))):
+        print(f"{i:>6} " + " ".join(f"{s['hit_rate']:>13.4f}" for s in steps) + " "
+              + " ".join(f"{s['bytes']:>15}" for s in steps), file=out)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -133,7 +147,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     hots = [r["hot"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy, style in (("lru", "o-"), ("recent_lru", "^-"), ("belady", "s--")):
+    styles = {"lru": "o-", "recent_lru": "^-", "near_lru": "v-", "belady": "s--", "informed": "d:"}
+    for policy, style in ((p, s) for p, s in styles.items() if f"{p}_bytes" in rows[0]):
         ax1.plot(hots, [r[f"{policy}_hit_rate"] for r in rows], style, label=policy)
         ax2.plot(hots, [r[f"{policy}_bytes_per_step"] / 1e6 for r in rows], style, label=policy)
     ax1.set_xlabel("hot buffer size H")
@@ -157,10 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     hots = sorted(set(args.hot))
     if hots[0] < trace.num_top_k:
         raise SystemExit(f"hisparse_sim: every H must be >= the trace's top-k ({trace.num_top_k}), got {hots[0]}")
-    rows = simulate(trace, hots, args.item_bytes, args.protect_recent)
+    rows = simulate(trace, hots, args.item_bytes, args.protect_recent, args.protect_near)
     print_tables(rows, args.per_step)
     source = args.trace or "synthetic"
     doc = {"name": "hisparse_sim", "trace": source, "num_top_k": trace.num_top_k, "protect_recent": args.protect_recent,
+           "protect_near": args.protect_near,
            "requests": len(trace.requests), "steps": trace.num_steps, "item_bytes": args.item_bytes,
            "synthetic": None if args.trace else {k: getattr(args, k) for k in (
                "growth", "drift", "recency", "recency_window", "locality", "locality_span", "start_len", "seed")},
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json_path, "w") as f:
             json.dump(doc, f)
     if args.plot:
-        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: LRU, recent LRU, Belady")
+        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: policies vs Belady")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ slots to locations and moves the bytes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,13 +75,16 @@ class StepResult:
     hits: int
 
 
-def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int, *, protect_recent: int = 0) -> StepResult:
+def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int, *, protect_recent: int = 0,
+                 protect_near: int = 0) -> StepResult:
     """Apply one step's top-k to ``buffer`` (updated in place) and say which slot serves each entry.
 
-    ``protect_recent > 0`` selects the recency-protected LRU (simulated in ``tools/hisparse_sim.py``,
-    not in the kernels): the misses evict, in LRU order, first the slots whose token lies before the
-    last ``protect_recent`` positions (``token < seq_len - 1 - protect_recent``), then the others;
-    the LRU order is updated as for LRU. 0 (default) is the kernels' LRU.
+    ``protect_recent > 0`` or ``protect_near > 0`` select a protected LRU (simulated in
+    ``tools/hisparse_sim.py``, not in the kernels): a slot is protected when its token lies in the
+    last ``protect_recent`` positions (``token >= seq_len - 1 - protect_recent``) or within
+    ``protect_near`` positions of a token this step asks for; the misses evict, in LRU order, first
+    the unprotected slots, then the protected ones; the LRU order is updated as for LRU. Both 0
+    (default) is the kernels' LRU.
 
     Parameters
     ----------
@@ -109,9 +113,18 @@ def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int, *, prote
     hit_slot_set = set(hit_slots)
     evictable = [s for s in buffer.lru if s not in hit_slot_set]
     victims = evictable
-    if protect_recent > 0:
-        old = newest - protect_recent
-        victims = [s for s in evictable if buffer.tokens[s] < old] + [s for s in evictable if buffer.tokens[s] >= old]
+    if protect_recent > 0 or protect_near > 0:
+        recent = newest - protect_recent if protect_recent > 0 else newest
+        asked = sorted(wanted)
+
+        def protected(token: int) -> bool:
+            if token < 0:
+                return False
+            near = bisect.bisect_right(asked, token + protect_near) > bisect.bisect_left(asked, token - protect_near)
+            return token >= recent or (protect_near > 0 and near)
+
+        victims = ([s for s in evictable if not protected(buffer.tokens[s])]
+                   + [s for s in evictable if protected(buffer.tokens[s])])
 
     # Distinct missing tokens in first-occurrence order (dict keys keep insertion order).
     missing = list(dict.fromkeys(t for t in top_k if t in wanted and t not in hit_tokens))

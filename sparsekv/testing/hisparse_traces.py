@@ -8,9 +8,16 @@ step, the lookups served from the hot buffer and the entries loaded host -> devi
 * ``"recent_lru"``: LRU that evicts entries of the last :data:`PROTECT_RECENT` positions only after
   every older one (``swap_in_step(..., protect_recent=...)``): decode attention returns to recent
   entries more than to old ones;
+* ``"near_lru"``: LRU that also protects the entries within :data:`PROTECT_NEAR` positions of a token
+  the step asks for (``swap_in_step(..., protect_recent=..., protect_near=...)``): the top-k's
+  neighbours are picked more often than the rest (locality);
 * ``"belady"``: Belady's MIN on the same trace, the offline optimum for demand loading: a missing
   entry must be loaded, and the entry evicted is the one (not needed this step) whose next use is
-  furthest in the future.
+  furthest in the future;
+* ``"informed"`` (synthetic traces only): the best-informed online policy we can state, a yardstick
+  and not a kernel candidate. It is told the generator's parameters (:class:`TraceGenerator`) and
+  evicts the entries least likely to be picked at the next step; what separates it from Belady is
+  what no online policy can know (which uniform draw comes next).
 
 Both start as a prefill staged on the device (slot ``i`` holds position ``i``), give the newest
 entry its reserved slot for free, and serve everything while ``seq_len <= H`` (the fast path).
@@ -22,7 +29,8 @@ Trace file format (JSON)::
      "requests": [{"id": "r0", "steps": [{"seq_len": 4097, "top_k": [17, 4095, ...]}, ...]}, ...]}
 
 ``top_k`` lists at most ``num_top_k`` positions; entries outside ``[0, seq_len)`` mean "no token".
-Steps of different requests with the same index happen in the same decode step.
+Steps of different requests with the same index happen in the same decode step. A synthetic trace
+also carries ``"generator"``: the parameters of :class:`TraceGenerator`.
 """
 
 from __future__ import annotations
@@ -37,9 +45,11 @@ from pathlib import Path
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 FORMAT = "sparsekv.hisparse_trace/1"
-POLICIES = ("lru", "recent_lru", "belady")
+POLICIES = ("lru", "recent_lru", "near_lru", "belady", "informed")
 #: Positions before the newest that ``"recent_lru"`` protects (the synthetic traces' recency window).
 PROTECT_RECENT = 256
+#: Positions either side of a requested token that ``"near_lru"`` protects (the synthetic traces' locality span).
+PROTECT_NEAR = 16
 
 
 @dataclass
@@ -50,21 +60,44 @@ class RequestTrace:
     steps: list[tuple[int, list[int]]]
 
 
+@dataclass(frozen=True)
+class TraceGenerator:
+    """How :func:`synthetic_trace` draws a new top-k member (see there): the ``"informed"`` policy's knowledge."""
+
+    recency: float
+    recency_window: int
+    locality: float
+    locality_span: int
+
+    def pick_chance(self, pos: int, members: list[int], newest: int) -> float:
+        """Chance that one new draw is ``pos``, given the current ``members`` (sorted) and ``newest``."""
+        span = self.locality_span
+        near = bisect.bisect_right(members, pos + span) - bisect.bisect_left(members, pos - span)
+        recent = self.recency / self.recency_window if newest - self.recency_window <= pos < newest else 0.0
+        other = 1 - self.recency
+        return (recent + other * self.locality * near / (max(len(members), 1) * (2 * span + 1))
+                + other * (1 - self.locality) / max(newest, 1))
+
+
 @dataclass
 class Trace:
-    """Top-k selections of several requests over decode steps."""
+    """Top-k selections of several requests over decode steps (``generator``: set on synthetic traces)."""
 
     num_top_k: int
     requests: list[RequestTrace]
+    generator: TraceGenerator | None = None
 
     @property
     def num_steps(self) -> int:
         return max((len(r.steps) for r in self.requests), default=0)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "num_top_k": self.num_top_k,
-                "requests": [{"id": r.id, "steps": [{"seq_len": n, "top_k": k} for n, k in r.steps]}
-                             for r in self.requests]}
+        doc = {"format": FORMAT, "num_top_k": self.num_top_k,
+               "requests": [{"id": r.id, "steps": [{"seq_len": n, "top_k": k} for n, k in r.steps]}
+                            for r in self.requests]}
+        if self.generator is not None:
+            doc["generator"] = vars(self.generator)
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict) -> Trace:
@@ -84,7 +117,8 @@ class Trace:
             if any(len(t) > k for _, t in steps):
                 raise ValueError(f"sparsekv: request {r['id']!r} has a step with more than num_top_k={k} entries")
             requests.append(RequestTrace(str(r["id"]), steps))
-        return cls(k, requests)
+        generator = doc.get("generator")
+        return cls(k, requests, None if generator is None else TraceGenerator(**generator))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -142,7 +176,7 @@ def synthetic_trace(*, num_requests: int = 4, num_steps: int = 200, num_top_k: i
             rng.shuffle(order)
             steps.append((seq_len, order))
         requests.append(RequestTrace(f"r{r}", steps))
-    return Trace(num_top_k, requests)
+    return Trace(num_top_k, requests, TraceGenerator(recency, recency_window, locality, locality_span))
 
 
 @dataclass
@@ -182,11 +216,12 @@ def _lookups(seq_len: int, top_k: list[int], hot: int) -> int:
     return sum(0 <= t < seq_len for t in top_k[:used])
 
 
-def _replay_lru(steps: list[tuple[int, list[int]]], hot: int, protect_recent: int = 0) -> list[tuple[int, int, int]]:
+def _replay_lru(steps: list[tuple[int, list[int]]], hot: int, protect_recent: int = 0,
+                protect_near: int = 0) -> list[tuple[int, int, int]]:
     buffer = HotBuffer.resident_prefix(hot)
     out = []
     for seq_len, top_k in steps:
-        step = swap_in_step(buffer, top_k, seq_len, protect_recent=protect_recent)
+        step = swap_in_step(buffer, top_k, seq_len, protect_recent=protect_recent, protect_near=protect_near)
         out.append((_lookups(seq_len, top_k, hot), step.hits, len(step.misses)))
     return out
 
@@ -221,21 +256,49 @@ def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[i
     return out
 
 
-def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT_RECENT) -> ReplayResult:
+def _replay_informed(steps: list[tuple[int, list[int]]], hot: int,
+                     generator: TraceGenerator) -> list[tuple[int, int, int]]:
+    cache = set(range(hot))
+    out = []
+    for seq_len, top_k in steps:
+        lookups = _lookups(seq_len, top_k, hot)
+        if seq_len <= hot:
+            out.append((lookups, lookups, 0))
+            continue
+        newest = seq_len - 1
+        need = {t for t in top_k if 0 <= t < newest}
+        missing = need - cache
+        hits = sum(1 for t in top_k if t == newest or (0 <= t < newest and t in cache))
+        evict = len(cache) + len(missing) - hot
+        if evict > 0:
+            members = sorted(need)
+            cache -= set(heapq.nsmallest(evict, cache - need,
+                                         key=lambda t: (generator.pick_chance(t, members, newest), t)))
+        cache |= missing
+        out.append((lookups, hits, len(missing)))
+    return out
+
+
+def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT_RECENT,
+           protect_near: int = PROTECT_NEAR) -> ReplayResult:
     """Run ``policy`` (one of :data:`POLICIES`) with ``hot`` slots per request over ``trace``
-    (``protect_recent``: the window of ``"recent_lru"``).
+    (``protect_recent``: the window of ``"recent_lru"`` and ``"near_lru"``; ``protect_near``: the
+    span of ``"near_lru"``).
 
     Raises
     ------
     ValueError
-        An unknown policy, or ``hot < trace.num_top_k``.
+        An unknown policy, ``"informed"`` on a trace without a generator, or ``hot < trace.num_top_k``.
     """
     if policy not in POLICIES:
         raise ValueError(f"sparsekv: argument `policy` must be one of {POLICIES}, got {policy!r}")
+    if policy == "informed" and trace.generator is None:
+        raise ValueError("sparsekv: argument `policy` 'informed' needs a synthetic trace (one with a generator)")
     if hot < trace.num_top_k:
         raise ValueError(f"sparsekv: argument `hot` ({hot}) must be >= the trace's num_top_k ({trace.num_top_k})")
     runs = {"lru": _replay_lru, "recent_lru": lambda steps, h: _replay_lru(steps, h, protect_recent),
-            "belady": _replay_belady}
+            "near_lru": lambda steps, h: _replay_lru(steps, h, protect_recent, protect_near),
+            "belady": _replay_belady, "informed": lambda steps, h: _replay_informed(steps, h, trace.generator)}
     run = runs[policy]
     result = ReplayResult(policy, hot, [StepStats() for _ in range(trace.num_steps)])
     for request in trace.requests:

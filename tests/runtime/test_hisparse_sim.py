@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
-from sparsekv.testing.hisparse_traces import POLICIES, RequestTrace, Trace, replay, synthetic_trace
+from sparsekv.testing.hisparse_traces import POLICIES, RequestTrace, Trace, TraceGenerator, replay, synthetic_trace
 from sparsekv.testing.strategies.hisparse import make_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,6 +86,26 @@ def test_recent_lru_evicts_an_old_entry_before_a_less_recently_used_recent_one()
         assert buffer.lru == [s for s in (0, 1) if s != victim] + [victim, 2]
 
 
+@given(steps=tiny_steps(hot=4, k=3), window=st.integers(0, 3), span=st.integers(0, 2))
+def test_belady_never_loads_more_than_near_lru_and_span_0_is_recent_lru(steps, window, span):
+    trace = Trace(3, [RequestTrace("r", steps)])
+    near = replay(trace, 4, "near_lru", protect_recent=window, protect_near=span)
+    assert replay(trace, 4, "belady").loads <= near.loads
+    if span == 0:
+        recent = replay(trace, 4, "recent_lru", protect_recent=window)
+        assert [(s.hits, s.loads) for s in near.steps] == [(s.hits, s.loads) for s in recent.steps]
+
+
+def test_near_lru_evicts_a_far_entry_before_a_less_recently_used_neighbour():
+    # Slots 0..3 hold tokens 20 (next to the requested 21), 3, 7 and 21; LRU order 0, 1, 2, 3; newest
+    # 45. Two misses (30, 31): LRU takes slots 0 and 1; with span 1 token 20 is protected: slots 1, 2.
+    for span, victims in ((0, [0, 1]), (1, [1, 2])):
+        buffer = HotBuffer(tokens=[20, 3, 7, 21], lru=[0, 1, 2, 3])
+        step = swap_in_step(buffer, [21, 30, 31], 46, protect_near=span)
+        assert step.misses == [(30, victims[0]), (31, victims[1])]
+        assert buffer.lru == [s for s in (0, 1, 2) if s not in victims] + victims + [3]
+
+
 def test_belady_hand_example():
     # H = 2 (tokens 0 and 1 resident), newest is 9 throughout. Step 1 needs 2: LRU evicts slot 0
     # (token 0), Belady evicts token 1, which is never needed again; step 2 needs 0 again.
@@ -94,6 +114,33 @@ def test_belady_hand_example():
     assert replay(trace, 2, "belady").loads == 1
     assert replay(trace, 2, "lru").loads == 2
     assert [s.hits for s in replay(trace, 2, "belady").steps] == [2, 1, 2]
+
+
+@given(steps=tiny_steps(hot=3, k=2), recency=st.sampled_from([0.0, 0.5]), locality=st.sampled_from([0.0, 1.0]))
+def test_informed_policy_never_beats_belady(steps, recency, locality):
+    trace = Trace(2, [RequestTrace("r", steps)], TraceGenerator(recency, 2, locality, 1))
+    assert replay(trace, 3, "belady").loads <= replay(trace, 3, "informed").loads
+
+
+def test_informed_policy_keeps_the_likely_pick():
+    # H = 3 (tokens 0, 1, 2), K = 1, newest 9; the generator only draws neighbours (span 1) of the
+    # current top-k. Hits on 0 then 1 leave token 2 least recently used; 3 then misses: LRU evicts 2,
+    # the informed policy keeps 2 (next to 3, chance 1/3) and evicts 0 (chance 0, lower position).
+    steps = [(10, [0]), (10, [1]), (10, [3]), (10, [2])]
+    trace = Trace(1, [RequestTrace("r", steps)], TraceGenerator(0.0, 2, 1.0, 1))
+    assert [s.loads for s in replay(trace, 3, "lru").steps] == [0, 0, 1, 1]
+    assert [s.loads for s in replay(trace, 3, "informed").steps] == [0, 0, 1, 0]
+    with pytest.raises(ValueError, match="informed"):
+        replay(Trace(1, [RequestTrace("r", steps)]), 3, "informed")
+
+
+def test_pick_chances_sum_to_one():
+    generator = TraceGenerator(recency=0.3, recency_window=16, locality=0.4, locality_span=3)
+    members = [20, 21, 40, 77]
+    total = sum(generator.pick_chance(pos, members, newest=100) for pos in range(100))
+    assert total == pytest.approx(1.0)
+    assert generator.pick_chance(90, members, 100) > generator.pick_chance(41, members, 100) \
+        > generator.pick_chance(60, members, 100) > 0
 
 
 def test_lru_replay_matches_the_kernel_counters():
