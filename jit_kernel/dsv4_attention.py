@@ -10,7 +10,7 @@ For batch row ``b`` and head ``h``, with ``J`` the valid entries of ``indices[b]
 
 A slot listed twice counts twice; a row without a valid entry gives ``out = 0`` and ``lse = +inf``.
 Equivalently ``out = softmax(l) @ kv * sigmoid(lse - sink)``. The caches are uint8 page rows of the
-584-byte ``V4`` layout (:mod:`sparsekv.jit_kernel.kv_layout`): slot ``s`` is page ``s // page_size``,
+584-byte ``V4`` layout (:mod:`sparsekv.kv_layout`): slot ``s`` is page ``s // page_size``,
 offset ``s % page_size``; dims 0-447 are e4m3 times a UE8M0 scale per 64 dims, dims 448-511 bf16.
 
 Split-KV: the list ``[indices[b] | extra_indices[b]]`` is cut into ``num_splits`` ranges whose

@@ -15,7 +15,7 @@ positions (what the HiSparse swap-in takes as ``top_k_tokens``) and, with a
 page table, as cache slots (what :func:`sparsekv.jit_kernel.dsv4.sparse_decode_attention` takes as
 indices into the fully resident cache).
 
-Cache layouts (:mod:`sparsekv.jit_kernel.kv_layout`), ``P`` slots per page, values then scales:
+Cache layouts (:mod:`sparsekv.kv_layout`), ``P`` slots per page, values then scales:
 ``"fp8"`` = ``INDEXER_FP8`` (128 e4m3 + one fp32 scale, 132 B); ``"fp4"`` = ``INDEXER_FP4`` (64 bytes
 of e2m1 pairs, even element in the low nibble, + 4 UE8M0 scales per 32 dims, 68 B).
 
@@ -40,10 +40,10 @@ import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.arguments import int_arg
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 
 __all__ = [
     "INDEXER",

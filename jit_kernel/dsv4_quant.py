@@ -163,7 +163,7 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
         own values (not rounded to bf16 first).
     cache : torch.Tensor
         uint8 ``[pages, layout.page_bytes(page_size)]`` (``INDEXER_FP8`` or ``INDEXER_FP4`` of
-        :mod:`sparsekv.jit_kernel.kv_layout`), unit last stride, same device as ``keys``.
+        :mod:`sparsekv.kv_layout`), unit last stride, same device as ``keys``.
     slots : torch.Tensor
         int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
     page_size : int

@@ -1,8 +1,10 @@
 """The repository layout's import directions (README, "Layout"), pinned on the sources.
 
-Every ``import`` of every module is read with ``ast`` (function-level imports included), so a
-direction cannot be broken by a lazy import either; kernel headers are read for their includes.
-A fresh process checks that memory planning imports neither the kernel package nor torch.
+Every ``import`` of every module is read with ``ast`` (function-level imports included, and the
+names a package resolves lazily through its ``_LAZY`` table), and the rules hold for what a module
+can REACH through any chain of imports, not only for its direct imports: a lazy import three hops
+away breaks a direction as surely as a direct one. Kernel headers are read for their includes. A
+fresh process checks that memory planning imports neither the kernel package nor torch.
 """
 
 from __future__ import annotations
@@ -11,22 +13,50 @@ import ast
 import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-
-# (folder or file, prefixes never imported, prefixes never imported at module level, why)
-FORBIDDEN = [
-    ("jit_kernel", ("sparsekv.srt", "sparsekv.testing"), (), "kernels know nothing of pools or of the test harness"),
-    ("srt", ("sparsekv.testing",), (), "runtime code does not depend on the test harness"),
-    ("srt/model_executor", ("sparsekv.jit_kernel",), ("torch", "tvm_ffi"),
-     "memory planning never loads the kernel package (layouts: sparsekv.kv_layout) nor torch at import"),
-    ("sparsekv/kv_layout.py", ("sparsekv.",), ("torch", "tvm_ffi"), "the layout table is a leaf, importable by anyone"),
-    ("sparsekv/env.py", ("sparsekv.",), ("torch", "tvm_ffi"), "the environment table is a leaf"),
-]
 FOLDER_OF = {"jit_kernel": "sparsekv.jit_kernel", "srt": "sparsekv.srt", "sparsekv": "sparsekv"}
+
+# The front ends: the console script's shell and commands, the demo, ``python -m sparsekv``, and the
+# command modules the shell names (SUBCOMMANDS) wherever they still live.
+FRONT_ENDS = ("sparsekv.cli", "sparsekv.demo", "sparsekv.__main__")
+LIBRARIES = ("sparsekv.jit_kernel", "sparsekv.srt", "sparsekv.testing")
+
+# (modules, prefixes they never reach, why); a prefix "a.b" names a.b and its submodules.
+UNREACHABLE = [
+    ("sparsekv.jit_kernel", ("sparsekv.srt", "sparsekv.testing", *FRONT_ENDS),
+     "kernels know nothing of pools, of the test harness or of the command line"),
+    ("sparsekv.srt", ("sparsekv.testing",), "runtime code does not depend on the test harness"),
+    ("sparsekv.srt.model_executor", ("sparsekv.jit_kernel",),
+     "memory planning never loads the kernel package (layouts: sparsekv.kv_layout)"),
+]
+# (folder or file, prefixes never imported at module level, why)
+NOT_AT_IMPORT = [
+    ("srt/model_executor", ("torch", "tvm_ffi"), "memory planning imports no torch at import"),
+    ("sparsekv/kv_layout.py", ("torch", "tvm_ffi"), "the layout table is a torch-free leaf"),
+    ("sparsekv/env.py", ("torch", "tvm_ffi"), "the environment table is a torch-free leaf"),
+]
+
+# Import circles not yet taken apart (issue 29): each names the modules of one circle. The test
+# fails on a new circle and on a listed one that is gone, so the list only shrinks.
+KNOWN_CIRCLES = {
+    # the fused compress+store has no stem of its own: dsv4_store.py builds on the compressor's
+    # wrapper, dsv4_compress.py re-exports the fused call
+    frozenset({"sparsekv.jit_kernel.dsv4_compress", "sparsekv.jit_kernel.dsv4_store"}),
+    # the indexed swap-in builds on the swap-in; the swap-in takes resident_index=
+    frozenset({"sparsekv.jit_kernel.hisparse", "sparsekv.jit_kernel.hisparse_index"}),
+    # the engine factory lives in the interface module that the engines implement
+    frozenset({"sparsekv.srt.disaggregation.backend", "sparsekv.srt.disaggregation.nixl_backend",
+               "sparsekv.srt.disaggregation.mooncake_backend"}),
+    # kv_args_of routes the state components through state_routing, which builds KVArgs
+    frozenset({"sparsekv.srt.disaggregation.kv_args", "sparsekv.srt.disaggregation.state_routing"}),
+    # the PD processes of the demo take the request count from the command module
+    frozenset({"sparsekv.demo.command", "sparsekv.demo.pd"}),
+}
 
 
 def _module_name(path: Path) -> list[str]:
@@ -35,7 +65,8 @@ def _module_name(path: Path) -> list[str]:
 
 
 def _imports(path: Path) -> list[tuple[int, bool, str]]:
-    """``(line, at module level, module)`` of every import in ``path``, relative ones resolved."""
+    """``(line, at module level, module)`` of every import in ``path``, relative ones resolved;
+    ``from package import name`` also yields ``package.name`` (a submodule, or not: see :func:`_graph`)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(node) for node in tree.body}
     typing_only = _under_type_checking(tree)
@@ -45,12 +76,14 @@ def _imports(path: Path) -> list[tuple[int, bool, str]]:
             continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif node.level:
-            package = _module_name(path)[: -node.level] if path.name != "__init__.py" else \
-                _module_name(path)[: len(_module_name(path)) - node.level]
-            names = [".".join(package + ([node.module] if node.module else []))]
         else:
-            names = [node.module]
+            if node.level:
+                package = _module_name(path)[: -node.level] if path.name != "__init__.py" else \
+                    _module_name(path)[: len(_module_name(path)) - node.level]
+                base = ".".join(package + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
         found += [(node.lineno, id(node) in top, name) for name in names]
     return found
 
@@ -65,23 +98,112 @@ def _under_type_checking(tree: ast.Module) -> set[int]:
     return lines
 
 
+def _lazy_table(path: Path) -> dict[str, str]:
+    """A package's ``_LAZY`` table (name -> submodule), which its ``__getattr__`` imports on access."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
+            return {k.value: v.value for k, v in zip(node.value.keys, node.value.values)}
+    return {}
+
+
+@cache
+def _graph() -> dict[str, frozenset[str]]:
+    """Every sparsekv module -> the sparsekv modules importing it executes directly: its imports
+    (a ``from package import Name`` that the package resolves lazily counts as importing the module
+    defining Name) and the packages above it (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``)."""
+    paths = {}
+    for folder in FOLDER_OF:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            name = _module_name(path)
+            paths[".".join(name[:-1] if name[-1] == "__init__" else name)] = path
+    lazy = {name: _lazy_table(path) for name, path in paths.items() if path.name == "__init__.py"}
+
+    def resolve(module: str) -> str | None:
+        package, _, attr = module.rpartition(".")
+        if module in paths:
+            return module
+        if attr in lazy.get(package, {}):
+            return f"{package}.{lazy[package][attr]}"
+        return package if package in paths else None
+
+    graph = {}
+    for name, path in paths.items():
+        targets = {resolve(module) for _, _, module in _imports(path)}
+        parts = name.split(".")
+        targets |= {".".join(parts[:i]) for i in range(1, len(parts))}
+        graph[name] = frozenset(t for t in targets if t and t != name)
+    return graph
+
+
+def _reachable(module: str) -> set[str]:
+    graph, seen, todo = _graph(), set(), [module]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
 def _matches(module: str, prefix: str) -> bool:
     """``prefix`` "a.b" names a.b and its submodules; "a." names every submodule of a."""
     return module.startswith(prefix) if prefix.endswith(".") else module == prefix or module.startswith(prefix + ".")
 
 
-@pytest.mark.parametrize("where, anywhere, at_import, why", FORBIDDEN, ids=[w for w, *_ in FORBIDDEN])
-def test_import_directions(where, anywhere, at_import, why):
+def _front_ends() -> set[str]:
+    """The front-end modules: those under :data:`FRONT_ENDS` and every command module the shell names."""
+    from sparsekv.cli import SUBCOMMANDS
+
+    named = {sub.module for sub in SUBCOMMANDS.values()}
+    return {m for m in _graph() if m in named or any(_matches(m, p) for p in FRONT_ENDS)}
+
+
+@pytest.mark.parametrize("where, never, why", UNREACHABLE, ids=[w for w, *_ in UNREACHABLE])
+def test_what_a_layer_can_reach(where, never, why):
+    bad = [f"{module} reaches {target}" for module in sorted(_graph()) if _matches(module, where)
+           for target in sorted(_reachable(module)) if any(_matches(target, p) for p in never)]
+    assert not bad, f"{why}:\n" + "\n".join(bad)
+
+
+def test_the_root_modules_are_leaves():
+    """``sparsekv/*.py`` (env, kv_layout, log, ...) reach only each other: anyone may import them."""
+    roots = {m for m in _graph() if m.count(".") == 1} - _front_ends()
+    assert {"sparsekv.env", "sparsekv.kv_layout", "sparsekv.log", "sparsekv._lazy"} <= roots
+    bad = [f"{m} reaches {t}" for m in sorted(roots) for t in sorted(_reachable(m) - roots - {"sparsekv"})]
+    assert not bad, "\n".join(bad)
+
+
+def test_front_ends_import_libraries_never_the_reverse():
+    front = _front_ends()
+    bad = [f"{m} reaches {t}" for m in sorted(set(_graph()) - front) for t in sorted(_reachable(m) & front)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circles_beyond_the_known_ones():
+    graph = _graph()
+    circles = {frozenset(m for m in _reachable(module) if module in _reachable(m)) | {module}
+               for module in graph if module in _reachable(module)}
+    # a package reached back from its own submodule is no circle: importing the submodule runs the package first
+    circles = {c for c in circles if not all(_matches(m, min(c, key=len)) for m in c)}
+    assert circles - KNOWN_CIRCLES == set(), "new import circles"
+    assert KNOWN_CIRCLES - circles == set(), "circles taken apart: drop them from KNOWN_CIRCLES"
+
+
+@pytest.mark.parametrize("where, at_import, why", NOT_AT_IMPORT, ids=[w for w, *_ in NOT_AT_IMPORT])
+def test_nothing_heavy_at_import(where, at_import, why):
     root = REPO / where
     files = [root] if root.suffix == ".py" else sorted(root.rglob("*.py"))
     assert files, where
-    bad = []
-    for path in files:
-        for line, top_level, module in _imports(path):
-            forbidden = anywhere + (at_import if top_level else ())
-            if any(_matches(module, prefix) for prefix in forbidden):
-                bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    bad = [f"{path.relative_to(REPO)}:{line} imports {module}" for path in files
+           for line, top_level, module in _imports(path) if top_level and any(_matches(module, p) for p in at_import)]
     assert not bad, f"{why}:\n" + "\n".join(bad)
+
+
+def test_the_rules_see_the_chains_they_forbid():
+    """The graph follows function-level imports through several hops (the jit front end builds a
+    model's instances from the planner's presets) and names resolved through a package's lazy table."""
+    assert "sparsekv.srt.model_executor.model_spec" in _reachable("sparsekv.cli.jit")
+    assert {"sparsekv.srt.model_executor.model_spec", "sparsekv.srt.model_executor.pool_planner"} <= \
+        _graph()["sparsekv.demo.stack"]  # `from sparsekv.srt.model_executor import DSV4ModelSpec, plan_pipeline`
 
 
 # The exceptions: the fused store runs the compressor's window pooling and the quantizer's row

@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.jit_kernel.kv_layout import V4
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, optional_arg, page_shift, read, row_stride, written
+from sparsekv.kv_layout import V4
 
 __all__ = ["AOT_KERNELS", "sparse_decode_attention"]
 

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import (
     check,
@@ -37,6 +36,7 @@ from sparsekv.jit_kernel.triton.checks import (
     written,
 )
 from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8
 
 __all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk"]
 

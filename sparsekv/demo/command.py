@@ -136,9 +136,9 @@ def load_kernels(spec: DemoSpec, progress) -> dict:
     """Load (building where missing) every kernel instance the run uses (what ``sparsekv jit build
     --model demo`` prebuilds); what came from where."""
     from sparsekv.demo.stack import PAGE_SIZE
-    from sparsekv.deployment import DEMO, model_instances
     from sparsekv.jit_kernel import loader
     from sparsekv.jit_kernel.registry import discover
+    from sparsekv.srt.model_executor.deployment import DEMO, model_instances
 
     families = discover()
     built, cached, build_s = [], [], 0.0

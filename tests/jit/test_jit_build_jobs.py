@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from sparsekv.deployment import model_instances
-from sparsekv.jit_kernel import cli, resources
+from sparsekv.cli import jit as cli
+from sparsekv.jit_kernel import resources
 from sparsekv.jit_kernel.registry import discover
+from sparsekv.srt.model_executor.deployment import model_instances
 
 GIB = 1 << 30
 

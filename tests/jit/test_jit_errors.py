@@ -126,7 +126,7 @@ def test_a_strict_miss_through_a_family_suggests_an_instance_the_cli_accepts(tmp
 
     import torch
 
-    from sparsekv.jit_kernel import cli
+    from sparsekv.cli import jit as cli
     from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 
     monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))

@@ -14,7 +14,8 @@ import pytest
 import torch
 import tvm_ffi
 
-from sparsekv.jit_kernel import cli, loader, toolchain
+from sparsekv.cli import jit as cli
+from sparsekv.jit_kernel import loader, toolchain
 from sparsekv.jit_kernel.registry import discover
 from sparsekv.testing.components import needs
 

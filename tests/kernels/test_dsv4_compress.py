@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP8, V4
+from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference

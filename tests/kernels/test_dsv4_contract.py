@@ -39,7 +39,7 @@ from sparsekv.jit_kernel.dsv4_compress import DSV4_COMPRESS
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER, INDEXER_TOPK, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import DSV4_QUANT
 from sparsekv.jit_kernel.dsv4_store import DSV4_STORE
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS, V4
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS, V4
 from sparsekv.testing.backends import device_of
 
 PAGE = 4

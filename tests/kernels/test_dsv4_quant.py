@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, indexer_scores, quantize_fp8_ds_mla, quantize_indexer_keys
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel import kv_layout
+from sparsekv import kv_layout
 from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
 

@@ -36,7 +36,7 @@ from sparsekv.jit_kernel.hisparse import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference

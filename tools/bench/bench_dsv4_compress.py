@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from sparsekv.jit_kernel.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
 from sparsekv.testing.reference.dsv4_quant import INDEXER_FORMATS, encode_fp8_ds_mla, encode_indexer_keys, store_records
 
 LAYOUTS = {"V4": V4, "INDEXER_FP8": INDEXER_FP8, "INDEXER_FP4": INDEXER_FP4}

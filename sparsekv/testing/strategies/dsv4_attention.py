@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.kv_layout import V4
+from sparsekv.kv_layout import V4
 from sparsekv.testing.reference.dsv4_quant import DIM, quantize_fp8_ds_mla
 
 PAGE_SIZES = (1, 2, 4, 64)

@@ -1,8 +1,9 @@
 """The kernel instances a model's serving path loads, so a deployment can prebuild exactly those
 (``sparsekv jit build --model dsv4-flash``) and serve with ``SPARSEKV_JIT_STRICT=1``.
 
-It joins the planner's model specs with the kernel families, so it lives above both: the kernel
-package never imports the pools or the planner.
+It lives next to the model specs it reads and names the kernel families by string (as
+``sparsekv jit build --instance`` does), so it imports no kernel: the front end that builds them
+(:mod:`sparsekv.cli.jit`) looks the families up in the registry.
 """
 
 from __future__ import annotations

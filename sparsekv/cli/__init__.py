@@ -39,7 +39,7 @@ class Subcommand:
 # The modules import lazily, so `sparsekv plan-memory` never pays for torch or the JIT loader.
 SUBCOMMANDS = {
     "jit": Subcommand(
-        "sparsekv.jit_kernel.cli",
+        "sparsekv.cli.jit",
         "build, list, inspect and clean JIT kernel modules",
         (
             "sparsekv jit list --json",

@@ -213,7 +213,7 @@ def _family(families: dict, name: str):
 
 def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
     """``(family, instance)`` pairs named by ``names``/``--all``/``--instance``/``--model``, de-duplicated."""
-    from sparsekv.deployment import model_instances
+    from sparsekv.srt.model_executor.deployment import model_instances
 
     chosen = []
     if getattr(args, "all", False):
