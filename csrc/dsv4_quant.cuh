@@ -11,8 +11,10 @@
 // Dequantize: e4m3 * 2^(byte - 127) for dims 0-447, the bf16 values for 448-511.
 //
 // Indexer rows (128 wide):
-//   IndexerFp8 (132 B): one fp32 scale s = max(amax, 1e-4) / 448 (not rounded to a power of two);
-//     value byte i = e4m3(x_i / s).
+//   IndexerFp8 (132 B): one fp32 scale s = max(amax, 1e-4f) / 448 (not rounded to a power of two);
+//     value byte i = e4m3(x_i / s). Both are IEEE float32 divisions rounded to nearest even
+//     (team::div_rn), never a multiply by a rounded reciprocal: amax * float(1 / 448) differs from
+//     amax / 448 in the last bit for about half of all amax, and x * (1 / s) from x / s likewise.
 //   IndexerFp4 (68 B): 4 blocks of 32: a = max(amax, 6 * 2^-126), e the smallest integer with
 //     6 * 2^e >= a; code = e2m1 round-to-nearest-even of x / 2^e, two codes per byte (even element
 //     in the low nibble); scale byte = e + 127.
@@ -113,10 +115,10 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, kv_
   }
   float amax = team::max(partial);
   amax = amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor;
-  const float scale = amax / fp8::kE4m3Max;
+  const float scale = team::div_rn(amax, fp8::kE4m3Max);  // a true division, not amax * (1 / 448)
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
     for (int k = 0; k < Row::kPerLane; ++k) {
-      token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(x.v[j][k] / scale);
+      token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::div_rn(x.v[j][k], scale));
     }
     if (lanes.lane + j == 0) {
       const uint32_t bits = fp8::float_bits(scale);

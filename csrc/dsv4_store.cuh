@@ -19,15 +19,16 @@
 //   main: store_v4(y) (dsv4_quant.cuh). Indexer: z = H y / sqrt(128) (H the 128-point Walsh-Hadamard
 //   matrix; butterflies of stride 1, 2, ..., 64, each (a, b) -> (a + b, a - b), then one multiply
 //   by 1/sqrt(128) rounded to float), then store_indexer_fp8(z) or store_indexer_fp4(z).
-// Every float operation is rounded as written on both backends (no FMA contraction, IEEE divide
-// and sqrt), so the stored bytes are identical across backends and to a float32 torch reference
-// that follows the same order.
+// Every float operation is rounded as written on both backends (no FMA contraction; divide and
+// sqrt correctly rounded IEEE float32 through team::div_rn / team::sqrt_rn, so inv is
+// div_rn(1, sqrt_rn(ms + eps)), not an rsqrt), so the stored bytes are identical across backends
+// and to a float32 torch reference that follows the same order. torch's own sqrt is not correctly
+// rounded on every device (the CPU wheel's is one ulp off for about one float32 in six): the
+// reference corrects it (sparsekv.testing.reference.dsv4_store.sqrt_rn).
 //
 // Safety: a slot outside the cache is skipped by the kernel; the host entry rejects such slots
 // and duplicated slots before any byte is written when the slots are host-readable.
 #pragma once
-
-#include <cmath>
 
 #include "dsv4_compress.cuh"
 #include "dsv4_quant.cuh"
@@ -91,8 +92,8 @@ struct NormRopeStore {
       partial.v[j] = 0.0f;
       for (int k = 0; k < Row::kPerLane; ++k) partial.v[j] = team::add_rn(partial.v[j], team::mul_rn(x.v[j][k], x.v[j][k]));
     }
-    const float ms = team::sum(partial) / static_cast<float>(kDim);
-    const float inv = 1.0f / sqrtf(team::add_rn(ms, p.eps));
+    const float ms = team::div_rn(team::sum(partial), static_cast<float>(kDim));
+    const float inv = team::div_rn(1.0f, team::sqrt_rn(team::add_rn(ms, p.eps)));
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
       for (int k = 0; k < Row::kPerLane; ++k) {
         x.v[j][k] = round_bf16(team::mul_rn(team::mul_rn(x.v[j][k], inv), p.weight[Row::channel(lanes, j, k)]));

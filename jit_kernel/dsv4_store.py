@@ -7,6 +7,11 @@ RoPE comes from the model's float32 cos/sin table (:class:`RopeTable`, built by
 :meth:`RopeParams.table` the way the model builds it), so stored keys rotate by exactly the angles
 the model applies to its queries; the RoPE/YaRN parameters are explicit (published configs disagree
 on the compressed layers' theta).
+
+Every float32 step is rounded as written, identically on the cpu, sim and cuda builds: the norm's
+``1 / sqrt(ms + eps)`` is a correctly rounded sqrt then a true division (not an rsqrt), the FP8
+scale ``amax / 448`` and the codes ``e4m3(x / scale)`` are true divisions (not multiplies by a
+rounded reciprocal). :mod:`sparsekv.testing.reference.dsv4_store` is the byte oracle.
 """
 
 from __future__ import annotations

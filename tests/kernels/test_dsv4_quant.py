@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -159,6 +160,40 @@ def test_indexer_keys_bytes_equal_the_reference(backend, fmt, dtype, data):
     quantize_indexer_keys(keys.to(device), got, slots.to(device), page_size=page_size, fmt=fmt)
     # Bytes outside the written slots keep their noise.
     assert torch.equal(got.cpu(), expected)
+
+
+@st.composite
+def _keys_with_amax_near_powers_of_two(draw) -> torch.Tensor:
+    """float32 ``[N, 128]`` keys whose amax is a few ulps from ``2^k`` (small and tiny k) or from the 1e-4 floor."""
+    n = draw(st.integers(1, 8))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    keys = torch.randn(n, 128, generator=gen)
+    keys = keys / keys.abs().amax(dim=1, keepdim=True) * 0.99
+    for row in range(n):
+        ulps = draw(st.integers(-4, 4))
+        base = np.float32(ref.FP8_AMAX_FLOOR) if draw(st.booleans()) else np.float32(2.0 ** draw(st.integers(-24, 12)))
+        amax = float((np.array(base).view(np.int32) + np.int32(ulps)).view(np.float32))
+        keys[row] *= amax
+        keys[row, draw(st.integers(0, 127))] = amax * draw(st.sampled_from([1.0, -1.0]))
+    return keys
+
+
+@settings(max_examples=scaled_examples(15), deadline=None)
+@given(keys=_keys_with_amax_near_powers_of_two())
+def test_fp8_indexer_scale_and_codes_are_ieee_divisions(backend, keys):
+    # The spec, independently of the torch reference: s = max(amax, 1e-4f) / 448.0f and code = e4m3(x / s),
+    # IEEE float32 divisions (numpy's), never multiplies by a rounded reciprocal.
+    n = keys.shape[0]
+    device = device_of(backend)
+    cache = torch.zeros(n, INDEXER_LAYOUTS["fp8"].page_bytes(1), dtype=torch.uint8, device=device)
+    quantize_indexer_keys(keys.to(device), cache, torch.arange(n, device=device), page_size=1, fmt="fp8")
+    records = cache.cpu()
+    x = keys.numpy()
+    scale = np.maximum(np.abs(x).max(axis=1), np.float32(ref.FP8_AMAX_FLOOR)) / np.float32(ref.E4M3_MAX)
+    assert np.array_equal(records[:, 128:].contiguous().view(torch.float32).flatten().numpy().view(np.uint32),
+                          scale.view(np.uint32))
+    codes = torch.from_numpy(x / scale[:, None]).clamp(-ref.E4M3_MAX, ref.E4M3_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(records[:, :128], codes.view(torch.uint8))
 
 
 def _quantization_bound(keys: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,7 +22,14 @@ from sparsekv.jit_kernel.dsv4 import (
 )
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.profiles import scaled_examples
-from sparsekv.testing.reference.dsv4_store import LAYOUTS, norm_rope_store_reference, normalize_rotate, rope_inv_freq
+from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, FP8_AMAX_FLOOR
+from sparsekv.testing.reference.dsv4_store import (
+    LAYOUTS,
+    norm_rope_store_reference,
+    normalize_rotate,
+    rope_inv_freq,
+    sqrt_rn,
+)
 from sparsekv.testing.strategies.dsv4_quant import slot_case
 from sparsekv.testing.strategies.dsv4_store import TABLE_POSITIONS, store_case
 
@@ -58,6 +66,78 @@ def test_stored_bytes_equal_the_reference(backend, kind, data):
                     table_on(backend, rope), kind)
     # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
     assert torch.equal(got.cpu(), expected)
+
+
+def _store_both(backend, x, weight, eps, positions, kind, rope=DSV4_C4_ROPE):
+    """(kernel cache, reference cache) after storing the rows of ``x`` into slots 0 .. N-1 (page size 1)."""
+    layout = LAYOUTS[kind]
+    n = x.shape[0]
+    expected = torch.zeros(n, layout.page_bytes(1), dtype=torch.uint8)
+    table = host_table(rope)
+    norm_rope_store_reference(x, weight, eps, positions, expected, torch.arange(n), 1, table.cos, table.sin, kind)
+    device = device_of(backend)
+    got = torch.zeros_like(expected, device=device)
+    norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, torch.arange(n, device=device), 1,
+                    table_on(backend, rope), kind)
+    return got.cpu(), expected
+
+
+def _fp8_scale_is_the_ieee_quotient(records: torch.Tensor, z: torch.Tensor) -> bool:
+    """The fp32 scale of each INDEXER_FP8 record is ``max(amax(z), 1e-4f) / 448.0f`` (numpy's IEEE division)."""
+    stored = records[:, LAYOUTS["INDEXER_FP8"].value_bytes :].contiguous().view(torch.float32).flatten().numpy()
+    amax = np.maximum(z.abs().amax(dim=1).numpy(), np.float32(FP8_AMAX_FLOOR))
+    return bool(np.array_equal(stored.view(np.uint32), (amax / np.float32(E4M3_MAX)).view(np.uint32)))
+
+
+def test_planted_small_magnitude_fp8_indexer_entry(backend):
+    # Found on the cpu backend (seed 138, row 94): the reference's inv = 1 / torch.sqrt(ms + eps) was one
+    # ulp off (torch's CPU sqrt is not correctly rounded), one bf16 rounding of y flipped, and the stored
+    # scale differed by 6e-5 relative (0.0015362229 against the kernel's 0.0015363191).
+    gen = torch.Generator().manual_seed(138)
+    x, weight = torch.randn(256, 128, generator=gen)[94:95] * 2.0**-12, torch.rand(128, generator=gen) + 0.5
+    positions = torch.zeros(1, dtype=torch.int64)
+    got, expected = _store_both(backend, x, weight, 1e-6, positions, "INDEXER_FP8")
+    assert torch.equal(got, expected)
+    z = normalize_rotate(x, weight, 1e-6, positions, host_table(DSV4_C4_ROPE).cos, host_table(DSV4_C4_ROPE).sin, True)
+    assert _fp8_scale_is_the_ieee_quotient(got, z)
+
+
+def _float32_roots_arguments():
+    # Small and tiny magnitudes (ms + eps of small entries), float32 squares of floats (roots at or
+    # next to a float), and any finite bit pattern (subnormals included).
+    near_squares = st.integers(1, 2**24).map(lambda m: float(np.float32(m * 2.0**-30) ** 2))
+    return st.lists(st.floats(0, 1e4, width=32) | st.floats(0, 2.0**-17, width=32) | near_squares
+                    | st.integers(0, 0x7F7FFFFF).map(lambda b: float(np.uint32(b).view(np.float32))),
+                    min_size=1, max_size=64)
+
+
+@pytest.mark.no_backend("checks the torch reference's square root")
+@settings(max_examples=scaled_examples(40), deadline=None)
+@given(values=_float32_roots_arguments())
+def test_reference_sqrt_is_the_correctly_rounded_float32_root(values):
+    a = np.array(values, dtype=np.float32)
+    # numpy's float32 sqrt is the IEEE instruction (what the kernel's sqrt_rn compiles to).
+    got = sqrt_rn(torch.from_numpy(a)).numpy()
+    assert np.array_equal(got.view(np.uint32), np.sqrt(a).view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@settings(max_examples=scaled_examples(6), deadline=None)
+@given(data=st.data())
+def test_small_entries_store_the_reference_bytes_and_the_ieee_fp8_scale(backend, kind, data):
+    # Entries far below eps's scale (ms << eps): the regime of the planted case, many rows per example.
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(32, KINDS[kind], generator=gen) * 2.0 ** data.draw(st.integers(-16, -8))
+    weight = torch.rand(KINDS[kind], generator=gen) + 0.5
+    positions = torch.tensor(data.draw(st.lists(st.sampled_from([0, 1, 4, 128]) | st.integers(0, 1 << 16),
+                                                min_size=32, max_size=32)))
+    eps = data.draw(st.sampled_from([1e-6, 1e-5]))
+    got, expected = _store_both(backend, x, weight, eps, positions, kind)
+    assert torch.equal(got, expected)
+    if kind == "INDEXER_FP8":
+        table = host_table(DSV4_C4_ROPE)
+        assert _fp8_scale_is_the_ieee_quotient(got, normalize_rotate(x, weight, eps, positions, table.cos, table.sin,
+                                                                      True))
 
 
 def test_reference_is_norm_rope_in_fp64_within_the_quantization_error(backend):

@@ -13,6 +13,8 @@
 // A kernel using a team must run one item per warp (the default warp-per-item driver).
 #pragma once
 
+#include <cmath>
+
 #include "sparsekv/portability.h"
 
 namespace sparsekv::team {
@@ -50,6 +52,23 @@ SPARSEKV_HOST_DEVICE float sub_rn(float a, float b) {
   return __fsub_rn(a, b);
 #else
   return a - b;
+#endif
+}
+
+// IEEE divide and square root, rounded to nearest even on both backends (nvcc's defaults give
+// that too, but a --use_fast_math or -prec-div=false in SPARSEKV_EXTRA_CFLAGS would not).
+SPARSEKV_HOST_DEVICE float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+SPARSEKV_HOST_DEVICE float sqrt_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
 #endif
 }
 

@@ -15,8 +15,8 @@ The e2m1 (FP4) block quantizer of the indexer cache is here too: blocks of 32, `
 
 The indexer keys (:func:`quantize_indexer_keys`, the oracle of the plain indexer-key quantizer and
 the last step of the fused store): ``INDEXER_FP8`` (132 B) is 128 e4m3 codes of ``x / s`` then the
-fp32 scale ``s = max(amax, 1e-4) / 448`` (float32 divisions); ``INDEXER_FP4`` (68 B) is the packed
-FP4 codes then the 4 scale bytes.
+fp32 scale ``s = max(amax, 1e-4) / 448`` (IEEE float32 divisions, not multiplies by a rounded
+reciprocal); ``INDEXER_FP4`` (68 B) is the packed FP4 codes then the 4 scale bytes.
 
 Everything works on whole tensors; scale exponents are found exactly (mantissa comparison, not a
 rounded ``log2``), the rounding is torch's own float8 cast after clamping.
@@ -152,7 +152,10 @@ INDEXER_FORMATS = {"INDEXER_FP8": "fp8", "INDEXER_FP4": "fp4"}
 
 def encode_indexer_fp8(z: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, 132]``: 128 e4m3 values of ``z / scale`` then the fp32 scale bytes (float32 ``z``)."""
-    scale = z.abs().amax(dim=1).clamp_min(FP8_AMAX_FLOOR) / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    amax = z.abs().amax(dim=1).clamp_min(FP8_AMAX_FLOOR)
+    # A true division on every device: CUDA torch divides by a CPU scalar as a multiply by its rounded
+    # reciprocal, which differs from amax / 448 in the last bit for about half of all amax.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     values = (z / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.cat([values, scale.contiguous().view(torch.uint8).reshape(-1, 4)], dim=1)
 

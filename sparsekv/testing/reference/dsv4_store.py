@@ -3,14 +3,19 @@
 Float32 throughout, every step rounded in the kernel's order, so stored bytes compare bit for bit:
 
 * ``x = bf16(x)``; sum of squares: 32 partial sums (partial ``l`` adds channels ``l, l + 32, ...`` in
-  order), then an xor butterfly (offsets 16, 8, 4, 2, 1); ``inv = 1 / sqrt(sum / D + eps)``;
-  ``y = bf16((x * inv) * weight)``.
+  order), then an xor butterfly (offsets 16, 8, 4, 2, 1); ``inv = 1 / sqrt(sum / D + eps)`` with a
+  correctly rounded float32 sqrt (:func:`sqrt_rn`, the kernel's ``sqrt_rn``: torch's ``sqrt`` is not)
+  and a true division; ``y = bf16((x * inv) * weight)``.
 * RoPE on the trailing 64 dims, interleaved pairs, by the same float32 cos/sin table the kernel
   reads (the model's); results rounded to bf16. :func:`rope_inv_freq` (float64, computed here
   independently) checks the table builder.
 * Indexer: Walsh-Hadamard butterflies of stride 1 .. 64, then ``* float32(1/sqrt(128))``.
 * Quantization: :mod:`sparsekv.testing.reference.dsv4_quant` (V4, FP4) and the FP8 indexer rule
   ``scale = max(amax, 1e-4) / 448`` (float32, not a power of two), ``e4m3(x / scale)``.
+
+Every divisor is a tensor on the input's device: CUDA torch turns a division by a CPU scalar (a
+Python float or a 0-dim CPU tensor) into a multiply by its rounded reciprocal, which is not the
+kernel's division (power-of-two divisors excepted).
 """
 
 from __future__ import annotations
@@ -47,6 +52,25 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
+def sqrt_rn(a: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 ``a`` (IEEE ``sqrtf``, the kernel's ``sqrt_rn``).
+
+    ``torch.sqrt`` is not correctly rounded everywhere: the CPU wheel's (MKL vector math) is one ulp
+    off for about one float32 argument in six and one float64 argument in seventy. Its float64 root
+    rounded to float32 is within one ulp of the answer; the neighbour is chosen exactly: the
+    midpoints between float32 neighbours have at most 25 significant bits, so their float64
+    squares are exact, and a root never lies on a midpoint.
+    """
+    a = a.to(torch.float32)
+    root = torch.sqrt(a.to(torch.float64)).to(torch.float32)
+    below = torch.nextafter(root, torch.zeros_like(root))
+    above = torch.nextafter(root, torch.full_like(root, math.inf))
+    low_mid = (root.to(torch.float64) + below.to(torch.float64)) / 2
+    high_mid = (root.to(torch.float64) + above.to(torch.float64)) / 2
+    a64 = a.to(torch.float64)
+    return torch.where(low_mid * low_mid > a64, below, torch.where(high_mid * high_mid < a64, above, root))
+
+
 def _team_sum(values: torch.Tensor) -> torch.Tensor:
     n, d = values.shape
     lanes = values.reshape(n, d // 32, 32)
@@ -64,8 +88,9 @@ def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, position
     """float32 ``[N, D]``: the values the kernel quantizes."""
     n, d = x.shape
     x = _bf16(x.to(torch.float32))
-    ms = _team_sum(x * x) / torch.tensor(float(d), dtype=torch.float32)
-    inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    ms = _team_sum(x * x) / torch.full((n,), float(d), dtype=torch.float32, device=x.device)
+    root = sqrt_rn(ms + torch.full((n,), eps, dtype=torch.float32, device=x.device))
+    inv = torch.ones_like(root) / root
     y = _bf16((x * inv[:, None]) * weight.to(torch.float32))
     rows = positions.to(rope_cos.device, torch.int64)
     cos, sin = rope_cos[rows].to(y.device), rope_sin[rows].to(y.device)
