@@ -677,6 +677,18 @@ def _load_indexed(request: ModuleRequest, roots: cache.CacheRoots) -> tvm_ffi.Mo
     return None
 
 
+def _closure_changed(closure: Mapping[str, bytes], root: Path) -> bool:
+    """Whether any header of ``closure`` (csrc-relative path -> bytes) now reads differently under ``root``."""
+    for rel, data in closure.items():
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                if f.read() != data:
+                    return True
+        except OSError:
+            return True
+    return False
+
+
 def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoots) -> None:
     """Record the request -> entry shortcut next to the artifact (best effort: a read-only root
     simply keeps taking the full path)."""
@@ -686,6 +698,11 @@ def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoot
             continue
         files = [str(plan.csrc / rel) for rel in plan.closure] + [c for c in request.compilers if c]
         doc = {"entry": entry, "tvm_ffi": tvm_ffi.__version__, "files": _stat_signature(files)}
+        # Stat first, then check the bytes are still those the key hashed: a header edited since (e.g.
+        # while the module compiled) must not be recorded as this entry's, or the next process would
+        # load the old module for the new header until the header changed again.
+        if _closure_changed(plan.closure, plan.csrc):
+            return
         try:
             index_dir = root / INDEX_DIR
             index_dir.mkdir(mode=0o700, exist_ok=True)

@@ -320,6 +320,39 @@ def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, countin
     assert compiles() == 2
 
 
+def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module(tmp_path, monkeypatch,
+                                                                                  counting_cxx):
+    # Seen on the shared cache: an edit landing during a compile left the index pointing the edited
+    # header at the module built from the old bytes, and every later process loaded it.
+    cxx, log = counting_cxx
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "csrc_root", lambda: csrc)
+    header = csrc / "include" / "sparsekv" / "portability.h"
+    build = loader.find_or_build
+
+    def build_then_edit(plan, roots):
+        module = build(plan, roots)
+        with open(header, "a") as f:
+            f.write("\n// edited during the compile\n")
+        return module
+
+    def load_fresh():
+        monkeypatch.setattr(loader, "_modules", {})
+        return loader.load_jit(GATHER_ROWS.name, "int64_t", header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
+                               kernels=GATHER_ROWS.kernels)
+
+    monkeypatch.setattr(loader, "find_or_build", build_then_edit)
+    load_fresh()
+    assert not list((tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json"))
+    monkeypatch.setattr(loader, "find_or_build", build)
+    load_fresh()  # the edited bytes: a new key, so a second compile (then indexed)
+    assert len(log.read_text().splitlines()) == 2
+    assert list((tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json"))
+
+
 def test_a_miss_during_cuda_graph_capture_raises_instead_of_compiling(tmp_path, monkeypatch, counting_cxx):
     import torch
 
