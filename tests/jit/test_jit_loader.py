@@ -286,8 +286,10 @@ def test_strict_mode_refuses_to_compile_on_a_miss_and_loads_hits(tmp_path, monke
     assert len(log.read_text().splitlines()) == 1
 
 
-def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, counting_cxx):
-    """The stat index lets a warm load skip hashing headers, but never serves a stale module."""
+@pytest.fixture
+def own_csrc(tmp_path, monkeypatch, counting_cxx):
+    """``(csrc, load_fresh, compiles)``: a private copy of csrc and cache, a load as a new process would
+    do it (no in-process memo), and the number of compiles so far."""
     cxx, log = counting_cxx
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
@@ -295,7 +297,7 @@ def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, countin
     monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "csrc_root", lambda: csrc)
 
-    def load_fresh():  # as a new process would: no in-process memo
+    def load_fresh():
         monkeypatch.setattr(loader, "_modules", {})
         return loader.load_jit(GATHER_ROWS.name, "int64_t", header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
                                kernels=GATHER_ROWS.kernels)
@@ -303,6 +305,12 @@ def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, countin
     def compiles() -> int:
         return len(log.read_text().splitlines()) if log.exists() else 0
 
+    return csrc, load_fresh, compiles
+
+
+def test_warm_index_shortcut_follows_header_edits(tmp_path, own_csrc):
+    """The stat index lets a warm load skip hashing headers, but never serves a stale module."""
+    csrc, load_fresh, compiles = own_csrc
     load_fresh()
     (index,) = (tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json")
     load_fresh()
@@ -320,16 +328,10 @@ def test_warm_index_shortcut_follows_header_edits(tmp_path, monkeypatch, countin
     assert compiles() == 2
 
 
-def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module(tmp_path, monkeypatch,
-                                                                                  counting_cxx):
+def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module(tmp_path, monkeypatch, own_csrc):
     # Seen on the shared cache: an edit landing during a compile left the index pointing the edited
     # header at the module built from the old bytes, and every later process loaded it.
-    cxx, log = counting_cxx
-    csrc = tmp_path / "csrc"
-    shutil.copytree(CSRC, csrc)
-    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
-    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "csrc_root", lambda: csrc)
+    csrc, load_fresh, compiles = own_csrc
     header = csrc / "include" / "sparsekv" / "portability.h"
     build = loader.find_or_build
 
@@ -339,17 +341,12 @@ def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module
             f.write("\n// edited during the compile\n")
         return module
 
-    def load_fresh():
-        monkeypatch.setattr(loader, "_modules", {})
-        return loader.load_jit(GATHER_ROWS.name, "int64_t", header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
-                               kernels=GATHER_ROWS.kernels)
-
     monkeypatch.setattr(loader, "find_or_build", build_then_edit)
     load_fresh()
     assert not list((tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json"))
     monkeypatch.setattr(loader, "find_or_build", build)
     load_fresh()  # the edited bytes: a new key, so a second compile (then indexed)
-    assert len(log.read_text().splitlines()) == 2
+    assert compiles() == 2
     assert list((tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json"))
 
 
