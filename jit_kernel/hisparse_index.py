@@ -14,8 +14,8 @@ The index lives on the device next to ``device_buffer_tokens``, per request row 
 (:meth:`ResidentIndex.rebuild_rows`) from ``device_buffer_tokens`` and ``lru_slots``; afterwards only
 the kernel changes it, in the same launch that changes residency.
 
-The scanning kernel stays the default: on the cpu backend (``tools/bench/bench_hisparse.py
---hot-sweep``, K = 512) the indexed step costs about the same at H = 1-2k and is 1.3-2.4x faster at
+The scanning kernel stays the default: on the cpu backend (``tools/bench/bench_hisparse_index.py``,
+K = 512) the indexed step costs about the same at H = 1-2k and is 1.3-2.4x faster at
 H = 8k, where the scan has grown 1.7-1.9x and the indexed step 1.05-1.2x from H = 1k; no GPU
 measurement yet. The direct map costs 2 bytes per C4 position: 512 KiB per request and layer at a
 1M-token context, where an open-addressing table over the H slots would cost ~16 H bytes.

@@ -58,6 +58,25 @@ def test_every_registered_family_has_a_backend_parametrized_test_file():
         assert ids, f"kernel family header {stem}.cuh has no backend-parametrized tests in {path[:-2]}"
 
 
+def test_every_kernel_stem_has_its_benchmark():
+    """A kernel family's header, wrapper, tests and benchmark share its stem (README, "Layout")."""
+    stems = {Path(family.header).stem for family in discover().values()}
+    missing = sorted(f"tools/bench/bench_{stem}.py" for stem in stems
+                     if not (REPO / "tools" / "bench" / f"bench_{stem}.py").is_file())
+    assert not missing, f"kernel stems without a benchmark: {missing}"
+
+
+def test_every_family_is_named_under_its_stem():
+    """A header registers one family named like it, or more named ``<stem>_<what>`` (``dsv4_indexer_topk``
+    and ``hisparse_planned`` select their instances by other template values than their header's first
+    family), so a family name always says which header, wrapper, tests and benchmark are its own."""
+    for name, family in sorted(discover().items()):
+        stem = Path(family.header).stem
+        assert name == stem or name.startswith(stem + "_"), f"family {name} lives in {family.header}"
+        assert f'name="{name}"' in (REPO / "jit_kernel" / f"{stem}.py").read_text(), \
+            f"family {name} is not registered by its stem's wrapper jit_kernel/{stem}.py"
+
+
 def _no_backend_reason(decorators: list[ast.expr]) -> str | None:
     """The reason of a ``pytest.mark.no_backend("...")`` among ``decorators`` (or a ``pytestmark`` value)."""
     for node in decorators:
@@ -105,14 +124,18 @@ def test_every_kernel_benchmark_takes_a_backend():
         text = bench.read_text()
         used = sorted(w for w in wrappers if re.search(rf"from sparsekv\.jit_kernel\.{w} import", text))
         if used and bench.name not in NOT_KERNEL_BENCHMARKS:
-            assert "add_backend_arg(parser)" in text, f"{bench.name} times {used} but takes no --backend"
+            assert any(call in text for call in ("add_backend_arg(", "bench_args(", "kernel_sweep(")), \
+                f"{bench.name} times {used} but takes no --backend"
 
 
 def test_every_benchmark_says_the_threads_of_each_side():
     # sparsekv.testing.bench.report refuses a result without them; this finds a benchmark that would
-    # only fail when run.
+    # only fail when run. kernel_sweep (one sweep of one kernel) fills them itself.
     for bench in sorted((REPO / "tools" / "bench").glob("bench_*.py")):
         tree = ast.parse(bench.read_text())
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+        if any(call.func.id == "kernel_sweep" for call in calls):
+            continue
         results = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
                    and isinstance(node.func, ast.Name) and node.func.id == "BenchResult"]
         assert results, f"{bench.name} builds no BenchResult"

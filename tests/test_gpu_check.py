@@ -43,7 +43,8 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_che
     # Every kernel family with a test file has its sanitizer case, and every kernel benchmark is run.
     families = {p.stem[len("test_"):] for p in (REPO / "tests" / "kernels").glob("test_*.py")}
     assert set(gpu_check.SANITIZER_CASES) <= families
-    timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py") if "add_backend_arg" in p.read_text()}
+    timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py")
+             if any(call in p.read_text() for call in ("add_backend_arg(", "bench_args(", "kernel_sweep("))}
     assert timed == set(gpu_check.KERNEL_BENCHMARKS)
 
 

@@ -53,7 +53,7 @@ BENCH_DIR = REPO / "tools" / "bench"
 #: Benchmarks that time a kernel family (the others time the loader, planning or PD transfer).
 KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_indexer.py",
                      "bench_dsv4_quant.py", "bench_dsv4_store.py", "bench_gather_rows.py", "bench_hisparse.py",
-                     "bench_hisparse_copy.py")
+                     "bench_hisparse_copy.py", "bench_hisparse_index.py")
 GRAPH_CAPTURE_TEST = "tests/kernels/test_torch_op.py::test_a_captured_decode_step_replays_without_a_host_sync"
 #: One small test per kernel family, run under compute-sanitizer (cuda backend only).
 SANITIZER_CASES = {

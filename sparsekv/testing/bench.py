@@ -21,7 +21,7 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from sparsekv.argtypes import output_path
@@ -195,3 +195,40 @@ def bar_plot(result: BenchResult, path: str, *, label_key: str, value_keys: Iter
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line of a kernel benchmark: ``parser``'s own options, :func:`add_common_args`
+    and :func:`add_backend_arg`."""
+    add_common_args(parser)
+    add_backend_arg(parser)
+    return parser.parse_args()
+
+
+def kernel_sweep(parser: argparse.ArgumentParser, *, name: str, baseline: str, cases: Sequence[tuple],
+                 quick_cases: Sequence[tuple], run_case: Callable[..., dict], plot: dict,
+                 notes: dict | None = None, one_thread: bool = False) -> None:
+    """The ``main()`` of a one-sweep kernel benchmark: parse, run every case, report.
+
+    ``parser`` is read with :func:`bench_args`; each case (``quick_cases``
+    with ``--quick``) is ``run_case(*case, repeats, backend)`` (3 repeats with ``--quick``, else 7),
+    one row of a :class:`BenchResult` named ``"{name} ({backend} backend)"``; the cpu backend runs on
+    one thread, the torch baseline on torch's threads (``one_thread``: on one thread too, like with
+    like). The progress bar is ``bench_<stem>`` (the first word of ``name``); the plot is
+    :func:`bar_plot` with ``plot`` as its keywords.
+    """
+    import torch
+    from tqdm import tqdm
+
+    args = bench_args(parser)
+    if one_thread:
+        torch.set_num_threads(1)
+    repeats = 3 if args.quick else 7
+    on_cpu = args.backend == "cpu"
+    result = BenchResult(name=f"{name} ({args.backend} backend)", baseline=baseline,
+                         threads={"ours": 1 if on_cpu else "cuda",
+                                  "baseline": torch.get_num_threads() if on_cpu else "cuda"},
+                         notes=backend_notes(args.backend, **(notes or {})))
+    for case in tqdm(quick_cases if args.quick else cases, desc=f"bench_{name.split()[0]}", unit="case"):
+        result.rows.append(run_case(*case, repeats, args.backend))
+    report(result, args, lambda r, path: bar_plot(r, path, **plot))

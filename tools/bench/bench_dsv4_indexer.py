@@ -19,20 +19,11 @@ backend runs on one host thread and torch is set to one thread too (``threads``)
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS, lightning_indexer
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import (
-    BenchResult,
-    add_backend_arg,
-    add_common_args,
-    backend_notes,
-    bar_plot,
-    report,
-    timer,
-)
+from sparsekv.testing.bench import kernel_sweep, timer
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
 
@@ -83,22 +74,13 @@ def run_case(entries: int, layout: str, repeats: int, backend: str) -> dict:
 
 
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # the cpu backend runs on one thread: compare like with like
-    cases = QUICK_CASES if args.quick else CASES
-    repeats = 3 if args.quick else 7
-    result = BenchResult(name=f"dsv4_indexer lightning_indexer ({args.backend} backend)",
-                         baseline="torch: decode keys, fp32 matmul + relu + weighted sum, torch.topk (same run)",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                  "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes=backend_notes(args.backend, heads=HEADS, page_size=PAGE, top_k=TOP_K))
-    for entries, layout in tqdm(cases, desc="bench_dsv4_indexer", unit="case"):
-        result.rows.append(run_case(entries, layout, repeats, args.backend))
-    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("kernel_us", "torch_us"),
-                                                  ylabel="latency (us, log)", log=True))
+    kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_indexer lightning_indexer",
+                 baseline="torch: decode keys, fp32 matmul + relu + weighted sum, torch.topk (same run)",
+                 cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
+                 notes=dict(heads=HEADS, page_size=PAGE, top_k=TOP_K),
+                 one_thread=True,  # the cpu backend runs on one thread: compare like with like
+                 plot=dict(label_key="case", value_keys=("kernel_us", "torch_us"), ylabel="latency (us, log)",
+                           log=True))
 
 
 if __name__ == "__main__":

@@ -16,21 +16,12 @@ JSON; ``--plot PNG`` draws entries per microsecond per case.
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
 from sparsekv.kv_layout import LAYOUTS
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import (
-    BenchResult,
-    add_backend_arg,
-    add_common_args,
-    backend_notes,
-    bar_plot,
-    report,
-    timer,
-)
+from sparsekv.testing.bench import kernel_sweep, timer
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 PAGE_SIZE = 64
@@ -70,22 +61,12 @@ def run_case(n: int, kind: str, repeats: int, backend: str) -> dict:
 
 
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    args = parser.parse_args()
-    cases = QUICK_CASES if args.quick else CASES
-    repeats = 3 if args.quick else 7
-    result = BenchResult(name=f"dsv4_store norm_rope_store ({args.backend} backend)",
-                         baseline="torch reference store (same entries, same slots, same run)",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                  "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes=backend_notes(args.backend, page_size=PAGE_SIZE))
-    for n, kind in tqdm(cases, desc="bench_dsv4_store", unit="case"):
-        result.rows.append(run_case(n, kind, repeats, args.backend))
-    report(result, args, lambda r, path: bar_plot(r, path, label_key="case",
-                                                  value_keys=("kernel_entries_per_us", "torch_entries_per_us"),
-                                                  ylabel="entries per microsecond", log=True))
+    kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_store norm_rope_store",
+                 baseline="torch reference store (same entries, same slots, same run)",
+                 cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
+                 notes=dict(page_size=PAGE_SIZE),
+                 plot=dict(label_key="case", value_keys=("kernel_entries_per_us", "torch_entries_per_us"),
+                           ylabel="entries per microsecond", log=True))
 
 
 if __name__ == "__main__":

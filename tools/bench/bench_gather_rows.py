@@ -16,20 +16,11 @@ JSON; ``--plot PNG`` draws GB/s per case.
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import (
-    BenchResult,
-    add_backend_arg,
-    add_common_args,
-    backend_notes,
-    bar_plot,
-    report,
-    timer,
-)
+from sparsekv.testing.bench import kernel_sweep, timer
 
 CASES = ((1 << 12, 584), (1 << 16, 584), (1 << 16, 4096), (1 << 18, 584))
 QUICK_CASES = ((1 << 10, 584), (1 << 14, 584))
@@ -58,21 +49,10 @@ def run_case(n: int, row_bytes: int, repeats: int, backend: str) -> dict:
 
 
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    args = parser.parse_args()
-    cases = QUICK_CASES if args.quick else CASES
-    repeats = 3 if args.quick else 7
-    result = BenchResult(name=f"gather_rows ({args.backend} backend)",
-                         baseline="torch index_select + index_copy_ (same rows, same run)",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                  "baseline": torch.get_num_threads() if args.backend == "cpu" else "cuda"},
-                         notes=backend_notes(args.backend))
-    for n, row_bytes in tqdm(cases, desc="bench_gather_rows", unit="case"):
-        result.rows.append(run_case(n, row_bytes, repeats, args.backend))
-    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("kernel_gbps", "torch_gbps"),
-                                                  ylabel="GB/s (payload once)"))
+    kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="gather_rows",
+                 baseline="torch index_select + index_copy_ (same rows, same run)",
+                 cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
+                 plot=dict(label_key="case", value_keys=("kernel_gbps", "torch_gbps"), ylabel="GB/s (payload once)"))
 
 
 if __name__ == "__main__":

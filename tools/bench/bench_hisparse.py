@@ -20,32 +20,15 @@ Before timing, each case checks that kernel and model produce the same outputs. 
 (one V4 token) for both layouts. Prints JSON (``--json``), plots latency per case (``--plot``),
 ``--quick`` runs a short sweep.
 
-``--hot-sweep``: the scanning kernel (baseline) against the indexed one
-(:mod:`sparsekv.jit_kernel.hisparse_index`) over H in {1k, 2k, 4k, 8k} and miss rates
-{0, 0.1 %, 1 %, 10 %}, K = 512, DSV4 layout, batch 8 (``--quick``: H 1k and 8k, misses 0 and
-0.1 %). The indexed kernel is timed twice: from a fresh queue (the common step) and with a queue
-that must be compacted first (the step that comes once every ~(H / K) steps at most); the summary
-gives each kernel's growth from H = 1k to 8k per miss rate, and each row the table bytes one request
-reads and writes (``scan_table_bytes``: 8 H, the LRU row read and rewritten and each slot's token;
-``indexed_table_bytes``: 16 per distinct top-k token and ~18 per miss).
-
-On paper, H200 (one block of 512 threads per request): both kernels are latency-bound, not
-bandwidth-bound (64 KiB of tables at H = 8k is 14 ns of HBM). The scan walks H / 512 chunks one
-after another, each two dependent global loads (LRU entry, then its slot's token, ~0.7 us each) and
-two block-wide ranks: ~1.5 us per chunk, ~3 us at H = 1k and ~24 us at H = 8k (sglang measures ~30 us
-for its scan at 0.1 % misses). The indexed step is ~3 dependent loads (index, token, queue position),
-a 45-stage bitonic sort of 512 keys in shared memory and the appends: ~5 us whatever H is, plus the
-compaction step (~H / 512 chunks, ~24 us at 8k) at most once every H / K steps (~1.5 us amortized).
+The indexed swap-in (:mod:`sparsekv.jit_kernel.hisparse_index`) has its own benchmark,
+``bench_hisparse_index.py``, built on this one's :class:`Case`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import time
 
 import torch
-import torch.utils.benchmark as benchmark
 from tqdm import tqdm
 
 from sparsekv.cli import CliParser
@@ -55,10 +38,9 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_args,
     swap_in_module,
 )
-from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4, c4_page_slots
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
+from sparsekv.testing.bench import BenchResult, bar_plot, bench_args, report, time_call, timer
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 ITEM_BYTES = V4.bytes_per_token
@@ -162,40 +144,6 @@ class Case:
         if kernel_out.tolist() != model_out or not torch.equal(kernel_bytes, self.model_device):
             raise SystemExit(f"bench_hisparse: kernel and model disagree on {self.describe()}")
 
-    # ---- the indexed kernel (--hot-sweep) ------------------------------------------------
-    def use_index(self, *, compact: bool) -> None:
-        """Build the resident index of the initial tables; with ``compact`` the LRU queue sits at
-        the end of its 2H entries, so the step must compact it first."""
-        index = ResidentIndex.build(self.tokens0, self.lru0, self.host_cache_locs.shape[1])
-        if compact:
-            shift = self.h - self.k + 1  # the tail lands past 2H - K: no room for K appends
-            index.queue[:, shift:shift + self.h] = index.queue[:, : self.h].clone()
-            index.queue_pos[:, : self.h] += shift
-            index.queue_pos[:, self.h:] += shift
-        self.index0 = index
-        self.index = ResidentIndex(*(t.clone() for t in (index.slot_of, index.queue, index.queue_pos)))
-
-    def restore_index(self) -> None:
-        for live, saved in ((self.index.slot_of, self.index0.slot_of), (self.index.queue, self.index0.queue),
-                            (self.index.queue_pos, self.index0.queue_pos)):
-            live.copy_(saved)
-        self.tokens.copy_(self.tokens0)
-
-    def indexed(self) -> None:
-        self.restore_index()
-        fn = load_cache_to_device_buffer_dsv4_mla if self.dsv4 else load_cache_to_device_buffer_mla
-        fn(self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
-           self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, self.k, self.h,
-           resident_index=self.index)
-
-    def check_indexed(self) -> None:
-        """The indexed kernel's outputs and bytes are the scanning kernel's."""
-        self.kernel()
-        scan_out, scan_bytes = self.out.clone(), self.device_buffer.clone()
-        self.indexed()
-        if not (torch.equal(self.out, scan_out) and torch.equal(self.device_buffer, scan_bytes)):
-            raise SystemExit(f"bench_hisparse: indexed and scanning kernels disagree on {self.describe()}")
-
     def describe(self) -> str:
         return f"K={self.k} H={self.h} bs={self.bs} misses={self.misses} {'dsv4' if self.dsv4 else 'generic'}"
 
@@ -207,83 +155,8 @@ def sweep(quick: bool) -> list[tuple[int, int, bool, int, float]]:
     return [(k, h, dsv4, bs, rate) for k, h, dsv4 in shapes for bs in batches for rate in rates]
 
 
-def _thread_time(fn) -> float:
-    start = time.thread_time()
-    fn()
-    return max(time.thread_time() - start, 1e-6)
-
-
-HOT_SWEEP_K = 512
-HOT_SWEEP_BATCH = 8
-
-
-def hot_sweep(args: argparse.Namespace) -> None:
-    """Scanning vs indexed swap-in over H and miss rates (see the module docstring)."""
-    hots = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192]
-    rates = [0.0, 0.001] if args.quick else [0.0, 0.001, 0.01, 0.1]
-    repeats = 3 if args.quick else 7
-    result = BenchResult(name=f"hisparse swap-in, scanning vs indexed over H ({args.backend} backend)",
-                         baseline="scan", threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                                   "baseline": 1 if args.backend == "cpu" else "cuda"},
-                         notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4",
-                                                 "backend": args.backend, "item_bytes": ITEM_BYTES,
-                                                 "latency": "per step, min over repeats, table restore "
-                                                            "subtracted",
-                                                 "timer": "thread CPU time (torch.utils.benchmark)" if
-                                                 args.backend == "cpu" else "CUDA events"})
-    time_kernel = timer(args.backend)
-
-    def best(fn) -> float:
-        if args.backend == "cpu":
-            # The calling thread's CPU time (the cpu backend runs the kernel on it): on a shared
-            # machine wall-clock medians of these sub-millisecond calls moved several-fold between runs.
-            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=time.thread_time)
-            number = max(1, round(0.02 / _thread_time(fn)))
-            return min(timer.timeit(number).mean for _ in range(repeats))
-        return time_kernel(fn, repeats=repeats).min_s
-
-    for h, rate in tqdm([(h, r) for h in hots for r in rates], desc="bench_hisparse --hot-sweep", unit="case"):
-        case = Case(HOT_SWEEP_K, h, HOT_SWEEP_BATCH, rate, True, args.backend)
-        case.use_index(compact=False)
-        case.check_indexed()
-        scan_s = best(case.kernel) - best(case.restore_tables)
-        restore_index_s = best(case.restore_index)
-        indexed_s = best(case.indexed) - restore_index_s
-        case.use_index(compact=True)
-        case.check_indexed()
-        compact_s = best(case.indexed) - restore_index_s
-        result.rows.append({
-            "case": f"H{h} miss{rate:g}", "hot_buffer_size": h, "miss_rate": rate,
-            "misses_per_request": case.misses, "scan_us": scan_s * 1e6, "indexed_us": indexed_s * 1e6,
-            "indexed_compacting_us": compact_s * 1e6, "speedup_vs_scan": scan_s / indexed_s,
-            # Per request. Scan: the LRU row read and rewritten (2 B each) and each slot's token (4 B).
-            # Indexed: per distinct wanted token its index entry, token and queue position (2 + 4 + 4 B)
-            # and its re-append (2 + 4 B); per miss the head's queue entry and position (2 + 4 B), the
-            # evicted token (4 B), two index entries and the slot's token written (2 + 2 + 4 B).
-            "scan_table_bytes": 8 * h, "indexed_table_bytes": 16 * HOT_SWEEP_K + 18 * case.misses,
-        })
-    growth = {}
-    for rate in rates:
-        rows = {r["hot_buffer_size"]: r for r in result.rows if r["miss_rate"] == rate}
-        lo, hi = rows[hots[0]], rows[hots[-1]]
-        growth[f"miss{rate:g}"] = {key: hi[f"{key}_us"] / lo[f"{key}_us"] for key in ("scan", "indexed")}
-    result.notes[f"growth_H{hots[0]}_to_H{hots[-1]}"] = growth
-    report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
-                                                        value_keys=("scan_us", "indexed_us", "indexed_compacting_us"),
-                                                        ylabel="step latency (us, log)", log=True))
-
-
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    parser.add_argument("--hot-sweep", action="store_true",
-                        help="scanning vs indexed swap-in over H in {1k..8k} and miss rates {0..10%%}")
-    args = parser.parse_args()
-    if args.hot_sweep:
-        torch.set_num_threads(1)
-        hot_sweep(args)
-        return
+    args = bench_args(CliParser(description=__doc__.splitlines()[0]))
     # One thread for everything: the kernel's cpu backend runs one request after another on one
     # thread, and torch's pool would only add spin-wait noise to the table restores on a busy machine.
     torch.set_num_threads(1)
