@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-import select
 import socket
 import struct
 import threading
@@ -132,18 +131,6 @@ class Channel:
         if not isinstance(message, dict):
             raise ProtocolError("sparsekv: bootstrap message is not a JSON object")
         return message
-
-    def peer_closed(self) -> bool:
-        """Whether the peer has closed the connection (non-blocking; pending data is not consumed)."""
-        if self.closed:
-            return True
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable:
-                return False
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
 
     def close(self) -> None:
         """Close the connection (idempotent)."""

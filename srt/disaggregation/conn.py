@@ -376,7 +376,10 @@ class KVSender:
                     ) -> None:
         """Declare where room ``room``'s data is: KV pages and one index list per state component.
 
-        ``on_done(room, ok)`` runs once the room succeeded or failed (e.g. to free its pages).
+        ``on_done(room, ok)`` runs once the room succeeded or failed (e.g. to free its pages), on
+        one of the sender's threads: senders (PP stages) that share a callback may call it at
+        the same time, so it must be thread-safe. An exception it raises is logged; it never
+        ends the decode's connection nor keeps the room's status from the decode.
 
         Raises
         ------
@@ -495,12 +498,16 @@ class KVSender:
             callback = r.on_done
             self._cond.notify_all()
         if callback is not None:
-            callback(room, status == RoomStatus.SUCCESS)
+            try:
+                callback(room, status == RoomStatus.SUCCESS)
+            except Exception:  # the scheduler's bug: the connection still serves the other rooms
+                logger.exception("on_done of room %d raised", room)
 
-    def _next_message(self, ch: Channel) -> dict | None:
-        """The decode's next message; None once it hung up or the sender closes. A frame that is
-        whole but not a JSON object is refused (one message) and skipped; a frame over the size
-        bound ends the connection, after a refusal (the stream cannot be trusted past it)."""
+    def _next_message(self, ch: Channel, hangup: threading.Event) -> dict | None:
+        """The decode's next message; None once it hung up (``hangup`` is then set) or the sender
+        closes. A frame that is whole but not a JSON object is refused (one message) and skipped; a
+        frame over the size bound ends the connection, after a refusal (the stream cannot be
+        trusted past it)."""
         while not self._closing:
             try:
                 readable, _, _ = select.select([ch.sock], [], [], 0.1)
@@ -516,6 +523,7 @@ class KVSender:
                     self._send_refusal(ch, str(e))
                     return None
                 except (PeerClosedError, TimeoutError):
+                    hangup.set()
                     return None
         return None
 
@@ -558,18 +566,24 @@ class KVSender:
             planner = RoomPlanner(self.manifest, remote, self.kv_args)
             session = _Session(hello.session, hello.checksums)
             # Two stages: this thread reads and plans the next room while the poster thread's
-            # writes of the previous one run (the engine releases the GIL while it copies).
+            # writes of the previous one run (the engine releases the GIL while it copies). This
+            # thread is the connection's only reader: it tells the poster, through `hangup`, that
+            # the decode went away. (A poster that peeked at the socket itself could find the byte
+            # select() saw already read by this thread, and its peek then blocked for the socket's
+            # timeout and read as a hangup: a 30 s stall that failed a healthy room.)
             posts: queue.Queue = queue.Queue()
-            poster = threading.Thread(target=self._post_loop, args=(ch, peer, posts, session), name="kv-sender-post",
-                                      daemon=True)
+            hangup = threading.Event()
+            poster = threading.Thread(target=self._post_loop, args=(ch, peer, posts, session, hangup),
+                                      name="kv-sender-post", daemon=True)
             poster.start()
             try:
-                while poster.is_alive() and (message := self._next_message(ch)) is not None:
+                while poster.is_alive() and (message := self._next_message(ch, hangup)) is not None:
                     op = message.get("op")
                     if op == "transfer":
                         if (prepared := self._prepare(ch, planner, message, session)) is not None:
                             posts.put(prepared)
-                    elif op == "bye":
+                    elif op == "bye":  # the decode waits for nothing more
+                        hangup.set()
                         break
                     else:
                         self._send_refusal(ch, f"sparsekv: unknown bootstrap op {op!r:.80}")
@@ -627,7 +641,8 @@ class KVSender:
             self._fail(ch, room, f"sparsekv: room {room} refused before any write: {e}")
             return None
 
-    def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue, session: _Session) -> None:
+    def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue, session: _Session,
+                   hangup: threading.Event) -> None:
         """Write the planned rooms in order; after a failed transfer fail the rest and stop."""
         lost = ""
         while (item := posts.get()) is not None:
@@ -636,7 +651,7 @@ class KVSender:
                 self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
                 continue
             try:
-                batches, nbytes, seconds = self._write(ch, peer, room, plan, session)
+                batches, nbytes, seconds = self._write(peer, room, plan, session, hangup)
             except TransferError as e:
                 self._fail(ch, room, str(e))
                 lost = str(e)
@@ -659,7 +674,8 @@ class KVSender:
         except PeerClosedError:
             pass
 
-    def _write(self, ch: Channel, peer: str, room: int, plan: Plan, session: _Session) -> tuple[int, int, float]:
+    def _write(self, peer: str, room: int, plan: Plan, session: _Session,
+               hangup: threading.Event) -> tuple[int, int, float]:
         batches = plan_batches(plan, self.max_batch_rows)
         n = len(batches)
         nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
@@ -672,14 +688,14 @@ class KVSender:
         try:
             for i, (src_kind, dst_kind, rows) in enumerate(batches):
                 while len(inflight) >= self.max_inflight:
-                    self._wait_one(ch, inflight.pop(0), deadline, room)
+                    self._wait_one(hangup, inflight.pop(0), deadline)
                     done += 1
                     if self.progress is not None:
                         self.progress(room, done, n)
                 inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind,
                                                    notif=f"{session.id}:{self.address[1]}:{room}:{i}:{n}".encode()))
             while inflight:
-                self._wait_one(ch, inflight.pop(0), deadline, room)
+                self._wait_one(hangup, inflight.pop(0), deadline)
                 done += 1
                 if self.progress is not None:
                     self.progress(room, done, n)
@@ -690,7 +706,7 @@ class KVSender:
                 handle.release()
         return n, nbytes, time.perf_counter() - start
 
-    def _wait_one(self, ch: Channel, handle: TransferHandle, deadline: float, room: int) -> None:
+    def _wait_one(self, hangup: threading.Event, handle: TransferHandle, deadline: float) -> None:
         since = time.monotonic()
         try:
             while True:
@@ -699,7 +715,7 @@ class KVSender:
                     return
                 if state == "ERR":
                     raise TransferError("the transfer engine reported a failed write")
-                if ch.peer_closed():
+                if hangup.is_set():
                     raise TransferError("the decode side went away mid-transfer")
                 if self._closing:
                     raise TransferError("the sender is closing")

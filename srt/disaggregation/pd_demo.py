@@ -31,6 +31,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, replace
@@ -247,13 +248,16 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
                 time.sleep(0.01)
 
     senders, held = [], {}
+    held_lock = threading.Lock()
 
     def on_done(r: int, ok: bool) -> None:  # a real scheduler frees the room's source pages here
-        if not ok:
-            events.setdefault("first_failure", time.monotonic())
-        held[r] -= 1
-        if held[r] == 0:
-            del held[r]
+        # Every stage's threads call this, at once when the stages refuse a room together.
+        with held_lock:
+            if not ok:
+                events.setdefault("first_failure", time.monotonic())
+            held[r] -= 1
+            if held[r] == 0:
+                del held[r]
 
     backend = None
     try:
@@ -269,7 +273,8 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
         conn.send({"addresses": [s.address for s in senders]})
         decode_pid["pid"] = _recv(conn, ROLE_TIMEOUT_S)["decode_pid"]
         for room in plan:
-            held[room["room"]] = len(senders)
+            with held_lock:
+                held[room["room"]] = len(senders)
             for s in senders:
                 s.add_request(room["room"], room["src"][0], room["src"][1:], on_done=on_done)
         t0 = time.perf_counter()

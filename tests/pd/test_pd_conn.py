@@ -156,3 +156,28 @@ def test_a_reused_planner_plans_what_a_fresh_one_does(src_kv, dst_kv, own_c4_pag
     assert fresh.keys() == reused.keys()
     for kinds in fresh:
         assert np.array_equal(np.concatenate(fresh[kinds]), np.concatenate(reused[kinds]))
+
+
+@needs_nixl
+def test_an_on_done_that_raises_never_costs_the_connection(linked):
+    # on_done is the scheduler's code: one that raises is logged, and every room still gets its
+    # status (a success, a refusal), and the connection serves the next room. It once killed the
+    # thread that raised, and the decode saw the connection end or a room never answer.
+    sender, receiver = linked
+    calls = []
+
+    def on_done(room: int, ok: bool) -> None:
+        calls.append((room, ok))
+        raise RuntimeError("a scheduler bug")
+
+    src_kv, src_states, dst_kv, dst_states = room_indices(1)
+    for room in (1, 2, 3):
+        sender.add_request(room, src_kv, src_states, on_done=on_done)
+    receiver.request(1, dst_kv, dst_states)
+    receiver.wait(1)
+    receiver.request(2, dst_kv, [dst_states[0] + [6], dst_states[1]])  # one SWA destination too many
+    with pytest.raises(TransferError, match="room 2 refused before any write.*index length mismatch"):
+        receiver.wait(2)
+    receiver.request(3, dst_kv, dst_states)
+    receiver.wait(3)
+    assert calls == [(1, True), (2, False), (3, True)]

@@ -156,15 +156,15 @@ def scenario_refusals() -> dict:
         time.sleep(0.001)
     result["notifs_through_good"] = notifs
     result["good_landed"] = bool(np.array_equal(dst, expected))  # and nothing anywhere else
-    b.close()  # the peer goes away: a write to it fails, quickly
-    t0 = time.monotonic()
+    b.close()  # the peer goes away: a write to it fails within the engine's bound
     try:
         handle = a.write(peer, good, src_kind="DRAM", dst_kind="DRAM", notif=b"late")
+        # The engine's bound is MC_TRANSFER_TIMEOUT (10 s here); a write still in flight when this
+        # wait gives up, twice that later, reads "PROC".
         result["dead_peer_status"] = _wait(handle, 20.0)
         handle.release()
     except TransferError as e:
         result["dead_peer_status"] = f"refused: {e}"
-    result["dead_peer_seconds"] = time.monotonic() - t0
     a.close()
     a.close()  # idempotent
     result["registered_after_close"] = len(a.registered) + len(b.registered)
@@ -220,16 +220,7 @@ def assert_prefill_released(prefill: dict) -> None:
     assert prefill["rooms_still_held"] == []
 
 
-# Open (issue 26): this session (PP=2 and a refused room 3), on either decode kind, stalls 30 s about
-# one run in four and room 4 fails ("prefill stage 0 closed the connection before room 4 finished")
-# with part of its bytes written; the root cause is not found. It runs under --slow, where it can fail.
-FLAKY_MOONCAKE_PP = pytest.mark.skipif(
-    "not config.getoption('--slow')",
-    reason="open issue 26: a Mooncake PP=2 session with a refused room stalls ~1 run in 4; runs with --slow")
-
-
 @needs_mooncake
-@FLAKY_MOONCAKE_PP
 @pytest.mark.parametrize("hisparse", [False, True],
                          ids=["device-decode", "hisparse-decode"])
 def test_pp_stages_arrive_byte_for_byte(hisparse):
@@ -282,9 +273,9 @@ def test_bad_rows_are_refused_before_anything_is_posted():
     assert result["handles_after_refusals"] == 0
     assert result["good_status"] == "DONE" and result["good_landed"] is True
     assert result["notifs_through_good"] == ["a:good"]  # no refused write notified before it
-    # A dead peer fails the write within the engine's bound (Mooncake's is at least 5 s), never hangs.
+    # A dead peer fails the write within the engine's bound, never hangs: a write still running
+    # when the scenario's bounded wait gave up would read "PROC".
     assert result["dead_peer_status"] == "ERR" or result["dead_peer_status"].startswith("refused")
-    assert result["dead_peer_seconds"] < 15
     assert result["registered_after_close"] == 0 and result["handles_after_close"] == 0
 
 
