@@ -35,9 +35,27 @@ _interpret_triton_without_cuda()
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run slow tests and the deep hypothesis profile")
+    parser.addoption("--failures-now", action="store_true",
+                     help="print each failure's traceback when it happens, not at the end (a run cut short, as on a "
+                          "GPU lent for minutes, still says why its tests failed)")
+
+
+_failures_now = None  # the pytest config, under --failures-now
+
+
+def pytest_runtest_logreport(report):
+    # Under xdist this runs in the controller for every worker's report, so the output is in order.
+    if _failures_now is not None and report.failed:
+        terminal = _failures_now.pluginmanager.get_plugin("terminalreporter")
+        terminal.write_line(f"\n--- FAILED {report.nodeid} ({report.when})")
+        terminal.write_line(str(report.longrepr))
+        terminal.flush()  # a run killed at its time limit keeps what it printed
 
 
 def pytest_configure(config):
+    global _failures_now
+    if config.getoption("--failures-now"):
+        _failures_now = config
     config.addinivalue_line("markers", "no_backend(reason): a kernel test whose body does not depend on the backend")
     settings.load_profile("slow" if config.getoption("--slow") else "ci")
 

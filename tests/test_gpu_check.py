@@ -74,3 +74,14 @@ def test_a_step_gets_what_is_left_of_the_budget(gpu_check, tmp_path):
     assert slow.status == "fail" and slow.detail.startswith("over its 11 s limit")
     doc = gpu_check.write_summary([slow, late], tmp_path, "test")
     assert (doc["passed"], doc["complete"]) == (False, False)
+
+
+def test_failures_now_prints_a_traceback_before_the_run_ends(pytester):
+    # gpu-check's kernel suite may be cut by its budget: each failure must be in the log when it happens.
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_planted="def test_planted():\n    assert 6 * 7 == 43, 'planted failure'\n\n"
+                                     "def test_later():\n    pass\n")
+    result = pytester.runpytest_subprocess("--failures-now", "-p", "no:cacheprovider", "-q")
+    out = result.stdout.str()
+    assert "--- FAILED test_planted.py::test_planted (call)" in out
+    assert out.index("planted failure") < out.index("= FAILURES =")

@@ -110,9 +110,10 @@ def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
     benches = [Step(f"bench {bench[len('bench_'):-len('.py')]}",
                     [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
                      str(work / (bench[:-len(".py")] + ".json"))], 60) for bench in KERNEL_BENCHMARKS]
-    # -v: each test's outcome is in the log as it ends, so a suite stopped by the budget still tells.
-    kernel_tests = Step("kernel tests cuda", [python, "-m", "pytest", "-v", "-n", str(jobs), "-p", "no:cacheprovider",
-                                              "--durations=30", "tests/kernels"], 600, cuda_tests)
+    # -v and --failures-now: each outcome and each failure's traceback is in the log as it happens, so
+    # a suite stopped by the budget still says why its tests failed.
+    kernel_tests = Step("kernel tests cuda", [python, "-m", "pytest", "-v", "--failures-now", "-n", str(jobs), "-p",
+                                              "no:cacheprovider", "--durations=30", "tests/kernels"], 600, cuda_tests)
     # memcheck (memory safety) before the benchmarks, racecheck after them, the whole suite last.
     return steps + sanitized[:1] + benches + sanitized[1:] + [kernel_tests]
 

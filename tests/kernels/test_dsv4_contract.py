@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import (
@@ -260,7 +260,7 @@ def test_a_page_size_whose_page_bytes_overflow_is_refused(backend, call):
         call(device_of(backend))
 
 
-def test_topk_refuses_a_page_whose_slots_overflow_int32(backend):
+def test_topk_refuses_a_page_whose_slots_overflow_int32(backend, index_checks):
     device = device_of(backend)
     scores = torch.arange(8, dtype=torch.float32, device=device)[None]
     for page in (2**26 + 3, 2**25):  # slot 2^32 + 195 wrapped onto page 3; 2^31 + 7 wrapped negative
@@ -277,8 +277,9 @@ def test_topk_refuses_a_page_whose_slots_overflow_int32(backend):
 
 
 @given(page=st.integers(0, 2**31 - 1), page_shift=st.integers(0, 20), offset=st.integers(0, 2**20 - 1))
-@settings(deadline=None)
-def test_topk_slots_are_exact_or_refused(backend, page, page_shift, offset):
+# index_checks only sets an environment variable, the same for every example.
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_topk_slots_are_exact_or_refused(backend, index_checks, page, page_shift, offset):
     # Every slot the top-k returns is page * P + offset exactly; a page whose slots leave int32 is refused.
     device, p = device_of(backend), 1 << page_shift
     offset %= p
@@ -294,7 +295,7 @@ def test_topk_slots_are_exact_or_refused(backend, page, page_shift, offset):
         assert int(slots[0, 0]) == page * p + offset
 
 
-def test_the_largest_int64_position_is_not_an_overflow(backend):
+def test_the_largest_int64_position_is_not_an_overflow(backend, index_checks):
     # (t + 1) // 4 at t = 2^63 - 1 wrapped to a negative count (0 visible), so the call was accepted.
     device = device_of(backend)
     t = torch.tensor([2**63 - 1, 2**63 - 2, 2**63 - 4, 2**62, -5, 2], dtype=torch.int64)
