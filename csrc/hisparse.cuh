@@ -15,6 +15,12 @@
 //     and its bytes move host_cache[host_cache_locs[rid, tok]] -> device_buffer[locs[rid, slot]].
 //     Repeated entries of one token share its slot. lru_slots[rid] becomes
 //     [unused non-hits | miss slots in miss order | hit slots], each group in its previous LRU order.
+//   * Protected LRU (template arguments ProtectRecent = W, ProtectNear = S, either > 0; both 0 is
+//     the LRU above): a non-hit slot is protected when its token t >= 0 lies in the last W positions
+//     (t >= newest - W) or within S positions of a token the step asks for (a hit or a miss). The
+//     misses take the unprotected non-hits in LRU order, then the protected ones in LRU order;
+//     lru_slots becomes [unused non-hits | miss slots | hit slots] as for LRU (the model:
+//     swap_in_step(protect_recent=W, protect_near=S)). The indexed entry serves LRU only.
 //   * Optional outputs: the miss plan (miss_src[b, m], miss_dst[b, m] for m < miss_count[b]) and
 //     device counters {hits, misses, bytes} added to without a host sync.
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
@@ -100,14 +106,66 @@ struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, PageSlots>> {
 template <class Layout>
 inline constexpr bool kIsPaged = !std::is_same_v<Layout, LinearRows>;
 
+// SwapIn's launch parameters (the same for every K, H and policy).
+struct SwapInParams {
+  const int32_t* top_k_tokens;
+  int64_t top_k_stride;
+  int32_t* top_k_device_locs;
+  int64_t out_stride;
+  int32_t* device_buffer_tokens;
+  const int32_t* device_buffer_locs;
+  int64_t buffer_stride;
+  const int64_t* host_cache_locs;
+  int64_t max_len;  // columns (and row stride) of host_cache_locs
+  int16_t* lru_slots;
+  int64_t lru_stride;
+  const void* req_pool_indices;
+  bool req_is64;
+  const void* seq_lens;
+  bool seq_is64;
+  int64_t batch;
+  int64_t max_reqs;
+  const int32_t* num_real_reqs;  // nullptr: every row is real
+  const uint8_t* host_cache;
+  int64_t host_stride;
+  int64_t host_slots;
+  uint8_t* device_buffer;
+  int64_t device_stride;
+  int64_t device_slots;
+  int64_t item_bytes;
+  int64_t* miss_src;  // nullptr: no plan
+  void* miss_dst;
+  bool miss_dst_is64;
+  int32_t* miss_count;
+  int64_t miss_src_stride;
+  int64_t miss_dst_stride;
+  int64_t* counters;  // nullptr: no counters; else {hits, misses, bytes}
+  bool speculative;   // rows of one request are served together, in batch order (else refused)
+};
+
+// The protected LRU's per-request scratch (empty for LRU): the victim order (unprotected non-hits,
+// then protected ones, each in LRU order), the protected ones while the scan collects them, and
+// each non-hit's victim rank (unprotected r >= 0, the p-th protected -1 - p), by LRU position.
+template <int H, bool On>
+struct ProtectScratch {};
+template <int H>
+struct ProtectScratch<H, true> {
+  int16_t victims[H];
+  int16_t protected_slots[H];
+  int16_t victim_rank[H];
+};
+
 // ---------------------------------------------------------------------------------------------
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 struct SwapIn {
   static_assert(K >= 1 && K < 32768, "hisparse: num_top_k must be in [1, 32768) (int16 slot ids)");
   static_assert(H >= K && H < 32768, "hisparse: hot_buffer_size must be in [num_top_k, 32768) (int16 slot ids)");
   static_assert(BlockSize >= kWarpSize && BlockSize <= 1024 && BlockSize % kWarpSize == 0,
                 "hisparse: block_size must be a multiple of 32 in [32, 1024]");
 
+  static_assert(ProtectRecent >= 0 && ProtectNear >= 0 && ProtectNear < 4096,
+                "hisparse: protect_recent must be >= 0 and protect_near in [0, 4096)");
+  static constexpr bool kProtect = ProtectRecent > 0 || ProtectNear > 0;
   static constexpr int kTopK = K;
   static constexpr int kHot = H;
   static constexpr int kBlockSize = BlockSize;
@@ -116,44 +174,10 @@ struct SwapIn {
   static constexpr int kHashSize = 1 << kHashBits;
   static constexpr int32_t kEmpty = -1;
 
-  struct Params {
-    const int32_t* top_k_tokens;
-    int64_t top_k_stride;
-    int32_t* top_k_device_locs;
-    int64_t out_stride;
-    int32_t* device_buffer_tokens;
-    const int32_t* device_buffer_locs;
-    int64_t buffer_stride;
-    const int64_t* host_cache_locs;
-    int64_t max_len;  // columns (and row stride) of host_cache_locs
-    int16_t* lru_slots;
-    int64_t lru_stride;
-    const void* req_pool_indices;
-    bool req_is64;
-    const void* seq_lens;
-    bool seq_is64;
-    int64_t batch;
-    int64_t max_reqs;
-    const int32_t* num_real_reqs;  // nullptr: every row is real
-    const uint8_t* host_cache;
-    int64_t host_stride;
-    int64_t host_slots;
-    uint8_t* device_buffer;
-    int64_t device_stride;
-    int64_t device_slots;
-    int64_t item_bytes;
-    int64_t* miss_src;  // nullptr: no plan
-    void* miss_dst;
-    bool miss_dst_is64;
-    int32_t* miss_count;
-    int64_t miss_src_stride;
-    int64_t miss_dst_stride;
-    int64_t* counters;  // nullptr: no counters; else {hits, misses, bytes}
-    bool speculative;   // rows of one request are served together, in batch order (else refused)
-  };
+  using Params = SwapInParams;
 
   // Per-request scratch: shared memory on the GPU, a stack frame on the host.
-  struct Shared {
+  struct Shared : ProtectScratch<H, kProtect> {
     int32_t hash_key[kHashSize];    // token, kEmpty
     int32_t hash_first[kHashSize];  // first top-k index of the token; -1 once it was a miss
     int16_t hash_slot[kHashSize];   // hot slot the token resolved to, -1 none
@@ -195,6 +219,18 @@ struct SwapIn {
   }
 
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
+
+  // The protected LRU's rule for a non-hit slot holding `held`: in the last ProtectRecent positions,
+  // or within ProtectNear positions of a token of the step's hash table.
+  SPARSEKV_HOST_DEVICE static bool is_protected(const Shared& s, int32_t held, int64_t newest) {
+    if (held < 0) return false;
+    if (ProtectRecent > 0 && held >= newest - ProtectRecent) return true;
+    for (int d = -ProtectNear; d <= ProtectNear; ++d) {
+      const int64_t q = static_cast<int64_t>(held) + d;
+      if (q >= 0 && q < newest && lookup(s, static_cast<int32_t>(q)) >= 0) return true;
+    }
+    return false;
+  }
 
   // Work unit b of a launch; called by every thread of the team. A real row whose request another
   // real row also names: plain entry, refused (like padding: -1, no miss, tables untouched: two
@@ -307,7 +343,7 @@ struct SwapIn {
 
     // 2. Walk the LRU order: hits compact forward, the rest backward, both keeping LRU order, so
     //    lru_out[H - 1 - e] is the e-th least-recently-used evictable slot.
-    int num_hits = 0, num_evictable = 0;
+    int num_hits = 0, num_evictable = 0, num_unprotected = 0, num_protected = 0;
     for (int base = 0; base < H; base += t.size) {
       const int j = base + t.tid;
       const bool in = j < H;
@@ -325,10 +361,32 @@ struct SwapIn {
       } else if (in) {
         s.lru_out[H - 1 - (num_evictable + r_evict)] = slot;
       }
+      if constexpr (kProtect) {
+        const bool prot = in && !hit && is_protected(s, held, newest);
+        int n_unprot = 0, n_prot = 0;
+        const int r_unprot = t.rank(in && !hit && !prot, &n_unprot, s.warp_counts);
+        const int r_prot = t.rank(prot, &n_prot, s.warp_counts);
+        if (in && !hit) {
+          const int e = num_evictable + r_evict;
+          if (prot) {
+            s.protected_slots[num_protected + r_prot] = slot;
+            s.victim_rank[e] = static_cast<int16_t>(-1 - (num_protected + r_prot));
+          } else {
+            s.victims[num_unprotected + r_unprot] = slot;
+            s.victim_rank[e] = static_cast<int16_t>(num_unprotected + r_unprot);
+          }
+        }
+        num_unprotected += n_unprot;
+        num_protected += n_prot;
+      }
       num_hits += n_hit;
       num_evictable += n_evict;
     }
     t.sync();
+    if constexpr (kProtect) {  // the victim order: unprotected, then protected
+      for (int q = t.tid; q < num_protected; q += t.size) s.victims[num_unprotected + q] = s.protected_slots[q];
+      t.sync();
+    }
 
     // 3. Misses in top-k order (first occurrence of each token) take evictable slots in LRU order.
     int num_misses = 0;
@@ -341,7 +399,14 @@ struct SwapIn {
       const int r_miss = t.rank(miss, &n_miss, s.warp_counts);
       if (miss) {
         const int m = num_misses + r_miss;
-        const int16_t slot = m < num_evictable ? s.lru_out[H - 1 - m] : int16_t(-1);
+        int16_t slot = -1;
+        if (m < num_evictable) {
+          if constexpr (kProtect) {
+            slot = s.victims[m];
+          } else {
+            slot = s.lru_out[H - 1 - m];
+          }
+        }
         s.miss_index[m] = static_cast<int16_t>(i);
         s.hash_first[pos] = -1;  // marks the token as loaded this step (for the hit counter)
         if (slot >= 0 && slot < H) {
@@ -356,6 +421,24 @@ struct SwapIn {
     // 4. LRU order becomes [unused evictables | miss slots | hits]: a permutation of the old row.
     const int used = num_misses < num_evictable ? num_misses : num_evictable;
     const int unused = num_evictable - used;
+    if constexpr (kProtect) {
+      // The unused non-hits keep their LRU order (a compaction by victim rank), then the misses'
+      // slots in miss order, then the hits.
+      int placed = 0;
+      for (int base = 0; base < num_evictable; base += t.size) {
+        const int e = base + t.tid;
+        const int r = e < num_evictable ? s.victim_rank[e] : 0;
+        const bool keep = e < num_evictable && (r >= 0 ? r : num_unprotected - 1 - r) >= used;
+        int n_keep = 0;
+        const int r_keep = t.rank(keep, &n_keep, s.warp_counts);
+        if (keep) lru[placed + r_keep] = s.lru_out[H - 1 - e];
+        placed += n_keep;
+      }
+      for (int m = t.tid; m < used; m += t.size) lru[unused + m] = s.victims[m];
+      for (int j = t.tid; j < num_hits; j += t.size) lru[num_evictable + j] = s.lru_out[j];
+      finish_slow_path(p, b, rid, t, s, out, top_k, locs, seq_len, num_misses, &s.victims[0], 1, num_evictable);
+      return;
+    }
     for (int k = t.tid; k < H; k += t.size) {
       int16_t slot;
       if (k < unused) {
@@ -462,8 +545,8 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
   return launch_kernel<swap_in_kernel<Kernel>>(static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, stream, p);
 }
 
-template <int K, int H, int BlockSize, class Layout>
-int SwapIn<K, H, BlockSize, Layout>::run_on_cuda(const Params& p, void* stream) {
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
+int SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>::run_on_cuda(const Params& p, void* stream) {
   return launch_per_request<SwapIn>(p, p.batch, stream);
 }
 #endif
@@ -739,7 +822,7 @@ void validate_swap_in(const P& p) {
   }
 }
 
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
 void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
              TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
              TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots,
@@ -766,18 +849,19 @@ void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorVie
   }
   if (mode == IndexCheck::kOnly || p.batch == 0) return;
   // 4. Launch on the caller's stream.
-  launch<SwapIn<K, H, BlockSize, Layout>>(p, top_k_tokens.device());
+  launch<SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>>(p, top_k_tokens.device());
 }
 
 // The plain entry: every real row names its own request.
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
                                  TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
                                  TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
                                  TensorView lru_slots, int64_t item_size_bytes, OptionalTensor num_real_reqs,
                                  OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
                                  OptionalTensor counters, int64_t index_check) {
-  swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+  swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(
+      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
                                    host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
                                    item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
                                    index_check, false);
@@ -785,14 +869,15 @@ void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buff
 
 // The speculative entry (MTP draft tokens, speculative decoding): several real rows may name one
 // request; its rows are served in batch order by one block, as if run one call after another.
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 void load_cache_to_device_buffer_speculative(
     TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
     TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
     TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, int64_t item_size_bytes,
     OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
     OptionalTensor counters, int64_t index_check) {
-  swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+  swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(
+      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
                                    host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
                                    item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
                                    index_check, true);

@@ -14,6 +14,7 @@ one import.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,11 +38,13 @@ __all__ = [
     "SHARED_MEMORY_LIMIT",
     "SWAP_IN",
     "SWAP_IN_ARGS",
+    "SWAP_IN_POLICIES",
     "copy_cache_planned_mla",
     "default_block_size",
     "host_check_args",
     "load_cache_to_device_buffer_dsv4_mla",
     "load_cache_to_device_buffer_mla",
+    "policy_protections",
     "swap_in_args",
     "swap_in_entry",
     "swap_in_module",
@@ -55,6 +58,14 @@ LAYOUTS = ("generic", "dsv4")
 #: Shared memory one block may use on sm_90 / sm_100 (227 KiB): the bound on the GPU path's scratch.
 SHARED_MEMORY_LIMIT = 227 * 1024
 _MAX_SLOTS = 32768  # slot ids are int16
+_MAX_PROTECT_NEAR = 4096  # the header's bound: 2 S + 1 table lookups per non-hit slot
+
+#: Replacement policies of the scanning swap-in: ``(protect_recent, protect_near)`` template
+#: arguments. ``"lru"`` is sglang's; the protected ones evict the non-hit slots whose token lies in
+#: the last ``protect_recent`` positions or within ``protect_near`` of a requested token only after
+#: every other one (the model: ``sparsekv.testing.hisparse_policy.swap_in_step``; the simulator's
+#: ``recent_lru`` and ``near_lru`` with the same numbers).
+SWAP_IN_POLICIES = {"lru": (0, 0), "recent_lru": (256, 0), "near_lru": (256, 16)}
 _WARP = 32
 
 
@@ -67,16 +78,19 @@ def default_block_size(num_top_k: int) -> int:
     return min(1024, max(64, 1 << _log2_ceil(num_top_k)))
 
 
-def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int) -> int:
+def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, protected: bool = False) -> int:
     """Bytes of ``SwapIn<K, H, BlockSize>::Shared``, the per-request scratch in shared memory.
 
     With ``T = 2 ** ceil(log2(2 K))`` hash cells: ``align4(10 T + 2 H + 2 K) + 4 (BlockSize / 32) + 4``
     (int32 key + int32 first index + int16 slot per cell, int16 LRU and miss arrays, one int32 per
-    warp and a copy counter). ``tests/kernels/test_hisparse.py`` pins it to the C++ ``sizeof``.
+    warp and a copy counter), plus ``align4(6 H)`` for a protected policy (three int16 arrays of H:
+    the victim order, the protected slots, the victim ranks). ``tests/kernels/test_hisparse.py``
+    pins it to the C++ ``sizeof``.
     """
     cells = 1 << _log2_ceil(2 * num_top_k)
     arrays = 10 * cells + 2 * hot_buffer_size + 2 * num_top_k
-    return -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 4
+    protect = -(-6 * hot_buffer_size // 4) * 4 if protected else 0
+    return protect + -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 4
 
 
 def _layout_type(family: str, layout: str, page_slots: int | None) -> str:
@@ -91,9 +105,10 @@ def _layout_type(family: str, layout: str, page_slots: int | None) -> str:
 
 
 def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
-                      block_size: int | None = None) -> tuple:
-    """``SwapIn<K, H, BlockSize, Layout>`` arguments: checks the ranges, derives the block size, and
-    bounds ``(K, H)`` by the shared memory the GPU path's per-request scratch needs."""
+                      block_size: int | None = None, protect_recent: int = 0, protect_near: int = 0) -> tuple:
+    """``SwapIn<K, H, BlockSize, Layout[, ProtectRecent, ProtectNear]>`` arguments: checks the ranges,
+    derives the block size, and bounds ``(K, H)`` by the shared memory the GPU path's per-request
+    scratch needs. LRU (both protections 0) keeps the four-argument form."""
     k = check_int("hisparse", "num_top_k", num_top_k, 1, _MAX_SLOTS, "int16 slot ids")
     h = check_int("hisparse", "hot_buffer_size", hot_buffer_size, k, _MAX_SLOTS,
                   "at least num_top_k; int16 slot ids")
@@ -101,14 +116,18 @@ def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
     if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
         raise ValueError(f"sparsekv: hisparse argument `block_size` must be a multiple of 32 in [32, 1024], "
                          f"got {block_size!r}")
-    need = swap_in_shared_bytes(k, h, block)
+    recent = check_int("hisparse", "protect_recent", protect_recent, 0, 1 << 30)
+    near = check_int("hisparse", "protect_near", protect_near, 0, _MAX_PROTECT_NEAR, "2 S + 1 lookups per slot")
+    need = swap_in_shared_bytes(k, h, block, protected=recent > 0 or near > 0)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(
             f"sparsekv: hisparse num_top_k={k}, hot_buffer_size={h} need {need} bytes of per-request scratch "
-            f"(10 * 2**ceil(log2(2 * num_top_k)) + 2 * hot_buffer_size + 2 * num_top_k + ...), over the "
+            f"(10 * 2**ceil(log2(2 * num_top_k)) + 2 * hot_buffer_size + 2 * num_top_k + ..., + 6 * "
+            f"hot_buffer_size for a protected policy), over the "
             f"{SHARED_MEMORY_LIMIT} bytes (227 KiB) of shared memory a GPU block can have on sm_90/sm_100; "
             f"lower num_top_k or hot_buffer_size")
-    return k, h, block, _layout_type("hisparse", layout, page_slots)
+    layout_type = _layout_type("hisparse", layout, page_slots)
+    return (k, h, block, layout_type) if recent == near == 0 else (k, h, block, layout_type, recent, near)
 
 
 def _complete_planned(*, layout: str = "generic", page_slots: int | None = None) -> tuple:
@@ -124,7 +143,8 @@ SWAP_IN = register(
                  "load_cache_to_device_buffer_speculative":
                      "sparsekv::hisparse::load_cache_to_device_buffer_speculative"},
         kernels=("sparsekv::hisparse::SwapIn",),
-        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
+        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size", "protect_recent",
+                "protect_near"),
         complete=_complete_swap_in,
         instances=(
             # Small shapes for the tests (odd sizes, hash collisions, H close to K).
@@ -136,6 +156,10 @@ SWAP_IN = register(
             # Generic MLA (DSA / GLM-class top-k 2048) and the benchmark's small case.
             {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "generic"},
             {"num_top_k": 2048, "hot_buffer_size": 4096, "layout": "generic"},
+            # The protected policies on the test shape (its windows scaled down) and on DSV4-Flash.
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic", "protect_recent": 3, "protect_near": 1},
+            {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64, "protect_recent": 256,
+             "protect_near": 16},
         ),
     )
 )
@@ -161,10 +185,13 @@ def _layout_values(is_dsv4_layout: bool, page_slots: int | None) -> dict:
 
 
 def swap_in_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool = False,
-                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu"):
-    """The compiled swap-in module for ``(K, H)`` and a layout (built at first use, any valid values).
+                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu",
+                   protect_recent: int = 0, protect_near: int = 0):
+    """The compiled swap-in module for ``(K, H)``, a layout and a policy (built at first use, any
+    valid values).
 
     ``page_slots`` (dsv4 only) defaults to 64, the C4 page of full-token page size 256.
+    ``protect_recent`` / ``protect_near``: the policy's template arguments (:data:`SWAP_IN_POLICIES`).
 
     Raises
     ------
@@ -173,8 +200,10 @@ def swap_in_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool
     """
     if is_dsv4_layout and page_slots is None:
         page_slots = 64
+    protect = {"protect_recent": protect_recent, "protect_near": protect_near} if protect_recent or protect_near \
+        else {}
     return SWAP_IN.module(num_top_k=num_top_k, hot_buffer_size=hot_buffer_size, block_size=block_size,
-                          backend=backend, **_layout_values(is_dsv4_layout, page_slots))
+                          backend=backend, **_layout_values(is_dsv4_layout, page_slots), **protect)
 
 
 _SLOTS_OF_PAGE_BYTES = {V4.page_bytes(p): p for p in C4_PAGE_SLOTS}
@@ -237,13 +266,29 @@ def swap_in_entry(module, speculative: bool):
     return module.load_cache_to_device_buffer_speculative if speculative else module.load_cache_to_device_buffer
 
 
+def policy_protections(policy: object) -> tuple[int, int]:
+    """``(protect_recent, protect_near)`` of ``policy``: a name in :data:`SWAP_IN_POLICIES`, or the pair
+    itself (two ints; their ranges are checked with the instance, before anything compiles);
+    else ``ValueError`` naming the argument."""
+    if isinstance(policy, tuple) and len(policy) == 2 and all(type(v) is int for v in policy):
+        return policy
+    if isinstance(policy, str) and policy in SWAP_IN_POLICIES:
+        return SWAP_IN_POLICIES[policy]
+    raise ValueError(f"sparsekv: hisparse argument `policy` must be one of {tuple(SWAP_IN_POLICIES)} or a "
+                     f"(protect_recent, protect_near) pair of ints, got {policy!r}")
+
+
 def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
           device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
           hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
-          speculative, resident_index) -> None:
+          speculative, resident_index, policy) -> None:
     """Checks the Python-object arguments and unpacks the resident index into the op's tensors."""
     if not isinstance(speculative, bool):
         raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
+    protect_recent, protect_near = policy_protections(policy)
+    if resident_index is not None and (protect_recent, protect_near) != (0, 0):
+        raise ValueError(f"sparsekv: argument `policy` {policy!r} needs the scanning kernel (the indexed one, "
+                         "selected by `resident_index`, serves 'lru' only)")
     index = (None, None, None)
     if resident_index is not None:
         from sparsekv.jit_kernel.hisparse_index import ResidentIndex  # it builds on this module
@@ -255,7 +300,7 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
     _swap_in(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
              device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
              hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
-             speculative, *index)
+             speculative, *index, protect_recent, protect_near)
 
 
 @kernel_op("load_cache_to_device_buffer", mutates_args=(
@@ -268,7 +313,8 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
              hot_buffer_size: int, num_real_reqs: torch.Tensor | None, miss_src: torch.Tensor | None,
              miss_dst: torch.Tensor | None, miss_count: torch.Tensor | None, counters: torch.Tensor | None,
              block_size: int | None, page_slots: int | None, speculative: bool, index_slot_of: torch.Tensor | None,
-             index_queue: torch.Tensor | None, index_queue_pos: torch.Tensor | None) -> None:
+             index_queue: torch.Tensor | None, index_queue_pos: torch.Tensor | None, protect_recent: int = 0,
+             protect_near: int = 0) -> None:
     """Every swap-in variant (layout, speculative rows, resident index) as the custom op
     ``sparsekv::load_cache_to_device_buffer``."""
     backend = backend_of(top_k_tokens)
@@ -277,7 +323,7 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
                         counters=counters)
-    compiled = swap_in_module
+    compiled = functools.partial(swap_in_module, protect_recent=protect_recent, protect_near=protect_near)
     if index_slot_of is not None:
         from sparsekv.jit_kernel.hisparse_index import indexed_module  # it builds on this module
 
@@ -324,6 +370,7 @@ def load_cache_to_device_buffer_mla(
     page_slots: int | None = None,
     speculative: bool = False,
     resident_index: ResidentIndex | None = None,
+    policy: str = "lru",
 ) -> None:
     """Resolve one layer's top-k against the per-request hot buffers; load the misses host -> device.
 
@@ -389,6 +436,14 @@ def load_cache_to_device_buffer_mla(
         map from position to slot, the LRU order in the index's queue, ``O(K)`` table work per step
         instead of ``O(H)``; the same results. ``lru_slots`` is then checked but neither read nor
         written (the order is :meth:`ResidentIndex.lru_order`). Default: the scanning kernel.
+    policy : str
+        The replacement policy, one of :data:`SWAP_IN_POLICIES`: ``"lru"`` (default, sglang's, as
+        above), ``"recent_lru"`` or ``"near_lru"``: the misses take first the non-hit slots that
+        are not protected, then the protected ones (a token in the last 256 positions, and for
+        ``"near_lru"`` one within 16 positions of a requested token), each group in LRU order; the
+        LRU order is updated as for LRU; or any ``(protect_recent, protect_near)`` pair (each pair
+        compiles once). Scanning kernel only. ``tools/hisparse_sim.py`` compares them with Belady's
+        optimum.
 
     Raises
     ------
@@ -400,7 +455,8 @@ def load_cache_to_device_buffer_mla(
         memory with any other argument (the message names both); a 0-dim optional tensor;
         ``H < K``; ``(K, H)`` whose per-request scratch exceeds the GPU's 227 KiB of shared memory
         (:func:`swap_in_shared_bytes`; raised before anything compiles); two real rows naming one
-        request without ``speculative`` (host-readable tables).
+        request without ``speculative`` (host-readable tables); an unknown ``policy``, or one other
+        than ``"lru"`` with ``resident_index``.
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
         before anything is written; ``ValueError`` for an LRU row that is not a permutation, a
@@ -411,7 +467,7 @@ def load_cache_to_device_buffer_mla(
     _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
           num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
-          resident_index)
+          resident_index, policy)
 
 
 def load_cache_to_device_buffer_dsv4_mla(
@@ -438,6 +494,7 @@ def load_cache_to_device_buffer_dsv4_mla(
     page_slots: int | None = None,
     speculative: bool = False,
     resident_index: ResidentIndex | None = None,
+    policy: str = "lru",
 ) -> None:
     """:func:`load_cache_to_device_buffer_mla` for the DSV4 C4 layout, paged on both sides.
 
@@ -453,7 +510,7 @@ def load_cache_to_device_buffer_dsv4_mla(
     _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
           top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
           num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
-          resident_index)
+          resident_index, policy)
 
 
 def copy_cache_planned_mla(

@@ -80,11 +80,11 @@ def swap_in_step(buffer: HotBuffer, top_k: Sequence[int], seq_len: int, *, prote
     """Apply one step's top-k to ``buffer`` (updated in place) and say which slot serves each entry.
 
     ``protect_recent > 0`` or ``protect_near > 0`` select a protected LRU (simulated in
-    ``tools/hisparse_sim.py``, not in the kernels): a slot is protected when its token lies in the
-    last ``protect_recent`` positions (``token >= seq_len - 1 - protect_recent``) or within
+    ``tools/hisparse_sim.py``; the scanning kernel's ``policy=``): a slot is protected when its
+    token lies in the last ``protect_recent`` positions (``token >= seq_len - 1 - protect_recent``) or within
     ``protect_near`` positions of a token this step asks for; the misses evict, in LRU order, first
     the unprotected slots, then the protected ones; the LRU order is updated as for LRU. Both 0
-    (default) is the kernels' LRU.
+    (default) is LRU, the kernels' default.
 
     Parameters
     ----------

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import torch
-from hypothesis import assume, example, given
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.hisparse import (
@@ -23,6 +23,7 @@ from sparsekv.jit_kernel.hisparse import (
     SHARED_MEMORY_LIMIT,
     SWAP_IN,
     SWAP_IN_ARGS,
+    SWAP_IN_POLICIES,
     copy_cache_planned_mla,
     default_block_size,
     host_check_args,
@@ -35,6 +36,8 @@ from sparsekv.jit_kernel.loader import csrc_root
 from sparsekv.jit_kernel.toolchain import host_compiler
 from sparsekv.testing.backends import device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
+from sparsekv.testing.hisparse_traces import PROTECT_NEAR, PROTECT_RECENT
+from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.hisparse import copy_cache_planned_reference
 from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k_row
 
@@ -552,6 +555,10 @@ def test_the_shared_memory_bound_is_what_the_compiler_says(tmp_path):
     for k, h, block in cases:
         lines.append(f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, {block}, "
                      f"sparsekv::hisparse::LinearRows>::Shared) == {swap_in_shared_bytes(k, h, block)});")
+        protected = swap_in_shared_bytes(k, h, block, protected=True)
+        if protected <= SHARED_MEMORY_LIMIT:  # a protected policy's scratch: 6 H bytes more
+            lines.append(f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, {block}, sparsekv::hisparse::"
+                         f"LinearRows, 256, 16>::Shared) == {protected});")
     source = tmp_path / "shared_bytes.cpp"
     source.write_text("\n".join(lines) + "\n")
     root = csrc_root()
@@ -792,3 +799,86 @@ def test_rows_of_one_request_in_one_launch_do_not_depend_on_the_block_order(back
         load_cache_to_device_buffer_mla(**args)
         rows += args["top_k_device_locs"].flatten().tolist()
     assert together[0] == (tuple(rows), tuple(w.device_buffer_tokens[0].tolist()), tuple(w.lru_slots[0].tolist()))
+
+
+# -- protected replacement policies ----------------------------------------------------------------
+# The test shape's protected instance (in the SWAP_IN table): the last 3 positions, and 1 either side
+# of a requested token, are evicted last. The model: swap_in_step(protect_recent=3, protect_near=1).
+PROTECT = (3, 1)
+
+
+@settings(max_examples=scaled_examples(8), deadline=None)
+@given(data=st.data(), resident=st.booleans(), steps=st.integers(1, 6))
+def test_a_protected_policy_follows_its_model_bit_for_bit(backend, data, resident, steps):
+    w = world(backend, max_reqs=2, max_len=48)
+    w.policy = PROTECT
+    for rid, prefix in ((0, resident), (1, True)):
+        w.reset_request(rid, resident=prefix)
+        for pos in range(H if prefix else 0):  # the prefill's bytes in their slots
+            w.place(rid, pos, pos)
+    models = {rid: HotBuffer(tokens=w.device_buffer_tokens[rid, :H].tolist()) for rid in (0, 1)}
+    n = data.draw(st.integers(H + 1, 30))
+    for _ in range(steps):
+        for rid in (0, 1):  # the newest token's bytes, in the reserved column
+            w.place(rid, H, n - 1)
+        top_k = [data.draw(top_k_row(K, n, models[rid].tokens)) for rid in (0, 1)]
+        res = w.swap_in(top_k, [0, 1], [n, n], plan=True)
+        for rid in (0, 1):
+            step = swap_in_step(models[rid], top_k[rid], n, protect_recent=PROTECT[0], protect_near=PROTECT[1])
+            assert res["out"][rid].tolist() == locs(w, rid, step.slots)
+            assert w.device_buffer_tokens[rid, :H].tolist() == models[rid].tokens
+            assert w.lru_slots[rid].tolist() == models[rid].lru
+            count = int(res["miss_count"][rid])
+            assert count == len(step.misses)
+            assert res["miss_dst"][rid, :count].tolist() == locs(w, rid, [s for _, s in step.misses])
+            for i, tok in enumerate(top_k[rid]):
+                loc = int(res["out"][rid, i])
+                if loc >= 0:
+                    assert torch.equal(w.device_token(loc), w.host_token(rid, tok))
+        n += data.draw(st.integers(0, 2))
+
+
+# Slots hold 20, 3, 7, 21, 8, 9, 10 (LRU order 0..6); the step asks for 21 (slot 3, a hit) and two
+# misses, 14 and 15, at newest 23 (n = 24). LRU evicts slots 0 and 1. One position either side of a
+# requested token protects 20 (next to 21): slots 1 and 2. The last 3 positions (>= 20, the boundary
+# itself) protect 20 and 21: slots 1 and 2 too; the last 2 (>= 21) protect nothing that can go.
+PROTECTED_CASES = [("lru", [0, 1]), ((0, 1), [1, 2]), ((3, 0), [1, 2]), ((2, 0), [0, 1])]
+
+
+@pytest.mark.parametrize("policy, victims", PROTECTED_CASES, ids=[str(p) for p, _ in PROTECTED_CASES])
+def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protected_one(backend, policy, victims):
+    w = world(backend)
+    w.policy = policy
+    hold(w, 0, [20, 3, 7, 21, 8, 9, 10])
+    res = w.swap_in([[21, 14, 15, -1, -1]], [0], [24], plan=True)
+    assert res["miss_dst"][0, :2].tolist() == locs(w, 0, victims)
+    assert w.lru_slots[0].tolist() == [s for s in range(7) if s not in victims + [3]] + victims + [3]
+
+
+@pytest.mark.no_backend("argument checks before anything compiles")
+@pytest.mark.parametrize("policy, message", [("mru", "`policy` must be one of"), ((1, 2, 3), "`policy` must be one of"),
+                                             ((0, 5000), "`protect_near` must be an int in [0, 4096)"),
+                                             ((-1, 0), "`protect_recent` must be an int in [0,")])
+def test_a_bad_policy_is_refused_before_writing(policy, message):
+    w = world("cpu")
+    w.policy = policy
+    before = [t.clone() for t in (w.device_buffer_tokens, w.lru_slots, w.device_buffer)]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        w.swap_in([[9, 10, 11, 12, 13]], [0], [30])
+    assert all(torch.equal(a, b) for a, b in zip((w.device_buffer_tokens, w.lru_slots, w.device_buffer), before))
+
+
+@pytest.mark.no_backend("argument checks before anything compiles")
+def test_the_indexed_kernel_refuses_a_protected_policy():
+    w = world("cpu")
+    w.use_resident_index()
+    w.policy = "near_lru"
+    with pytest.raises(ValueError, match="`policy` 'near_lru' needs the scanning kernel"):
+        w.swap_in([[9, 10, 11, 12, 13]], [0], [30])
+
+
+@pytest.mark.no_backend("the policy table is Python")
+def test_the_kernel_policies_are_the_simulated_ones():
+    assert SWAP_IN_POLICIES["lru"] == (0, 0)
+    assert SWAP_IN_POLICIES["recent_lru"] == (PROTECT_RECENT, 0)
+    assert SWAP_IN_POLICIES["near_lru"] == (PROTECT_RECENT, PROTECT_NEAR)

@@ -13,6 +13,9 @@ Candidates, all measured in the same run on the same state:
   thread; cuda backend: tables and device buffer on the GPU, host cache in pinned memory, timed
   with CUDA events);
 * ``raw``: the compiled module's export called directly (the wrapper's Python overhead is the gap);
+* ``near_lru``: the wrapper with ``policy="near_lru"`` (the protected LRU: 2 S + 1 = 33 table
+  lookups per non-hit slot, a second victim order, the LRU row compacted by victim rank); here it
+  loads what LRU loads, so the column is the policy's cost per step (``near_lru_over_lru``);
 * ``model`` (baseline): the plain-Python policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`,
   per request) plus one torch indexing copy of all miss tokens, in place.
 
@@ -103,11 +106,14 @@ class Case:
         self.tokens.copy_(self.tokens0)
         self.lru.copy_(self.lru0)
 
-    def kernel(self) -> None:
+    def kernel(self, policy: str = "lru") -> None:
         self.restore_tables()
         fn = load_cache_to_device_buffer_dsv4_mla if self.dsv4 else load_cache_to_device_buffer_mla
         fn(self.top_k, self.tokens, self.host_cache_locs, self.device_buffer_locs, self.host_cache,
-           self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, self.k, self.h)
+           self.device_buffer, self.out, self.req, self.seq, self.lru, ITEM_BYTES, self.k, self.h, policy=policy)
+
+    def kernel_near_lru(self) -> None:
+        self.kernel("near_lru")
 
     def raw(self) -> None:
         self.restore_tables()
@@ -177,15 +183,18 @@ def main() -> None:
         kernel_s = time_kernel(case.kernel, repeats=repeats).median_s - restore_s
         raw_s = time_kernel(case.raw, repeats=repeats).median_s - restore_s
         model_s = time_call(case.model_step, **slow).median_s - restore_model_s
+        near_s = time_kernel(case.kernel_near_lru, repeats=repeats).median_s - restore_s
         result.rows.append({
             "case": f"K{k}/H{h}{'/dsv4' if dsv4 else ''} bs{bs} miss{rate:g}",
             "num_top_k": k, "hot_buffer_size": h, "layout": "dsv4" if dsv4 else "generic", "batch": bs,
             "miss_rate": rate, "misses_per_request": case.misses, "bytes_moved": case.bytes_moved,
             "kernel_us": kernel_s * 1e6, "raw_us": raw_s * 1e6, "model_us": model_s * 1e6,
+            "near_lru_us": near_s * 1e6, "near_lru_over_lru": near_s / kernel_s,
             "speedup_vs_model": model_s / kernel_s, "kernel_gbps": case.bytes_moved / kernel_s / 1e9,
         })
     report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
-                                                        value_keys=("kernel_us", "raw_us", "model_us"),
+                                                        value_keys=("kernel_us", "raw_us", "near_lru_us",
+                                                                    "model_us"),
                                                         ylabel="step latency (us, log)", log=True))
 
 

@@ -81,11 +81,14 @@ def load_cache_to_device_buffer_reference(
     *,
     num_real_reqs: int | None = None,
     page_slots: int | None = None,
+    protect_recent: int = 0,
+    protect_near: int = 0,
 ) -> SwapInExpected:
     """Expected result of ``load_cache_to_device_buffer_{dsv4_}mla`` on the same inputs (not modified).
 
     Arguments as for the kernel wrapper; ``num_real_reqs`` is a plain int here; ``page_slots`` is None
-    for the generic layout, else the DSV4 C4 page's slot count. LRU rows of the
+    for the generic layout, else the DSV4 C4 page's slot count; ``protect_recent`` / ``protect_near``:
+    the replacement policy (``swap_in_step``'s; both 0: LRU). LRU rows of the
     requests in the batch must be permutations of ``0..H-1`` and real rows must name distinct requests.
     """
     hot = hot_buffer_size
@@ -105,7 +108,8 @@ def load_cache_to_device_buffer_reference(
         rid = int(req_pool_indices[b])
         seq_len = int(seq_lens[b])
         buffer = HotBuffer(tokens=tokens[rid, :hot].tolist(), lru=lru[rid].tolist())
-        step = swap_in_step(buffer, top_k_tokens[b].tolist(), seq_len)
+        step = swap_in_step(buffer, top_k_tokens[b].tolist(), seq_len, protect_recent=protect_recent,
+                            protect_near=protect_near)
         tokens[rid, :hot] = torch.tensor(buffer.tokens, dtype=tokens.dtype)
         lru[rid] = torch.tensor(buffer.lru, dtype=lru.dtype)
         out[b] = torch.tensor([int(locs[rid, s]) if s >= 0 else -1 for s in step.slots], dtype=torch.int32)

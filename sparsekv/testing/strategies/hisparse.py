@@ -40,6 +40,8 @@ class SwapInWorld:
     backend: str = "cpu"  # where swap_in runs the kernel (the world's tensors stay on the CPU)
     #: When set (:meth:`use_resident_index`), swap_in runs the indexed kernel on it.
     resident_index: object = None
+    #: The swap-in's replacement policy (``policy=`` of the wrapper): a name or ``(protect_recent, protect_near)``.
+    policy: object = "lru"
 
     @property
     def is_dsv4_layout(self) -> bool:
@@ -107,22 +109,25 @@ class SwapInWorld:
                        seq_lens=torch.tensor(seq_lens, dtype=index_dtype), lru_slots=self.lru_slots,
                        counters=counters, **extra)
         run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
-                       hot_buffer_size=self.hot, speculative=speculative, **layout)
+                       hot_buffer_size=self.hot, speculative=speculative, policy=self.policy, **layout)
         return dict(out=out, **{k: v for k, v in extra.items() if k not in ("slot_of", "queue", "queue_pos")})
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                   num_real_reqs: int | None = None):
         """The torch reference's expected state for the same call (this world is not modified); its
         ``lru_slots`` is what :meth:`lru_order` must give afterwards, for either kernel."""
+        from sparsekv.jit_kernel.hisparse import policy_protections
         from sparsekv.testing.reference.hisparse import load_cache_to_device_buffer_reference
 
         bs = len(rids)
         lru = torch.tensor([self.lru_order(r) for r in range(self.max_reqs)], dtype=torch.int16)
+        protect_recent, protect_near = policy_protections(self.policy)
         return load_cache_to_device_buffer_reference(
             torch.tensor(top_k, dtype=torch.int32).reshape(bs, self.num_top_k), self.device_buffer_tokens,
             self.host_cache_locs, self.device_buffer_locs, self.host_cache, self.device_buffer,
             torch.tensor(rids), torch.tensor(seq_lens), lru, self.item_size_bytes, self.hot,
-            num_real_reqs=num_real_reqs, page_slots=self.page_slots)
+            num_real_reqs=num_real_reqs, page_slots=self.page_slots, protect_recent=protect_recent,
+            protect_near=protect_near)
 
     def reset_request(self, rid: int, *, resident: bool) -> None:
         """Fresh tables for row ``rid``: slot i holds position i (``resident``) or nothing; LRU 0..H-1."""
