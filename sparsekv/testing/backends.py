@@ -109,10 +109,27 @@ def to_backend(backend: str, values: Sequence[object]) -> list[object]: ...
 
 def to_backend(backend, values):
     """``values`` (a mapping or a sequence) with every tensor moved to ``backend``'s device, others unchanged."""
-    device = device_of(backend)
+    return to_device(device_of(backend), values)
+
+
+def to_device(device: torch.device, values):
+    """``values`` with every tensor on ``device`` as the same view of a moved buffer.
+
+    ``Tensor.to`` packs a view that is not dense (``x[..., 0]``, ``x[::2]``) into a fresh contiguous
+    tensor and moves two views of one buffer into two buffers, so a bad-input test of a strided or
+    aliased argument would pass on the CPU and test nothing on a GPU (seen on an H200). Here each
+    buffer moves once, and every tensor is rebuilt on it with its sizes, strides and offset.
+    """
+    moved: dict[int, torch.Tensor] = {}
 
     def move(v):
-        return v.to(device) if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor) or v.device == torch.device(device):
+            return v
+        storage = v.untyped_storage()
+        key = storage.data_ptr()
+        if key not in moved:
+            moved[key] = torch.empty(0, dtype=torch.uint8).set_(storage).to(device)
+        return moved[key].view(v.dtype).as_strided(v.size(), v.stride(), v.storage_offset())
 
     if isinstance(values, Mapping):
         return {k: move(v) for k, v in values.items()}

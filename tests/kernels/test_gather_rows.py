@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS, gather_rows
-from sparsekv.testing.backends import device_of, host_readable
+from sparsekv.testing.backends import device_of, host_readable, to_backend
 from sparsekv.testing.reference.gather_rows import gather_rows_reference
 from sparsekv.testing.strategies.gather_rows import gather_case
 
@@ -70,8 +70,7 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(backend, mutate
         pytest.skip("device-resident indices are not read by the host entry; the kernel skips bad rows")
     dst, src = _fresh(backend)
     before = dst.clone()
-    device = device_of(backend)
-    args = [a.to(device) for a in mutate(dst, torch.tensor([0, 1]), src, torch.tensor([2, 3]))]
+    args = to_backend(backend, mutate(dst, torch.tensor([0, 1]), src, torch.tensor([2, 3])))
     with pytest.raises(exc, match=f"`{name}`"):
         gather_rows(*args)
     assert torch.equal(dst, before)
