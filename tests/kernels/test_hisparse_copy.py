@@ -35,6 +35,8 @@ def run(backend, fn, src, dst, src_ids, dst_ids, **kw):
     ``dst.owner`` updated from the backend's copy afterwards, also when ``fn`` raises."""
     device = device_of(backend)
     s, d = (src, dst) if host_readable(backend) else (src.to(device), dst.to(device))
+    if dst is src:  # one buffer as source and destination stays one buffer on the device
+        d = s
     try:
         fn(pointer_table(s.layers), pointer_table(d.layers), src_ids.to(device), dst_ids.to(device), **kw)
     finally:
