@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla
+from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla, policy_protections
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4
 from sparsekv.srt.checks import as_bool, as_int, index_in, index_table, int_in
@@ -104,6 +104,10 @@ class HiSparseCoordinator:
         ``lru_slots`` stays at its reset value. Same results; ``O(K)`` instead of ``O(H)`` table work
         per step and layer, for :func:`~sparsekv.jit_kernel.hisparse_index.resident_index_bytes`
         more device bytes per request and layer. Default False: the scanning kernel.
+    swap_in_policy : str or tuple of int
+        The swap-in's replacement policy (``policy=`` of the swap-in; default ``"lru"``):
+        ``"recent_lru"``, ``"near_lru"`` or a ``(protect_recent, protect_near)`` pair select a
+        protected LRU, which needs the scanning kernel (no ``resident_index``).
 
     Raises
     ------
@@ -154,7 +158,7 @@ class HiSparseCoordinator:
                  device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
                  host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
                  tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False,
-                 resident_index: bool = False) -> None:
+                 resident_index: bool = False, swap_in_policy: str | tuple[int, int] = "lru") -> None:
         if not isinstance(allocator, HiSparseTokenToKVPoolAllocator):
             raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
                             f"{type(allocator).__name__}")
@@ -165,6 +169,14 @@ class HiSparseCoordinator:
             swap_in_block_size = int_in(swap_in_block_size, "swap_in_block_size", 1)
         collect_counters = as_bool(collect_counters, "collect_counters")
         resident_index = as_bool(resident_index, "resident_index")
+        try:
+            protections = policy_protections(swap_in_policy)
+        except ValueError as e:
+            raise ValueError(str(e).replace("argument `policy`", "argument `swap_in_policy`")) from None
+        if resident_index and protections != (0, 0):
+            raise ValueError(f"sparsekv: argument `swap_in_policy` {swap_in_policy!r} needs the scanning kernel; "
+                             "`resident_index` selects the indexed one, which serves 'lru' only")
+        self.swap_in_policy = swap_in_policy
         if device_buffer_size < top_k:
             raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "
                              f"({top_k})")
@@ -618,7 +630,7 @@ class HiSparseCoordinator:
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
             num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
-            page_slots=self.page_size, speculative=True,
+            page_slots=self.page_size, speculative=True, policy=self.swap_in_policy,
             resident_index=self.resident_indexes[layer_id] if self.resident_indexes else None)
         return out
 

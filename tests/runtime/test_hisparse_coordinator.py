@@ -50,7 +50,7 @@ class RecordingStreams(CpuStreams):
 
 class World:
     def __init__(self, *, deferred: bool = False, size: int = 2048, host_pages: int | None = None,
-                 streams: CpuStreams | None = None, page_size: int = 256):
+                 streams: CpuStreams | None = None, page_size: int = 256, swap_in_policy: str = "lru"):
         self.pool = ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT, dtype=torch.int64))
         self.page_size = page_size
         self.slots = c4_page_slots(page_size)  # C4 slots per page, on the device and the host
@@ -61,7 +61,7 @@ class World:
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
                                          device_buffer_size=HOT, host_pool=host_pool,
                                          streams=streams if streams is not None else CpuStreams(deferred=deferred),
-                                         collect_counters=True)
+                                         collect_counters=True, swap_in_policy=swap_in_policy)
         self.host = self.coord.mem_pool_host
         self.rng = random.Random(1234)
 
@@ -206,6 +206,29 @@ def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(defer
     w.finish(long_req)
     w.check_ownership([short_req])
     w.finish(short_req)
+    w.check_all_free()
+
+
+def test_a_near_lru_coordinator_swaps_in_the_right_bytes_with_its_policy(monkeypatch):
+    from sparsekv.srt.managers import hisparse_coordinator
+
+    policies = []
+    swap_in = hisparse_coordinator.load_cache_to_device_buffer_dsv4_mla
+
+    def spy(*args, **kwargs):
+        policies.append(kwargs["policy"])
+        swap_in(*args, **kwargs)
+
+    monkeypatch.setattr(hisparse_coordinator, "load_cache_to_device_buffer_dsv4_mla", spy)
+    w = World(swap_in_policy="near_lru")
+    req = Req(0, 0, uid=31)
+    w.prefill(req, 1100)  # 275 C4 entries, far more than the hot buffer
+    w.coord.admit_request_into_staging(req)
+    assert w.coord.collect_ready_reqs() == [req]
+    loaded = sum(w.check_results(w.decode_step([req])) for _ in range(20))
+    assert loaded > 0 and w.coord.read_counters()["misses"] > 0
+    assert policies and set(policies) == {"near_lru"}
+    w.finish(req)
     w.check_all_free()
 
 
@@ -639,6 +662,8 @@ def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_
     ({"top_k": 0}, ValueError, "top_k"), ({"collect_counters": 1}, TypeError, "collect_counters"),
     ({"req_to_token_pool": ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT))}, TypeError, "req_to_token"),
     ({"allocator": object()}, TypeError, "allocator"),
+    ({"swap_in_policy": "mru"}, ValueError, "`swap_in_policy` must be one of"),
+    ({"swap_in_policy": "near_lru", "resident_index": True}, ValueError, "`swap_in_policy` 'near_lru' needs the scan"),
 ])
 def test_coordinator_arguments_are_checked(change, error, match):
     w = World()
