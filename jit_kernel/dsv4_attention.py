@@ -38,6 +38,7 @@ from sparsekv.jit_kernel.arguments import float_arg, int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
+from sparsekv.jit_kernel.triton.checks import page_shift
 
 __all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention", "workspace_floats"]
 
@@ -287,8 +288,12 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     if topk_length is not None:
         _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=backend != "cuda" or env.check_indices())
     if backend == "cuda" and env.check_indices():
+        # The O(1) page-size checks first, as on the host: a bad page_size is named as such, not as
+        # the out-of-range slots it makes of good indices.
+        page_shift(page_size, "page_size")
         _check_slots_on_device(indices, kv_cache, page_size, "indices")
         if extra_indices is not None and extra_kv_cache is not None and extra_page_size >= 0:
+            page_shift(extra_page_size, "extra_page_size")
             _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
     # Workspace order: the bf16 output's float32 staging, then the split partials.
     staged = out

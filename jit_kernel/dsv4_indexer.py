@@ -43,6 +43,7 @@ from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
+from sparsekv.jit_kernel.triton.checks import page_shift
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 
 __all__ = [
@@ -125,11 +126,21 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
 
     Raises
     ------
+    TypeError
+        ``positions`` is not int32 or int64.
     ValueError
-        A row sees more entries than its page-table row holds.
+        ``page_size`` is not a power of two in ``[1, 2^20]``; ``positions`` is not one per table row; a
+        row sees more entries than its page-table row holds.
     IndexError
         A page holding visible entries is outside the cache.
     """
+    # The O(1) checks the kernel's entry makes first come first here too, so bad input is named the same.
+    page_shift(page_size, "page_size")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"sparsekv: argument `positions` must be int32 or int64, got {positions.dtype}")
+    if positions.dim() != 1 or positions.shape[0] != page_table.shape[0]:
+        raise ValueError(f"sparsekv: argument `positions` must be [B={page_table.shape[0]}] (one per page-table row), "
+                         f"got shape {list(positions.shape)}")
     pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_size)
     too_long = pages_seen > page_table.shape[1]
     if bool(too_long.any()):

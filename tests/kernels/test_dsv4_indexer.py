@@ -285,10 +285,12 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
     assert torch.equal(args["out"], outputs[0]) and torch.equal(args["out_slots"], outputs[1])
 
 
-@pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if m[2] == "page_table"
-                                                 and m[1] is not TypeError])
+@pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if (m[2], m[1]) in (
+    ("page_table", ValueError), ("page_table", IndexError), ("page_size", ValueError), ("positions", ValueError),
+    ("positions", TypeError))])
 def test_the_device_side_page_check_agrees_with_the_host_entry(backend, mutate, exc, name):
-    # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses.
+    # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses,
+    # naming the same argument (on an H200 a bad page_size or positions was named as a page_table error).
     args = to_backend(backend, _fresh())
     check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
     mutate(args)
