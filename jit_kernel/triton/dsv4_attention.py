@@ -153,7 +153,10 @@ def _attend(m, denom, acc, q_hi, q_lo, cache_ptr, page_stride, page_shift, num_s
         if SPLIT:
             s = _mma(q_lo, kv_t, s, NATIVE_BF16)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        # A NaN logit makes the head's output and lse NaN, as in the header. The GPU's max drops NaN
+        # (max.f32), so it is carried explicitly: once m is NaN, every later p, alpha and sum is NaN.
+        nan_logit = tl.max((s != s).to(tl.int32), 1) > 0
+        m_new = tl.where(nan_logit | (m != m), float("nan"), tl.maximum(m, tl.max(s, 1)))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
@@ -202,7 +205,7 @@ def attention_partial_kernel(
         m, denom, acc = _attend(m, denom, acc, q_hi, q_lo, x_cache_ptr, x_page_stride, x_page_shift, x_num_slots,
                             x_idx_ptr + b.to(tl.int64) * x_idx_stride - count, tl.maximum(first, count), last,
                             scale_log2, SPLIT, BLOCK_N, NATIVE_BF16)
-    has = denom > 0.0
+    has = (denom > 0.0) | (denom != denom)  # a NaN head is not an empty one: out = lse = NaN
     log2_l = tl.log2(tl.where(has, denom, 1.0))
     if num_splits == 1:
         sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634

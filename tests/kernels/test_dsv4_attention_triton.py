@@ -84,6 +84,24 @@ def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend):
         assert bool(torch.isfinite(lse[1]).all()) and bool((out[1] != 0).any())
 
 
+def test_a_nan_in_q_makes_that_head_nan_and_leaves_the_others(backend):
+    # As the header: a NaN logit is carried to out and lse (the GPU's max.f32 would drop it, and a
+    # head with a NaN query read as attending to nothing).
+    g = torch.Generator().manual_seed(1)
+    cache = v4_cache(random_rows(8, g), 4)
+    q = torch.randn(2, 3, 512, generator=g)
+    q[1, 0, 7] = float("nan")
+    case = AttentionCase(q, cache, torch.tensor([[0, 7, -1], [3, 5, 1]], dtype=torch.int32), torch.zeros(3), 4)
+    clean = AttentionCase(torch.nan_to_num(q), cache, case.indices, case.sink, 4)
+    for splits in (1, 2):
+        (out, lse), (clean_out, clean_lse) = run(case, backend, "triton", num_splits=splits), run(
+            clean, backend, "triton", num_splits=splits)
+        assert bool(out[1, 0].isnan().all()) and bool(lse[1, 0].isnan())
+        keep = torch.ones(2, 3, dtype=torch.bool)
+        keep[1, 0] = False
+        assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])
+
+
 def test_a_decode_step_with_triton_attention_traces_under_torch_compile(backend):
     # Indexer (scores, top-k through the page table) then attention with impl="triton": one graph with
     # no break, and the compiled step writes the same bytes as the eager one.
