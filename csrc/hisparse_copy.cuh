@@ -14,7 +14,8 @@
 //   included) is copied to page dst_pages[i].
 //
 // Input contract (ffi.h rules 3-5): the per-item code skips ids outside [0, num_slots) (num_slots =
-// INT64_MAX when the caller does not know it), so a bad id can never move a byte out of bounds.
+// INT64_MAX when the caller does not know it) and layers whose base address is null, so a bad id or
+// table can never move a byte out of bounds, also on the GPU without the opt-in torch check.
 // Before any byte moves, the host entries reject null base addresses, negative, out-of-range and
 // conflicting (same destination, different source) ids, and, when the two tables share a buffer,
 // ids that are both a source and another pair's destination; for host-readable tables in C++, for
@@ -68,6 +69,7 @@ struct TransferTokens {
     const bool prefetch = ahead < p.num_ids;
 #endif
     for (int64_t l = 0; l < p.num_layers; ++l) {
+      if (p.src_ptrs[l] == 0 || p.dst_ptrs[l] == 0) continue;  // a null layer is skipped, never dereferenced
 #ifdef SPARSEKV_STREAMING_STORES
       if (prefetch) {
         prefetch_token<Paged>(reinterpret_cast<const uint8_t*>(p.src_ptrs[l]), p.src_ids[ahead], p.src_page_stride,
@@ -95,6 +97,7 @@ struct CopyPages {
     const int64_t s = p.src_ids[pair];
     const int64_t d = p.dst_ids[pair];
     if (s < 0 || s >= p.src_bound || d < 0 || d >= p.dst_bound) return;
+    if (p.src_ptrs[l] == 0 || p.dst_ptrs[l] == 0) return;  // a null layer is skipped, never dereferenced
     copy_record(reinterpret_cast<uint8_t*>(p.dst_ptrs[l]) + d * p.dst_page_stride,
                reinterpret_cast<const uint8_t*>(p.src_ptrs[l]) + s * p.src_page_stride, Paged::kPageBytes, lanes,
                 p.streaming);

@@ -1,6 +1,7 @@
 """transfer_cache_dsv4_mla and transfer_pages_dsv4_mla (every test backend) against the torch references:
 bytes equal, nothing outside the destination records written, bad input (null base addresses and
-chained ids in one buffer included) rejected before any byte moves."""
+chained ids in one buffer included) rejected before any byte moves (on a GPU, where the refusals read
+device values, under full index validation: the ``index_checks`` fixture)."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def test_empty_copy_is_a_no_op(backend):
 
 
 @pytest.mark.parametrize("dst_ids", [(3, 9, 3), (200, 2, 200)], ids=["dense ids", "sparse ids"])
-def test_repeated_destination_conflicts_are_found_dense_or_sparse(backend, dst_ids):
+def test_repeated_destination_conflicts_are_found_dense_or_sparse(backend, index_checks, dst_ids):
     """Dense destination ids take the bitmap pass, sparse ones (max id >= 64 N) go straight to sorting."""
     src = paged_side(1, 3, 64, page_first=False, seed=9)
     dst = paged_side(1, 4, 64, page_first=False, seed=10)
@@ -207,7 +208,7 @@ TOKEN_BAD = {
 
 
 @pytest.mark.parametrize("case", TOKEN_BAD.values(), ids=TOKEN_BAD.keys())
-def test_token_copy_rejects_bad_input(backend, case):
+def test_token_copy_rejects_bad_input(backend, index_checks, case):
     call, error, name = case
     kw = {"src_num_slots": 128, "dst_num_slots": 128, **call["kw"]}
     device = device_of(backend)
@@ -233,7 +234,7 @@ PAGE_BAD = {
 
 
 @pytest.mark.parametrize("case", PAGE_BAD.values(), ids=PAGE_BAD.keys())
-def test_page_copy_rejects_bad_input(backend, case):
+def test_page_copy_rejects_bad_input(backend, index_checks, case):
     src_pages, dst_pages, extra, error, name = case
     src = paged_side(2, 2, 64, page_first=False, seed=7)
     dst = paged_side(2, 2, 64, page_first=True, seed=8)
@@ -245,7 +246,7 @@ def test_page_copy_rejects_bad_input(backend, case):
 
 
 @pytest.mark.parametrize("table", ["src_ptrs", "dst_ptrs"])
-def test_a_null_base_address_is_rejected_before_any_byte_moves(backend, table):
+def test_a_null_base_address_is_rejected_before_any_byte_moves(backend, index_checks, table):
     # A 0 in a pointer table used to crash the process (SIGSEGV).
     device = device_of(backend)
     src = paged_side(2, 2, 64, page_first=False, seed=21).to(device)
@@ -267,7 +268,7 @@ def test_a_null_base_address_is_rejected_before_any_byte_moves(backend, table):
     (transfer_cache_dsv4_mla, [5, 9, 1], [7, 5, 8], "dst_indices"),
     (transfer_pages_dsv4_mla, [0, 1], [1, 2], "dst_pages"),
 ], ids=["token chain", "token read after write", "page chain"])
-def test_one_buffer_as_source_and_destination_rejects_chained_ids(backend, fn, src_ids, dst_ids, name):
+def test_one_buffer_as_source_and_destination_rejects_chained_ids(backend, index_checks, fn, src_ids, dst_ids, name):
     # 1 -> 2, 2 -> 3 in one buffer: slot 2 is read by one pair and written by another, so the result
     # depends on the order the kernel runs them in.
     side = paged_side(2, 4, 64, page_first=False, seed=23)
