@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from sparsekv.testing.bench_suite import available, kernel_family_stems, selected
+from sparsekv.cli.bench import available, kernel_family_stems, selected
 
 REPO = Path(__file__).resolve().parent.parent
 

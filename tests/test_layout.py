@@ -227,7 +227,8 @@ def test_kernel_headers_include_only_the_shared_headers():
 
 
 def test_planning_imports_neither_the_kernel_package_nor_torch():
-    code = ("import sys; import sparsekv.srt.model_executor.plan_memory, sparsekv.srt.model_executor.pool_planner; "
+    code = ("import sys; import sparsekv.cli.plan_memory, sparsekv.srt.model_executor.plan_breakdown, "
+            "sparsekv.srt.model_executor.pool_planner; "
             "print(sorted(m for m in sys.modules if m.startswith(('sparsekv.jit_kernel', 'torch', 'tvm_ffi'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -69,7 +69,7 @@ SUBCOMMANDS = {
         ),
     ),
     "bench": Subcommand(
-        "sparsekv.testing.bench_suite",
+        "sparsekv.cli.bench",
         "run the benchmark of every kernel family (or one): results.json, PNG plots, a table of ratios",
         (
             "sparsekv bench all --quick --out bench-results",
@@ -79,7 +79,7 @@ SUBCOMMANDS = {
         ),
     ),
     "plan-memory": Subcommand(
-        "sparsekv.srt.model_executor.plan_memory",
+        "sparsekv.cli.plan_memory",
         "plan KV pool sizes for a model and a per-rank KV budget",
         (
             "sparsekv plan-memory --model dsv4-flash --kv-budget 60GiB --pp 4 --hisparse 2",

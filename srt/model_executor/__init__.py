@@ -39,7 +39,7 @@ _LAZY = {
     "plan_stages": "pool_planner",
     "MemoryCase": "memory_case",
     "parse_case": "memory_case",
-    "plan_report": "plan_memory",
+    "plan_report": "plan_breakdown",
 }
 
 __all__ = sorted(_LAZY)

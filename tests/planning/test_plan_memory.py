@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from sparsekv.cli import main
+from sparsekv.cli.plan_memory import parse_size
 from sparsekv.srt.model_executor import cases as shipped_cases
 from sparsekv.srt.model_executor import memory_case
 from sparsekv.srt.model_executor.memory_case import parse_case
 from sparsekv.srt.model_executor.plan_advice import min_budget_bytes, min_swa_ratio
-from sparsekv.srt.model_executor.plan_memory import COMPONENT_LABELS, parse_size
+from sparsekv.srt.model_executor.plan_breakdown import COMPONENT_LABELS
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN_PATH = REPO / "tests" / "golden" / "memory_plans.json"
@@ -148,7 +149,7 @@ def test_suggested_ratio_plans_and_the_one_below_does_not():
 
 
 def test_console_script_and_import_stays_torch_free():
-    probe = "import sys, sparsekv.srt.model_executor.plan_memory; print('torch' in sys.modules)"
+    probe = "import sys, sparsekv.cli.plan_memory; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
     done = subprocess.run(
