@@ -52,7 +52,7 @@ import numpy as np
 
 from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
-from sparsekv.srt.disaggregation.integrity import mismatched, room_digests
+from sparsekv.srt.disaggregation.integrity import mismatched, room_digests, start_room_digests
 from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
 from sparsekv.srt.disaggregation.manifest import (
     TP_SHARDED_STATES,
@@ -611,9 +611,9 @@ class KVSender:
             return self._rooms.get(room)
 
     def _prepare(self, ch: Channel, planner: RoomPlanner, message: dict,
-                 session: _Session) -> tuple[int, _Room, Plan, dict] | None:
+                 session: _Session) -> tuple[int, _Room, Plan, Callable[[], dict[str, int]]] | None:
         """The room a ``transfer`` message asks for, claimed, planned and (when the decode asked)
-        digested; None if refused (the decode was told why, nothing else changed)."""
+        its digests started; None if refused (the decode was told why, nothing else changed)."""
         try:
             request = parse_transfer(message)
         except ProtocolError as e:
@@ -634,8 +634,11 @@ class KVSender:
             return None
         try:
             plan = planner.plan(source.kv_indices, source.state_indices, request._asdict(), coalesce=self.coalesce)
-            digests = room_digests(self.manifest.components, source.kv_indices, {}, source.state_indices) \
-                if session.checksums else {}
+            # A large room is hashed on the digest threads while this thread reads on and the
+            # poster writes the rooms before it; the poster waits for its digests before its first
+            # write of the room.
+            digests = start_room_digests(self.manifest.components, source.kv_indices, {}, source.state_indices) \
+                if session.checksums else lambda: {}
             return room, source, plan, digests
         except (ValueError, IndexError, TypeError, TransferError) as e:
             self._fail(ch, room, f"sparsekv: room {room} refused before any write: {e}")
@@ -651,6 +654,14 @@ class KVSender:
                 self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
                 continue
             try:
+                # What the source holds before anything is sent (a source changed after this,
+                # e.g. a page reused too early, then fails the room on the decode).
+                hexdigests = {k: f"{v:016x}" for k, v in digests().items()}
+            except (IndexError, ValueError) as e:  # the plan checked every index: not expected
+                self._fail(ch, room, f"sparsekv: room {room} refused before any write: its source cannot be "
+                                     f"digested: {e}")
+                continue
+            try:
                 batches, nbytes, seconds = self._write(peer, room, plan, session, hangup)
             except TransferError as e:
                 self._fail(ch, room, str(e))
@@ -662,7 +673,7 @@ class KVSender:
             self._finish(room, RoomStatus.SUCCESS)
             try:
                 ch.send({"op": "status", "room": room, "ok": True, "batches": batches, "bytes": nbytes,
-                         "digests": {k: f"{v:016x}" for k, v in digests.items()}})
+                         "digests": hexdigests})
             except PeerClosedError as e:
                 lost = str(e)
 
@@ -914,25 +925,40 @@ class KVReceiver:
             if room in self._finished:
                 return self._finished[room]
             outcome = self._outcome(room)
-            if outcome[0] != RoomStatus.PENDING:  # keep the outcome, drop the room's bookkeeping
-                self._finished[room] = outcome
-                while len(self._finished) > self.history:
-                    self._finished.popitem(last=False)
-                for stage in self._stages:
-                    stage.statuses.pop(room, None)
-                    stage.notifs.pop(room, None)
-                self._requested.pop(room, None)
-            return outcome
+            if outcome is not None:
+                return self._keep(room, outcome) if outcome[0] != RoomStatus.PENDING else outcome
+            request = self._requested.get(room)
+            expected = [s.statuses[room].get("digests") for s in self._stages]
+        # Every byte is there: hash what arrived outside the lock (the stages' statuses and
+        # notifications of other rooms keep coming in meanwhile).
+        error = self._verify(request, expected)
+        with self._cond:
+            if room in self._finished:  # another caller's poll finished it meanwhile
+                return self._finished[room]
+            if self._requested.get(room) is not request:  # asked for again meanwhile: a new transfer
+                return RoomStatus.PENDING, ""
+            return self._keep(room, (RoomStatus.FAILED, error) if error else (RoomStatus.SUCCESS, ""))
 
-    def _verify(self, room: int) -> str:
-        """Why the room's received bytes disagree with its stages' digests ("" when they agree or
-        checksums are off); caller holds ``_cond``."""
-        if not self.checksums or room not in self._requested:
+    def _keep(self, room: int, outcome: tuple[RoomStatus, str]) -> tuple[RoomStatus, str]:
+        """Record a finished room's outcome and drop its bookkeeping (caller holds ``_cond``)."""
+        self._finished[room] = outcome
+        while len(self._finished) > self.history:
+            self._finished.popitem(last=False)
+        for stage in self._stages:
+            stage.statuses.pop(room, None)
+            stage.notifs.pop(room, None)
+        self._requested.pop(room, None)
+        return outcome
+
+    def _verify(self, request: tuple | None, expected_per_stage: list) -> str:
+        """Why the received bytes of a room (its destination indices ``request``) disagree with its
+        stages' digests ("" when they agree or checksums are off)."""
+        if not self.checksums or request is None:
             return ""
-        kv, groups, states = self._requested[room]
-        for i, stage in enumerate(self._stages):
+        kv, groups, states = request
+        for i, digests in enumerate(expected_per_stage):
             try:
-                expected = {str(k): int(v, 16) for k, v in (stage.statuses[room].get("digests") or {}).items()}
+                expected = {str(k): int(v, 16) for k, v in (digests or {}).items()}
                 got = room_digests(self.manifest.components, kv, groups, states, only=set(expected))
             except (IndexError, ValueError, TypeError, AttributeError) as e:
                 return f"prefill stage {i}: the received bytes cannot be checked: {e}"
@@ -943,8 +969,9 @@ class KVReceiver:
                         f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
         return ""
 
-    def _outcome(self, room: int) -> tuple[RoomStatus, str]:
-        """What the stages' statuses and notifications say of ``room`` (caller holds ``_cond``)."""
+    def _outcome(self, room: int) -> tuple[RoomStatus, str] | None:
+        """What the stages' statuses and notifications say of ``room``: failed, pending, or None
+        when every stage reported success and every notification arrived (caller holds ``_cond``)."""
         done = True
         for i, stage in enumerate(self._stages):
             status = stage.statuses.get(room)
@@ -956,10 +983,7 @@ class KVReceiver:
                 done = False
             elif len(stage.notifs.get(room, ())) < int(status.get("batches", 0)):
                 done = False
-        if not done:
-            return RoomStatus.PENDING, ""
-        error = self._verify(room)
-        return (RoomStatus.FAILED, error) if error else (RoomStatus.SUCCESS, "")
+        return None if done else (RoomStatus.PENDING, "")
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
         """Wait until room ``room`` has fully arrived.

@@ -10,13 +10,21 @@ fails the room on any difference, naming the region.
 
 The hash is xxHash's XXH3-64 (the ``xxhash`` package): some 20 GB/s on one core, so it costs a
 fraction of the copy it checks (``tools/bench/bench_pd_transfer.py`` reports the cost). Host
-memory (``DRAM``) regions are hashed in place; a device region (``VRAM``) is skipped (its digest
-would need a device kernel) and the status says which regions were checked.
+memory (``DRAM``) regions are hashed in place: a run of consecutive items (a paged allocator's
+pages) is one contiguous span, hashed without a copy, and only many short runs are gathered
+first. A large room's regions are hashed on a few threads side by side (xxhash releases the GIL
+on large buffers). A
+device region (``VRAM``) is skipped (its digest would need a device kernel) and the status says
+which regions were checked.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -25,6 +33,27 @@ from sparsekv.srt.disaggregation.manifest import Region
 
 #: Items hashed per step: bounds the temporary copy of gathered items.
 _CHUNK_BYTES = 8 << 20
+#: Runs of consecutive items at least this long on average are hashed in place; shorter ones are
+#: gathered first (one Python call per run would cost more than the copy).
+_MIN_RUN_BYTES = 64 << 10
+#: A room's regions are hashed on one more thread per this many bytes (up to :data:`_HASH_THREADS`);
+#: a smaller room is hashed by the caller (handing it to a thread would cost more than it saves).
+_BYTES_PER_THREAD = 16 << 20
+_HASH_THREADS = min(4, os.cpu_count() or 1)
+
+
+@functools.cache
+def _hash_pool() -> ThreadPoolExecutor:
+    """The threads that hash a large room's regions side by side (one process-wide pool)."""
+    return ThreadPoolExecutor(max_workers=_HASH_THREADS, thread_name_prefix="sparsekv-digest")
+
+
+def _runs(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the runs of consecutive values in ``idx``, in order."""
+    if idx.size == 0:
+        return idx, idx
+    first = np.concatenate(([0], np.flatnonzero(np.diff(idx) != 1) + 1))
+    return idx[first], np.diff(np.concatenate((first, [idx.size])))
 
 
 def region_digest(region: Region, indices) -> int:
@@ -42,6 +71,11 @@ def region_digest(region: Region, indices) -> int:
     if idx.size and (idx.min() < 0 or idx.max() >= items):
         raise IndexError(f"sparsekv: an index of region {region.label!r} is outside its {items} items")
     state = xxhash.xxh3_64()
+    starts, lengths = _runs(idx)
+    if idx.size * region.item_len >= _MIN_RUN_BYTES * starts.size:
+        for first, n in zip(starts.tolist(), lengths.tolist()):
+            state.update(table[first : first + n])  # contiguous: hashed where it lies
+        return state.intdigest()
     step = max(1, _CHUNK_BYTES // region.item_len)
     for start in range(0, idx.size, step):
         state.update(np.ascontiguousarray(table[idx[start:start + step]]))
@@ -60,7 +94,29 @@ def room_digests(components: list[tuple[str, list[Region]]], kv_indices, kv_grou
     IndexError
         An index outside its region, or fewer state index lists than components.
     """
-    digests = {}
+    return start_room_digests(components, kv_indices, kv_group_indices, state_indices, only)()
+
+
+def _hash_regions(work: list[tuple[str, Region, object]]) -> dict[str, int]:
+    return {key: region_digest(region, indices) for key, region, indices in work}
+
+
+def start_room_digests(components: list[tuple[str, list[Region]]], kv_indices, kv_group_indices: dict,
+                       state_indices: list, only: set[str] | None = None) -> Callable[[], dict[str, int]]:
+    """:func:`room_digests`, started: a large room's regions are hashed on the hashing threads,
+    side by side, while the caller goes on (e.g. reads the next request), a small room's at once.
+
+    Returns
+    -------
+    callable
+        Waits for the digests and returns :func:`room_digests`' dict (raising what it raises).
+
+    Raises
+    ------
+    IndexError
+        Fewer state index lists than components, or (a small room) an index outside its region.
+    """
+    work = []
     for c, (name, regions) in enumerate(components):
         for region in regions:
             key = f"{name}/{region.label}"
@@ -70,8 +126,20 @@ def room_digests(components: list[tuple[str, list[Region]]], kv_indices, kv_grou
                 indices = kv_group_indices.get(region.label.split(":", 1)[0], kv_indices)
             else:
                 indices = state_indices[c - 1]
-            digests[key] = region_digest(region, indices)
-    return digests
+            work.append((key, region, indices))
+    sizes = [len(indices) * region.item_len for _, region, indices in work]
+    threads = min(_HASH_THREADS, sum(sizes) // _BYTES_PER_THREAD)
+    if threads <= 1:
+        digests = _hash_regions(work)
+        return lambda: digests
+    shares: list[list] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for size, item in sorted(zip(sizes, work), key=lambda p: -p[0]):  # largest first, onto the lightest share
+        lightest = loads.index(min(loads))
+        shares[lightest].append(item)
+        loads[lightest] += size
+    jobs = [_hash_pool().submit(_hash_regions, share) for share in shares]
+    return lambda: {key: digest for job in jobs for key, digest in job.result().items()}
 
 
 def mismatched(expected: dict[str, int], got: dict[str, int]) -> list[str]:

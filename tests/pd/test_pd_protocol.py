@@ -33,6 +33,7 @@ from sparsekv.srt.disaggregation.manifest import Manifest, ManifestMismatchError
 from sparsekv.srt.disaggregation.messages import ProtocolError, parse_transfer
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
 from sparsekv.srt.disaggregation.pd_demo import fill_regions
+from sparsekv.testing.profiles import scaled_examples
 
 try:
     load_nixl_api()
@@ -290,3 +291,23 @@ def test_region_digest_is_the_hash_of_the_items_in_index_order():
     with pytest.raises(IndexError, match="'r'"):
         region_digest(region, [6])
     assert len({region_digest(region, idx) for idx in ([0, 1], [1, 0], [0], [])}) == 4
+
+
+_DIGEST_ITEMS = 12
+
+
+@settings(max_examples=scaled_examples(30), deadline=None)
+@given(st.sampled_from([10, 40 << 10]),  # short items: gathered first; long runs of 40 KiB items: hashed in place
+       st.lists(st.one_of(st.integers(0, _DIGEST_ITEMS - 1),
+                          st.tuples(st.integers(0, _DIGEST_ITEMS - 1), st.integers(1, 6))), max_size=8))
+def test_region_digest_of_runs_and_scattered_items_hashes_their_concatenation(item_len, picks):
+    import xxhash
+
+    idx = []
+    for pick in picks:  # single items and runs of consecutive items, in any order, repeats allowed
+        first, n = (pick, 1) if isinstance(pick, int) else pick
+        idx += list(range(first, min(first + n, _DIGEST_ITEMS)))
+    data = np.random.default_rng(len(idx)).integers(0, 256, _DIGEST_ITEMS * item_len, dtype=np.uint8)
+    region = Region("r", item_len, data.nbytes, "DRAM", data.ctypes.data)
+    expected = xxhash.xxh3_64_intdigest(data.reshape(_DIGEST_ITEMS, item_len)[idx].tobytes())
+    assert region_digest(region, idx) == expected
