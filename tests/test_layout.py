@@ -23,7 +23,7 @@ FOLDER_OF = {"jit_kernel": "sparsekv.jit_kernel", "srt": "sparsekv.srt", "sparse
 
 # The front ends: the console script's shell and commands, the demo, ``python -m sparsekv``, and the
 # command modules the shell names (SUBCOMMANDS) wherever they still live.
-FRONT_ENDS = ("sparsekv.cli", "sparsekv.demo", "sparsekv.__main__")
+FRONT_ENDS = ("sparsekv.cli", "sparsekv.__main__")
 LIBRARIES = ("sparsekv.jit_kernel", "sparsekv.srt", "sparsekv.testing")
 
 # (modules, prefixes they never reach, why); a prefix "a.b" names a.b and its submodules.
@@ -55,7 +55,7 @@ KNOWN_CIRCLES = {
     # kv_args_of routes the state components through state_routing, which builds KVArgs
     frozenset({"sparsekv.srt.disaggregation.kv_args", "sparsekv.srt.disaggregation.state_routing"}),
     # the PD processes of the demo take the request count from the command module
-    frozenset({"sparsekv.demo.command", "sparsekv.demo.pd"}),
+    frozenset({"sparsekv.cli.demo.command", "sparsekv.cli.demo.pd"}),
 }
 
 
@@ -203,7 +203,7 @@ def test_the_rules_see_the_chains_they_forbid():
     model's instances from the planner's presets) and names resolved through a package's lazy table."""
     assert "sparsekv.srt.model_executor.model_spec" in _reachable("sparsekv.cli.jit")
     assert {"sparsekv.srt.model_executor.model_spec", "sparsekv.srt.model_executor.pool_planner"} <= \
-        _graph()["sparsekv.demo.stack"]  # `from sparsekv.srt.model_executor import DSV4ModelSpec, plan_pipeline`
+        _graph()["sparsekv.cli.demo.stack"]  # `from sparsekv.srt.model_executor import DSV4ModelSpec, plan_pipeline`
 
 
 # The exceptions: the fused store runs the compressor's window pooling and the quantizer's row

@@ -59,7 +59,7 @@ SUBCOMMANDS = {
         ),
     ),
     "demo": Subcommand(
-        "sparsekv.demo.command",
+        "sparsekv.cli.demo.command",
         "a DSV4-shaped prefill and decode through every kernel, HiSparse and PD, checked against fp64 torch",
         (
             "sparsekv demo",

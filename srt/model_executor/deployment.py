@@ -19,7 +19,7 @@ INDEX_TOP_K = {"dsv4-flash": 512, "dsv4-pro": 1024}
 C4_RATIO = 4
 
 
-#: The model of ``sparsekv demo`` (:mod:`sparsekv.demo.model`): its top-k, hot buffer and query dtype.
+#: The model of ``sparsekv demo`` (:mod:`sparsekv.cli.demo.model`): its top-k, hot buffer and query dtype.
 DEMO = "demo"
 DEMO_TOP_K, DEMO_HOT_BUFFER = 64, 128
 

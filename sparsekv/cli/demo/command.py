@@ -1,6 +1,6 @@
 """``sparsekv demo``: plan, prefill, HiSparse backup, decode through every DSV4 kernel; three checks.
 
-The model (:mod:`sparsekv.demo.model`) has seeded random weights, so nothing is downloaded. The run:
+The model (:mod:`sparsekv.cli.demo.model`) has seeded random weights, so nothing is downloaded. The run:
 
 1. plans memory for the model (``plan_pipeline``, what ``sparsekv plan-memory`` runs) and builds
    the ``DeepSeekV4TokenToKVPool`` from the plan;
@@ -135,7 +135,7 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
 def load_kernels(spec: DemoSpec, progress) -> dict:
     """Load (building where missing) every kernel instance the run uses (what ``sparsekv jit build
     --model demo`` prebuilds); what came from where."""
-    from sparsekv.demo.stack import PAGE_SIZE
+    from sparsekv.cli.demo.stack import PAGE_SIZE
     from sparsekv.jit_kernel import loader
     from sparsekv.jit_kernel.registry import discover
     from sparsekv.srt.model_executor.deployment import DEMO, model_instances
@@ -157,8 +157,8 @@ def load_kernels(spec: DemoSpec, progress) -> dict:
 
 def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool):
     """One process: prefill both requests, (HiSparse) back them up, decode; ``(stack, outputs, stats, prefill_s)``."""
-    from sparsekv.demo.model import DemoModel, ModelShape
-    from sparsekv.demo.stack import Request, Stack
+    from sparsekv.cli.demo.model import DemoModel, ModelShape
+    from sparsekv.cli.demo.stack import Request, Stack
 
     model = DemoModel(ModelShape(), spec.seed)
     prompts = spec.prompts()
@@ -192,7 +192,7 @@ def same_outputs(a, b) -> tuple[bool, float]:
 
 def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
     """Run the demo (see the module docstring) and return its report; nothing printed but progress."""
-    from sparsekv.demo.stack import ATTENTION_TOL, COMPRESS_TOL, INDEXER_TOL, STORE_REL_TOL
+    from sparsekv.cli.demo.stack import ATTENTION_TOL, COMPRESS_TOL, INDEXER_TOL, STORE_REL_TOL
 
     if progress is None:
         def progress(items, **_):
@@ -224,7 +224,7 @@ def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
                                                      "hot_buffer": spec.hot_buffer, "ratio": spec.hisparse}
         report.plan["hisparse_host_entries"] = hot.coordinator.mem_pool_host.size
     if spec.pd:
-        from sparsekv.demo.pd import run_pd
+        from sparsekv.cli.demo.pd import run_pd
 
         pd_out = run_pd(spec)
         equal, worst = same_outputs(resident_out, pd_out["outputs"])

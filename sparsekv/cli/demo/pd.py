@@ -36,9 +36,9 @@ def _recv(conn, proc, what: str):
 def _stack(spec, hisparse):
     import torch
 
-    from sparsekv.demo.command import REQUESTS
-    from sparsekv.demo.model import DemoModel, ModelShape
-    from sparsekv.demo.stack import Stack
+    from sparsekv.cli.demo.command import REQUESTS
+    from sparsekv.cli.demo.model import DemoModel, ModelShape
+    from sparsekv.cli.demo.stack import Stack
 
     torch.set_num_threads(1)
     model = DemoModel(ModelShape(), spec.seed)
@@ -48,7 +48,7 @@ def _stack(spec, hisparse):
 
 def prefill_main(spec, conn) -> None:
     """Prefill every request, then send each room the decode asks for."""
-    from sparsekv.demo.stack import PAGE_SIZE, Request
+    from sparsekv.cli.demo.stack import PAGE_SIZE, Request
     from sparsekv.srt.disaggregation.backend import open_backend
     from sparsekv.srt.disaggregation.conn import KVSender, RoomStatus
     from sparsekv.srt.disaggregation.kv_args import kv_args_of
@@ -82,7 +82,7 @@ def prefill_main(spec, conn) -> None:
 def decode_main(spec, conn, address) -> None:
     """Receive every request into the HiSparse stack, admit it, decode; send the outputs back."""
 
-    from sparsekv.demo.stack import Request
+    from sparsekv.cli.demo.stack import Request
     from sparsekv.srt.disaggregation.backend import open_backend
     from sparsekv.srt.disaggregation.conn import KVReceiver
     from sparsekv.srt.disaggregation.hisparse_direct import alloc_direct_host_pages, hisparse_decode_kv_args

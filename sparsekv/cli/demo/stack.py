@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sparsekv.demo.model import EPS, HEAD_DIM, WINDOW, DemoModel
+from sparsekv.cli.demo.model import EPS, HEAD_DIM, WINDOW, DemoModel
 from sparsekv.jit_kernel.dsv4 import (
     CompressorState,
     dequantize_fp8_ds_mla,
