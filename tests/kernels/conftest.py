@@ -13,6 +13,7 @@ both: every test is collected per backend, and every test body uses its backend 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsekv.testing.backends import cpu_backend, kernel_backends, triton_unavailable_reason
 
@@ -29,6 +30,22 @@ def _cpu_tensors_go_to_the_sim_build_in_sim_tests(request):
     backend = callspec.params.get("backend") if callspec else None
     with cpu_backend("sim" if backend == "sim" else "cpu"):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _a_cuda_fault_fails_the_test_that_made_it(request):
+    # A device fault (illegal address, trap) is sticky: every later CUDA call of the process fails, so
+    # on the H200 one kernel fault showed up only as 20 unrelated failures of one worker. Waiting for the
+    # device after each cuda test reports the fault, as a teardown error, on the test that launched it.
+    yield
+    callspec = getattr(request.node, "callspec", None)
+    if (callspec.params.get("backend") if callspec else None) != "cuda":
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as fault:
+        pytest.fail(f"this test left a CUDA fault; later cuda tests of this process fail from it too: {fault}",
+                    pytrace=False)
 
 
 @pytest.fixture
