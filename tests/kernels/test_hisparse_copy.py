@@ -18,7 +18,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import V4
-from sparsekv.testing.backends import device_of, host_readable
+from sparsekv.testing.backends import device_of, host_readable, to_device
 from sparsekv.testing.reference.hisparse_copy import (
     read_token,
     token_pattern,
@@ -218,10 +218,10 @@ def test_token_copy_rejects_bad_input(backend, index_checks, case):
     src_ptrs = pointer_table(src.layers)
     if kw.pop("int64_ptrs", False):
         src_ptrs = src_ptrs.to(torch.int64)
+    src_ids, dst_ids = to_device(device, [call["src_ids"], call["dst_ids"]])  # a strided view stays strided
     before = dst.owner.clone()
     with pytest.raises(error, match=f"`{name}`"):
-        transfer_cache_dsv4_mla(src_ptrs, pointer_table(dst_layers), call["src_ids"].to(device),
-                                call["dst_ids"].to(device), **kw)
+        transfer_cache_dsv4_mla(src_ptrs, pointer_table(dst_layers), src_ids, dst_ids, **kw)
     assert torch.equal(dst.owner, before)
 
 
