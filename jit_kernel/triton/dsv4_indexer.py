@@ -12,11 +12,18 @@ float32 accumulation; ``relu`` and the head weights are the epilogue. The operan
 so the products are exact and a float32 ``q`` is split into bf16 high and low parts: the scores keep
 the header's tolerance, ``|s - ref| <= 1e-5 sum_h |w_h| |q_h| |k|``.
 
-Top-k. One program per row: three histogram passes of 11, 11 and 10 bits of the monotone 32-bit key
-(``tl.histogram`` over the row's keys that share the prefix found so far) give the key of the k-th
-largest score; a last pass writes the selected positions in ascending order (prefix sums of the
-selection), equal keys at the threshold taken lowest position first. The output is identical to the
-header's (same keys, same order rule).
+Top-k, in one read of the scores with the selection on chip (:func:`indexer_topk`). A level splits
+each row into chunks of at least 4096 items (``4 k`` when that is more), one program per chunk, so a
+64k-entry row at batch 1 runs on 16 programs: a program loads its chunk once into registers, finds its
+``k``-th largest 32-bit key by a bisection on the key bits (32 block-wide counts, no memory traffic),
+and writes the chunk's ``k`` best (keys and positions, in position order; -1 padding) to a scratch
+list at most a quarter of the input's length. When the list fits one program (8192 items), the
+finish selects the row's ``k`` best from it the same way and writes them in ascending position with
+prefix sums, -1 after them. The best ``k`` of a row, ordered by (key descending, position
+ascending), are among the best ``k`` of each chunk under the same order, so the output is identical
+to the header's (same keys, equal keys at the threshold taken lowest position first). A ``k`` above
+4096 on a row longer than 8192 entries cannot stay on chip: that call takes the radix kernel (three
+histogram passes of 11, 11 and 10 bits over the row, then a pass writing the selection).
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ DIM = 128
 MAX_HEADS = 64
 BLOCK_E = 64
 ENTRIES = 512  # per program: the query is loaded once per 8 tiles
-TOPK_BLOCK = 1024
+TOPK_BLOCK = 1024  # per step of the radix kernel
+TOPK_CHUNK = 4096  # items per program of a top-k level (at least; 4 k when that is more)
+TOPK_FINAL = 8192  # the longest list the finish selects from in one program
 NUM_WARPS = 4
 _LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 
@@ -119,6 +128,100 @@ def _order_key(x):
 
 
 @triton.jit
+def _load_list(scores_ptr, keys_ptr, index_ptr, row_offset, start, length, n, FIRST: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Items ``[start, start + BLOCK)`` of a row's list: (key, position, valid). ``FIRST``: the list is
+    the score row itself (position = item, valid below ``n``); else a candidate list of a previous
+    level (keys and positions stored, -1 positions are padding)."""
+    item = start + tl.arange(0, BLOCK)
+    if FIRST:
+        valid = item < n
+        key = _order_key(tl.load(scores_ptr + row_offset + item, mask=valid, other=0.0))
+        position = item.to(tl.int32)
+    else:
+        in_list = item < length
+        position = tl.load(index_ptr + row_offset + item, mask=in_list, other=-1)
+        key = tl.load(keys_ptr + row_offset + item, mask=in_list, other=0).to(tl.uint32, bitcast=True)
+        valid = position >= 0
+    return key, position, valid
+
+
+@triton.jit
+def _select(key, valid, keep):
+    """The ``keep`` best of a block held on chip: (chosen, place, count). A 32-step bisection on the
+    key bits finds the ``keep``-th largest key with one block-wide count per bit (no memory traffic);
+    every key above it is chosen, and of the keys equal to it the first ``keep - above`` in list order
+    (ascending position). ``place`` is each chosen item's rank in list order."""
+    threshold = tl.zeros((), tl.uint32)
+    bit = tl.full((), 0x80000000, tl.uint32)
+    for _ in range(32):
+        trial = threshold | bit
+        count = tl.sum((valid & (key >= trial)).to(tl.int32), 0)
+        threshold = tl.where(count >= keep, trial, threshold)
+        bit = bit >> 1
+    above = valid & (key > threshold)
+    equal = valid & (key == threshold)
+    remaining = keep - tl.sum(above.to(tl.int32), 0)
+    chosen = above | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= remaining))
+    chosen_i32 = chosen.to(tl.int32)
+    return chosen, tl.cumsum(chosen_i32, 0) - 1, tl.sum(chosen_i32, 0)
+
+
+@triton.jit
+def _entry_slot(table_row, max_pages, page_shift, position, mask):
+    """Cache slot of each position through a page-table row, -1 for a missing or negative page or a slot
+    past int32 (``entry_slot`` of the header)."""
+    page_index = position >> page_shift
+    page = tl.load(table_row + page_index, mask=mask & (page_index < max_pages), other=-1).to(tl.int64)
+    slot = (page << page_shift) | (position & ((1 << page_shift) - 1))
+    return tl.where((page >= 0) & (slot <= 2147483647), slot, -1).to(tl.int32)
+
+
+@triton.jit
+def topk_chunk_kernel(scores_ptr, keys_ptr, index_ptr, src_stride, length, positions_ptr, width, keep, chunks,
+                      out_keys_ptr, out_index_ptr, out_stride, FIRST: tl.constexpr, CHUNK: tl.constexpr):
+    """One level: program ``b * chunks + c`` keeps the ``keep`` best of items ``[c * CHUNK, (c + 1) * CHUNK)``
+    of row ``b``'s list, in list order, at ``[c * keep, (c + 1) * keep)`` of the next list (-1 positions
+    after them). A flat grid: neither rows nor chunks meet the 65,535 limit of grid dims 1 and 2."""
+    program = tl.program_id(0).to(tl.int64)
+    b = program // chunks
+    c = program % chunks
+    t = tl.load(positions_ptr + b).to(tl.int64)
+    n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+    key, position, valid = _load_list(scores_ptr, keys_ptr, index_ptr, b * src_stride, c * CHUNK, length, n, FIRST,
+                                      CHUNK)
+    chosen, place, count = _select(key, valid, keep)
+    at = b * out_stride + c * keep + place
+    tl.store(out_keys_ptr + at, key.to(tl.int32, bitcast=True), mask=chosen)
+    tl.store(out_index_ptr + at, position, mask=chosen)
+    j = tl.arange(0, CHUNK)
+    pad = (j >= count) & (j < keep)
+    tl.store(out_index_ptr + b * out_stride + c * keep + j, tl.full((CHUNK,), -1, tl.int32), mask=pad)
+
+
+@triton.jit
+def topk_finish_kernel(scores_ptr, keys_ptr, index_ptr, src_stride, length, positions_ptr, width, k, tokens_ptr,
+                       tokens_stride, slots_ptr, slots_stride, table_ptr, table_stride, max_pages, page_shift,
+                       FIRST: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``b``'s whole list (``length <= BLOCK`` items) on chip: its k best, ascending positions, then -1."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.load(positions_ptr + b).to(tl.int64)
+    n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+    key, position, valid = _load_list(scores_ptr, keys_ptr, index_ptr, b * src_stride, 0, length, n, FIRST, BLOCK)
+    chosen, place, count = _select(key, valid, k)
+    tl.store(tokens_ptr + b * tokens_stride + place, position, mask=chosen)
+    if HAS_SLOTS:
+        slot = _entry_slot(table_ptr + b * table_stride, max_pages, page_shift, position, chosen)
+        tl.store(slots_ptr + b * slots_stride + place, slot, mask=chosen)
+    for c in range(0, k, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        pad = (j < k) & (j >= count)
+        tl.store(tokens_ptr + b * tokens_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        if HAS_SLOTS:
+            tl.store(slots_ptr + b * slots_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+
+
+@triton.jit
 def _radix_step(row, n, prefix, known, remaining, SHIFT: tl.constexpr, DIGITS: tl.constexpr, BLOCK: tl.constexpr):
     """One digit of the threshold: histogram the digit at ``SHIFT`` of the keys that share ``prefix``
     (on the bits in ``known``), take the highest digit whose bin, with those above, reaches ``remaining``."""
@@ -136,10 +239,11 @@ def _radix_step(row, n, prefix, known, remaining, SHIFT: tl.constexpr, DIGITS: t
 
 
 @triton.jit
-def indexer_topk_kernel(scores_ptr, scores_stride, width, positions_ptr, k, tokens_ptr, tokens_stride, slots_ptr,
+def topk_radix_kernel(scores_ptr, scores_stride, width, positions_ptr, k, tokens_ptr, tokens_stride, slots_ptr,
                         slots_stride, table_ptr, table_stride, max_pages, page_shift,
                         HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``b``: the k largest of its visible scores, ascending positions, then -1."""
+    """Row ``b``: the k largest of its visible scores, ascending positions, then -1, in five passes over the
+    row (the path for a k too large to keep on chip: see :func:`indexer_topk`)."""
     b = tl.program_id(0).to(tl.int64)
     t = tl.load(positions_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
@@ -166,9 +270,7 @@ def indexer_topk_kernel(scores_ptr, scores_stride, width, positions_ptr, k, toke
         chosen = chosen & (at < k)  # never past the row, whatever the scores hold
         tl.store(tokens_ptr + b * tokens_stride + at, i.to(tl.int32), mask=chosen)
         if HAS_SLOTS:
-            page_index = i >> page_shift
-            page = tl.load(table_ptr + b * table_stride + page_index, mask=chosen & (page_index < max_pages), other=-1)
-            slot = tl.where(page >= 0, (page << page_shift) | (i & ((1 << page_shift) - 1)), -1)
+            slot = _entry_slot(table_ptr + b * table_stride, max_pages, page_shift, i.to(tl.int32), chosen)
             tl.store(slots_ptr + b * slots_stride + at, slot, mask=chosen)
         written += tl.sum(chosen.to(tl.int64), 0)
         equal_seen += tl.sum(equal.to(tl.int32), 0)
@@ -279,20 +381,63 @@ def check_topk_arguments(scores, positions, out, page_table, out_slots, page_siz
     return shift
 
 
-def indexer_topk(scores, positions, out, page_table, out_slots, page_size):
+def _warps(block: int) -> int:
+    """Warps for a program holding ``block`` items on chip: 16 items a thread, 4 to 16 warps."""
+    return max(4, min(16, block // 512))
+
+
+def topk_plan(width: int, k: int, chunk: int = TOPK_CHUNK, final: int = TOPK_FINAL) -> list[tuple[int, int]] | None:
+    """The levels of the on-chip top-k of ``width``-wide rows: ``(list length, chunk)`` of each level
+    before the finish (which takes a list of at most ``final`` items in one program); ``None`` when
+    ``k`` is too large to keep on chip (above ``chunk``), for rows the finish cannot take whole.
+
+    A level's chunk holds at least ``4 k`` items, so each level shrinks the list at least fourfold.
+    """
+    if width <= final:
+        return []
+    level_chunk = triton.next_power_of_2(max(chunk, 4 * k))
+    if level_chunk > 4 * chunk:
+        return None
+    levels, length = [], width
+    while length > final:
+        levels.append((length, level_chunk))
+        length = triton.cdiv(length, level_chunk) * k
+    return levels
+
+
+def indexer_topk(scores, positions, out, page_table, out_slots, page_size, *, chunk=TOPK_CHUNK, final=TOPK_FINAL):
     """Check (:func:`check_topk_arguments`), then write each row's top ``out.shape[1]`` into ``out`` (and slots).
 
-    The body of the ``sparsekv::indexer_topk`` op for ``impl="triton"``.
+    The body of the ``sparsekv::indexer_topk`` op for ``impl="triton"``. Each level of
+    :func:`topk_plan` reads its list once (the first, the scores) and writes each chunk's ``k`` best
+    to a scratch list; the finish selects from the last list on chip. ``chunk`` and ``final`` are the
+    plan's sizes (tests shrink them to reach several levels at small widths).
     """
     shift = check_topk_arguments(scores, positions, out, page_table, out_slots, page_size)
-    batch = scores.shape[0]
+    batch, width = scores.shape
+    k = out.shape[1]
     if batch == 0:
         return
     slots = (out_slots, out_slots.stride(0), page_table, page_table.stride(0), page_table.shape[1], shift) \
         if page_table is not None else (out, 0, out, 0, 0, 0)
-    indexer_topk_kernel[(batch,)](scores, scores.stride(0), scores.shape[1], positions, out.shape[1], out,
-                                  out.stride(0), *slots, HAS_SLOTS=page_table is not None, BLOCK=TOPK_BLOCK,
-                                  num_warps=NUM_WARPS)
+    levels = topk_plan(width, k, chunk, final)
+    if levels is None:
+        topk_radix_kernel[(batch,)](scores, scores.stride(0), width, positions, k, out, out.stride(0), *slots,
+                                    HAS_SLOTS=page_table is not None, BLOCK=TOPK_BLOCK, num_warps=NUM_WARPS)
+        return
+    keys, index, stride, length = scores, out, scores.stride(0), width  # the first list: the scores
+    for level, (length, level_chunk) in enumerate(levels):
+        chunks = triton.cdiv(length, level_chunk)
+        # Scratch (a fresh tensor: the caching allocator's, and a graph pool's under capture).
+        scratch = torch.empty((2, batch, chunks * k), dtype=torch.int32, device=scores.device)
+        topk_chunk_kernel[(batch * chunks,)](scores, keys, index, stride, length, positions, width, k, chunks,
+                                             scratch[0], scratch[1], chunks * k, FIRST=level == 0,
+                                             CHUNK=level_chunk, num_warps=_warps(level_chunk))
+        keys, index, stride, length = scratch[0], scratch[1], chunks * k, chunks * k
+    block = max(16, triton.next_power_of_2(length))
+    topk_finish_kernel[(batch,)](scores, keys, index, stride, length, positions, width, k, out, out.stride(0), *slots,
+                                 FIRST=not levels, HAS_SLOTS=page_table is not None, BLOCK=block,
+                                 num_warps=_warps(block))
 
 
 def _aot_kernels():
@@ -310,13 +455,25 @@ def _aot_kernels():
                          "heads": "i32", **dict.fromkeys(constexprs, "constexpr")}
             kernels.append(AotKernel(f"dsv4_indexer.scores[{layout},{q_type[1:]}]", indexer_scores_kernel, signature,
                                      constexprs, NUM_WARPS, ("q_ptr", "w_ptr", "cache_ptr", "table_ptr", "out_ptr")))
+    slots = {"tokens_stride": "i64", "slots_ptr": "*i32", "slots_stride": "i64", "table_ptr": "*i32",
+             "table_stride": "i64", "max_pages": "i64", "page_shift": "i32"}
     constexprs = {"HAS_SLOTS": True, "BLOCK": TOPK_BLOCK}
     signature = {"scores_ptr": "*fp32", "scores_stride": "i64", "width": "i64", "positions_ptr": "*i64", "k": "i32",
-                 "tokens_ptr": "*i32", "tokens_stride": "i64", "slots_ptr": "*i32", "slots_stride": "i64",
-                 "table_ptr": "*i32", "table_stride": "i64", "max_pages": "i64", "page_shift": "i32",
-                 **dict.fromkeys(constexprs, "constexpr")}
-    kernels.append(AotKernel("dsv4_indexer.topk", indexer_topk_kernel, signature, constexprs, NUM_WARPS,
+                 "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
+    kernels.append(AotKernel("dsv4_indexer.topk_radix", topk_radix_kernel, signature, constexprs, NUM_WARPS,
                              ("scores_ptr", "tokens_ptr", "slots_ptr", "table_ptr")))
+    # The plan of a 64k-entry row, k = 512: one level of 4096-item chunks from the scores, the finish of 8192.
+    lists = {"scores_ptr": "*fp32", "keys_ptr": "*i32", "index_ptr": "*i32", "src_stride": "i64", "length": "i64",
+             "positions_ptr": "*i64", "width": "i64"}
+    constexprs = {"FIRST": True, "CHUNK": TOPK_CHUNK}
+    signature = {**lists, "keep": "i32", "chunks": "i64", "out_keys_ptr": "*i32", "out_index_ptr": "*i32",
+                 "out_stride": "i64", **dict.fromkeys(constexprs, "constexpr")}
+    kernels.append(AotKernel("dsv4_indexer.topk_chunk", topk_chunk_kernel, signature, constexprs, _warps(TOPK_CHUNK),
+                             ("scores_ptr", "keys_ptr", "index_ptr", "out_keys_ptr", "out_index_ptr")))
+    constexprs = {"FIRST": False, "HAS_SLOTS": True, "BLOCK": TOPK_FINAL}
+    signature = {**lists, "k": "i32", "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
+    kernels.append(AotKernel("dsv4_indexer.topk_finish", topk_finish_kernel, signature, constexprs,
+                             _warps(TOPK_FINAL), ("keys_ptr", "index_ptr", "tokens_ptr", "slots_ptr", "table_ptr")))
     return kernels
 
 

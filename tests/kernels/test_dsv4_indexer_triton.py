@@ -75,6 +75,48 @@ def test_triton_topk_equals_the_header_on_long_rows_with_ties_and_infinities(bac
         assert torch.equal(got, indexer_topk(scores.to(device), positions.to(device), k, impl="header")[0].cpu())
 
 
+@settings(max_examples=triton_examples())
+@given(batch=st.integers(1, 2), width=st.integers(1, 300), k=st.integers(1, 12), chunk=st.sampled_from([8, 32]),
+       final=st.sampled_from([16, 64]), ties=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_triton_topk_levels_equal_the_header_and_torch_topk(backend, batch, width, k, chunk, final, ties, seed, data):
+    # Small chunk and finish sizes reach the on-chip levels (one or several) and the radix path
+    # (k above the chunk) at widths the interpreter runs quickly; the default sizes take these widths whole.
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(batch, width, generator=g)
+    if ties:
+        scores = torch.round(scores * 2) / 2
+        scores[:, ::7] = float("-inf")
+    visible = data.draw(st.lists(st.integers(0, width + 3), min_size=batch, max_size=batch))
+    positions = torch.tensor([4 * n - 1 + data.draw(st.integers(0, 3)) for n in visible])  # sees n entries
+    table = torch.randint(0, 9, (batch, -(-width // 4) + 1), dtype=torch.int32, generator=g)
+    device = device_of(backend)
+    header, header_slots = indexer_topk(scores.to(device), positions.to(device), k, page_table=table.to(device),
+                                        page_size=4, impl="header")
+    out = torch.empty(batch, k, dtype=torch.int32, device=device)
+    out_slots = torch.empty_like(out)
+    triton_indexer.indexer_topk(scores.to(device), positions.to(device), out, table.to(device), out_slots, 4,
+                                chunk=chunk, final=final)
+    assert torch.equal(out.cpu(), header.cpu()) and torch.equal(out_slots.cpu(), header_slots.cpu())
+    for b, n in enumerate(min(v, width) for v in visible):  # the same values as torch.topk's (its ties are its own)
+        taken = out[b].cpu()
+        assert torch.equal(taken[:min(k, n)], taken[:min(k, n)].sort().values) and bool((taken[min(k, n):] == -1).all())
+        expected = torch.topk(scores[b, :n], min(k, n)).values.sort().values
+        assert torch.equal(scores[b, taken[:min(k, n)].long()].sort().values, expected)
+
+
+def test_topk_plan_reads_the_row_once_and_shrinks_each_level_fourfold():
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+    # 64k entries, k = 512: one level of 4096-item chunks (16 programs a row), then the finish of 8192.
+    assert triton_indexer.topk_plan(65536, 512) == [(65536, 4096)]
+    assert triton_indexer.topk_plan(8192, 512) == []
+    assert triton_indexer.topk_plan(1 << 20, 2048) == [(1 << 20, 8192), (1 << 18, 8192), (65536, 8192),
+                                                         (16384, 8192)]
+    assert triton_indexer.topk_plan(65536, 4097) is None  # too large to keep on chip: the radix kernel
+
+
 def test_memory_sharing_is_refused_with_the_headers_message(backend):
     # The scores written over the query, the tokens over the slots: both refused, same message.
     device = device_of(backend)
