@@ -178,6 +178,17 @@ def _entry_slot(table_row, max_pages, page_shift, position, mask):
 
 
 @triton.jit
+def _pad_tail(tokens_row, slots_row, written, k, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """-1 in places ``[written, k)`` of a row's tokens (and slots)."""
+    for c in range(0, k, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        pad = (j < k) & (j >= written)
+        tl.store(tokens_row + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        if HAS_SLOTS:
+            tl.store(slots_row + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+
+
+@triton.jit
 def topk_chunk_kernel(scores_ptr, keys_ptr, index_ptr, src_stride, length, positions_ptr, width, keep, chunks,
                       out_keys_ptr, out_index_ptr, out_stride, FIRST: tl.constexpr, CHUNK: tl.constexpr):
     """One level: program ``b * chunks + c`` keeps the ``keep`` best of items ``[c * CHUNK, (c + 1) * CHUNK)``
@@ -213,12 +224,7 @@ def topk_finish_kernel(scores_ptr, keys_ptr, index_ptr, src_stride, length, posi
     if HAS_SLOTS:
         slot = _entry_slot(table_ptr + b * table_stride, max_pages, page_shift, position, chosen)
         tl.store(slots_ptr + b * slots_stride + place, slot, mask=chosen)
-    for c in range(0, k, BLOCK):
-        j = c + tl.arange(0, BLOCK)
-        pad = (j < k) & (j >= count)
-        tl.store(tokens_ptr + b * tokens_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
-        if HAS_SLOTS:
-            tl.store(slots_ptr + b * slots_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+    _pad_tail(tokens_ptr + b * tokens_stride, slots_ptr + b * slots_stride, count, k, HAS_SLOTS, BLOCK)
 
 
 @triton.jit
@@ -275,12 +281,7 @@ def topk_radix_kernel(scores_ptr, scores_stride, width, positions_ptr, k, tokens
         written += tl.sum(chosen.to(tl.int64), 0)
         equal_seen += tl.sum(equal.to(tl.int32), 0)
     # 3. -1 after them.
-    for c in range(0, k, BLOCK):
-        j = c + tl.arange(0, BLOCK)
-        pad = (j < k) & (j >= written)
-        tl.store(tokens_ptr + b * tokens_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
-        if HAS_SLOTS:
-            tl.store(slots_ptr + b * slots_stride + j, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+    _pad_tail(tokens_ptr + b * tokens_stride, slots_ptr + b * slots_stride, written, k, HAS_SLOTS, BLOCK)
 
 
 def _check_positions(positions, batch, like):
