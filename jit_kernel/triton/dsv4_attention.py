@@ -33,6 +33,15 @@ program per SM (the AOT report: 255 registers, 128 KiB shared for bf16 ``q``). T
 rows once (19 MB) plus q and out: ~8 us on an H100 at 3.35 TB/s; 64 of 132 SMs each with one 9 KiB
 tile in flight is what limits it, so reaching 2x of that roofline needs two tiles in flight per
 program (``num_stages=2`` on the gather) -- a tuning step for a session with a GPU.
+
+What the compiled kernel spills (``ptxas -v`` on the AOT PTX, with triton 3.9's own ptxas 13.4, which
+it uses for both archs): bf16 ``q``, ``BLOCK_H = 64``, 8 warps: 255 registers and a 328-byte stack
+(524 bytes of spill stores) on sm_90a, 40 bytes on sm_100a; float32 ``q`` (two dots each): 8,776 bytes
+on sm_90a, 288 on sm_100a. The ``64 x 512`` float32 accumulator alone is 128 registers a thread:
+16 warps cap registers at 128 and spill more (640 bytes), ``BLOCK_N = 32`` spills 1,208, 4 warps
+1,912. ``BLOCK_H = 32`` compiles with no spill (214 registers, 49 KiB shared on sm_90a) and ``16``
+with 137: a 64-head row as two 32-head programs (each KV row gathered twice, the second read likely
+from L2; 128 programs fill a wave of 132 SMs at batch 64) is the first thing to time on a GPU.
 """
 
 from __future__ import annotations
