@@ -49,6 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# A bare GPU image runs this before sparsekv is installed: the command-line helpers come from the checkout.
+sys.path.insert(0, str(REPO))
+from sparsekv.argtypes import int_range, number_range  # noqa: E402
+from sparsekv.cli import CliParser  # noqa: E402
+
 BENCH_DIR = REPO / "tools" / "bench"
 #: Benchmarks that time a kernel family (the others time the loader, planning or PD transfer).
 KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_indexer.py",
@@ -208,15 +213,16 @@ def roofline_rows(result: dict) -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = CliParser(prog="tools/gpu_check.py", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__[__doc__.index("The wheel folder"):])
     parser.add_argument("--out", type=Path, default=REPO / "gpu-check", help="where the summaries go")
     parser.add_argument("--wheels", type=Path, default=REPO / "wheels", help="folder of the apache-tvm-ffi wheel")
     parser.add_argument("--python", default=sys.executable, help="the image's Python (default: this one)")
-    parser.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+    parser.add_argument("--jobs", type=int_range(1), default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                         help="compile jobs and pytest-xdist workers (default: the cores less two, at most 12)")
-    parser.add_argument("--budget-s", type=float, default=420, help="the whole run's time budget, in seconds")
+    parser.add_argument("--budget-s", type=number_range(10), default=420,
+                        help="the whole run's time budget, in seconds (at least 10)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and check the plumbing, no GPU")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

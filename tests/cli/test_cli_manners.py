@@ -115,6 +115,8 @@ BAD_TOOL_ARGUMENTS = [
     ("tools/bench/bench_jit_loader.py", ["--fresh-runs", "0"], "--fresh-runs"),
     ("tools/bench/bench_jit_loader.py", ["--plot", "/nonexistent/plot.png"], "--plot"),
     ("tools/bench/bench_dsv4_compress.py", ["--backend", "gpu"], "--backend"),
+    ("tools/gpu_check.py", ["--budget-s", "nan"], "--budget-s"),
+    ("tools/gpu_check.py", ["--jobs", "0"], "--jobs"),
 ]
 
 
