@@ -106,6 +106,7 @@ def test_triton_topk_levels_equal_the_header_and_torch_topk(backend, batch, widt
         assert torch.equal(scores[b, taken[:min(k, n)].long()].sort().values, expected)
 
 
+@pytest.mark.no_backend("the plan is computed in Python")
 def test_topk_plan_reads_the_row_once_and_shrinks_each_level_fourfold():
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
