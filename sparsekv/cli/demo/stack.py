@@ -16,7 +16,7 @@ Errors are kept as a fraction of each kernel's documented tolerance (1.0 = at th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import torch
@@ -71,11 +71,8 @@ class Errors:
     attention_abs: float = 0.0
 
     def merge(self, other: Errors) -> None:
-        self.compress = max(self.compress, other.compress)
-        self.store = max(self.store, other.store)
-        self.indexer = max(self.indexer, other.indexer)
-        self.attention = max(self.attention, other.attention)
-        self.attention_abs = max(self.attention_abs, other.attention_abs)
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
 
     @property
     def ok(self) -> bool:
