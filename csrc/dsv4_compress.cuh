@@ -167,7 +167,7 @@ struct CompressEvents {
 
   // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: two passes
   // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
-  // so the fused store (dsv4_store.cuh) produces the same floats. On the host one call covers a
+  // so the fused store (dsv4_compress_store.cuh) produces the same floats. On the host one call covers a
   // whole 32-channel tile with the channel loop innermost.
   template <bool kBf16>
   SPARSEKV_HOST_DEVICE static void pool_tile_as(const Params& p, int64_t e, int64_t first, Lanes lanes,

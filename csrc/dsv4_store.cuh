@@ -4,6 +4,7 @@
 //
 // Its own stem rather than part of dsv4_compress: the same step stores the SWA key path and any
 // entry pooled elsewhere, and its instances are per cache layout while the compressor's are not.
+// The compressor fused with this store is the dsv4_compress_store stem, which builds on both.
 //
 // Contract, per entry n (row x of D floats, anchor position pos[n], token slot slots[n]):
 //   x_c   = bf16(x_c)                                  (the compressor's bf16 cast)
@@ -30,7 +31,6 @@
 // and duplicated slots before any byte is written when the slots are host-readable.
 #pragma once
 
-#include "dsv4_compress.cuh"
 #include "dsv4_quant.cuh"
 #include "sparsekv/lane_reduce.h"
 
@@ -181,55 +181,6 @@ struct NormRopeStore {
   }
 };
 
-// The compressor and the store in one pass: event n pools its window (dsv4_compress.cuh) straight
-// into a team row and stores it at slots[n] with RoPE position positions[n]; no float entry is
-// written to memory.
-struct CompressStoreParams {
-  dsv4_compress::EventParams events;
-  StoreParams store;
-  float* entries = nullptr;  // decode step: [batch, D], the pooled entries (zeros for rows without one)
-};
-
-template <class Kind>
-struct CompressStore {
-  using Params = CompressStoreParams;
-  using Store = NormRopeStore<Kind>;
-  using Row = typename Store::Row;
-
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
-
-  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
-    // A decode step: row n stores only when its token completes an entry, at anchor position - ratio + 1.
-    const dsv4_compress::DecodeRows& decode = p.events.decode;
-    const bool emits = decode.rows == nullptr || decode.emits(n);
-    if (p.events.emitted != nullptr && lanes.lane == 0) p.events.emitted[n] = emits;
-    const int64_t slot = p.store.slots[n];
-    const bool stores = emits && slot >= 0 && slot < p.store.num_slots;
-    if (!stores && p.entries == nullptr) return;
-    // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
-    Row x;
-    for (int k = 0; k < Row::kPerLane; ++k) {
-      float tile[team::kVirtualPerThread];
-      if (emits) {
-        dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
-      } else {
-        for (int j = 0; j < team::kVirtualPerThread; ++j) tile[j] = 0.0f;
-      }
-      for (int j = 0; j < team::kVirtualPerThread; ++j) {
-        x.v[j][k] = tile[j];
-        if (p.entries != nullptr) p.entries[n * Kind::kDim + team::kTeamLanes * k + lanes.lane + j] = tile[j];
-      }
-    }
-    if (!stores) return;
-    const int64_t anchor = decode.rows != nullptr ? decode.positions[n] - (p.events.ratio - 1) : p.store.positions[n];
-    Store::finish(x, p.store, anchor, slot, lanes);
-  }
-};
-
-// The ring writes of a fused step, instantiated per Kind like the other kernels of the family.
-template <class Kind>
-struct StoreRingWrite : dsv4_compress::RingWrite {};
-
 }  // namespace sparsekv::dsv4_store
 
 #ifdef SPARSEKV_HOST_ENTRY
@@ -296,80 +247,6 @@ void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView pos
   params.x_stride = x.stride(0);
   if (params.num_entries == 0) return;
   launch<NormRopeStore<Kind>>(params, cache.device());
-}
-
-// One streaming step of the raw ring fused with the store: pool + norm + RoPE + quantize + store
-// of every planned event, then the ring writes.
-template <class Kind>
-void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
-                    TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
-                    TensorView cache, TensorView slots, int64_t page_size, TensorView rope_cos,
-                    TensorView rope_sin, int64_t num_threads) {
-  // 1. Validate (memory first: the plan checks read `sources` and `writes`).
-  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
-                  read(sources, "sources"), read(writes, "writes"), read(weight, "weight"),
-                  read(positions, "positions"), written(cache, "cache"), read(slots, "slots"),
-                  read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
-  const dsv4_compress::ExtendPlan plan = dsv4_compress::check_extend(kv, score, ape, ratio, state, sources, writes,
-                                                                     nullptr);
-  if (plan.events.d != Kind::kDim) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
-                              << ", but this cache stores " << Kind::kDim;
-  }
-  const StoreParams store =
-      check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin);
-  check(cache, "cache").same_device(kv, "kv");
-
-  // 2. Pool + store every event (reading ring rows as they were), then store the new ring rows.
-  // The cpu backend splits the events over up to num_threads threads, one whole entry per item.
-  if (plan.events.num_events > 0) {
-    launch_threaded<CompressStore<Kind>>(CompressStoreParams{plan.events, store}, kv.device(), num_threads,
-                                         dsv4_compress::event_bytes_per_channel(ratio) * Kind::kDim, [] {});
-  }
-  if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
-}
-
-// A decode step fused with the store: each row's new token into its ring row; a row whose token
-// completes an entry pools it into `out` and stores it at slots[row] (RoPE position: the entry's
-// anchor positions[row] - ratio + 1); other rows get zeros and emitted = false and store nothing.
-template <class Kind>
-void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
-                           TensorView state_rows, TensorView positions, TensorView out, TensorView emitted,
-                           TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_size,
-                           TensorView rope_cos, TensorView rope_sin) {
-  // 1. Validate (memory first; slots are read for the rows that store: host-readable ones are checked here).
-  check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
-                  read(state_rows, "state_rows"), read(positions, "positions"), written(out, "out"),
-                  written(emitted, "emitted"), read(weight, "weight"), written(cache, "cache"), read(slots, "slots"),
-                  read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
-  check(out, "out").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
-  const dsv4_compress::ExtendPlan plan = dsv4_compress::check_decode(kv, score, ape, ratio, state, state_rows,
-                                                                     positions, emitted,
-                                                                     static_cast<float*>(out.data_ptr()));
-  if (plan.events.d != Kind::kDim) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` gives entries of width " << plan.events.d
-                              << ", but this cache stores " << Kind::kDim;
-  }
-  check(out, "out").size(0, kv.size(0), "rows of kv").size(1, Kind::kDim, "d");
-  check(cache, "cache").same_device(kv, "kv");
-  const StoreParams store =
-      check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, false);
-  if (cache.device().device_type != kDLCUDA) {
-    std::vector<int64_t> stored;
-    for (int64_t b = 0; b < kv.size(0); ++b) {
-      if (!plan.events.decode.emits(b)) continue;
-      stored.push_back(store.slots[b]);
-      check_rope_position(plan.events.decode.positions[b] - (ratio - 1), b, store.rope_positions, "positions");
-    }
-    dsv4_quant::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
-  }
-
-  // 2. Pool + store every row (reading ring rows as they were), then store the new ring rows.
-  if (plan.events.num_events > 0) {
-    launch<CompressStore<Kind>>(CompressStoreParams{plan.events, store, static_cast<float*>(out.data_ptr())},
-                                kv.device());
-  }
-  if (plan.ring.num_writes > 0) launch<StoreRingWrite<Kind>>(plan.ring, kv.device());
 }
 
 }  // namespace sparsekv::dsv4_store

@@ -3,7 +3,8 @@
 Only re-exports; each function lives in its stem module (kernel header, wrapper, reference, test
 and benchmark share the stem), whose docstring has the details. The maths in one place:
 
-**Compressors** (:func:`compress_pool`, :class:`CompressorState`; ratio ``m`` = 4 or 128). Entry
+**Compressors** (:func:`compress_pool`, :func:`compress_decode_step`, and the streaming
+``sparsekv.srt.mem_cache.CompressorState`` over the pool's state rings; ratio ``m`` = 4 or 128). Entry
 ``i`` pools, per channel ``c``, a softmax over its window's slots ``j`` of ``score + ape``::
 
     entry[i, c] = sum_j softmax_j(score[t_j, c'] + ape[j, c']) * kv[t_j, c']
@@ -14,7 +15,8 @@ tokens ``4i .. 4i+3`` on the *last* ``d``; so each token feeds the second half o
 and the first half of the next one. Entry ``i`` exists once token ``m i + m - 1`` has arrived;
 its RoPE position is ``m i``.
 
-**Store** (:func:`norm_rope_store`; fused into :meth:`CompressorState.extend` with ``store=``):
+**Store** (:func:`norm_rope_store`; fused with the compressor, ``dsv4_compress_store``, through
+``CompressorState.extend(..., store=)`` and :func:`compress_decode_step`):
 ``y = RMSNorm(x) * weight``, RoPE (YaRN) on the last 64 dims at the entry's position, the indexer
 kinds then rotated by the 128-point Walsh-Hadamard matrix over sqrt(128), then quantized into the
 page: ``V4`` (584 B: dims 0-447 e4m3 with a power-of-two scale per 64, dims 448-511 bf16),
@@ -42,13 +44,13 @@ that joins the softmax denominator only::
 from __future__ import annotations
 
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_compress import CompressorState, compress_decode_step, compress_pool
+from sparsekv.jit_kernel.dsv4_compress import compress_pool
+from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, quantize_indexer_keys
 from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable, StoreTarget, norm_rope_store
 
 __all__ = [
-    "CompressorState",
     "RopeParams",
     "RopeTable",
     "StoreTarget",

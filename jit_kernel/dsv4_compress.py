@@ -1,5 +1,5 @@
-"""DSV4 compressors: one-shot ``compress_pool`` and the streaming :class:`CompressorState` (kernels in
-``csrc/dsv4_compress.cuh``).
+"""DSV4 compressors (kernels in ``csrc/dsv4_compress.cuh``): one-shot :func:`compress_pool` and the
+steps of the streaming state ring.
 
 Entry ``i`` of ratio ``m`` pools, per channel, a softmax over its window's slots of
 ``score + ape`` weighting ``kv`` (C4: slots 0-3 = tokens ``4(i-1)..4i-1`` with the first ``d``
@@ -7,21 +7,23 @@ channels, masked for ``i = 0``; slots 4-7 = tokens ``4i..4i+3`` with the last ``
 = token ``128i + j``). Entry ``i`` exists once token ``m*i + m - 1`` has arrived; its RoPE anchor
 is position ``m*i``.
 
-On the cpu backend the prefill kernels (``compress_pool``, :meth:`CompressorState.extend`, fused store
+The streaming steps take tables planned elsewhere: :func:`compress_extend` and
+:func:`compress_online_c128` the event / ring-write / segment tables that
+:class:`~sparsekv.srt.mem_cache.compressor_state.CompressorState` (the per-request progress and
+rollback state) builds on the host, :func:`compress_decode` the state rows and positions of a decode
+step on the device. The same steps fused with the store are :mod:`~sparsekv.jit_kernel.dsv4_compress_store`.
+
+On the cpu backend the prefill kernels (``compress_pool``, ``compress_extend``, the fused store
 included) split their entries over up to ``torch.get_num_threads()`` threads when a call reads more
 than a few MiB; each entry is computed by one thread, so results do not depend on the thread count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 import torch
 
 from sparsekv import env
 from sparsekv.jit_kernel.arguments import int_arg
-from sparsekv.jit_kernel.dsv4_store import StoreTarget, compress_decode_store_step, compress_store_step
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 
@@ -57,11 +59,6 @@ def check_ratio(ratio: int) -> int:
 def window(ratio: int) -> int:
     """Raw tokens an entry pools: 8 for C4 (two halves of 4), 128 for C128."""
     return 8 if ratio == 4 else ratio
-
-
-def first_needed(length: int, ratio: int) -> int:
-    """The first position the next entry of a sequence of ``length`` tokens still needs."""
-    return max(0, (length // ratio) * ratio - (4 if ratio == 4 else 0))
 
 
 def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, *,
@@ -106,6 +103,39 @@ def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rat
     DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out, torch.get_num_threads())
 
 
+def compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                    sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
+    """One streaming step of the raw ring over planned tables: pool every event, then store the ring rows.
+
+    Parameters
+    ----------
+    kv, score : torch.Tensor
+        float32 ``[N, coff * d]`` (coff = 2 for ratio 4, 1 for ratio 128), unit last stride: the new rows.
+    ape : torch.Tensor
+        float32 ``[ratio, coff * d]``, contiguous.
+    ratio : int
+        4 or 128.
+    state : torch.Tensor
+        float32 or bfloat16 ``[rows, 2 * coff * d]``, contiguous: the ring (``[kv | score]`` per row).
+    sources : torch.Tensor
+        int64 ``[E, W]`` (W = 8 for ratio 4, 128 for ratio 128): each event's window slots; ``s >= 0``
+        is row ``s`` of ``kv``, ``-1`` a masked slot, ``s <= -2`` ring row ``-s - 2``.
+    writes : torch.Tensor
+        int64 ``[M, 2]``: (row of ``kv``, ring row) pairs, stored after every event is pooled.
+    out : torch.Tensor
+        float32 ``[E, d]``, contiguous: the pooled entries.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A wrong dtype or shape (named).
+    IndexError
+        A table entry outside ``kv`` or ``state`` (host-readable tables; on the GPU the kernel skips
+        it). Nothing is written when anything is raised.
+    """
+    _compress_extend(kv, score, ape, ratio, state, sources, writes, out)
+
+
 @kernel_op("compress_extend", mutates_args=("state", "out"))
 def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                      sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
@@ -113,81 +143,42 @@ def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, r
                                                                  torch.get_num_threads())
 
 
-@kernel_op("compress_online_c128", mutates_args=("state", "out"))
-def _compress_online(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor, snapshots: int,
-                     segments: torch.Tensor, out: torch.Tensor) -> None:
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_online_c128(kv, score, ape, state, snapshots, segments, out)
-
-
-def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
-                         state_rows: torch.Tensor, positions: torch.Tensor, *, store: StoreTarget | None = None,
-                         entry_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                         emitted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of a batch on the raw ring of :class:`CompressorState`, planned on the device.
-
-    Row ``b`` brings one new token at ``positions[b]``; its kv and score go into ring row
-    ``state_rows[b, W - 1]``. When the token completes an entry (``(positions[b] + 1) % ratio == 0``),
-    the entry is pooled from the ``W`` window positions ending at it (``state_rows[b]``, then the new
-    token), exactly as :meth:`CompressorState.extend` pools it. No host sync, no Python loop over
-    rows; given ``out`` and ``emitted`` a call allocates nothing (CUDA-graph capturable).
+def compress_online_c128(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor,
+                         snapshots: int, segments: torch.Tensor, out: torch.Tensor) -> None:
+    """One streaming step of the online C128 fold over planned segments.
 
     Parameters
     ----------
     kv, score : torch.Tensor
-        float32 ``[B, coff * d]`` (coff = 2 for ratio 4, 1 for ratio 128), unit last stride: each row's new token.
+        float32 ``[N, d]``, unit last stride: the new rows.
     ape : torch.Tensor
-        float32 ``[ratio, coff * d]``, contiguous.
-    ratio : int
-        4 or 128.
+        float32 ``[128, d]``, contiguous.
     state : torch.Tensor
-        float32 or bfloat16 ``[rows, 2 * coff * d]``: the raw ring (same layout as :class:`CompressorState`).
-    state_rows : torch.Tensor
-        int32 or int64 ``[B, W]`` (W = 8 for ratio 4, 128 for ratio 128), unit last stride, on the
-        device: the state rows of each row's last W positions, the new token's last (a scheduler's
-        slot mapping). Rows of positions before 0 are not read.
-    positions : torch.Tensor
-        int64 ``[B]``, contiguous, on the device: the new tokens' positions.
-    store : StoreTarget, optional
-        Also normalize, rotate, quantize and store each completed entry into ``store.cache`` at
-        ``entry_slots[b]`` (RoPE position: the entry's anchor ``positions[b] - ratio + 1``).
-    entry_slots : torch.Tensor, optional
-        int64 ``[B]``, with ``store`` only: each row's entry slot in ``store.cache`` (read for rows
-        that complete an entry; for a pool, ``out_cache_loc // ratio``).
-    out : torch.Tensor, optional
-        float32 ``[B, d]``, contiguous, to write (default: a new tensor).
-    emitted : torch.Tensor, optional
-        bool ``[B]``, contiguous, to write (default: a new tensor).
-
-    Returns
-    -------
-    entries : torch.Tensor
-        float32 ``[B, d]``: row ``b``'s completed entry, zeros where none.
-    emitted : torch.Tensor
-        bool ``[B]``: whether row ``b``'s token completed an entry.
+        float32 ``[rows, 2 d]``, contiguous: per request, ``2 * snapshots`` rows of running
+        (max, sum, accumulator) snapshots (row a = ``[acc | max]``, row b = ``[sum | 0]``).
+    snapshots : int
+        Snapshot slots per request ring (>= 1).
+    segments : torch.Tensor
+        int64 ``[S, 7]``: per segment (all in one 128-window) ``row0, pos0, count, read_row,
+        out_row, ring_base, keep_from`` (``csrc/dsv4_compress.cuh``, ``Segment``).
+    out : torch.Tensor
+        float32 ``[E, d]``, contiguous: the entries the segments close.
 
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape or device (the message names the argument); ``ratio`` not 4 or 128;
-        ``store`` without ``entry_slots``; two rows writing one ring row (host-readable tables).
+        A wrong dtype or shape (named), ``snapshots < 1``.
     IndexError
-        A negative position, a ring row outside ``state``, or a stored slot outside the cache
-        (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
+        A segment naming rows outside ``kv``, ``state`` or ``out``, or spanning two windows
+        (host-readable tables). Nothing is written when anything is raised.
     """
-    ratio = int_arg("ratio", ratio)
-    coff = 2 if ratio == 4 else 1
-    batch = rows_of(kv, 2)
-    if out is None:
-        out = torch.empty(batch, kv.shape[-1] // coff, dtype=torch.float32, device=kv.device)
-    if emitted is None:
-        emitted = torch.empty(batch, dtype=torch.bool, device=kv.device)
-    if store is None or entry_slots is None:
-        _compress_decode(kv, score, ape, ratio, state, state_rows, positions, out, emitted, entry_slots,
-                         store is not None)
-    else:
-        compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, entry_slots,
-                                   store)
-    return out, emitted
+    _compress_online(kv, score, ape, state, snapshots, segments, out)
+
+
+@kernel_op("compress_online_c128", mutates_args=("state", "out"))
+def _compress_online(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor, snapshots: int,
+                     segments: torch.Tensor, out: torch.Tensor) -> None:
+    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_online_c128(kv, score, ape, state, snapshots, segments, out)
 
 
 def check_decode_rows_on_device(state_rows: torch.Tensor, positions: torch.Tensor, ring_rows: int) -> None:
@@ -220,287 +211,37 @@ def check_decode_on_cuda(state_rows: torch.Tensor, positions: torch.Tensor, stat
         check_decode_rows_on_device(state_rows, positions, state.shape[0])
 
 
+def decode_outputs(kv: torch.Tensor, ratio: int, out: torch.Tensor | None,
+                   emitted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a decode step of ``kv``'s rows: ``out`` and ``emitted``, allocated where not given."""
+    coff = 2 if ratio == 4 else 1
+    batch = rows_of(kv, 2)
+    if out is None:
+        out = torch.empty(batch, kv.shape[-1] // coff, dtype=torch.float32, device=kv.device)
+    if emitted is None:
+        emitted = torch.empty(batch, dtype=torch.bool, device=kv.device)
+    return out, emitted
+
+
+def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
+                    state_rows: torch.Tensor, positions: torch.Tensor, *, out: torch.Tensor | None = None,
+                    emitted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of a batch on the raw ring, planned on the device (no store): returns ``(out, emitted)``.
+
+    :func:`~sparsekv.jit_kernel.dsv4_compress_store.compress_decode_step` documents the arguments and
+    results; it is this step, or this step fused with the store when given one.
+    """
+    ratio = int_arg("ratio", ratio)
+    out, emitted = decode_outputs(kv, ratio, out, emitted)
+    _compress_decode(kv, score, ape, ratio, state, state_rows, positions, out, emitted)
+    return out, emitted
+
+
 @kernel_op("compress_decode", mutates_args=("state", "out", "emitted"))
 def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
-                     state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor,
-                     entry_slots: torch.Tensor | None, with_store: bool) -> None:
+                     state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                     emitted: torch.Tensor) -> None:
     check_ratio(ratio)
-    if with_store or entry_slots is not None:  # the fused op takes them
-        raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
     check_decode_on_cuda(state_rows, positions, state)
     DSV4_COMPRESS.module(backend=backend_of(kv)).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
                                                                  out, emitted)
-
-
-@dataclass
-class _Progress:
-    valid: int = 0  # tokens of the current branch held (positions < valid)
-    high: int = 0  # the largest length ever written (drafts included)
-
-
-class CompressorState:
-    """Streaming compressor over the state rings of ``DeepSeekV4TokenToKVPool`` (no copy of its own).
-
-    Feed each request's new tokens in chunks of any length (a prefill chunk, one decode token, an
-    MTP block); :meth:`extend` returns exactly the entries a one-shot :func:`compress_pool` over
-    the whole sequence would have produced at those positions. Rejected draft tokens are undone by
-    starting the next chunk at an earlier position (the accepted length).
-
-    Parameters
-    ----------
-    state : torch.Tensor
-        float32 or bfloat16 ``[rows, 2 * coff * d]`` ring buffer, e.g.
-        ``pool.get_compress_state(layer_id)`` or ``pool.get_indexer_state(layer_id)``. With a
-        bfloat16 ring every pooled kv and score is rounded to bf16 first (input rows too), so the
-        entries equal :func:`compress_pool` of the bf16-rounded sequence, whatever the chunking.
-    ape : torch.Tensor
-        float32 ``[ratio, coff * d]``.
-    ratio : int
-        4 or 128.
-    ring_size : int
-        Rows per ring (the pool's ``ring_sizes[ratio]``); at least the window (8 / 128) for the raw
-        ring, an even number for ``online``.
-    online : bool
-        C128 only: keep a running (max, sum, accumulator) per request instead of raw rows.
-        Snapshot after length ``L`` lives in rows ``2 (L % (ring_size // 2))`` and ``+1`` of the ring.
-
-    Raises
-    ------
-    ValueError
-        ``ratio`` not 4 or 128, ``online`` with ratio 4, ``ring_size`` too small or larger than
-        ``state``, a ``state`` that is not 2-D or not twice as wide as ``ape``, an ``ape`` that is
-        not ``[ratio, W]``,.
-    TypeError
-        ``ape`` not float32, ``state`` neither float32 nor bfloat16 (float32 only for ``online``),
-        or an int argument that is not an int.
-
-    Raw ring: token at position ``p`` of a request lives in ring row ``ring_of(p) * ring_size +
-    p % ring_size`` where ``ring_of(p) = rings[p // ring_span]`` (``ring_span=None``: one ring per
-    request, ``rings[0]``). For the pool's C4 rings pass the request's SWA page ids and
-    ``ring_span = page_size``; for C128 rings the request slot and ``None``.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
-    >>> d, ratio = 32, 4
-    >>> kv, score = torch.randn(10, 2 * d), torch.randn(10, 2 * d)
-    >>> ape = torch.randn(ratio, 2 * d)
-    >>> state = torch.zeros(3 * 16, 4 * d)           # three rings of 16 rows (speculative size)
-    >>> comp = CompressorState(state, ape, ratio, ring_size=16)
-    >>> a, pos_a = comp.extend([7], [[2]], [0], kv[:6], score[:6])     # request 7, ring 2, prefill 6
-    >>> b, pos_b = comp.extend([7], [[2]], [6], kv[6:9], score[6:9])   # 3 MTP drafts at 6, 7, 8
-    >>> c, pos_c = comp.extend([7], [[2]], [7], kv[7:10], score[7:10]) # 1 accepted: restart at 7
-    >>> pos_a.tolist(), pos_b.tolist(), pos_c.tolist()
-    ([0], [4], [4])
-    >>> torch.equal(torch.cat([a, c]), compress_pool(kv[:8], score[:8], ape, ratio))
-    True
-    """
-
-    def __init__(self, state: torch.Tensor, ape: torch.Tensor, ratio: int, ring_size: int, online: bool = False):
-        self.ratio = ratio = check_ratio(ratio)
-        ring_size = int_arg("ring_size", ring_size)
-        if online and ratio != 128:
-            raise ValueError(f"sparsekv: argument `online` is for ratio 128 only, got ratio {ratio}")
-        need = 2 if online else window(ratio)
-        if ring_size < need or (online and ring_size % 2):
-            raise ValueError(f"sparsekv: argument `ring_size` must be >= {need}{' and even' if online else ''}, "
-                             f"got {ring_size}")
-        if ape.dtype != torch.float32:
-            raise TypeError(f"sparsekv: argument `ape` must have dtype float32, got {ape.dtype}")
-        allowed = (torch.float32,) if online else (torch.float32, torch.bfloat16)
-        if state.dtype not in allowed:
-            raise TypeError(f"sparsekv: argument `state` must have dtype {' or '.join(map(str, allowed))}"
-                            f"{' (online C128 keeps float32 snapshots)' if online else ''}, got {state.dtype}")
-        if state.dim() != 2 or ape.dim() != 2 or ape.shape[0] != ratio or state.shape[1] != 2 * ape.shape[1]:
-            raise ValueError(f"sparsekv: arguments `state` [rows, 2 W] and `ape` [ratio={ratio}, W] disagree: got "
-                             f"state {list(state.shape)}, ape {list(ape.shape)}")
-        if ring_size > state.shape[0]:
-            raise ValueError(f"sparsekv: argument `ring_size` ({ring_size}) is larger than `state` "
-                             f"({state.shape[0]} rows)")
-        self.state, self.ape, self.ring_size, self.online = state, ape, ring_size, bool(online)
-        self.snapshots = ring_size // 2
-        self.coff = 2 if ratio == 4 else 1
-        self._progress: dict[int, _Progress] = {}
-
-    def resume(self, request_id: int, length: int) -> None:
-        """Continue a request whose rings already hold its first ``length`` tokens, written by another
-        instance (a PD prefill sent them with the SWA pages or request slot); its next chunk starts at
-        ``length``.
-
-        Raises
-        ------
-        ValueError
-            ``length`` is negative, or the request is already tracked here.
-        """
-        length, request_id = int_arg("length", length, 0), int_arg("request_id", request_id)
-        if request_id in self._progress:
-            raise ValueError(f"sparsekv: argument `request_id`: request {request_id} is already tracked; release it "
-                             f"first")
-        self._progress[request_id] = _Progress(valid=length, high=length)
-
-    def release(self, request_id: int) -> None:
-        """Forget a finished request (its rings may be reused)."""
-        self._progress.pop(request_id, None)
-
-    def _check_start(self, rid: int, start: int) -> _Progress:
-        prog = self._progress.setdefault(rid, _Progress())
-        if start < 0 or start > prog.valid:
-            raise ValueError(f"sparsekv: argument `starts`: request {rid} holds {prog.valid} tokens, cannot start "
-                             f"at {start}")
-        if self.online:
-            ok = start % 128 == 0 or start > prog.high - self.snapshots
-        else:
-            needed = first_needed(start, self.ratio)
-            ok = needed >= prog.high - self.ring_size or needed >= start
-        if not ok:
-            raise ValueError(f"sparsekv: argument `starts`: request {rid} cannot roll back to {start}: its ring "
-                             f"has since been overwritten up to length {prog.high}")
-        return prog
-
-    def extend(self, request_ids: Sequence[int], rings: Sequence[Sequence[int]], starts: Sequence[int],
-               kv: torch.Tensor, score: torch.Tensor, ring_span: int | None = None,
-               lengths: Sequence[int] | None = None, store: StoreTarget | None = None,
-               entry_slots: Callable[[int, int], int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Feed a ragged batch of chunks; return the entries they complete.
-
-        Parameters
-        ----------
-        request_ids : sequence of int
-            A key per request (progress is tracked per key).
-        rings : sequence of sequences of int
-            Per request, its ring ids (see the class docstring).
-        starts : sequence of int
-            Position of each chunk's first token: the request's accepted length (equal to what it
-            holds, or less to drop rejected draft tokens).
-        kv, score : torch.Tensor
-            float32 ``[N, coff * d]``: the chunks, request after request.
-        ring_span : int or None
-            Positions per ring id (None: one ring per request).
-        lengths : sequence of int or None
-            Tokens of each chunk (None: one request with all N rows).
-        store : StoreTarget or None
-            Raw ring only: pool, normalize, rotate, quantize and store each entry into
-            ``store.cache`` in the same pass (no float entry is written); ``entries`` is then None.
-        entry_slots : callable or None
-            With ``store``: ``entry_slots(b, anchor)`` is the cache slot of request ``b``'s entry
-            anchored at ``anchor`` (for a pool: ``full_loc(position anchor + m - 1) // m``).
-
-        Returns
-        -------
-        entries : torch.Tensor or None
-            float32 ``[E, d]``, request after request, position ascending (None with ``store``).
-        anchors : torch.Tensor
-            int64 ``[E]``: each entry's RoPE position ``m * i``.
-
-        Raises
-        ------
-        ValueError
-            A start beyond what the request holds, a rollback past what its ring keeps (the ring was
-            overwritten since), lengths that do not add up to N, a request id named twice in one
-            batch, or a tensor sharing memory with the ring, ``ape`` or ``store.cache``.
-        TypeError
-            An id, start, length or ``ring_span`` that is not an int (``1.7`` is not truncated).
-        IndexError
-            A ring id outside ``state`` or missing from ``rings`` (named ``rings``), or, with
-            ``store``, a slot outside the cache. Nothing is written when anything is raised.
-        """
-        lengths = [kv.shape[0]] if lengths is None else [int_arg("lengths", n) for n in lengths]
-        request_ids = [int_arg("request_ids", r) for r in request_ids]
-        starts = [int_arg("starts", s) for s in starts]
-        rings = [[int_arg("rings", r) for r in ring_ids] for ring_ids in rings]
-        if ring_span is not None:
-            ring_span = int_arg("ring_span", ring_span, 1)
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"sparsekv: argument `request_ids` names a request twice in one batch: {request_ids}")
-        if not (len(request_ids) == len(rings) == len(starts) == len(lengths)):
-            raise ValueError("sparsekv: arguments `request_ids`, `rings`, `starts`, `lengths` must have one entry "
-                             "per request")
-        if sum(lengths) != kv.shape[0] or any(n < 0 for n in lengths):
-            raise ValueError(f"sparsekv: argument `lengths` must be non-negative and add up to the rows of kv "
-                             f"({kv.shape[0]}), got {lengths}")
-        if store is not None and (self.online or entry_slots is None):
-            raise ValueError("sparsekv: argument `store` needs `entry_slots` and the raw ring (online=False)")
-        progress = [self._check_start(r, s) for r, s in zip(request_ids, starts)]
-        if self.online:
-            entries, anchors = self._plan_online(rings, starts, lengths, kv, score, ring_span)
-        else:
-            entries, anchors = self._plan_raw(rings, starts, lengths, kv, score, ring_span, store, entry_slots)
-        for prog, s, n in zip(progress, starts, lengths):
-            prog.valid = s + n
-            prog.high = max(prog.high, prog.valid)
-        return entries, anchors
-
-    def _row(self, ring_ids: Sequence[int], pos: int, span: int | None) -> int:
-        index = 0 if span is None else pos // span
-        if index >= len(ring_ids):
-            raise IndexError(f"sparsekv: argument `rings` has {len(ring_ids)} ring ids, position {pos} needs "
-                             f"id {index} (ring_span {span})")
-        ring = ring_ids[index]
-        if ring < 0 or (ring + 1) * self.ring_size > self.state.shape[0]:
-            raise IndexError(f"sparsekv: argument `rings`: ring {ring} is outside state "
-                             f"({self.state.shape[0] // self.ring_size} rings of {self.ring_size} rows)")
-        return ring * self.ring_size + pos % self.ring_size
-
-    def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots):
-        m, win = self.ratio, window(self.ratio)
-        sources, writes, anchors, slot_ids = [], [], [], []
-        row0 = 0
-        for b, (ring_ids, s, n) in enumerate(zip(rings, starts, lengths)):
-            e = s + n
-            for i in range(s // m, e // m):  # entries whose last token is in [s, e)
-                first = m * i - (4 if m == 4 else 0)
-                slot_src = []
-                for q in range(first, first + win):
-                    if q < 0:
-                        slot_src.append(-1)
-                    elif q >= s:
-                        slot_src.append(row0 + q - s)
-                    else:
-                        slot_src.append(-2 - self._row(ring_ids, q, span))
-                sources.append(slot_src)
-                anchors.append(m * i)
-                if store is not None:
-                    slot_ids.append(int(entry_slots(b, m * i)))
-            for q in range(max(s, e - self.ring_size), e):
-                writes.append((row0 + q - s, self._row(ring_ids, q, span)))
-            row0 += n
-        device = kv.device
-        src = torch.tensor(sources, dtype=torch.int64).reshape(-1, win).to(device)
-        wr = torch.tensor(writes, dtype=torch.int64).reshape(-1, 2).to(device)
-        host_anchors = torch.tensor(anchors, dtype=torch.int64)  # returned from the host: no device read-back
-        if store is not None:
-            slots = torch.tensor(slot_ids, dtype=torch.int64, device=device)
-            compress_store_step(kv, score, self.ape, m, self.state, src, wr, host_anchors.to(device), slots, store)
-            return None, host_anchors
-        out = torch.empty(src.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=device)
-        _compress_extend(kv, score, self.ape, m, self.state, src, wr, out)
-        return out, host_anchors
-
-    def _plan_online(self, rings, starts, lengths, kv, score, span):
-        k_snap = self.snapshots
-        readers, others, anchors = [], [], []
-        row0 = 0
-        for ring_ids, s, n in zip(rings, starts, lengths):
-            base = self._row(ring_ids, 0, None)
-            e = s + n
-            keep_from = max(s + 1, e - k_snap + 1)
-            pos = s
-            while pos < e:
-                end = min(e, (pos // 128 + 1) * 128)
-                read = base + 2 * (s % k_snap) if (pos == s and s % 128) else -1
-                out_row = -1
-                if end % 128 == 0:
-                    out_row = len(anchors)
-                    anchors.append(end - 128)
-                seg = [row0 + pos - s, pos, end - pos, read, out_row, base, keep_from]
-                (readers if read >= 0 else others).append(seg)
-                pos = end
-            row0 += n
-        device = kv.device
-        out = torch.empty(len(anchors), kv.shape[-1], dtype=torch.float32, device=device)
-        # Segments that read a snapshot run first: a later segment may store into the same slot.
-        for group in (readers, others):
-            segs = torch.tensor(group, dtype=torch.int64).reshape(-1, 7).to(device)
-            _compress_online(kv, score, self.ape, self.state, k_snap, segs, out)
-        return out, torch.tensor(anchors, dtype=torch.int64)

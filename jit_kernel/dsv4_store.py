@@ -37,7 +37,8 @@ CACHE_KINDS = {
 
 
 def dsv4_store_instance(cache_kind: str) -> tuple[str]:
-    """Template arguments of the ``dsv4_store`` family for a cache kind (the family's ``complete``).
+    """Template arguments of a cache kind's instance (``complete`` of the ``dsv4_store`` and ``dsv4_compress_store``
+    families).
 
     Raises
     ------
@@ -55,14 +56,8 @@ DSV4_STORE = register(
         header="dsv4_store.cuh",
         exports={
             "norm_rope_store": "sparsekv::dsv4_store::norm_rope_store",
-            "compress_store": "sparsekv::dsv4_store::compress_store",
-            "compress_decode_store": "sparsekv::dsv4_store::compress_decode_store",
         },
-        kernels=(
-            "sparsekv::dsv4_store::NormRopeStore",
-            "sparsekv::dsv4_store::CompressStore",
-            "sparsekv::dsv4_store::StoreRingWrite",
-        ),
+        kernels=("sparsekv::dsv4_store::NormRopeStore",),
         params=("cache_kind",),
         complete=dsv4_store_instance,
         instances=tuple({"cache_kind": kind} for kind in CACHE_KINDS),
@@ -201,7 +196,9 @@ def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, position
 
 @dataclass(frozen=True)
 class StoreTarget:
-    """Where and how :meth:`~sparsekv.jit_kernel.dsv4_compress.CompressorState.extend` stores entries.
+    """Where and how the fused compress-store (:mod:`~sparsekv.jit_kernel.dsv4_compress_store`, through
+    :meth:`~sparsekv.srt.mem_cache.compressor_state.CompressorState.extend` or ``compress_decode_step``)
+    stores entries: the arguments of :func:`norm_rope_store` other than the entries themselves.
 
     Attributes
     ----------
@@ -232,46 +229,3 @@ class StoreTarget:
         if not isinstance(self.rope, RopeTable):
             raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(n)), "
                             f"got {type(self.rope).__name__}")
-
-
-def compress_store_step(kv, score, ape, ratio, state, sources, writes, positions, slots, target: StoreTarget) -> None:
-    """One fused streaming step (pool + norm + RoPE + quantize + store, then the ring writes).
-
-    The planned ``sources`` / ``writes`` tables come from
-    :class:`~sparsekv.jit_kernel.dsv4_compress.CompressorState`, which is the public entry.
-    """
-    _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
-                    target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind)
-
-
-@kernel_op("compress_store", mutates_args=("state", "cache"))
-def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
-                    sources: torch.Tensor, writes: torch.Tensor, weight: torch.Tensor, eps: float,
-                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
-                    rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str) -> None:
-    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
-    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
-    module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
-                          page_size, rope_cos, rope_sin, torch.get_num_threads())
-
-
-def compress_decode_store_step(kv, score, ape, ratio, state, state_rows, positions, out, emitted, slots,
-                               target: StoreTarget) -> None:
-    """One fused decode step (see :func:`~sparsekv.jit_kernel.dsv4_compress.compress_decode_step`, the public entry)."""
-    _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, target.weight,
-                           target.eps, target.cache, slots, target.page_size, target.rope.cos, target.rope.sin,
-                           target.cache_kind)
-
-
-@kernel_op("compress_decode_store", mutates_args=("state", "out", "emitted", "cache"))
-def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
-                           state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
-                           emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                           slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                           cache_kind: str) -> None:
-    from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda  # the compressor builds on this module
-
-    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
-    check_decode_on_cuda(state_rows, positions, state)
-    module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
-                                 slots, page_size, rope_cos, rope_sin)

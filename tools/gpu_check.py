@@ -56,9 +56,9 @@ from sparsekv.cli import CliParser  # noqa: E402
 
 BENCH_DIR = REPO / "tools" / "bench"
 #: Benchmarks that time a kernel family (the others time the loader, planning or PD transfer).
-KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_indexer.py",
-                     "bench_dsv4_quant.py", "bench_dsv4_store.py", "bench_gather_rows.py", "bench_hisparse.py",
-                     "bench_hisparse_copy.py", "bench_hisparse_index.py")
+KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_compress_store.py",
+                     "bench_dsv4_indexer.py", "bench_dsv4_quant.py", "bench_dsv4_store.py", "bench_gather_rows.py",
+                     "bench_hisparse.py", "bench_hisparse_copy.py", "bench_hisparse_index.py")
 GRAPH_CAPTURE_TEST = "tests/kernels/test_torch_op.py::test_a_captured_decode_step_replays_without_a_host_sync"
 #: One small test per kernel family, run under compute-sanitizer (cuda backend only).
 SANITIZER_CASES = {
@@ -67,6 +67,7 @@ SANITIZER_CASES = {
     "dsv4_quant": "tests/kernels/test_dsv4_quant.py::test_edge_blocks_hit_exact_scales",
     "dsv4_compress": "tests/kernels/test_dsv4_compress.py::test_c4_entry_zero_uses_only_the_b_halves",
     "dsv4_store": "tests/kernels/test_dsv4_store.py::test_streamed_entries_store_the_one_shot_cache_bytes",
+    "dsv4_compress_store": "tests/kernels/test_dsv4_compress_store.py::test_fused_store_with_a_bad_slot_changes_nothing",
     "dsv4_indexer": "tests/kernels/test_dsv4_indexer.py::test_ties_at_the_threshold_go_to_the_lower_positions",
     "dsv4_attention": "tests/kernels/test_dsv4_attention.py::test_a_slot_listed_twice_counts_twice",
     "hisparse": "tests/kernels/test_hisparse.py::test_hits_newest_and_lru_then_misses_take_lru_slots",

@@ -101,6 +101,18 @@ def cpu_backend(name: str) -> Iterator[None]:
             os.environ["SPARSEKV_CPU_BACKEND"] = before
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """``torch.set_num_threads(count)`` inside the block, restored after it (the cpu backend's prefill
+    kernels split their items over that many host threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @overload
 def to_backend(backend: str, values: Mapping[str, object]) -> dict[str, object]: ...
 @overload

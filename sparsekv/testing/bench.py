@@ -207,14 +207,15 @@ def bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
 
 def kernel_sweep(parser: argparse.ArgumentParser, *, name: str, baseline: str, cases: Sequence[tuple],
                  quick_cases: Sequence[tuple], run_case: Callable[..., dict], plot: dict,
-                 notes: dict | None = None, one_thread: bool = False) -> None:
+                 notes: dict | None = None, one_thread: bool = False, threaded: bool = False) -> None:
     """The ``main()`` of a one-sweep kernel benchmark: parse, run every case, report.
 
     ``parser`` is read with :func:`bench_args`; each case (``quick_cases``
     with ``--quick``) is ``run_case(*case, repeats, backend)`` (3 repeats with ``--quick``, else 7),
     one row of a :class:`BenchResult` named ``"{name} ({backend} backend)"``; the cpu backend runs on
     one thread, the torch baseline on torch's threads (``one_thread``: on one thread too, like with
-    like). The progress bar is ``bench_<stem>`` (the first word of ``name``); the plot is
+    like; ``threaded``: the kernel splits its items over torch's threads, as many as the baseline's).
+    The progress bar is ``bench_<stem>`` (the first word of ``name``); the plot is
     :func:`bar_plot` with ``plot`` as its keywords.
     """
     import torch
@@ -226,7 +227,7 @@ def kernel_sweep(parser: argparse.ArgumentParser, *, name: str, baseline: str, c
     repeats = 3 if args.quick else 7
     on_cpu = args.backend == "cpu"
     result = BenchResult(name=f"{name} ({args.backend} backend)", baseline=baseline,
-                         threads={"ours": 1 if on_cpu else "cuda",
+                         threads={"ours": (torch.get_num_threads() if threaded else 1) if on_cpu else "cuda",
                                   "baseline": torch.get_num_threads() if on_cpu else "cuda"},
                          notes=backend_notes(args.backend, **(notes or {})))
     for case in tqdm(quick_cases if args.quick else cases, desc=f"bench_{name.split()[0]}", unit="case"):

@@ -1,4 +1,4 @@
-"""KV pools, host pools, allocators and typed slot ids.
+"""KV pools, host pools, allocators, typed slot ids and the compressors' per-request state.
 
 The classes resolve lazily from their modules (``from sparsekv.srt.mem_cache import X``), so
 importing one pool does not import the others.
@@ -9,6 +9,7 @@ from sparsekv._lazy import lazy_getattr
 _LAZY = {
     "BaseSWAKVPool": "base_swa_pool",
     "BufInfos": "base_swa_pool",
+    "CompressorState": "compressor_state",
     "DeepSeekV4TokenToKVPool": "deepseekv4_memory_pool",
     "HostKVCache": "host_kv_cache",
     "HiSparseHostPoolMixin": "hisparse_host_pool",

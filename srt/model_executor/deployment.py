@@ -71,9 +71,10 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
                       indexer_layouts: tuple[str, ...] = ("fp8", "fp4")) -> list[tuple[str, dict[str, object]]]:
     """``(family, {param: value})`` of every kernel instance a HiSparse DSV4 decode loads.
 
-    The compressors (``dsv4_compress``), the fused store of the main and indexer caches
-    (``dsv4_store``), the quantizer (``dsv4_quant``), the indexer scores and top-k, the sparse
-    attention, the HiSparse swap-in, its planned copy and the token/page copies.
+    The compressors (``dsv4_compress``), the store of the main and indexer caches (``dsv4_store``)
+    and the compressors fused with it (``dsv4_compress_store``), the quantizer (``dsv4_quant``), the
+    indexer scores and top-k, the sparse attention, the HiSparse swap-in, its planned copy and the
+    token/page copies.
 
     Parameters
     ----------
@@ -97,6 +98,7 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
     return [
         ("dsv4_compress", {}),
         *(("dsv4_store", {"cache_kind": kind}) for kind in store_kinds),
+        *(("dsv4_compress_store", {"cache_kind": kind}) for kind in store_kinds),
         ("dsv4_quant", {}),
         *(("dsv4_indexer", {"layout": layout, "q_dtype": dtype}) for layout in indexer_layouts for dtype in q_dtypes),
         ("dsv4_indexer_topk", {}),

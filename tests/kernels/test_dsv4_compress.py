@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_decode_step, compress_pool
+from sparsekv.jit_kernel.dsv4 import compress_pool
 from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
-from sparsekv.kv_layout import INDEXER_FP8, V4
-from sparsekv.testing.backends import device_of, kernel_backends
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
+from sparsekv.testing.backends import device_of, kernel_backends, torch_threads
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
 from sparsekv.testing.strategies.dsv4_compress import feeding, sequence
@@ -303,7 +303,7 @@ def test_online_c128_uses_the_pool_request_rings_in_place(backend):
 def test_the_documented_streaming_example_holds():
     import doctest
 
-    import sparsekv.jit_kernel.dsv4_compress as module
+    import sparsekv.srt.mem_cache.compressor_state as module
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -344,79 +344,6 @@ def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(back
 # ---- device-planned decode step -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("with_store", [False, True], ids=["entries", "store"])
-@settings(max_examples=scaled_examples(6), deadline=None)
-@given(data=st.data())
-def test_decode_step_equals_extend_over_the_same_tokens(backend, ratio, with_store, data):
-    """A batch of requests after a chunked prefill, then decode steps: compress_decode_step (state rows
-    and positions on the device) gives the entries, emitted flags, ring and stored bytes of
-    CompressorState.extend fed the same tokens."""
-    device = device_of(backend)
-    window, coff, dim = window_of(ratio), (2 if ratio == 4 else 1), 128 if with_store else data.draw(
-        st.sampled_from([8, 40]))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    batch = data.draw(st.integers(1, 3))
-    ring_size = data.draw(st.sampled_from([window, window + 3 if ratio == 4 else 2 * window]))
-    rings = torch.randperm(batch + 1, generator=gen)[:batch].tolist()  # ring ids out of order, one unused
-    near = [0, 1, ratio - 2, ratio - 1, 2 * ratio - 1]
-    prefix = [data.draw(st.sampled_from(near) | st.integers(0, 2 * ratio)) for _ in range(batch)]
-    steps = data.draw(st.integers(1, 6 if ratio == 128 else ratio + 3))
-    total = max(prefix) + steps
-    kv = torch.randn(batch, total, coff * dim, generator=gen)
-    score = torch.randn(batch, total, coff * dim, generator=gen) * 3
-    ape = torch.randn(ratio, coff * dim, generator=gen).to(device)
-    state_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    state = torch.zeros((batch + 1) * ring_size, 2 * coff * dim, dtype=state_dtype, device=device)
-    reference, planned = (CompressorState(s, ape, ratio, ring_size=ring_size) for s in (state, state.clone()))
-    page, rope = 4, RopeParams(10000).table(total, device)
-    caches = [torch.zeros(-(-batch * (total // ratio + 1) // page), INDEXER_FP8.page_bytes(page), dtype=torch.uint8,
-                          device=device) for _ in range(2)]
-    weight = (torch.rand(dim, generator=gen) + 0.5).to(device)
-    targets = [StoreTarget(c, weight, 1e-6, page, rope, "INDEXER_FP8") for c in caches]
-
-    def slot_of(b: int, anchor: int) -> int:
-        return b * (total // ratio + 1) + anchor // ratio
-
-    def rows(b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv[b, :length].to(device), score[b, :length].to(device)
-
-    ids = list(range(batch))
-    for comp in (reference, planned):  # the chunked prefill, one ragged batch
-        comp.extend(ids, [[r] for r in rings], [0] * batch, torch.cat([rows(b, n)[0] for b, n in enumerate(prefix)]),
-                    torch.cat([rows(b, n)[1] for b, n in enumerate(prefix)]), lengths=prefix)
-    out = torch.empty(batch, dim, device=device)
-    emitted = torch.empty(batch, dtype=torch.bool, device=device)
-    for step in range(steps):
-        pos = [n + step for n in prefix]
-        new_kv = torch.stack([kv[b, p] for b, p in enumerate(pos)]).to(device)
-        new_score = torch.stack([score[b, p] for b, p in enumerate(pos)]).to(device)
-        store = dict(store=targets[0], entry_slots=slot_of) if with_store else {}
-        expected, anchors = reference.extend(ids, [[r] for r in rings], pos, new_kv, new_score, lengths=[1] * batch,
-                                             **store)
-        state_rows = torch.tensor([[rings[b] * ring_size + (p - window + 1 + j) % ring_size for j in range(window)]
-                                   for b, p in enumerate(pos)], dtype=data.draw(st.sampled_from([torch.int32,
-                                                                                                  torch.int64])))
-        positions = torch.tensor(pos)
-        kwargs = {}
-        if with_store:
-            kwargs = dict(store=targets[1], entry_slots=torch.tensor(
-                [slot_of(b, p - ratio + 1) if (p + 1) % ratio == 0 else -1 for b, p in enumerate(pos)]).to(device))
-        got, flags = compress_decode_step(new_kv, new_score, ape, ratio, planned.state, state_rows.to(device),
-                                          positions.to(device), out=out, emitted=emitted, **kwargs)
-        assert got is out and flags is emitted
-        want = torch.tensor([(p + 1) % ratio == 0 for p in pos])
-        assert torch.equal(flags.cpu(), want)
-        assert torch.equal(anchors, positions[want] - ratio + 1)
-        assert not got.cpu()[~want].any()
-        if not with_store:
-            assert torch.equal(got.cpu()[want], expected.cpu())
-        else:
-            assert torch.equal(caches[1].cpu(), caches[0].cpu())
-        assert torch.equal(planned.state.cpu(), reference.state.cpu())
-
-
 def test_the_device_check_of_decode_rows_reads_only_the_rows_a_step_uses(backend):
     # What SPARSEKV_CHECK_INDICES=1 runs for CUDA tables, here on the backend's device.
     device = device_of(backend)
@@ -435,28 +362,12 @@ def test_prefill_results_do_not_depend_on_the_thread_count(backend):
     # 1024 tokens of C4 at d = 512 read 16 MiB: enough for the cpu backend to split the events over
     # two threads (one chunk per 4 MiB). Planted bug this catches: a chunk bound that skips or
     # repeats items, or an item shared by two threads.
-    t, d, ratio, page = 1024, 512, 4, 64
-    device = device_of(backend)
+    t, d, ratio = 1024, 512, 4
     gen = torch.Generator().manual_seed(7)
     shapes = ((t, 2 * d), (t, 2 * d), (ratio, 2 * d))
-    kv, score, ape = (torch.randn(shape, generator=gen).to(device) for shape in shapes)
-    weight = (torch.rand(d, generator=gen) + 0.5).to(device)
-    rope = RopeParams(160000, 16, 65536, 32, 1).table(t, device)
-
-    def run(threads):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            pooled = compress_pool(kv, score, ape, ratio).cpu()
-            cache = torch.zeros(t // ratio // page + 1, V4.page_bytes(page), dtype=torch.uint8, device=device)
-            comp = CompressorState(torch.zeros(32, 4 * d, device=device), ape, ratio, ring_size=16)
-            comp.extend([0], [[1]], [0], kv, score, store=StoreTarget(cache, weight, 1e-6, page, rope),
-                        entry_slots=lambda _b, anchor: anchor // ratio)
-            return pooled, cache.cpu()
-        finally:
-            torch.set_num_threads(previous)
-
-    (pooled_1, cache_1), (pooled_2, cache_2) = run(1), run(2)
-    assert torch.equal(pooled_1, pooled_2)
-    assert torch.equal(cache_1, cache_2)
-    assert cache_1.count_nonzero() > 0
+    kv, score, ape = (torch.randn(shape, generator=gen).to(device_of(backend)) for shape in shapes)
+    with torch_threads(1):
+        one = compress_pool(kv, score, ape, ratio).cpu()
+    with torch_threads(2):
+        two = compress_pool(kv, score, ape, ratio).cpu()
+    assert torch.equal(one, two)

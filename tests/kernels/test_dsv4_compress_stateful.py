@@ -9,7 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from sparsekv.jit_kernel.dsv4 import CompressorState, compress_pool
+from sparsekv.jit_kernel.dsv4 import compress_pool
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.profiles import scaled_examples
 

@@ -1,6 +1,6 @@
 """The input contract of every DSV4 kernel entry (csrc/include/sparsekv/ffi.h), across the families.
 
-Each host entry of dsv4_quant, dsv4_indexer, dsv4_attention, dsv4_store and dsv4_compress is called
+Each host entry of dsv4_quant, dsv4_indexer, dsv4_attention, dsv4_store, dsv4_compress and dsv4_compress_store is called
 directly on its module, so the caller-owned outputs the wrappers allocate are covered too:
 
 * aliasing: a property test draws, for every entry, a written argument and any other tensor
@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import (
-    CompressorState,
     RopeParams,
     StoreTarget,
     dequantize_fp8_ds_mla,
@@ -36,10 +35,12 @@ from sparsekv.jit_kernel.dsv4 import (
 )
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION
 from sparsekv.jit_kernel.dsv4_compress import DSV4_COMPRESS
+from sparsekv.jit_kernel.dsv4_compress_store import DSV4_COMPRESS_STORE
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER, INDEXER_TOPK, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import DSV4_QUANT
 from sparsekv.jit_kernel.dsv4_store import DSV4_STORE
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS, V4
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of
 
 PAGE = 4
@@ -116,7 +117,8 @@ def _entries(device: torch.device) -> dict[str, Entry]:
                                       cache=v4_cache.clone(), slots=_i64(1, 6), page_size=PAGE,
                                       rope_cos=table.cos.clone(), rope_sin=table.sin.clone()), ("cache",)),
         # C4 over d = 128 (the indexer cache): one entry from kv rows 0-3, two ring writes.
-        "compress_store": Entry(lambda: DSV4_STORE.module(cache_kind="INDEXER_FP8", backend=backend).compress_store,
+        "compress_store": Entry(lambda: DSV4_COMPRESS_STORE.module(cache_kind="INDEXER_FP8",
+                                                                   backend=backend).compress_store,
                                 dict(kv=rand(4, 256), score=rand(4, 256), ape=rand(4, 256), ratio=4,
                                      state=torch.zeros(8, 512), sources=_i64(-1, -1, -1, -1, 0, 1, 2, 3)[None],
                                      writes=_i64(0, 0, 1, 1).reshape(2, 2), weight=torch.ones(128), eps=1e-6,
@@ -137,7 +139,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
                                       positions=_i64(3, 9), out=torch.zeros(2, 16),
                                       emitted=torch.zeros(2, dtype=torch.bool)), ("state", "out", "emitted")),
         "compress_decode_store": Entry(
-            lambda: DSV4_STORE.module(cache_kind="INDEXER_FP8", backend=backend).compress_decode_store,
+            lambda: DSV4_COMPRESS_STORE.module(cache_kind="INDEXER_FP8", backend=backend).compress_decode_store,
             dict(kv=rand(2, 256), score=rand(2, 256), ape=rand(4, 256), ratio=4, state=torch.zeros(16, 512),
                  state_rows=torch.arange(16).reshape(2, 8), positions=_i64(3, 9), out=torch.zeros(2, 128),
                  emitted=torch.zeros(2, dtype=torch.bool), weight=torch.ones(128), eps=1e-6, cache=idx_cache.clone(),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -12,14 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import (
-    CompressorState,
     RopeParams,
     RopeTable,
-    StoreTarget,
     compress_pool,
     dequantize_fp8_ds_mla,
     norm_rope_store,
 )
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, FP8_AMAX_FLOOR
@@ -31,21 +29,10 @@ from sparsekv.testing.reference.dsv4_store import (
     sqrt_rn,
 )
 from sparsekv.testing.strategies.dsv4_quant import slot_case
-from sparsekv.testing.strategies.dsv4_store import TABLE_POSITIONS, store_case
+from sparsekv.testing.strategies.dsv4_store import DSV4_C4_ROPE, host_rope_table, rope_table_on, store_case
 
 BACKENDS = kernel_backends()
 KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
-DSV4_C4_ROPE = (160000, 16, 65536, 32, 1)
-
-
-@functools.cache
-def host_table(rope: tuple) -> RopeTable:
-    return RopeParams(*rope).table(TABLE_POSITIONS)
-
-
-def table_on(backend: str, rope: tuple = DSV4_C4_ROPE) -> RopeTable:
-    t = host_table(rope)
-    return RopeTable(t.cos.to(device_of(backend)), t.sin.to(device_of(backend)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -58,12 +45,12 @@ def test_stored_bytes_equal_the_reference(backend, kind, data):
     layout = LAYOUTS[kind]
     cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8)
     expected = cache.clone()
-    table = host_table(rope)
+    table = host_rope_table(rope)
     norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, table.cos, table.sin, kind)
     device = device_of(backend)
     got = cache.to(device)
     norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, slots.to(device), page_size,
-                    table_on(backend, rope), kind)
+                    rope_table_on(backend, rope), kind)
     # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
     assert torch.equal(got.cpu(), expected)
 
@@ -73,12 +60,12 @@ def _store_both(backend, x, weight, eps, positions, kind, rope=DSV4_C4_ROPE):
     layout = LAYOUTS[kind]
     n = x.shape[0]
     expected = torch.zeros(n, layout.page_bytes(1), dtype=torch.uint8)
-    table = host_table(rope)
+    table = host_rope_table(rope)
     norm_rope_store_reference(x, weight, eps, positions, expected, torch.arange(n), 1, table.cos, table.sin, kind)
     device = device_of(backend)
     got = torch.zeros_like(expected, device=device)
     norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, torch.arange(n, device=device), 1,
-                    table_on(backend, rope), kind)
+                    rope_table_on(backend, rope), kind)
     return got.cpu(), expected
 
 
@@ -98,7 +85,8 @@ def test_planted_small_magnitude_fp8_indexer_entry(backend):
     positions = torch.zeros(1, dtype=torch.int64)
     got, expected = _store_both(backend, x, weight, 1e-6, positions, "INDEXER_FP8")
     assert torch.equal(got, expected)
-    z = normalize_rotate(x, weight, 1e-6, positions, host_table(DSV4_C4_ROPE).cos, host_table(DSV4_C4_ROPE).sin, True)
+    table = host_rope_table(DSV4_C4_ROPE)
+    z = normalize_rotate(x, weight, 1e-6, positions, table.cos, table.sin, True)
     assert _fp8_scale_is_the_ieee_quotient(got, z)
 
 
@@ -135,7 +123,7 @@ def test_small_entries_store_the_reference_bytes_and_the_ieee_fp8_scale(backend,
     got, expected = _store_both(backend, x, weight, eps, positions, kind)
     assert torch.equal(got, expected)
     if kind == "INDEXER_FP8":
-        table = host_table(DSV4_C4_ROPE)
+        table = host_rope_table(DSV4_C4_ROPE)
         assert _fp8_scale_is_the_ieee_quotient(got, normalize_rotate(x, weight, eps, positions, table.cos, table.sin,
                                                                       True))
 
@@ -147,7 +135,7 @@ def test_reference_is_norm_rope_in_fp64_within_the_quantization_error(backend):
     inv_freq = rope_inv_freq(*DSV4_C4_ROPE)
     cache = torch.zeros(1, LAYOUTS["V4"].page_bytes(8), dtype=torch.uint8)
     dx, dweight, dpositions, cache, slots = to_backend(backend, [x, weight, positions, cache, torch.arange(6)])
-    norm_rope_store(dx, dweight, 1e-6, dpositions, cache, slots, 8, table_on(backend))
+    norm_rope_store(dx, dweight, 1e-6, dpositions, cache, slots, 8, rope_table_on(backend))
     got = dequantize_fp8_ds_mla(cache, slots, 8).cpu().double()
     xd = x.double()
     y = xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + 1e-6) * weight.double()
@@ -229,7 +217,7 @@ def test_streamed_entries_store_the_one_shot_cache_bytes(backend):
                       torch.randn(4, 1024, generator=gen))
     kv, score, ape = kv.to(device), score.to(device), ape.to(device)
     weight = torch.rand(512, generator=gen).to(device) + 0.5
-    rope = table_on(backend)
+    rope = rope_table_on(backend)
     layout = LAYOUTS["V4"]
     one_shot = torch.zeros(2, layout.page_bytes(8), dtype=torch.uint8, device=device)
     entries = compress_pool(kv, score, ape, 4)
@@ -270,59 +258,7 @@ def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks
     args = to_backend(backend, _args())
     cache = args[4]
     before = cache.clone()
-    rope = extra.get("rope", lambda t: t)(table_on(backend))
+    rope = extra.get("rope", lambda t: t)(rope_table_on(backend))
     with pytest.raises(exc, match=f"`{name}`"):
         norm_rope_store(*to_backend(backend, mutate(args)), rope, extra.get("kind", "V4"))
     assert torch.equal(cache, before)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ratio, kind", [(4, "V4"), (4, "INDEXER_FP8"), (4, "INDEXER_FP4"), (128, "V4")])
-@settings(max_examples=scaled_examples(4), deadline=None)
-@given(data=st.data())
-def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, data):
-    device = device_of(backend)
-    dim, coff = KINDS[kind], (2 if ratio == 4 else 1)
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    t = data.draw(st.integers(0, 3 * ratio + 2))
-    kv, score = torch.randn(t, coff * dim, generator=gen), torch.randn(t, coff * dim, generator=gen)
-    ape, weight = torch.randn(ratio, coff * dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
-    kv, score, ape, weight = kv.to(device), score.to(device), ape.to(device), weight.to(device)
-    rope = table_on(backend)
-    layout, page = LAYOUTS[kind], 4
-    ring = 2 * (8 if ratio == 4 else 128)
-    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=3)) + [0, t]))
-    fused = torch.zeros(4, layout.page_bytes(page), dtype=torch.uint8, device=device)
-    two_pass = torch.zeros_like(fused)
-    target = StoreTarget(fused, weight, 1e-6, page, rope, kind)
-    state_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    a = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
-                        ring_size=ring)
-    b = CompressorState(torch.zeros(2 * ring, 2 * coff * dim, dtype=state_dtype, device=device), ape, ratio,
-                        ring_size=ring)
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        none, anchors = a.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi], store=target,
-                                 entry_slots=lambda _b, anchor: anchor // ratio)
-        entries, anchors_b = b.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi])
-        assert none is None and torch.equal(anchors, anchors_b)
-        anchors_b = anchors_b.to(device)
-        norm_rope_store(entries, weight, 1e-6, anchors_b, two_pass, anchors_b // ratio, page, rope, kind)
-    assert torch.equal(fused.cpu(), two_pass.cpu())
-    assert torch.equal(a.state.cpu(), b.state.cpu())
-
-
-def test_fused_store_with_a_bad_slot_changes_nothing(backend, index_checks):
-    gen = torch.Generator().manual_seed(2)
-    kv, score, ape = torch.randn(9, 1024, generator=gen), torch.randn(9, 1024, generator=gen), torch.randn(4, 1024)
-    cache = torch.full((2, LAYOUTS["V4"].page_bytes(4)), 7, dtype=torch.uint8)
-    kv, score, ape, cache, state, weight = to_backend(backend, [kv, score, ape, cache, torch.zeros(32, 2048),
-                                                                torch.ones(512)])
-    target = StoreTarget(cache, weight, 1e-6, 4, table_on(backend, (10000,)))
-    comp = CompressorState(state, ape, 4, ring_size=16)
-    before_cache, before_state = cache.clone(), state.clone()
-    with pytest.raises(IndexError, match="`slots`"):
-        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: 8 + anchor)
-    assert torch.equal(cache, before_cache) and torch.equal(state, before_state)
-    # The failed step did not count: the request still starts at 0.
-    comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // 4)
-    assert not torch.equal(cache, before_cache)

@@ -1,28 +1,14 @@
-"""Benchmark the DSV4 compressors and the fused store on the CPU backend against fp32 torch.
+"""Benchmark the DSV4 compressor ``compress_pool`` on one backend against fp32 torch.
 
-Cases (d = 512, the main compressor), for T in {4k, 64k} raw tokens (``--quick``: 4k only):
+Cases (d = 512, the main compressor), for T in {4k, 64k} raw tokens (``--quick``: 4k only; 3
+repeats, else 7), ratio 4 and 128: ``compress_pool`` (our kernel) vs the float32 torch reference
+(``compress_pool_reference(..., dtype=float32)``: windows by reshape, ``softmax``, weighted sum).
+The compressor fused with the store is ``bench_dsv4_compress_store``.
 
-* ``pool`` (ratio 4 and 128): ``compress_pool`` (our kernel, cpu backend) vs the float32 torch
-  reference (``compress_pool_reference(..., dtype=float32)``: windows by reshape, ``softmax``,
-  weighted sum).
-* ``fused`` (ratio 4 and 128): one prefill chunk of T tokens through ``CompressorState.extend``
-  with a ``StoreTarget`` (pool + RMSNorm + RoPE/YaRN + FP8 quantize + store into 584-byte V4 pages
-  in one pass, then the ring tail) vs float32 torch (the pool reference, then the store reference
-  ``norm_rope_store_reference``, which emulates the kernel's rounding order and writes bytes).
-  ``two_pass``: our compress kernel, then our ``norm_rope_store`` (the unfused path).
-
-On paper, per raw token, the GPU kernels move (fp32 inputs ``kv`` and ``score``, coff = 2 for C4):
-
-* fused pass: reads ``2 * coff * d * 4`` B (each token is read once; C4's overlapping A halves come
-  from L2/shared memory), writes ``584 / ratio`` B; the ring write stores only the chunk's last
-  ring rows (prefill: negligible; decode: one ``2 * coff * d * 4`` B row per token);
-* unfused: the pool pass writes ``4 d / ratio`` B of float entries that the store pass reads back.
-
-HBM round trips of the compressed-KV path: ours is **2** at decode (fused pool + norm + RoPE +
-quantize + store, then the ring-row write; the state rows a decode step pools are read in the
-fused pass) and **1** for a prefill chunk (plus a ring tail of at most ``ring_size`` rows). The
-unfused path is 3 (pool -> float entries -> store). Each row reports the bytes and the implied H200
-time at 4.8 TB/s (``h200_us``) and H100 time at 3.35 TB/s (``h100_us``) for the fused path.
+On paper, per raw token, the GPU kernel reads ``2 * coff * d * 4`` B (fp32 ``kv`` and ``score``,
+coff = 2 for C4; each token is read once, C4's overlapping A halves come from L2) and writes
+``4 d / ratio`` B of float entries. Each row reports the bytes and the implied H200 time at 4.8 TB/s
+(``h200_us``) and H100 time at 3.35 TB/s (``h100_us``).
 
 Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 """
@@ -30,21 +16,18 @@ Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
-from sparsekv.jit_kernel.dsv4 import CompressorState, RopeParams, StoreTarget, compress_pool, norm_rope_store
-from sparsekv.kv_layout import V4
+from sparsekv.jit_kernel.dsv4 import compress_pool
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import kernel_sweep, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
-from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 D = 512
 H200_HBM_BYTES_PER_S = 4.8e12
 H100_HBM_BYTES_PER_S = 3.35e12
-ROPE = RopeParams(160000, 16, 65536, 32, 1)
-PAGE = 64
+CASES = tuple((t, ratio) for t in (4096, 65536) for ratio in (4, 128))
+QUICK_CASES = ((4096, 4), (4096, 128))
 
 
 def _inputs(t: int, ratio: int, device: torch.device):
@@ -56,19 +39,16 @@ def _inputs(t: int, ratio: int, device: torch.device):
 
 def _paper(t: int, ratio: int) -> dict:
     coff = 2 if ratio == 4 else 1
-    read = 2 * coff * D * 4
-    fused_write = V4.bytes_per_token / ratio
-    unfused = read + 2 * (4 * D / ratio) + fused_write
+    read, write = 2 * coff * D * 4, 4 * D / ratio
     return {
         "hbm_read_b_per_token": read,
-        "hbm_write_b_per_token": round(fused_write, 2),
-        "unfused_hbm_b_per_token": round(unfused, 2),
-        "h200_us": round((read + fused_write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
-        "h100_us": round((read + fused_write) * t / H100_HBM_BYTES_PER_S * 1e6, 2),
+        "hbm_write_b_per_token": round(write, 2),
+        "h200_us": round((read + write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
+        "h100_us": round((read + write) * t / H100_HBM_BYTES_PER_S * 1e6, 2),
     }
 
 
-def _pool_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
+def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     kv, score, ape = _inputs(t, ratio, device_of(backend))
     time_it = timer(backend)
     ours = time_it(lambda: compress_pool(kv, score, ape, ratio), repeats=repeats)
@@ -77,59 +57,12 @@ def _pool_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
             "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
 
 
-def _fused_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
-    device = device_of(backend)
-    kv, score, ape = _inputs(t, ratio, device)
-    coff = 2 if ratio == 4 else 1
-    entries = t // ratio
-    weight = (torch.rand(D) + 0.5).to(device)
-    cache = torch.zeros(entries // PAGE + 1, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
-    ring = 2 * (8 if ratio == 4 else 128)
-    state = torch.zeros(2 * ring, 2 * coff * D, device=device)
-    rope = ROPE.table(t, device)  # anchors are raw positions below t
-    target = StoreTarget(cache, weight, 1e-6, PAGE, rope)
-    idx = torch.arange(entries, device=device)
-
-    def fused():
-        comp = CompressorState(state, ape, ratio, ring_size=ring)
-        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // ratio)
-
-    def two_pass():
-        out = compress_pool(kv, score, ape, ratio)
-        norm_rope_store(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, rope)
-
-    def torch_fp32():
-        out = compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32)
-        norm_rope_store_reference(out, weight, 1e-6, idx * ratio, cache, idx, PAGE, rope.cos, rope.sin)
-
-    time_it = timer(backend)
-    ours = time_it(fused, repeats=repeats)
-    unfused = time_it(two_pass, repeats=repeats)
-    base = time_it(torch_fp32, repeats=repeats)
-    return {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
-            "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
-            "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
-
-
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    args = parser.parse_args()
-    lengths = (4096,) if args.quick else (4096, 65536)
-    repeats = 2 if args.quick else 3
-    cases = [(kind, t, ratio) for t in lengths for ratio in (4, 128) for kind in ("pool", "fused")]
-    result = BenchResult(name=f"dsv4_compress ({args.backend} backend, d=512)", baseline="float32 torch reference",
-                         threads={"ours": torch.get_num_threads() if args.backend == "cpu" else "cuda",
-                                  "baseline": torch.get_num_threads()},
-                         notes={"hbm_round_trips_fused": 2,
-                                "hbm_round_trips_unfused": 3, "h200_hbm_bytes_per_s": H200_HBM_BYTES_PER_S,
-                                "h100_hbm_bytes_per_s": H100_HBM_BYTES_PER_S})
-    for kind, t, ratio in tqdm(cases, desc="bench_dsv4_compress", unit="case"):
-        run = _pool_case if kind == "pool" else _fused_case
-        result.rows.append(run(t, ratio, repeats, args.backend))
-    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("speedup",),
-                                                  ylabel="speedup over float32 torch"))
+    kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_compress compress_pool (d=512)",
+                 baseline="float32 torch reference", cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
+                 notes=dict(h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S),
+                 plot=dict(label_key="case", value_keys=("speedup",), ylabel="speedup over float32 torch"),
+                 threaded=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import torch
 
 from sparsekv.cli.demo.model import EPS, HEAD_DIM, WINDOW, DemoModel
 from sparsekv.jit_kernel.dsv4 import (
-    CompressorState,
     dequantize_fp8_ds_mla,
     indexer_scores,
     indexer_topk,
@@ -33,6 +32,7 @@ from sparsekv.jit_kernel.dsv4 import (
 from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
 from sparsekv.srt.mem_cache.allocators import PagedAllocator
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference

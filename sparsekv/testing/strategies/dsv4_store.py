@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable
+from sparsekv.testing.backends import device_of
 
 #: Positions the tests' RoPE tables cover (0 .. 2^16 inclusive: the C4 anchors of a 64k context and more).
 TABLE_POSITIONS = (1 << 16) + 1
@@ -13,6 +18,20 @@ ROPE_SETTINGS = [
     (10000.0, 1.0, 0, 32.0, 1.0),  # SWA-only layers
     (10000.0, 40.0, 4096, 32.0, 1.0),  # another YaRN blend
 ]
+#: The DSV4 compressed layers' RoPE (YaRN), as ``RopeParams`` arguments.
+DSV4_C4_ROPE = (160000, 16, 65536, 32, 1)
+
+
+@functools.cache
+def host_rope_table(rope: tuple) -> RopeTable:
+    """The float32 table of ``RopeParams(*rope)`` over :data:`TABLE_POSITIONS`, on the host (built once)."""
+    return RopeParams(*rope).table(TABLE_POSITIONS)
+
+
+def rope_table_on(backend: str, rope: tuple = DSV4_C4_ROPE) -> RopeTable:
+    """:func:`host_rope_table` on ``backend``'s device."""
+    table = host_rope_table(rope)
+    return RopeTable(table.cos.to(device_of(backend)), table.sin.to(device_of(backend)))
 
 
 @st.composite
