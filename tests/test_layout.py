@@ -46,11 +46,6 @@ NOT_AT_IMPORT = [
 KNOWN_CIRCLES = {
     # the indexed swap-in builds on the swap-in; the swap-in takes resident_index=
     frozenset({"sparsekv.jit_kernel.hisparse", "sparsekv.jit_kernel.hisparse_index"}),
-    # the engine factory lives in the interface module that the engines implement
-    frozenset({"sparsekv.srt.disaggregation.backend", "sparsekv.srt.disaggregation.nixl_backend",
-               "sparsekv.srt.disaggregation.mooncake_backend"}),
-    # kv_args_of routes the state components through state_routing, which builds KVArgs
-    frozenset({"sparsekv.srt.disaggregation.kv_args", "sparsekv.srt.disaggregation.state_routing"}),
     # the PD processes of the demo take the request count from the command module
     frozenset({"sparsekv.cli.demo.command", "sparsekv.cli.demo.pd"}),
 }

@@ -89,7 +89,7 @@ SUBCOMMANDS = {
         ),
     ),
     "pd-demo": Subcommand(
-        "sparsekv.srt.disaggregation.pd_demo",
+        "sparsekv.cli.pd_demo",
         "loopback prefill -> decode KV transfer over NIXL or Mooncake, checked byte for byte",
         (
             "sparsekv pd-demo",

@@ -4,16 +4,22 @@ A prefill server computes a request's KV and state and writes them into a decode
 the pieces, each in its own module:
 
 * :mod:`.kv_args` -- :class:`KVArgs` (what one side registers) and :class:`StateType`;
-* :mod:`.state_routing` -- :func:`setup_state_kv_args`, which state components a pool has;
+* :mod:`.state_routing` -- :func:`kv_args_of` (a pool's ``KVArgs``) and :func:`setup_state_kv_args`,
+  which state components a pool has;
 * :mod:`.buffer_layers` -- which layer each registered buffer holds (PP-aligned slicing);
 * :mod:`.transfer_plan` -- the generic send as a pure plan of ``(src, dst, len)`` runs;
+* :mod:`.planning` -- every write of one room, per region pair and state sender, checked first;
 * :mod:`.manifest` -- the state manifest both sides agree on before any write;
-* :mod:`.backend` / :mod:`.nixl_backend` -- the transfer-engine interface and its NIXL implementation;
+* :mod:`.backend` -- the transfer-engine interface; :mod:`.nixl_backend` and :mod:`.mooncake_backend`
+  its engines; :mod:`.engines` -- opening one by name (:func:`open_backend`);
 * :mod:`.bootstrap` -- the rendezvous over a socket and the message framing;
-* :mod:`.conn` -- :class:`KVSender` (prefill) and :class:`KVReceiver` (decode);
+* :mod:`.messages` / :mod:`.protocol` -- the checked fields, and the typed messages made of them;
+* :mod:`.room` -- a room's states and their transitions; :mod:`.deadlines` -- the bound of each wait;
+* :mod:`.sender` -- :class:`KVSender` (prefill); :mod:`.receiver` -- :class:`KVReceiver` (decode);
 * :mod:`.hisparse_direct` -- the decode side with HiSparse: C4 KV straight into host memory;
-* :mod:`.admission` -- the prefill admission bound (the full pool, never the SWA pool);
-* :mod:`.pd_demo` -- ``sparsekv pd-demo``.
+* :mod:`.admission` -- the prefill admission bound (the full pool, never the SWA pool).
+
+``sparsekv pd-demo`` (:mod:`sparsekv.cli.pd_demo`) runs a prefill and a decode process over them.
 """
 
 from sparsekv._lazy import lazy_getattr
@@ -21,7 +27,7 @@ from sparsekv._lazy import lazy_getattr
 _LAZY = {
     "StateType": "kv_args",
     "KVArgs": "kv_args",
-    "kv_args_of": "kv_args",
+    "kv_args_of": "state_routing",
     "setup_state_kv_args": "state_routing",
     "HybridLinearStatePool": "state_routing",
     "DSAStatePool": "state_routing",
@@ -30,9 +36,12 @@ _LAZY = {
     "ManifestMismatchError": "manifest",
     "TransferBackend": "backend",
     "TransferError": "backend",
+    "open_backend": "engines",
     "NixlBackend": "nixl_backend",
-    "KVSender": "conn",
-    "KVReceiver": "conn",
+    "Deadlines": "deadlines",
+    "RoomStatus": "room",
+    "KVSender": "sender",
+    "KVReceiver": "receiver",
     "hisparse_decode_kv_args": "hisparse_direct",
     "max_token_pool_size": "admission",
     "PrefillAdmission": "admission",

@@ -4,7 +4,7 @@ The model every RDMA-style engine shares (NIXL, Mooncake): register host or devi
 hand the peer an opaque descriptor over a side channel (:mod:`.bootstrap`), then issue batches of
 scattered one-sided WRITEs of ``(src_addr, dst_addr, nbytes)`` rows into the peer's registered
 memory, poll them to completion, and tell the peer with a notification. Everything that can wait
-takes a timeout.
+takes a timeout. Which engine to open is :mod:`.engines`.
 """
 
 from __future__ import annotations
@@ -91,56 +91,11 @@ class TransferBackend(ABC):
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, per peer name."""
 
+    @property
+    @abstractmethod
+    def open_handles(self) -> int:
+        """Posted writes not yet released (0 after :meth:`close`: nothing leaks)."""
+
     @abstractmethod
     def close(self) -> None:
         """Release every handle and deregister every region (idempotent)."""
-
-
-#: Engines :func:`open_backend` knows, the first the default.
-ENGINES = ("nixl", "mooncake")
-
-
-def _check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"sparsekv: argument `engine` must be one of {ENGINES}, got {engine!r}")
-
-
-def load_engine(engine: str) -> None:
-    """Check that ``engine``'s library can be imported (e.g. before starting processes that use it).
-
-    Raises
-    ------
-    ValueError
-        Unknown engine.
-    ImportError
-        The engine's library (or a system library it needs) is missing; the message says how to install it.
-    """
-    _check_engine(engine)
-    if engine == "nixl":
-        from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
-
-        load_nixl_api()
-    else:
-        from sparsekv.srt.disaggregation.mooncake_backend import load_mooncake_engine
-
-        load_mooncake_engine()
-
-
-def open_backend(engine: str, name: str | None = None, *, timeout_s: float = 30.0) -> TransferBackend:
-    """A loopback endpoint of ``engine`` (``"nixl"``: UCX on ``lo``; ``"mooncake"``: TCP on 127.0.0.1).
-
-    Raises
-    ------
-    ValueError
-        Unknown engine.
-    ImportError
-        See :func:`load_engine`.
-    """
-    _check_engine(engine)
-    if engine == "nixl":
-        from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
-
-        return NixlBackend(name, net_devices="lo")
-    from sparsekv.srt.disaggregation.mooncake_backend import MooncakeBackend
-
-    return MooncakeBackend(name, timeout_s=timeout_s)

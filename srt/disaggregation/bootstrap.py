@@ -3,23 +3,18 @@
 Mechanism: each prefill PP stage listens on a TCP address (its *bootstrap address*, here always
 ``127.0.0.1:<port>``); a decode server connects to the bootstrap address of every stage that holds
 layers it needs. Messages are JSON objects, each framed by a 4-byte big-endian length; bytes
-(engine descriptors) travel base64-encoded. The exchange::
-
-    decode -> prefill   {"op": "hello", "agent": <descriptor>, "manifest": <Manifest.to_dict()>}
-    prefill -> decode   {"op": "welcome", "agent": <descriptor>}
-                     or {"op": "refused", "error": <why>}           (then the prefill closes)
-    decode -> prefill   {"op": "transfer", "room": r, "kv_indices": [...], "kv_group_indices": {...},
-                         "state_indices": [[...], ...]}            (any number, any order)
-    prefill -> decode   {"op": "status", "room": r, "ok": bool, "error": str, "batches": n, "bytes": b}
+(engine descriptors) travel base64-encoded. What the messages are is :mod:`.protocol`.
 
 Every receive has a deadline, so a peer that stops answering is an error, not a hang; a peer that
-closes its socket (or dies) is seen at once.
+closes its socket (or dies) is seen at once. A thread that waits for a socket to become readable
+waits on a :class:`Wakeup` too, so closing wakes it at once (no polling).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import select
 import socket
 import struct
 import threading
@@ -150,3 +145,37 @@ def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
     sock.bind((host, port))
     sock.listen(16)
     return sock
+
+
+class Wakeup:
+    """Wakes the threads that wait for sockets: a socketpair whose read end turns readable, for
+    good, once :meth:`set` is called (e.g. on close). Pass it to ``select`` beside the sockets."""
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self.is_set = False
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def set(self) -> None:
+        """Wake every waiter, now and later (idempotent)."""
+        if not self.is_set:
+            self.is_set = True
+            self._write.send(b"\0")
+
+    def wait_readable(self, socks: list) -> list:
+        """Block until one of ``socks`` is readable or this is set; the readable ones ([] once set).
+
+        Raises
+        ------
+        OSError, ValueError
+            A socket was closed under the wait.
+        """
+        readable, _, _ = select.select([*socks, self], [], [])
+        return [] if self.is_set else readable
+
+    def close(self) -> None:
+        """Release both ends (after the waiters stopped)."""
+        self._read.close()
+        self._write.close()

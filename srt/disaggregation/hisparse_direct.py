@@ -19,7 +19,8 @@ other region takes the logical full-token pages. When a room has arrived the sch
 
 from __future__ import annotations
 
-from sparsekv.srt.disaggregation.kv_args import KVArgs, kv_args_of
+from sparsekv.srt.disaggregation.kv_args import KVArgs
+from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
 C4_KV_GROUP = "c4_kv"
 

@@ -4,7 +4,8 @@ The KV part is the pool's page-addressed regions (``get_contiguous_buf_infos``: 
 index = one full-token page, the same page id in every region). The state part is a list of
 *components*, one per :class:`StateType` occurrence, each with its own regions and index space;
 both sides list the components in the same order (:func:`~.state_routing.setup_state_kv_args`
-decides them, for the prefill and the decode side alike).
+decides them, for the prefill and the decode side alike; :func:`~.state_routing.kv_args_of` builds
+a pool's ``KVArgs``).
 
 Every region also carries a *label* naming what it holds (``"c4_kv:5"``: the C4 KV of layer 5;
 ``"state:3"`` for pools without a layer layout). The two sides match regions by label, never by
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-
-from sparsekv.srt.disaggregation.buffer_layers import kv_labels
 
 MEM_KINDS = ("DRAM", "VRAM")
 
@@ -100,7 +99,7 @@ class KVArgs:
             ``labels`` does not name every region once, or ``mem_kind`` is not DRAM/VRAM.
         """
         ptrs, lens, item_lens = (list(x) for x in infos)
-        _check_region_list(f"{StateType(state_type).value} state", ptrs, lens, item_lens, labels, mem_kind)
+        check_region_list(f"{StateType(state_type).value} state", ptrs, lens, item_lens, labels, mem_kind)
         self.state_types.append(StateType(state_type))
         self.state_data_ptrs.append(ptrs)
         self.state_data_lens.append(lens)
@@ -122,7 +121,7 @@ class KVArgs:
         return out
 
 
-def _check_region_list(what: str, ptrs, lens, item_lens, labels, mem_kind: str) -> None:
+def check_region_list(what: str, ptrs, lens, item_lens, labels, mem_kind: str) -> None:
     if not len(ptrs) == len(lens) == len(item_lens) == len(labels):
         raise ValueError(f"sparsekv: {what}: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} item "
                          f"lengths and {len(labels)} labels must be equal in number")
@@ -139,44 +138,3 @@ def mem_kind_of(pool) -> str:
     """``"VRAM"`` for a pool on a CUDA device, ``"DRAM"`` otherwise."""
     device = getattr(pool, "device", None)
     return "VRAM" if device is not None and str(device).startswith("cuda") else "DRAM"
-
-
-def kv_args_of(token_to_kv_pool, draft_token_to_kv_pool=None, *, attn_tp_size: int = 1, attn_tp_rank: int = 0,
-               is_mla: bool = True) -> KVArgs:
-    """``KVArgs`` of a pool: its KV regions (``get_contiguous_buf_infos``), layers, page size and
-    state components (:func:`~.state_routing.setup_state_kv_args`).
-
-    Parameters
-    ----------
-    token_to_kv_pool
-        Any pool with ``get_contiguous_buf_infos``; DSV4 pools also give their layers and ratios.
-    draft_token_to_kv_pool : optional
-        The speculative draft's pool, whose state travels as an extra component.
-    attn_tp_size, attn_tp_rank : int
-        This side's attention TP.
-    is_mla : bool
-        Whether the KV is MLA.
-
-    Raises
-    ------
-    ValueError
-        A region list that does not match the pool's layer layout; bad TP values.
-    """
-    from sparsekv.srt.disaggregation.state_routing import setup_state_kv_args
-
-    if not 0 <= attn_tp_rank < attn_tp_size:
-        raise ValueError(f"sparsekv: arguments `attn_tp_rank` ({attn_tp_rank}) and `attn_tp_size` ({attn_tp_size}) "
-                         "must satisfy 0 <= rank < size")
-    ptrs, lens, item_lens = (list(x) for x in token_to_kv_pool.get_contiguous_buf_infos())
-    kind = mem_kind_of(token_to_kv_pool)
-    ratios = getattr(token_to_kv_pool, "stage_compress_ratios", None)
-    start = getattr(token_to_kv_pool, "start_layer", 0)
-    end = getattr(token_to_kv_pool, "end_layer", start + (len(ratios) if ratios is not None else 0))
-    labels = kv_labels(len(ptrs), start, ratios)
-    _check_region_list("KV", ptrs, lens, item_lens, labels, kind)
-    args = KVArgs(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=item_lens, kv_labels=labels,
-                  kv_mem_kinds=[kind] * len(ptrs), layers=(start, end),
-                  page_size=getattr(token_to_kv_pool, "page_size", 1), attn_tp_size=attn_tp_size,
-                  attn_tp_rank=attn_tp_rank, is_mla=is_mla, owners=[token_to_kv_pool])
-    setup_state_kv_args(args, token_to_kv_pool, draft_token_to_kv_pool)
-    return args

@@ -18,9 +18,17 @@ How this backend maps the interface onto the engine (``initialize("127.0.0.1", "
 * **Batch size.** The TCP transport rejects batches of more than about 1024 requests (and a
   rejected batch breaks the next ones for a second), so a write is posted in sub-batches of at most
   :data:`MAX_BATCH_ROWS` rows, one at a time per peer, by the peer's worker thread.
-* **Completion.** ``get_batch_transfer_status`` *waits* for a batch (bounded by
-  ``MC_TRANSFER_TIMEOUT``, set from ``timeout_s``) and frees it, so it is called exactly once per
-  sub-batch, by the worker; :meth:`MooncakeHandle.status` only reads what the worker found.
+* **Completion.** ``get_batch_transfer_status`` *waits* for a batch and frees it, so it is called
+  exactly once per sub-batch, by the worker; :meth:`MooncakeHandle.status` only reads what the
+  worker found. The engine bounds that wait by ``MC_TRANSFER_TIMEOUT`` seconds (at least 5,
+  default 30), which its Python API reads from the process environment when a ``TransferEngine``
+  is made and offers no argument for; this backend does not change the environment, so set it
+  there (before the process starts) for another bound. The callers' own deadlines (e.g. a room's
+  writes, :class:`~.deadlines.Deadlines`) still apply on top; :func:`engine_wait_s` tells how long
+  a worker may be held.
+* **Logging.** The engine's log level likewise comes only from ``MC_LOG_LEVEL`` in the environment
+  (its INFO and WARNING lines are per connection); front ends set it for their processes
+  (``sparsekv pd-demo`` does), the library leaves it alone.
 * **Notifications.** The engine's Python API cannot send one, so each backend listens on a
   loopback TCP port of its own (:mod:`.bootstrap` framing; the port is in the descriptor). The
   worker sends a write's notification on that connection after the write's last sub-batch
@@ -38,11 +46,9 @@ import importlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import platform
 import queue
-import select
 import sys
 import sysconfig
 import threading
@@ -53,7 +59,7 @@ import numpy as np
 
 from sparsekv import env
 from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle
-from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, b64, listen, unb64
+from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, Wakeup, b64, listen, unb64
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +106,6 @@ def load_mooncake_engine():
         Mooncake is not installed, or a library it needs is missing; the message names what is
         missing and how to install it.
     """
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO/WARNING logging is per connection
     if importlib.util.find_spec("mooncake") is None:
         raise ImportError(f"sparsekv: Mooncake is not installed (pip install {PACKAGE}, the `mooncake` extra)")
     missing = _preload_system_libs()
@@ -196,7 +201,13 @@ class _Peer:
         self.worker: threading.Thread | None = None
 
 
-_ENGINE_LOCK = threading.Lock()
+def engine_wait_s() -> float:
+    """How long the engine waits for one batch before it fails it: ``MC_TRANSFER_TIMEOUT`` seconds
+    (at least 5; 30 when unset or not a number), as the engine reads it."""
+    try:
+        return float(max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))))
+    except ValueError:
+        return 30.0
 
 
 class MooncakeBackend(TransferBackend):
@@ -207,8 +218,8 @@ class MooncakeBackend(TransferBackend):
     name : str, optional
         Endpoint name, unique among the peers (default: random).
     timeout_s : float
-        Bound of every wait: connecting a notification channel, one sub-batch's completion
-        (``MC_TRANSFER_TIMEOUT``, at least 5 s, unless already set), stopping a worker on close.
+        Bound of this backend's waits: connecting a notification channel, and stopping a worker
+        on close (beyond the engine's own wait for the batch it is in, :func:`engine_wait_s`).
 
     Raises
     ------
@@ -224,15 +235,7 @@ class MooncakeBackend(TransferBackend):
         engine = load_mooncake_engine()
         self.name = name or f"sparsekv-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
-        with _ENGINE_LOCK:  # the engine reads its completion timeout from the environment once
-            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
-            if saved is None:
-                os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(timeout_s)))
-            try:
-                self.engine = engine.TransferEngine()
-            finally:
-                if saved is None:
-                    del os.environ["MC_TRANSFER_TIMEOUT"]
+        self.engine = engine.TransferEngine()
         rc = self.engine.initialize(LOOPBACK, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise RuntimeError(f"sparsekv: Mooncake's transfer engine failed to initialise (rc {rc})")
@@ -245,6 +248,7 @@ class MooncakeBackend(TransferBackend):
         self._closed = False
         # Notifications from peers: a loopback listener, read by one thread.
         self._listener = listen(LOOPBACK, 0)
+        self._wakeup = Wakeup()  # ends the reader's wait on close
         self.notif_port = self._listener.getsockname()[1]
         self._inbox: dict[str, list[bytes]] = {}
         self._incoming: dict[Channel, str] = {}
@@ -342,9 +346,10 @@ class MooncakeBackend(TransferBackend):
         for h in mine:
             h.release()
         p.queue.put(None)
-        p.worker.join(self.timeout_s + 5.0)
+        bound = max(self.timeout_s, engine_wait_s()) + 5.0
+        p.worker.join(bound)
         if p.worker.is_alive():
-            logger.warning("Mooncake worker for %s did not stop within %.0f s", p.name, self.timeout_s + 5.0)
+            logger.warning("Mooncake worker for %s did not stop within %.0f s", p.name, bound)
         p.channel.close()
 
     @property
@@ -408,7 +413,7 @@ class MooncakeBackend(TransferBackend):
             if batch in _FAILED_BATCH_IDS or batch < 0:
                 logger.error("Mooncake could not post %d rows to %s", chunk.shape[0], p.name)
                 return "ERR"
-            # Waits (bounded by MC_TRANSFER_TIMEOUT) and frees the batch: exactly one call per batch.
+            # Waits (bounded by engine_wait_s()) and frees the batch: exactly one call per batch.
             if self.engine.get_batch_transfer_status([batch]) != 0:
                 logger.error("Mooncake failed a write of %d rows to %s", chunk.shape[0], p.name)
                 return "ERR"
@@ -438,12 +443,14 @@ class MooncakeBackend(TransferBackend):
         return inbox
 
     def _read_notifs(self) -> None:
-        while not self._closed:
+        while True:
             channels = list(self._incoming)
             try:
-                readable, _, _ = select.select([self._listener, *[c.sock for c in channels]], [], [], 0.1)
+                readable = self._wakeup.wait_readable([self._listener, *[c.sock for c in channels]])
             except (OSError, ValueError):
                 return  # the listener was closed
+            if not readable:
+                return  # closing
             if self._listener in readable:
                 try:
                     sock, _ = self._listener.accept()
@@ -479,8 +486,10 @@ class MooncakeBackend(TransferBackend):
                 h.release()
         for p in peers:
             self._stop_peer(p)
-        self._listener.close()
+        self._wakeup.set()
         self._reader.join(self.timeout_s)
+        self._listener.close()
+        self._wakeup.close()
         for ch in list(self._incoming):
             ch.close()
         self._incoming.clear()

@@ -8,7 +8,10 @@ falls back to whichever flavour is installed.
 
 UCX picks its transports itself; on one machine it uses cross-memory attach (``process_vm_writev``)
 for the data and TCP for control. ``net_devices="lo"`` keeps it on the loopback interface (tests,
-demos); ``tls="tcp"`` forces the TCP path (containers that forbid cross-memory attach).
+demos); ``tls="tcp"`` forces the TCP path (containers that forbid cross-memory attach). Both reach
+UCX through the UCX backend's ``engine_config`` parameter (``KEY=VALUE`` pairs NIXL hands to
+``ucp_config_modify`` for this agent alone), never through the process environment; as everywhere
+in NIXL, a ``UCX_NET_DEVICES`` or ``UCX_TLS`` already set in the environment takes precedence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 import threading
 import uuid
 
@@ -111,10 +113,12 @@ class NixlBackend(TransferBackend):
     name : str, optional
         Agent name, unique among the peers (default: random).
     net_devices : str, optional
-        ``UCX_NET_DEVICES`` for this process (``"lo"``: loopback only). Set before the agent
-        starts; None leaves the environment alone.
+        UCX's ``NET_DEVICES`` for this agent (``"lo"``: loopback only); None: UCX's choice.
     tls : str, optional
-        ``UCX_TLS`` likewise (``"tcp"`` for a pure TCP path).
+        UCX's ``TLS`` for this agent (``"tcp"`` for a pure TCP path); None: UCX's choice.
+        Neither may hold a comma: NIXL's ``engine_config`` separates its pairs by commas, so a
+        list of devices or transports can only come from the environment (``UCX_NET_DEVICES``,
+        ``UCX_TLS``).
     progress_delay_us : int
         Pause of the engine's progress thread between idle rounds. NIXL's Python API starts it
         with 0, a busy loop that keeps one core at 100% per process even when nothing moves; on
@@ -131,14 +135,15 @@ class NixlBackend(TransferBackend):
                  progress_delay_us: int = 100) -> None:
         if progress_delay_us < 0:
             raise ValueError(f"sparsekv: argument `progress_delay_us` must be >= 0, got {progress_delay_us}")
+        ucx = {key: value for key, value in (("NET_DEVICES", net_devices), ("TLS", tls)) if value is not None}
+        for key, value in ucx.items():
+            if not isinstance(value, str) or not value or "," in value or "=" in value:
+                raise ValueError(f"sparsekv: argument `{key.lower()}` must be one UCX {key} value without ',' or "
+                                 f"'=', got {value!r} (a list can only come from UCX_{key} in the environment)")
         api = load_nixl_api()
-        if net_devices is not None:
-            os.environ["UCX_NET_DEVICES"] = net_devices
-        if tls is not None:
-            os.environ["UCX_TLS"] = tls
         self.name = name or f"sparsekv-{uuid.uuid4().hex[:12]}"
         # STRICT: the agent locks internally too; its progress thread and ours share the UCX worker.
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         with _BIND_LOCK:
             # nixl_agent hard-codes the progress thread's delay: hand its binding one that sets ours.
@@ -147,6 +152,9 @@ class NixlBackend(TransferBackend):
                 self.agent = api.nixl_agent(self.name, config)
             finally:
                 api.nixlBind = bind
+        # This agent's UCX settings, passed to the backend (the process environment stays as it is).
+        self.agent.create_backend("UCX", {"engine_config": ",".join(f"{k}={v}" for k, v in ucx.items())}
+                                  if ucx else {})
         # The agent runs without NIXL's own locking (no listener thread); sender threads share it.
         self.lock = threading.RLock()
         self.registered: list[tuple[int, int, str]] = []

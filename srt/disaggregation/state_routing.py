@@ -1,4 +1,5 @@
-"""``setup_state_kv_args``: which state components a pool sends beside its KV pages.
+"""``kv_args_of``: what one side of a PD transfer registers for a pool; ``setup_state_kv_args``: which
+state components the pool sends beside its KV pages.
 
 One dispatch shared by the prefill and the decode side, so both list the same components in the
 same order:
@@ -16,7 +17,7 @@ anything else                               none
 
 A DSV4 pool is an SWA pool: its compressor rings are addressed by SWA page, so they travel on the
 generic SWA path with the SWA pages; there is no DSV4-only branch. A draft pool of an SWA target
-adds a second ``SWA`` component. Every :class:`StateType` has a sender (:mod:`.conn`); a type
+adds a second ``SWA`` component. Every :class:`StateType` has a sender (:mod:`.planning`); a type
 without one is refused before anything is sent, never skipped (a skipped state decodes garbage).
 """
 
@@ -24,8 +25,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from sparsekv.srt.disaggregation.buffer_layers import positional_labels, request_state_labels, swa_state_labels
-from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType, mem_kind_of
+from sparsekv.srt.disaggregation.buffer_layers import (
+    kv_labels,
+    positional_labels,
+    request_state_labels,
+    swa_state_labels,
+)
+from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType, check_region_list, mem_kind_of
 from sparsekv.srt.mem_cache.base_swa_pool import BaseSWAKVPool
 
 
@@ -128,3 +134,42 @@ def setup_state_kv_args(kv_args: KVArgs, token_to_kv_pool, draft_token_to_kv_poo
     elif draft is not None:
         raise ValueError(f"sparsekv: a draft pool ({type(draft).__name__}) beside a target without state "
                          f"({type(token_to_kv_pool).__name__}) is not supported by PD transfer")
+
+
+def kv_args_of(token_to_kv_pool, draft_token_to_kv_pool=None, *, attn_tp_size: int = 1, attn_tp_rank: int = 0,
+               is_mla: bool = True) -> KVArgs:
+    """``KVArgs`` of a pool: its KV regions (``get_contiguous_buf_infos``), layers, page size and
+    state components (:func:`setup_state_kv_args`).
+
+    Parameters
+    ----------
+    token_to_kv_pool
+        Any pool with ``get_contiguous_buf_infos``; DSV4 pools also give their layers and ratios.
+    draft_token_to_kv_pool : optional
+        The speculative draft's pool, whose state travels as an extra component.
+    attn_tp_size, attn_tp_rank : int
+        This side's attention TP.
+    is_mla : bool
+        Whether the KV is MLA.
+
+    Raises
+    ------
+    ValueError
+        A region list that does not match the pool's layer layout; bad TP values.
+    """
+    if not 0 <= attn_tp_rank < attn_tp_size:
+        raise ValueError(f"sparsekv: arguments `attn_tp_rank` ({attn_tp_rank}) and `attn_tp_size` ({attn_tp_size}) "
+                         "must satisfy 0 <= rank < size")
+    ptrs, lens, item_lens = (list(x) for x in token_to_kv_pool.get_contiguous_buf_infos())
+    kind = mem_kind_of(token_to_kv_pool)
+    ratios = getattr(token_to_kv_pool, "stage_compress_ratios", None)
+    start = getattr(token_to_kv_pool, "start_layer", 0)
+    end = getattr(token_to_kv_pool, "end_layer", start + (len(ratios) if ratios is not None else 0))
+    labels = kv_labels(len(ptrs), start, ratios)
+    check_region_list("KV", ptrs, lens, item_lens, labels, kind)
+    args = KVArgs(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=item_lens, kv_labels=labels,
+                  kv_mem_kinds=[kind] * len(ptrs), layers=(start, end),
+                  page_size=getattr(token_to_kv_pool, "page_size", 1), attn_tp_size=attn_tp_size,
+                  attn_tp_rank=attn_tp_rank, is_mla=is_mla, owners=[token_to_kv_pool])
+    setup_state_kv_args(args, token_to_kv_pool, draft_token_to_kv_pool)
+    return args

@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsekv.cli.pd_demo import fill_regions, region_array
 from sparsekv.srt.disaggregation.backend import TransferError
-from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender, RoomPlanner, plan_room
-from sparsekv.srt.disaggregation.kv_args import kv_args_of
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
-from sparsekv.srt.disaggregation.pd_demo import fill_regions, region_array
+from sparsekv.srt.disaggregation.planning import RoomPlanner, plan_room
+from sparsekv.srt.disaggregation.receiver import KVReceiver
+from sparsekv.srt.disaggregation.sender import KVSender
+from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
@@ -181,3 +183,22 @@ def test_an_on_done_that_raises_never_costs_the_connection(linked):
     receiver.request(3, dst_kv, dst_states)
     receiver.wait(3)
     assert calls == [(1, True), (2, False), (3, True)]
+
+
+@needs_nixl
+def test_finished_connections_are_forgotten(linked):
+    # Each decode connection once left its channel and thread behind until the next one arrived.
+    sender, receiver = linked
+    src_kv, src_states, dst_kv, dst_states = room_indices(1)
+    for room in (11, 12, 13):
+        other = KVReceiver(receiver.kv_args, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20)
+        try:
+            sender.add_request(room, src_kv, src_states)
+            other.request(room, dst_kv, dst_states)
+            other.wait(room)
+            assert sender.connections == 2
+        finally:
+            other.close()
+    with sender._cond:  # each connection's thread forgets it as it ends (bye, then the socket closes)
+        assert sender._cond.wait_for(lambda: len(sender._connections) == 1, timeout=20), sender._connections
+    assert sender.connections == 1  # the fixture's receiver, still served

@@ -67,11 +67,13 @@ _RUNNER = ("import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
            "print(json.dumps(m[sys.argv[2]](*json.loads(sys.argv[3])), default=str))")
 
 
-def run_isolated(scenario: str, *args) -> dict:
+def run_isolated(scenario: str, *args, engine_wait_s: int = 30) -> dict:
     """``scenario(*args)`` of this file, run in a child process (in a private network namespace
-    where possible); its JSON result."""
+    where possible); its JSON result. The engine bounds its wait for a batch by
+    ``MC_TRANSFER_TIMEOUT`` from the environment (no API sets it): ``engine_wait_s`` in the child."""
     argv = [sys.executable, "-c", _RUNNER, str(Path(__file__).resolve()), scenario, json.dumps(args)]
-    done = subprocess.run([*_netns_prefix(), *argv], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    done = subprocess.run([*_netns_prefix(), *argv], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                          env={**os.environ, "MC_TRANSFER_TIMEOUT": str(engine_wait_s)})
     assert done.returncode == 0, f"{scenario} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -81,7 +83,7 @@ def run_isolated(scenario: str, *args) -> dict:
 
 def scenario_session(spec: dict) -> dict:
     """One pd-demo session (two more processes) and its verdict."""
-    from sparsekv.srt.disaggregation.pd_demo import DemoSpec, run_session, verdict
+    from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
 
     report = run_session(DemoSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}))
     report["verdict"] = verdict(report)
@@ -262,7 +264,7 @@ def test_decode_killed_mid_transfer_fails_the_transfer_on_prefill():
 
 @needs_mooncake
 def test_bad_rows_are_refused_before_anything_is_posted():
-    result = run_isolated("scenario_refusals")
+    result = run_isolated("scenario_refusals", engine_wait_s=10)
     cases = result["cases"]
     assert "row 2 (source" in cases["src_past_end"] and "registered on this side" in cases["src_past_end"]
     assert "row 3 (source" in cases["src_unregistered"]
@@ -281,7 +283,7 @@ def test_bad_rows_are_refused_before_anything_is_posted():
 
 @needs_mooncake
 def test_notifications_arrive_in_order_after_their_data():
-    result = run_isolated("scenario_notif_order")
+    result = run_isolated("scenario_notif_order", engine_wait_s=10)
     assert result["statuses"] == ["DONE", "DONE"]
     assert result["seen"] == ["a:w1", "a:w2", "a:after", "a:end"]
     assert result["complete_when_seen"] == {"w1": True, "w2": True}
@@ -317,7 +319,7 @@ def test_check_rows_names_the_first_bad_row_and_side():
 
 
 def test_open_backend_refuses_an_unknown_engine():
-    from sparsekv.srt.disaggregation.backend import load_engine, open_backend
+    from sparsekv.srt.disaggregation.engines import load_engine, open_backend
 
     with pytest.raises(ValueError, match=r"argument `engine` must be one of \('nixl', 'mooncake'\), got 'ucx'"):
         open_backend("ucx")

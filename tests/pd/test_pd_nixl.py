@@ -14,8 +14,8 @@ import re
 
 import pytest
 
+from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
 from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
-from sparsekv.srt.disaggregation.pd_demo import DemoSpec, run_session, verdict
 from sparsekv.testing.components import needs
 
 try:

@@ -24,15 +24,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pd_conn import dsv4_pool, room_indices  # the same pools and rooms as the transfer tests
 
+from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import MAX_MESSAGE_BYTES, Channel, b64
-from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender
 from sparsekv.srt.disaggregation.integrity import region_digest
-from sparsekv.srt.disaggregation.kv_args import kv_args_of
 from sparsekv.srt.disaggregation.manifest import Manifest, ManifestMismatchError, Region
-from sparsekv.srt.disaggregation.messages import ProtocolError, parse_transfer
+from sparsekv.srt.disaggregation.messages import ProtocolError
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
-from sparsekv.srt.disaggregation.pd_demo import fill_regions
+from sparsekv.srt.disaggregation.protocol import Transfer
+from sparsekv.srt.disaggregation.receiver import KVReceiver
+from sparsekv.srt.disaggregation.sender import KVSender
+from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.testing.profiles import scaled_examples
 
 try:
@@ -238,13 +240,14 @@ def test_an_oversized_frame_ends_only_its_connection(deployment):
     assert died == []
 
 
-def test_parse_transfer_returns_exact_types_or_names_the_field():
-    ok = parse_transfer({"room": 5, "kv_indices": [1, 2], "state_indices": [[3]], "kv_group_indices": {"c4_kv": [9]}})
+def test_a_transfer_decodes_to_exact_types_or_names_the_field():
+    ok = Transfer.from_wire({"room": 5, "kv_indices": [1, 2], "state_indices": [[3]],
+                             "kv_group_indices": {"c4_kv": [9]}})
     assert ok.room == 5 and ok.kv_indices == [1, 2] and ok.kv_group_indices == {"c4_kv": [9]}
     for bad, field in (({"room": 1.0, "kv_indices": []}, "room"), ({"room": 1, "kv_indices": [True]}, "kv_indices"),
                        ({"room": 1, "kv_indices": [], "state_indices": [["x"]]}, "state_indices")):
         with pytest.raises(ProtocolError, match=f"`{field}"):
-            parse_transfer(bad)
+            Transfer.from_wire(bad)
 
 
 class CorruptingBackend(NixlBackend):

@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.srt.disaggregation import conn
+from sparsekv.srt.disaggregation import planning
 from sparsekv.srt.disaggregation.backend import TransferError
-from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType, kv_args_of
+from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
 from sparsekv.srt.disaggregation.manifest import Manifest
-from sparsekv.srt.disaggregation.state_routing import DSAStatePool, HybridLinearStatePool, setup_state_kv_args
+from sparsekv.srt.disaggregation.state_routing import (
+    DSAStatePool,
+    HybridLinearStatePool,
+    kv_args_of,
+    setup_state_kv_args,
+)
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
@@ -138,7 +143,7 @@ def test_pp_stage_labels_partition_the_full_pool(pp_size):
 
 
 def test_every_state_type_has_a_sender():
-    assert set(conn.SENDERS) == set(StateType)
+    assert set(planning.SENDERS) == set(StateType)
 
 
 def test_a_state_type_without_a_sender_fails_before_anything_is_planned(monkeypatch):
@@ -146,7 +151,7 @@ def test_a_state_type_without_a_sender_fails_before_anything_is_planned(monkeypa
     args = kv_args_of(pool)
     manifest = Manifest.of(args)
     request = {"kv_indices": [1], "state_indices": [[1], [1]]}
-    assert conn.plan_room(manifest, manifest, args, [2], [[2], [2]], request)  # the real table plans it
-    monkeypatch.delitem(conn.SENDERS, StateType.C128_STATE)
+    assert planning.plan_room(manifest, manifest, args, [2], [[2], [2]], request)  # the real table plans it
+    monkeypatch.delitem(planning.SENDERS, StateType.C128_STATE)
     with pytest.raises(TransferError, match="no sender for state type 'c128_state'"):
-        conn.plan_room(manifest, manifest, args, [2], [[2], [2]], request)
+        planning.plan_room(manifest, manifest, args, [2], [[2], [2]], request)

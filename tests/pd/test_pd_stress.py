@@ -19,8 +19,8 @@ import pytest
 from pd_cpu_lock import hold_cpu_load_lock
 from test_pd_mooncake import MOONCAKE_MISSING, SMALL, run_isolated  # the namespaced child runner
 
+from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
 from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
-from sparsekv.srt.disaggregation.pd_demo import DemoSpec, run_session, verdict
 
 try:
     load_nixl_api()

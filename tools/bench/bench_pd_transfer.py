@@ -51,11 +51,14 @@ from tqdm import tqdm
 
 from sparsekv.argtypes import int_range
 from sparsekv.cli import CliParser
-from sparsekv.srt.disaggregation.backend import ENGINES, TransferBackend, load_engine, open_backend, poll_pause
-from sparsekv.srt.disaggregation.conn import KVReceiver, KVSender, plan_batches, plan_room
+from sparsekv.srt.disaggregation.backend import TransferBackend, poll_pause
+from sparsekv.srt.disaggregation.engines import ENGINES, load_engine, open_backend
 from sparsekv.srt.disaggregation.integrity import region_digest
-from sparsekv.srt.disaggregation.kv_args import kv_args_of
 from sparsekv.srt.disaggregation.manifest import Manifest
+from sparsekv.srt.disaggregation.planning import plan_batches, plan_room
+from sparsekv.srt.disaggregation.receiver import KVReceiver
+from sparsekv.srt.disaggregation.sender import KVSender
+from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
 
 LENGTHS = (8 << 10, 128 << 10, 1 << 20)

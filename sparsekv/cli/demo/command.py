@@ -121,7 +121,7 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
     if args.pd and hisparse is None:
         raise UsageError("--pd sends the C4 KV straight into the decode's HiSparse host pool: give --hisparse RATIO")
     if args.pd:
-        from sparsekv.srt.disaggregation.backend import load_engine
+        from sparsekv.srt.disaggregation.engines import load_engine
 
         try:
             load_engine("nixl")

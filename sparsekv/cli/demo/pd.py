@@ -49,9 +49,10 @@ def _stack(spec, hisparse):
 def prefill_main(spec, conn) -> None:
     """Prefill every request, then send each room the decode asks for."""
     from sparsekv.cli.demo.stack import PAGE_SIZE, Request
-    from sparsekv.srt.disaggregation.backend import open_backend
-    from sparsekv.srt.disaggregation.conn import KVSender, RoomStatus
-    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+    from sparsekv.srt.disaggregation.engines import open_backend
+    from sparsekv.srt.disaggregation.room import RoomStatus
+    from sparsekv.srt.disaggregation.sender import KVSender
+    from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
     try:
         stack = _stack(spec, None)
@@ -83,9 +84,9 @@ def decode_main(spec, conn, address) -> None:
     """Receive every request into the HiSparse stack, admit it, decode; send the outputs back."""
 
     from sparsekv.cli.demo.stack import Request
-    from sparsekv.srt.disaggregation.backend import open_backend
-    from sparsekv.srt.disaggregation.conn import KVReceiver
+    from sparsekv.srt.disaggregation.engines import open_backend
     from sparsekv.srt.disaggregation.hisparse_direct import alloc_direct_host_pages, hisparse_decode_kv_args
+    from sparsekv.srt.disaggregation.receiver import KVReceiver
 
     try:
         stack = _stack(spec, spec.hisparse)
@@ -124,7 +125,7 @@ def run_pd(spec) -> dict:
     """
     import torch
 
-    from sparsekv.srt.disaggregation.pd_demo import reap
+    from sparsekv.cli.pd_demo import reap
 
     ctx = mp.get_context("spawn")
     p_parent, p_child = ctx.Pipe()

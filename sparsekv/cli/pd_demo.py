@@ -4,12 +4,12 @@ Two processes on 127.0.0.1 (spawned; every wait bounded), over NIXL (default) or
 (``--engine mooncake``; its listeners bind every interface, so run it in a private network
 namespace where one is at hand, e.g. ``unshare -rn``):
 
-* **prefill** -- one :class:`~.conn.KVSender` per PP stage, each over its stage's
+* **prefill** -- one :class:`~sparsekv.srt.disaggregation.sender.KVSender` per PP stage, each over its stage's
   ``DeepSeekV4TokenToKVPool`` filled with seeded random bytes (each region's bytes follow from the
   seed and the region's label, so the other side can recompute them);
 * **decode** -- one pool holding every layer (optionally with HiSparse: C4 KV straight into the
   host pool, then ``admit_request_direct``), filled with other random bytes, and a
-  :class:`~.conn.KVReceiver` connected to every stage.
+  :class:`~sparsekv.srt.disaggregation.receiver.KVReceiver` connected to every stage.
 
 Several requests of different lengths are transferred (KV pages, SWA pages with their C4 rings,
 the request's C128 rings). The decode then rebuilds what every registered region must hold --
@@ -41,7 +41,7 @@ import numpy as np
 
 from sparsekv.argtypes import int_list, int_range, number_range
 from sparsekv.cli import UsageError
-from sparsekv.srt.disaggregation.backend import ENGINES, load_engine
+from sparsekv.srt.disaggregation.engines import ENGINES, load_engine
 
 ROLE_TIMEOUT_S = 120.0
 #: The largest --budget-mib: the demo's pools live in this machine's memory (1 TiB at most).
@@ -71,11 +71,11 @@ class DemoSpec:
     bad_rooms: tuple[int, ...] = ()
     #: The prefill kills the decode after this many completed batches (0: never).
     kill_decode_after: int = 0
-    #: Transfer engine of both sides (:data:`~.backend.ENGINES`).
+    #: Transfer engine of both sides (:data:`~sparsekv.srt.disaggregation.engines.ENGINES`).
     engine: str = "nixl"
     #: The session's shared secret (README, "PD trust model"); :func:`run_session` draws one when empty.
     secret: str = ""
-    #: The decode verifies every region's digest (:mod:`.integrity`).
+    #: The decode verifies every region's digest (:mod:`~sparsekv.srt.disaggregation.integrity`).
     checksums: bool = True
 
 
@@ -188,7 +188,7 @@ def make_plan(spec: DemoSpec) -> list[dict]:
     Sources are runs of pages (a prefill allocator's pages); destinations alternate between runs
     and scattered indices, so both the coalesced and the one-item writes happen.
     """
-    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+    from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
     prefill = [kv_args_of(p) for p in prefill_pools(spec)]
     dec_pool, _ = decode_pool(replace(spec, decode_state_dtype=None))  # the plan is for a matching decode
@@ -230,9 +230,10 @@ def _process_gone(pid: int) -> bool:
 
 def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
     """The prefill process: one sender per PP stage, every room declared, statuses reported."""
-    from sparsekv.srt.disaggregation.backend import open_backend
-    from sparsekv.srt.disaggregation.conn import KVSender, RoomStatus
-    from sparsekv.srt.disaggregation.kv_args import kv_args_of
+    from sparsekv.srt.disaggregation.engines import open_backend
+    from sparsekv.srt.disaggregation.room import RoomStatus
+    from sparsekv.srt.disaggregation.sender import KVSender
+    from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
     decode_pid: dict[str, int] = {}
     batches_done = [0]
@@ -347,11 +348,12 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     """The decode process: allocate, request every room, wait, admit, verify every byte."""
     import torch
 
-    from sparsekv.srt.disaggregation.backend import TransferError, open_backend
-    from sparsekv.srt.disaggregation.conn import KVReceiver
+    from sparsekv.srt.disaggregation.backend import TransferError
+    from sparsekv.srt.disaggregation.engines import open_backend
     from sparsekv.srt.disaggregation.hisparse_direct import alloc_direct_host_pages, hisparse_decode_kv_args
-    from sparsekv.srt.disaggregation.kv_args import kv_args_of
     from sparsekv.srt.disaggregation.manifest import ManifestMismatchError
+    from sparsekv.srt.disaggregation.receiver import KVReceiver
+    from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
     pool, _ = decode_pool(spec)
     coord = allocator = req_table = None
@@ -565,6 +567,9 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.pp_size > args.layers:
         raise UsageError(f"--pp-size {args.pp_size}: more prefill stages than --layers {args.layers}")
+    # Mooncake's engine logs every connection at INFO unless told otherwise, and takes its log
+    # level only from the environment: this command's processes (spawned, they inherit it) say ERROR.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         load_engine(args.engine)
     except ImportError as e:

@@ -1,0 +1,51 @@
+"""``Deadlines``: the bound of each wait of a PD transfer, one object for both ends.
+
+Every wait is bounded, so a peer that stops answering is an error, never a hang. The waits are
+different things and may want different bounds (a room's writes of a 1M-token request take longer
+than a handshake), so each has its own name; :meth:`Deadlines.uniform` gives every wait one bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each wait may last.
+
+    Attributes
+    ----------
+    handshake_s : float
+        Decode: opening the connection to a stage and its welcome; prefill: the decode's hello.
+    message_s : float
+        The rest of a message once its first bytes arrived (both ends).
+    source_s : float
+        Prefill: a room the decode asked for being declared by the prefill's scheduler.
+    write_s : float
+        Prefill: a room's writes completing in the engine.
+    arrival_s : float
+        Decode: a room arriving (the default of :meth:`~.receiver.KVReceiver.wait`).
+    close_s : float
+        Either end: each of its threads stopping on close.
+    """
+
+    handshake_s: float = 30.0
+    message_s: float = 30.0
+    source_s: float = 30.0
+    write_s: float = 30.0
+    arrival_s: float = 30.0
+    close_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"sparsekv: argument `{f.name}` must be a finite number of seconds > 0, "
+                                 f"got {value!r}")
+
+    @classmethod
+    def uniform(cls, seconds: float) -> Deadlines:
+        """Every wait bounded by ``seconds``."""
+        return cls(**{f.name: seconds for f in fields(cls)})

@@ -1,0 +1,201 @@
+"""The PD bootstrap protocol: every message a typed value, one schema for encoding and decoding.
+
+Each message kind is a frozen dataclass whose fields *are* its schema: every field names the check
+of :mod:`.messages` that its wire value must pass, and its default when a peer may leave it out.
+:meth:`Message.encode` gives the JSON object a :class:`~.bootstrap.Channel` sends;
+:func:`decode` turns a received object back into its kind, checking every field (a
+:class:`~.messages.ProtocolError` names the first bad one). The exchange::
+
+    decode -> prefill   Hello      (engine descriptor, manifest, session id, checksums?, secret?)
+    prefill -> decode   Welcome    (engine descriptor, manifest)  or  Refused (then it closes)
+    decode -> prefill   Transfer   (a room and its destination indices; any number, any order)
+    prefill -> decode   Status     (a room's outcome: batches, bytes, region digests, or its error)
+                     or Refused    (a message that could not be read; the connection goes on)
+    decode -> prefill   Bye        (nothing more will be asked)
+
+Besides these, each batch of writes carries a :class:`Notification` through the transfer engine,
+which the engine delivers after the batch's data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from sparsekv.srt.disaggregation.messages import (
+    ProtocolError,
+    boolean,
+    index_lists,
+    indices,
+    integer,
+    mapping,
+    named_indices,
+    named_texts,
+    optional_text,
+    text,
+)
+
+
+def _wire(check: Callable[[object, str], Any], **default) -> Any:
+    """A message field whose wire value must pass ``check`` (``default=`` / ``default_factory=``: optional)."""
+    return field(metadata={"check": check}, **default)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A bootstrap message; subclasses set :attr:`OP` and declare their fields with their checks."""
+
+    OP: ClassVar[str] = ""
+
+    def encode(self) -> dict:
+        """The JSON object to send (an optional field that is None is left out)."""
+        out = {"op": self.OP}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, message: dict) -> Message:
+        """The message of kind ``cls`` in ``message``, every field checked in declaration order.
+
+        Raises
+        ------
+        ProtocolError
+            A missing or mistyped field (named).
+        """
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in message:
+                values[f.name] = f.metadata["check"](message[f.name], f.name)
+            elif f.default is not dataclasses.MISSING:
+                values[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                values[f.name] = f.default_factory()
+            else:
+                values[f.name] = f.metadata["check"](None, f.name)  # raises, naming the missing field
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """The decode's first message to a prefill stage."""
+
+    OP: ClassVar[str] = "hello"
+    agent: str = _wire(text)  # the decode's engine descriptor (:func:`~.bootstrap.b64`)
+    manifest: dict = _wire(mapping)  # :meth:`~.manifest.Manifest.to_dict`
+    session: str = _wire(text, default="")  # echoed in every notification to this decode
+    checksums: bool = _wire(boolean, default=False)  # report region digests with each room's status
+    secret: str | None = _wire(optional_text, default=None)  # the deployment's shared secret
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """The prefill stage accepted the decode's hello."""
+
+    OP: ClassVar[str] = "welcome"
+    agent: str = _wire(text)
+    manifest: dict = _wire(mapping)
+
+
+@dataclass(frozen=True)
+class Refused(Message):
+    """A hello or a message that was refused, and why."""
+
+    OP: ClassVar[str] = "refused"
+    error: str = _wire(text)
+
+
+@dataclass(frozen=True)
+class Transfer(Message):
+    """The decode asks for a room into these destinations (``room`` is checked first, so a refusal
+    can name a valid room)."""
+
+    OP: ClassVar[str] = "transfer"
+    room: int = _wire(integer)
+    kv_indices: list[int] = _wire(indices)
+    #: One destination list per state component.
+    state_indices: list[list[int]] = _wire(index_lists, default_factory=list)
+    #: A KV region group's own destinations (label prefix, e.g. ``"c4_kv"`` under HiSparse).
+    kv_group_indices: dict[str, list[int]] = _wire(named_indices, default_factory=dict)
+
+    def plan_request(self) -> dict:
+        """The destination fields as :meth:`~.planning.RoomPlanner.plan` takes them."""
+        return {"kv_indices": self.kv_indices, "state_indices": self.state_indices,
+                "kv_group_indices": self.kv_group_indices}
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """A room's outcome on one prefill stage."""
+
+    OP: ClassVar[str] = "status"
+    room: int = _wire(integer)
+    ok: bool = _wire(boolean)
+    error: str = _wire(text, default="")
+    batches: int = _wire(integer, default=0)  # notifications the room's writes carry
+    bytes: int = _wire(integer, default=0)
+    #: XXH3-64 hex digest of each host region as sent (when the decode asked for checksums).
+    digests: dict[str, str] = _wire(named_texts, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    """The decode waits for nothing more on this connection."""
+
+    OP: ClassVar[str] = "bye"
+
+
+KINDS: dict[str, type[Message]] = {kind.OP: kind for kind in (Hello, Welcome, Refused, Transfer, Status, Bye)}
+
+
+def decode(message: dict, *expected: type[Message]) -> Message:
+    """The typed message in a received JSON object, which must be one of the ``expected`` kinds.
+
+    Raises
+    ------
+    ProtocolError
+        An unknown or unexpected ``op``, or a field that fails its check.
+    """
+    op = message.get("op")
+    kind = KINDS.get(op) if type(op) is str else None  # noqa: E721
+    if kind is None:
+        raise ProtocolError(f"sparsekv: unknown bootstrap op {op!r:.80}")
+    if kind not in expected:
+        raise ProtocolError(f"sparsekv: unexpected bootstrap op {op!r} here (expected "
+                            f"{' or '.join(k.OP for k in expected)})")
+    return kind.from_wire(message)
+
+
+class Notification(NamedTuple):
+    """What each batch of a room's writes carries through the engine: ``b"<session>:<stage port>:
+    <room>:<batch>:<batches>"`` (``session``: the decode's id from its hello, so no other
+    deployment's notification counts)."""
+
+    session: str
+    port: int
+    room: int
+    batch: int
+    batches: int
+
+    def encode(self) -> bytes:
+        return f"{self.session}:{self.port}:{self.room}:{self.batch}:{self.batches}".encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Notification:
+        """The notification in ``data``.
+
+        Raises
+        ------
+        ProtocolError
+            ``data`` is not one.
+        """
+        try:
+            session, *fields = data.decode().split(":")
+            port, room, batch, batches = (int(x) for x in fields)
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError(f"sparsekv: not a room notification: {data[:80]!r}") from None
+        return cls(session, port, room, batch, batches)
