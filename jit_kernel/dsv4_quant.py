@@ -22,6 +22,7 @@ from sparsekv import env
 from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.triton import resolve_impl
 
 DSV4_QUANT = register(
     KernelFamily(
@@ -68,7 +69,8 @@ def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> Non
         raise ValueError("sparsekv: argument `slots` names a slot twice; slots must be unique")
 
 
-def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
+def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, *,
+                        impl: str = "auto") -> None:
     """Quantize 512-wide rows into token slots of a paged ``fp8_ds_mla`` (V4, 584 B) cache, in place.
 
     Parameters
@@ -82,6 +84,12 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
         int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
     page_size : int
         Slots per page, a power of two in ``[1, 2^20]``.
+    impl : {"auto", "header", "triton"}
+        ``"header"``: the ``csrc/dsv4_quant.cuh`` kernel on the cpu or cuda backend by device;
+        ``"triton"``: the twin in :mod:`sparsekv.jit_kernel.triton.dsv4_quant` (32-bit packed stores),
+        on a GPU or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (a
+        memory-bound kernel that is not yet timed against its twin on a GPU). Same bytes, same
+        refusals, same custom op.
 
     Raises
     ------
@@ -89,19 +97,25 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
         A wrong dtype, or a ``page_size`` that is not an int (the message names the argument).
     ValueError
         A wrong shape, stride, device or page size, a duplicated slot, or two arguments sharing
-        memory (or a ``cache`` whose elements overlap, e.g. an ``expand``).
+        memory (or a ``cache`` whose elements overlap, e.g. an ``expand``); an unknown ``impl``.
     IndexError
         A slot outside the cache.
 
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
-    _quantize(x, cache, slots, int_arg("page_size", page_size))
+    page_size = int_arg("page_size", page_size)
+    _quantize(x, cache, slots, page_size, resolve_impl(impl, cache.device, auto_triton_on_cuda=False))
 
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
-def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
+def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, impl: str) -> None:
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_quant as triton_quant
+
+        triton_quant.quantize_fp8_ds_mla(x, cache, slots, page_size)
+        return
     DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, page_size)
 
 

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of every Triton kernel for sm_90a and sm_100a, with no GPU: a kernel that
 cannot compile for Hopper or Blackwell fails here. The CLI prints each kernel's registers and shared
 memory from the compiled cubin and metadata; a second build finds every kernel in the cache (its key:
-source, signature, constexprs, warps, arch and triton version)."""
+source, signature, constexprs, warps, arch and triton version). The quantizer's PTX stores 32-bit words."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def test_every_triton_kernel_compiles_for_sm90a_and_sm100a_and_reports_its_resou
             report = built[name, arch]
             assert tensor_core[arch] in (aot_cache / ".triton" / report["key"] / "kernel.ptx").read_text(), name
             assert report["shared_bytes"] > 0, report
+    # The quantizer writes its records as 32-bit words, never byte by byte.
+    for name, arch in built:
+        if name.startswith("dsv4_quant."):
+            ptx = (aot_cache / ".triton" / built[name, arch]["key"] / "kernel.ptx").read_text()
+            assert "st.global.b32" in ptx and "st.global.b8" not in ptx and "st.global.u8" not in ptx, name
     assert len({r["key"] for r in doc["kernels"]}) == len(expected)  # the arch is part of the key
     again = build(aot_cache)
     assert all(r["cached"] for r in again["kernels"])

@@ -5,7 +5,11 @@ For N rows (bf16 and float32) quantized into N random distinct slots of a 64-slo
 * ``kernel``: the public wrapper (slot checks included);
 * ``torch``: ``sparsekv.testing.reference.dsv4_quant.quantize_fp8_ds_mla``, the same records
   (448 FP8 E4M3 values with one power-of-two scale per 64, 64 bf16 RoPE values) written with
-  torch ops into the same slots: the test oracle, measured in the same run.
+  torch ops into the same slots: the test oracle, measured in the same run;
+* ``triton``: the Triton twin (``impl="triton"``, 32-bit packed stores), same bytes checked: on the
+  GPU with CUDA events; on the cpu backend under the Triton interpreter (``TRITON_INTERPRET=1``, set
+  here before triton is imported), one sample of the cases up to 64 rows only, and NOT speed
+  (``notes.triton_timing``).
 
 The kernel's cache bytes are checked equal to torch's before anything is timed. The cpu backend
 of the kernel is one host thread; torch uses ``torch.get_num_threads()`` (``threads`` says so).
@@ -14,22 +18,29 @@ Prints JSON; ``--plot PNG`` draws rows per microsecond per case.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, timer
+from sparsekv.testing.bench import kernel_sweep, time_call, timer
 from sparsekv.testing.reference.dsv4_quant import quantize_fp8_ds_mla as quantize_reference
 
 PAGE_SIZE = 64
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CASES = tuple((n, d) for n in (1, 64, 4096, 32768) for d in DTYPES)
 QUICK_CASES = ((64, "bf16"), (1024, "bf16"), (1024, "fp32"))
+#: The most rows the interpreter runs (about 60 ms a row there).
+INTERPRETED_ROWS = 64
 
 
 def run_case(n: int, dtype_name: str, repeats: int, backend: str) -> dict:
+    if backend == "cpu":  # the Triton twin runs on CPU tensors only under the interpreter, read at triton's import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     device = device_of(backend)
     gen = torch.Generator(device=device).manual_seed(n)
     x = torch.randn(n, 512, generator=gen, device=device).to(DTYPES[dtype_name])
@@ -45,18 +56,32 @@ def run_case(n: int, dtype_name: str, repeats: int, backend: str) -> dict:
     time_it = timer(backend)
     kernel = time_it(lambda: quantize_fp8_ds_mla(x, cache, slots, PAGE_SIZE), repeats=repeats)
     baseline = time_it(lambda: quantize_reference(x, expected, slots, PAGE_SIZE), repeats=repeats)
-    return {"case": f"N={n} {dtype_name}", "rows": n, "dtype": dtype_name,
-            "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
-            "kernel_rows_per_us": n / (kernel.median_s * 1e6), "torch_rows_per_us": n / (baseline.median_s * 1e6),
-            "kernel_vs_torch": baseline.median_s / kernel.median_s}
+    row = {"case": f"N={n} {dtype_name}", "rows": n, "dtype": dtype_name,
+           "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
+           "kernel_rows_per_us": n / (kernel.median_s * 1e6), "torch_rows_per_us": n / (baseline.median_s * 1e6),
+           "kernel_vs_torch": baseline.median_s / kernel.median_s}
+    interpreted = backend == "cpu"
+    if not interpreted or n <= INTERPRETED_ROWS:
+        triton_cache = torch.zeros_like(cache)
+        quantize_fp8_ds_mla(x, triton_cache, slots, PAGE_SIZE, impl="triton")
+        if not torch.equal(triton_cache, expected):
+            raise SystemExit(f"bench_dsv4_quant: triton bytes differ from the torch quantizer at N={n} {dtype_name}")
+        time_triton = functools.partial(time_call, repeats=1, warmup=0, min_time_s=0.0) if interpreted else \
+            functools.partial(time_it, repeats=repeats)
+        triton = time_triton(lambda: quantize_fp8_ds_mla(x, triton_cache, slots, PAGE_SIZE, impl="triton"))
+        row.update(triton_us=triton.median_s * 1e6, triton_rows_per_us=n / (triton.median_s * 1e6))
+    return row
 
 
 def main() -> None:
     kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_quant quantize_fp8_ds_mla",
                  baseline="torch reference quantizer (same records, same slots, same run)",
                  cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
-                 notes=dict(page_size=PAGE_SIZE, record_bytes=V4.bytes_per_token),
-                 plot=dict(label_key="case", value_keys=("kernel_rows_per_us", "torch_rows_per_us"),
+                 notes=dict(page_size=PAGE_SIZE, record_bytes=V4.bytes_per_token,
+                            triton_timing=f"cpu backend: the Triton interpreter, NOT speed, one sample, cases up "
+                                          f"to {INTERPRETED_ROWS} rows; cuda backend: CUDA events"),
+                 plot=dict(label_key="case", value_keys=("kernel_rows_per_us", "torch_rows_per_us",
+                                                         "triton_rows_per_us"),
                            ylabel="rows per microsecond", log=True))
 
 

@@ -1,0 +1,214 @@
+"""Triton twin of ``csrc/dsv4_quant.cuh``'s ``fp8_ds_mla`` quantizer, with packed stores, and its
+reusable ``@triton.jit`` pieces.
+
+Same contract as :func:`sparsekv.jit_kernel.dsv4_quant.quantize_fp8_ds_mla` (which calls
+:func:`quantize_fp8_ds_mla` here for ``impl="triton"``), and the same bytes: every step is integer
+arithmetic on the float32 bits (the header's ``fp8::`` encoders, written again on tensors) or a
+multiply by an exact power of two, so the result does not depend on the device, the compiler's
+float contraction or the interpreter.
+
+One program per token (2 warps): the row is held as ``[8, 64]`` (the seven 64-wide e4m3 blocks
+and a masked eighth) plus the 64 bf16 RoPE dims; the record leaves as 32-bit words: 112 words of
+e4m3 codes, 32 of bf16 pairs and the two words of the scale record (7 UE8M0 bytes and the zero pad),
+not byte stores. Only when the cache's base address or page stride is not a multiple of 4 bytes
+(a sliced view) does the launcher fall back to byte stores of the same bytes.
+
+Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
+:func:`float_to_e4m3`, :func:`float_to_bf16`, :func:`ceil_scale_exponent`, :func:`exp2_int`,
+:func:`pack_words` and :func:`store_v4_token` (a 512-wide row held as ``[8, 64]`` + ``[64]`` into
+one token's value and scale records).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.jit_kernel.triton.checks import check, check_disjoint, page_shift, read, row_stride, written
+from sparsekv.kv_layout import V4
+
+__all__ = ["AOT_KERNELS", "check_quantize_arguments", "quantize_fp8_ds_mla"]
+
+DIM = 512
+NUM_WARPS = 2
+
+
+@triton.jit
+def float_to_bf16(x):
+    """float32 -> bf16 bits (int32 in [0, 65535]): round to nearest even, NaN kept quiet (``fp8::float_to_bf16``)."""
+    u = x.to(tl.int32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded) & 0xFFFF
+
+
+@triton.jit
+def float_to_e4m3(x):
+    """float32 -> e4m3fn code (int32 in [0, 255]): round to nearest even, saturating at +-448, NaN to
+    0x7F / 0xFF (``fp8::float_to_e4m3``)."""
+    u = x.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    abs_bits = u & 0x7FFFFFFF
+    a = abs_bits.to(tl.float32, bitcast=True)
+    # Below 2^-6: the subnormal grid of 2^-9, round(a * 512) in [0, 8] (8 is the smallest normal's code).
+    v = tl.minimum(a, 0.015625) * 512.0
+    lower = v.to(tl.int32)  # v >= 0: truncation is floor
+    diff = v - lower.to(tl.float32)  # exact: the fraction of a float is a float
+    subnormal = lower + ((diff > 0.5) | ((diff == 0.5) & ((lower & 1) == 1))).to(tl.int32)
+    # Normal: keep 3 mantissa bits, round the 20 below to nearest even; a carry out of the mantissa
+    # adds to the exponent field, which is what the sum of the two fields does.
+    mantissa = (abs_bits >> 20) & 7
+    rest = abs_bits & 0xFFFFF
+    up = ((rest > 0x80000) | ((rest == 0x80000) & ((mantissa & 1) == 1))).to(tl.int32)
+    normal = ((((abs_bits >> 23) & 0xFF) - 120) << 3) + mantissa + up
+    code = tl.where(a < 0.015625, subnormal, normal)
+    code = tl.where(a >= 448.0, 0x7E, code)
+    return sign | tl.where(abs_bits > 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def ceil_scale_exponent(amax, MAX_FINITE: tl.constexpr):
+    """The smallest integer ``e`` with ``MAX_FINITE * 2^e >= amax`` (int32), for positive normal floats,
+    from their exponent and mantissa fields (``fp8::ceil_scale_exponent``: no division, no rounding)."""
+    a = amax.to(tl.int32, bitcast=True)
+    m = tl.full((), MAX_FINITE, tl.float32).to(tl.int32, bitcast=True)
+    return ((a >> 23) & 0xFF) - ((m >> 23) & 0xFF) + ((a & 0x7FFFFF) > (m & 0x7FFFFF)).to(tl.int32)
+
+
+@triton.jit
+def exp2_int(e):
+    """``2^e`` as float32 for int32 ``e`` in ``[-127, 127]`` (2^-127 is a subnormal; ``fp8::exp2_int``)."""
+    return tl.where(e >= -126, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
+def pack_words(values, WORDS: tl.constexpr, PER_WORD: tl.constexpr):
+    """Little-endian 32-bit words of ``values`` (a flat run of int32 fields of ``32 // PER_WORD`` bits
+    each, any shape of ``WORDS * PER_WORD`` elements in row-major order): ``[WORDS]`` int32."""
+    fields = tl.reshape(values, (WORDS, PER_WORD))
+    shift = tl.arange(0, PER_WORD) * (32 // PER_WORD)
+    return tl.reduce(fields << shift[None, :], 1, _bitwise_or)
+
+
+@triton.jit
+def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: tl.constexpr):
+    """Quantize one 512-wide row into the V4 (``fp8_ds_mla``) token whose value record is at byte
+    ``value_off`` of ``cache_ptr`` and scale record at ``scale_off``; nothing is written unless ``valid``.
+
+    ``nope``: float32 ``[8, 64]``, dims 0-447 as seven blocks (the eighth row is ignored); ``rope``:
+    float32 ``[64]``, dims 448-511. Per block: ``e`` the smallest integer with ``448 * 2^e >=
+    max(amax, 1e-4)``, codes ``e4m3(x * 2^-e)`` (exact: ``2^-e`` is a power of two), scale byte
+    ``e + 127``; then the bf16 RoPE dims and the zero pad byte (``store_v4`` of the header).
+    ``PACKED``: both offsets and the base are multiples of 4 bytes, so the record goes out as 32-bit
+    words; else as bytes.
+    """
+    block = tl.arange(0, 8)
+    amax = tl.maximum(tl.max(tl.abs(nope), 1), 1e-4)
+    e = ceil_scale_exponent(amax, 448.0)
+    codes = float_to_e4m3(nope * exp2_int(-e)[:, None])
+    scales = tl.where(block < 7, e + 127, 0)
+    bf16 = float_to_bf16(rope)
+    on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
+    if PACKED:
+        word = tl.arange(0, 128)
+        words_ptr = (cache_ptr + value_off).to(tl.pointer_type(tl.int32))
+        tl.store(words_ptr + word, pack_words(codes, 128, 4), mask=word < 112 * on)  # 448 codes
+        rope_word = tl.arange(0, 32)
+        tl.store(words_ptr + 112 + rope_word, pack_words(bf16, 32, 2), mask=rope_word < 32 * on)
+        scale_word = tl.arange(0, 2)
+        tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.int32)) + scale_word, pack_words(scales, 2, 4),
+                 mask=scale_word < 2 * on)
+    else:
+        d = tl.arange(0, 64)
+        tl.store(cache_ptr + value_off + block[:, None] * 64 + d[None, :], codes.to(tl.uint8),
+                 mask=(block < 7 * on)[:, None])
+        pair = tl.arange(0, 32)
+        bf16_pairs = tl.reshape(bf16, (32, 2))
+        rope_at = cache_ptr + value_off + 448 + pair[:, None] * 4 + tl.arange(0, 2)[None, :] * 2
+        tl.store(rope_at, (bf16_pairs & 0xFF).to(tl.uint8), mask=(pair < 32 * on)[:, None])
+        tl.store(rope_at + 1, (bf16_pairs >> 8).to(tl.uint8), mask=(pair < 32 * on)[:, None])
+        tl.store(cache_ptr + scale_off + block, scales.to(tl.uint8), mask=block < 8 * on)
+
+
+@triton.jit
+def quantize_v4_kernel(x_ptr, x_stride, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
+                       PACKED: tl.constexpr):
+    """Row ``i`` of ``x`` into token ``slots[i]`` (skipped outside ``[0, num_slots)``)."""
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + i)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    page = slot >> page_shift
+    in_page = slot & ((1 << page_shift) - 1)
+    value_off = page * page_stride + in_page * 576
+    scale_off = page * page_stride + (1 << page_shift) * 576 + in_page * 8
+    block = tl.arange(0, 8)
+    d = tl.arange(0, 64)
+    row = x_ptr + i * x_stride
+    nope = tl.load(row + block[:, None] * 64 + d[None, :], mask=(block < 7)[:, None], other=0.0).to(tl.float32)
+    rope = tl.load(row + 448 + d).to(tl.float32)
+    store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED)
+
+
+def _check_unique_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """Host-readable slots: each in range and none twice, the header's messages (``check_unique_slots``)."""
+    values = slots.tolist()
+    seen = set()
+    for i, slot in enumerate(values):
+        if slot < 0 or slot >= num_slots:
+            raise IndexError(f"sparsekv: argument `slots`[{i}] = {slot} is out of range [0, {num_slots})")
+        if slot in seen:
+            raise ValueError(f"sparsekv: argument `slots` names slot {slot} twice (second time at position {i}); "
+                             f"slots must be unique")
+        seen.add(slot)
+
+
+def check_quantize_arguments(x, cache, slots, page_size, layout=V4, dim=DIM):
+    """The header entry's ``check_quantize<L, D>``, in its order; returns (page_shift, num_slots)."""
+    check_disjoint(read(x, "x"), written(cache, "cache"), read(slots, "slots"))
+    check(x, "x").dtype(torch.float32, torch.bfloat16)
+    check(x, "x").ndim(2).size(1, dim, "head dim").rows_dense().same_device(cache, "cache")
+    check(slots, "slots").ndim(1).size(0, x.shape[0], "rows of x")
+    shift = page_shift(page_size, "page_size")
+    check(cache, "cache").dtype(torch.uint8).ndim(2).rows_dense()
+    check(cache, "cache").size(1, layout.page_bytes(page_size), "page bytes for page_size")
+    check(slots, "slots").dtype(torch.int64).ndim(1).contiguous().same_device(cache, "cache")
+    num_slots = cache.shape[0] * page_size
+    if cache.device.type != "cuda":
+        _check_unique_slots(slots, num_slots)
+    return shift, num_slots
+
+
+def quantize_fp8_ds_mla(x, cache, slots, page_size):
+    """Check (:func:`check_quantize_arguments`), then quantize each row of ``x`` into its slot.
+
+    The body of the ``sparsekv::quantize_fp8_ds_mla`` op for ``impl="triton"``.
+    """
+    shift, num_slots = check_quantize_arguments(x, cache, slots, page_size)
+    if x.shape[0] == 0:
+        return
+    stride = row_stride(cache)
+    packed = cache.data_ptr() % 4 == 0 and stride % 4 == 0
+    quantize_v4_kernel[(x.shape[0],)](x, row_stride(x), slots, cache, stride, shift, num_slots, PACKED=packed,
+                                      num_warps=NUM_WARPS)
+
+
+def _aot_kernels():
+    from sparsekv.jit_kernel.triton.aot import AotKernel
+
+    kernels = []
+    for x_type in ("*bf16", "*fp32"):
+        signature = {"x_ptr": x_type, "x_stride": "i64", "slots_ptr": "*i64", "cache_ptr": "*u8",
+                     "page_stride": "i64", "page_shift": "i32", "num_slots": "i64", "PACKED": "constexpr"}
+        kernels.append(AotKernel(f"dsv4_quant.fp8_ds_mla[{x_type[1:]}]", quantize_v4_kernel, signature,
+                                 {"PACKED": True}, NUM_WARPS, ("x_ptr", "slots_ptr", "cache_ptr")))
+    return kernels
+
+
+#: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.
+AOT_KERNELS = _aot_kernels()
