@@ -439,30 +439,12 @@ _logging_checked = False
 
 
 def _log_from_environment() -> None:
-    """``SPARSEKV_LOG_LEVEL`` set: give the ``sparsekv`` logger its stderr handler at that level on the
-    first module load of the process, unless it has a handler already (the CLI's, or the
-    application's). Library users need not call :func:`sparsekv.log.configure`; root is never touched."""
+    """On the first module load of the process: :func:`sparsekv.log.configure_from_environment`
+    (``SPARSEKV_LOG_LEVEL``, ``SPARSEKV_JIT_VERBOSE``). Library users need not configure logging."""
     global _logging_checked
-    if _logging_checked:
-        return
-    _logging_checked = True
-    if env.log_level() and not logging.getLogger(log.LOGGER_NAME).handlers:
-        log.configure()
-
-
-def _show_compiles() -> None:
-    """``SPARSEKV_JIT_VERBOSE=1``: show the ``sparsekv.jit`` logger's compile lines and command lines,
-    giving it a stderr handler when it has none (an application that configured no logging still sees
-    them). The root logger is never touched."""
-    if not env.verbose_build():
-        return
-    logger.setLevel(logging.DEBUG)
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.propagate = False  # shown once, not again by an application handler above
+    if not _logging_checked:
+        _logging_checked = True
+        log.configure_from_environment()
 
 
 def make_plan(
@@ -611,7 +593,6 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
                               what=failed.what, command=failed.command, cwd=failed.cwd, output=failed.output,
                               hint=failed.hint)
     env.cache_max_size()  # a malformed SPARSEKV_CACHE_MAX_SIZE is reported before anything compiles
-    _show_compiles()
     try:
         return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging),
                                        _load)

@@ -1,14 +1,18 @@
-"""The ``sparsekv`` console script.
+"""The ``sparsekv`` console script: the one shell every command runs in.
 
-Each subcommand lives in the module that owns its feature; this file only wires them up and owns
-the manners every command shares:
+Each command is a module of this package (``sparsekv.cli.jit``, ``.bench``, ``.plan_memory``,
+``.demo``...); this file only wires them up and owns the manners every command shares:
 
-* ``--help`` on every command and subcommand, with examples;
-* an error is one line on stderr, ``<command>: error: <message>``, with exit code 2 for a usage
-  error (bad arguments) and 1 for a failure; the Python traceback only with ``--debug``;
+* ``--help`` on every command and subcommand, with the examples of :data:`SUBCOMMANDS` that name it;
+* an error is one line on stderr, ``<command>: error: <message>``: exit code 2 for a usage error
+  (:class:`UsageError`, or argparse's: the message names the flag) and 1 for a failure (any other
+  exception); the Python traceback only with ``--debug``;
 * a closed pipe (``sparsekv jit list | head -1``) ends the command quietly; Ctrl-C exits 130;
-* ``-v`` shows INFO records of the ``sparsekv.*`` loggers (one line per JIT compile), ``-vv``
-  DEBUG; otherwise ``SPARSEKV_LOG_LEVEL`` (default WARNING).
+* ``-v`` shows INFO records of the ``sparsekv.*`` loggers (one line per JIT compile), ``-vv`` or
+  ``--debug`` DEBUG; otherwise ``SPARSEKV_LOG_LEVEL`` (default WARNING); :func:`sparsekv.log.configure`
+  is the one place a handler is attached.
+
+Tool scripts (``tools/``) parse with :class:`CliParser`, so their usage errors read the same.
 
 To add a subcommand, add one entry to :data:`SUBCOMMANDS`; its module provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code) and may raise :class:`UsageError`.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -42,20 +47,30 @@ SUBCOMMANDS = {
         "sparsekv.cli.jit",
         "build, list, inspect and clean JIT kernel modules",
         (
+            "sparsekv jit list",
             "sparsekv jit list --json",
             "sparsekv jit build --all",
-            "sparsekv jit build --backend cuda --arch 9.0a,10.0a --all",
-            "sparsekv jit build --instance 'hisparse:num_top_k=64,hot_buffer_size=128'",
+            "sparsekv jit build gather_rows --backend cuda --arch 9.0a,10.0a",
+            "sparsekv jit build --instance 'hisparse:num_top_k=512,hot_buffer_size=1024'",
             "sparsekv jit build --model dsv4-flash --hot-buffer 1024 -v",
+            "sparsekv jit build --triton --arch 9.0a,10.0a --json",
             "sparsekv jit info",
+            "sparsekv jit info --json",
             "sparsekv jit clean --stale --dry-run",
-            "sparsekv jit verify --repair",
+            "sparsekv jit clean",
+            "sparsekv jit verify",
+            "sparsekv jit verify --repair --json",
+            "sparsekv jit prune --older-than 30",
             "sparsekv jit prune --max-size 20G --dry-run",
-            "sparsekv jit doctor --json",
+            "sparsekv jit doctor",
+            "sparsekv jit doctor --json > doctor.json",
             "sparsekv jit explain-key gather_rows index_dtype=int64",
+            "sparsekv jit explain-key hisparse num_top_k=512 hot_buffer_size=1024 --json > a.json",
             "sparsekv jit explain-key --diff a.json b.json",
+            "sparsekv jit export kernels.tar --all",
             "sparsekv jit export kernels.tar --model dsv4-flash",
             "sparsekv jit import kernels.tar",
+            "SPARSEKV_CACHE_DIR=/opt/kernels sparsekv jit import kernels.tar",
         ),
     ),
     "demo": Subcommand(
@@ -127,9 +142,11 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     group = parser.add_argument_group("output")
     if not {"-v", "--verbose"} & taken.keys():
         group.add_argument("-v", "--verbose", action="count", help="-v: INFO log lines (e.g. each JIT compile), "
-                           "-vv: DEBUG (default: SPARSEKV_LOG_LEVEL, else WARNING)", **({"default": 0} | suppress))
+                           "-vv or --debug: DEBUG (default: SPARSEKV_LOG_LEVEL, else WARNING)",
+                           **({"default": 0} | suppress))
     if "--debug" not in taken:
-        group.add_argument("--debug", action="store_true", help="show the Python traceback of an error",
+        group.add_argument("--debug", action="store_true", help="show the Python traceback of an error, and DEBUG "
+                           "log lines",
                            **({"default": False} | suppress))
 
 
@@ -141,10 +158,11 @@ def _nested_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.Argume
 
 def _finish_nested(parser: argparse.ArgumentParser, examples: tuple[str, ...]) -> None:
     """Give each nested subcommand (``sparsekv jit build``) the global options and the examples
-    that start with its name."""
+    that run it."""
     for nested in _nested_parsers(parser):
         _add_global_options(nested, defaults=False)
-        mine = tuple(e for e in examples if e == nested.prog or e.startswith(nested.prog + " "))
+        runs = re.compile(rf"(^|\s){re.escape(nested.prog)}(\s|$)")
+        mine = tuple(e for e in examples if runs.search(e))
         if mine and nested.epilog is None:
             nested.epilog = _examples_epilog(mine)
             nested.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -232,18 +250,22 @@ def main(argv: list[str] | None = None) -> int:
         return _quiet_broken_pipe()
 
 
+def _message(error: BaseException) -> str:
+    # Library messages may start with "sparsekv: " (for a program's log); the command's name is said already.
+    return str(error).removeprefix("sparsekv: ")
+
+
 def _run(argv: list[str]) -> int:
     from sparsekv import log
 
     parser = build_parser(load=_chosen_subcommand(argv) or ())
     args, extras = parser.parse_known_args(argv)
-    prog = f"sparsekv {args.command}" if args.command else "sparsekv"
+    prog = _chosen_parser(parser, args).prog  # the innermost command: `sparsekv jit build`
     if extras:  # reported here, so the message names the (nested) command they were given to
-        where = _chosen_parser(parser, args).prog
-        print(f"{where}: error: unrecognized arguments: {' '.join(extras)} (see {where} --help)", file=sys.stderr)
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        log.configure({0: None, 1: "INFO"}.get(args.verbose, "DEBUG"))
+        log.configure("DEBUG" if args.debug else {0: None, 1: "INFO"}.get(args.verbose, "DEBUG"))
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -260,13 +282,13 @@ def _run(argv: list[str]) -> int:
     except UsageError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"{prog}: error: {e} (see {prog} --help)", file=sys.stderr)
+        print(f"{prog}: error: {_message(e)} (see {prog} --help)", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # the one place every other failure becomes a message
         if args.debug:
             traceback.print_exc()
         hint = "" if args.debug else " (--debug shows the traceback)"
-        print(f"{prog}: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        print(f"{prog}: error: {type(e).__name__}: {_message(e)}{hint}", file=sys.stderr)
         return EXIT_FAILURE
 
 

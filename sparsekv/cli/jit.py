@@ -1,9 +1,10 @@
 """``sparsekv jit``: build, inspect, verify, ship and clean JIT kernel modules.
 
-Manners shared by every subcommand: ``--help`` ends with examples; an error is one line on stderr
-(exit 2 for a usage error, 1 for a failure), with the traceback only under ``--debug``; a closed
-pipe (``sparsekv jit list | head -1``) ends the command quietly; progress bars only on a terminal;
-``--json`` wherever a table is printed; ``-v`` shows each compile with its time.
+The shell (:mod:`sparsekv.cli`) gives every subcommand its manners: examples in ``--help``, one-line
+errors (exit 2 for a usage error, 1 for a failure), ``--debug``, ``-v`` (each compile with its time),
+a quiet closed pipe. Here: progress bars only on a terminal, ``--json`` wherever a table is printed,
+and a ``ValueError`` (a bad value on the command line or in a ``SPARSEKV_*`` variable, found by the
+library) is a usage error.
 """
 
 from __future__ import annotations
@@ -11,61 +12,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import logging
 import os
 import shutil
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from sparsekv import env
 from sparsekv.argtypes import int_range, number_range
-
-logger = logging.getLogger("sparsekv.jit")
-
-EXAMPLES = {
-    "list": "sparsekv jit list\n  sparsekv jit list --json",
-    "build": ("sparsekv jit build --all\n  sparsekv jit build gather_rows --backend cuda --arch 9.0a,10.0a\n"
-              "  sparsekv jit build --instance 'hisparse:num_top_k=512,hot_buffer_size=1024'\n"
-              "  sparsekv jit build --model dsv4-flash --hot-buffer 1024 -v\n"
-              "  sparsekv jit build --triton --arch 9.0a,10.0a --json"),
-    "info": "sparsekv jit info\n  sparsekv jit info --json",
-    "clean": "sparsekv jit clean --stale --dry-run\n  sparsekv jit clean",
-    "verify": "sparsekv jit verify\n  sparsekv jit verify --repair --json",
-    "prune": "sparsekv jit prune --older-than 30\n  sparsekv jit prune --max-size 20G --dry-run",
-    "doctor": "sparsekv jit doctor\n  sparsekv jit doctor --json > doctor.json",
-    "explain-key": ("sparsekv jit explain-key gather_rows index_dtype=int64\n"
-                    "  sparsekv jit explain-key hisparse num_top_k=512 hot_buffer_size=1024 --json > a.json\n"
-                    "  sparsekv jit explain-key --diff a.json b.json"),
-    "export": "sparsekv jit export kernels.tar --all\n  sparsekv jit export kernels.tar --model dsv4-flash",
-    "import": "sparsekv jit import kernels.tar\n  SPARSEKV_CACHE_DIR=/opt/kernels sparsekv jit import kernels.tar",
-}
-
-
-class UsageError(Exception):
-    """A command line that cannot be run as given (exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-        raise SystemExit(2)
-
-
-def _common(json_flag: bool) -> _Parser:
-    parent = _Parser(add_help=False)
-    # SUPPRESS: an option given before the subcommand (`sparsekv -v jit build`) is not reset here.
-    parent.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                        help="show each compile with its time")
-    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="debug logging; tracebacks on errors")
-    if json_flag:
-        parent.add_argument("--json", action="store_true", help="machine-readable output")
-    return parent
+from sparsekv.cli import CliParser, UsageError
 
 
 def _instance_args(p: argparse.ArgumentParser) -> None:
@@ -80,18 +36,14 @@ def _instance_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``jit`` subcommands to ``parser``."""
-    if type(parser) is argparse.ArgumentParser:
-        parser.__class__ = _Parser  # one-line usage errors at the `sparsekv jit` level too
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "examples:\n  " + "\n  ".join(EXAMPLES[k].split("\n")[0] for k in EXAMPLES)
-    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=_Parser)
+    """Add the ``jit`` subcommands to ``parser`` (the shell adds their examples and global options)."""
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=CliParser)
 
     def add(name: str, help_text: str, json_flag: bool = True) -> argparse.ArgumentParser:
-        # "resolve": the top-level `sparsekv` parser may add its own -v/--debug to every subcommand.
-        return sub.add_parser(name, help=help_text, description=help_text, parents=[_common(json_flag)],
-                              epilog=f"examples:\n  {EXAMPLES[name]}", conflict_handler="resolve",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        action = sub.add_parser(name, help=help_text, description=help_text)
+        if json_flag:
+            action.add_argument("--json", action="store_true", help="machine-readable output")
+        return action
 
     add("list", "every registered module instance and where it is cached")
     build = add("build", "prebuild modules ahead of time (for strict-mode serving, images, air-gapped sites)")
@@ -640,53 +592,9 @@ ACTIONS = {"list": _list, "build": _build, "info": _info, "clean": _clean, "veri
            "doctor": _doctor, "explain-key": _explain, "export": _export, "import": _import}
 
 
-def _configure_logging(args) -> None:
-    """``-v``/``--debug``/``SPARSEKV_JIT_VERBOSE=1``/``SPARSEKV_LOG_LEVEL``: show the ``sparsekv.jit``
-    logger on stderr (only it: the CLI never configures the root logger)."""
-    verbose, debug = getattr(args, "verbose", 0), getattr(args, "debug", False)
-    level = logging.DEBUG if debug else logging.INFO if verbose or env.verbose_build() else None
-    if level is None and env.log_level():
-        level = logging.getLevelName(env.log_level().upper())
-        if not isinstance(level, int):
-            raise ValueError(f"sparsekv: SPARSEKV_LOG_LEVEL={env.log_level()!r} is not a level; use DEBUG, INFO, "
-                             f"WARNING or ERROR")
-    if level is None or logger.handlers or logging.getLogger("sparsekv").handlers:
-        if level is not None:
-            logger.setLevel(level)
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level)
-    logger.propagate = False
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run one ``sparsekv jit`` subcommand; returns the exit status (see the module docstring)."""
-    # Every failure of ours is one of these (JitCompileError, ToolchainError, BundleError... are RuntimeErrors;
-    # CacheSecurityError and CacheUnwritableError are PermissionErrors). A ValueError is a bad value
-    # given on the command line or in a SPARSEKV_* variable: a usage error.
-    debug = getattr(args, "debug", False)
+    """Run one ``sparsekv jit`` subcommand; returns the exit status (errors: see the module docstring)."""
     try:
-        _configure_logging(args)
-        status = ACTIONS[args.action](args)
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly; point stdout at /dev/null so the interpreter's
-        # final flush does not complain either.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        sys.stderr.write("sparsekv jit: interrupted\n")
-        return 130
-    except (UsageError, ValueError) as exc:
-        if debug:
-            traceback.print_exc()
-        sys.stderr.write(f"sparsekv jit {args.action}: error: {str(exc).removeprefix('sparsekv: ')}\n")
-        return 2
-    except (RuntimeError, OSError) as exc:
-        if debug:
-            traceback.print_exc()
-        sys.stderr.write(f"sparsekv jit {args.action}: error: {str(exc).removeprefix('sparsekv: ')}\n")
-        return 1
+        return ACTIONS[args.action](args)
+    except ValueError as exc:  # a bad value of the user's, named by the library's message
+        raise UsageError(str(exc)) from exc

@@ -10,8 +10,9 @@ document (``--json`` prints it) and the human breakdown written from that docume
 every setting named as the user wrote it (a flag, or a case field).
 
 Exit codes: 0 planned; 1 the budget cannot hold a valid plan (``{"error", "message", "fixes"}`` on
-stdout with ``--json``, the message on stderr); 2 malformed input (the message names the flag or
-the case field). Nothing the user types produces a traceback.
+stdout with ``--json``, the message on stderr); 2 malformed input (a :class:`~sparsekv.cli.UsageError`
+for the shell: the message names the flag or the case field). Nothing the user types produces a
+traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from sparsekv.cli import UsageError
 from sparsekv.kv_layout import DSV4_PAGE_SIZES
 from sparsekv.srt.model_executor import cases as shipped_cases
 from sparsekv.srt.model_executor.memory_case import LIMITS, MemoryCase, parse_case
@@ -59,7 +61,7 @@ FLAG_OF = {
 MAX_MESSAGE_CHARS = 400
 
 
-class CaseError(Exception):
+class CaseError(UsageError):
     """A malformed case or command line (exit code 2); the message names the flag or field."""
 
 
@@ -258,8 +260,7 @@ def run(args: argparse.Namespace) -> int:
         configurators = case.configurators()
     except (CaseError, TypeError, ValueError, RecursionError) as e:
         message = str(e) if isinstance(e, CaseError) else name_flags(str(e), FLAG_OF) if args.case is None else str(e)
-        print(f"{PROG}: error: {_short(message)}", file=sys.stderr)
-        return 2
+        raise UsageError(_short(message)) from None
     try:
         plan, error = case.plan(configurators), None
     except (ValueError, RuntimeError) as e:

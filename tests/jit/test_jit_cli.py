@@ -27,7 +27,7 @@ def jit(*args: str, cache_dir: Path, **extra_env) -> subprocess.CompletedProcess
                           timeout=600)
 
 
-@pytest.mark.parametrize("action", sorted(cli.EXAMPLES))
+@pytest.mark.parametrize("action", sorted(cli.ACTIONS))
 def test_every_subcommand_has_help_with_an_example(action, tmp_path):
     done = jit(action, "--help", cache_dir=tmp_path)
     assert done.returncode == 0
@@ -88,7 +88,8 @@ def test_a_compile_error_is_the_compiler_message_without_a_traceback_unless_debu
     flags = {"SPARSEKV_EXTRA_CFLAGS": "-include sparsekv_no_such_header.h"}
     done = jit("build", "--instance", "gather_rows:index_dtype=int64", cache_dir=tmp_path, **flags)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.startswith("sparsekv jit build: error: compiling gather_rows<int64_t> (cpu) failed")
+    assert done.stderr.startswith("sparsekv jit build: error: JitCompileError: compiling gather_rows<int64_t> (cpu) "
+                                  "failed")
     assert "sparsekv_no_such_header.h: No such file or directory" in done.stderr
     assert "Hint: a header was not found" in done.stderr and "Reproduce with:" in done.stderr
     debug = jit("build", "--debug", "--instance", "gather_rows:index_dtype=int64", cache_dir=tmp_path, **flags)
@@ -156,8 +157,8 @@ def test_verbose_env_shows_one_line_per_compile_in_a_library_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "compiled" in line]
-    assert len(lines) == 1 and re.fullmatch(r"sparsekv\.jit: JIT: compiled gather_rows<int32_t> \(cpu\) in [0-9.]+ s",
-                                            lines[0])
+    compiled = r"sparsekv\.jit INFO: JIT: compiled gather_rows<int32_t> \(cpu\) in [0-9.]+ s"
+    assert len(lines) == 1 and re.fullmatch(compiled, lines[0])
     assert "-shared module.cpp" in done.stderr  # and the command line
     env.pop("SPARSEKV_JIT_VERBOSE")
     again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
