@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 import zlib
@@ -563,7 +562,8 @@ def run(args: argparse.Namespace) -> int:
     Raises
     ------
     UsageError
-        ``--pp-size`` above ``--layers`` (every stage holds at least one layer).
+        ``--pp-size`` above ``--layers`` (every stage holds at least one layer), or ``--engine``'s
+        package is not installed.
     """
     if args.pp_size > args.layers:
         raise UsageError(f"--pp-size {args.pp_size}: more prefill stages than --layers {args.layers}")
@@ -573,8 +573,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         load_engine(args.engine)
     except ImportError as e:
-        print(f"pd-demo --engine {args.engine}: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--engine {args.engine}: {e}") from None
     base = DemoSpec(num_layers=args.layers, pp_size=args.pp_size, budget_mib=args.budget_mib,
                     seq_lens=tuple(args.seq_lens), seed=args.seed,
                     timeout_s=args.timeout, kill_decode_after=args.kill_decode_after,
