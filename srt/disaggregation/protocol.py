@@ -14,12 +14,15 @@ of :mod:`.messages` that its wire value must pass, and its default when a peer m
     decode -> prefill   Bye        (nothing more will be asked)
 
 Besides these, each batch of writes carries a :class:`Notification` through the transfer engine,
-which the engine delivers after the batch's data.
+which the engine delivers after the batch's data. A decode that says ``notified`` in its hello
+completes a room from its notifications alone: the prefill then sends a ``Status`` only when a
+room fails (or has nothing to write), and batch 0's notification carries the room's digests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -90,6 +93,8 @@ class Hello(Message):
     session: str = _wire(text, default="")  # echoed in every notification to this decode
     checksums: bool = _wire(boolean, default=False)  # report region digests with each room's status
     secret: str | None = _wire(optional_text, default=None)  # the deployment's shared secret
+    #: Report a room's success by its notifications alone (digests in batch 0's): no success status.
+    notified: bool = _wire(boolean, default=False)
 
 
 @dataclass(frozen=True)
@@ -173,16 +178,20 @@ def decode(message: dict, *expected: type[Message]) -> Message:
 class Notification(NamedTuple):
     """What each batch of a room's writes carries through the engine: ``b"<session>:<stage port>:
     <room>:<batch>:<batches>"`` (``session``: the decode's id from its hello, so no other
-    deployment's notification counts)."""
+    deployment's notification counts), then, for a decode that completes rooms from their
+    notifications (``Hello.notified``), a newline and the room's region digests as a JSON object
+    (batch 0's only; ``{}`` without checksums)."""
 
     session: str
     port: int
     room: int
     batch: int
     batches: int
+    digests: dict[str, str] | None = None
 
     def encode(self) -> bytes:
-        return f"{self.session}:{self.port}:{self.room}:{self.batch}:{self.batches}".encode()
+        head = f"{self.session}:{self.port}:{self.room}:{self.batch}:{self.batches}"
+        return (head if self.digests is None else f"{head}\n{json.dumps(self.digests)}").encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Notification:
@@ -194,8 +203,10 @@ class Notification(NamedTuple):
             ``data`` is not one.
         """
         try:
-            session, *fields = data.decode().split(":")
+            head, *tail = data.decode().split("\n", 1)
+            session, *fields = head.split(":")
             port, room, batch, batches = (int(x) for x in fields)
-        except (UnicodeDecodeError, ValueError):
+            digests = named_texts(json.loads(tail[0]), "digests") if tail else None
+        except (UnicodeDecodeError, ValueError, RecursionError):  # ProtocolError is a ValueError
             raise ProtocolError(f"sparsekv: not a room notification: {data[:80]!r}") from None
-        return cls(session, port, room, batch, batches)
+        return cls(session, port, room, batch, batches, digests)

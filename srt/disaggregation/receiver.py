@@ -7,6 +7,16 @@ data) *and*, with ``checksums`` (the default), every region's digest equals that
 received; a mismatch fails the room naming the regions. Every wait is bounded; a prefill that dies
 mid-transfer fails the room within the bound.
 
+How a stage's success is learnt is one argument, ``completion``:
+
+* ``"status"`` (the default): the stage's :class:`~.protocol.Status` message on the bootstrap
+  connection (with the batch count and digests), then the notifications; :meth:`KVReceiver.wait`
+  sleeps until the status arrives and only then polls the engine;
+* ``"notifications"``: the notifications alone (each names its room's batch count, batch 0's
+  carries the digests), no status round trip; a stage still sends a status when a room fails.
+  The engine only offers polling for notifications (NIXL's ``get_notifs``), so
+  :meth:`KVReceiver.wait` polls it from the request on.
+
 Lifecycle: ``KVReceiver(kv_args, backend, addresses)`` registers, connects and checks the
 manifests (raising :class:`~.manifest.ManifestMismatchError` on both sides); ``close()`` says
 goodbye and releases everything.
@@ -41,6 +51,9 @@ from sparsekv.srt.disaggregation.room import RoomState, RoomStatus, RoomTable
 
 logger = logging.getLogger(__name__)
 
+#: How a stage's success is learnt (:class:`KVReceiver`'s ``completion``), the first the default.
+COMPLETIONS = ("status", "notifications")
+
 
 @dataclass
 class _Stage:
@@ -58,6 +71,8 @@ class _Arrival:
     request: Transfer
     statuses: dict[int, Status] = field(default_factory=dict)  # stage index -> its status
     notifs: dict[int, set[int]] = field(default_factory=dict)  # stage index -> batches notified
+    notified_batches: dict[int, int] = field(default_factory=dict)  # stage index -> batches its notifs name
+    notified_digests: dict[int, dict[str, str]] = field(default_factory=dict)  # stage index -> batch 0's digests
     state: RoomState = RoomState.REQUESTED
     error: str = ""
 
@@ -90,6 +105,8 @@ class KVReceiver:
     checksums : bool
         Verify every host region of every room against the digest its stage computed before
         sending (:mod:`.integrity`); a mismatch fails the room. On by default.
+    completion : str
+        How a stage's success is learnt: ``"status"`` or ``"notifications"`` (see the module docstring).
 
     Raises
     ------
@@ -102,7 +119,10 @@ class KVReceiver:
 
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, bootstrap_addresses: list[tuple[str, int]], *,
                  timeout_s: float = 30.0, deadlines: Deadlines | None = None, history: int = 4096,
-                 secret: str | None = None, checksums: bool = True) -> None:
+                 secret: str | None = None, checksums: bool = True, completion: str = "status") -> None:
+        if completion not in COMPLETIONS:
+            raise ValueError(f"sparsekv: argument `completion` must be one of {COMPLETIONS}, got {completion!r}")
+        self.notified = completion == "notifications"
         self._rooms: RoomTable[_Arrival] = RoomTable(history)
         self.deadlines = deadlines if deadlines is not None else Deadlines.uniform(timeout_s)
         self.secret = secret
@@ -136,7 +156,7 @@ class KVReceiver:
         ch = Channel.connect(address, self.deadlines.handshake_s)
         try:
             ch.send(Hello(b64(self.backend.descriptor()), self.manifest.to_dict(), self.session, self.checksums,
-                          self.secret).encode())
+                          self.secret, self.notified).encode())
             reply = decode(ch.recv(self.deadlines.handshake_s), Welcome, Refused)
             if isinstance(reply, Refused):
                 raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} refused this "
@@ -231,6 +251,9 @@ class KVReceiver:
                     arrival = self._rooms.get(notif.room)
                     if stage is not None and arrival is not None and not arrival.state.finished:
                         arrival.notifs.setdefault(stage, set()).add(notif.batch)
+                        arrival.notified_batches[stage] = notif.batches
+                        if notif.digests is not None:
+                            arrival.notified_digests[stage] = notif.digests
 
     def poll(self, room: int) -> tuple[RoomStatus, str]:
         """``(status, error)`` of a requested room, without waiting."""
@@ -246,7 +269,8 @@ class KVReceiver:
                 return self._finish(room, arrival, failure)
             if not self._arrived(arrival):
                 return RoomStatus.PENDING, ""
-            expected = [arrival.statuses[i].digests for i in range(len(self._stages))]
+            expected = [arrival.statuses[i].digests if i in arrival.statuses else arrival.notified_digests[i]
+                        for i in range(len(self._stages))]
         # Every byte is there: hash what arrived outside the lock (the stages' statuses and
         # notifications of other rooms keep coming in meanwhile).
         error = self._verify(arrival.request, expected)
@@ -263,6 +287,8 @@ class KVReceiver:
         self._rooms.advance(room, RoomState.FAILED if error else RoomState.SUCCESS)
         arrival.statuses.clear()
         arrival.notifs.clear()
+        arrival.notified_batches.clear()
+        arrival.notified_digests.clear()
         return arrival.outcome
 
     def _verify(self, request: Transfer, expected_per_stage: list[dict[str, str]]) -> str:
@@ -295,9 +321,17 @@ class KVReceiver:
         return ""
 
     def _arrived(self, arrival: _Arrival) -> bool:
-        """Whether every stage reported success and every batch's notification is in (caller holds ``_cond``)."""
-        return all(i in arrival.statuses and len(arrival.notifs.get(i, ())) >= arrival.statuses[i].batches
-                   for i in range(len(self._stages)))
+        """Whether every stage's batches all notified their arrival, and the stage reported success
+        (or, with ``completion="notifications"``, batch 0's notification brought the digests)
+        (caller holds ``_cond``)."""
+        for i in range(len(self._stages)):
+            notified = len(arrival.notifs.get(i, ()))
+            if i in arrival.statuses:
+                if notified < arrival.statuses[i].batches:
+                    return False
+            elif not (self.notified and i in arrival.notified_digests and notified >= arrival.notified_batches[i]):
+                return False
+        return True
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
         """Wait until room ``room`` has fully arrived (at most ``timeout_s``; default: the arrival deadline).
@@ -319,6 +353,10 @@ class KVReceiver:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferError(f"sparsekv: room {room} did not arrive within {bound} s")
+            if self.notified:  # only the engine's notifications will say so: poll them
+                reported_at = reported_at or time.monotonic()
+                poll_pause(reported_at)
+                continue
             with self._cond:
                 if not self._reported(room):
                     # Block until a stage reports (or goes away) instead of polling the engine: a

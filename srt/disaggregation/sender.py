@@ -8,7 +8,9 @@ on its bootstrap connection). The sender then
 2. posts the writes in batches of at most ``max_batch_rows`` rows, ``max_inflight`` at a time,
    each batch carrying a :class:`~.protocol.Notification` that the engine delivers after its data;
 3. reports the room's :class:`~.protocol.Status` on the bootstrap connection, with a digest of
-   every host region it sent when the decode asked for them (:mod:`.integrity`).
+   every host region it sent when the decode asked for them (:mod:`.integrity`); to a decode that
+   completes rooms from their notifications (``completion="notifications"``) only a failure, the
+   digests riding on batch 0's notification instead.
 
 Per decode connection one thread reads and plans the next room while another posts the previous
 one's writes. Peer input is untrusted (:mod:`.protocol`): a bad message gets one refusal on its
@@ -62,6 +64,7 @@ class _Session(NamedTuple):
 
     id: str  # the decode's session id, echoed in every notification to it
     checksums: bool  # report region digests with each room's status
+    notified: bool  # the decode completes rooms from their notifications: no success status
 
 
 @dataclass
@@ -353,7 +356,7 @@ class KVSender:
                 logger.error("decode connection lost after the handshake")
                 return
             self._serve_rooms(ch, peer, RoomPlanner(self.manifest, remote, self.kv_args),
-                              _Session(hello.session, hello.checksums))
+                              _Session(hello.session, hello.checksums, hello.notified))
         finally:
             ch.close()
             if peer is not None:
@@ -452,7 +455,7 @@ class KVSender:
                                      f"digested: {e}")
                 continue
             try:
-                batches, nbytes, seconds = self._write(peer, room, plan, session, hangup)
+                batches, nbytes, seconds = self._write(peer, room, plan, session, hangup, hexdigests)
             except TransferError as e:
                 self._fail(ch, room, str(e))
                 lost = str(e)
@@ -461,6 +464,8 @@ class KVSender:
             with self._cond:
                 source.nbytes, source.seconds = nbytes, seconds
             self._finish(room, RoomState.SUCCESS)
+            if session.notified and batches:  # its notifications told the decode everything
+                continue
             if not self._send(ch, Status(room, ok=True, batches=batches, bytes=nbytes, digests=hexdigests)):
                 lost = "sparsekv: the decode side went away"
 
@@ -469,8 +474,8 @@ class KVSender:
         self._finish(room, RoomState.FAILED, error)
         self._send(ch, Status(room, ok=False, error=error))
 
-    def _write(self, peer: str, room: int, plan: Plan, session: _Session,
-               hangup: threading.Event) -> tuple[int, int, float]:
+    def _write(self, peer: str, room: int, plan: Plan, session: _Session, hangup: threading.Event,
+               hexdigests: dict[str, str]) -> tuple[int, int, float]:
         batches = plan_batches(plan, self.max_batch_rows)
         n = len(batches)
         nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
@@ -487,7 +492,8 @@ class KVSender:
                     done += 1
                     if self.progress is not None:
                         self.progress(room, done, n)
-                notif = Notification(session.id, self.address[1], room, i, n).encode()
+                digests = hexdigests if session.notified and i == 0 else None
+                notif = Notification(session.id, self.address[1], room, i, n, digests).encode()
                 inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind, notif=notif))
             while inflight:
                 self._wait_one(hangup, inflight.pop(0), deadline)

@@ -60,15 +60,18 @@ def regions(args) -> list[tuple[str, np.ndarray, int]]:
 @pytest.fixture
 def linked(request):
     """A sender and a receiver connected over NIXL, their pools filled with different random bytes
-    (``@pytest.mark.parametrize("linked", [history], indirect=True)`` bounds both histories)."""
-    history = getattr(request, "param", 4096)
+    (``@pytest.mark.parametrize("linked", [{"history": 3}], indirect=True)`` bounds both histories,
+    ``{"completion": ...}`` says how the receiver learns a success)."""
+    options = getattr(request, "param", {})
+    history, completion = options.get("history", 4096), options.get("completion", "status")
     prefill, decode = kv_args_of(dsv4_pool()), kv_args_of(dsv4_pool())
     fill_regions(prefill, seed=1)
     fill_regions(decode, seed=2)
     sender = KVSender(prefill, NixlBackend(net_devices="lo"), timeout_s=20, max_batch_rows=3, max_inflight=2,
                       history=history)
     try:
-        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20, history=history)
+        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20, history=history,
+                              completion=completion)
     except BaseException:
         sender.close()
         raise
@@ -78,6 +81,8 @@ def linked(request):
 
 
 @needs_nixl
+@pytest.mark.parametrize("linked", [{"completion": "status"}, {"completion": "notifications"}], indirect=True,
+                         ids=["status", "notifications"])
 def test_rooms_requested_at_once_arrive_byte_for_byte(linked):
     sender, receiver = linked
     source = {label: arr.copy() for label, arr, _ in regions(sender.kv_args)}
@@ -100,6 +105,8 @@ def test_rooms_requested_at_once_arrive_byte_for_byte(linked):
 
 
 @needs_nixl
+@pytest.mark.parametrize("linked", [{"completion": "status"}, {"completion": "notifications"}], indirect=True,
+                         ids=["status", "notifications"])
 def test_a_room_asked_for_twice_is_refused_the_second_time(linked):
     sender, receiver = linked
     src_kv, src_states, dst_kv, dst_states = room_indices(1)
@@ -114,7 +121,7 @@ def test_a_room_asked_for_twice_is_refused_the_second_time(linked):
 
 
 @needs_nixl
-@pytest.mark.parametrize("linked", [3], indirect=True)
+@pytest.mark.parametrize("linked", [{"history": 3}], indirect=True)
 def test_finished_rooms_beyond_the_history_are_forgotten(linked):
     sender, receiver = linked
     src_kv, src_states, dst_kv, dst_states = room_indices(1)
@@ -137,6 +144,8 @@ def test_a_history_below_one_is_refused():
         KVReceiver(_ARGS, None, [], history=0)
     with pytest.raises(ValueError, match="history"):
         KVSender(_ARGS, None, history=0)
+    with pytest.raises(ValueError, match="completion"):
+        KVReceiver(_ARGS, None, [], completion="psychic")
 
 
 _ARGS = kv_args_of(dsv4_pool())

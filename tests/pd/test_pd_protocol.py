@@ -261,15 +261,16 @@ class CorruptingBackend(NixlBackend):
 
 
 @needs_nixl
+@pytest.mark.parametrize("completion", ["status", "notifications"])
 @pytest.mark.parametrize("checksums", [True, False])
-def test_bytes_that_differ_from_what_was_sent_fail_the_room(checksums):
+def test_bytes_that_differ_from_what_was_sent_fail_the_room(checksums, completion):
     prefill, decode = kv_args_of(dsv4_pool()), kv_args_of(dsv4_pool())
     fill_regions(prefill, seed=1)
     fill_regions(decode, seed=2)
     sender = KVSender(prefill, CorruptingBackend(net_devices="lo"), timeout_s=10)
     try:
         receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=10,
-                              checksums=checksums)
+                              checksums=checksums, completion=completion)
         try:
             src_kv, src_states, dst_kv, dst_states = room_indices(1)
             sender.add_request(1, src_kv, src_states)

@@ -76,7 +76,7 @@ def test_the_table_remembers_live_rooms_and_the_last_finished_ones(ops, history)
 
 messages = st.one_of(
     st.builds(Hello, st.text(max_size=8), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-              st.text(max_size=8), st.booleans(), st.none() | st.text(max_size=8)),
+              st.text(max_size=8), st.booleans(), st.none() | st.text(max_size=8), st.booleans()),
     st.builds(Welcome, st.text(max_size=8), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)),
     st.builds(Refused, st.text(max_size=8)),
     st.builds(Transfer, st.integers(0, 2**63 - 1), st.lists(st.integers(0, 99), max_size=4),
@@ -107,9 +107,10 @@ def test_decode_names_an_unknown_or_unexpected_op_and_a_bad_field():
 
 
 def test_a_notification_round_trips_and_refuses_anything_else():
-    n = Notification("abc", 5000, 7, 2, 3)
-    assert Notification.decode(n.encode()) == n
-    for bad in (b"abc:1:2:3", b"abc:1:2:3:x", b"\xff:1:2:3:4"):
+    for digests in (None, {}, {"c4_kv:5": "00ff", "state:1": "12"}):
+        n = Notification("abc", 5000, 7, 0, 3, digests)
+        assert Notification.decode(n.encode()) == n
+    for bad in (b"abc:1:2:3", b"abc:1:2:3:x", b"\xff:1:2:3:4", b"abc:1:2:3:4\n[1]", b'abc:1:2:3:4\n{"a": 1}'):
         with pytest.raises(ProtocolError, match="not a room notification"):
             Notification.decode(bad)
 
