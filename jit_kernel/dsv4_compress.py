@@ -26,6 +26,7 @@ from sparsekv import env
 from sparsekv.jit_kernel.arguments import int_arg
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.triton import resolve_impl
 
 RATIOS = (4, 128)
 
@@ -62,7 +63,7 @@ def window(ratio: int) -> int:
 
 
 def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """Every complete compressed entry of one sequence, before any norm.
 
     Parameters
@@ -75,6 +76,10 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
         4 or 128.
     out : torch.Tensor, optional
         float32 ``[T // ratio, d]``, contiguous, to write (default: a new tensor).
+    impl : {"auto", "header", "triton"}
+        ``"header"``: ``csrc/dsv4_compress.cuh`` on the cpu or cuda backend; ``"triton"``: the Triton
+        twin (:mod:`sparsekv.jit_kernel.triton.dsv4_compress`), on a GPU or, on CPU tensors, under
+        ``TRITON_INTERPRET=1``; ``"auto"``: the header (see the README's ``impl`` table).
 
     Returns
     -------
@@ -84,22 +89,29 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     Raises
     ------
     ValueError
-        ``ratio`` not 4 or 128; shapes that disagree.
+        ``ratio`` not 4 or 128; shapes that disagree; an unknown ``impl``, or ``"triton"`` where it cannot run.
     TypeError
         A dtype other than float32.
     """
     ratio = int_arg("ratio", ratio)
+    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
     if out is None:
         coff = 2 if ratio == 4 else 1
         out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, kv.shape[-1] // coff,
                           dtype=torch.float32, device=kv.device)
-    _compress_pool(kv, score, ape, ratio, out)
+    _compress_pool(kv, score, ape, ratio, out, impl)
     return out
 
 
 @kernel_op("compress_pool", mutates_args=("out",))
-def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, out: torch.Tensor) -> None:
+def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, out: torch.Tensor,
+                   impl: str) -> None:
     check_ratio(ratio)
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_compress as triton_compress
+
+        triton_compress.compress_pool(kv, score, ape, ratio, out)
+        return
     DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out, torch.get_num_threads())
 
 

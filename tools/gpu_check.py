@@ -67,7 +67,8 @@ SANITIZER_CASES = {
     "dsv4_quant": "tests/kernels/test_dsv4_quant.py::test_edge_blocks_hit_exact_scales",
     "dsv4_compress": "tests/kernels/test_dsv4_compress.py::test_c4_entry_zero_uses_only_the_b_halves",
     "dsv4_store": "tests/kernels/test_dsv4_store.py::test_streamed_entries_store_the_one_shot_cache_bytes",
-    "dsv4_compress_store": "tests/kernels/test_dsv4_compress_store.py::test_fused_store_with_a_bad_slot_changes_nothing",
+    "dsv4_compress_store":
+        "tests/kernels/test_dsv4_compress_store.py::test_fused_store_with_a_bad_slot_changes_nothing",
     "dsv4_indexer": "tests/kernels/test_dsv4_indexer.py::test_ties_at_the_threshold_go_to_the_lower_positions",
     "dsv4_attention": "tests/kernels/test_dsv4_attention.py::test_a_slot_listed_twice_counts_twice",
     "hisparse": "tests/kernels/test_hisparse.py::test_hits_newest_and_lru_then_misses_take_lru_slots",

@@ -27,7 +27,7 @@ from pathlib import Path
 __all__ = ["AotKernel", "TRITON_MODULES", "aot_kernels", "build", "cubin_registers"]
 
 #: Modules (under ``sparsekv.jit_kernel.triton``) whose ``AOT_KERNELS`` are compiled.
-TRITON_MODULES = ("dsv4_attention", "dsv4_indexer", "dsv4_quant")
+TRITON_MODULES = ("dsv4_attention", "dsv4_compress", "dsv4_indexer", "dsv4_quant")
 _SUBDIR = ".triton"
 
 
@@ -48,6 +48,8 @@ class AotKernel:
     num_warps : int
     aligned : tuple
         Pointer arguments assumed 16-byte aligned (what the JIT specializes on for torch allocations).
+    options : dict
+        Further compile options the launcher passes (e.g. ``enable_fp_fusion=False``).
     """
 
     name: str
@@ -56,6 +58,7 @@ class AotKernel:
     constexprs: dict
     num_warps: int = 4
     aligned: tuple = field(default=())
+    options: dict = field(default_factory=dict)
 
 
 def aot_kernels() -> list[AotKernel]:
@@ -73,12 +76,14 @@ def _capability(arch: str) -> int:
 
 
 def cache_key(kernel: AotKernel, arch: str) -> str:
-    """sha256 over everything that changes the binary: source, signature, constexprs, warps, arch, triton."""
+    """sha256 over everything that changes the binary: source, signature, constexprs, warps, options, arch, triton."""
     import triton
 
     doc = {"kernel": kernel.name, "source": kernel.fn.cache_key, "signature": kernel.signature,
            "constexprs": {k: repr(v) for k, v in sorted(kernel.constexprs.items())}, "num_warps": kernel.num_warps,
            "aligned": list(kernel.aligned), "arch": arch, "triton": triton.__version__}
+    if kernel.options:  # absent when empty: the keys of kernels without options stay what they were
+        doc["options"] = {k: repr(v) for k, v in sorted(kernel.options.items())}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -123,7 +128,7 @@ def _compile(kernel: AotKernel, arch: str):
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in kernel.aligned}
     source = ASTSource(kernel.fn, kernel.signature, constexprs=kernel.constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", _capability(arch), 32),
-                          options={"num_warps": kernel.num_warps, "num_stages": 1})
+                          options={"num_warps": kernel.num_warps, "num_stages": 1, **kernel.options})
 
 
 def build(kernel: AotKernel, arch: str, root: Path) -> dict:

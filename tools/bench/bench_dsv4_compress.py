@@ -5,6 +5,11 @@ repeats, else 7), ratio 4 and 128: ``compress_pool`` (our kernel) vs the float32
 (``compress_pool_reference(..., dtype=float32)``: windows by reshape, ``softmax``, weighted sum).
 The compressor fused with the store is ``bench_dsv4_compress_store``.
 
+Each row also times the Triton twin (``impl="triton"``, checked against the header's entries
+first): on the GPU with CUDA events (``triton_ms``); on the cpu backend under the Triton interpreter
+(``TRITON_INTERPRET=1``, set here before triton is imported), which is NOT speed, one sample over the
+first 256 tokens of the 4k cases (``triton_interpreted_ms``).
+
 On paper, per raw token, the GPU kernel reads ``2 * coff * d * 4`` B (fp32 ``kv`` and ``score``,
 coff = 2 for C4; each token is read once, C4's overlapping A halves come from L2) and writes
 ``4 d / ratio`` B of float entries. Each row reports the bytes and the implied H200 time at 4.8 TB/s
@@ -15,12 +20,15 @@ Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4 import compress_pool
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, timer
+from sparsekv.testing.bench import kernel_sweep, time_call, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 
 D = 512
@@ -28,6 +36,7 @@ H200_HBM_BYTES_PER_S = 4.8e12
 H100_HBM_BYTES_PER_S = 3.35e12
 CASES = tuple((t, ratio) for t in (4096, 65536) for ratio in (4, 128))
 QUICK_CASES = ((4096, 4), (4096, 128))
+INTERPRETED_TOKENS = 256
 
 
 def _inputs(t: int, ratio: int, device: torch.device):
@@ -51,16 +60,30 @@ def _paper(t: int, ratio: int) -> dict:
 def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     kv, score, ape = _inputs(t, ratio, device_of(backend))
     time_it = timer(backend)
-    ours = time_it(lambda: compress_pool(kv, score, ape, ratio), repeats=repeats)
+    ours = time_it(lambda: compress_pool(kv, score, ape, ratio, impl="header"), repeats=repeats)
     base = time_it(lambda: compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32), repeats=repeats)
-    return {"case": f"pool C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
-            "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+    row = {"case": f"pool C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
+           "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+    if backend == "cpu":  # the twin runs on CPU tensors only under the interpreter, read when triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if t > 4096:
+            return row
+        # Over a minute per call at 4k tokens: the first INTERPRETED_TOKENS, one sample, not speed.
+        kv, score = kv[:INTERPRETED_TOKENS], score[:INTERPRETED_TOKENS]
+    triton = functools.partial(compress_pool, kv, score, ape, ratio, impl="triton")
+    torch.testing.assert_close(triton(), compress_pool(kv, score, ape, ratio, impl="header"), atol=1e-5, rtol=1e-5)
+    if backend == "cpu":
+        return dict(row, triton_interpreted_ms=time_call(triton, repeats=1, warmup=0, min_time_s=0.0).median_s * 1e3)
+    return dict(row, triton_ms=time_it(triton, repeats=repeats).median_s * 1e3)
 
 
 def main() -> None:
     kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_compress compress_pool (d=512)",
                  baseline="float32 torch reference", cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
-                 notes=dict(h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S),
+                 notes=dict(h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S,
+                            triton_timing=f"cuda backend: triton_ms, CUDA events; cpu backend: "
+                                          f"triton_interpreted_ms, the Triton interpreter on the first "
+                                          f"{INTERPRETED_TOKENS} tokens of the 4k cases, one sample, NOT speed"),
                  plot=dict(label_key="case", value_keys=("speedup",), ylabel="speedup over float32 torch"),
                  threaded=True)
 
