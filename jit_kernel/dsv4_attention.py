@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.arguments import float_arg, int_arg
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.checks import as_float, as_int, one_of
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import page_shift
@@ -56,7 +56,7 @@ ATTENTION = register(
         exports={"sparse_decode_attention": "sparsekv::dsv4_attention::sparse_decode_attention"},
         kernels=("sparsekv::dsv4_attention::Partial", "sparsekv::dsv4_attention::Combine"),
         params=("q_dtype",),
-        complete=lambda *, q_dtype: (_Q_TYPES[check_choice("dsv4_attention", "q_dtype", q_dtype, _Q_TYPES)],),
+        complete=lambda *, q_dtype: (_Q_TYPES[one_of(q_dtype, "q_dtype", _Q_TYPES, owner="dsv4_attention")],),
         instances=tuple({"q_dtype": dtype} for dtype in _Q_TYPES),
     )
 )
@@ -231,11 +231,11 @@ def sparse_decode_attention(
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
     impl = resolve_impl(impl, q.device, auto_triton_on_cuda=True)
-    page_size = int_arg("page_size", page_size)
-    softmax_scale = float_arg("softmax_scale", softmax_scale)
-    extra_page_size = -1 if extra_page_size is None else int_arg("extra_page_size", extra_page_size)
+    page_size = as_int(page_size, "page_size")
+    softmax_scale = as_float(softmax_scale, "softmax_scale")
+    extra_page_size = -1 if extra_page_size is None else as_int(extra_page_size, "extra_page_size")
     if num_splits is not None:
-        num_splits = int_arg("num_splits", num_splits)
+        num_splits = as_int(num_splits, "num_splits")
     batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
     entries = _entries(indices, extra_indices)
     if num_splits is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.arguments import int_arg
+from sparsekv.checks import as_int
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -51,7 +51,7 @@ DSV4_COMPRESS = register(
 
 def check_ratio(ratio: int) -> int:
     """``ratio`` if it is 4 or 128, else TypeError (not an int) or ValueError naming ``ratio``."""
-    ratio = int_arg("ratio", ratio)
+    ratio = as_int(ratio, "ratio")
     if ratio not in RATIOS:
         raise ValueError(f"sparsekv: argument `ratio` must be 4 or 128, got {ratio!r}")
     return ratio
@@ -93,7 +93,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     TypeError
         A dtype other than float32.
     """
-    ratio = int_arg("ratio", ratio)
+    ratio = as_int(ratio, "ratio")
     impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
     if out is None:
         coff = 2 if ratio == 4 else 1
@@ -243,7 +243,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
     :func:`~sparsekv.jit_kernel.dsv4_compress_store.compress_decode_step` documents the arguments and
     results; it is this step, or this step fused with the store when given one.
     """
-    ratio = int_arg("ratio", ratio)
+    ratio = as_int(ratio, "ratio")
     out, emitted = decode_outputs(kv, ratio, out, emitted)
     _compress_decode(kv, score, ape, ratio, state, state_rows, positions, out, emitted)
     return out, emitted

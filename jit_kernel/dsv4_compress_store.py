@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.arguments import int_arg
+from sparsekv.checks import as_int
 from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
@@ -138,7 +138,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         A negative position, a ring row outside ``state``, or a stored slot outside the cache
         (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
     """
-    ratio = int_arg("ratio", ratio)
+    ratio = as_int(ratio, "ratio")
     out, emitted = decode_outputs(kv, ratio, out, emitted)
     if store is None and entry_slots is None:
         return compress_decode(kv, score, ape, ratio, state, state_rows, positions, out=out, emitted=emitted)

@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.arguments import int_arg
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.checks import as_int, one_of
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import page_shift
@@ -77,8 +77,8 @@ INDEXER = register(
         kernels=("sparsekv::dsv4_indexer::IndexerScores",),
         params=("layout", "q_dtype"),
         complete=lambda *, layout, q_dtype: (
-            INDEXER_LAYOUTS[check_choice("dsv4_indexer", "layout", layout, INDEXER_LAYOUTS)].cpp_type,
-            _Q_TYPES[check_choice("dsv4_indexer", "q_dtype", q_dtype, _Q_TYPES)]),
+            INDEXER_LAYOUTS[one_of(layout, "layout", INDEXER_LAYOUTS, owner="dsv4_indexer")].cpp_type,
+            _Q_TYPES[one_of(q_dtype, "q_dtype", _Q_TYPES, owner="dsv4_indexer")]),
         instances=tuple({"layout": layout, "q_dtype": dtype} for layout in INDEXER_LAYOUTS for dtype in _Q_TYPES),
     )
 )
@@ -212,7 +212,7 @@ def indexer_scores(
         A page holding visible entries outside the cache (host-readable tables; the kernel scores
         such entries -inf otherwise).
     """
-    page_size = int_arg("page_size", page_size)
+    page_size = as_int(page_size, "page_size")
     if out is None:  # a page size out of range gives no columns; the op body refuses it
         width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
@@ -293,7 +293,7 @@ def indexer_topk(
         A page holding visible entries that is negative or whose slots overflow int32 (host-readable
         tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
     """
-    top_k, page_size = int_arg("top_k", top_k), int_arg("page_size", page_size)
+    top_k, page_size = as_int(top_k, "top_k"), as_int(page_size, "page_size")
     k = top_k if 1 <= top_k <= _MAX_TOP_K else 0  # the op body names a bad top_k
     batch = rows_of(scores, 2)
     if out is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.arguments import int_arg
+from sparsekv.checks import as_int
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -104,7 +104,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
-    page_size = int_arg("page_size", page_size)
+    page_size = as_int(page_size, "page_size")
     _quantize(x, cache, slots, page_size, resolve_impl(impl, cache.device, auto_triton_on_cuda=False))
 
 
@@ -147,7 +147,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
     """
     if out is None:
         out = torch.empty(rows_of(slots, 1), 512, dtype=torch.float32, device=cache.device)
-    _dequantize(cache, slots, int_arg("page_size", page_size), out)
+    _dequantize(cache, slots, as_int(page_size, "page_size"), out)
     return out
 
 
@@ -204,7 +204,7 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
                         f"{type(fmt).__name__}")
     if fmt not in INDEXER_QUANTIZERS:
         raise ValueError(f"sparsekv: argument `fmt` must be one of {sorted(INDEXER_QUANTIZERS)}, got {fmt!r}")
-    _quantize_indexer(keys, cache, slots, int_arg("page_size", page_size), fmt)
+    _quantize_indexer(keys, cache, slots, as_int(page_size, "page_size"), fmt)
 
 
 @kernel_op("quantize_indexer_keys", mutates_args=("cache",))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.jit_kernel.arguments import float_arg, int_arg
+from sparsekv.checks import as_float, as_int
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
@@ -96,8 +96,8 @@ class RopeParams:
 
     def __post_init__(self) -> None:
         for name in ("theta", "factor", "beta_fast", "beta_slow"):
-            float_arg(f"rope.{name}", getattr(self, name))
-        int_arg("rope.original_max_positions", self.original_max_positions)
+            as_float(getattr(self, name), f"rope.{name}")
+        as_int(self.original_max_positions, "rope.original_max_positions")
 
     def inv_freq(self) -> torch.Tensor:
         """float32 ``[32]`` inverse frequencies ``theta^(-2i/64)``, YaRN-blended when ``factor > 1``
@@ -178,7 +178,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         A slot outside the cache, a position outside the RoPE table. Nothing is written when
         anything is raised.
     """
-    eps, page_size = float_arg("eps", eps), int_arg("page_size", page_size)
+    eps, page_size = as_float(eps, "eps"), as_int(page_size, "page_size")
     if not isinstance(rope, RopeTable):
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
@@ -224,8 +224,8 @@ class StoreTarget:
     cache_kind: str = "V4"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", float_arg("store.eps", self.eps))
-        object.__setattr__(self, "page_size", int_arg("store.page_size", self.page_size))
+        object.__setattr__(self, "eps", as_float(self.eps, "store.eps"))
+        object.__setattr__(self, "page_size", as_int(self.page_size, "store.page_size"))
         if not isinstance(self.rope, RopeTable):
             raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(n)), "
                             f"got {type(self.rope).__name__}")

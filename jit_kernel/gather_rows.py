@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.checks import one_of
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
@@ -12,7 +13,7 @@ INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
 
 def _complete(*, index_dtype: torch.dtype) -> tuple[str]:
     """Template arguments of ``GatherRows<Index>`` for an index dtype (int32 or int64)."""
-    return (INDEX_TYPES[check_choice("gather_rows", "index_dtype", index_dtype, INDEX_TYPES)],)
+    return (INDEX_TYPES[one_of(index_dtype, "index_dtype", INDEX_TYPES, owner="gather_rows")],)
 
 
 GATHER_ROWS = register(

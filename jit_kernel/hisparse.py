@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparsekv import env
+from sparsekv.checks import int_in, one_of
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, check_int, register
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
@@ -94,13 +95,13 @@ def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, 
 
 
 def _layout_type(family: str, layout: str, page_slots: int | None) -> str:
-    check_choice(family, "layout", layout, LAYOUTS)
+    one_of(layout, "layout", LAYOUTS, owner=family)
     if layout == "generic":
         if page_slots is not None:
             raise ValueError(f"sparsekv: {family} argument `page_slots` applies to layout 'dsv4' only, got "
                              f"{page_slots!r} with layout 'generic'")
         return "sparsekv::hisparse::LinearRows"
-    check_choice(family, "page_slots", page_slots, C4_PAGE_SLOTS)
+    one_of(page_slots, "page_slots", C4_PAGE_SLOTS, owner=family)
     return f"sparsekv::hisparse::Dsv4C4<{page_slots}>"
 
 
@@ -109,15 +110,16 @@ def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
     """``SwapIn<K, H, BlockSize, Layout[, ProtectRecent, ProtectNear]>`` arguments: checks the ranges,
     derives the block size, and bounds ``(K, H)`` by the shared memory the GPU path's per-request
     scratch needs. LRU (both protections 0) keeps the four-argument form."""
-    k = check_int("hisparse", "num_top_k", num_top_k, 1, _MAX_SLOTS, "int16 slot ids")
-    h = check_int("hisparse", "hot_buffer_size", hot_buffer_size, k, _MAX_SLOTS,
-                  "at least num_top_k; int16 slot ids")
+    k = int_in(num_top_k, "num_top_k", 1, _MAX_SLOTS - 1, why="int16 slot ids", owner="hisparse")
+    h = int_in(hot_buffer_size, "hot_buffer_size", k, _MAX_SLOTS - 1, why="at least num_top_k; int16 slot ids",
+               owner="hisparse")
     block = default_block_size(k) if block_size is None else block_size
     if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
         raise ValueError(f"sparsekv: hisparse argument `block_size` must be a multiple of 32 in [32, 1024], "
                          f"got {block_size!r}")
-    recent = check_int("hisparse", "protect_recent", protect_recent, 0, 1 << 30)
-    near = check_int("hisparse", "protect_near", protect_near, 0, _MAX_PROTECT_NEAR, "2 S + 1 lookups per slot")
+    recent = int_in(protect_recent, "protect_recent", 0, (1 << 30) - 1, owner="hisparse")
+    near = int_in(protect_near, "protect_near", 0, _MAX_PROTECT_NEAR - 1, why="2 S + 1 lookups per slot",
+                  owner="hisparse")
     need = swap_in_shared_bytes(k, h, block, protected=recent > 0 or near > 0)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(

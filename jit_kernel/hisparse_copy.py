@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from sparsekv import env
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, check_choice, register
+from sparsekv.checks import one_of
+from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
@@ -36,7 +37,7 @@ _PAGE_BYTES = {p: V4.page_bytes(p) for p in PAGE_SLOTS}
 
 def _complete(*, page_slots: int) -> tuple:
     """Template arguments ``<Layout, PageSlots>``: the V4 token layout and a C4 page-slot count."""
-    return V4.cpp_type, check_choice("hisparse_copy", "page_slots", page_slots, PAGE_SLOTS)
+    return V4.cpp_type, one_of(page_slots, "page_slots", PAGE_SLOTS, owner="hisparse_copy")
 
 
 HISPARSE_COPY = register(

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.checks import int_in
 from sparsekv.jit_kernel.hisparse import SHARED_MEMORY_LIMIT, _layout_type, default_block_size
-from sparsekv.jit_kernel.registry import KernelFamily, check_int, register
+from sparsekv.jit_kernel.registry import KernelFamily, register
 from sparsekv.kv_layout import resident_index_bytes
 
 __all__ = [
@@ -64,9 +65,9 @@ def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
                       block_size: int | None = None) -> tuple:
     """``IndexedSwapIn<K, H, BlockSize, Layout>`` arguments; the scanning kernel's checks, except that
     the scratch does not grow with ``H`` (only its own bound applies)."""
-    k = check_int("hisparse_index", "num_top_k", num_top_k, 1, SORT_KEY_LIMIT, "int16 slot ids")
-    h = check_int("hisparse_index", "hot_buffer_size", hot_buffer_size, k, SORT_KEY_LIMIT,
-                  "at least num_top_k; 2 * H queue positions below 2**16")
+    k = int_in(num_top_k, "num_top_k", 1, SORT_KEY_LIMIT - 1, why="int16 slot ids", owner="hisparse_index")
+    h = int_in(hot_buffer_size, "hot_buffer_size", k, SORT_KEY_LIMIT - 1,
+               why="at least num_top_k; 2 * H queue positions below 2**16", owner="hisparse_index")
     block = default_block_size(k) if block_size is None else block_size
     if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
         raise ValueError(f"sparsekv: hisparse_index argument `block_size` must be a multiple of 32 in [32, 1024], "
@@ -135,7 +136,8 @@ class ResidentIndex:
               device: torch.device | str = "cpu") -> ResidentIndex:
         """An index of ``max_reqs`` rows with nothing resident and LRU ``0..H-1`` (call
         :meth:`rebuild_rows` for rows whose tables hold tokens)."""
-        hot = check_int("ResidentIndex", "hot_buffer_size", hot_buffer_size, 1, SORT_KEY_LIMIT, "int16 slots")
+        hot = int_in(hot_buffer_size, "hot_buffer_size", 1, SORT_KEY_LIMIT - 1, why="int16 slots",
+                     owner="ResidentIndex")
         index = cls(slot_of=torch.full((max_reqs, max_len), -1, dtype=torch.int16, device=device),
                     queue=torch.zeros((max_reqs, 2 * hot), dtype=torch.int16, device=device),
                     queue_pos=torch.zeros((max_reqs, hot + 2), dtype=torch.int32, device=device))

@@ -13,7 +13,8 @@ Callers never name C++ types. A family declares
 * ``complete(**values) -> tuple``: validates those values and returns the full C++ template-argument
   tuple of the header's templates (ints, bools and C++ type strings the *family* writes), deriving
   whatever the caller does not choose (a block size, a page-slot count's layout struct). It raises
-  ``ValueError`` naming the argument and the limit (``check_int`` below does the common case);
+  ``ValueError`` naming the argument and the limit (:mod:`sparsekv.checks` does the common cases:
+  ``int_in`` and ``one_of`` with ``owner=`` the family's name);
 * ``instances``: a table of value dicts with two jobs only: what ``sparsekv jit build --all``
   prebuilds and what property tests draw from. It is *not* a whitelist: any values that
   ``complete`` accepts compile at first use and are cached like the table's.
@@ -58,24 +59,6 @@ def _no_params() -> tuple:
     return ()
 
 
-def check_int(family: str, name: str, value: object, lo: int, hi: int, why: str = "") -> int:
-    """``value`` as an int in ``[lo, hi)``, else ``ValueError`` naming the argument, the range and ``why``.
-
-    For ``complete`` callables: ``why`` says what sets the limit (e.g. "int16 slot ids").
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
-        reason = f" ({why})" if why else ""
-        raise ValueError(f"sparsekv: {family} argument `{name}` must be an int in [{lo}, {hi}){reason}, got {value!r}")
-    return value
-
-
-def check_choice(family: str, name: str, value: object, choices) -> object:
-    """``value`` if it is one of ``choices``, else ``ValueError`` naming the argument and the choices."""
-    if isinstance(value, bool) or value not in tuple(choices):
-        raise ValueError(f"sparsekv: {family} argument `{name}` must be one of {tuple(choices)}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class KernelFamily:
     """One kernel header, its exports, and how plain values become its template arguments.
@@ -117,7 +100,8 @@ class KernelFamily:
         Raises
         ------
         ValueError
-            An unknown or missing parameter, or a value ``complete`` rejects (the message names it).
+            An unknown or missing parameter, or a value ``complete`` rejects (the message names it),
+            a value of the wrong type included: to a caller an instance is one set of values.
         """
         unknown = sorted(set(values) - set(self.params))
         if unknown:
@@ -128,7 +112,10 @@ class KernelFamily:
             example = f"; e.g. {self.instance_spec(self.instances[0])!r}" if self.instances else ""
             raise ValueError(f"sparsekv: {self.name} needs the parameters {list(self.params)}: "
                              f"{', '.join(missing)} not given{example}")
-        return tuple(self.complete(**values))
+        try:
+            return tuple(self.complete(**values))
+        except TypeError as e:  # the checks' TypeError for a bool or float where an int is meant
+            raise ValueError(str(e)) from None
 
     def module(self, *, backend: str = "cpu", arch: str | None = None, **values: object) -> tvm_ffi.Module:
         """Load (building at first use) the instance for ``values``.

@@ -13,23 +13,21 @@ import math
 import os
 from collections.abc import Callable
 
+from sparsekv.checks import describe_range
+
 __all__ = ["int_list", "int_range", "number_range", "output_path"]
 
 
-def _bounds(lo, hi) -> str:
-    return f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-
-
 def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+    """An integer in ``[lo, hi]`` (``hi`` None: no upper bound), the range convention of :mod:`sparsekv.checks`."""
 
     def parse(text: str) -> int:
         try:
             value = int(text, 10)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer {_bounds(lo, hi)}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer {describe_range(lo, hi)}, got {text!r}") from None
         if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"expected an integer {_bounds(lo, hi)}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer {describe_range(lo, hi)}, got {value}")
         return value
 
     parse.__name__ = "integer"
@@ -62,7 +60,7 @@ def int_list(lo: int, hi: int | None = None) -> Callable[[str], tuple[int, ...]]
     def parse(text: str) -> tuple[int, ...]:
         parts = [p.strip() for p in text.split(",")]
         if not text.strip() or any(not p for p in parts):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers {_bounds(lo, hi)}, "
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers {describe_range(lo, hi)}, "
                                              f"got {text!r}")
         return tuple(item(p) for p in parts)
 

@@ -1,61 +1,14 @@
-"""Argument checks shared by the runtime classes (validate first, then mutate).
+"""Tensor argument checks shared by the runtime classes (validate first, then mutate).
 
-Each check returns the normalized value or raises naming the argument:
-
-* ``TypeError`` for the wrong kind of value: ``bool`` or ``float`` where an int is meant (Python
-  would silently take ``True`` as 1 or truncate ``3.7``), a float or bool tensor where ids are meant;
-* ``IndexError`` for an index outside its table, negative ones included (Python and torch would
-  wrap ``-1`` to the last row);
-* ``ValueError`` for any other out-of-range value.
+The scalar checks (ints, ranges, indices, flags) are :mod:`sparsekv.checks`; these add the tensor
+ones with the same manners: each returns the tensor or raises naming the argument, ``TypeError``
+for a float or bool tensor where ids are meant, ``IndexError`` for an id outside its table
+(negative ones included), ``ValueError`` for a wrong rank.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
-
-
-def as_int(value: object, name: str) -> int:
-    """``value`` as a Python int: ints, numpy ints and one-element integer tensors, never ``bool`` or float.
-
-    Raises
-    ------
-    TypeError
-        Anything else.
-    """
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool) or \
-            type(value).__name__ == "bool_":
-        raise TypeError(f"sparsekv: argument `{name}` must be an int, got a bool ({value!r})")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"sparsekv: argument `{name}` must be an int, got {type(value).__name__} ({value!r})") \
-            from None
-
-
-def int_in(value: object, name: str, lo: int, hi: int | None = None) -> int:
-    """An int in ``[lo, hi]`` (``hi=None``: no upper bound); ``ValueError`` outside."""
-    v = as_int(value, name)
-    if v < lo or (hi is not None and v > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"sparsekv: argument `{name}` must be {bound}, got {v}")
-    return v
-
-
-def index_in(value: object, name: str, size: int) -> int:
-    """An index in ``[0, size)``; ``IndexError`` outside (a negative index is refused, never wrapped)."""
-    v = as_int(value, name)
-    if not 0 <= v < size:
-        raise IndexError(f"sparsekv: argument `{name}` = {v} is out of range [0, {size})")
-    return v
-
-
-def as_bool(value: object, name: str) -> bool:
-    """A ``bool`` flag (an int or a string is refused: ``"false"`` would read as true)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"sparsekv: argument `{name}` must be a bool, got {type(value).__name__} ({value!r})")
-    return value
 
 
 def int_tensor(value: object, name: str) -> torch.Tensor:

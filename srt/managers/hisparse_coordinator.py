@@ -20,10 +20,11 @@ from typing import Literal, Protocol
 
 import torch
 
+from sparsekv.checks import as_bool, as_int, index_in, int_in
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla, policy_protections
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4
-from sparsekv.srt.checks import as_bool, as_int, index_in, index_table, int_in
+from sparsekv.srt.checks import index_table
 from sparsekv.srt.errors import RequestStateError
 from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool

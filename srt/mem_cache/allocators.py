@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.srt.checks import as_bool, as_int, id_tensor, index_in, index_table, int_in, int_tensor
+from sparsekv.checks import as_bool, as_int, index_in, int_in
+from sparsekv.srt.checks import id_tensor, index_table, int_tensor
 from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.jit_kernel.arguments import int_arg
+from sparsekv.checks import as_int, int_in
 from sparsekv.jit_kernel.dsv4_compress import check_ratio, compress_extend, compress_online_c128, window
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
 from sparsekv.jit_kernel.dsv4_store import StoreTarget
@@ -96,7 +96,7 @@ class CompressorState:
 
     def __init__(self, state: torch.Tensor, ape: torch.Tensor, ratio: int, ring_size: int, online: bool = False):
         self.ratio = ratio = check_ratio(ratio)
-        ring_size = int_arg("ring_size", ring_size)
+        ring_size = as_int(ring_size, "ring_size")
         if online and ratio != 128:
             raise ValueError(f"sparsekv: argument `online` is for ratio 128 only, got ratio {ratio}")
         need = 2 if online else window(ratio)
@@ -130,7 +130,7 @@ class CompressorState:
         ValueError
             ``length`` is negative, or the request is already tracked here.
         """
-        length, request_id = int_arg("length", length, 0), int_arg("request_id", request_id)
+        length, request_id = int_in(length, "length", 0), as_int(request_id, "request_id")
         if request_id in self._progress:
             raise ValueError(f"sparsekv: argument `request_id`: request {request_id} is already tracked; release it "
                              f"first")
@@ -202,12 +202,12 @@ class CompressorState:
             A ring id outside ``state`` or missing from ``rings`` (named ``rings``), or, with
             ``store``, a slot outside the cache. Nothing is written when anything is raised.
         """
-        lengths = [kv.shape[0]] if lengths is None else [int_arg("lengths", n) for n in lengths]
-        request_ids = [int_arg("request_ids", r) for r in request_ids]
-        starts = [int_arg("starts", s) for s in starts]
-        rings = [[int_arg("rings", r) for r in ring_ids] for ring_ids in rings]
+        lengths = [kv.shape[0]] if lengths is None else [as_int(n, "lengths") for n in lengths]
+        request_ids = [as_int(r, "request_ids") for r in request_ids]
+        starts = [as_int(s, "starts") for s in starts]
+        rings = [[as_int(r, "rings") for r in ring_ids] for ring_ids in rings]
         if ring_span is not None:
-            ring_span = int_arg("ring_span", ring_span, 1)
+            ring_span = int_in(ring_span, "ring_span", 1)
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"sparsekv: argument `request_ids` names a request twice in one batch: {request_ids}")
         if not (len(request_ids) == len(rings) == len(starts) == len(lengths)):

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.srt.checks import as_int, int_tensor
+from sparsekv.checks import as_int
+from sparsekv.srt.checks import int_tensor
 from sparsekv.srt.mem_cache.allocators import compressed_locs_of
 from sparsekv.srt.mem_cache.base_swa_pool import BaseSWAKVPool, BufInfos
 from sparsekv.srt.model_executor import dsv4_geometry as geo

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
+from sparsekv.checks import as_int, index_in, int_in
 from sparsekv.jit_kernel.hisparse_copy import (
     pointer_table,
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
-from sparsekv.srt.checks import as_int, index_in, int_in
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.checks import int_in
 from sparsekv.kv_layout import V4
-from sparsekv.srt.checks import int_in
 from sparsekv.srt.mem_cache.allocators import HiSparseTokenToKVPoolAllocator
 from sparsekv.srt.mem_cache.ids import DeviceSlots
 

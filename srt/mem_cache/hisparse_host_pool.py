@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.srt.checks import index_in, index_table, int_in
+from sparsekv.checks import index_in, int_in
+from sparsekv.srt.checks import index_table
 from sparsekv.srt.mem_cache.ids import HostPages, HostSlots
 
 

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from sparsekv.srt.checks import int_in
+from sparsekv.checks import int_in
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 

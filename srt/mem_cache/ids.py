@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.srt.checks import int_in
+from sparsekv.checks import int_in
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

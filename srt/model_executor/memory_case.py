@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sparsekv.checks import as_int, int_in
+
 from .model_spec import (
     DSV4_PRESETS,
     DSV4ModelSpec,
     MHAModelSpec,
     ServerSpec,
     SpeculativeSpec,
-    check_int,
     dsv4_preset,
 )
 from .pool_configurator import MemoryPoolConfigurator
@@ -123,8 +124,12 @@ def _reject_unknown(name: str, obj: dict, known: tuple) -> None:
 
 
 def _prefixed(prefix: str, error: Exception) -> Exception:
-    # Spec constructors name fields bare ("head_dim"); the case reader names them by path.
-    return type(error)(f"{prefix}.{error}")
+    # Spec constructors name fields bare ("head_dim", or "argument `head_dim`" from sparsekv.checks);
+    # the case reader names them by path.
+    text = str(error)
+    if "argument `" in text:
+        return type(error)(text.replace("argument `", f"argument `{prefix}.", 1))
+    return type(error)(f"{prefix}.{text}")
 
 
 def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
@@ -171,7 +176,7 @@ def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
         fields["algorithm"] = "EAGLE"
     # sglang's top-k 1 chain verifies num_steps drafts plus the bonus token.
     if "num_draft_tokens" not in fields and "num_steps" in fields:
-        fields["num_draft_tokens"] = check_int("server.speculative.num_steps", fields["num_steps"]) + 1
+        fields["num_draft_tokens"] = as_int(fields["num_steps"], "server.speculative.num_steps") + 1
     try:
         return SpeculativeSpec(**fields)
     except (TypeError, ValueError) as e:
@@ -184,7 +189,7 @@ def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
     _check_limits("server.", server)
     is_dsv4 = isinstance(model, DSV4ModelSpec)
     fields = dict(DSV4_SERVER_DEFAULTS if is_dsv4 else MHA_SERVER_DEFAULTS)
-    attn_dp_size = check_int("server.attn_dp_size", server.pop("attn_dp_size", 1), minimum=1)
+    attn_dp_size = int_in(server.pop("attn_dp_size", 1), "server.attn_dp_size", 1)
     sizing = _string("server.swa_sizing", server.pop("swa_sizing", "ratio"))
     if sizing not in ("ratio", "cap"):
         raise ValueError(f"server.swa_sizing must be 'ratio' or 'cap', got {sizing!r}")
@@ -234,8 +239,8 @@ def parse_case(raw: Any) -> MemoryCase:
     _check_limits("", case)
     model, label = _parse_model(case["model"])
     server, attn_dp_size = _parse_server(case.get("server", {}), model)
-    available = check_int("available_bytes", case["available_bytes"], minimum=0)
-    pp_size = check_int("pp_size", case.get("pp_size", 1), minimum=1)
+    available = int_in(case["available_bytes"], "available_bytes", 0)
+    pp_size = int_in(case.get("pp_size", 1), "pp_size", 1)
     if pp_size > model.num_layers:
         raise ValueError(f"pp_size ({pp_size}) must be <= the model's layers ({model.num_layers})")
     return MemoryCase(name, model, label, server, available, pp_size, attn_dp_size)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparsekv.checks import as_float, as_int, int_in
+
 # DSV4's model hook sizes SWA at 0.1 of the full pool when the operator sets no ratio and the
 # request-cap sizing cannot apply.
 DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO = 0.1
@@ -16,28 +18,6 @@ DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO = 0.1
 DEFAULT_SWA_EVICTION_INTERVAL = 128
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 COMPRESS_STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-
-
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_ratio(name: str, value: object) -> float:
-    """Return ``value`` as a non-negative finite float, else raise naming ``name``.
-
-    0 is a valid setting, not a malformed one: sglang accepts it and then rejects the empty SWA
-    pool it sizes (a ``ValueError`` at planning time, like any other too-small SWA pool).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"{name} must be a non-negative finite number, got {value}")
-    return float(value)
 
 
 def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -71,10 +51,10 @@ class DSV4ModelSpec:
     context_len: int = 1048576
 
     def __post_init__(self) -> None:
-        check_int("num_hidden_layers", self.num_hidden_layers, minimum=1)
+        int_in(self.num_hidden_layers, "num_hidden_layers", 1)
         for name in ("head_dim", "index_head_dim", "sliding_window", "context_len"):
-            check_int(name, getattr(self, name), minimum=1)
-        check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=0)
+            int_in(getattr(self, name), name, 1)
+        int_in(self.qk_rope_head_dim, "qk_rope_head_dim", 0)
         if self.qk_rope_head_dim >= self.head_dim:
             raise ValueError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be < head_dim ({self.head_dim})"
@@ -82,7 +62,7 @@ class DSV4ModelSpec:
         if not isinstance(self.compress_ratios, (tuple, list)):
             raise TypeError(f"compress_ratios must be a list of integers, got {self.compress_ratios!r}")
         for i, ratio in enumerate(self.compress_ratios):
-            check_int(f"compress_ratios[{i}]", ratio)
+            as_int(ratio, f"compress_ratios[{i}]")
             if ratio not in (0, 4, 128):
                 raise ValueError(f"compress_ratios[{i}] must be 0, 4 or 128 (FlashMLA V4), got {ratio}")
         if len(self.compress_ratios) < self.num_hidden_layers:
@@ -146,14 +126,14 @@ class MHAModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "dtype_bytes", "context_len"):
-            check_int(name, getattr(self, name), minimum=1)
-        check_int("swa_layers", self.swa_layers, minimum=0)
+            int_in(getattr(self, name), name, 1)
+        int_in(self.swa_layers, "swa_layers", 0)
         if self.swa_layers > self.num_layers:
             raise ValueError(f"swa_layers ({self.swa_layers}) must be <= num_layers ({self.num_layers})")
         if self.swa_layers > 0:
             if self.swa_window is None:
                 raise ValueError("swa_window is required when swa_layers > 0")
-            check_int("swa_window", self.swa_window, minimum=1)
+            int_in(self.swa_window, "swa_window", 1)
 
     @property
     def is_hybrid_swa(self) -> bool:
@@ -174,9 +154,9 @@ class ParallelSpec:
     attn_dp_size: int = 1
 
     def __post_init__(self) -> None:
-        check_int("pp_size", self.pp_size, minimum=1)
-        check_int("pp_rank", self.pp_rank, minimum=0)
-        check_int("attn_dp_size", self.attn_dp_size, minimum=1)
+        int_in(self.pp_size, "pp_size", 1)
+        int_in(self.pp_rank, "pp_rank", 0)
+        int_in(self.attn_dp_size, "attn_dp_size", 1)
         if self.pp_rank >= self.pp_size:
             raise ValueError(f"pp_rank ({self.pp_rank}) must be < pp_size ({self.pp_size})")
 
@@ -204,9 +184,9 @@ class SpeculativeSpec:
     def __post_init__(self) -> None:
         if self.algorithm != "EAGLE":
             raise ValueError(f"speculative.algorithm must be 'EAGLE', got {self.algorithm!r}")
-        check_int("speculative.num_steps", self.num_steps, minimum=1)
-        check_int("speculative.eagle_topk", self.eagle_topk, minimum=1)
-        check_int("speculative.num_draft_tokens", self.num_draft_tokens, minimum=1)
+        int_in(self.num_steps, "speculative.num_steps", 1)
+        int_in(self.eagle_topk, "speculative.eagle_topk", 1)
+        int_in(self.num_draft_tokens, "speculative.num_draft_tokens", 1)
 
 
 @dataclass(frozen=True)
@@ -266,38 +246,41 @@ class ServerSpec:
     swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:
-        check_int("page_size", self.page_size, minimum=1)
+        int_in(self.page_size, "page_size", 1)
         if self.swa_full_tokens_ratio is not None:
             object.__setattr__(
-                self, "swa_full_tokens_ratio", check_ratio("swa_full_tokens_ratio", self.swa_full_tokens_ratio)
+                # 0 is a valid setting, not a malformed one: sglang accepts it and then rejects the
+                # empty SWA pool it sizes (a ValueError at planning time, like any too-small SWA pool).
+                self, "swa_full_tokens_ratio",
+                as_float(self.swa_full_tokens_ratio, "swa_full_tokens_ratio", finite=True, lo=0),
             )
         if self.max_running_requests is not None:
-            check_int("max_running_requests", self.max_running_requests, minimum=1)
+            int_in(self.max_running_requests, "max_running_requests", 1)
         if self.chunked_prefill_size is not None:
-            check_int("chunked_prefill_size", self.chunked_prefill_size)
+            int_in(self.chunked_prefill_size, "chunked_prefill_size")
         for name in ("disable_overlap_schedule", "disable_radix_cache", "enable_hisparse"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None:
-            check_int("max_total_tokens", self.max_total_tokens, minimum=1)
-        check_int("hisparse_host_to_device_ratio", self.hisparse_host_to_device_ratio, minimum=1)
+            int_in(self.max_total_tokens, "max_total_tokens", 1)
+        int_in(self.hisparse_host_to_device_ratio, "hisparse_host_to_device_ratio", 1)
         if self.hisparse_resident_index is not None:
-            check_int("hisparse_resident_index", self.hisparse_resident_index, minimum=1)
+            int_in(self.hisparse_resident_index, "hisparse_resident_index", 1)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeSpec):
             raise TypeError(f"speculative must be a SpeculativeSpec or None, got {self.speculative!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
-        check_int("disaggregation_decode_extra_slots", self.disaggregation_decode_extra_slots, minimum=0)
+        int_in(self.disaggregation_decode_extra_slots, "disaggregation_decode_extra_slots", 0)
         if self.compress_state_dtype not in COMPRESS_STATE_DTYPE_BYTES:
             raise ValueError(
                 f"compress_state_dtype must be one of {sorted(COMPRESS_STATE_DTYPE_BYTES)}, "
                 f"got {self.compress_state_dtype!r}"
             )
         if self.swa_prefix_tails is not None:
-            check_int("swa_prefix_tails", self.swa_prefix_tails, minimum=0)
-        check_int("swa_eviction_interval", self.swa_eviction_interval, minimum=1)
+            int_in(self.swa_prefix_tails, "swa_prefix_tails", 0)
+        int_in(self.swa_eviction_interval, "swa_eviction_interval", 1)
 
     @property
     def compress_state_bytes(self) -> int:

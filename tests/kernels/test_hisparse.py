@@ -518,9 +518,9 @@ def _follow_the_policy_model(backend, k, h, layout, page_slots, *, steps: int, h
 
 
 INVALID_INSTANCES = [
-    (dict(num_top_k=0, hot_buffer_size=4), "`num_top_k` must be an int in [1, 32768)"),
-    (dict(num_top_k=8, hot_buffer_size=7), "`hot_buffer_size` must be an int in [8, 32768) (at least num_top_k"),
-    (dict(num_top_k=8, hot_buffer_size=40000), "`hot_buffer_size` must be an int in [8, 32768)"),
+    (dict(num_top_k=0, hot_buffer_size=4), "`num_top_k` must be an int in [1, 32767]"),
+    (dict(num_top_k=8, hot_buffer_size=7), "`hot_buffer_size` must be an int in [8, 32767] (at least num_top_k"),
+    (dict(num_top_k=8, hot_buffer_size=40000), "`hot_buffer_size` must be an int in [8, 32767]"),
     (dict(num_top_k=True, hot_buffer_size=4), "`num_top_k` must be an int"),
     (dict(num_top_k=16384, hot_buffer_size=16384), "bytes (227 KiB) of shared memory"),
     (dict(num_top_k=8, hot_buffer_size=8, block_size=48), "`block_size` must be a multiple of 32"),
@@ -859,7 +859,7 @@ def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protec
 
 @pytest.mark.no_backend("argument checks before anything compiles")
 @pytest.mark.parametrize("policy, message", [("mru", "`policy` must be one of"), ((1, 2, 3), "`policy` must be one of"),
-                                             ((0, 5000), "`protect_near` must be an int in [0, 4096)"),
+                                             ((0, 5000), "`protect_near` must be an int in [0, 4095] (2 S + 1 lookups"),
                                              ((-1, 0), "`protect_recent` must be an int in [0,")])
 def test_a_bad_policy_is_refused_before_writing(policy, message):
     w = world("cpu")
