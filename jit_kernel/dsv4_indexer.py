@@ -43,7 +43,7 @@ from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
-from sparsekv.jit_kernel.triton.checks import page_shift
+from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "indexer_template_args",
     "indexer_topk",
     "lightning_indexer",
+    "topk_workspace_ints",
     "visible_entries",
 ]
 
@@ -248,6 +249,7 @@ def indexer_topk(
     page_size: int = 64,
     out: torch.Tensor | None = None,
     out_slots: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``min(top_k, visible)`` highest-scoring visible entries of each row, -1 padded.
@@ -267,6 +269,10 @@ def indexer_topk(
         Entries per page of the table, a power of two.
     out, out_slots : torch.Tensor, optional
         int32 ``[B, top_k]`` (unit last stride) to write; default new tensors.
+    workspace : torch.Tensor, optional
+        int32, 1-D, contiguous, on the scores' device: the scratch lists of the Triton top-k, at least
+        :func:`topk_workspace_ints` elements (the header needs none); default: allocated per call
+        when needed. Given it (and ``out``, ``out_slots``), a call allocates nothing.
     impl : {"auto", "header", "triton"}
         ``"header"``: the ``csrc/dsv4_indexer.cuh`` top-k on the cpu or cuda backend by device;
         ``"triton"``: the Triton twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or, on
@@ -288,7 +294,7 @@ def indexer_topk(
     TypeError, ValueError
         Wrong dtype, shape, stride or device; ``top_k`` not an int or out of range (refused before
         anything is allocated); ``out_slots`` without ``page_table``; an output sharing memory with
-        another argument or with itself.
+        another argument or with itself; a ``workspace`` of the wrong dtype, shape or device, or too small.
     IndexError
         A page holding visible entries that is negative or whose slots overflow int32 (host-readable
         tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
@@ -301,13 +307,36 @@ def indexer_topk(
     if page_table is not None and out_slots is None:
         out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     impl = resolve_impl(impl, scores.device, auto_triton_on_cuda=False)
-    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, impl)
+    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
     return out, out_slots
 
 
-@kernel_op("indexer_topk", mutates_args=("out", "out_slots"))
+def topk_workspace_ints(batch: int, width: int, top_k: int) -> int:
+    """int32 elements of the ``workspace`` of an :func:`indexer_topk` call on ``[batch, width]`` scores
+    with ``impl="triton"`` (the scratch lists of its on-chip levels; 0 when a row is selected in one
+    program). The header needs none."""
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+    return triton_indexer.topk_workspace_ints(batch, width, top_k)
+
+
+def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, top_k: int, impl: str, out: torch.Tensor,
+                     out_slots: torch.Tensor | None) -> None:
+    need = topk_workspace_ints(scores.shape[0], scores.shape[1], top_k) if impl == "triton" else 0
+    if workspace.dtype != torch.int32 or workspace.dim() != 1 or not workspace.is_contiguous() \
+            or workspace.device != scores.device or workspace.numel() < need:
+        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D int32 tensor on {scores.device} "
+                         f"with at least {need} elements (topk_workspace_ints), got {workspace.dtype} "
+                         f"{list(workspace.shape)} on {workspace.device}")
+    for other, name in ((scores, "scores"), (out, "out"), (out_slots, "out_slots")):
+        if other is not None:
+            check_no_overlap(workspace, "workspace", other, name)
+
+
+@kernel_op("indexer_topk", mutates_args=("out", "out_slots", "workspace"))
 def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, impl: str) -> None:
+                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
+                  impl: str) -> None:
     if not 1 <= top_k <= _MAX_TOP_K:
         raise ValueError(f"sparsekv: argument `top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
                          f"{top_k}")
@@ -318,10 +347,12 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, pag
     if page_table is not None and backend_of(scores) == "cuda" and env.check_indices() and page_size > 0:
         # The host entry's check of host tables, on the device (a sync): no page whose slots wrap int32.
         check_pages_in_use(page_table, positions, page_size, 2**31 // page_size, "pages whose slots fit int32")
+    if workspace is not None and scores.dim() == 2:
+        _check_workspace(workspace, scores, top_k, impl, out, out_slots)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_size)
+        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_size, workspace)
         return
     INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
                                                                  page_size)
@@ -340,16 +371,18 @@ def lightning_indexer(
     scores: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_slots: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_scores` then :func:`indexer_topk` through the page table (``impl`` passed to both).
 
     Returns ``(tokens, slots)``, both int32 ``[B, top_k]`` (``out`` and ``out_slots`` when given).
     ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_size``).
-    Same parameters and errors as the two; given the three buffers, a call allocates nothing.
+    ``workspace`` is the top-k's (:func:`topk_workspace_ints`). Same parameters and errors as the two;
+    given the four buffers, a call allocates nothing.
     """
     scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores,
                             impl=impl)
     tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
-                                 out_slots=out_slots, impl=impl)
+                                 out_slots=out_slots, workspace=workspace, impl=impl)
     return tokens, slots

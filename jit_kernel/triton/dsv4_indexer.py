@@ -45,7 +45,7 @@ from sparsekv.jit_kernel.triton.checks import (
 from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8
 
-__all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk"]
+__all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk", "topk_workspace_ints"]
 
 DIM = 128
 MAX_HEADS = 64
@@ -406,13 +406,24 @@ def topk_plan(width: int, k: int, chunk: int = TOPK_CHUNK, final: int = TOPK_FIN
     return levels
 
 
-def indexer_topk(scores, positions, out, page_table, out_slots, page_size, *, chunk=TOPK_CHUNK, final=TOPK_FINAL):
+def topk_workspace_ints(batch: int, width: int, k: int, chunk: int = TOPK_CHUNK, final: int = TOPK_FINAL) -> int:
+    """int32 elements of the scratch lists of :func:`indexer_topk` for ``[batch, width]`` scores and top ``k``:
+    each level of :func:`topk_plan` writes ``2 x batch x chunks x k`` (keys and positions); 0 when the
+    rows are selected in one program (or by the radix kernel)."""
+    levels = topk_plan(width, k, chunk, final) or []
+    return sum(2 * batch * triton.cdiv(length, level_chunk) * k for length, level_chunk in levels)
+
+
+def indexer_topk(scores, positions, out, page_table, out_slots, page_size, workspace=None, *, chunk=TOPK_CHUNK,
+                 final=TOPK_FINAL):
     """Check (:func:`check_topk_arguments`), then write each row's top ``out.shape[1]`` into ``out`` (and slots).
 
     The body of the ``sparsekv::indexer_topk`` op for ``impl="triton"``. Each level of
     :func:`topk_plan` reads its list once (the first, the scores) and writes each chunk's ``k`` best
-    to a scratch list; the finish selects from the last list on chip. ``chunk`` and ``final`` are the
-    plan's sizes (tests shrink them to reach several levels at small widths).
+    to a scratch list; the finish selects from the last list on chip. The scratch lists are cut from
+    ``workspace`` (int32, 1-D, contiguous, at least :func:`topk_workspace_ints` elements, checked by
+    the caller) when given, else allocated (the caching allocator's, a graph pool's under capture).
+    ``chunk`` and ``final`` are the plan's sizes (tests shrink them to reach several levels at small widths).
     """
     shift = check_topk_arguments(scores, positions, out, page_table, out_slots, page_size)
     batch, width = scores.shape
@@ -426,11 +437,15 @@ def indexer_topk(scores, positions, out, page_table, out_slots, page_size, *, ch
         topk_radix_kernel[(batch,)](scores, scores.stride(0), width, positions, k, out, out.stride(0), *slots,
                                     HAS_SLOTS=page_table is not None, BLOCK=TOPK_BLOCK, num_warps=NUM_WARPS)
         return
+    if workspace is None:
+        workspace = torch.empty(topk_workspace_ints(batch, width, k, chunk, final), dtype=torch.int32,
+                                device=scores.device)
     keys, index, stride, length = scores, out, scores.stride(0), width  # the first list: the scores
+    used = 0
     for level, (length, level_chunk) in enumerate(levels):
         chunks = triton.cdiv(length, level_chunk)
-        # Scratch (a fresh tensor: the caching allocator's, and a graph pool's under capture).
-        scratch = torch.empty((2, batch, chunks * k), dtype=torch.int32, device=scores.device)
+        scratch = workspace[used:used + 2 * batch * chunks * k].view(2, batch, chunks * k)
+        used += scratch.numel()
         topk_chunk_kernel[(batch * chunks,)](scores, keys, index, stride, length, positions, width, k, chunks,
                                              scratch[0], scratch[1], chunks * k, FIRST=level == 0,
                                              CHUNK=level_chunk, num_warps=_warps(level_chunk))

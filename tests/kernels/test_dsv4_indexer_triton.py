@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, topk_workspace_ints
+from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, indexer_scores_reference
 from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case
@@ -137,3 +138,29 @@ def test_memory_sharing_is_refused_with_the_headers_message(backend):
                 fn(**args, impl=impl)
             messages.append(str(error.value))
         assert messages[0] == messages[1]
+
+
+def test_triton_topk_keeps_its_scratch_in_the_given_workspace_and_allocates_nothing(backend):
+    # Rows past the finish's 8192 items take one on-chip level: its lists live in the workspace (the
+    # sentinel is overwritten by each chunk's positions) and the tokens are the header's. On a GPU the
+    # profiler sees no allocation (under the interpreter the interpreter's own copies would show).
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 9000, generator=g).to(device)
+    positions = torch.tensor([4 * 9000, 4 * 5000], device=device)
+    k = 8
+    need = topk_workspace_ints(2, 9000, k)
+    assert need == 2 * 2 * 3 * k  # keys and positions of 3 chunks of 4096 per row
+    workspace = torch.full((need,), -7, dtype=torch.int32, device=device)
+    out = torch.empty(2, k, dtype=torch.int32, device=device)
+    indexer_topk(scores, positions, k, out=out, workspace=workspace, impl="triton")
+    assert torch.equal(out.cpu(), indexer_topk(scores, positions, k, impl="header")[0].cpu())
+    chunk_positions = workspace[need // 2:].view(2, 3, k).cpu()
+    assert bool((chunk_positions[0] >= 0).all())  # row 0 sees all 9000 entries: every chunk keeps k
+    if backend == "cuda":
+        assert allocations(lambda: indexer_topk(scores, positions, k, out=out, workspace=workspace,
+                                                impl="triton")) == []
+    with pytest.raises(ValueError, match="`workspace`"):
+        indexer_topk(scores, positions, k, out=out, workspace=workspace[:need - 1], impl="triton")
+    with pytest.raises(ValueError, match="`workspace`"):
+        indexer_topk(scores, positions, k, out=out, workspace=out.view(-1), impl="header")

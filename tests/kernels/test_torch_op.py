@@ -37,6 +37,7 @@ from sparsekv.jit_kernel.hisparse import (
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
 from sparsekv.kv_layout import V4
+from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
@@ -185,7 +186,7 @@ def test_every_entry_is_a_sparsekv_op_with_its_writes_declared():
         "compress_extend": ["out", "state"], "compress_online_c128": ["out", "state"],
         "compress_store": ["cache", "state"], "compress_decode": ["emitted", "out", "state"],
         "compress_decode_store": ["cache", "emitted", "out", "state"], "indexer_scores": ["out"],
-        "indexer_topk": ["out", "out_slots"], "sparse_decode_attention": ["lse", "out", "workspace"],
+        "indexer_topk": ["out", "out_slots", "workspace"], "sparse_decode_attention": ["lse", "out", "workspace"],
     }
     writes = {}
     for name in expected:
@@ -436,13 +437,3 @@ def test_given_its_buffers_a_decode_step_allocates_nothing(backend):
     got = []
     assert allocations(lambda: got.extend(decode_step(t))) == []
     assert got[0] is t["out"] and got[1] is t["lse"]
-
-
-def allocations(call: Callable[[], object]) -> list[str]:
-    """The ops that allocated memory (host or device) while ``call`` ran."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        call()
-    return [e.name for e in prof.events() if e.cpu_memory_usage > 0 or e.device_memory_usage > 0]
