@@ -20,7 +20,7 @@
 //     (t >= newest - W) or within S positions of a token the step asks for (a hit or a miss). The
 //     misses take the unprotected non-hits in LRU order, then the protected ones in LRU order;
 //     lru_slots becomes [unused non-hits | miss slots | hit slots] as for LRU (the model:
-//     swap_in_step(protect_recent=W, protect_near=S)). The indexed entry serves LRU only.
+//     swap_in_step(protect_recent=W, protect_near=S)). The indexed entry serves both.
 //   * Optional outputs: the miss plan (miss_src[b, m], miss_dst[b, m] for m < miss_count[b]) and
 //     device counters {hits, misses, bytes} added to without a host sync.
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
@@ -220,12 +220,14 @@ struct SwapIn {
 
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
 
-  // The protected LRU's rule for a non-hit slot holding `held`: in the last ProtectRecent positions,
-  // or within ProtectNear positions of a token of the step's hash table.
-  SPARSEKV_HOST_DEVICE static bool is_protected(const Shared& s, int32_t held, int64_t newest) {
+  // The protected LRU's rule (Recent = W, Near = S) for a non-hit slot holding `held`: in the last
+  // Recent positions, or within Near positions of a token of the step's hash table (in the scratch
+  // of SwapIn or IndexedSwapIn).
+  template <int Recent, int Near, class Scratch>
+  SPARSEKV_HOST_DEVICE static bool is_protected(const Scratch& s, int32_t held, int64_t newest) {
     if (held < 0) return false;
-    if (ProtectRecent > 0 && held >= newest - ProtectRecent) return true;
-    for (int d = -ProtectNear; d <= ProtectNear; ++d) {
+    if (Recent > 0 && held >= newest - Recent) return true;
+    for (int d = -Near; d <= Near; ++d) {
       const int64_t q = static_cast<int64_t>(held) + d;
       if (q >= 0 && q < newest && lookup(s, static_cast<int32_t>(q)) >= 0) return true;
     }
@@ -362,7 +364,7 @@ struct SwapIn {
         s.lru_out[H - 1 - (num_evictable + r_evict)] = slot;
       }
       if constexpr (kProtect) {
-        const bool prot = in && !hit && is_protected(s, held, newest);
+        const bool prot = in && !hit && is_protected<ProtectRecent, ProtectNear>(s, held, newest);
         int n_unprot = 0, n_prot = 0;
         const int r_unprot = t.rank(in && !hit && !prot, &n_unprot, s.warp_counts);
         const int r_prot = t.rank(prot, &n_prot, s.warp_counts);

@@ -2,7 +2,8 @@
 // step follows the top-k width K and the misses, not the hot-buffer size H.
 //
 // Same contract as SwapIn (csrc/hisparse.cuh): same outputs, same device_buffer_tokens, same bytes,
-// same miss plan and counters, and the same LRU policy, for the same inputs. What differs is where
+// same miss plan and counters, and the same policy (LRU, or the protected LRU of the template
+// arguments ProtectRecent = W, ProtectNear = S), for the same inputs. What differs is where
 // the residency and the LRU order live. Per request row rid, three tables (the "resident index"):
 //   * slot_of[rid, pos] (int16, [max_reqs, max_len], the columns of host_cache_locs): the hot slot
 //     holding C4 position pos, -1 when none. The inverse of device_buffer_tokens[rid, :H].
@@ -22,6 +23,16 @@
 // amortized). Stale entries are dropped by the head or by compaction, so no step reads more than
 // O(K) entries amortized. The fast path (n <= H) is SwapIn's and touches no table.
 //
+// Protected LRU: the walk from the head takes the unprotected non-hits (SwapIn's rule:
+// is_protected<W, S>) and passes over the protected ones, which stay in the LRU order where they
+// are; when too few unprotected ones remain, a second walk takes the protected ones in LRU order.
+// The protected slots passed over are the least recently used live entries, so after the appends
+// they move (order kept) to just before the walk's end and the head starts at them: the stale
+// entries of the walked range are dropped, and the next step's walk reads each protected slot at
+// the front once more but no stale entry again. Per step the walk reads the hits, the misses' slots,
+// the protected slots ahead of the last one taken (at most W + 2 S K, whatever H is; SwapIn's
+// rule costs each up to 2 S + 1 hash lookups) and stale entries dropped for good.
+//
 // Safe by construction: a slot, queue position or token outside its table is never followed; a
 // miss that finds no evictable entry gets no slot (-1), as in SwapIn. A corrupted index gives wrong
 // hits, never an out-of-bounds access. The index-check mode (SPARSEKV_CHECK_INDICES=1) runs SwapIn's
@@ -32,10 +43,15 @@
 
 namespace sparsekv::hisparse {
 
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 struct IndexedSwapIn {
+  // The scanning kernel's LRU instance: its hash table, row serving, fast path and finish (the
+  // protected policy's rule is its is_protected<W, S>; its protected scratch grows with H, not used here).
   using Base = SwapIn<K, H, BlockSize, Layout>;
   static_assert(2 * H < 65536, "hisparse_index: queue positions are 16-bit in the sort keys");
+  static_assert(ProtectRecent >= 0 && ProtectNear >= 0 && ProtectNear < 4096,
+                "hisparse_index: protect_recent must be >= 0 and protect_near in [0, 4096)");
+  static constexpr bool kProtect = ProtectRecent > 0 || ProtectNear > 0;
   static constexpr int kBlockSize = BlockSize;
   static constexpr int kHashBits = Base::kHashBits;
   static constexpr int kHashSize = Base::kHashSize;
@@ -64,7 +80,7 @@ struct IndexedSwapIn {
     int16_t evict_slot[K];          // slot the m-th miss takes, -1 none
     int32_t warp_counts[BlockSize / kWarpSize];
     int32_t copies;
-    int32_t new_head;
+    int32_t walked_end;  // the queue position after the last entry the misses' walk consumed
   };
   static_assert(sizeof(Shared) <= 227 * 1024, "hisparse_index: the per-request scratch exceeds 227 KiB of shared "
                                               "memory; lower num_top_k");
@@ -76,6 +92,23 @@ struct IndexedSwapIn {
 
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
   SPARSEKV_HOST_DEVICE static bool is_slot(int32_t slot) { return slot >= 0 && slot < H; }
+
+  // What the misses' walk finds at queue position j (slot: the entry's slot when live).
+  enum Entry : int { kPassed = 0, kEvictable = 1, kProtected = 2 };
+  SPARSEKV_HOST_DEVICE static Entry classify(const Shared& s, const int16_t* queue, const int32_t* pos,
+                                             const int32_t* tokens, int j, int tail, int64_t newest, int16_t* slot) {
+    *slot = j < tail ? queue[j] : int16_t(-1);
+    if (!is_slot(*slot) || pos[*slot] != j) return kPassed;  // stale: the slot's live entry is later
+    const int32_t held = tokens[*slot];
+    const int cell = held >= 0 ? lookup(s, held) : -1;
+    if (cell >= 0 && s.hash_slot[cell] == *slot) return kPassed;  // a hit: appended again in step 6
+    if constexpr (kProtect) {
+      if (Base::template is_protected<ProtectRecent, ProtectNear>(s, held, newest)) return kProtected;
+    } else {
+      (void)newest;
+    }
+    return kEvictable;
+  }
 
   // SwapIn's: padding, bad rows, rows of one request refused or served in batch order.
   SPARSEKV_HOST_DEVICE static void serve(const Params& p, int64_t b, const Team& t, Shared& s) {
@@ -120,6 +153,28 @@ struct IndexedSwapIn {
     }
     t.sync();
     return live < kQueue ? live : kQueue;
+  }
+
+  // Moves the live entries of [from, end) to the end of that range, keeping their order; returns where
+  // the first one lands. In place, from the back: an entry is written at or after where it was read,
+  // after its whole chunk was read (the rank's barrier).
+  SPARSEKV_HOST_DEVICE static int compact_to_end(int16_t* queue, int32_t* pos, int from, int end, const Team& t,
+                                                 Shared& s) {
+    int kept = 0;
+    for (int top = end; top > from; top -= t.size) {
+      const int j = top - 1 - t.tid;  // thread order runs from the back
+      const int16_t slot = j >= from ? queue[j] : int16_t(-1);
+      const bool keep = is_slot(slot) && pos[slot] == j;
+      int n = 0;
+      const int r = t.rank(keep, &n, s.warp_counts);
+      if (keep) {
+        queue[end - 1 - (kept + r)] = slot;
+        pos[slot] = end - 1 - (kept + r);
+      }
+      kept += n;
+    }
+    t.sync();
+    return end - kept;
   }
 
   // Ascending sort of s.hit_key[0, kSortSize) (padded with kSortPad): bitonic on the GPU.
@@ -177,7 +232,7 @@ struct IndexedSwapIn {
     }
     if (t.tid == 0) {
       s.copies = 0;
-      s.new_head = head;
+      s.walked_end = head;
     }
     t.sync();
     for (int i = t.tid; i < K; i += t.size) {
@@ -222,27 +277,41 @@ struct IndexedSwapIn {
     }
     t.sync();
 
-    // 4. The misses take the first live non-hit entries from the head, in queue (LRU) order.
+    // 4. The misses take the first live non-hit entries from the head, in queue (LRU) order; under a
+    //    protected policy the unprotected ones first, then, when too few, the protected ones. The
+    //    walk ends after the last entry taken (at the tail when too few): every entry it passed is
+    //    stale, a hit (appended again), a taken slot (appended as a miss) or a protected slot passed
+    //    over, which step 6 moves to just before the walk's end, where the new head starts.
     int taken = 0;
     for (int base = head; taken < num_misses && base < tail; base += t.size) {
       const int j = base + t.tid;
-      const int16_t slot = j < tail ? queue[j] : int16_t(-1);
-      bool evictable = is_slot(slot) && pos[slot] == j;
-      if (evictable) {
-        const int32_t held = tokens[slot];
-        const int cell = held >= 0 ? lookup(s, held) : -1;
-        evictable = !(cell >= 0 && s.hash_slot[cell] == slot);
-      }
+      int16_t slot;
+      const Entry entry = classify(s, queue, pos, tokens, j, tail, newest, &slot);
       int n = 0;
-      const int r = t.rank(evictable, &n, s.warp_counts);
-      if (evictable && taken + r < num_misses) {
+      const int r = t.rank(entry == kEvictable, &n, s.warp_counts);
+      if (entry == kEvictable && taken + r < num_misses) {
         s.evict_slot[taken + r] = slot;
-        if (taken + r == num_misses - 1) s.new_head = j + 1;
+        if (taken + r == num_misses - 1) s.walked_end = j + 1;
       }
       taken += n;
     }
     t.sync();
-    if (num_misses > 0 && taken < num_misses && t.tid == 0) s.new_head = tail;  // too few slots: all looked at
+    if (num_misses > 0 && taken < num_misses && t.tid == 0) s.walked_end = tail;  // too few: all looked at
+    if constexpr (kProtect) {
+      if (taken < num_misses) {  // every unprotected slot is taken: the protected ones, in LRU order
+        int found = 0;
+        for (int base = head; taken + found < num_misses && base < tail; base += t.size) {
+          const int j = base + t.tid;
+          int16_t slot;
+          const bool prot = classify(s, queue, pos, tokens, j, tail, newest, &slot) == kProtected;
+          int n = 0;
+          const int r = t.rank(prot, &n, s.warp_counts);
+          if (prot && taken + found + r < num_misses) s.evict_slot[taken + found + r] = slot;
+          found += n;
+        }
+        taken += found;
+      }
+    }
     t.sync();
     const int assigned = taken < num_misses ? taken : num_misses;
 
@@ -261,10 +330,12 @@ struct IndexedSwapIn {
       s.hash_slot[cell] = slot;
     }
 
-    // 6. Append the miss slots in miss order, then the hits in their old LRU order.
+    // 6. Append the miss slots in miss order, then the hits in their old LRU order; then the slots a
+    //    protected policy passed over move up to the walk's end (the rest of the walked range is stale
+    //    now), so the next step's walk does not pass the stale entries again.
     sort_hits(s, num_hits, t);
     t.sync();
-    const int new_head = s.new_head;
+    const int walked_end = s.walked_end;
     for (int m = t.tid; m < assigned; m += t.size) {
       const int16_t slot = s.evict_slot[m];
       queue[tail + m] = slot;
@@ -276,6 +347,8 @@ struct IndexedSwapIn {
       pos[slot] = tail + assigned + h;
     }
     t.sync();
+    int new_head = walked_end;
+    if constexpr (kProtect) new_head = compact_to_end(queue, pos, head, walked_end, t, s);
     if (t.tid == 0) {
       pos[H] = new_head;
       pos[H + 1] = tail + assigned + num_hits;
@@ -296,8 +369,8 @@ struct IndexedSwapIn {
 };
 
 #ifdef __CUDACC__
-template <int K, int H, int BlockSize, class Layout>
-int IndexedSwapIn<K, H, BlockSize, Layout>::run_on_cuda(const Params& p, void* stream) {
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
+int IndexedSwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>::run_on_cuda(const Params& p, void* stream) {
   return launch_per_request<IndexedSwapIn>(p, p.base.batch, stream);
 }
 #endif
@@ -351,7 +424,7 @@ void validate_resident_index(const P& p) {
   }
 }
 
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
 void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
                      TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
                      TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
@@ -386,7 +459,7 @@ void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, T
                   read(seq_lens, "seq_lens"), read(lru_slots, "lru_slots"), written(slot_of, "slot_of"),
                   written(queue, "queue"), written(queue_pos, "queue_pos")});
   using Base = SwapIn<K, H, BlockSize, Layout>;
-  using Kernel = IndexedSwapIn<K, H, BlockSize, Layout>;
+  using Kernel = IndexedSwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>;
   typename Kernel::Params p{};
   p.base = base;
   p.base.speculative = speculative;
@@ -414,27 +487,27 @@ void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, T
 
 // The entries, as SwapIn's: plain (every real row its own request) and speculative (rows of one
 // request served in batch order). The index tables follow lru_slots.
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 void load_cache_to_device_buffer_indexed(
     TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
     TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
     TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
     TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
     OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check) {
-  indexed_swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+  indexed_swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
                                            host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens,
                                            lru_slots, slot_of, queue, queue_pos, item_size_bytes, num_real_reqs,
                                            miss_src, miss_dst, miss_count, counters, index_check, false);
 }
 
-template <int K, int H, int BlockSize, class Layout>
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 void load_cache_to_device_buffer_indexed_speculative(
     TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
     TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
     TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
     TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
     OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check) {
-  indexed_swap_in<K, H, BlockSize, Layout>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
+  indexed_swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
                                            host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens,
                                            lru_slots, slot_of, queue, queue_pos, item_size_bytes, num_real_reqs,
                                            miss_src, miss_dst, miss_count, counters, index_check, true);

@@ -15,19 +15,28 @@ one import.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparsekv import env
-from sparsekv.checks import int_in, one_of
+from sparsekv.checks import int_in
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
+from sparsekv.jit_kernel.hisparse_index import ResidentIndex, indexed_module
+from sparsekv.jit_kernel.hisparse_params import (
+    LAYOUTS,
+    SHARED_MEMORY_LIMIT,
+    SWAP_IN_POLICIES,
+    WARP,
+    check_block_size,
+    check_protections,
+    default_block_size,
+    layout_type,
+    log2_ceil,
+    policy_protections,
+)
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
-
-if TYPE_CHECKING:
-    from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 
 __all__ = [
     "CHECK_ONLY",
@@ -54,29 +63,7 @@ __all__ = [
     "transfer_pages_dsv4_mla",
 ]
 
-#: Token layouts of the swap-in's caches: ``"generic"`` MLA rows, or ``"dsv4"`` C4 pages of V4 tokens.
-LAYOUTS = ("generic", "dsv4")
-#: Shared memory one block may use on sm_90 / sm_100 (227 KiB): the bound on the GPU path's scratch.
-SHARED_MEMORY_LIMIT = 227 * 1024
 _MAX_SLOTS = 32768  # slot ids are int16
-_MAX_PROTECT_NEAR = 4096  # the header's bound: 2 S + 1 table lookups per non-hit slot
-
-#: Replacement policies of the scanning swap-in: ``(protect_recent, protect_near)`` template
-#: arguments. ``"lru"`` is sglang's; the protected ones evict the non-hit slots whose token lies in
-#: the last ``protect_recent`` positions or within ``protect_near`` of a requested token only after
-#: every other one (the model: ``sparsekv.testing.hisparse_policy.swap_in_step``; the simulator's
-#: ``recent_lru`` and ``near_lru`` with the same numbers).
-SWAP_IN_POLICIES = {"lru": (0, 0), "recent_lru": (256, 0), "near_lru": (256, 16)}
-_WARP = 32
-
-
-def _log2_ceil(n: int) -> int:
-    return max(0, (n - 1).bit_length())
-
-
-def default_block_size(num_top_k: int) -> int:
-    """GPU threads per request: the power of two covering ``num_top_k``, clamped to ``[64, 1024]``."""
-    return min(1024, max(64, 1 << _log2_ceil(num_top_k)))
 
 
 def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, protected: bool = False) -> int:
@@ -88,21 +75,10 @@ def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, 
     the victim order, the protected slots, the victim ranks). ``tests/kernels/test_hisparse.py``
     pins it to the C++ ``sizeof``.
     """
-    cells = 1 << _log2_ceil(2 * num_top_k)
+    cells = 1 << log2_ceil(2 * num_top_k)
     arrays = 10 * cells + 2 * hot_buffer_size + 2 * num_top_k
     protect = -(-6 * hot_buffer_size // 4) * 4 if protected else 0
-    return protect + -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 4
-
-
-def _layout_type(family: str, layout: str, page_slots: int | None) -> str:
-    one_of(layout, "layout", LAYOUTS, owner=family)
-    if layout == "generic":
-        if page_slots is not None:
-            raise ValueError(f"sparsekv: {family} argument `page_slots` applies to layout 'dsv4' only, got "
-                             f"{page_slots!r} with layout 'generic'")
-        return "sparsekv::hisparse::LinearRows"
-    one_of(page_slots, "page_slots", C4_PAGE_SLOTS, owner=family)
-    return f"sparsekv::hisparse::Dsv4C4<{page_slots}>"
+    return protect + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 4
 
 
 def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
@@ -113,13 +89,8 @@ def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
     k = int_in(num_top_k, "num_top_k", 1, _MAX_SLOTS - 1, why="int16 slot ids", owner="hisparse")
     h = int_in(hot_buffer_size, "hot_buffer_size", k, _MAX_SLOTS - 1, why="at least num_top_k; int16 slot ids",
                owner="hisparse")
-    block = default_block_size(k) if block_size is None else block_size
-    if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
-        raise ValueError(f"sparsekv: hisparse argument `block_size` must be a multiple of 32 in [32, 1024], "
-                         f"got {block_size!r}")
-    recent = int_in(protect_recent, "protect_recent", 0, (1 << 30) - 1, owner="hisparse")
-    near = int_in(protect_near, "protect_near", 0, _MAX_PROTECT_NEAR - 1, why="2 S + 1 lookups per slot",
-                  owner="hisparse")
+    block = check_block_size("hisparse", block_size, k)
+    recent, near = check_protections("hisparse", protect_recent, protect_near)
     need = swap_in_shared_bytes(k, h, block, protected=recent > 0 or near > 0)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(
@@ -128,13 +99,13 @@ def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
             f"hot_buffer_size for a protected policy), over the "
             f"{SHARED_MEMORY_LIMIT} bytes (227 KiB) of shared memory a GPU block can have on sm_90/sm_100; "
             f"lower num_top_k or hot_buffer_size")
-    layout_type = _layout_type("hisparse", layout, page_slots)
-    return (k, h, block, layout_type) if recent == near == 0 else (k, h, block, layout_type, recent, near)
+    layout_struct = layout_type("hisparse", layout, page_slots)
+    return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
 
 
 def _complete_planned(*, layout: str = "generic", page_slots: int | None = None) -> tuple:
     """``CopyPlanned<Layout>`` arguments."""
-    return (_layout_type("hisparse_planned", layout, page_slots),)
+    return (layout_type("hisparse_planned", layout, page_slots),)
 
 
 SWAP_IN = register(
@@ -268,18 +239,6 @@ def swap_in_entry(module, speculative: bool):
     return module.load_cache_to_device_buffer_speculative if speculative else module.load_cache_to_device_buffer
 
 
-def policy_protections(policy: object) -> tuple[int, int]:
-    """``(protect_recent, protect_near)`` of ``policy``: a name in :data:`SWAP_IN_POLICIES`, or the pair
-    itself (two ints; their ranges are checked with the instance, before anything compiles);
-    else ``ValueError`` naming the argument."""
-    if isinstance(policy, tuple) and len(policy) == 2 and all(type(v) is int for v in policy):
-        return policy
-    if isinstance(policy, str) and policy in SWAP_IN_POLICIES:
-        return SWAP_IN_POLICIES[policy]
-    raise ValueError(f"sparsekv: hisparse argument `policy` must be one of {tuple(SWAP_IN_POLICIES)} or a "
-                     f"(protect_recent, protect_near) pair of ints, got {policy!r}")
-
-
 def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
           device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
           hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
@@ -288,13 +247,8 @@ def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, d
     if not isinstance(speculative, bool):
         raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
     protect_recent, protect_near = policy_protections(policy)
-    if resident_index is not None and (protect_recent, protect_near) != (0, 0):
-        raise ValueError(f"sparsekv: argument `policy` {policy!r} needs the scanning kernel (the indexed one, "
-                         "selected by `resident_index`, serves 'lru' only)")
     index = (None, None, None)
     if resident_index is not None:
-        from sparsekv.jit_kernel.hisparse_index import ResidentIndex  # it builds on this module
-
         if not isinstance(resident_index, ResidentIndex):
             raise TypeError(f"sparsekv: argument `resident_index` must be a ResidentIndex or None, got "
                             f"{type(resident_index).__name__}")
@@ -325,14 +279,13 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
                         counters=counters)
-    compiled = functools.partial(swap_in_module, protect_recent=protect_recent, protect_near=protect_near)
+    compiled = swap_in_module
     if index_slot_of is not None:
-        from sparsekv.jit_kernel.hisparse_index import indexed_module  # it builds on this module
-
         # The indexed entries take the index tables right after lru_slots.
         at = SWAP_IN_ARGS.index("lru_slots") + 1
         args[at:at] = [index_slot_of, index_queue, index_queue_pos]
         compiled = indexed_module
+    compiled = functools.partial(compiled, protect_recent=protect_recent, protect_near=protect_near)
 
     def entry(on: str):
         return swap_in_entry(compiled(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout,
@@ -444,8 +397,9 @@ def load_cache_to_device_buffer_mla(
         are not protected, then the protected ones (a token in the last 256 positions, and for
         ``"near_lru"`` one within 16 positions of a requested token), each group in LRU order; the
         LRU order is updated as for LRU; or any ``(protect_recent, protect_near)`` pair (each pair
-        compiles once). Scanning kernel only. ``tools/hisparse_sim.py`` compares them with Belady's
-        optimum.
+        compiles once). Either kernel, with the same results (the indexed one keeps its walk
+        ``O(K)``: :mod:`~sparsekv.jit_kernel.hisparse_index`). ``tools/hisparse_sim.py`` compares
+        them with Belady's optimum.
 
     Raises
     ------
@@ -457,8 +411,7 @@ def load_cache_to_device_buffer_mla(
         memory with any other argument (the message names both); a 0-dim optional tensor;
         ``H < K``; ``(K, H)`` whose per-request scratch exceeds the GPU's 227 KiB of shared memory
         (:func:`swap_in_shared_bytes`; raised before anything compiles); two real rows naming one
-        request without ``speculative`` (host-readable tables); an unknown ``policy``, or one other
-        than ``"lru"`` with ``resident_index``.
+        request without ``speculative`` (host-readable tables); an unknown ``policy``.
     IndexError
         With ``SPARSEKV_CHECK_INDICES=1``: an index the kernel would follow is out of range (checked
         before anything is written; ``ValueError`` for an LRU row that is not a permutation, a

@@ -5,7 +5,11 @@ buffer (``H`` slots) every step to find which of the ``K`` wanted tokens are res
 :class:`ResidentIndex` (its ``resident_index=`` argument), it runs the indexed kernel instead: hits
 are found by a direct map from C4 position to slot and the LRU order is a queue with lazy deletion,
 so a step reads ``O(K)`` table entries (amortized), whatever ``H`` is. Results are the scanning
-kernel's, bit for bit: same outputs, slot tokens, bytes, miss plan, counters and LRU order.
+kernel's, bit for bit: same outputs, slot tokens, bytes, miss plan, counters and LRU order, for
+every ``policy=`` (:data:`~sparsekv.jit_kernel.hisparse_params.SWAP_IN_POLICIES`). Under a protected
+policy the walk from the queue's head also passes over the protected slots at the front of the LRU
+order (at most ``W + 2 S K`` of them, whatever ``H`` is) and moves them up to where it stopped, so
+no stale entry is read twice.
 
 The index lives on the device next to ``device_buffer_tokens``, per request row (and per layer: one
 :class:`ResidentIndex` per layer), and costs :func:`resident_index_bytes` per request and layer:
@@ -28,7 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.checks import int_in
-from sparsekv.jit_kernel.hisparse import SHARED_MEMORY_LIMIT, _layout_type, default_block_size
+from sparsekv.jit_kernel.hisparse_params import (
+    SHARED_MEMORY_LIMIT,
+    WARP,
+    check_block_size,
+    check_protections,
+    layout_type,
+    log2_ceil,
+)
 from sparsekv.jit_kernel.registry import KernelFamily, register
 from sparsekv.kv_layout import resident_index_bytes
 
@@ -41,13 +52,8 @@ __all__ = [
     "resident_index_bytes",
 ]
 
-_WARP = 32
 #: Hot-buffer sizes must keep ``2 H`` queue positions below 2**16 (they share an int32 sort key with the slot).
 SORT_KEY_LIMIT = 32768
-
-
-def _log2_ceil(n: int) -> int:
-    return max(0, (n - 1).bit_length())
 
 
 def indexed_shared_bytes(num_top_k: int, block_size: int) -> int:
@@ -56,27 +62,26 @@ def indexed_shared_bytes(num_top_k: int, block_size: int) -> int:
     With ``T = 2 ** ceil(log2(2 K))`` hash cells and ``P = 2 ** ceil(log2 K)`` sort keys:
     ``align4(10 T + 4 P + 4 K) + 4 (BlockSize / 32) + 8``.
     """
-    cells = 1 << _log2_ceil(2 * num_top_k)
-    arrays = 10 * cells + 4 * (1 << _log2_ceil(num_top_k)) + 4 * num_top_k
-    return -(-arrays // 4) * 4 + 4 * (block_size // _WARP) + 8
+    cells = 1 << log2_ceil(2 * num_top_k)
+    arrays = 10 * cells + 4 * (1 << log2_ceil(num_top_k)) + 4 * num_top_k
+    return -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 8
 
 
 def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
-                      block_size: int | None = None) -> tuple:
-    """``IndexedSwapIn<K, H, BlockSize, Layout>`` arguments; the scanning kernel's checks, except that
-    the scratch does not grow with ``H`` (only its own bound applies)."""
+                      block_size: int | None = None, protect_recent: int = 0, protect_near: int = 0) -> tuple:
+    """``IndexedSwapIn<K, H, BlockSize, Layout[, W, S]>`` arguments; the scanning kernel's checks, except
+    that the scratch does not grow with ``H`` (only its own bound applies), for any policy."""
     k = int_in(num_top_k, "num_top_k", 1, SORT_KEY_LIMIT - 1, why="int16 slot ids", owner="hisparse_index")
     h = int_in(hot_buffer_size, "hot_buffer_size", k, SORT_KEY_LIMIT - 1,
                why="at least num_top_k; 2 * H queue positions below 2**16", owner="hisparse_index")
-    block = default_block_size(k) if block_size is None else block_size
-    if isinstance(block, bool) or not isinstance(block, int) or block % _WARP or not _WARP <= block <= 1024:
-        raise ValueError(f"sparsekv: hisparse_index argument `block_size` must be a multiple of 32 in [32, 1024], "
-                         f"got {block_size!r}")
+    block = check_block_size("hisparse_index", block_size, k)
     need = indexed_shared_bytes(k, block)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(f"sparsekv: hisparse_index num_top_k={k} needs {need} bytes of per-request scratch, over "
                          f"the {SHARED_MEMORY_LIMIT} bytes of shared memory a GPU block can have; lower num_top_k")
-    return k, h, block, _layout_type("hisparse_index", layout, page_slots)
+    recent, near = check_protections("hisparse_index", protect_recent, protect_near)
+    layout_struct = layout_type("hisparse_index", layout, page_slots)
+    return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
 
 
 INDEXED = register(
@@ -88,24 +93,33 @@ INDEXED = register(
                  "load_cache_to_device_buffer_speculative":
                      "sparsekv::hisparse::load_cache_to_device_buffer_indexed_speculative"},
         kernels=("sparsekv::hisparse::IndexedSwapIn",),
-        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size"),
+        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size", "protect_recent",
+                "protect_near"),
         complete=_complete_indexed,
         instances=(
             {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic"},
             {"num_top_k": 5, "hot_buffer_size": 7, "layout": "dsv4", "page_slots": 64},
             {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
             {"num_top_k": 1024, "hot_buffer_size": 2048, "layout": "dsv4", "page_slots": 64},
+            # near_lru: the test shape's scaled-down windows, and DSV4-Flash's.
+            {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic", "protect_recent": 3, "protect_near": 1},
+            {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64, "protect_recent": 256,
+             "protect_near": 16},
         ),
     )
 )
 
 
 def indexed_module(num_top_k: int, hot_buffer_size: int, *, is_dsv4_layout: bool = False,
-                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu"):
-    """The compiled indexed swap-in for ``(K, H)`` and a layout (``page_slots`` defaults to 64 for dsv4)."""
+                   page_slots: int | None = None, block_size: int | None = None, backend: str = "cpu",
+                   protect_recent: int = 0, protect_near: int = 0):
+    """The compiled indexed swap-in for ``(K, H)``, a layout (``page_slots`` defaults to 64 for dsv4) and
+    a policy (``protect_recent`` / ``protect_near``, as for the scanning kernel's module)."""
     values = {"layout": "dsv4", "page_slots": page_slots or 64} if is_dsv4_layout else {"layout": "generic"}
+    protect = {"protect_recent": protect_recent, "protect_near": protect_near} if protect_recent or protect_near \
+        else {}
     return INDEXED.module(num_top_k=num_top_k, hot_buffer_size=hot_buffer_size, block_size=block_size,
-                          backend=backend, **values)
+                          backend=backend, **values, **protect)
 
 
 @dataclass

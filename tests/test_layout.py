@@ -45,8 +45,6 @@ NOT_AT_IMPORT = [
 # Import circles not yet taken apart (issue 29): each names the modules of one circle. The test
 # fails on a new circle and on a listed one that is gone, so the list only shrinks.
 KNOWN_CIRCLES = {
-    # the indexed swap-in builds on the swap-in; the swap-in takes resident_index=
-    frozenset({"sparsekv.jit_kernel.hisparse", "sparsekv.jit_kernel.hisparse_index"}),
     # the PD processes of the demo take the request count from the command module
     frozenset({"sparsekv.cli.demo.command", "sparsekv.cli.demo.pd"}),
 }

@@ -108,7 +108,7 @@ class HiSparseCoordinator:
     swap_in_policy : str or tuple of int
         The swap-in's replacement policy (``policy=`` of the swap-in; default ``"lru"``):
         ``"recent_lru"``, ``"near_lru"`` or a ``(protect_recent, protect_near)`` pair select a
-        protected LRU, which needs the scanning kernel (no ``resident_index``).
+        protected LRU, with either kernel.
 
     Raises
     ------
@@ -171,12 +171,9 @@ class HiSparseCoordinator:
         collect_counters = as_bool(collect_counters, "collect_counters")
         resident_index = as_bool(resident_index, "resident_index")
         try:
-            protections = policy_protections(swap_in_policy)
+            policy_protections(swap_in_policy)
         except ValueError as e:
             raise ValueError(str(e).replace("argument `policy`", "argument `swap_in_policy`")) from None
-        if resident_index and protections != (0, 0):
-            raise ValueError(f"sparsekv: argument `swap_in_policy` {swap_in_policy!r} needs the scanning kernel; "
-                             "`resident_index` selects the indexed one, which serves 'lru' only")
         self.swap_in_policy = swap_in_policy
         if device_buffer_size < top_k:
             raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "

@@ -804,20 +804,25 @@ def test_rows_of_one_request_in_one_launch_do_not_depend_on_the_block_order(back
 
 
 # -- protected replacement policies ----------------------------------------------------------------
-# The test shape's protected instance (in the SWAP_IN table): the last 3 positions, and 1 either side
-# of a requested token, are evicted last. The model: swap_in_step(protect_recent=3, protect_near=1).
+# The test shape's protected instance (in the SWAP_IN and INDEXED tables): the last 3 positions, and 1
+# either side of a requested token, are evicted last. The model: swap_in_step(protect_recent=3,
+# protect_near=1). Each test runs the scanning kernel and the indexed one (resident index).
 PROTECT = (3, 1)
+KERNELS = pytest.mark.parametrize("indexed", [False, True], ids=["scanning", "indexed"])
 
 
+@KERNELS
 @settings(max_examples=scaled_examples(8), deadline=None)
 @given(data=st.data(), resident=st.booleans(), steps=st.integers(1, 6))
-def test_a_protected_policy_follows_its_model_bit_for_bit(backend, data, resident, steps):
+def test_a_protected_policy_follows_its_model_bit_for_bit(backend, indexed, data, resident, steps):
     w = world(backend, max_reqs=2, max_len=48)
     w.policy = PROTECT
     for rid, prefix in ((0, resident), (1, True)):
         w.reset_request(rid, resident=prefix)
         for pos in range(H if prefix else 0):  # the prefill's bytes in their slots
             w.place(rid, pos, pos)
+    if indexed:
+        w.use_resident_index()
     models = {rid: HotBuffer(tokens=w.device_buffer_tokens[rid, :H].tolist()) for rid in (0, 1)}
     n = data.draw(st.integers(H + 1, 30))
     for _ in range(steps):
@@ -829,7 +834,7 @@ def test_a_protected_policy_follows_its_model_bit_for_bit(backend, data, residen
             step = swap_in_step(models[rid], top_k[rid], n, protect_recent=PROTECT[0], protect_near=PROTECT[1])
             assert res["out"][rid].tolist() == locs(w, rid, step.slots)
             assert w.device_buffer_tokens[rid, :H].tolist() == models[rid].tokens
-            assert w.lru_slots[rid].tolist() == models[rid].lru
+            assert w.lru_order(rid) == models[rid].lru
             count = int(res["miss_count"][rid])
             assert count == len(step.misses)
             assert res["miss_dst"][rid, :count].tolist() == locs(w, rid, [s for _, s in step.misses])
@@ -844,39 +849,41 @@ def test_a_protected_policy_follows_its_model_bit_for_bit(backend, data, residen
 # misses, 14 and 15, at newest 23 (n = 24). LRU evicts slots 0 and 1. One position either side of a
 # requested token protects 20 (next to 21): slots 1 and 2. The last 3 positions (>= 20, the boundary
 # itself) protect 20 and 21: slots 1 and 2 too; the last 2 (>= 21) protect nothing that can go.
-PROTECTED_CASES = [("lru", [0, 1]), ((0, 1), [1, 2]), ((3, 0), [1, 2]), ((2, 0), [0, 1])]
+# PROTECT protects 20 both ways. The indexed kernel runs the table's policies (the rule itself is the
+# scanning kernel's function, each window alone is checked there).
+PROTECTED_CASES = [("lru", [0, 1]), ((0, 1), [1, 2]), ((3, 0), [1, 2]), ((2, 0), [0, 1]), (PROTECT, [1, 2])]
+KERNEL_CASES = [(False, *case) for case in PROTECTED_CASES] + \
+    [(True, *case) for case in PROTECTED_CASES if case[0] in ("lru", PROTECT)]
 
 
-@pytest.mark.parametrize("policy, victims", PROTECTED_CASES, ids=[str(p) for p, _ in PROTECTED_CASES])
-def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protected_one(backend, policy, victims):
+@pytest.mark.parametrize("indexed, policy, victims", KERNEL_CASES,
+                         ids=[f"{'indexed' if i else 'scanning'}-{p}" for i, p, _ in KERNEL_CASES])
+def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protected_one(backend, indexed, policy,
+                                                                                        victims):
     w = world(backend)
     w.policy = policy
     hold(w, 0, [20, 3, 7, 21, 8, 9, 10])
+    if indexed:
+        w.use_resident_index()
     res = w.swap_in([[21, 14, 15, -1, -1]], [0], [24], plan=True)
     assert res["miss_dst"][0, :2].tolist() == locs(w, 0, victims)
-    assert w.lru_slots[0].tolist() == [s for s in range(7) if s not in victims + [3]] + victims + [3]
+    assert w.lru_order(0) == [s for s in range(7) if s not in victims + [3]] + victims + [3]
 
 
 @pytest.mark.no_backend("argument checks before anything compiles")
 @pytest.mark.parametrize("policy, message", [("mru", "`policy` must be one of"), ((1, 2, 3), "`policy` must be one of"),
                                              ((0, 5000), "`protect_near` must be an int in [0, 4095] (2 S + 1 lookups"),
                                              ((-1, 0), "`protect_recent` must be an int in [0,")])
-def test_a_bad_policy_is_refused_before_writing(policy, message):
+@KERNELS
+def test_a_bad_policy_is_refused_before_writing(policy, message, indexed):
     w = world("cpu")
     w.policy = policy
+    if indexed:
+        w.use_resident_index()
     before = [t.clone() for t in (w.device_buffer_tokens, w.lru_slots, w.device_buffer)]
     with pytest.raises(ValueError, match=re.escape(message)):
         w.swap_in([[9, 10, 11, 12, 13]], [0], [30])
     assert all(torch.equal(a, b) for a, b in zip((w.device_buffer_tokens, w.lru_slots, w.device_buffer), before))
-
-
-@pytest.mark.no_backend("argument checks before anything compiles")
-def test_the_indexed_kernel_refuses_a_protected_policy():
-    w = world("cpu")
-    w.use_resident_index()
-    w.policy = "near_lru"
-    with pytest.raises(ValueError, match="`policy` 'near_lru' needs the scanning kernel"):
-        w.swap_in([[9, 10, 11, 12, 13]], [0], [30])
 
 
 @pytest.mark.no_backend("the policy table is Python")

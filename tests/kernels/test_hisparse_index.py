@@ -1,5 +1,6 @@
-"""The indexed swap-in (resident-token index): the scanning kernel's results over many steps, the
-index's agreement with ``device_buffer_tokens``, its bytes, the input contract of its extra tables.
+"""The indexed swap-in (resident-token index): the scanning kernel's results over many steps, for
+LRU and the protected LRU, the index's agreement with ``device_buffer_tokens``, its bytes, the input
+contract of its extra tables.
 
 The policy-level stateful check (admissions, growth, padding, finishes) runs the indexed kernel too:
 tests/kernels/test_hisparse_stateful.py.
@@ -27,24 +28,51 @@ from sparsekv.testing.strategies.hisparse import make_world
 
 K, H = 5, 7
 MAX_REQS, MAX_LEN = 3, 48
+# The protected LRU of the test shape (in both kernels' tables): the last 3 positions and 1 either
+# side of a requested token are evicted last.
+PROTECT = (3, 1)
+POLICIES = pytest.mark.parametrize("policy", ["lru", PROTECT], ids=["lru", "protected"])
 
 
-def twin_worlds(backend, is_dsv4_layout, seed):
-    """Two identical worlds; the second runs the indexed kernel."""
-    scan, indexed = (make_world(K, H, is_dsv4_layout=is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN, seed=seed,
-                                backend=backend) for _ in range(2))
+def twin_worlds(backend, is_dsv4_layout, seed, policy="lru", **shape):
+    """Two identical worlds under ``policy``; the second runs the indexed kernel. ``shape``: K, H,
+    block size and sizes other than the module's (``num_top_k``, ``hot``, ``block_size``, ``max_reqs``,
+    ``max_len``)."""
+    k, h = shape.get("num_top_k", K), shape.get("hot", H)
+    scan, indexed = (make_world(k, h, is_dsv4_layout=is_dsv4_layout, max_reqs=shape.get("max_reqs", MAX_REQS),
+                                max_len=shape.get("max_len", MAX_LEN), seed=seed, backend=backend)
+                     for _ in range(2))
     for w in (scan, indexed):
-        for rid in range(MAX_REQS):
+        w.policy, w.block_size = policy, shape.get("block_size")
+        for rid in range(w.max_reqs):
             w.reset_request(rid, resident=rid % 2 == 0)
     indexed.use_resident_index()
     return scan, indexed
 
 
+def step_both(scan, indexed, top_k, rows, lens, counters):
+    """One step on both worlds; everything the two kernels produce or change must be equal."""
+    a = scan.swap_in(top_k, rows, lens, plan=True, counters=counters[0])
+    b = indexed.swap_in(top_k, rows, lens, plan=True, counters=counters[1])
+    for name in ("out", "miss_count"):
+        assert torch.equal(a[name], b[name]), name
+    for row, n in enumerate(a["miss_count"].tolist()):
+        assert torch.equal(a["miss_src"][row, :n], b["miss_src"][row, :n])
+        assert torch.equal(a["miss_dst"][row, :n], b["miss_dst"][row, :n])
+    assert torch.equal(scan.device_buffer_tokens, indexed.device_buffer_tokens)
+    assert torch.equal(scan.device_buffer, indexed.device_buffer)
+    assert torch.equal(counters[0], counters[1])
+    for rid in range(scan.max_reqs):
+        assert indexed.lru_order(rid) == scan.lru_slots[rid].tolist()
+        assert indexed.resident_index.agrees_with(rid, indexed.device_buffer_tokens)
+
+
+@POLICIES
 @settings(max_examples=scaled_examples(6), deadline=None)
 @given(seed=st.integers(0, 2**16), is_dsv4_layout=st.booleans())
-def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, seed, is_dsv4_layout):
+def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, policy, seed, is_dsv4_layout):
     # 40 steps on a queue of 2H = 14 entries: compaction, head moves and stale entries all happen.
-    scan, indexed = twin_worlds(backend, is_dsv4_layout, seed)
+    scan, indexed = twin_worlds(backend, is_dsv4_layout, seed, policy)
     rng = random.Random(seed)
     seq = {0: 6, 1: 12, 2: 30}
     counters = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
@@ -54,20 +82,53 @@ def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, see
             seq[r] = min(MAX_LEN, seq[r] + rng.randint(0, 2))
         top_k = [[rng.choice([rng.randrange(seq[r]), rng.randrange(min(seq[r], H + 3)), -1, seq[r] - 1, seq[r]])
                   for _ in range(K)] for r in rows]
-        lens = [seq[r] for r in rows]
-        a = scan.swap_in(top_k, rows, lens, plan=True, counters=counters[0])
-        b = indexed.swap_in(top_k, rows, lens, plan=True, counters=counters[1])
-        for name in ("out", "miss_count"):
-            assert torch.equal(a[name], b[name]), name
-        for row, n in enumerate(a["miss_count"].tolist()):
-            assert torch.equal(a["miss_src"][row, :n], b["miss_src"][row, :n])
-            assert torch.equal(a["miss_dst"][row, :n], b["miss_dst"][row, :n])
-        assert torch.equal(scan.device_buffer_tokens, indexed.device_buffer_tokens)
-        assert torch.equal(scan.device_buffer, indexed.device_buffer)
-        assert torch.equal(counters[0], counters[1])
-        for rid in range(MAX_REQS):
-            assert indexed.lru_order(rid) == scan.lru_slots[rid].tolist()
-            assert indexed.resident_index.agrees_with(rid, indexed.device_buffer_tokens)
+        step_both(scan, indexed, top_k, rows, [seq[r] for r in rows], counters)
+
+
+# Several chunks of a 32-thread block per walk (queue 2H = 80 entries), top-k clustered around
+# recently asked positions and the newest ones, as decode top-k is: slots next to a requested token
+# and the last 10 positions are protected, so walks pass over protected slots, take protected ones
+# when too few others remain, and move the passed-over ones up to where they stopped.
+WIDE = dict(num_top_k=8, hot=40, block_size=32, max_reqs=2, max_len=400)
+
+
+@settings(max_examples=scaled_examples(3), deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_the_protected_walk_matches_the_scanning_kernel_over_block_sized_chunks(backend, seed):
+    scan, indexed = twin_worlds(backend, False, seed, (10, 2), **WIDE)
+    rng = random.Random(seed)
+    seq, asked = {0: 41, 1: 60}, {0: [], 1: []}
+    counters = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
+    for _ in range(60):
+        top_k = []
+        for r in (0, 1):
+            seq[r] += rng.randint(0, 2)
+            n = seq[r]
+            row = [rng.choice(asked[r]) + rng.randint(-1, 1) if asked[r] and rng.random() < 0.5 else
+                   n - 1 - rng.randint(0, 12) if rng.random() < 0.4 else rng.randrange(n) for _ in range(8)]
+            row = [min(max(t, 0), n - 1) for t in row]
+            asked[r] = (asked[r] + row)[-30:]
+            top_k.append(row)
+        step_both(scan, indexed, top_k, [0, 1], [seq[0], seq[1]], counters)
+
+
+@pytest.mark.parametrize("policy, head, victims", [("lru", 2, [0, 1]), (PROTECT, 2, [1, 2])],
+                         ids=["lru", "protected"])
+def test_a_protected_slot_passed_over_moves_up_to_where_the_walk_stopped(backend, policy, head, victims):
+    # Slots hold 20, 3, 7, 21, 8, 9, 10 (queue 0..6); 21 (slot 3) hits, 14 and 15 miss, newest 23.
+    # LRU takes slots 0 and 1: the head moves past them. PROTECT keeps slot 0 (20: among the last 3
+    # positions, next to 21) and takes 1 and 2; slot 0's entry moves from position 0 to 2, the new
+    # head, and positions 0 and 1 (stale now) are never read again.
+    _, w = twin_worlds(backend, False, 3, policy)
+    w.device_buffer_tokens[0, :H] = torch.tensor([20, 3, 7, 21, 8, 9, 10], dtype=torch.int32)
+    w.use_resident_index()
+    res = w.swap_in([[21, 14, 15, -1, -1]], [0], [24], plan=True)
+    assert res["miss_dst"][0, :2].tolist() == [int(w.device_buffer_locs[0, s]) for s in victims]
+    index = w.resident_index
+    assert index.queue_pos[0, H].item() == head and index.queue_pos[0, H + 1].item() == H + 3
+    order = [s for s in range(H) if s not in victims + [3]] + victims + [3]
+    assert index.queue[0, head:head + 1].tolist() == order[:1]
+    assert index.lru_order(0) == order
 
 
 def test_a_step_that_evicts_updates_the_index_in_the_same_launch(backend):

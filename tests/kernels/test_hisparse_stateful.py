@@ -15,8 +15,9 @@ must agree with
 
 and the bytes in every slot the step returned must be the host bytes of the token asked for, in
 the swap-in layer and in a second layer fed only by replaying the miss plan. The indexed kernel
-(resident-token index) runs the same machine: its LRU order is read from its queue, and its index
-must agree with the slot tokens after every step.
+(resident-token index) runs the same machine, under LRU and under the protected LRU (the model with
+the same windows): its LRU order is read from its queue, and its index must agree with the slot
+tokens after every step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla
+from sparsekv.jit_kernel.hisparse import copy_cache_planned_mla, policy_protections
 from sparsekv.kv_layout import C4_PAGE_SLOTS, DSV4_PAGE_SIZES
 from sparsekv.testing.backends import run_on_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
@@ -44,13 +45,18 @@ from sparsekv.testing.strategies.hisparse import make_world, random_bytes, top_k
 K, H = 5, 7
 MAX_REQS, MAX_LEN = 3, 48
 SIM_EXAMPLES = 5
+# The protected LRU of the test shape (in both kernels' tables): the last 3 positions and 1 either
+# side of a requested token are evicted last.
+PROTECT = (3, 1)
 
 
 class SwapInMachine(RuleBasedStateMachine):
-    def __init__(self, backend: str, page_slots: int | None, indexed: bool = False):
+    def __init__(self, backend: str, page_slots: int | None, indexed: bool = False, policy: object = "lru"):
         super().__init__()
         self.backend = backend
         self.indexed = indexed
+        self.policy = policy
+        self.protections = policy_protections(policy)
         self.page_slots = page_slots  # None: the generic layout
         self.is_dsv4_layout = page_slots is not None
         self.seq: dict[int, int] = {}
@@ -60,6 +66,7 @@ class SwapInMachine(RuleBasedStateMachine):
     def build(self, seed):
         self.world = make_world(K, H, is_dsv4_layout=self.is_dsv4_layout, max_reqs=MAX_REQS, max_len=MAX_LEN,
                                 seed=seed, page_slots=self.page_slots or 64, backend=self.backend)
+        self.world.policy = self.policy
         if self.indexed:
             self.world.use_resident_index()
         self.host2 = random_bytes(tuple(self.world.host_cache.shape), seed + 11)
@@ -127,7 +134,8 @@ class SwapInMachine(RuleBasedStateMachine):
 
         # Against the model's own state.
         for b, rid in enumerate(rows):
-            step = swap_in_step(self.model[rid], top_k[b], self.seq[rid])
+            step = swap_in_step(self.model[rid], top_k[b], self.seq[rid], protect_recent=self.protections[0],
+                                protect_near=self.protections[1])
             locs = self.world.device_buffer_locs[rid]
             assert res["out"][b].tolist() == [int(locs[s]) if s >= 0 else -1 for s in step.slots]
             assert self.world.device_buffer_tokens[rid, :H].tolist() == self.model[rid].tokens
@@ -183,8 +191,16 @@ def test_swap_in_state_machine(backend, page_slots):
 
 
 # The indexed kernel (resident-token index) under the same machine, on generic rows (its DSV4 paths
-# are compared with the scanning kernel's in tests/kernels/test_hisparse_index.py).
+# are compared with the scanning kernel's in tests/kernels/test_hisparse_index.py), with LRU and
+# with the protected LRU; the scanning kernel's protected LRU too.
 @pytest.mark.parametrize("page_slots", LAYOUTS[:1], ids=LAYOUT_IDS[:1])
-def test_indexed_swap_in_state_machine(backend, page_slots):
-    run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots, indexed=True),
+@pytest.mark.parametrize("policy", ["lru", PROTECT], ids=["lru", "protected"])
+def test_indexed_swap_in_state_machine(backend, page_slots, policy):
+    run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots, indexed=True, policy=policy),
+                              settings=machine_settings(backend))
+
+
+@pytest.mark.parametrize("page_slots", LAYOUTS[:1], ids=LAYOUT_IDS[:1])
+def test_protected_swap_in_state_machine(backend, page_slots):
+    run_state_machine_as_test(lambda: SwapInMachine(backend, page_slots, policy=PROTECT),
                               settings=machine_settings(backend))

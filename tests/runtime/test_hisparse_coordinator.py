@@ -25,6 +25,7 @@ from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
 from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
+from sparsekv.testing.hisparse_runtime import resident_index_disagreements as index_disagreements
 from sparsekv.testing.reference.hisparse import token_bytes, write_token
 
 TOP_K, HOT, LAYERS = 5, 7, 2
@@ -50,7 +51,8 @@ class RecordingStreams(CpuStreams):
 
 class World:
     def __init__(self, *, deferred: bool = False, size: int = 2048, host_pages: int | None = None,
-                 streams: CpuStreams | None = None, page_size: int = 256, swap_in_policy: str = "lru"):
+                 streams: CpuStreams | None = None, page_size: int = 256, swap_in_policy: str = "lru",
+                 resident_index: bool = False):
         self.pool = ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT, dtype=torch.int64))
         self.page_size = page_size
         self.slots = c4_page_slots(page_size)  # C4 slots per page, on the device and the host
@@ -61,7 +63,8 @@ class World:
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
                                          device_buffer_size=HOT, host_pool=host_pool,
                                          streams=streams if streams is not None else CpuStreams(deferred=deferred),
-                                         collect_counters=True, swap_in_policy=swap_in_policy)
+                                         collect_counters=True, swap_in_policy=swap_in_policy,
+                                         resident_index=resident_index)
         self.host = self.coord.mem_pool_host
         self.rng = random.Random(1234)
 
@@ -209,25 +212,27 @@ def test_staging_then_decode_swaps_in_the_right_bytes_and_frees_everything(defer
     w.check_all_free()
 
 
-def test_a_near_lru_coordinator_swaps_in_the_right_bytes_with_its_policy(monkeypatch):
+@pytest.mark.parametrize("resident_index", [False, True], ids=["scanning", "indexed"])
+def test_a_near_lru_coordinator_swaps_in_the_right_bytes_with_its_policy(monkeypatch, resident_index):
     from sparsekv.srt.managers import hisparse_coordinator
 
-    policies = []
+    calls = []
     swap_in = hisparse_coordinator.load_cache_to_device_buffer_dsv4_mla
 
     def spy(*args, **kwargs):
-        policies.append(kwargs["policy"])
+        calls.append((kwargs["policy"], kwargs["resident_index"] is not None))
         swap_in(*args, **kwargs)
 
     monkeypatch.setattr(hisparse_coordinator, "load_cache_to_device_buffer_dsv4_mla", spy)
-    w = World(swap_in_policy="near_lru")
+    w = World(swap_in_policy="near_lru", resident_index=resident_index)
     req = Req(0, 0, uid=31)
     w.prefill(req, 1100)  # 275 C4 entries, far more than the hot buffer
     w.coord.admit_request_into_staging(req)
     assert w.coord.collect_ready_reqs() == [req]
     loaded = sum(w.check_results(w.decode_step([req])) for _ in range(20))
     assert loaded > 0 and w.coord.read_counters()["misses"] > 0
-    assert policies and set(policies) == {"near_lru"}
+    assert calls and set(calls) == {("near_lru", resident_index)}
+    assert index_disagreements(w.coord) == []
     w.finish(req)
     w.check_all_free()
 
@@ -663,7 +668,6 @@ def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_
     ({"req_to_token_pool": ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT))}, TypeError, "req_to_token"),
     ({"allocator": object()}, TypeError, "allocator"),
     ({"swap_in_policy": "mru"}, ValueError, "`swap_in_policy` must be one of"),
-    ({"swap_in_policy": "near_lru", "resident_index": True}, ValueError, "`swap_in_policy` 'near_lru' needs the scan"),
 ])
 def test_coordinator_arguments_are_checked(change, error, match):
     w = World()

@@ -67,6 +67,8 @@ class Row:
 class HiSparseRuntime(RuleBasedStateMachine):
     #: Swap in through the resident-token index (the indexed kernel) instead of the scanning kernel.
     RESIDENT_INDEX = False
+    #: The swap-in's replacement policy (``swap_in_policy=``).
+    SWAP_IN_POLICY: object = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,7 +78,8 @@ class HiSparseRuntime(RuleBasedStateMachine):
         host_pool = DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, HOST_PAGES)
         self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
                                          device_buffer_size=HOT, host_pool=host_pool,
-                                         streams=CpuStreams(deferred=True), resident_index=self.RESIDENT_INDEX)
+                                         streams=CpuStreams(deferred=True), resident_index=self.RESIDENT_INDEX,
+                                         swap_in_policy=self.SWAP_IN_POLICY)
         self.host = self.coord.mem_pool_host
         self.rows: dict[int, Row] = {}
         self.staging_order: list[int] = []
@@ -586,3 +589,13 @@ class HiSparseRuntimeIndexed(HiSparseRuntime):
 TestHiSparseRuntimeIndexed = HiSparseRuntimeIndexed.TestCase
 TestHiSparseRuntimeIndexed.settings = settings(settings.default, max_examples=scaled_examples(3),
                                                stateful_step_count=100 if scaled_examples(10) > 10 else 40)
+
+
+class HiSparseRuntimeIndexedProtected(HiSparseRuntimeIndexed):
+    # The protected LRU at the machine's scale (the last 3 C4 positions, 1 either side of a requested
+    # one: near_lru's windows would protect every slot of a 7-slot buffer).
+    SWAP_IN_POLICY = (3, 1)
+
+
+TestHiSparseRuntimeIndexedProtected = HiSparseRuntimeIndexedProtected.TestCase
+TestHiSparseRuntimeIndexedProtected.settings = TestHiSparseRuntimeIndexed.settings

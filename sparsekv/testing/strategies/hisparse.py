@@ -42,6 +42,8 @@ class SwapInWorld:
     resident_index: object = None
     #: The swap-in's replacement policy (``policy=`` of the wrapper): a name or ``(protect_recent, protect_near)``.
     policy: object = "lru"
+    #: GPU threads per request (``block_size=`` of the wrapper); None: the default for ``num_top_k``.
+    block_size: int | None = None
 
     @property
     def is_dsv4_layout(self) -> bool:
@@ -109,7 +111,8 @@ class SwapInWorld:
                        seq_lens=torch.tensor(seq_lens, dtype=index_dtype), lru_slots=self.lru_slots,
                        counters=counters, **extra)
         run_on_backend(self.backend, fn, tensors, item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k,
-                       hot_buffer_size=self.hot, speculative=speculative, policy=self.policy, **layout)
+                       hot_buffer_size=self.hot, speculative=speculative, policy=self.policy,
+                       block_size=self.block_size, **layout)
         return dict(out=out, **{k: v for k, v in extra.items() if k not in ("slot_of", "queue", "queue_pos")})
 
     def reference(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
