@@ -25,6 +25,7 @@ from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
 from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
+from sparsekv.jit_kernel.triton import resolve_impl
 
 DSV4_COMPRESS_STORE = register(
     KernelFamily(
@@ -47,7 +48,7 @@ DSV4_COMPRESS_STORE = register(
 
 def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                         sources: torch.Tensor, writes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        target: StoreTarget) -> None:
+                        target: StoreTarget, *, impl: str = "auto") -> None:
     """One fused streaming step: pool + norm + RoPE + quantize + store every planned event, then the ring writes.
 
     Parameters
@@ -61,23 +62,35 @@ def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
         int64 ``[E]``, unique: each event's slot in ``target.cache``.
     target : StoreTarget
         The cache and the store's parameters.
+    impl : {"auto", "header", "triton"}
+        ``"header"``: ``csrc/dsv4_compress_store.cuh``; ``"triton"``: the Triton twin
+        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`, the ``V4`` cache only), on a GPU or, on
+        CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header.
 
     Raises
     ------
     TypeError, ValueError, IndexError
         As ``compress_extend`` and :func:`~sparsekv.jit_kernel.dsv4_store.norm_rope_store`; nothing is written.
     """
+    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
     _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
-                    target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind)
+                    target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind, impl)
 
 
 @kernel_op("compress_store", mutates_args=("state", "cache"))
 def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                     sources: torch.Tensor, writes: torch.Tensor, weight: torch.Tensor, eps: float,
                     positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
-                    rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str) -> None:
-    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+                    rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str, impl: str) -> None:
+    dsv4_store_instance(cache_kind)
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_compress_store as triton_compress_store
+
+        triton_compress_store.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions,
+                                             cache, slots, page_size, rope_cos, rope_sin, cache_kind)
+        return
+    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
                           page_size, rope_cos, rope_sin, torch.get_num_threads())
 

@@ -34,7 +34,7 @@ from triton.language.extra import libdevice
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 
-__all__ = ["AOT_KERNELS", "LAUNCH_OPTIONS", "compress_pool", "compress_pool_launch"]
+__all__ = ["AOT_KERNELS", "LAUNCH_OPTIONS", "check_inputs", "compress_pool", "compress_pool_launch"]
 
 #: Channels per program (at most; a narrower entry takes the next power of two above its width).
 BLOCK_D = 256
@@ -104,10 +104,8 @@ def compress_pool_kernel(kv_ptr, score_ptr, kv_stride, score_stride, ape_ptr, ou
     tl.store(out_ptr + i * d + c, pooled, mask=c < d)
 
 
-def check_pool_arguments(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int,
-                         out: torch.Tensor) -> int:
-    """The header entry ``compress_pool``'s checks, in its order (same exceptions and messages); ``d``."""
-    check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(out, "out"))
+def check_inputs(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int) -> int:
+    """``check_inputs`` of ``dsv4_compress.cuh`` (same exceptions and messages): returns ``d``."""
     if ratio not in (4, 128):
         raise ValueError(f"sparsekv: argument `ratio` must be 4 or 128, got {ratio}")
     coff = 2 if ratio == 4 else 1
@@ -119,7 +117,14 @@ def check_pool_arguments(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
                          f"got shape [{kv.shape[0]}, {kv.shape[1]}]")
     check(ape, "ape").dtype(torch.float32).ndim(2).contiguous().same_device(kv, "kv")
     check(ape, "ape").size(0, ratio, "ratio").size(1, kv.shape[1], "width of kv")
-    d = kv.shape[1] // coff
+    return kv.shape[1] // coff
+
+
+def check_pool_arguments(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int,
+                         out: torch.Tensor) -> int:
+    """The header entry ``compress_pool``'s checks, in its order (same exceptions and messages); ``d``."""
+    check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(out, "out"))
+    d = check_inputs(kv, score, ape, ratio)
     check(out, "out").dtype(torch.float32).ndim(2).contiguous().same_device(kv, "kv")
     check(out, "out").size(0, kv.shape[0] // ratio, "T // ratio").size(1, d, "d")
     return d

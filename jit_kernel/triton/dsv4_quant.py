@@ -28,7 +28,7 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, page_shift, read, row_stride, written
 from sparsekv.kv_layout import V4
 
-__all__ = ["AOT_KERNELS", "check_quantize_arguments", "quantize_fp8_ds_mla"]
+__all__ = ["AOT_KERNELS", "check_paged_cache", "check_quantize_arguments", "quantize_fp8_ds_mla"]
 
 DIM = 512
 NUM_WARPS = 2
@@ -174,6 +174,11 @@ def check_quantize_arguments(x, cache, slots, page_size, layout=V4, dim=DIM):
     check(x, "x").dtype(torch.float32, torch.bfloat16)
     check(x, "x").ndim(2).size(1, dim, "head dim").rows_dense().same_device(cache, "cache")
     check(slots, "slots").ndim(1).size(0, x.shape[0], "rows of x")
+    return check_paged_cache(cache, slots, page_size, layout)
+
+
+def check_paged_cache(cache, slots, page_size, layout):
+    """The header's ``check_paged_cache<L>`` with unique slots, in its order; returns (page_shift, num_slots)."""
     shift = page_shift(page_size, "page_size")
     check(cache, "cache").dtype(torch.uint8).ndim(2).rows_dense()
     check(cache, "cache").size(1, layout.page_bytes(page_size), "page bytes for page_size")

@@ -158,7 +158,8 @@ class CompressorState:
     def extend(self, request_ids: Sequence[int], rings: Sequence[Sequence[int]], starts: Sequence[int],
                kv: torch.Tensor, score: torch.Tensor, ring_span: int | None = None,
                lengths: Sequence[int] | None = None, store: StoreTarget | None = None,
-               entry_slots: Callable[[int, int], int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+               entry_slots: Callable[[int, int], int] | None = None,
+               impl: str = "auto") -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed a ragged batch of chunks; return the entries they complete.
 
         Parameters
@@ -182,6 +183,9 @@ class CompressorState:
         entry_slots : callable or None
             With ``store``: ``entry_slots(b, anchor)`` is the cache slot of request ``b``'s entry
             anchored at ``anchor`` (for a pool: ``full_loc(position anchor + m - 1) // m``).
+        impl : {"auto", "header", "triton"}
+            With ``store``: the implementation of the fused kernel
+            (:func:`~sparsekv.jit_kernel.dsv4_compress_store.compress_store_step`).
 
         Returns
         -------
@@ -222,7 +226,7 @@ class CompressorState:
         if self.online:
             entries, anchors = self._plan_online(rings, starts, lengths, kv, score, ring_span)
         else:
-            entries, anchors = self._plan_raw(rings, starts, lengths, kv, score, ring_span, store, entry_slots)
+            entries, anchors = self._plan_raw(rings, starts, lengths, kv, score, ring_span, store, entry_slots, impl)
         for prog, s, n in zip(progress, starts, lengths):
             prog.valid = s + n
             prog.high = max(prog.high, prog.valid)
@@ -239,7 +243,7 @@ class CompressorState:
                              f"({self.state.shape[0] // self.ring_size} rings of {self.ring_size} rows)")
         return ring * self.ring_size + pos % self.ring_size
 
-    def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots):
+    def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots, impl):
         m, win = self.ratio, window(self.ratio)
         sources, writes, anchors, slot_ids = [], [], [], []
         row0 = 0
@@ -268,7 +272,8 @@ class CompressorState:
         host_anchors = torch.tensor(anchors, dtype=torch.int64)  # returned from the host: no device read-back
         if store is not None:
             slots = torch.tensor(slot_ids, dtype=torch.int64, device=device)
-            compress_store_step(kv, score, self.ape, m, self.state, src, wr, host_anchors.to(device), slots, store)
+            compress_store_step(kv, score, self.ape, m, self.state, src, wr, host_anchors.to(device), slots, store,
+                                impl=impl)
             return None, host_anchors
         out = torch.empty(src.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=device)
         compress_extend(kv, score, self.ape, m, self.state, src, wr, out)

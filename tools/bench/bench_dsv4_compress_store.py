@@ -22,10 +22,19 @@ fused pass) and **1** for a prefill chunk (plus a ring tail of at most ``ring_si
 unfused path is 3 (pool -> float entries -> store). Each row reports the bytes and the implied H200
 time at 4.8 TB/s (``h200_us``) and H100 time at 3.35 TB/s (``h100_us``) for the fused path.
 
+Each row also times the Triton twin of the fused step (``impl="triton"``, V4; its bytes checked
+against the header's first where the pooled entries agree): on the GPU with CUDA events
+(``triton_ms``); on the cpu backend under the Triton interpreter (``TRITON_INTERPRET=1``, set here
+before triton is imported), which is NOT speed, one sample over the first 256 tokens of the 4k cases
+(``triton_interpreted_ms``).
+
 Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -34,7 +43,7 @@ from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_pool, nor
 from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, timer
+from sparsekv.testing.bench import kernel_sweep, time_call, timer
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
@@ -45,6 +54,7 @@ ROPE = RopeParams(160000, 16, 65536, 32, 1)
 PAGE = 64
 CASES = tuple((t, ratio) for t in (4096, 65536) for ratio in (4, 128))
 QUICK_CASES = ((4096, 4), (4096, 128))
+INTERPRETED_TOKENS = 256
 
 
 def _paper(t: int, ratio: int) -> dict:
@@ -76,9 +86,10 @@ def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     target = StoreTarget(cache, weight, 1e-6, PAGE, rope)
     idx = torch.arange(entries, device=device)
 
-    def fused():
+    def fused(impl="header", tokens=t, into=target):
         comp = CompressorState(state, ape, ratio, ring_size=ring)
-        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // ratio)
+        comp.extend([0], [[1]], [0], kv[:tokens], score[:tokens], store=into, impl=impl,
+                    entry_slots=lambda _b, anchor: anchor // ratio)
 
     def two_pass():
         out = compress_pool(kv, score, ape, ratio)
@@ -92,9 +103,25 @@ def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     ours = time_it(fused, repeats=repeats)
     unfused = time_it(two_pass, repeats=repeats)
     base = time_it(torch_fp32, repeats=repeats)
-    return {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
-            "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
-            "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+    row = {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
+           "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
+           "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+    tokens = t
+    if backend == "cpu":  # the twin runs on CPU tensors only under the interpreter, read when triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if t > 4096:
+            return row
+        tokens = INTERPRETED_TOKENS  # seconds per call at 4k tokens: a prefix, one sample, not speed
+    caches = {impl: torch.zeros_like(cache) for impl in ("header", "triton")}
+    for impl, into in caches.items():
+        fused(impl, tokens, StoreTarget(into, weight, 1e-6, PAGE, rope))
+    entries = [compress_pool(kv[:tokens], score[:tokens], ape, ratio, impl=impl) for impl in ("header", "triton")]
+    if torch.equal(*entries) and not torch.equal(caches["header"], caches["triton"]):
+        raise SystemExit(f"bench_dsv4_compress_store: the Triton bytes differ from the header's at C{ratio}")
+    triton = functools.partial(fused, "triton", tokens)
+    if backend == "cpu":
+        return dict(row, triton_interpreted_ms=time_call(triton, repeats=1, warmup=0, min_time_s=0.0).median_s * 1e3)
+    return dict(row, triton_ms=time_it(triton, repeats=repeats).median_s * 1e3)
 
 
 def main() -> None:
@@ -103,6 +130,9 @@ def main() -> None:
                  baseline="float32 torch reference (pool, then store)", cases=CASES, quick_cases=QUICK_CASES,
                  run_case=run_case,
                  notes=dict(hbm_round_trips_fused=2, hbm_round_trips_unfused=3,
+                            triton_timing=f"cuda backend: triton_ms, CUDA events; cpu backend: "
+                                          f"triton_interpreted_ms, the Triton interpreter on the first "
+                                          f"{INTERPRETED_TOKENS} tokens of the 4k cases, one sample, NOT speed",
                             h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S),
                  plot=dict(label_key="case", value_keys=("speedup",), ylabel="speedup over float32 torch"),
                  threaded=True)

@@ -1,0 +1,339 @@
+"""Triton twin of ``compress_store`` (``csrc/dsv4_compress_store.cuh``): a streaming step of the
+compressor's raw ring fused with the store, for the main cache (``V4``, 584-byte ``fp8_ds_mla``).
+
+Same contract as the header entry behind
+:func:`sparsekv.jit_kernel.dsv4_compress_store.compress_store_step` (which calls
+:func:`compress_store` here for ``impl="triton"``), and the same stored bytes: one program per event
+pools its window from the input rows and the ring (the event table's sources, as ``compress_extend``),
+rounds the entry to bf16, then RMSNorm, RoPE and the V4 quantizer, and stores the token; a second
+launch writes the new ring rows after every event has read the ring as it was.
+
+Exactness. The pooled floats follow :mod:`sparsekv.jit_kernel.triton.dsv4_compress` (the header's
+order of explicitly rounded steps; its exponential is libdevice's ``expf`` on a GPU, numpy's under
+the interpreter). Everything after pooling is rounded as the header writes it and reproduced
+exactly: the mean square in the team order of ``lane_reduce.h`` (each of 32 virtual lanes folds
+channels ``l + 32 k`` in ``k`` order, then an xor butterfly 16, 8, 4, 2, 1, here as pairwise sums of
+halves), ``1 / sqrt(ms + eps)`` as an IEEE square root then division, the bf16 roundings, RoPE's
+products and sums (FMA contraction off), and the quantizer of :mod:`~sparsekv.jit_kernel.triton.dsv4_quant`
+(integer arithmetic on the bits). So the stored bytes equal the header's whenever the pooled entry
+does: always on a GPU (same ``expf``), and under the interpreter for every entry whose pooled floats
+agree (the tests compare the twin's bytes with the header's store of the twin's own entries, and
+with the header's bytes where the pooled entries agree).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.jit_kernel.triton import interpreting
+from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
+from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
+from sparsekv.jit_kernel.triton.dsv4_quant import check_paged_cache, float_to_bf16, store_v4_token
+from sparsekv.kv_layout import V4
+
+__all__ = ["AOT_KERNELS", "CACHE_KINDS", "compress_store"]
+
+#: The cache kinds the twin stores (the indexer kinds stay on the header).
+CACHE_KINDS = {"V4": 512}
+ROPE_PAIRS = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _bf16_to_float(bits):
+    """bf16 bits (any int type, low 16 bits) -> float32, exactly."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(x):
+    """``x`` rounded to the nearest bf16 (ties to even, NaN kept), as float32 (``round_bf16`` of the headers)."""
+    return _bf16_to_float(float_to_bf16(x))
+
+
+@triton.jit
+def _slot_rows(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr, num_ring_rows, src, half, c, d,
+               COFF: tl.constexpr, RING_BF16: tl.constexpr):
+    """kv and score of channels ``half + c`` of the row a slot names (``src >= 0``: input row ``src``;
+    ``src <= -2``: ring row ``-src - 2``), and whether it names one (``slot_rows`` of the header). A bf16
+    ring rounds input rows to bf16 too."""
+    is_input = (src >= 0) & (src < num_inputs)
+    ring_row = -src - 2
+    is_ring = (src <= -2) & (ring_row < num_ring_rows)
+    # Masks as bounds times a 0/1 flag: the interpreter's `&` of a scalar and a block is no mask.
+    from_input = c < d * tl.where(is_input, 1, 0)
+    from_ring = c < d * tl.where(is_ring, 1, 0)
+    row = tl.where(is_input, src, 0)
+    kv = tl.load(kv_ptr + row * kv_stride + half + c, mask=from_input, other=0.0)
+    score = tl.load(score_ptr + row * score_stride + half + c, mask=from_input, other=0.0)
+    at = tl.where(is_ring, ring_row, 0) * (2 * COFF * d) + half + c
+    if RING_BF16:
+        kv = tl.where(is_input, _round_bf16(kv), _bf16_to_float(tl.load(ring_ptr + at, mask=from_ring, other=0)))
+        score = tl.where(is_input, _round_bf16(score),
+                         _bf16_to_float(tl.load(ring_ptr + at + COFF * d, mask=from_ring, other=0)))
+    else:
+        kv = tl.where(is_input, kv, tl.load(ring_ptr + at, mask=from_ring, other=0.0))
+        score = tl.where(is_input, score, tl.load(ring_ptr + at + COFF * d, mask=from_ring, other=0.0))
+    return kv, score, is_input | is_ring
+
+
+@triton.jit
+def _slot_half(j, d, RATIO: tl.constexpr):
+    """Channel offset of slot ``j``'s half (C4: ``d`` for slots 4-7) and its row of ``ape``."""
+    if RATIO == 4:
+        return tl.where(j >= 4, d, 0), j & 3
+    else:
+        return j * 0, j
+
+
+@triton.jit
+def _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows, sources_ptr, e,
+          j, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr):
+    """Slot ``j`` of event ``e`` on channels ``c``: its kv, its logit ``score + ape`` and whether the source
+    table names a row for it."""
+    WINDOW: tl.constexpr = 8 if RATIO == 4 else RATIO
+    COFF: tl.constexpr = 2 if RATIO == 4 else 1
+    src = tl.load(sources_ptr + e * WINDOW + j)
+    half, ape_row = _slot_half(j, d, RATIO)
+    kv, score, ok = _slot_rows(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr, num_ring_rows, src,
+                               half, c, d, COFF, RING_BF16)
+    return kv, score + tl.load(ape_ptr + ape_row * (COFF * d) + half + c), ok
+
+
+@triton.jit
+def _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
+                sources_ptr, e, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """Event ``e``'s entry on channels ``c`` (any shape): the header's ``pool_tile`` over the slots its
+    row of the source table names, in slot order, every step rounded as written."""
+    WINDOW: tl.constexpr = 8 if RATIO == 4 else RATIO
+    m = tl.full(c.shape, float("-inf"), tl.float32)
+    for j in range(WINDOW):
+        _, logit, ok = _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
+                             num_ring_rows, sources_ptr, e, j, c, d, RATIO, RING_BF16)
+        m = tl.where(ok & (logit > m), logit, m)
+    total = tl.zeros(c.shape, tl.float32)
+    acc = tl.zeros(c.shape, tl.float32)
+    for j in range(WINDOW):
+        kv, logit, ok = _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
+                              num_ring_rows, sources_ptr, e, j, c, d, RATIO, RING_BF16)
+        w = tl.where(ok, _exp(logit - m, NATIVE), 0.0)  # a masked slot adds +0.0: the header skips it
+        total = total + w
+        acc = acc + w * kv
+    return tl.where(total > 0.0, tl.div_rn(acc, tl.where(total > 0.0, total, 1.0)), 0.0)
+
+
+@triton.jit
+def _row_of(tile, k, ROWS: tl.constexpr):
+    """Row ``k`` of a 2-D tile, exactly (sign of zero included: -0.0 is the additive identity)."""
+    return tl.sum(tl.where(tl.arange(0, ROWS)[:, None] == k, tile, -0.0), 0)
+
+
+@triton.jit
+def _rms_inverse(x, eps, DIM: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` of a ``DIM``-wide row, summed in the team order of ``lane_reduce.h``."""
+    K: tl.constexpr = DIM // 32
+    squares = tl.reshape(x * x, (K, 32))  # [k, l] is channel l + 32 k
+    partial = tl.zeros((32,), tl.float32)
+    for k in tl.static_range(K):
+        partial = partial + _row_of(squares, k, K)
+    partial = tl.sum(tl.reshape(partial, (2, 16)), 0)  # the butterfly: lane l + lane l ^ 16, ...
+    partial = tl.sum(tl.reshape(partial, (2, 8)), 0)
+    partial = tl.sum(tl.reshape(partial, (2, 4)), 0)
+    partial = tl.sum(tl.reshape(partial, (2, 2)), 0)
+    ms = tl.div_rn(tl.sum(partial, 0), tl.full((), DIM, tl.float32))
+    return tl.div_rn(tl.full((), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def _rope(y, cos_ptr, sin_ptr, pos, ROWS: tl.constexpr):
+    """RoPE of every 64-wide row of ``y`` (``[ROWS, 64]``) by the table's angles at ``pos`` (a row of the
+    table): interleaved pairs, ``(a c - b s, a s + b c)``, each rounded to bf16 (the caller keeps the last row)."""
+    pair = tl.arange(0, 32)
+    c = tl.load(cos_ptr + pos * 32 + pair)
+    s = tl.load(sin_ptr + pos * 32 + pair)
+    a, b = tl.split(tl.reshape(y, (ROWS, 32, 2)))
+    rotated = tl.join(_round_bf16(a * c[None, :] - b * s[None, :]), _round_bf16(a * s[None, :] + b * c[None, :]))
+    return tl.reshape(rotated, (ROWS, 64))
+
+
+@triton.jit
+def compress_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
+                             num_ring_rows, sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr,
+                             rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
+                             RATIO: tl.constexpr, RING_BF16: tl.constexpr, PACKED: tl.constexpr,
+                             NATIVE: tl.constexpr):
+    """Event ``e``: pool, bf16, RMSNorm, RoPE, quantize, store into ``slots[e]`` (``CompressStore<V4>``)."""
+    e = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + e)
+    pos = tl.load(positions_ptr + e)
+    # Outside the cache or the RoPE table: nothing is stored (the work is done on slot 0, position 0).
+    valid = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
+    slot = tl.where(valid, slot, 0)
+    pos = tl.where(valid, pos, 0)
+    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [8, 64]: channel 64 r + q
+    x = _round_bf16(_pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
+                                num_ring_rows, sources_ptr, e, c, 512, RATIO, RING_BF16, NATIVE))
+    inv = _rms_inverse(x, eps, 512)
+    y = _round_bf16((x * inv) * tl.load(weight_ptr + c))
+    rope = _row_of(_rope(y, cos_ptr, sin_ptr, pos, 8), 7, 8)
+    page = slot >> page_shift
+    in_page = slot & ((1 << page_shift) - 1)
+    value_off = page * page_stride + in_page * 576
+    scale_off = page * page_stride + (1 << page_shift) * 576 + in_page * 8
+    store_v4_token(cache_ptr, value_off, scale_off, y, rope, valid, PACKED)
+
+
+@triton.jit
+def ring_write_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr, num_ring_rows, writes_ptr,
+                      width, RING_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Write ``i``: input row ``writes[i, 0]`` into ring row ``writes[i, 1]`` as ``[kv | score]`` (``RingWrite``)."""
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(writes_ptr + 2 * i)
+    dst = tl.load(writes_ptr + 2 * i + 1)
+    ok = (src >= 0) & (src < num_inputs) & (dst >= 0) & (dst < num_ring_rows)
+    src = tl.where(ok, src, 0)
+    dst = tl.where(ok, dst, 0)
+    on = tl.where(ok, 1, 0)  # a bound times `on`: the interpreter's `&` of a scalar and a block is no mask
+    for c0 in range(0, width, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        mask = c < width * on
+        kv = tl.load(kv_ptr + src * kv_stride + c, mask=mask, other=0.0)
+        score = tl.load(score_ptr + src * score_stride + c, mask=mask, other=0.0)
+        row = ring_ptr + dst * 2 * width
+        if RING_BF16:
+            tl.store(row + c, float_to_bf16(kv).to(tl.int16), mask=mask)
+            tl.store(row + width + c, float_to_bf16(score).to(tl.int16), mask=mask)
+        else:
+            tl.store(row + c, kv, mask=mask)
+            tl.store(row + width + c, score, mask=mask)
+
+
+def _check_extend(kv, score, ape, ratio, state, sources, writes):
+    """``check_extend`` of ``dsv4_compress.cuh``: returns ``(d, ring_bf16)``."""
+    d = check_inputs(kv, score, ape, ratio)
+    width = kv.shape[1]
+    ring_bf16 = state.dtype == torch.bfloat16
+    if not ring_bf16:
+        check(state, "state").dtype(torch.float32)
+    check(state, "state").ndim(2).contiguous().same_device(kv, "kv").size(1, 2 * width, "2 x width of kv")
+    check(sources, "sources").dtype(torch.int64).ndim(2).contiguous().same_device(kv, "kv")
+    check(sources, "sources").size(1, 8 if ratio == 4 else ratio, "window slots")
+    check(writes, "writes").dtype(torch.int64).ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs")
+    ring_rows = state.shape[0]
+    if kv.device.type != "cuda":
+        for k, v in enumerate(sources.flatten().tolist()):
+            if v >= kv.shape[0] or (v <= -2 and -v - 2 >= ring_rows):
+                raise IndexError(f"sparsekv: argument `sources` entry {k} = {v} names a row outside kv "
+                                 f"({kv.shape[0]}) or state ({ring_rows})")
+        for k, (a, b) in enumerate(writes.tolist()):
+            if a < 0 or a >= kv.shape[0] or b < 0 or b >= ring_rows:
+                raise IndexError(f"sparsekv: argument `writes` pair {k} = ({a}, {b}) is outside kv or state")
+    return d, ring_bf16
+
+
+def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin):
+    """``check_store<Kind>`` of ``dsv4_store.cuh`` (the V4 layout): returns ``(page_shift, num_slots)``."""
+    check(weight, "weight").dtype(torch.float32).ndim(1).size(0, dim, "head dim").contiguous()
+    check(weight, "weight").same_device(cache, "cache")
+    check(positions, "positions").dtype(torch.int64).ndim(1).contiguous().size(0, entries, "entries")
+    check(positions, "positions").same_device(cache, "cache")
+    check(slots, "slots").ndim(1).size(0, entries, "entries")
+    pairs = "rope pairs (64 / 2)"
+    check(rope_cos, "rope_cos").dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, pairs)
+    check(rope_cos, "rope_cos").same_device(cache, "cache")
+    check(rope_sin, "rope_sin").dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, pairs)
+    check(rope_sin, "rope_sin").same_device(cache, "cache").size(0, rope_cos.shape[0], "max positions of rope_cos")
+    if positions.device.type != "cuda":
+        for n, pos in enumerate(positions.tolist()):
+            if pos < 0 or pos >= rope_cos.shape[0]:
+                raise IndexError(f"sparsekv: argument `positions`[{n}] gives RoPE position {pos}, outside the RoPE "
+                                 f"table [0, {rope_cos.shape[0]})")
+    if not eps >= 0.0:
+        raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")  # as C++ streams a double
+    return check_paged_cache(cache, slots, page_size, V4)
+
+
+def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache,
+                                   slots, page_size, rope_cos, rope_sin, cache_kind):
+    """The header entry ``compress_store<Kind>``'s checks, in its order (same exceptions and messages);
+    returns ``(d, ring_bf16, page_shift, num_slots)``."""
+    check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                   read(sources, "sources"), read(writes, "writes"), read(weight, "weight"),
+                   read(positions, "positions"), written(cache, "cache"), read(slots, "slots"),
+                   read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
+    d, ring_bf16 = _check_extend(kv, score, ape, ratio, state, sources, writes)
+    dim = CACHE_KINDS[cache_kind]
+    if d != dim:
+        raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
+    shift, num_slots = _check_store(sources.shape[0], dim, weight, eps, positions, cache, slots, page_size, rope_cos,
+                                    rope_sin)
+    check(cache, "cache").same_device(kv, "kv")
+    return d, ring_bf16, shift, num_slots
+
+
+def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size,
+                   rope_cos, rope_sin, cache_kind):
+    """Check (:func:`check_compress_store_arguments`), pool + store every event, then write the ring rows.
+
+    The body of the ``sparsekv::compress_store`` op for ``impl="triton"``.
+
+    Raises
+    ------
+    ValueError
+        ``cache_kind`` other than ``"V4"`` (the indexer kinds have no twin), or any refusal of the header.
+    """
+    if cache_kind not in CACHE_KINDS:
+        raise ValueError(f"sparsekv: argument `cache_kind` {cache_kind!r} has no Triton twin of the fused "
+                         f"compress-store (it stores {sorted(CACHE_KINDS)}); use impl='header'")
+    d, ring_bf16, shift, num_slots = check_compress_store_arguments(
+        kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size, rope_cos,
+        rope_sin, cache_kind)
+    ring = state.view(torch.int16) if ring_bf16 else state
+    stride = row_stride(cache)
+    if sources.shape[0] > 0:
+        compress_store_v4_kernel[(sources.shape[0],)](
+            kv, score, row_stride(kv), row_stride(score), kv.shape[0], ape, ring, state.shape[0], sources, weight,
+            float(eps), positions, rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride, shift, num_slots,
+            RATIO=ratio, RING_BF16=ring_bf16, PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0,
+            NATIVE=not interpreting(), num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+    if writes.shape[0] > 0:
+        width = kv.shape[1]
+        ring_write_kernel[(writes.shape[0],)](kv, score, row_stride(kv), row_stride(score), kv.shape[0], ring,
+                                              state.shape[0], writes, width, RING_BF16=ring_bf16,
+                                              BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=NUM_WARPS,
+                                              **LAUNCH_OPTIONS)
+
+
+def _aot_kernels():
+    from sparsekv.jit_kernel.triton.aot import AotKernel
+
+    kernels = []
+    for ratio in (4, 128):
+        for ring_bf16 in (False, True):
+            constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "PACKED": True, "NATIVE": True}
+            ring = "*i16" if ring_bf16 else "*fp32"
+            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
+                         "num_inputs": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
+                         "sources_ptr": "*i64", "weight_ptr": "*fp32", "eps": "fp32", "positions_ptr": "*i64",
+                         "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64", "slots_ptr": "*i64",
+                         "cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32", "num_slots": "i64",
+                         **dict.fromkeys(constexprs, "constexpr")}
+            name = f"dsv4_compress_store.v4[C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring]"
+            kernels.append(AotKernel(name, compress_store_v4_kernel, signature, constexprs, NUM_WARPS,
+                                     ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr", "weight_ptr",
+                                      "cache_ptr"), LAUNCH_OPTIONS))
+    for ring_bf16 in (False, True):
+        constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024}
+        signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
+                     "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32", "num_ring_rows": "i64",
+                     "writes_ptr": "*i64", "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
+        kernels.append(AotKernel(f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}]",
+                                 ring_write_kernel, signature, constexprs, NUM_WARPS,
+                                 ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS))
+    return kernels
+
+
+#: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.
+AOT_KERNELS = _aot_kernels()
