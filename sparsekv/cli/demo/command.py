@@ -35,7 +35,6 @@ from sparsekv.cli import UsageError
 
 IMPLS = ("header", "triton")
 BACKENDS = ("cpu", "cuda", "sim")
-REQUESTS = 2
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,11 @@ class DemoSpec:
     def prompts(self) -> tuple[int, ...]:
         """Prompt lengths of the requests: ``tokens`` and about five eighths of it."""
         return (self.tokens, max(1, self.tokens * 5 // 8 + 3))
+
+    @property
+    def requests(self) -> int:
+        """How many requests run: one per prompt (the PD processes read it from the spec they are given)."""
+        return len(self.prompts())
 
 
 @dataclass
@@ -162,10 +166,10 @@ def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool):
 
     model = DemoModel(ModelShape(), spec.seed)
     prompts = spec.prompts()
-    stack = Stack(model, tokens=max(prompts) + spec.steps, requests=REQUESTS, hisparse=hisparse,
+    stack = Stack(model, tokens=max(prompts) + spec.steps, requests=spec.requests, hisparse=hisparse,
                   hot_buffer=spec.hot_buffer, device="cuda" if spec.backend == "cuda" else "cpu", check=check,
                   impl=spec.impl)
-    reqs = [Request(i + 1, 0) for i in range(REQUESTS)]
+    reqs = [Request(i + 1, 0) for i in range(spec.requests)]
     start = time.perf_counter()
     for req, n in zip(reqs, prompts):
         stack.prefill(req, n)
@@ -257,7 +261,7 @@ def render(report: DemoReport) -> str:
                     f"(setup {report.setup_s:.1f} s)"),
         ("tokens", f"{' + '.join(str(n) for n in DemoSpec(**spec).prompts())} prompt, "
                    f"prefill {report.prefill_s:.2f} s"),
-        ("steps", f"{spec['steps']} decode steps x {REQUESTS} requests"),
+        ("steps", f"{spec['steps']} decode steps x {DemoSpec(**spec).requests} requests"),
     ]
     if steps:
         rows += [

@@ -36,13 +36,12 @@ def _recv(conn, proc, what: str):
 def _stack(spec, hisparse):
     import torch
 
-    from sparsekv.cli.demo.command import REQUESTS
     from sparsekv.cli.demo.model import DemoModel, ModelShape
     from sparsekv.cli.demo.stack import Stack
 
     torch.set_num_threads(1)
     model = DemoModel(ModelShape(), spec.seed)
-    return Stack(model, tokens=max(spec.prompts()) + spec.steps, requests=REQUESTS, hisparse=hisparse,
+    return Stack(model, tokens=max(spec.prompts()) + spec.steps, requests=spec.requests, hisparse=hisparse,
                  hot_buffer=spec.hot_buffer, check=False, impl=spec.impl)
 
 
@@ -56,7 +55,7 @@ def prefill_main(spec, conn) -> None:
 
     try:
         stack = _stack(spec, None)
-        reqs = [Request(i + 1, 0) for i in range(len(spec.prompts()))]
+        reqs = [Request(i + 1, 0) for i in range(spec.requests)]
         for req, n in zip(reqs, spec.prompts()):
             stack.prefill(req, n)
         backend = open_backend("nixl", f"demo-prefill-{os.getpid()}", timeout_s=30.0)
@@ -93,7 +92,7 @@ def decode_main(spec, conn, address) -> None:
         receiver = KVReceiver(hisparse_decode_kv_args(stack.pool, stack.coordinator),
                               open_backend("nixl", f"demo-decode-{os.getpid()}", timeout_s=30.0), [address],
                               timeout_s=30.0, checksums=True)  # every region's digest checked on arrival
-        reqs = [Request(i + 1, 0) for i in range(len(spec.prompts()))]
+        reqs = [Request(i + 1, 0) for i in range(spec.requests)]
         start = time.perf_counter()
         for req, n in zip(reqs, spec.prompts()):
             pages = stack.adopt(req, n)
