@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import as_int
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.jit_kernel.triton import resolve_impl
 

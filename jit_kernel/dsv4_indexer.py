@@ -40,7 +40,7 @@ import torch
 
 from sparsekv import env
 from sparsekv.checks import as_int, one_of
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift

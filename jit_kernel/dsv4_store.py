@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.checks import as_float, as_int
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 
 #: Rotated dims at the tail of every stored entry (32 pairs).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import one_of
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}

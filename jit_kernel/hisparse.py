@@ -20,6 +20,7 @@ import torch
 
 from sparsekv import env
 from sparsekv.checks import int_in
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex, indexed_module
 from sparsekv.jit_kernel.hisparse_params import (
@@ -34,7 +35,6 @@ from sparsekv.jit_kernel.hisparse_params import (
     log2_ceil,
     policy_protections,
 )
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 

@@ -26,7 +26,7 @@ import torch
 
 from sparsekv import env
 from sparsekv.checks import one_of
-from sparsekv.jit_kernel.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 

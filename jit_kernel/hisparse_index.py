@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.checks import int_in
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.hisparse_params import (
     SHARED_MEMORY_LIMIT,
     WARP,
@@ -40,7 +41,6 @@ from sparsekv.jit_kernel.hisparse_params import (
     layout_type,
     log2_ceil,
 )
-from sparsekv.jit_kernel.registry import KernelFamily, register
 from sparsekv.kv_layout import resident_index_bytes
 
 __all__ = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build.registry import discover
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = REPO / "tests" / "kernels"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import sparsekv
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build.registry import discover
 
 
 def run_cli(*args: str, cache_dir) -> subprocess.CompletedProcess:

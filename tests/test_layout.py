@@ -156,6 +156,31 @@ def test_what_a_layer_can_reach(where, never, why):
     assert not bad, f"{why}:\n" + "\n".join(bad)
 
 
+# jit_kernel/ holds the family wrappers (one per header csrc/<stem>.cuh) and what every wrapper
+# shares; jit_kernel/build/ the machinery that compiles and loads them.
+BUILD = "sparsekv.jit_kernel.build"
+WRAPPER_HELPERS = {"__init__", "dsv4", "arguments", "torch_op"}  # dsv4: re-exports the DSV4 families
+
+
+def test_jit_kernel_holds_the_family_wrappers_and_build_the_machinery():
+    """Each module directly under ``jit_kernel/`` is a family's wrapper (its stem has a header) or a
+    helper every wrapper shares; the machinery (registry, loader, cache, ...) is in ``build/``."""
+    headers = {p.stem for p in (REPO / "csrc").glob("*.cuh")}
+    stray = sorted(p.name for p in (REPO / "jit_kernel").glob("*.py") if p.stem not in headers | WRAPPER_HELPERS)
+    assert not stray, f"neither a family wrapper (no csrc/<stem>.cuh) nor a shared helper: {stray}"
+    machinery = {p.stem for p in (REPO / "jit_kernel" / "build").glob("*.py")}
+    assert {"registry", "loader", "cache", "toolchain", "arch"} <= machinery and not machinery & headers
+
+
+def test_the_build_machinery_knows_no_family():
+    """``sparsekv.jit_kernel.build`` reaches no wrapper: families declare what to build, the machinery
+    builds whatever it is given (``registry.discover`` imports the wrappers by name, at run time)."""
+    wrappers = {m for m in _graph() if _matches(m, "sparsekv.jit_kernel.") and not _matches(m, BUILD)}
+    bad = [f"{m} reaches {t}" for m in sorted(_graph()) if _matches(m, BUILD)
+           for t in sorted(_reachable(m) & wrappers)]
+    assert wrappers and not bad, "\n".join(bad)
+
+
 def test_the_root_modules_are_leaves():
     """``sparsekv/*.py`` (env, kv_layout, log, ...) reach only each other: anyone may import them."""
     roots = {m for m in _graph() if m.count(".") == 1} - _front_ends()

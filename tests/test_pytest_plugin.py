@@ -11,7 +11,7 @@ OUTSIDE_TEST = '''
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparsekv.jit_kernel import loader
+from sparsekv.jit_kernel.build import loader
 from sparsekv.jit_kernel.gather_rows import gather_rows
 
 PREBUILT = len(loader.COMPILED)  # collection runs after the session start, where the prebuild ran

@@ -96,6 +96,20 @@ def test_everything_the_readme_points_to_exists():
             assert (REPO / token).exists(), token
 
 
+def test_the_add_a_kernel_family_steps_name_files_the_example_family_has():
+    """The numbered steps are a recipe a reader follows: every path they name with ``<stem>`` exists for
+    ``gather_rows``, the family the README names as the smallest complete example, and the others exist."""
+    section = README.split("To add a kernel family `<stem>`", 1)[1].split("\n\n", 2)[1]
+    steps = re.findall(r"^\d+\. ", section, flags=re.MULTILINE)
+    assert len(steps) >= 5 and steps[0] == "1. ", section
+    path = re.compile(r"(csrc|jit_kernel|srt|sparsekv|tests|tools)/[\w./<>*-]*")
+    paths = [t for t in re.findall(r"`([^`\s]+)`", section) if path.fullmatch(t)]
+    assert any("<stem>" in p for p in paths), paths
+    for path in paths:
+        concrete = path.replace("<stem>", "gather_rows")
+        assert list(REPO.glob(concrete)) if "*" in concrete else (REPO / concrete).exists(), path
+
+
 def _resolve(dotted: str):
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):

@@ -22,7 +22,7 @@ def test_wheel_installs_and_runs_a_kernel_from_its_own_csrc(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "sparsekv/csrc/gather_rows.cuh" in names
     assert "sparsekv/csrc/include/sparsekv/portability.h" in names
-    assert "sparsekv/jit_kernel/loader.py" in names and "sparsekv/srt/__init__.py" in names
+    assert "sparsekv/jit_kernel/build/loader.py" in names and "sparsekv/srt/__init__.py" in names
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -37,7 +37,7 @@ def test_wheel_installs_and_runs_a_kernel_from_its_own_csrc(tmp_path):
 
     script = textwrap.dedent("""
         import torch
-        import sparsekv.jit_kernel.loader as loader
+        import sparsekv.jit_kernel.build.loader as loader
         from sparsekv.jit_kernel.gather_rows import gather_rows
         print(loader.csrc_root())
         src = torch.arange(30, dtype=torch.uint8).reshape(3, 10)

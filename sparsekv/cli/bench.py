@@ -46,7 +46,7 @@ def available() -> dict[str, Path]:
 
 def kernel_family_stems() -> set[str]:
     """The stems of the registered kernel families' headers."""
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build.registry import discover
 
     return {Path(family.header).stem for family in discover().values()}
 

@@ -147,7 +147,7 @@ def resolve_instance(family, values: dict[str, object]) -> dict[str, object]:
 
 def template_args(family, instance: dict[str, object]) -> tuple:
     """The C++ template arguments of one instance, rendered as the cache key records them."""
-    from sparsekv.jit_kernel.loader import cpp_template_arg
+    from sparsekv.jit_kernel.build.loader import cpp_template_arg
 
     return tuple(cpp_template_arg(a) for a in family.template_args(instance))
 
@@ -190,7 +190,7 @@ def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
 
 def _plan(family, args: tuple, backend: str, arch, probe_dir=None, csrc: Path | None = None):
     """The build plan of ``family`` for C++ template arguments ``args`` (see :func:`template_args`)."""
-    from sparsekv.jit_kernel import loader
+    from sparsekv.jit_kernel.build import loader
 
     return loader.make_plan(family.name, args, header=family.header, exports=family.exports,
                             kernels=family.kernels, backend=backend, arch=arch, probe_dir=probe_dir, csrc=csrc)
@@ -223,7 +223,7 @@ def _human(n: float) -> str:
 
 
 def _roots():
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     roots = cache.open_roots()
     try:
@@ -235,7 +235,7 @@ def _roots():
 
 def _cached_entries() -> list[dict]:
     """Every published entry of every root: the one count ``list``, ``info`` and ``clean`` share."""
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     found = []
     for root in _roots()[1]:
@@ -254,8 +254,8 @@ def _cached_entries() -> list[dict]:
 def _is_current(family, entry: dict) -> bool | None:
     """Whether a cached entry is what a load would use now (judged from its own template arguments);
     None when its toolchain is not installed."""
-    from sparsekv.jit_kernel import arch as arch_mod
-    from sparsekv.jit_kernel import toolchain
+    from sparsekv.jit_kernel.build import arch as arch_mod
+    from sparsekv.jit_kernel.build import toolchain
 
     try:
         plan = _plan(family, entry["args"], entry["backend"], tuple(entry["archs"]) or None)
@@ -265,7 +265,7 @@ def _is_current(family, entry: dict) -> bool | None:
 
 
 def _list(args) -> int:
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build.registry import discover
 
     cached = _cached_entries()
     rows = []
@@ -301,8 +301,8 @@ def _list(args) -> int:
 
 
 def _build(args) -> int:
-    from sparsekv.jit_kernel import cache, loader, resources
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build import cache, loader, resources
+    from sparsekv.jit_kernel.build.registry import discover
 
     if args.triton:
         if args.all or args.names or args.instance or args.model:
@@ -340,8 +340,8 @@ def _build(args) -> int:
 
 
 def _build_triton(args) -> int:
-    from sparsekv.jit_kernel import cache
-    from sparsekv.jit_kernel.arch import resolve_arch_list
+    from sparsekv.jit_kernel.build import cache
+    from sparsekv.jit_kernel.build.arch import resolve_arch_list
 
     try:
         from sparsekv.jit_kernel.triton import aot, interpreting
@@ -377,7 +377,7 @@ def _build_triton(args) -> int:
 
 
 def _info(args) -> int:
-    from sparsekv.jit_kernel import loader
+    from sparsekv.jit_kernel.build import loader
 
     roots, existing, write = _roots()
     cached = _cached_entries()
@@ -401,7 +401,7 @@ def _info(args) -> int:
 
 
 def _stale_entries() -> list[Path]:
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build.registry import discover
 
     families = discover()
     stale = []
@@ -413,7 +413,7 @@ def _stale_entries() -> list[Path]:
 
 
 def _clean(args) -> int:
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     _, existing, write = _roots()
     if write is None:
@@ -441,7 +441,7 @@ def _clean(args) -> int:
 
 
 def _verify(args) -> int:
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     _, existing, write = _roots()
     results = []
@@ -471,7 +471,7 @@ def _verify(args) -> int:
 
 
 def _prune(args) -> int:
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     _, _, write = _roots()
     if write is None:
@@ -491,7 +491,7 @@ def _prune(args) -> int:
 
 
 def _doctor(args) -> int:
-    from sparsekv.jit_kernel import doctor
+    from sparsekv.jit_kernel.build import doctor
 
     checks = doctor.run_checks()
     _emit(args, doctor.as_json(checks), lambda: doctor.as_text(checks))
@@ -524,7 +524,7 @@ def diff_keys(a: dict, b: dict) -> list[tuple[str, object, object]]:
 
 
 def _explain(args) -> int:
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build.registry import discover
 
     if args.diff:
         docs = []
@@ -556,8 +556,8 @@ def _explain(args) -> int:
 
 
 def _export(args) -> int:
-    from sparsekv.jit_kernel import bundle, cache
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build import bundle, cache
+    from sparsekv.jit_kernel.build.registry import discover
 
     _, existing, _ = _roots()
     if args.all:
@@ -579,7 +579,7 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from sparsekv.jit_kernel import bundle, cache
+    from sparsekv.jit_kernel.build import bundle, cache
 
     root = cache.open_roots().write
     imported, present = bundle.import_bundle(Path(args.file), root)

@@ -21,7 +21,7 @@ from typing import overload
 
 import torch
 
-from sparsekv.jit_kernel.loader import BACKENDS
+from sparsekv.jit_kernel.build.loader import BACKENDS
 
 
 def kernel_backends() -> list[str]:

@@ -45,7 +45,7 @@ def prebuild(families: Iterable[str], backend: str = "cpu") -> list[str]:
     ValueError
         An unknown family name (the message lists the known ones).
     """
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build.registry import discover
 
     known = discover()
     names = sorted(known) if list(families) == ["all"] else list(families)

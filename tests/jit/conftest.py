@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import cache
+from sparsekv.jit_kernel.build import cache
 from sparsekv.testing.components import component_missing
 
 

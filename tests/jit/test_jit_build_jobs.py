@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from sparsekv.cli import jit as cli
-from sparsekv.jit_kernel import resources
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build import resources
+from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.srt.model_executor.deployment import model_instances
 
 GIB = 1 << 30

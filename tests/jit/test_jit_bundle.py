@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import bundle, cache
+from sparsekv.jit_kernel.build import bundle, cache
 
 RUN_GATHER = """
 import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.build import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 
 CSRC = loader.csrc_root()

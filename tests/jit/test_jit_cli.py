@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sparsekv.cli import jit as cli
-from sparsekv.jit_kernel import cache
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build import cache
+from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.srt.model_executor.deployment import model_instances
 
 NO_ARCH_ENV = {"SPARSEKV_CUDA_ARCH": "", "TVM_FFI_CUDA_ARCH_LIST": ""}

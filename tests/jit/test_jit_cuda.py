@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from sparsekv.jit_kernel import toolchain
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build import toolchain
+from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.testing.components import needs
 
 
@@ -60,7 +60,7 @@ def test_missing_cuda_toolkit_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_arch_comes_from_sparsekv_cuda_arch_then_tvm_ffi(monkeypatch):
-    from sparsekv.jit_kernel.arch import resolve_arch_list
+    from sparsekv.jit_kernel.build.arch import resolve_arch_list
 
     monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.setenv("SPARSEKV_CUDA_ARCH", "10.0a")

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from sparsekv.jit_kernel import toolchain
+from sparsekv.jit_kernel.build import toolchain
 
 
 def doctor(*args: str, **extra_env) -> subprocess.CompletedProcess:

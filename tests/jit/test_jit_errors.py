@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import cache, loader, toolchain
+from sparsekv.jit_kernel.build import cache, loader, toolchain
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 from sparsekv.testing.components import needs
 

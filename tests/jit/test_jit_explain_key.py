@@ -15,8 +15,8 @@ import torch
 import tvm_ffi
 
 from sparsekv.cli import jit as cli
-from sparsekv.jit_kernel import loader, toolchain
-from sparsekv.jit_kernel.registry import discover
+from sparsekv.jit_kernel.build import loader, toolchain
+from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.testing.components import needs
 
 CSRC = loader.csrc_root()

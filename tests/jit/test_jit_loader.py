@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.build import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 from sparsekv.testing.components import component_missing
 
@@ -248,7 +248,7 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_bad_arch_is_rejected_before_compiling():
-    from sparsekv.jit_kernel.arch import ArchError, parse_arch_list
+    from sparsekv.jit_kernel.build.arch import ArchError, parse_arch_list
 
     assert parse_arch_list("10.0a, 9.0a 9.0a") == ("9.0a", "10.0a")
     with pytest.raises(ArchError, match="not supported"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel import loader
+from sparsekv.jit_kernel.build import loader
 from sparsekv.testing.components import needs
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +47,7 @@ def cache_dir(tmp_path_factory) -> Path:
 SCRIPT = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from sparsekv.jit_kernel import cache, loader
+    from sparsekv.jit_kernel.build import cache, loader
     export, template, arg = sys.argv[2], sys.argv[3], sys.argv[4]
     # Both planted entries in one module: one build per sanitizer setting.
     exports = {{name: f"sparsekv::planted::{{name}}" for name in ("write_past_end", "add_one")}}

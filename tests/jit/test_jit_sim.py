@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.build import cache, loader
+from sparsekv.jit_kernel.build.registry import backend_of
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
-from sparsekv.jit_kernel.registry import backend_of
 
 HERE = Path(__file__).resolve().parent
 PLANTED = "planted_sim.cuh"

@@ -17,6 +17,8 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from sparsekv.jit_kernel.build.loader import csrc_root
+from sparsekv.jit_kernel.build.toolchain import host_compiler
 from sparsekv.jit_kernel.hisparse import (
     CHECK_ONLY,
     PLANNED,
@@ -32,8 +34,6 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_module,
     swap_in_shared_bytes,
 )
-from sparsekv.jit_kernel.loader import csrc_root
-from sparsekv.jit_kernel.toolchain import host_compiler
 from sparsekv.testing.backends import device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.hisparse_traces import PROTECT_NEAR, PROTECT_RECENT
@@ -536,7 +536,7 @@ INVALID_INSTANCES = [
 
 @pytest.mark.parametrize("values, message", INVALID_INSTANCES, ids=[m[:32] for _, m in INVALID_INSTANCES])
 def test_an_invalid_instance_raises_before_compiling_anything(backend, monkeypatch, values, message):
-    import sparsekv.jit_kernel.registry as registry
+    import sparsekv.jit_kernel.build.registry as registry
 
     def no_compile(*args, **kwargs):
         raise AssertionError("an invalid instance reached the compiler")

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv import kv_layout
-from sparsekv.jit_kernel.loader import csrc_root
-from sparsekv.jit_kernel.toolchain import host_compiler
+from sparsekv.jit_kernel.build.loader import csrc_root
+from sparsekv.jit_kernel.build.toolchain import host_compiler
 
 pytestmark = pytest.mark.no_backend("byte layouts, in Python and in the C++ header: no kernel runs")
 

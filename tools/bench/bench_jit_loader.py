@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from sparsekv.argtypes import int_range
 from sparsekv.cli import CliParser
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.build import cache, loader
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 

@@ -140,8 +140,8 @@ def load_kernels(spec: DemoSpec, progress) -> dict:
     """Load (building where missing) every kernel instance the run uses (what ``sparsekv jit build
     --model demo`` prebuilds); what came from where."""
     from sparsekv.cli.demo.stack import PAGE_SIZE
-    from sparsekv.jit_kernel import loader
-    from sparsekv.jit_kernel.registry import discover
+    from sparsekv.jit_kernel.build import loader
+    from sparsekv.jit_kernel.build.registry import discover
     from sparsekv.srt.model_executor.deployment import DEMO, model_instances
 
     families = discover()

@@ -53,7 +53,7 @@ def _version_of(compiler) -> str:
 
 
 def _compilers() -> list[Check]:
-    from sparsekv.jit_kernel import toolchain
+    from sparsekv.jit_kernel.build import toolchain
 
     checks = []
     try:
@@ -112,7 +112,7 @@ def _gpu() -> list[Check]:
 
 
 def _cache() -> list[Check]:
-    from sparsekv.jit_kernel import cache
+    from sparsekv.jit_kernel.build import cache
 
     root = env.cache_dir()
     checks = []

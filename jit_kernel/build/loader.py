@@ -4,7 +4,7 @@ The cache key covers everything that can change the binary: module name, templat
 bytes and csrc-relative paths of the header's transitive ``#include "..."`` closure, the generated
 glue, flags, backend, CUDA arch list, compiler identities and the tvm-ffi version. It holds no
 absolute path, so two checkouts share keys. Warm path: key -> stat + hash-check -> load the ``.so``;
-no compiler, no ninja. See :mod:`sparsekv.jit_kernel.cache` for publishing and safety.
+no compiler, no ninja. See :mod:`sparsekv.jit_kernel.build.cache` for publishing and safety.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import tvm_ffi
 import tvm_ffi.libinfo
 
 from sparsekv import env, log
-from sparsekv.jit_kernel import arch as arch_mod
-from sparsekv.jit_kernel import cache, toolchain
+from sparsekv.jit_kernel.build import arch as arch_mod
+from sparsekv.jit_kernel.build import cache, toolchain
 
 logger = logging.getLogger("sparsekv.jit")
 #: A compile running longer than this (seconds) is announced at WARNING while it runs.
@@ -129,8 +129,8 @@ def compile_hint(output: str) -> str:
 
 @functools.cache
 def csrc_root() -> Path:
-    """The ``csrc`` directory: next to this package in a wheel, at the repo top level in a checkout."""
-    return Path(os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir, "csrc")))
+    """The ``csrc`` directory: next to the ``jit_kernel`` package in a wheel, at the repo top level in a checkout."""
+    return Path(os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc")))
 
 
 def include_closure(header: str, root: Path) -> dict[str, bytes]:
@@ -761,9 +761,9 @@ def load_jit(
         raised again without compiling for the rest of the process unless the sources change.
     JitCacheMissError
         Strict mode or CUDA-graph capture and the module is not cached (names module, args, backend, arch).
-    sparsekv.jit_kernel.toolchain.ToolchainError
+    sparsekv.jit_kernel.build.toolchain.ToolchainError
         A compiler or the CUDA toolkit is missing.
-    sparsekv.jit_kernel.cache.CacheSecurityError
+    sparsekv.jit_kernel.build.cache.CacheSecurityError
         The cache is writable by other users.
     """
     # The environment inputs of the key are part of the memo too, so changing them mid-process takes effect.

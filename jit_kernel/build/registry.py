@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import tvm_ffi
 
 from sparsekv import env
-from sparsekv.jit_kernel.loader import JitCacheMissError, load_jit
+from sparsekv.jit_kernel.build.loader import JitCacheMissError, load_jit
 
 
 def _no_params() -> tuple:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tvm_ffi
 
-from sparsekv.jit_kernel import cache, loader
+from sparsekv.jit_kernel.build import cache, loader
 
 MANIFEST = "sparsekv-bundle.json"
 BUNDLE_FORMAT = 1
@@ -48,7 +48,7 @@ def export_bundle(path: Path, entry_dirs: list[Path]) -> dict:
     Raises
     ------
     BundleError
-        An entry fails :func:`sparsekv.jit_kernel.cache.verify_entry`, or there is nothing to export.
+        An entry fails :func:`sparsekv.jit_kernel.build.cache.verify_entry`, or there is nothing to export.
     """
     if not entry_dirs:
         raise BundleError("sparsekv: nothing to export: no matching module is built (run `sparsekv jit build`)")
