@@ -1,9 +1,10 @@
 """JIT kernels: one thin wrapper module per kernel family, on the build machinery of :mod:`.build`.
 
 Here: the family wrappers (``<stem>.py``, one per header ``csrc/<stem>.cuh``; ``dsv4`` re-exports
-the DSV4 ones), their Triton twins (``triton/``), and what every wrapper shares: the scalar argument
-checks (``arguments``) and the custom-op registration (``torch_op``). In ``build/``: the registry,
-the loader, the cache, the toolchain and what ``sparsekv jit`` drives (bundles, doctor).
+the DSV4 ones), their Triton twins (``triton/``), and what several wrappers share: the custom-op
+registration (``torch_op``) and the HiSparse swap-ins' template values (``hisparse_params``). In
+``build/``: the registry, the loader, the cache, the toolchain and what ``sparsekv jit`` drives
+(bundles, doctor).
 
 Import the wrapper modules directly, e.g. ``from sparsekv.jit_kernel.gather_rows import gather_rows``.
 The names below resolve lazily, so importing this package does not pull in tvm-ffi or torch.
