@@ -12,11 +12,14 @@ on its bootstrap connection). The sender then
    completes rooms from their notifications (``completion="notifications"``) only a failure, the
    digests riding on batch 0's notification instead.
 
-Per decode connection one thread reads and plans the next room while another posts the previous
-one's writes. Peer input is untrusted (:mod:`.protocol`): a bad message gets one refusal on its
-connection and changes nothing else; frames are bounded (:data:`~.bootstrap.MAX_MESSAGE_BYTES`)
-and so are the connections served at once (``max_connections``). With a shared ``secret`` the
-sender serves only decodes that present it. A connection that ends is forgotten at once.
+Per decode connection one thread reads and plans the next room while another posts the writes,
+``max_inflight`` batches at a time across rooms (the next room's first batches go out while the
+last ones of the room before it still land).
+
+Peer input is untrusted (:mod:`.protocol`): a bad message gets one refusal on its connection and
+changes nothing else; frames are bounded (:data:`~.bootstrap.MAX_MESSAGE_BYTES`) and so are the
+connections served at once (``max_connections``). With a shared ``secret`` the sender serves only
+decodes that present it. A connection that ends is forgotten at once.
 
 Lifecycle: ``KVSender(kv_args, backend)`` registers its regions and listens; ``close()`` stops it
 and releases every handle and registration.
@@ -29,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -65,6 +69,21 @@ class _Session(NamedTuple):
     id: str  # the decode's session id, echoed in every notification to it
     checksums: bool  # report region digests with each room's status
     notified: bool  # the decode completes rooms from their notifications: no success status
+
+
+@dataclass
+class _Posting:
+    """A claimed, planned room on its way out: its batches, how many are posted and landed."""
+
+    room: int
+    source: _Source
+    batches: list[tuple[str, str, np.ndarray]]
+    hexdigests: dict[str, str]
+    nbytes: int
+    posted: int = 0
+    done: int = 0
+    start: float = 0.0  # perf_counter() at the first post
+    deadline: float = 0.0  # monotonic() by which every batch must have landed
 
 
 @dataclass
@@ -439,73 +458,105 @@ class KVSender:
 
     def _post_loop(self, ch: Channel, peer: str, posts: queue.Queue, session: _Session,
                    hangup: threading.Event) -> None:
-        """Write the planned rooms in order; after a failed transfer fail the rest and stop."""
-        lost = ""
-        while (item := posts.get()) is not None:
-            room, source, plan, digests = item
-            if lost:
-                self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
-                continue
-            try:
-                # What the source holds before anything is sent (a source changed after this,
-                # e.g. a page reused too early, then fails the room on the decode).
-                hexdigests = {k: f"{v:016x}" for k, v in digests().items()}
-            except (IndexError, ValueError) as e:  # the plan checked every index: not expected
-                self._fail(ch, room, f"sparsekv: room {room} refused before any write: its source cannot be "
-                                     f"digested: {e}")
-                continue
-            try:
-                batches, nbytes, seconds = self._write(peer, room, plan, session, hangup, hexdigests)
-            except TransferError as e:
-                self._fail(ch, room, str(e))
-                lost = str(e)
-                ch.close()  # the serving thread stops reading, the decode sees the connection end
-                continue
-            with self._cond:
-                source.nbytes, source.seconds = nbytes, seconds
-            self._finish(room, RoomState.SUCCESS)
-            if session.notified and batches:  # its notifications told the decode everything
-                continue
-            if not self._send(ch, Status(room, ok=True, batches=batches, bytes=nbytes, digests=hexdigests)):
-                lost = "sparsekv: the decode side went away"
+        """Write the planned rooms in order, at most ``max_inflight`` batches in flight across rooms
+        (a room's first batches go out while the last ones of the room before it still land, so
+        the engine never waits for this thread to see a room finish); after a failed transfer fail
+        the rest and stop."""
+        pending: deque[_Posting] = deque()  # rooms with batches still to post, in order
+        inflight: deque[tuple[_Posting, TransferHandle]] = deque()  # posted batches, oldest first
+        lost, ended = "", False
+        try:
+            while not ended or pending or inflight:
+                culprit = None
+                try:
+                    # Take the rooms the reader has planned; wait for one only when nothing is in flight.
+                    while not ended:
+                        try:
+                            item = posts.get(block=not (pending or inflight))
+                        except queue.Empty:
+                            break
+                        if item is None:
+                            ended = True
+                        elif (posting := self._posting(ch, item, lost)) is not None:
+                            if posting.batches:
+                                pending.append(posting)
+                            elif not self._succeed(ch, posting, session):
+                                lost = "sparsekv: the decode side went away"
+                    while pending and len(inflight) < self.max_inflight:
+                        culprit = posting = pending[0]
+                        inflight.append((posting, self._post(peer, posting, session)))
+                        if posting.posted == len(posting.batches):
+                            pending.popleft()
+                    if inflight:
+                        culprit, handle = inflight[0]
+                        self._wait_one(hangup, handle, culprit.deadline)
+                        inflight.popleft()
+                        culprit.done += 1
+                        if self.progress is not None:
+                            self.progress(culprit.room, culprit.done, len(culprit.batches))
+                        if culprit.done == len(culprit.batches) and not self._succeed(ch, culprit, session):
+                            lost = "sparsekv: the decode side went away"
+                except TransferError as e:
+                    lost = (f"sparsekv: room {culprit.room}: transfer failed after {culprit.done}/"
+                            f"{len(culprit.batches)} batches: {e}")
+                    self._fail(ch, culprit.room, lost)
+                    for room in dict.fromkeys(p.room for p in (*(p for p, _ in inflight), *pending)):
+                        if room != culprit.room:
+                            self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
+                    for _, handle in inflight:  # aborted: cancel what is still posted
+                        handle.release()
+                    pending.clear()
+                    inflight.clear()
+                    ch.close()  # the serving thread stops reading, the decode sees the connection end
+        finally:
+            for _, handle in inflight:
+                handle.release()
+
+    def _posting(self, ch: Channel, item: tuple, lost: str) -> _Posting | None:
+        """A planned room ready to post, its source digested; None if it fails first (told why)."""
+        room, source, plan, digests = item
+        if lost:
+            self._fail(ch, room, f"sparsekv: room {room} not sent: {lost}")
+            return None
+        try:
+            # What the source holds before anything is sent (a source changed after this, e.g. a
+            # page reused too early, then fails the room on the decode).
+            hexdigests = {k: f"{v:016x}" for k, v in digests().items()}
+        except (IndexError, ValueError) as e:  # the plan checked every index: not expected
+            self._fail(ch, room, f"sparsekv: room {room} refused before any write: its source cannot be "
+                                 f"digested: {e}")
+            return None
+        batches = plan_batches(plan, self.max_batch_rows)
+        return _Posting(room, source, batches, hexdigests, int(sum(int(rows[:, 2].sum()) for _, _, rows in batches)))
+
+    def _post(self, peer: str, posting: _Posting, session: _Session) -> TransferHandle:
+        """Post the room's next batch (raises TransferError as the engine does)."""
+        i, n = posting.posted, len(posting.batches)
+        if i == 0:
+            posting.start = time.perf_counter()
+            posting.deadline = time.monotonic() + self.deadlines.write_s
+        src_kind, dst_kind, rows = posting.batches[i]
+        digests = posting.hexdigests if session.notified and i == 0 else None
+        notif = Notification(session.id, self.address[1], posting.room, i, n, digests).encode()
+        handle = self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind, notif=notif)
+        posting.posted += 1
+        return handle
+
+    def _succeed(self, ch: Channel, posting: _Posting, session: _Session) -> bool:
+        """Finish a room whose every batch landed and tell the decode; False if the decode is gone."""
+        with self._cond:
+            posting.source.nbytes = posting.nbytes
+            posting.source.seconds = time.perf_counter() - posting.start if posting.batches else 0.0
+        self._finish(posting.room, RoomState.SUCCESS)
+        if session.notified and posting.batches:  # its notifications told the decode everything
+            return True
+        return self._send(ch, Status(posting.room, ok=True, batches=len(posting.batches), bytes=posting.nbytes,
+                                     digests=posting.hexdigests))
 
     def _fail(self, ch: Channel, room: int, error: str) -> None:
         logger.error("%s", error)
         self._finish(room, RoomState.FAILED, error)
         self._send(ch, Status(room, ok=False, error=error))
-
-    def _write(self, peer: str, room: int, plan: Plan, session: _Session, hangup: threading.Event,
-               hexdigests: dict[str, str]) -> tuple[int, int, float]:
-        batches = plan_batches(plan, self.max_batch_rows)
-        n = len(batches)
-        nbytes = int(sum(int(rows[:, 2].sum()) for _, _, rows in batches))
-        if n == 0:
-            return 0, 0, 0.0
-        deadline = time.monotonic() + self.deadlines.write_s
-        start = time.perf_counter()
-        inflight: list[TransferHandle] = []
-        done = 0
-        try:
-            for i, (src_kind, dst_kind, rows) in enumerate(batches):
-                while len(inflight) >= self.max_inflight:
-                    self._wait_one(hangup, inflight.pop(0), deadline)
-                    done += 1
-                    if self.progress is not None:
-                        self.progress(room, done, n)
-                digests = hexdigests if session.notified and i == 0 else None
-                notif = Notification(session.id, self.address[1], room, i, n, digests).encode()
-                inflight.append(self.backend.write(peer, rows, src_kind=src_kind, dst_kind=dst_kind, notif=notif))
-            while inflight:
-                self._wait_one(hangup, inflight.pop(0), deadline)
-                done += 1
-                if self.progress is not None:
-                    self.progress(room, done, n)
-        except TransferError as e:
-            raise TransferError(f"sparsekv: room {room}: transfer failed after {done}/{n} batches: {e}") from e
-        finally:
-            for handle in inflight:  # aborted: cancel what is still posted
-                handle.release()
-        return n, nbytes, time.perf_counter() - start
 
     def _wait_one(self, hangup: threading.Event, handle: TransferHandle, deadline: float) -> None:
         since = time.monotonic()
