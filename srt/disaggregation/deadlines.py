@@ -7,8 +7,9 @@ than a handshake), so each has its own name; :meth:`Deadlines.uniform` gives eve
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
+
+from sparsekv.checks import as_float
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,9 @@ class Deadlines:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"sparsekv: argument `{f.name}` must be a finite number of seconds > 0, "
-                                 f"got {value!r}")
+            seconds = as_float(getattr(self, f.name), f.name, finite=True)
+            if not seconds > 0:
+                raise ValueError(f"sparsekv: argument `{f.name}` must be a finite number of seconds > 0, got {seconds}")
 
     @classmethod
     def uniform(cls, seconds: float) -> Deadlines:

@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from sparsekv.checks import one_of
 from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import Channel, PeerClosedError, Wakeup, b64
 from sparsekv.srt.disaggregation.deadlines import Deadlines
@@ -120,9 +121,7 @@ class KVReceiver:
     def __init__(self, kv_args: KVArgs, backend: TransferBackend, bootstrap_addresses: list[tuple[str, int]], *,
                  timeout_s: float = 30.0, deadlines: Deadlines | None = None, history: int = 4096,
                  secret: str | None = None, checksums: bool = True, completion: str = "status") -> None:
-        if completion not in COMPLETIONS:
-            raise ValueError(f"sparsekv: argument `completion` must be one of {COMPLETIONS}, got {completion!r}")
-        self.notified = completion == "notifications"
+        self.notified = one_of(completion, "completion", COMPLETIONS) == "notifications"
         self._rooms: RoomTable[_Arrival] = RoomTable(history)
         self.deadlines = deadlines if deadlines is not None else Deadlines.uniform(timeout_s)
         self.secret = secret

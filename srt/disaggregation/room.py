@@ -16,6 +16,8 @@ from collections import OrderedDict
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
+from sparsekv.checks import int_in
+
 
 class RoomStatus(str, Enum):
     """Where a room's transfer stands, as callers see it."""
@@ -68,9 +70,7 @@ class RoomTable(Generic[R]):
     """
 
     def __init__(self, history: int) -> None:
-        if history < 1:
-            raise ValueError(f"sparsekv: argument `history` must be >= 1, got {history}")
-        self.history = history
+        self.history = int_in(history, "history", 1)
         self._live: dict[int, R] = {}
         self._finished: OrderedDict[int, R] = OrderedDict()  # oldest first
 
