@@ -716,8 +716,7 @@ def _resolve_request(name: str, template_args: tuple, header: str, exports: Mapp
     )
 
 
-_modules: dict[tuple, tvm_ffi.Module] = {}
-_modules_lock = threading.Lock()
+_load_lock = threading.Lock()
 
 
 def load_jit(
@@ -752,7 +751,9 @@ def load_jit(
     Returns
     -------
     tvm_ffi.Module
-        The loaded module; repeated calls in a process return the same object.
+        The loaded module. Nothing is memoized here: each call resolves the request against the
+        cache as a new process would, reading the environment inputs of the key (flags, sanitizers,
+        arch) anew. The one in-process memo of loaded modules is :meth:`KernelFamily.module`'s.
 
     Raises
     ------
@@ -766,24 +767,16 @@ def load_jit(
     sparsekv.jit_kernel.build.cache.CacheSecurityError
         The cache is writable by other users.
     """
-    # The environment inputs of the key are part of the memo too, so changing them mid-process takes effect.
-    memo = (name, template_args, header, tuple(exports.items()), tuple(kernels), backend,
-            arch if arch is None or isinstance(arch, str) else tuple(arch),
-            env.cuda_arch() if backend == "cuda" else None, tuple(env.extra_cflags()), env.sanitize())
-    module = _modules.get(memo)
-    if module is not None:
-        return module
-    with _modules_lock:
-        module = _modules.get(memo)
+    # One load at a time in this process: a second thread asking for the same module waits for the
+    # first one's build and then finds it in the index (no second compile).
+    with _load_lock:
+        _log_from_environment()
+        roots = cache.open_roots()
+        request = _resolve_request(name, template_args, header, exports, kernels, backend, arch)
+        module = _load_indexed(request, roots)
         if module is None:
-            _log_from_environment()
-            roots = cache.open_roots()
-            request = _resolve_request(name, template_args, header, exports, kernels, backend, arch)
-            module = _load_indexed(request, roots)
-            if module is None:
-                plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels,
-                                 backend=backend, arch=request.archs, probe_dir=roots.probe_dir())
-                module = find_or_build(plan, roots)
-                _write_index(request, plan, roots)
-            _modules[memo] = module
+            plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels,
+                             backend=backend, arch=request.archs, probe_dir=roots.probe_dir())
+            module = find_or_build(plan, roots)
+            _write_index(request, plan, roots)
     return module

@@ -89,9 +89,10 @@ class KernelFamily:
     params: tuple[str, ...] = ()
     complete: Callable[..., tuple] = _no_params
     instances: tuple[Mapping[str, object], ...] = field(default=({},))
-    # Modules loaded in this process, by (values, backend, arch): the hot path of every wrapper call
-    # is one dict lookup. Environment inputs of the key (SPARSEKV_CUDA_ARCH, SPARSEKV_EXTRA_CFLAGS)
-    # are therefore read at a module's first load in a process.
+    # The one in-process memo of loaded modules (load_jit keeps none), by (values, backend, arch):
+    # the hot path of every wrapper call is one dict lookup. Environment inputs of the cache key
+    # (SPARSEKV_CUDA_ARCH, SPARSEKV_EXTRA_CFLAGS, SPARSEKV_SANITIZE) are therefore read at a
+    # module's first load in a process.
     _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def template_args(self, values: Mapping[str, object]) -> tuple:

@@ -298,7 +298,6 @@ def own_csrc(tmp_path, monkeypatch, counting_cxx):
     monkeypatch.setattr(loader, "csrc_root", lambda: csrc)
 
     def load_fresh():
-        monkeypatch.setattr(loader, "_modules", {})
         return loader.load_jit(GATHER_ROWS.name, "int64_t", header=GATHER_ROWS.header, exports=GATHER_ROWS.exports,
                                kernels=GATHER_ROWS.kernels)
 
