@@ -98,7 +98,7 @@ def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
 def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                          state_rows: torch.Tensor, positions: torch.Tensor, *, store: StoreTarget | None = None,
                          entry_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                         emitted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         emitted: torch.Tensor | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of a batch on the compressor's raw ring, planned on the device, optionally fused with the store.
 
     Row ``b`` brings one new token at ``positions[b]``; its kv and score go into ring row
@@ -134,6 +134,10 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         float32 ``[B, d]``, contiguous, to write (default: a new tensor).
     emitted : torch.Tensor, optional
         bool ``[B]``, contiguous, to write (default: a new tensor).
+    impl : {"auto", "header", "triton"}
+        With ``store``: ``"header"`` runs ``csrc/dsv4_compress_store.cuh``; ``"triton"`` the Triton twin
+        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`, the ``V4`` cache only), on a GPU or, on
+        CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header. Without ``store``, the header.
 
     Returns
     -------
@@ -158,9 +162,10 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
     check_ratio(ratio)
     if store is None or entry_slots is None:
         raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
+    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, store.weight, store.eps,
                            store.cache, entry_slots, store.page_size, store.rope.cos, store.rope.sin,
-                           store.cache_kind)
+                           store.cache_kind, impl)
     return out, emitted
 
 
@@ -169,8 +174,16 @@ def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
                            state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
                            emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
                            slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                           cache_kind: str) -> None:
-    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+                           cache_kind: str, impl: str) -> None:
+    dsv4_store_instance(cache_kind)
     check_decode_on_cuda(state_rows, positions, state)
+    if impl == "triton":
+        from sparsekv.jit_kernel.triton import dsv4_compress_store as triton_compress_store
+
+        triton_compress_store.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted,
+                                                    weight, eps, cache, slots, page_size, rope_cos, rope_sin,
+                                                    cache_kind)
+        return
+    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
                                  slots, page_size, rope_cos, rope_sin)

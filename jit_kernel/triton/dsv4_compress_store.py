@@ -1,12 +1,15 @@
-"""Triton twin of ``compress_store`` (``csrc/dsv4_compress_store.cuh``): a streaming step of the
-compressor's raw ring fused with the store, for the main cache (``V4``, 584-byte ``fp8_ds_mla``).
+"""Triton twins of ``compress_store`` and ``compress_decode_store`` (``csrc/dsv4_compress_store.cuh``):
+a step of the compressor's raw ring fused with the store, for the main cache (``V4``, 584-byte
+``fp8_ds_mla``); the indexer caches have no twin.
 
-Same contract as the header entry behind
-:func:`sparsekv.jit_kernel.dsv4_compress_store.compress_store_step` (which calls
-:func:`compress_store` here for ``impl="triton"``), and the same stored bytes: one program per event
-pools its window from the input rows and the ring (the event table's sources, as ``compress_extend``),
-rounds the entry to bf16, then RMSNorm, RoPE and the V4 quantizer, and stores the token; a second
-launch writes the new ring rows after every event has read the ring as it was.
+Same contracts as the header entries behind
+:func:`sparsekv.jit_kernel.dsv4_compress_store.compress_store_step` and
+:func:`~sparsekv.jit_kernel.dsv4_compress_store.compress_decode_step` (which call :func:`compress_store`
+and :func:`compress_decode_store` here for ``impl="triton"``), and the same stored bytes: one program
+per event pools its window from the input rows and the ring (the planned sources, as
+``compress_extend``, or for a decode step the state rows and positions read on the device, as
+``compress_decode``), rounds the entry to bf16, then RMSNorm, RoPE and the V4 quantizer, and stores
+the token; a second launch writes the new ring rows after every event has read the ring as it was.
 
 Exactness. The pooled floats follow :mod:`sparsekv.jit_kernel.triton.dsv4_compress` (the header's
 order of explicitly rounded steps; its exponential is libdevice's ``expf`` on a GPU, numpy's under
@@ -30,10 +33,10 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
-from sparsekv.jit_kernel.triton.dsv4_quant import check_paged_cache, float_to_bf16, store_v4_token
+from sparsekv.jit_kernel.triton.dsv4_quant import check_paged_cache, check_unique_slots, float_to_bf16, store_v4_token
 from sparsekv.kv_layout import V4
 
-__all__ = ["AOT_KERNELS", "CACHE_KINDS", "compress_store"]
+__all__ = ["AOT_KERNELS", "CACHE_KINDS", "compress_decode_store", "compress_store"]
 
 #: The cache kinds the twin stores (the indexer kinds stay on the header).
 CACHE_KINDS = {"V4": 512}
@@ -89,13 +92,27 @@ def _slot_half(j, d, RATIO: tl.constexpr):
 
 
 @triton.jit
-def _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows, sources_ptr, e,
-          j, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr):
-    """Slot ``j`` of event ``e`` on channels ``c``: its kv, its logit ``score + ape`` and whether the source
-    table names a row for it."""
+def _source(sources_ptr, rows_ptr, rows_stride, e, pos, j, WINDOW: tl.constexpr, DECODE: tl.constexpr):
+    """The row slot ``j`` of event ``e`` reads (``>= 0``: an input row, ``-1``: none, ``<= -2``: ring row
+    ``-src - 2``): from the planned table, or for a decode step (``DecodeRows``) the new token (input row
+    ``e``) in the last slot, ring row ``rows[e, j]`` before it, nothing before position 0."""
+    if DECODE:
+        ring = tl.load(rows_ptr + e * rows_stride + j).to(tl.int64)
+        src = tl.where(j == WINDOW - 1, e, tl.where(ring >= 0, -2 - ring, -1))
+        return tl.where(pos - (WINDOW - 1) + j < 0, -1, src)
+    else:
+        return tl.load(sources_ptr + e * WINDOW + j)
+
+
+@triton.jit
+def _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows, sources_ptr,
+          rows_ptr, rows_stride, e, pos, j, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr,
+          DECODE: tl.constexpr):
+    """Slot ``j`` of event ``e`` on channels ``c``: its kv, its logit ``score + ape`` and whether the event
+    reads a row for it."""
     WINDOW: tl.constexpr = 8 if RATIO == 4 else RATIO
     COFF: tl.constexpr = 2 if RATIO == 4 else 1
-    src = tl.load(sources_ptr + e * WINDOW + j)
+    src = _source(sources_ptr, rows_ptr, rows_stride, e, pos, j, WINDOW, DECODE)
     half, ape_row = _slot_half(j, d, RATIO)
     kv, score, ok = _slot_rows(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr, num_ring_rows, src,
                                half, c, d, COFF, RING_BF16)
@@ -104,20 +121,23 @@ def _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_
 
 @triton.jit
 def _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
-                sources_ptr, e, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    """Event ``e``'s entry on channels ``c`` (any shape): the header's ``pool_tile`` over the slots its
-    row of the source table names, in slot order, every step rounded as written."""
+                sources_ptr, rows_ptr, rows_stride, e, pos, c, d, RATIO: tl.constexpr, RING_BF16: tl.constexpr,
+                DECODE: tl.constexpr, NATIVE: tl.constexpr):
+    """Event ``e``'s entry on channels ``c`` (any shape): the header's ``pool_tile`` over the slots it
+    reads (:func:`_source`), in slot order, every step rounded as written."""
     WINDOW: tl.constexpr = 8 if RATIO == 4 else RATIO
     m = tl.full(c.shape, float("-inf"), tl.float32)
     for j in range(WINDOW):
         _, logit, ok = _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
-                             num_ring_rows, sources_ptr, e, j, c, d, RATIO, RING_BF16)
+                             num_ring_rows, sources_ptr, rows_ptr, rows_stride, e, pos, j, c, d, RATIO, RING_BF16,
+                             DECODE)
         m = tl.where(ok & (logit > m), logit, m)
     total = tl.zeros(c.shape, tl.float32)
     acc = tl.zeros(c.shape, tl.float32)
     for j in range(WINDOW):
         kv, logit, ok = _slot(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
-                              num_ring_rows, sources_ptr, e, j, c, d, RATIO, RING_BF16)
+                              num_ring_rows, sources_ptr, rows_ptr, rows_stride, e, pos, j, c, d, RATIO, RING_BF16,
+                              DECODE)
         w = tl.where(ok, _exp(logit - m, NATIVE), 0.0)  # a masked slot adds +0.0: the header skips it
         total = total + w
         acc = acc + w * kv
@@ -159,22 +179,16 @@ def _rope(y, cos_ptr, sin_ptr, pos, ROWS: tl.constexpr):
 
 
 @triton.jit
-def compress_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
-                             num_ring_rows, sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr,
-                             rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
-                             RATIO: tl.constexpr, RING_BF16: tl.constexpr, PACKED: tl.constexpr,
-                             NATIVE: tl.constexpr):
-    """Event ``e``: pool, bf16, RMSNorm, RoPE, quantize, store into ``slots[e]`` (``CompressStore<V4>``)."""
-    e = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + e)
-    pos = tl.load(positions_ptr + e)
-    # Outside the cache or the RoPE table: nothing is stored (the work is done on slot 0, position 0).
-    valid = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
+def _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot, stores, cache_ptr, page_stride,
+                    page_shift, num_slots, PACKED: tl.constexpr):
+    """The header's ``NormRopeStore<V4>::finish`` of a pooled ``[8, 64]`` entry: bf16, RMSNorm, RoPE at
+    ``pos``, quantize and store into ``slot``; nothing is stored unless ``stores`` and the slot and the
+    position lie in the cache and the RoPE table (the work is then done on slot 0, position 0)."""
+    valid = stores & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
     slot = tl.where(valid, slot, 0)
     pos = tl.where(valid, pos, 0)
-    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [8, 64]: channel 64 r + q
-    x = _round_bf16(_pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
-                                num_ring_rows, sources_ptr, e, c, 512, RATIO, RING_BF16, NATIVE))
+    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = _round_bf16(x)
     inv = _rms_inverse(x, eps, 512)
     y = _round_bf16((x * inv) * tl.load(weight_ptr + c))
     rope = _row_of(_rope(y, cos_ptr, sin_ptr, pos, 8), 7, 8)
@@ -186,12 +200,55 @@ def compress_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inp
 
 
 @triton.jit
+def compress_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
+                             num_ring_rows, sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr,
+                             rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
+                             RATIO: tl.constexpr, RING_BF16: tl.constexpr, PACKED: tl.constexpr,
+                             NATIVE: tl.constexpr):
+    """Event ``e``: pool, then store into ``slots[e]`` at RoPE position ``positions[e]`` (``CompressStore<V4>``)."""
+    e = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [8, 64]: channel 64 r + q
+    x = _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
+                    sources_ptr, sources_ptr, 0, e, 0, c, 512, RATIO, RING_BF16, False, NATIVE)
+    _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, tl.load(positions_ptr + e),
+                    tl.load(slots_ptr + e), True, cache_ptr, page_stride, page_shift, num_slots, PACKED)
+
+
+@triton.jit
+def compress_decode_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, batch, ape_ptr, ring_ptr,
+                                    num_ring_rows, rows_ptr, rows_stride, positions_ptr, out_ptr, emitted_ptr,
+                                    weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, slots_ptr, cache_ptr,
+                                    page_stride, page_shift, num_slots, RATIO: tl.constexpr,
+                                    RING_BF16: tl.constexpr, PACKED: tl.constexpr, NATIVE: tl.constexpr):
+    """Batch row ``b`` of a decode step: its entry (zeros unless its token completes one) into ``out``,
+    the flag into ``emitted``, and a completed entry stored into ``slots[b]`` at its anchor
+    ``positions[b] - ratio + 1`` (``CompressStore<V4>`` with ``DecodeRows``)."""
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + b)
+    emits = (pos >= 0) & ((pos + 1) % RATIO == 0)
+    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, batch, ape_ptr, ring_ptr, num_ring_rows, rows_ptr,
+                    rows_ptr, rows_stride, b, pos, c, 512, RATIO, RING_BF16, True, NATIVE)
+    x = tl.where(emits, x, 0.0)
+    tl.store(out_ptr + b * 512 + c, x)
+    tl.store(emitted_ptr + b, emits)
+    _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos - (RATIO - 1), tl.load(slots_ptr + b),
+                    emits, cache_ptr, page_stride, page_shift, num_slots, PACKED)
+
+
+@triton.jit
 def ring_write_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr, num_ring_rows, writes_ptr,
-                      width, RING_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """Write ``i``: input row ``writes[i, 0]`` into ring row ``writes[i, 1]`` as ``[kv | score]`` (``RingWrite``)."""
+                      rows_stride, width, RING_BF16: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+                      DECODE: tl.constexpr):
+    """Write ``i``: input row ``writes[i, 0]`` into ring row ``writes[i, 1]`` as ``[kv | score]``; for a
+    decode step (``writes`` the state rows) row ``i`` into ring row ``writes[i, WINDOW - 1]`` (``RingWrite``)."""
     i = tl.program_id(0).to(tl.int64)
-    src = tl.load(writes_ptr + 2 * i)
-    dst = tl.load(writes_ptr + 2 * i + 1)
+    if DECODE:
+        src = i
+        dst = tl.load(writes_ptr + i * rows_stride + WINDOW - 1).to(tl.int64)
+    else:
+        src = tl.load(writes_ptr + 2 * i)
+        dst = tl.load(writes_ptr + 2 * i + 1)
     ok = (src >= 0) & (src < num_inputs) & (dst >= 0) & (dst < num_ring_rows)
     src = tl.where(ok, src, 0)
     dst = tl.where(ok, dst, 0)
@@ -233,7 +290,13 @@ def _check_extend(kv, score, ape, ratio, state, sources, writes):
     return d, ring_bf16
 
 
-def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin):
+def _check_rope_position(pos, n, rope_positions):
+    if pos < 0 or pos >= rope_positions:
+        raise IndexError(f"sparsekv: argument `positions`[{n}] gives RoPE position {pos}, outside the RoPE table "
+                         f"[0, {rope_positions})")
+
+
+def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, read_slots=True):
     """``check_store<Kind>`` of ``dsv4_store.cuh`` (the V4 layout): returns ``(page_shift, num_slots)``."""
     check(weight, "weight").dtype(torch.float32).ndim(1).size(0, dim, "head dim").contiguous()
     check(weight, "weight").same_device(cache, "cache")
@@ -245,14 +308,18 @@ def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, 
     check(rope_cos, "rope_cos").same_device(cache, "cache")
     check(rope_sin, "rope_sin").dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, pairs)
     check(rope_sin, "rope_sin").same_device(cache, "cache").size(0, rope_cos.shape[0], "max positions of rope_cos")
-    if positions.device.type != "cuda":
+    if read_slots and positions.device.type != "cuda":  # positions are the entries' own
         for n, pos in enumerate(positions.tolist()):
-            if pos < 0 or pos >= rope_cos.shape[0]:
-                raise IndexError(f"sparsekv: argument `positions`[{n}] gives RoPE position {pos}, outside the RoPE "
-                                 f"table [0, {rope_cos.shape[0]})")
+            _check_rope_position(pos, n, rope_cos.shape[0])
     if not eps >= 0.0:
         raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")  # as C++ streams a double
-    return check_paged_cache(cache, slots, page_size, V4)
+    return check_paged_cache(cache, slots, page_size, V4, read_slots)
+
+
+def _check_kind(cache_kind):
+    if cache_kind not in CACHE_KINDS:
+        raise ValueError(f"sparsekv: argument `cache_kind` {cache_kind!r} has no Triton twin of the fused "
+                         f"compress-store (it stores {sorted(CACHE_KINDS)}); use impl='header'")
 
 
 def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache,
@@ -284,9 +351,7 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
     ValueError
         ``cache_kind`` other than ``"V4"`` (the indexer kinds have no twin), or any refusal of the header.
     """
-    if cache_kind not in CACHE_KINDS:
-        raise ValueError(f"sparsekv: argument `cache_kind` {cache_kind!r} has no Triton twin of the fused "
-                         f"compress-store (it stores {sorted(CACHE_KINDS)}); use impl='header'")
+    _check_kind(cache_kind)
     d, ring_bf16, shift, num_slots = check_compress_store_arguments(
         kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size, rope_cos,
         rope_sin, cache_kind)
@@ -299,11 +364,102 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
             RATIO=ratio, RING_BF16=ring_bf16, PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0,
             NATIVE=not interpreting(), num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
     if writes.shape[0] > 0:
-        width = kv.shape[1]
-        ring_write_kernel[(writes.shape[0],)](kv, score, row_stride(kv), row_stride(score), kv.shape[0], ring,
-                                              state.shape[0], writes, width, RING_BF16=ring_bf16,
-                                              BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=NUM_WARPS,
-                                              **LAUNCH_OPTIONS)
+        _write_ring(kv, score, ring, state.shape[0], writes, 0, writes.shape[0], ring_bf16, 0, False)
+
+
+def _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted):
+    """``check_decode`` of ``dsv4_compress.cuh``: returns ``(d, ring_bf16)``."""
+    d = check_inputs(kv, score, ape, ratio)
+    width, batch, window = kv.shape[1], kv.shape[0], 8 if ratio == 4 else ratio
+    ring_bf16 = state.dtype == torch.bfloat16
+    if not ring_bf16:
+        check(state, "state").dtype(torch.float32)
+    check(state, "state").ndim(2).contiguous().same_device(kv, "kv").size(1, 2 * width, "2 x width of kv")
+    check(state_rows, "state_rows").dtype(torch.int32, torch.int64)
+    check(state_rows, "state_rows").ndim(2).rows_dense().same_device(kv, "kv").size(0, batch, "rows of kv")
+    check(state_rows, "state_rows").size(1, window, "the window (8 for ratio 4, 128 for ratio 128)")
+    check(positions, "positions").dtype(torch.int64).ndim(1).contiguous().same_device(kv, "kv")
+    check(positions, "positions").size(0, batch, "rows of kv")
+    check(emitted, "emitted").dtype(torch.bool).ndim(1).contiguous().same_device(kv, "kv").size(0, batch, "rows of kv")
+    ring_rows = state.shape[0]
+    if kv.device.type != "cuda":
+        rows = state_rows.tolist()
+        written_rows = []
+        for b, pos in enumerate(positions.tolist()):
+            if pos < 0:
+                raise IndexError(f"sparsekv: argument `positions`[{b}] = {pos} is negative")
+            for j in range(max(window - 1 - pos, 0), window):
+                if not 0 <= rows[b][j] < ring_rows:
+                    raise IndexError(f"sparsekv: argument `state_rows`[{b}, {j}] = {rows[b][j]} is outside state "
+                                     f"[0, {ring_rows})")
+            written_rows.append(rows[b][window - 1])
+        written_rows.sort()
+        for a, b in zip(written_rows, written_rows[1:]):
+            if a == b:
+                raise ValueError(f"sparsekv: argument `state_rows` gives ring row {a} to the new token of two batch "
+                                 f"rows")
+    return d, ring_bf16
+
+
+def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight,
+                                          eps, cache, slots, page_size, rope_cos, rope_sin, cache_kind):
+    """The header entry ``compress_decode_store<Kind>``'s checks, in its order (same exceptions and
+    messages); returns ``(ring_bf16, page_shift, num_slots)``."""
+    check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
+                   read(state_rows, "state_rows"), read(positions, "positions"), written(out, "out"),
+                   written(emitted, "emitted"), read(weight, "weight"), written(cache, "cache"), read(slots, "slots"),
+                   read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
+    check(out, "out").dtype(torch.float32).ndim(2).contiguous().same_device(kv, "kv")
+    d, ring_bf16 = _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted)
+    dim = CACHE_KINDS[cache_kind]
+    if d != dim:
+        raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
+    check(out, "out").size(0, kv.shape[0], "rows of kv").size(1, dim, "d")
+    check(cache, "cache").same_device(kv, "kv")
+    shift, num_slots = _check_store(kv.shape[0], dim, weight, eps, positions, cache, slots, page_size, rope_cos,
+                                    rope_sin, read_slots=False)
+    if cache.device.type != "cuda":
+        stored = []
+        for b, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
+            if pos >= 0 and (pos + 1) % ratio == 0:
+                stored.append(slot)
+                _check_rope_position(pos - (ratio - 1), b, rope_cos.shape[0])
+        check_unique_slots(stored, num_slots)
+    return ring_bf16, shift, num_slots
+
+
+def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
+                          slots, page_size, rope_cos, rope_sin, cache_kind):
+    """Check (:func:`check_compress_decode_store_arguments`), pool every row's window (and store the
+    entries that complete), then write each row's new token into its ring row.
+
+    The body of the ``sparsekv::compress_decode_store`` op for ``impl="triton"``.
+    """
+    _check_kind(cache_kind)
+    ring_bf16, shift, num_slots = check_compress_decode_store_arguments(
+        kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache, slots, page_size,
+        rope_cos, rope_sin, cache_kind)
+    batch = kv.shape[0]
+    if batch == 0:
+        return
+    ring = state.view(torch.int16) if ring_bf16 else state
+    stride = row_stride(cache)
+    rows_stride = row_stride(state_rows)
+    compress_decode_store_v4_kernel[(batch,)](
+        kv, score, row_stride(kv), row_stride(score), batch, ape, ring, state.shape[0], state_rows, rows_stride,
+        positions, out, emitted, weight, float(eps), rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride,
+        shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0,
+        NATIVE=not interpreting(), num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+    _write_ring(kv, score, ring, state.shape[0], state_rows, rows_stride, batch, ring_bf16,
+                8 if ratio == 4 else ratio, True)
+
+
+def _write_ring(kv, score, ring, ring_rows, writes, rows_stride, count, ring_bf16, window, decode):
+    """Launch :func:`ring_write_kernel` over ``count`` writes (``writes``: the pairs, or the state rows)."""
+    width = kv.shape[1]
+    ring_write_kernel[(count,)](kv, score, row_stride(kv), row_stride(score), kv.shape[0], ring, ring_rows, writes,
+                                rows_stride, width, RING_BF16=ring_bf16, BLOCK=min(1024, triton.next_power_of_2(width)),
+                                WINDOW=window, DECODE=decode, num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
 
 
 def _aot_kernels():
@@ -324,14 +480,31 @@ def _aot_kernels():
             kernels.append(AotKernel(name, compress_store_v4_kernel, signature, constexprs, NUM_WARPS,
                                      ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr", "weight_ptr",
                                       "cache_ptr"), LAUNCH_OPTIONS))
+    # The decode step: a float32 ring with int64 state rows, a bf16 ring with int32 ones.
+    for ratio in (4, 128):
+        for ring_bf16 in (False, True):
+            constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "PACKED": True, "NATIVE": True}
+            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
+                         "batch": "i64", "ape_ptr": "*fp32", "ring_ptr": "*i16" if ring_bf16 else "*fp32",
+                         "num_ring_rows": "i64", "rows_ptr": "*i32" if ring_bf16 else "*i64", "rows_stride": "i64",
+                         "positions_ptr": "*i64", "out_ptr": "*fp32", "emitted_ptr": "*i1", "weight_ptr": "*fp32",
+                         "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64",
+                         "slots_ptr": "*i64", "cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32",
+                         "num_slots": "i64", **dict.fromkeys(constexprs, "constexpr")}
+            name = f"dsv4_compress_store.v4_decode[C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring]"
+            kernels.append(AotKernel(name, compress_decode_store_v4_kernel, signature, constexprs, NUM_WARPS,
+                                     ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "rows_ptr", "out_ptr",
+                                      "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
     for ring_bf16 in (False, True):
-        constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024}
-        signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
-                     "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32", "num_ring_rows": "i64",
-                     "writes_ptr": "*i64", "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
-        kernels.append(AotKernel(f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}]",
-                                 ring_write_kernel, signature, constexprs, NUM_WARPS,
-                                 ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS))
+        for decode in (False, True):
+            constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024, "WINDOW": 8 if decode else 0, "DECODE": decode}
+            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
+                         "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32", "num_ring_rows": "i64",
+                         "writes_ptr": "*i32" if decode and ring_bf16 else "*i64", "rows_stride": "i64",
+                         "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
+            name = f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}{',decode' if decode else ''}]"
+            kernels.append(AotKernel(name, ring_write_kernel, signature, constexprs, NUM_WARPS,
+                                     ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS))
     return kernels
 
 

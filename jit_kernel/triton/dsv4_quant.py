@@ -155,13 +155,15 @@ def quantize_v4_kernel(x_ptr, x_stride, slots_ptr, cache_ptr, page_stride, page_
     store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED)
 
 
-def _check_unique_slots(slots: torch.Tensor, num_slots: int) -> None:
-    """Host-readable slots: each in range and none twice, the header's messages (``check_unique_slots``)."""
-    values = slots.tolist()
-    seen = set()
+def check_unique_slots(slots, num_slots: int) -> None:
+    """Host-readable slots (a tensor or a list): every one in range, then none twice, the header's order and
+    messages (``check_unique_slots``)."""
+    values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
     for i, slot in enumerate(values):
         if slot < 0 or slot >= num_slots:
             raise IndexError(f"sparsekv: argument `slots`[{i}] = {slot} is out of range [0, {num_slots})")
+    seen = set()
+    for i, slot in enumerate(values):
         if slot in seen:
             raise ValueError(f"sparsekv: argument `slots` names slot {slot} twice (second time at position {i}); "
                              f"slots must be unique")
@@ -177,15 +179,16 @@ def check_quantize_arguments(x, cache, slots, page_size, layout=V4, dim=DIM):
     return check_paged_cache(cache, slots, page_size, layout)
 
 
-def check_paged_cache(cache, slots, page_size, layout):
-    """The header's ``check_paged_cache<L>`` with unique slots, in its order; returns (page_shift, num_slots)."""
+def check_paged_cache(cache, slots, page_size, layout, read_slots=True):
+    """The header's ``check_paged_cache<L>`` with unique slots (checked when ``read_slots``), in its order;
+    returns (page_shift, num_slots)."""
     shift = page_shift(page_size, "page_size")
     check(cache, "cache").dtype(torch.uint8).ndim(2).rows_dense()
     check(cache, "cache").size(1, layout.page_bytes(page_size), "page bytes for page_size")
     check(slots, "slots").dtype(torch.int64).ndim(1).contiguous().same_device(cache, "cache")
     num_slots = cache.shape[0] * page_size
-    if cache.device.type != "cuda":
-        _check_unique_slots(slots, num_slots)
+    if cache.device.type != "cuda" and read_slots:
+        check_unique_slots(slots, num_slots)
     return shift, num_slots
 
 

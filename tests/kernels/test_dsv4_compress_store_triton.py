@@ -1,5 +1,6 @@
-"""The Triton twin of the fused compress-store (``impl="triton"``, the V4 cache): streamed in chunks
-through ``CompressorState.extend``, it stores exactly the bytes of its own pooled entries through the
+"""The Triton twin of the fused compress-store (``impl="triton"``, the V4 cache), in a prefill step and
+a device-planned decode step: streamed in chunks through ``CompressorState.extend`` (and one decode
+step of a batch through ``compress_decode_step``), it stores exactly the bytes of its own pooled entries through the
 torch store oracle (bf16, RMSNorm in the team order, RoPE, the V4 quantizer), writes the header's
 ring rows, and equals the header's bytes wherever the pooled entries agree (always on a GPU: the same
 ``expf``; under the interpreter numpy's ``exp`` can move a pooled float by an ulp). Bad input is
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_pool
+from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
 from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
@@ -132,3 +133,112 @@ def test_the_indexer_caches_have_no_twin_and_say_so(backend):
     assert not cache.any() and not args["state"].any()
     compress_store_step(**args, target=target, impl="header")  # the header stores it
     assert cache.any()
+
+
+# ---- the device-planned decode step (compress_decode_step with a store) ---------------------------
+
+
+def _decode_step(ratio, seed, positions, ring_dtype, rows_dtype):
+    """One decode step of ``len(positions)`` rows over a random ring (float32 or bf16): its arguments."""
+    coff, window = (2 if ratio == 4 else 1), (8 if ratio == 4 else 128)
+    g = torch.Generator().manual_seed(seed)
+    batch, ring = len(positions), window + 3
+    rows = [[b * ring + (p - window + 1 + j) % ring for j in range(window)] for b, p in enumerate(positions)]
+    return dict(kv=torch.randn(batch, coff * D, generator=g), score=torch.randn(batch, coff * D, generator=g) * 3,
+                ape=torch.randn(ratio, coff * D, generator=g), ratio=ratio,
+                state=torch.randn(batch * ring, 2 * coff * D, generator=g).to(ring_dtype),
+                state_rows=torch.tensor(rows, dtype=rows_dtype), positions=torch.tensor(positions),
+                entry_slots=torch.tensor([5 - b for b in range(batch)]),
+                out=torch.full((batch, D), 9.0), emitted=torch.zeros(batch, dtype=torch.bool))
+
+
+@settings(max_examples=triton_examples(), deadline=None)
+@given(ratio=st.sampled_from([4, 128]), ring_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       rows_dtype=st.sampled_from([torch.int32, torch.int64]), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_triton_decode_step_matches_the_header_and_stores_its_entries_bytes(backend, ratio, ring_dtype, rows_dtype,
+                                                                            seed, data):
+    near = [ratio - 1, 2 * ratio - 1, ratio, 3, 5 * ratio - 1]
+    positions = data.draw(st.lists(st.sampled_from(near), min_size=1, max_size=3))
+    device = device_of(backend)
+    rope = ROPE.table(8 * ratio, device)
+    weight = to_backend(backend, [torch.rand(D, generator=torch.Generator().manual_seed(seed)) + 0.5])[0]
+    got = {}
+    for impl in ("header", "triton"):
+        args = to_backend(backend, _decode_step(ratio, seed, positions, ring_dtype, rows_dtype))
+        cache = torch.zeros(2, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
+        compress_decode_step(**args, store=StoreTarget(cache, weight, 1e-6, PAGE, rope), impl=impl)
+        got[impl] = {name: t.cpu() for name, t in dict(args, cache=cache).items() if isinstance(t, torch.Tensor)}
+    header, triton = got["header"], got["triton"]
+    emits = torch.tensor([(p + 1) % ratio == 0 for p in positions])
+    assert torch.equal(triton["emitted"], emits) and torch.equal(header["emitted"], emits)
+    assert torch.equal(triton["state"], header["state"])  # the new tokens' ring rows, nothing else
+    assert not triton["out"][~emits].any()
+    torch.testing.assert_close(triton["out"], header["out"], atol=1e-5, rtol=1e-5)
+    expected = torch.zeros_like(triton["cache"])
+    anchors = torch.tensor(positions)[emits] - ratio + 1
+    norm_rope_store_reference(triton["out"][emits], weight.cpu(), 1e-6, anchors, expected,
+                              triton["entry_slots"][emits], PAGE, rope.cos.cpu(), rope.sin.cpu())
+    assert torch.equal(triton["cache"], expected)
+    if device.type == "cuda" or torch.equal(triton["out"], header["out"]):
+        assert torch.equal(triton["cache"], header["cache"])
+
+
+DECODE_BAD = [
+    lambda a: a.update(state_rows=a["state_rows"].float()),
+    lambda a: a.update(state_rows=a["state_rows"][:, :4].contiguous()),
+    lambda a: a.update(positions=torch.tensor([3, -1])),
+    lambda a: a.update(positions=a["positions"].int()),
+    lambda a: a["state_rows"].__setitem__((0, 7), 40),
+    lambda a: a["state_rows"].__setitem__((1, 7), int(a["state_rows"][0, 7])),
+    lambda a: a.update(emitted=torch.zeros(2, dtype=torch.int32)),
+    lambda a: a.update(out=torch.zeros(2, 128)),
+    lambda a: a.update(entry_slots=torch.tensor([5, 8])),
+    lambda a: a.update(entry_slots=torch.tensor([3, 3])),
+    lambda a: a.update(positions=torch.tensor([3, 4 * 64 + 3])),
+    lambda a: a.update(kv=a["kv"][:, :256], score=a["score"][:, :256], ape=a["ape"][:, :256].contiguous(),
+                       state=a["state"][:, :512].contiguous()),
+    lambda a: a.update(state=a["state"].half()),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DECODE_BAD)))
+def test_triton_decode_refuses_what_the_header_refuses_and_writes_nothing(backend, case):
+    refusals = []
+    for impl in ("header", "triton"):
+        args = _decode_step(4, 0, [3, 7], torch.float32, torch.int64)
+        DECODE_BAD[case](args)
+        args = to_backend(backend, args)
+        cache = to_backend(backend, [torch.full((2, V4.page_bytes(PAGE)), 7, dtype=torch.uint8)])[0]
+        weight = torch.ones(D, device=cache.device)
+        before = [t.clone() for t in (args["state"], args["out"], args["emitted"], cache)]
+        with pytest.raises((TypeError, ValueError, IndexError)) as refused:
+            compress_decode_step(**args, store=StoreTarget(cache, weight, 1e-6, PAGE, ROPE.table(64, cache.device)),
+                                 impl=impl)
+        assert all(torch.equal(a, b) for a, b in zip((args["state"], args["out"], args["emitted"], cache), before))
+        refusals.append((refused.type, str(refused.value)))
+    assert refusals[0] == refusals[1]
+
+
+def test_a_triton_decode_step_traces_under_torch_compile_fullgraph_and_writes_eager_bytes(backend):
+    # The twins stay torch custom ops: the compressor step with its fused store and the one-shot pool,
+    # impl="triton", compiled with fullgraph=True (no graph break) write what the eager calls write.
+    device = device_of(backend)
+    rope = ROPE.table(64, device)
+
+    def step(args, cache, sequence):
+        entries, emitted = compress_decode_step(**args, store=StoreTarget(cache, torch.ones(D, device=device), 1e-6,
+                                                                          PAGE, rope), impl="triton")
+        return entries, emitted, args["state"], cache, compress_pool(*sequence, 4, impl="triton")
+
+    def fresh():
+        args = to_backend(backend, _decode_step(4, 7, [3, 7], torch.float32, torch.int64))
+        sequence = [t[:, :64].repeat(4, 1) for t in (args["kv"], args["score"])] + [args["ape"][:, :64].contiguous()]
+        return args, torch.zeros(2, V4.page_bytes(PAGE), dtype=torch.uint8, device=device), sequence
+
+    torch._dynamo.reset()
+    try:
+        traced = torch.compile(step, fullgraph=True, backend="eager")(*fresh())
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(traced, step(*fresh()), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
