@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sparsekv.jit_kernel.build.registry import discover
+from sparsekv.testing.bench import takes_backend
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = REPO / "tests" / "kernels"
@@ -124,17 +125,16 @@ def test_every_kernel_benchmark_takes_a_backend():
         text = bench.read_text()
         used = sorted(w for w in wrappers if re.search(rf"from sparsekv\.jit_kernel\.{w} import", text))
         if used and bench.name not in NOT_KERNEL_BENCHMARKS:
-            assert any(call in text for call in ("add_backend_arg(", "bench_args(", "kernel_sweep(")), \
-                f"{bench.name} times {used} but takes no --backend"
+            assert takes_backend(text), f"{bench.name} times {used} but takes no --backend"
 
 
 def test_every_benchmark_says_the_threads_of_each_side():
     # sparsekv.testing.bench.report refuses a result without them; this finds a benchmark that would
-    # only fail when run. kernel_sweep (one sweep of one kernel) fills them itself.
+    # only fail when run. open_sweep (and kernel_sweep, built on it) fills them itself.
     for bench in sorted((REPO / "tools" / "bench").glob("bench_*.py")):
         tree = ast.parse(bench.read_text())
         calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
-        if any(call.func.id == "kernel_sweep" for call in calls):
+        if any(call.func.id in ("kernel_sweep", "open_sweep") for call in calls):
             continue
         results = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
                    and isinstance(node.func, ast.Name) and node.func.id == "BenchResult"]

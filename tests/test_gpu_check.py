@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sparsekv.testing.bench import takes_backend
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -43,8 +45,7 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_che
     # Every kernel family with a test file has its sanitizer case, and every kernel benchmark is run.
     families = {p.stem[len("test_"):] for p in (REPO / "tests" / "kernels").glob("test_*.py")}
     assert set(gpu_check.SANITIZER_CASES) <= families
-    timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py")
-             if any(call in p.read_text() for call in ("add_backend_arg(", "bench_args(", "kernel_sweep("))}
+    timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py") if takes_backend(p.read_text())}
     assert timed == set(gpu_check.KERNEL_BENCHMARKS)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import sparsekv
 from sparsekv.cli import UsageError
-from sparsekv.testing.bench import add_backend_arg
+from sparsekv.testing.bench import add_backend_arg, takes_backend
 
 RATIO_KEY = re.compile(r"(_vs_|^speedup|_over_)")
 
@@ -90,14 +90,14 @@ def run_one(stem: str, script: Path, args: argparse.Namespace, out: Path) -> dic
     command = [sys.executable, str(script), "--json", str(json_path), "--plot", str(plot_path)]
     if args.quick:
         command.append("--quick")
-    takes_backend = "add_backend_arg(" in script.read_text()
-    if takes_backend:
+    backend = takes_backend(script.read_text())
+    if backend:
         command += ["--backend", args.backend]
     start = time.perf_counter()
     # Its JSON goes to the file; its progress bar and any error message to our stderr.
     done = subprocess.run(command, stdout=subprocess.DEVNULL)
     entry = {"command": command, "returncode": done.returncode, "wall_s": round(time.perf_counter() - start, 2),
-             "backend": args.backend if takes_backend else "n/a"}
+             "backend": args.backend if backend else "n/a"}
     if done.returncode == 0 and json_path.is_file():
         entry["result"] = json.loads(json_path.read_text())
         json_path.unlink()  # results.json holds it

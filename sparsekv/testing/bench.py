@@ -131,6 +131,16 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short sweep (smaller cases, fewer repeats)")
 
 
+#: The calls through which a benchmark script takes ``--backend`` (each ends in :func:`add_backend_arg`).
+BACKEND_OPENINGS = ("add_backend_arg(", "bench_args(", "open_sweep(", "kernel_sweep(")
+
+
+def takes_backend(source: str) -> bool:
+    """Whether a benchmark script (its source text) takes ``--backend``: it calls one of
+    :data:`BACKEND_OPENINGS`."""
+    return any(call in source for call in BACKEND_OPENINGS)
+
+
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:
     """``--backend {cpu,cuda}``: which build of the kernels a benchmark runs (default cpu); ``cuda``
     without a visible GPU is a usage error at parse time."""
@@ -205,31 +215,71 @@ def bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def kernel_sweep(parser: argparse.ArgumentParser, *, name: str, baseline: str, cases: Sequence[tuple],
-                 quick_cases: Sequence[tuple], run_case: Callable[..., dict], plot: dict,
-                 notes: dict | None = None, one_thread: bool = False, threaded: bool = False) -> None:
-    """The ``main()`` of a one-sweep kernel benchmark: parse, run every case, report.
+@dataclass
+class Sweep:
+    """An open benchmark run: its parsed arguments, the :class:`BenchResult` its rows go into, how many
+    repeats each timing takes, and the stem its progress bar is named by (see :func:`open_sweep`)."""
 
-    ``parser`` is read with :func:`bench_args`; each case (``quick_cases``
-    with ``--quick``) is ``run_case(*case, repeats, backend)`` (3 repeats with ``--quick``, else 7),
-    one row of a :class:`BenchResult` named ``"{name} ({backend} backend)"``; the cpu backend runs on
-    one thread, the torch baseline on torch's threads (``one_thread``: on one thread too, like with
-    like; ``threaded``: the kernel splits its items over torch's threads, as many as the baseline's).
-    The progress bar is ``bench_<stem>`` (the first word of ``name``); the plot is
-    :func:`bar_plot` with ``plot`` as its keywords.
+    args: argparse.Namespace
+    result: BenchResult
+    repeats: int
+    stem: str
+
+    def cases(self, cases: Sequence, quick_cases: Sequence | None = None) -> Iterable:
+        """``quick_cases`` with ``--quick`` (when given), else ``cases``, behind a ``bench_<stem>`` progress bar."""
+        from tqdm import tqdm
+
+        chosen = quick_cases if self.args.quick and quick_cases is not None else cases
+        return tqdm(chosen, desc=f"bench_{self.stem}", unit="case")
+
+    def report(self, plot: Callable[[BenchResult, str], None] | None = None) -> None:
+        """:func:`report` of this run."""
+        report(self.result, self.args, plot)
+
+
+def open_sweep(parser: argparse.ArgumentParser, *, stem: str, name: str, baseline: str, repeats: int = 7,
+               quick_repeats: int = 3, one_thread: bool = False, ours_threads: int | None = 1,
+               baseline_threads: object = None, notes: dict | None = None) -> Sweep:
+    """The opening every kernel benchmark's ``main()`` shares: parse, threads, repeats, the result.
+
+    ``parser`` (the script's own options) is read with :func:`bench_args`; ``one_thread`` sets torch
+    to one thread first (compare like with like). The result is named ``"{name} ({backend} backend)"``
+    (or ``name`` with ``{backend}`` filled in, when it holds that field); its threads say, for the cpu
+    backend, ``ours_threads`` (None: torch's threads, for a kernel that splits its items over them)
+    and ``baseline_threads`` (None: torch's threads), and ``"cuda"`` on the cuda backend unless
+    ``baseline_threads`` is given (a baseline that runs on the host either way); its notes are
+    :func:`backend_notes` with ``notes`` added. ``repeats`` (``quick_repeats`` with ``--quick``) is
+    :attr:`Sweep.repeats`.
     """
     import torch
-    from tqdm import tqdm
 
     args = bench_args(parser)
     if one_thread:
         torch.set_num_threads(1)
-    repeats = 3 if args.quick else 7
     on_cpu = args.backend == "cpu"
-    result = BenchResult(name=f"{name} ({args.backend} backend)", baseline=baseline,
-                         threads={"ours": (torch.get_num_threads() if threaded else 1) if on_cpu else "cuda",
-                                  "baseline": torch.get_num_threads() if on_cpu else "cuda"},
+    torch_threads = torch.get_num_threads()
+    title = name.format(backend=args.backend) if "{backend}" in name else f"{name} ({args.backend} backend)"
+    threads = {"ours": (torch_threads if ours_threads is None else ours_threads) if on_cpu else "cuda",
+               "baseline": baseline_threads if baseline_threads is not None else torch_threads if on_cpu else "cuda"}
+    result = BenchResult(name=title, baseline=baseline, threads=threads,
                          notes=backend_notes(args.backend, **(notes or {})))
-    for case in tqdm(quick_cases if args.quick else cases, desc=f"bench_{name.split()[0]}", unit="case"):
-        result.rows.append(run_case(*case, repeats, args.backend))
-    report(result, args, lambda r, path: bar_plot(r, path, **plot))
+    return Sweep(args, result, quick_repeats if args.quick else repeats, stem)
+
+
+def kernel_sweep(parser: argparse.ArgumentParser, *, name: str, baseline: str, cases: Sequence[tuple],
+                 quick_cases: Sequence[tuple], run_case: Callable[..., dict], plot: dict,
+                 notes: dict | None = None, one_thread: bool = False, threaded: bool = False) -> None:
+    """The ``main()`` of a one-sweep kernel benchmark: :func:`open_sweep`, run every case, report.
+
+    Each case (``quick_cases`` with ``--quick``) is ``run_case(*case, repeats, backend)`` (3 repeats
+    with ``--quick``, else 7), one row of a :class:`BenchResult` named ``"{name} ({backend} backend)"``;
+    the cpu backend runs on one thread, the torch baseline on torch's threads (``one_thread``: on one
+    thread too, like with like; ``threaded``: the kernel splits its items over torch's threads, as
+    many as the baseline's). The progress bar is ``bench_<stem>`` (the first word of ``name``); the
+    plot is :func:`bar_plot` with ``plot`` as its keywords.
+    """
+    sweep = open_sweep(parser, stem=name.split()[0], name=name, baseline=baseline, one_thread=one_thread,
+                       ours_threads=None if threaded else 1, notes=notes)
+    for case in sweep.cases(cases, quick_cases):
+        sweep.result.rows.append(run_case(*case, sweep.repeats, sweep.args.backend))
+    sweep.report(lambda r, path: bar_plot(r, path, **plot))

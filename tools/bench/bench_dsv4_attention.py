@@ -45,7 +45,7 @@ from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attentio
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, add_backend_arg, add_common_args, bar_plot, report, time_call, timer
+from sparsekv.testing.bench import bar_plot, open_sweep, time_call, timer
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
@@ -256,28 +256,24 @@ def check_topk(tokens: torch.Tensor, scores: torch.Tensor, k: int) -> None:
 
 
 def main() -> None:
-    parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
-    args = parser.parse_args()
+    run = open_sweep(CliParser(description=__doc__.splitlines()[0]), stem="dsv4_attention",
+                     name="DSV4 sparse decode attention and lightning indexer",
+                     baseline="torch (fp64 reference / fp32 torch; torch.topk)", repeats=5,
+                     one_thread=True, baseline_threads=1)  # the cpu backend runs on one thread: like with like
+    args, result, repeats = run.args, run.result, run.repeats
     if args.backend == "cpu":  # the Triton twins run on CPU tensors only under the interpreter (read at import)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpreted = args.backend == "cpu"
     # The interpreter takes seconds per call at these shapes: one sample, and it is not speed.
     time_triton = functools.partial(time_call, repeats=1, warmup=0, min_time_s=0.0) if interpreted else \
-        functools.partial(timer(args.backend), repeats=3 if args.quick else 5, warmup=1, min_time_s=0.0)
-    torch.set_num_threads(1)  # the cpu backend runs on one thread: compare like with like
-    repeats = 3 if args.quick else 5
+        functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
     time_it = functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
-    result = BenchResult(name=f"DSV4 sparse decode attention and lightning indexer ({args.backend} backend)",
-                         baseline="torch (fp64 reference / fp32 torch; torch.topk)",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda", "baseline": 1},
-                         notes={"backend": args.backend, "heads": HEADS, "page_size": PAGE,
-                                "triton_timing": ("Triton interpreter on the CPU: NOT speed (numpy per program op), "
-                                                  "one sample, the first attention case and the top-k only (the "
-                                                  "indexer scores take minutes per call there); run --backend cuda "
-                                                  "for GPU figures") if interpreted else
-                                "GPU, CUDA events", "paper": paper(), "paper_per_impl": paper_per_impl()})
+    result.notes.update({"heads": HEADS, "page_size": PAGE,
+                         "triton_timing": ("Triton interpreter on the CPU: NOT speed (numpy per program op), "
+                                           "one sample, the first attention case and the top-k only (the "
+                                           "indexer scores take minutes per call there); run --backend cuda "
+                                           "for GPU figures") if interpreted else
+                         "GPU, CUDA events", "paper": paper(), "paper_per_impl": paper_per_impl()})
     attention_cases = [(1, 512)] if args.quick else [(b, k) for b in (1, 32) for k in (512, 2048)]
     indexer_cases = [1 << 16] if args.quick else [1 << 16, 1 << 18]
     topks = (512,) if args.quick else (512, 1024, 2048)
@@ -340,7 +336,7 @@ def main() -> None:
                                 "speedup_vs_torch_topk": torch_s / topk_s})
         result.rows.append(row)
     bar.close()
-    report(result, args, plot=lambda r, path: bar_plot(
+    run.report(lambda r, path: bar_plot(
         r, path, label_key="case",
         value_keys=("kernel_us", "triton_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us", "raw_us",
                     "eager_op_us", "compiled_op_us", "graph_replay_us"),

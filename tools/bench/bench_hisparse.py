@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.hisparse import (
@@ -43,7 +42,7 @@ from sparsekv.jit_kernel.hisparse import (
 )
 from sparsekv.kv_layout import V4, c4_page_slots
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, bar_plot, bench_args, report, time_call, timer
+from sparsekv.testing.bench import bar_plot, open_sweep, time_call, timer
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 ITEM_BYTES = V4.bytes_per_token
@@ -162,18 +161,15 @@ def sweep(quick: bool) -> list[tuple[int, int, bool, int, float]]:
 
 
 def main() -> None:
-    args = bench_args(CliParser(description=__doc__.splitlines()[0]))
     # One thread for everything: the kernel's cpu backend runs one request after another on one
     # thread, and torch's pool would only add spin-wait noise to the table restores on a busy machine.
-    torch.set_num_threads(1)
-    repeats = 3 if args.quick else 5
-    result = BenchResult(name=f"hisparse swap-in step ({args.backend} backend, 1 host thread)", baseline="model",
-                         threads={"ours": 1 if args.backend == "cpu" else "cuda", "baseline": 1},
-                         notes={"item_bytes": ITEM_BYTES, "backend": args.backend,
-                                "timer": "CUDA events" if args.backend == "cuda" else "perf_counter",
-                                "latency": "per step, table restore subtracted"})
+    run = open_sweep(CliParser(description=__doc__.splitlines()[0]), stem="hisparse",
+                     name="hisparse swap-in step ({backend} backend, 1 host thread)", baseline="model", repeats=5,
+                     one_thread=True, baseline_threads=1,
+                     notes={"item_bytes": ITEM_BYTES, "latency": "per step, table restore subtracted"})
+    args, result, repeats = run.args, run.result, run.repeats
     time_kernel = timer(args.backend)
-    for k, h, dsv4, bs, rate in tqdm(sweep(args.quick), desc="bench_hisparse", unit="case"):
+    for k, h, dsv4, bs, rate in run.cases(sweep(args.quick)):
         case = Case(k, h, bs, rate, dsv4, args.backend)
         case.check()
         # The model takes up to seconds per step at bs 64: fewer, single-call samples there.
@@ -192,10 +188,9 @@ def main() -> None:
             "near_lru_us": near_s * 1e6, "near_lru_over_lru": near_s / kernel_s,
             "speedup_vs_model": model_s / kernel_s, "kernel_gbps": case.bytes_moved / kernel_s / 1e9,
         })
-    report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
-                                                        value_keys=("kernel_us", "raw_us", "near_lru_us",
-                                                                    "model_us"),
-                                                        ylabel="step latency (us, log)", log=True))
+    run.report(lambda r, path: bar_plot(r, path, label_key="case", value_keys=("kernel_us", "raw_us", "near_lru_us",
+                                                                               "model_us"),
+                                        ylabel="step latency (us, log)", log=True))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
 )
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, Timing, add_backend_arg, add_common_args, bar_plot, report, timer
+from sparsekv.testing.bench import BenchResult, Timing, bar_plot, bench_args, report, timer
 from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
 
 PAGE_SLOTS = 64
@@ -150,12 +150,10 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, b
 
 def main() -> None:
     parser = CliParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    add_backend_arg(parser)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="threads of the kernel's cpu backend and of torch (default: torch's)")
     parser.add_argument("--no-thp", dest="thp", action="store_false", help="do not advise huge pages")
-    args = parser.parse_args()
+    args = bench_args(parser)
     torch.set_num_threads(args.threads)
     cases = QUICK_CASES if args.quick else CASES
     repeats, torch_repeats = (3, 1) if args.quick else (7, 3)

@@ -25,18 +25,16 @@ runs a short sweep.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.utils.benchmark as benchmark
 from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
-from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex
-from sparsekv.testing.bench import BenchResult, bar_plot, bench_args, report, timer
+from sparsekv.testing.bench import Sweep, bar_plot, open_sweep, timer
 
 
 class IndexedCase(Case):
@@ -86,20 +84,14 @@ HOT_SWEEP_K = 512
 HOT_SWEEP_BATCH = 8
 
 
-def hot_sweep(args: argparse.Namespace) -> None:
+def hot_sweep(run: Sweep) -> None:
     """Scanning vs indexed swap-in over H and miss rates (see the module docstring)."""
+    args = run.args
     hots = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192]
     rates = [0.0, 0.001] if args.quick else [0.0, 0.001, 0.01, 0.1]
-    repeats = 3 if args.quick else 7
-    result = BenchResult(name=f"hisparse swap-in, scanning vs indexed over H ({args.backend} backend)",
-                         baseline="scan", threads={"ours": 1 if args.backend == "cpu" else "cuda",
-                                                   "baseline": 1 if args.backend == "cpu" else "cuda"},
-                         notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4",
-                                                 "backend": args.backend, "item_bytes": ITEM_BYTES,
-                                                 "latency": "per step, min over repeats, table restore "
-                                                            "subtracted",
-                                                 "timer": "thread CPU time (torch.utils.benchmark)" if
-                                                 args.backend == "cpu" else "CUDA events"})
+    result, repeats = run.result, run.repeats
+    if args.backend == "cpu":
+        result.notes["timer"] = "thread CPU time (torch.utils.benchmark)"  # see best()
     time_kernel = timer(args.backend)
 
     def best(fn) -> float:
@@ -111,7 +103,7 @@ def hot_sweep(args: argparse.Namespace) -> None:
             return min(timer.timeit(number).mean for _ in range(repeats))
         return time_kernel(fn, repeats=repeats).min_s
 
-    for h, rate in tqdm([(h, r) for h in hots for r in rates], desc="bench_hisparse_index", unit="case"):
+    for h, rate in run.cases([(h, r) for h in hots for r in rates]):
         case = IndexedCase(HOT_SWEEP_K, h, HOT_SWEEP_BATCH, rate, True, args.backend)
         case.use_index(compact=False)
         case.check_indexed()
@@ -137,15 +129,17 @@ def hot_sweep(args: argparse.Namespace) -> None:
         lo, hi = rows[hots[0]], rows[hots[-1]]
         growth[f"miss{rate:g}"] = {key: hi[f"{key}_us"] / lo[f"{key}_us"] for key in ("scan", "indexed")}
     result.notes[f"growth_H{hots[0]}_to_H{hots[-1]}"] = growth
-    report(result, args, plot=lambda r, path: bar_plot(r, path, label_key="case",
-                                                        value_keys=("scan_us", "indexed_us", "indexed_compacting_us"),
-                                                        ylabel="step latency (us, log)", log=True))
+    run.report(lambda r, path: bar_plot(r, path, label_key="case",
+                                        value_keys=("scan_us", "indexed_us", "indexed_compacting_us"),
+                                        ylabel="step latency (us, log)", log=True))
 
 
 def main() -> None:
-    args = bench_args(CliParser(description=__doc__.splitlines()[0]))
-    torch.set_num_threads(1)
-    hot_sweep(args)
+    hot_sweep(open_sweep(
+        CliParser(description=__doc__.splitlines()[0]), stem="hisparse_index",
+        name="hisparse swap-in, scanning vs indexed over H", baseline="scan", one_thread=True,
+        notes={"num_top_k": HOT_SWEEP_K, "batch": HOT_SWEEP_BATCH, "layout": "dsv4", "item_bytes": ITEM_BYTES,
+               "latency": "per step, min over repeats, table restore subtracted"}))
 
 
 if __name__ == "__main__":
