@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv import env
 from sparsekv.checks import as_float, as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import page_shift
 
@@ -89,9 +88,9 @@ def _entries(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> int:
 
 def _check_slots_on_device(indices: torch.Tensor, cache: torch.Tensor, page_size: int, name: str) -> None:
     # SPARSEKV_CHECK_INDICES=1 on the GPU: the full check costs a host sync, so it is opt-in there.
-    bad = (indices < -1) | (indices >= cache.shape[0] * page_size)
-    if bool(bad.any()):
-        b, j = (int(x) for x in bad.nonzero()[0])
+    bad = first_true((indices < -1) | (indices >= cache.shape[0] * page_size))
+    if bad is not None:
+        b, j = bad
         raise IndexError(f"sparsekv: argument `{name}`[{b}, {j}] = {int(indices[b, j])} is neither -1 nor a slot "
                          f"of its cache [0, {cache.shape[0] * page_size})")
 
@@ -286,8 +285,9 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
                          f"at least {floats} elements (workspace_floats), got {got}")
     backend = backend_of(q)
     if topk_length is not None:
-        _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=backend != "cuda" or env.check_indices())
-    if backend == "cuda" and env.check_indices():
+        _check_topk_length(topk_length, q, rows_of(indices, 2, 1),
+                           values=backend != "cuda" or index_checks_on_device(q))
+    if index_checks_on_device(q):
         # The O(1) page-size checks first, as on the host: a bad page_size is named as such, not as
         # the out-of-range slots it makes of good indices.
         page_shift(page_size, "page_size")

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv import env
 from sparsekv.checks import as_int
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 
 RATIOS = (4, 128)
@@ -203,22 +202,23 @@ def check_decode_rows_on_device(state_rows: torch.Tensor, positions: torch.Tenso
     IndexError
         A negative position, or a row of a position >= 0 outside ``[0, ring_rows)``.
     """
-    if bool((positions < 0).any()):
-        b = int((positions < 0).nonzero()[0, 0])
+    negative = first_true(positions < 0)
+    if negative is not None:
+        (b,) = negative
         raise IndexError(f"sparsekv: argument `positions`[{b}] = {int(positions[b])} is negative")
     window = state_rows.shape[1]
     offsets = torch.arange(window - 1, -1, -1, device=state_rows.device)
     read = positions.to(state_rows.device)[:, None] >= offsets[None, :]  # position - offset >= 0
-    bad = read & ((state_rows < 0) | (state_rows >= ring_rows))
-    if bool(bad.any()):
-        b, j = (int(x) for x in bad.nonzero()[0])
+    bad = first_true(read & ((state_rows < 0) | (state_rows >= ring_rows)))
+    if bad is not None:
+        b, j = bad
         raise IndexError(f"sparsekv: argument `state_rows`[{b}, {j}] = {int(state_rows[b, j])} is outside state "
                          f"[0, {ring_rows})")
 
 
 def check_decode_on_cuda(state_rows: torch.Tensor, positions: torch.Tensor, state: torch.Tensor) -> None:
     """:func:`check_decode_rows_on_device` for CUDA tables with ``SPARSEKV_CHECK_INDICES=1`` (the op bodies' hook)."""
-    if (state_rows.device.type == "cuda" and env.check_indices() and state_rows.dim() == 2 and positions.dim() == 1
+    if (index_checks_on_device(state_rows) and state_rows.dim() == 2 and positions.dim() == 1
             and state_rows.shape[0] == positions.shape[0] and state.dim() == 2):
         check_decode_rows_on_device(state_rows, positions, state.shape[0])
 

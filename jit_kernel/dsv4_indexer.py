@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv import env
 from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
@@ -143,15 +142,15 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
         raise ValueError(f"sparsekv: argument `positions` must be [B={page_table.shape[0]}] (one per page-table row), "
                          f"got shape {list(positions.shape)}")
     pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_size)
-    too_long = pages_seen > page_table.shape[1]
-    if bool(too_long.any()):
-        b = int(too_long.nonzero()[0, 0])
+    too_long = first_true(pages_seen > page_table.shape[1])
+    if too_long is not None:
+        (b,) = too_long
         raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
                          f"sees {int(visible_entries(positions[b:b + 1].to(torch.int64))[0])} entries")
     in_use = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < pages_seen[:, None]
-    bad = in_use & ((page_table < 0) | (page_table >= num_pages))
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
+    bad = first_true(in_use & ((page_table < 0) | (page_table >= num_pages)))
+    if bad is not None:
+        b, i = bad
         raise IndexError(f"sparsekv: argument `page_table`[{b}, {i}] = {int(page_table[b, i])} is outside "
                          f"[0, {num_pages}) ({pages_are}) but holds visible entries")
 
@@ -229,7 +228,7 @@ def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     if page_table.dim() != 2:
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
     backend = backend_of(out)
-    if backend == "cuda" and env.check_indices():
+    if index_checks_on_device(out):
         check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
@@ -344,7 +343,7 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, pag
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
     if out.dim() != 2 or out.shape[1] != top_k:
         raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
-    if page_table is not None and backend_of(scores) == "cuda" and env.check_indices() and page_size > 0:
+    if page_table is not None and index_checks_on_device(scores) and page_size > 0:
         # The host entry's check of host tables, on the device (a sync): no page whose slots wrap int32.
         check_pages_in_use(page_table, positions, page_size, 2**31 // page_size, "pages whose slots fit int32")
     if workspace is not None and scores.dim() == 2:

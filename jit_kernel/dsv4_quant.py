@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv import env
 from sparsekv.checks import as_int
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 
 DSV4_QUANT = register(
@@ -59,11 +58,11 @@ def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> Non
     ValueError
         A repeated slot (when ``unique``).
     """
-    if slots.device.type != "cuda" or not env.check_indices() or slots.dim() != 1 or slots.numel() == 0:
+    if not index_checks_on_device(slots) or slots.dim() != 1 or slots.numel() == 0:
         return
-    bad = (slots < 0) | (slots >= num_slots)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
+    bad = first_true((slots < 0) | (slots >= num_slots))
+    if bad is not None:
+        (i,) = bad
         raise IndexError(f"sparsekv: argument `slots`[{i}] = {int(slots[i])} is out of range [0, {num_slots})")
     if unique and torch.unique(slots).numel() != slots.numel():
         raise ValueError("sparsekv: argument `slots` names a slot twice; slots must be unique")

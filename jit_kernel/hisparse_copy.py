@@ -24,10 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv import env
 from sparsekv.checks import one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import kernel_op
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 #: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.kv_layout`).
@@ -125,20 +124,20 @@ def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids
     # Compared as int64 (same bits): torch's uint64 support is partial.
     src_ptrs, dst_ptrs = src_ptrs.view(torch.int64), dst_ptrs.view(torch.int64)
     for name, ptrs in (("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs)):
-        null = ptrs == 0
-        if bool(null.any()):
-            raise ValueError(f"sparsekv: argument `{name}`[{int(null.nonzero()[0, 0])}] is a null base address")
+        null = first_true(ptrs == 0)
+        if null is not None:
+            raise ValueError(f"sparsekv: argument `{name}`[{null[0]}] is a null base address")
     src_name, dst_name = names
     for name, ids, count in ((src_name, src_ids, src_count), (dst_name, dst_ids, dst_count)):
-        bad = ids < 0 if count is None else (ids < 0) | (ids >= count)
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0, 0])
+        bad = first_true(ids < 0 if count is None else (ids < 0) | (ids >= count))
+        if bad is not None:
+            (pos,) = bad
             bound = "non-negative" if count is None else f"in range [0, {count})"
             raise IndexError(f"sparsekv: argument `{name}`[{pos}] = {int(ids[pos])} is not {bound}")
     if src_ptrs.shape == dst_ptrs.shape and bool((src_ptrs == dst_ptrs).any()):
-        chained = (dst_ids != src_ids) & torch.isin(dst_ids, src_ids)
-        if bool(chained.any()):
-            pos = int(chained.nonzero()[0, 0])
+        chained = first_true((dst_ids != src_ids) & torch.isin(dst_ids, src_ids))
+        if chained is not None:
+            (pos,) = chained
             raise ValueError(f"sparsekv: argument `{dst_name}`[{pos}] = {int(dst_ids[pos])} is also a source in "
                              f"`{src_name}` while source and destination share a buffer (the result would depend "
                              f"on the copy order)")
@@ -147,9 +146,9 @@ def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids
     # Sorting by destination puts repeats side by side; a run is consistent iff adjacent sources agree.
     order = torch.sort(dst_ids, stable=True).indices
     d, s = dst_ids[order], src_ids[order]
-    conflict = (d[1:] == d[:-1]) & (s[1:] != s[:-1])
-    if bool(conflict.any()):
-        k = int(conflict.nonzero()[0, 0])
+    conflict = first_true((d[1:] == d[:-1]) & (s[1:] != s[:-1]))
+    if conflict is not None:
+        (k,) = conflict
         a, b = int(order[k]), int(order[k + 1])
         raise ValueError(f"sparsekv: argument `{dst_name}` names destination {int(d[k])} twice (positions {a} and "
                          f"{b}) with different sources `{src_name}`[{a}] = {int(s[k])} and `{src_name}`[{b}] = "
@@ -161,7 +160,7 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
     src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
     src_n, dst_n = _count(src_count, count_names[0]), _count(dst_count, count_names[1])
     backend = backend_of(src_ptrs)
-    if backend == "cuda" and env.check_indices():
+    if index_checks_on_device(src_ptrs):
         # Only the dtype must be right for the comparisons; shapes and devices are checked in C++.
         for name, ids in zip(names, (src_ids, dst_ids)):
             if ids.dtype != torch.int64:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from sparsekv import env
+
 NAMESPACE = "sparsekv"
 
 
@@ -73,6 +75,25 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
         return call
 
     return register
+
+
+def index_checks_on_device(tensor: torch.Tensor) -> bool:
+    """Whether an op body validates the index tables on ``tensor``'s device with torch before the launch:
+    ``tensor`` is on a CUDA device and ``SPARSEKV_CHECK_INDICES=1``.
+
+    The one switch of every family's device index check: reading device values costs a host sync, so
+    it is opt-in there (otherwise the kernels skip or clamp what is out of range); host-readable tables
+    are the C++ entries' to check.
+    """
+    return tensor.device.type == "cuda" and env.check_indices()
+
+
+def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of the first ``True`` of ``mask`` in row-major order (one host sync), or None when there is
+    none: how an index check finds the entry its message names."""
+    if not bool(mask.any()):
+        return None
+    return tuple(int(x) for x in mask.nonzero()[0])
 
 
 def rows_of(tensor: torch.Tensor, ndim: int, dim: int = 0) -> int:

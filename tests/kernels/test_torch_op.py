@@ -36,6 +36,7 @@ from sparsekv.jit_kernel.hisparse import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device
 from sparsekv.kv_layout import V4
 from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of
@@ -437,3 +438,13 @@ def test_given_its_buffers_a_decode_step_allocates_nothing(backend):
     got = []
     assert allocations(lambda: got.extend(decode_step(t))) == []
     assert got[0] is t["out"] and got[1] is t["lse"]
+
+
+@pytest.mark.no_backend("the index-check switch and finder in Python; no kernel runs")
+def test_device_index_checks_switch_on_for_cuda_tensors_only_and_name_the_first_bad_entry(monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    assert not index_checks_on_device(torch.zeros(2))  # host tables: the C++ entries check them
+    assert index_checks_on_device(torch.zeros(2, device="meta").new_empty(0)) is False
+    mask = torch.tensor([[False, False, False], [False, True, True]])
+    assert first_true(mask) == (1, 1) and first_true(mask[0]) is None and first_true(mask[1]) == (1,)
+
