@@ -25,6 +25,7 @@ from sparsekv.checks import as_float, as_int
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.torch_op import kernel_op
+from sparsekv.jit_kernel.triton import resolve_impl
 
 #: Rotated dims at the tail of every stored entry (32 pairs).
 ROPE_DIMS = 64
@@ -141,7 +142,7 @@ class RopeParams:
 
 def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                     cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeTable,
-                    cache_kind: str = "V4") -> None:
+                    cache_kind: str = "V4", *, impl: str = "auto") -> None:
     """Normalize, rotate and quantize entries straight into a paged cache, in place.
 
     Parameters
@@ -166,6 +167,11 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         The model's float32 cos/sin table (``RopeParams(...).table(max_position, device)``).
     cache_kind : str
         ``"V4"``, ``"INDEXER_FP8"`` or ``"INDEXER_FP4"``.
+    impl : {"auto", "header", "triton"}
+        ``"header"``: the ``csrc/dsv4_store.cuh`` kernel on the cpu or cuda backend by device;
+        ``"triton"``: the twin in :mod:`sparsekv.jit_kernel.triton.dsv4_store` (32-bit packed
+        stores), on a GPU or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header
+        (memory-bound, not yet timed against its twin on a GPU). Same bytes, same refusals, same op.
 
     Raises
     ------
@@ -182,13 +188,22 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     if not isinstance(rope, RopeTable):
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
-    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope.cos, rope.sin, cache_kind)
+    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope.cos, rope.sin, cache_kind,
+                     resolve_impl(impl, cache.device, auto_triton_on_cuda=False))
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))
 def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cache: torch.Tensor,
                      slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                     cache_kind: str) -> None:
+                     cache_kind: str, impl: str) -> None:
+    if impl == "triton":
+        dsv4_store_instance(cache_kind)  # the kind is named first, as the header path's module lookup does
+        check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+        from sparsekv.jit_kernel.triton import dsv4_store as triton_store
+
+        triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+                                     cache_kind)
+        return
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
     check_device_slots(slots, cache.shape[0] * page_size, unique=True)
     module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)

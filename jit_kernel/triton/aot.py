@@ -27,7 +27,8 @@ from pathlib import Path
 __all__ = ["AotKernel", "TRITON_MODULES", "aot_kernels", "build", "cubin_registers"]
 
 #: Modules (under ``sparsekv.jit_kernel.triton``) whose ``AOT_KERNELS`` are compiled.
-TRITON_MODULES = ("dsv4_attention", "dsv4_compress", "dsv4_compress_store", "dsv4_indexer", "dsv4_quant")
+TRITON_MODULES = ("dsv4_attention", "dsv4_compress", "dsv4_compress_store", "dsv4_indexer", "dsv4_quant",
+                  "dsv4_store")
 _SUBDIR = ".triton"
 
 

@@ -15,8 +15,8 @@ not byte stores. Only when the cache's base address or page stride is not a mult
 
 Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
 :func:`float_to_e4m3`, :func:`float_to_bf16`, :func:`ceil_scale_exponent`, :func:`exp2_int`,
-:func:`pack_words` and :func:`store_v4_token` (a 512-wide row held as ``[8, 64]`` + ``[64]`` into
-one token's value and scale records).
+:func:`pack_words`, :func:`store_words` and :func:`store_v4_token` (a 512-wide row held as
+``[8, 64]`` + ``[64]`` into one token's value and scale records).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, page_shift, read, row_stride, written
 from sparsekv.kv_layout import V4
 
-__all__ = ["AOT_KERNELS", "check_paged_cache", "check_quantize_arguments", "quantize_fp8_ds_mla"]
+__all__ = ["AOT_KERNELS", "check_paged_cache", "check_quantize_arguments", "quantize_fp8_ds_mla", "word_aligned"]
 
 DIM = 512
 NUM_WARPS = 2
@@ -96,6 +96,19 @@ def pack_words(values, WORDS: tl.constexpr, PER_WORD: tl.constexpr):
 
 
 @triton.jit
+def store_words(ptr, words, mask, PACKED: tl.constexpr):
+    """Store int32 ``words`` (``[W]``, little-endian) at byte pointer ``ptr`` where ``mask``: as 32-bit
+    stores when ``PACKED`` (``ptr`` a multiple of 4 bytes), else as their 4 bytes each."""
+    word = tl.arange(0, words.shape[0])
+    if PACKED:
+        tl.store(ptr.to(tl.pointer_type(tl.int32)) + word, words, mask=mask)
+    else:
+        byte = tl.arange(0, 4)
+        tl.store(ptr + word[:, None] * 4 + byte[None, :], ((words[:, None] >> (byte * 8)[None, :]) & 0xFF).to(tl.uint8),
+                 mask=mask[:, None])
+
+
+@triton.jit
 def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: tl.constexpr):
     """Quantize one 512-wide row into the V4 (``fp8_ds_mla``) token whose value record is at byte
     ``value_off`` of ``cache_ptr`` and scale record at ``scale_off``; nothing is written unless ``valid``.
@@ -105,34 +118,18 @@ def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: t
     max(amax, 1e-4)``, codes ``e4m3(x * 2^-e)`` (exact: ``2^-e`` is a power of two), scale byte
     ``e + 127``; then the bf16 RoPE dims and the zero pad byte (``store_v4`` of the header).
     ``PACKED``: both offsets and the base are multiples of 4 bytes, so the record goes out as 32-bit
-    words; else as bytes.
+    words (112 of codes, 32 of bf16 pairs, 2 of scales); else as bytes.
     """
     block = tl.arange(0, 8)
     amax = tl.maximum(tl.max(tl.abs(nope), 1), 1e-4)
     e = ceil_scale_exponent(amax, 448.0)
     codes = float_to_e4m3(nope * exp2_int(-e)[:, None])
     scales = tl.where(block < 7, e + 127, 0)
-    bf16 = float_to_bf16(rope)
     on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
-    if PACKED:
-        word = tl.arange(0, 128)
-        words_ptr = (cache_ptr + value_off).to(tl.pointer_type(tl.int32))
-        tl.store(words_ptr + word, pack_words(codes, 128, 4), mask=word < 112 * on)  # 448 codes
-        rope_word = tl.arange(0, 32)
-        tl.store(words_ptr + 112 + rope_word, pack_words(bf16, 32, 2), mask=rope_word < 32 * on)
-        scale_word = tl.arange(0, 2)
-        tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.int32)) + scale_word, pack_words(scales, 2, 4),
-                 mask=scale_word < 2 * on)
-    else:
-        d = tl.arange(0, 64)
-        tl.store(cache_ptr + value_off + block[:, None] * 64 + d[None, :], codes.to(tl.uint8),
-                 mask=(block < 7 * on)[:, None])
-        pair = tl.arange(0, 32)
-        bf16_pairs = tl.reshape(bf16, (32, 2))
-        rope_at = cache_ptr + value_off + 448 + pair[:, None] * 4 + tl.arange(0, 2)[None, :] * 2
-        tl.store(rope_at, (bf16_pairs & 0xFF).to(tl.uint8), mask=(pair < 32 * on)[:, None])
-        tl.store(rope_at + 1, (bf16_pairs >> 8).to(tl.uint8), mask=(pair < 32 * on)[:, None])
-        tl.store(cache_ptr + scale_off + block, scales.to(tl.uint8), mask=block < 8 * on)
+    store_words(cache_ptr + value_off, pack_words(codes, 128, 4), tl.arange(0, 128) < 112 * on, PACKED)
+    store_words(cache_ptr + value_off + 448, pack_words(float_to_bf16(rope), 32, 2), tl.arange(0, 32) < 32 * on,
+                PACKED)
+    store_words(cache_ptr + scale_off, pack_words(scales, 2, 4), tl.arange(0, 2) < 2 * on, PACKED)
 
 
 @triton.jit
@@ -192,6 +189,11 @@ def check_paged_cache(cache, slots, page_size, layout, read_slots=True):
     return shift, num_slots
 
 
+def word_aligned(cache) -> bool:
+    """Whether every record of a paged cache starts on a 4-byte boundary (the ``PACKED`` stores)."""
+    return cache.data_ptr() % 4 == 0 and row_stride(cache) % 4 == 0
+
+
 def quantize_fp8_ds_mla(x, cache, slots, page_size):
     """Check (:func:`check_quantize_arguments`), then quantize each row of ``x`` into its slot.
 
@@ -200,10 +202,8 @@ def quantize_fp8_ds_mla(x, cache, slots, page_size):
     shift, num_slots = check_quantize_arguments(x, cache, slots, page_size)
     if x.shape[0] == 0:
         return
-    stride = row_stride(cache)
-    packed = cache.data_ptr() % 4 == 0 and stride % 4 == 0
-    quantize_v4_kernel[(x.shape[0],)](x, row_stride(x), slots, cache, stride, shift, num_slots, PACKED=packed,
-                                      num_warps=NUM_WARPS)
+    quantize_v4_kernel[(x.shape[0],)](x, row_stride(x), slots, cache, row_stride(cache), shift, num_slots,
+                                      PACKED=word_aligned(cache), num_warps=NUM_WARPS)
 
 
 def _aot_kernels():

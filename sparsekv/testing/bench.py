@@ -117,6 +117,22 @@ def timer(backend: str) -> Callable[..., Timing]:
     return time_cuda if backend == "cuda" else time_call
 
 
+#: The most entries (rows, tokens) a Triton column runs under the interpreter (tens of ms each there).
+INTERPRETED_ROWS = 64
+#: ``notes.triton_timing`` of a sweep with a Triton column (:func:`triton_timer`).
+TRITON_TIMING = (f"cpu backend: the Triton interpreter, NOT speed (numpy per program op), one sample, cases up to "
+                 f"{INTERPRETED_ROWS} rows; cuda backend: CUDA events")
+
+
+def triton_timer(backend: str, repeats: int) -> Callable[..., Timing]:
+    """The timer of a Triton twin's column: :func:`time_cuda` on the cuda backend; on the cpu backend
+    the Triton interpreter (turned on here, before triton is imported), one sample, which is not speed."""
+    if backend == "cuda":
+        return lambda fn: time_cuda(fn, repeats=repeats)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return lambda fn: time_call(fn, repeats=1, warmup=0, min_time_s=0.0)
+
+
 def backend_notes(backend: str, **notes) -> dict:
     """``BenchResult.notes`` saying the backend and its timer, with ``notes`` added."""
     return {"backend": backend, "timer": "CUDA events" if backend == "cuda" else "perf_counter", **notes}

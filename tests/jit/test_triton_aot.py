@@ -1,7 +1,8 @@
 """Ahead-of-time compile of every Triton kernel for sm_90a and sm_100a, with no GPU: a kernel that
 cannot compile for Hopper or Blackwell fails here. The CLI prints each kernel's registers and shared
 memory from the compiled cubin and metadata; a second build finds every kernel in the cache (its key:
-source, signature, constexprs, warps, arch and triton version). The quantizer's PTX stores 32-bit words."""
+source, signature, constexprs, warps, arch and triton version). The quantizer's and the store's PTX
+store 32-bit words; the store's has no FMA."""
 
 from __future__ import annotations
 
@@ -57,11 +58,14 @@ def test_every_triton_kernel_compiles_for_sm90a_and_sm100a_and_reports_its_resou
             report = built[name, arch]
             assert tensor_core[arch] in (aot_cache / ".triton" / report["key"] / "kernel.ptx").read_text(), name
             assert report["shared_bytes"] > 0, report
-    # The quantizer writes its records as 32-bit words, never byte by byte.
+    # The quantizer and the store write their records as 32-bit words, never byte by byte.
     for name, arch in built:
-        if name.startswith("dsv4_quant."):
+        if name.startswith(("dsv4_quant.", "dsv4_store.")):
             ptx = (aot_cache / ".triton" / built[name, arch]["key"] / "kernel.ptx").read_text()
             assert "st.global.b32" in ptx and "st.global.b8" not in ptx and "st.global.u8" not in ptx, name
+        if name.startswith("dsv4_store."):  # each product and sum rounded as the header does: no FMA
+            ptx = (aot_cache / ".triton" / built[name, arch]["key"] / "kernel.ptx").read_text()
+            assert "fma." not in ptx and "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, name
     # The compressor (alone and fused with the store) rounds as the header does: float32 adds and
     # multiplies carry .rn (FMA contraction off, so ptxas cannot fuse them), acc / sum is the IEEE
     # division, not div.full's approximation, and libdevice's expf runs its non-flushing variant (the

@@ -18,7 +18,7 @@ from sparsekv.jit_kernel.dsv4 import (
     norm_rope_store,
 )
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend
+from sparsekv.testing.backends import device_of, host_readable, kernel_backends, to_backend, triton_unavailable_reason
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, FP8_AMAX_FLOOR
 from sparsekv.testing.reference.dsv4_store import (
@@ -250,15 +250,28 @@ BAD = [
     (lambda a: a, {"rope": lambda t: RopeTable(t.cos, t.sin[:8])}, ValueError, "rope_sin"),
     (lambda a: a, {"kind": "INDEXER_FP8"}, ValueError, "x"),
     (lambda a: a, {"kind": "FP16"}, ValueError, "cache_kind"),
+    (lambda a: (*a[:2], -1.0, *a[3:]), {}, ValueError, "eps"),
+    (lambda a: (*a[:4], a[0].view(torch.uint8)[:, :a[4].shape[1]], *a[5:]), {}, ValueError, "x"),
+    (lambda a: a, {"rope": lambda t: RopeParams(10000).table(3, device=t.cos.device)}, IndexError, "positions"),
 ]
 
 
+@pytest.mark.parametrize("impl", ["header", "triton"])
 @pytest.mark.parametrize("mutate, extra, exc, name", BAD)
-def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks, mutate, extra, exc, name):
+def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks, mutate, extra, exc, name, impl):
+    # Both implementations refuse the same inputs with the same exception and message.
+    if impl == "triton" and triton_unavailable_reason(backend):
+        pytest.skip(triton_unavailable_reason(backend))
+    if name == "positions" and exc is IndexError and not host_readable(backend):
+        pytest.skip("device-resident positions are not read by the host: the kernel skips such entries")
     args = to_backend(backend, _args())
     cache = args[4]
     before = cache.clone()
     rope = extra.get("rope", lambda t: t)(rope_table_on(backend))
-    with pytest.raises(exc, match=f"`{name}`"):
-        norm_rope_store(*to_backend(backend, mutate(args)), rope, extra.get("kind", "V4"))
+    bad = to_backend(backend, mutate(args))
+    with pytest.raises(exc, match=f"`{name}`") as error:
+        norm_rope_store(*bad, rope, extra.get("kind", "V4"), impl=impl)
     assert torch.equal(cache, before)
+    with pytest.raises(exc) as header_error:
+        norm_rope_store(*bad, rope, extra.get("kind", "V4"), impl="header")
+    assert str(error.value) == str(header_error.value)

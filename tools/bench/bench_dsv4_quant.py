@@ -18,29 +18,23 @@ Prints JSON; ``--plot PNG`` draws rows per microsecond per case.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, time_call, timer
+from sparsekv.testing.bench import INTERPRETED_ROWS, TRITON_TIMING, kernel_sweep, timer, triton_timer
 from sparsekv.testing.reference.dsv4_quant import quantize_fp8_ds_mla as quantize_reference
 
 PAGE_SIZE = 64
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CASES = tuple((n, d) for n in (1, 64, 4096, 32768) for d in DTYPES)
 QUICK_CASES = ((64, "bf16"), (1024, "bf16"), (1024, "fp32"))
-#: The most rows the interpreter runs (about 60 ms a row there).
-INTERPRETED_ROWS = 64
 
 
 def run_case(n: int, dtype_name: str, repeats: int, backend: str) -> dict:
-    if backend == "cpu":  # the Triton twin runs on CPU tensors only under the interpreter, read at triton's import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    time_triton = triton_timer(backend, repeats)  # first: on the cpu backend it turns the interpreter on
     device = device_of(backend)
     gen = torch.Generator(device=device).manual_seed(n)
     x = torch.randn(n, 512, generator=gen, device=device).to(DTYPES[dtype_name])
@@ -60,14 +54,11 @@ def run_case(n: int, dtype_name: str, repeats: int, backend: str) -> dict:
            "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
            "kernel_rows_per_us": n / (kernel.median_s * 1e6), "torch_rows_per_us": n / (baseline.median_s * 1e6),
            "kernel_vs_torch": baseline.median_s / kernel.median_s}
-    interpreted = backend == "cpu"
-    if not interpreted or n <= INTERPRETED_ROWS:
+    if backend == "cuda" or n <= INTERPRETED_ROWS:
         triton_cache = torch.zeros_like(cache)
         quantize_fp8_ds_mla(x, triton_cache, slots, PAGE_SIZE, impl="triton")
         if not torch.equal(triton_cache, expected):
             raise SystemExit(f"bench_dsv4_quant: triton bytes differ from the torch quantizer at N={n} {dtype_name}")
-        time_triton = functools.partial(time_call, repeats=1, warmup=0, min_time_s=0.0) if interpreted else \
-            functools.partial(time_it, repeats=repeats)
         triton = time_triton(lambda: quantize_fp8_ds_mla(x, triton_cache, slots, PAGE_SIZE, impl="triton"))
         row.update(triton_us=triton.median_s * 1e6, triton_rows_per_us=n / (triton.median_s * 1e6))
     return row
@@ -78,8 +69,7 @@ def main() -> None:
                  baseline="torch reference quantizer (same records, same slots, same run)",
                  cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
                  notes=dict(page_size=PAGE_SIZE, record_bytes=V4.bytes_per_token,
-                            triton_timing=f"cpu backend: the Triton interpreter, NOT speed, one sample, cases up "
-                                          f"to {INTERPRETED_ROWS} rows; cuda backend: CUDA events"),
+                            triton_timing=TRITON_TIMING),
                  plot=dict(label_key="case", value_keys=("kernel_rows_per_us", "torch_rows_per_us",
                                                          "triton_rows_per_us"),
                            ylabel="rows per microsecond", log=True))
