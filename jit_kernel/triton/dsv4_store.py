@@ -19,7 +19,7 @@ element going through the same rounded operations, so no step has to pick elemen
 layout. The record leaves as 32-bit words (:func:`~sparsekv.jit_kernel.triton.dsv4_quant.store_words`).
 
 Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
-:func:`round_bf16`, :func:`team_sum`, :func:`apply_rope`, :func:`hadamard_128`,
+:func:`entry_target`, :func:`round_bf16`, :func:`team_sum`, :func:`apply_rope`, :func:`hadamard_128`,
 :func:`float_to_e2m1`, :func:`store_indexer_fp8_token` and :func:`store_indexer_fp4_token`, beside
 :func:`~sparsekv.jit_kernel.triton.dsv4_quant.store_v4_token`.
 """
@@ -151,6 +151,16 @@ def store_indexer_fp4_token(cache_ptr, value_off, scale_off, z, valid, PACKED: t
 
 
 @triton.jit
+def entry_target(slots_ptr, positions_ptr, n, num_slots, rope_positions):
+    """Entry ``n``'s (slot, RoPE position, stored): an entry is stored only when its slot is in the cache
+    and its position in the RoPE table (else it is worked on slot 0, position 0 and not written)."""
+    slot = tl.load(slots_ptr + n)
+    pos = tl.load(positions_ptr + n)
+    valid = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
+    return tl.where(valid, slot, 0), tl.where(valid, pos, 0), valid
+
+
+@triton.jit
 def _normalized(row_ptr, weight_ptr, offsets, inv, mask):
     """``bf16((bf16(x) * inv) * weight)`` of the channels at ``offsets`` (0 where not ``mask``)."""
     x = round_bf16(tl.load(row_ptr + offsets, mask=mask, other=0.0))
@@ -166,11 +176,7 @@ def norm_rope_store_kernel(x_ptr, x_stride, weight_ptr, positions_ptr, slots_ptr
     1 ``INDEXER_FP8``, 2 ``INDEXER_FP4`` (128 wide)."""
     D: tl.constexpr = 512 if KIND == 0 else 128
     n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + n)
-    pos = tl.load(positions_ptr + n)
-    valid = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
-    slot = tl.where(valid, slot, 0)
-    pos = tl.where(valid, pos, 0)
+    slot, pos, valid = entry_target(slots_ptr, positions_ptr, n, num_slots, rope_positions)
     row = x_ptr + n * x_stride
     # 1. inv = 1 / sqrt(mean(x^2) + eps) of the bf16-rounded row, in the team order.
     x = round_bf16(tl.load(row + tl.arange(0, D // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]))
