@@ -81,14 +81,18 @@ def library_dirs() -> list[Path]:
 
 
 def _preload_system_libs() -> list[str]:
-    """Load :data:`SYSTEM_LIBS` globally (from :func:`library_dirs`, else the system); the ones missing."""
+    """Load :data:`SYSTEM_LIBS` (from :func:`library_dirs`, else the system); the ones missing."""
     missing = []
     for lib in SYSTEM_LIBS:
         candidates = [str(d / lib) for d in library_dirs() if (d / lib).is_file()] + [lib]
         for path in candidates:
             try:
-                # RTLD_GLOBAL: engine.so's dependency on the SONAME is then met by the loaded copy.
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                # The loader meets engine.so's dependency on the SONAME with the copy already
+                # loaded, whatever its scope. Local, not global: NIXL's wheel bundles its own
+                # libnl-3/libnl-route-3, whose constructors and destructors would otherwise bind to
+                # this copy's symbols, register their traffic-control ops in it twice and crash the
+                # process at exit (rtnl_tc_unregister) when both engines were loaded.
+                ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
                 break
             except OSError:
                 continue

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -227,6 +228,9 @@ def main() -> None:
     args = parser.parse_args()
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
     load_engine(args.engine)  # a missing engine: its ImportError here, not a silent child
+    # Mooncake logs every connection at INFO unless its environment says otherwise (no API does):
+    # this tool's processes (spawned, they inherit it) say ERROR.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
