@@ -93,7 +93,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
         A dtype other than float32.
     """
     ratio = as_int(ratio, "ratio")
-    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
+    impl = resolve_impl(impl, kv.device)
     if out is None:
         coff = 2 if ratio == 4 else 1
         out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, kv.shape[-1] // coff,

@@ -72,7 +72,7 @@ def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
     TypeError, ValueError, IndexError
         As ``compress_extend`` and :func:`~sparsekv.jit_kernel.dsv4_store.norm_rope_store`; nothing is written.
     """
-    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
+    impl = resolve_impl(impl, kv.device)
     _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
                     target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind, impl)
 
@@ -162,7 +162,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
     check_ratio(ratio)
     if store is None or entry_slots is None:
         raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
-    impl = resolve_impl(impl, kv.device, auto_triton_on_cuda=False)
+    impl = resolve_impl(impl, kv.device)
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, store.weight, store.eps,
                            store.cache, entry_slots, store.page_size, store.rope.cos, store.rope.sin,
                            store.cache_kind, impl)

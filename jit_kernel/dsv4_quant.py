@@ -104,7 +104,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
     page_size = as_int(page_size, "page_size")
-    _quantize(x, cache, slots, page_size, resolve_impl(impl, cache.device, auto_triton_on_cuda=False))
+    _quantize(x, cache, slots, page_size, resolve_impl(impl, cache.device))
 
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))

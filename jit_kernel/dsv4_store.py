@@ -189,7 +189,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
     _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope.cos, rope.sin, cache_kind,
-                     resolve_impl(impl, cache.device, auto_triton_on_cuda=False))
+                     resolve_impl(impl, cache.device))
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))

@@ -32,12 +32,13 @@ def _installed() -> bool:
     return _INSTALLED[0]
 
 
-def resolve_impl(impl: str, device, *, auto_triton_on_cuda: bool) -> str:
+def resolve_impl(impl: str, device) -> str:
     """``"header"`` or ``"triton"`` for a call on ``device`` (a ``torch.device``).
 
-    ``"auto"`` picks ``"triton"`` for CUDA tensors when the function's Triton twin is the faster one
-    (``auto_triton_on_cuda``: the tensor-core kernels) and triton is installed, else ``"header"``; CPU
-    tensors always get the header (the interpreter is a test vehicle, not speed).
+    ``"auto"`` picks ``"header"`` on every device, for every kernel: the one GPU measurement so far
+    (an H200, the README's Triton section) has the header ahead wherever both ran (attention at
+    batch 1, indexer scores over 64k entries, the top-k), and the memory-bound twins are not timed
+    yet; on CPU tensors the interpreter is a test vehicle, not speed. ``"triton"`` must be asked for.
 
     Raises
     ------
@@ -47,11 +48,10 @@ def resolve_impl(impl: str, device, *, auto_triton_on_cuda: bool) -> str:
     """
     if impl not in IMPLS:
         raise ValueError(f"sparsekv: argument `impl` must be one of {list(IMPLS)}, got {impl!r}")
-    installed = _installed()
     if impl == "auto":
-        return "triton" if device.type == "cuda" and auto_triton_on_cuda and installed else "header"
+        return "header"
     if impl == "triton":
-        if not installed:
+        if not _installed():
             raise ValueError("sparsekv: argument `impl` is 'triton', but triton is not installed")
         if device.type != "cuda" and not interpreting():
             raise ValueError("sparsekv: argument `impl` is 'triton' on CPU tensors, which runs only under the "
