@@ -38,6 +38,19 @@ def assert_no_traceback(done: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+#: What only the shell (and sparsekv.log, for the handler) may define: one error type, one parser class,
+#: one place that attaches a log handler. A command or tool that grew its own would drift from the others.
+SHELL_ONLY = {"class UsageError": "sparsekv/cli/__init__.py", "(argparse.ArgumentParser)": "sparsekv/cli/__init__.py",
+              "ArgumentParser(": None, "addHandler(": "sparsekv/log.py", "basicConfig(": None}
+
+
+def test_one_shell_defines_the_errors_the_parser_and_the_log_handler():
+    sources = {p.relative_to(REPO).as_posix(): p.read_text() for folder in ("sparsekv", "jit_kernel", "srt", "tools")
+               for p in sorted((REPO / folder).rglob("*.py"))}
+    found = {(needle, path) for path, text in sources.items() for needle in SHELL_ONLY if needle in text}
+    assert found == {(needle, where) for needle, where in SHELL_ONLY.items() if where}
+
+
 def test_discovery_sees_every_registered_command():
     names = {c[0] for c in COMMANDS if c}
     assert {"jit", "plan-memory"} <= names
