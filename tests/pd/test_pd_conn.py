@@ -6,6 +6,8 @@ the reason, only where NIXL cannot be imported (the planner test always runs).""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -211,3 +213,15 @@ def test_finished_connections_are_forgotten(linked):
     with sender._cond:  # each connection's thread forgets it as it ends (bye, then the socket closes)
         assert sender._cond.wait_for(lambda: len(sender._connections) == 1, timeout=20), sender._connections
     assert sender.connections == 1  # the fixture's receiver, still served
+
+
+@needs_nixl
+def test_ucx_settings_reach_the_agent_not_the_environment(monkeypatch):
+    for key in ("UCX_NET_DEVICES", "UCX_TLS"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    backend = NixlBackend(net_devices="lo", tls="tcp")  # through the UCX backend's engine_config
+    backend.close()
+    assert dict(os.environ) == before
+    with pytest.raises(ValueError, match="`net_devices`.*UCX_NET_DEVICES"):
+        NixlBackend(net_devices="lo,eth0")  # engine_config cannot carry a list: refused before any agent
