@@ -39,9 +39,12 @@ it uses for both archs): bf16 ``q``, ``BLOCK_H = 64``, 8 warps: 255 registers an
 (524 bytes of spill stores) on sm_90a, 40 bytes on sm_100a; float32 ``q`` (two dots each): 8,776 bytes
 on sm_90a, 288 on sm_100a. The ``64 x 512`` float32 accumulator alone is 128 registers a thread:
 16 warps cap registers at 128 and spill more (640 bytes), ``BLOCK_N = 32`` spills 1,208, 4 warps
-1,912. ``BLOCK_H = 32`` compiles with no spill (214 registers, 49 KiB shared on sm_90a) and ``16``
-with 137: a 64-head row as two 32-head programs (each KV row gathered twice, the second read likely
-from L2; 128 programs fill a wave of 132 SMs at batch 64) is the first thing to time on a GPU.
+1,912. ``BLOCK_H = 32`` compiles with no spill or stack on both archs (bf16 ``q`` 214 / 215 registers,
+float32 ``q`` 245 / 239, 49 KiB shared for bf16 on sm_90a) and ``16`` with 137, but a 32-row ``q``
+tile takes the dots off the warp-group instructions: both archs then emit ``mma.sync`` (160 of them
+for bf16 ``q``), no ``wgmma`` / ``tcgen05.mma``, which want 64 rows (checked by compiling it; the AOT
+test requires them). So the tile stays 64 heads; a 64-head row as two 32-head programs trades the
+spill for the older tensor-core path, and which is faster is for a GPU to time.
 """
 
 from __future__ import annotations
