@@ -155,6 +155,73 @@ struct ProtectScratch<H, true> {
   int16_t victim_rank[H];
 };
 
+// The step's requested tokens by bucket of Near + 1 positions, for the protected LRU's "within Near
+// positions of a requested token" (SwapIn's and IndexedSwapIn's scratch; empty when Near = 0). Two
+// tokens of one bucket lie within Near of each other, and the tokens within Near of t lie in t's
+// bucket or the two next to it, so three lookups (t's bucket non-empty, the one below holding a
+// token >= t - Near, the one above one <= t + Near) replace 2 Near + 1 lookups of the top-k table.
+// Open addressing at load <= 1/2 over Cells (>= 2 K) cells, one per bucket: its smallest token and
+// minus its largest (both kept by fetch_min).
+template <int Cells, int Near>
+struct NearBuckets {
+  static_assert(Cells > 0 && (Cells & (Cells - 1)) == 0, "hisparse: bucket cells are a power of two");
+  static constexpr int kBits = log2_ceil(Cells);
+  int32_t bucket_key[Cells];  // bucket index, -1 empty
+  int32_t bucket_lo[Cells];
+  int32_t bucket_neg_hi[Cells];
+
+  SPARSEKV_HOST_DEVICE static int64_t bucket_of(int64_t token) { return token / (Near + 1); }
+  SPARSEKV_HOST_DEVICE static int cell_of(int64_t bucket) {
+    return static_cast<int>((static_cast<uint32_t>(bucket) * 2654435761u) >> (32 - kBits)) & (Cells - 1);
+  }
+
+  SPARSEKV_HOST_DEVICE void clear(const Team& t) {
+    for (int j = t.tid; j < Cells; j += t.size) {
+      bucket_key[j] = -1;
+      bucket_lo[j] = 0x7fffffff;
+      bucket_neg_hi[j] = 0x7fffffff;
+    }
+  }
+
+  // A requested token (0 <= token < 2^31 - 1), from any thread of the team.
+  SPARSEKV_HOST_DEVICE void add(int32_t token) {
+    const int32_t bucket = static_cast<int32_t>(bucket_of(token));
+    for (int pos = cell_of(bucket);; pos = (pos + 1) & (Cells - 1)) {
+      const int32_t prev = Team::compare_and_swap(&bucket_key[pos], -1, bucket);
+      if (prev == -1 || prev == bucket) {
+        Team::fetch_min(&bucket_lo[pos], token);
+        Team::fetch_min(&bucket_neg_hi[pos], -token);
+        return;
+      }
+    }
+  }
+
+  // Cell of bucket, or -1 when no requested token lies in it.
+  SPARSEKV_HOST_DEVICE int find(int64_t bucket) const {
+    if (bucket < 0) return -1;
+    for (int pos = cell_of(bucket);; pos = (pos + 1) & (Cells - 1)) {
+      const int32_t key = bucket_key[pos];
+      if (key == bucket) return pos;
+      if (key == -1) return -1;
+    }
+  }
+
+  // Whether a requested token lies within Near positions of held (>= 0).
+  SPARSEKV_HOST_DEVICE bool near(int64_t held) const {
+    const int64_t bucket = bucket_of(held);
+    if (find(bucket) >= 0) return true;
+    const int below = find(bucket - 1);
+    if (below >= 0 && -static_cast<int64_t>(bucket_neg_hi[below]) >= held - Near) return true;
+    const int above = find(bucket + 1);
+    return above >= 0 && bucket_lo[above] <= held + Near;
+  }
+};
+template <int Cells>
+struct NearBuckets<Cells, 0> {
+  SPARSEKV_HOST_DEVICE void clear(const Team&) {}
+  SPARSEKV_HOST_DEVICE void add(int32_t) {}
+};
+
 // ---------------------------------------------------------------------------------------------
 template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
 struct SwapIn {
@@ -177,7 +244,7 @@ struct SwapIn {
   using Params = SwapInParams;
 
   // Per-request scratch: shared memory on the GPU, a stack frame on the host.
-  struct Shared : ProtectScratch<H, kProtect> {
+  struct Shared : ProtectScratch<H, kProtect>, NearBuckets<kHashSize, ProtectNear> {
     int32_t hash_key[kHashSize];    // token, kEmpty
     int32_t hash_first[kHashSize];  // first top-k index of the token; -1 once it was a miss
     int16_t hash_slot[kHashSize];   // hot slot the token resolved to, -1 none
@@ -221,17 +288,17 @@ struct SwapIn {
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
 
   // The protected LRU's rule (Recent = W, Near = S) for a non-hit slot holding `held`: in the last
-  // Recent positions, or within Near positions of a token of the step's hash table (in the scratch
-  // of SwapIn or IndexedSwapIn).
+  // Recent positions, or within Near positions of a token of the step's hash table (the scratch's
+  // NearBuckets<kHashSize, Near>, filled with the same tokens: SwapIn's or IndexedSwapIn's).
   template <int Recent, int Near, class Scratch>
   SPARSEKV_HOST_DEVICE static bool is_protected(const Scratch& s, int32_t held, int64_t newest) {
     if (held < 0) return false;
     if (Recent > 0 && held >= newest - Recent) return true;
-    for (int d = -Near; d <= Near; ++d) {
-      const int64_t q = static_cast<int64_t>(held) + d;
-      if (q >= 0 && q < newest && lookup(s, static_cast<int32_t>(q)) >= 0) return true;
+    if constexpr (Near > 0) {
+      return s.near(held);
+    } else {
+      return false;
     }
-    return false;
   }
 
   // Work unit b of a launch; called by every thread of the team. A real row whose request another
@@ -335,11 +402,15 @@ struct SwapIn {
       s.hash_first[j] = K;
       s.hash_slot[j] = -1;
     }
+    s.clear(t);
     if (t.tid == 0) s.copies = 0;
     t.sync();
     for (int i = t.tid; i < K; i += t.size) {
       const int32_t tok = top_k[i];
-      if (is_token(tok, seq_len) && tok != newest) insert(s, tok, i);
+      if (is_token(tok, seq_len) && tok != newest) {
+        insert(s, tok, i);
+        s.add(tok);
+      }
     }
     t.sync();
 

@@ -31,7 +31,7 @@
 // entries of the walked range are dropped, and the next step's walk reads each protected slot at
 // the front once more but no stale entry again. Per step the walk reads the hits, the misses' slots,
 // the protected slots ahead of the last one taken (at most W + 2 S K, whatever H is; SwapIn's
-// rule costs each up to 2 S + 1 hash lookups) and stale entries dropped for good.
+// rule costs each up to 3 bucket lookups) and stale entries dropped for good.
 //
 // Safe by construction: a slot, queue position or token outside its table is never followed; a
 // miss that finds no evictable entry gets no slot (-1), as in SwapIn. A corrupted index gives wrong
@@ -71,7 +71,7 @@ struct IndexedSwapIn {
   };
 
   // Per-request scratch. Unlike SwapIn's, it has no H-sized array.
-  struct Shared {
+  struct Shared : NearBuckets<kHashSize, ProtectNear> {
     int32_t hash_key[kHashSize];    // token, kEmpty
     int32_t hash_first[kHashSize];  // first top-k index of the token; -1 once it was a miss
     int16_t hash_slot[kHashSize];   // hot slot the token resolved to, -1 none
@@ -230,6 +230,7 @@ struct IndexedSwapIn {
       s.hash_first[j] = K;
       s.hash_slot[j] = -1;
     }
+    s.clear(t);
     if (t.tid == 0) {
       s.copies = 0;
       s.walked_end = head;
@@ -237,7 +238,10 @@ struct IndexedSwapIn {
     t.sync();
     for (int i = t.tid; i < K; i += t.size) {
       const int32_t tok = top_k[i];
-      if (is_token(tok, seq_len) && tok != newest) insert(s, tok, i);
+      if (is_token(tok, seq_len) && tok != newest) {
+        insert(s, tok, i);
+        s.add(tok);
+      }
     }
     t.sync();
 

@@ -33,6 +33,7 @@ from sparsekv.jit_kernel.hisparse_params import (
     default_block_size,
     layout_type,
     log2_ceil,
+    near_bucket_bytes,
     policy_protections,
 )
 from sparsekv.jit_kernel.torch_op import kernel_op
@@ -66,19 +67,20 @@ __all__ = [
 _MAX_SLOTS = 32768  # slot ids are int16
 
 
-def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, protected: bool = False) -> int:
-    """Bytes of ``SwapIn<K, H, BlockSize>::Shared``, the per-request scratch in shared memory.
+def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, protect_recent: int = 0,
+                         protect_near: int = 0) -> int:
+    """Bytes of ``SwapIn<K, H, BlockSize, Layout, W, S>::Shared``, the per-request scratch in shared memory.
 
     With ``T = 2 ** ceil(log2(2 K))`` hash cells: ``align4(10 T + 2 H + 2 K) + 4 (BlockSize / 32) + 4``
     (int32 key + int32 first index + int16 slot per cell, int16 LRU and miss arrays, one int32 per
     warp and a copy counter), plus ``align4(6 H)`` for a protected policy (three int16 arrays of H:
-    the victim order, the protected slots, the victim ranks). ``tests/kernels/test_hisparse.py``
-    pins it to the C++ ``sizeof``.
+    the victim order, the protected slots, the victim ranks) and :func:`near_bucket_bytes` when
+    ``S > 0``. ``tests/kernels/test_hisparse.py`` pins it to the C++ ``sizeof``.
     """
     cells = 1 << log2_ceil(2 * num_top_k)
     arrays = 10 * cells + 2 * hot_buffer_size + 2 * num_top_k
-    protect = -(-6 * hot_buffer_size // 4) * 4 if protected else 0
-    return protect + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 4
+    protect = -(-6 * hot_buffer_size // 4) * 4 if protect_recent or protect_near else 0
+    return protect + near_bucket_bytes(num_top_k, protect_near) + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 4
 
 
 def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
@@ -91,12 +93,12 @@ def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
                owner="hisparse")
     block = check_block_size("hisparse", block_size, k)
     recent, near = check_protections("hisparse", protect_recent, protect_near)
-    need = swap_in_shared_bytes(k, h, block, protected=recent > 0 or near > 0)
+    need = swap_in_shared_bytes(k, h, block, recent, near)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(
             f"sparsekv: hisparse num_top_k={k}, hot_buffer_size={h} need {need} bytes of per-request scratch "
             f"(10 * 2**ceil(log2(2 * num_top_k)) + 2 * hot_buffer_size + 2 * num_top_k + ..., + 6 * "
-            f"hot_buffer_size for a protected policy), over the "
+            f"hot_buffer_size for a protected policy, + 12 * 2**ceil(log2(2 * num_top_k)) with protect_near), over the "
             f"{SHARED_MEMORY_LIMIT} bytes (227 KiB) of shared memory a GPU block can have on sm_90/sm_100; "
             f"lower num_top_k or hot_buffer_size")
     layout_struct = layout_type("hisparse", layout, page_slots)

@@ -40,6 +40,7 @@ from sparsekv.jit_kernel.hisparse_params import (
     check_protections,
     layout_type,
     log2_ceil,
+    near_bucket_bytes,
 )
 from sparsekv.kv_layout import resident_index_bytes
 
@@ -56,15 +57,16 @@ __all__ = [
 SORT_KEY_LIMIT = 32768
 
 
-def indexed_shared_bytes(num_top_k: int, block_size: int) -> int:
-    """Bytes of ``IndexedSwapIn<K, H, BlockSize>::Shared`` (no ``H`` term, unlike the scanning kernel's).
+def indexed_shared_bytes(num_top_k: int, block_size: int, protect_near: int = 0) -> int:
+    """Bytes of ``IndexedSwapIn<K, H, BlockSize, Layout, W, S>::Shared`` (no ``H`` term, unlike the
+    scanning kernel's).
 
     With ``T = 2 ** ceil(log2(2 K))`` hash cells and ``P = 2 ** ceil(log2 K)`` sort keys:
-    ``align4(10 T + 4 P + 4 K) + 4 (BlockSize / 32) + 8``.
+    ``align4(10 T + 4 P + 4 K) + 4 (BlockSize / 32) + 8``, plus :func:`near_bucket_bytes` when ``S > 0``.
     """
     cells = 1 << log2_ceil(2 * num_top_k)
     arrays = 10 * cells + 4 * (1 << log2_ceil(num_top_k)) + 4 * num_top_k
-    return -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 8
+    return near_bucket_bytes(num_top_k, protect_near) + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 8
 
 
 def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
@@ -75,11 +77,11 @@ def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "ge
     h = int_in(hot_buffer_size, "hot_buffer_size", k, SORT_KEY_LIMIT - 1,
                why="at least num_top_k; 2 * H queue positions below 2**16", owner="hisparse_index")
     block = check_block_size("hisparse_index", block_size, k)
-    need = indexed_shared_bytes(k, block)
+    recent, near = check_protections("hisparse_index", protect_recent, protect_near)
+    need = indexed_shared_bytes(k, block, near)
     if need > SHARED_MEMORY_LIMIT:
         raise ValueError(f"sparsekv: hisparse_index num_top_k={k} needs {need} bytes of per-request scratch, over "
                          f"the {SHARED_MEMORY_LIMIT} bytes of shared memory a GPU block can have; lower num_top_k")
-    recent, near = check_protections("hisparse_index", protect_recent, protect_near)
     layout_struct = layout_type("hisparse_index", layout, page_slots)
     return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
 

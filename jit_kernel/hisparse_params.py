@@ -21,6 +21,7 @@ __all__ = [
     "default_block_size",
     "layout_type",
     "log2_ceil",
+    "near_bucket_bytes",
     "policy_protections",
 ]
 
@@ -48,6 +49,12 @@ def log2_ceil(n: int) -> int:
 def default_block_size(num_top_k: int) -> int:
     """GPU threads per request: the power of two covering ``num_top_k``, clamped to ``[64, 1024]``."""
     return min(1024, max(64, 1 << log2_ceil(num_top_k)))
+
+
+def near_bucket_bytes(num_top_k: int, protect_near: int) -> int:
+    """Bytes of the headers' ``NearBuckets<T, S>`` (both kernels' scratch under a policy with
+    ``protect_near = S > 0``): three int32 per hash cell, ``12 T`` with ``T = 2 ** ceil(log2(2 K))``."""
+    return 12 * (1 << log2_ceil(2 * num_top_k)) if protect_near > 0 else 0
 
 
 def check_block_size(family: str, block_size: int | None, num_top_k: int) -> int:

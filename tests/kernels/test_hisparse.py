@@ -34,6 +34,7 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_module,
     swap_in_shared_bytes,
 )
+from sparsekv.jit_kernel.hisparse_index import indexed_shared_bytes
 from sparsekv.testing.backends import device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.hisparse_traces import PROTECT_NEAR, PROTECT_RECENT
@@ -548,17 +549,23 @@ def test_an_invalid_instance_raises_before_compiling_anything(backend, monkeypat
 
 @pytest.mark.no_backend("a compile-time check of the header under the host compiler")
 def test_the_shared_memory_bound_is_what_the_compiler_says(tmp_path):
-    """swap_in_shared_bytes (the Python bound on K and H) equals sizeof(SwapIn<...>::Shared)."""
+    """swap_in_shared_bytes and indexed_shared_bytes (the Python bounds on K and H) equal
+    sizeof(SwapIn<...>::Shared) and sizeof(IndexedSwapIn<...>::Shared), LRU and protected."""
     cases = [(1, 1, 64), (4, 4, 64), (5, 7, 64), (12, 70, 64), (16, 48, 64), (64, 128, 64), (100, 333, 128),
              (512, 1024, 512), (2048, 4096, 1024), (7000, 9000, 1024)]
-    lines = ['#include "hisparse.cuh"']
+    lines = ['#include "hisparse_index.cuh"']
     for k, h, block in cases:
         lines.append(f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, {block}, "
                      f"sparsekv::hisparse::LinearRows>::Shared) == {swap_in_shared_bytes(k, h, block)});")
-        protected = swap_in_shared_bytes(k, h, block, protected=True)
-        if protected <= SHARED_MEMORY_LIMIT:  # a protected policy's scratch: 6 H bytes more
+        protected = swap_in_shared_bytes(k, h, block, 256, 16)
+        if protected <= SHARED_MEMORY_LIMIT:  # a protected policy's scratch: 6 H bytes and the near buckets more
             lines.append(f"static_assert(sizeof(sparsekv::hisparse::SwapIn<{k}, {h}, {block}, sparsekv::hisparse::"
                          f"LinearRows, 256, 16>::Shared) == {protected});")
+        for policy in ((), (256, 16), (256, 0)):
+            if indexed_shared_bytes(k, block, *policy[1:]) <= SHARED_MEMORY_LIMIT:
+                args = "".join(f", {v}" for v in policy)
+                lines.append(f"static_assert(sizeof(sparsekv::hisparse::IndexedSwapIn<{k}, {h}, {block}, sparsekv::"
+                             f"hisparse::LinearRows{args}>::Shared) == {indexed_shared_bytes(k, block, *policy[1:])});")
     source = tmp_path / "shared_bytes.cpp"
     source.write_text("\n".join(lines) + "\n")
     root = csrc_root()

@@ -23,6 +23,7 @@ from sparsekv.jit_kernel.hisparse_index import (
     resident_index_bytes,
 )
 from sparsekv.testing.backends import device_of, to_backend
+from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.strategies.hisparse import make_world
 
@@ -51,7 +52,8 @@ def twin_worlds(backend, is_dsv4_layout, seed, policy="lru", **shape):
 
 
 def step_both(scan, indexed, top_k, rows, lens, counters):
-    """One step on both worlds; everything the two kernels produce or change must be equal."""
+    """One step on both worlds; everything the two kernels produce or change must be equal. Returns
+    the output rows."""
     a = scan.swap_in(top_k, rows, lens, plan=True, counters=counters[0])
     b = indexed.swap_in(top_k, rows, lens, plan=True, counters=counters[1])
     for name in ("out", "miss_count"):
@@ -65,6 +67,7 @@ def step_both(scan, indexed, top_k, rows, lens, counters):
     for rid in range(scan.max_reqs):
         assert indexed.lru_order(rid) == scan.lru_slots[rid].tolist()
         assert indexed.resident_index.agrees_with(rid, indexed.device_buffer_tokens)
+    return a["out"]
 
 
 @POLICIES
@@ -86,16 +89,20 @@ def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, pol
 
 
 # Several chunks of a 32-thread block per walk (queue 2H = 80 entries), top-k clustered around
-# recently asked positions and the newest ones, as decode top-k is: slots next to a requested token
-# and the last 10 positions are protected, so walks pass over protected slots, take protected ones
-# when too few others remain, and move the passed-over ones up to where they stopped.
+# recently asked positions and the newest ones, as decode top-k is: slots within 5 of a requested
+# token and the last 10 positions are protected, so walks pass over protected slots, take protected
+# ones when too few others remain, and move the passed-over ones up to where they stopped. Both
+# kernels also follow the policy model (its own state), which finds "within 5" by bisection where
+# the kernels use buckets of 6 positions.
 WIDE = dict(num_top_k=8, hot=40, block_size=32, max_reqs=2, max_len=400)
+WIDE_PROTECT = (10, 5)
 
 
 @settings(max_examples=scaled_examples(3), deadline=None)
 @given(seed=st.integers(0, 2**16))
 def test_the_protected_walk_matches_the_scanning_kernel_over_block_sized_chunks(backend, seed):
-    scan, indexed = twin_worlds(backend, False, seed, (10, 2), **WIDE)
+    scan, indexed = twin_worlds(backend, False, seed, WIDE_PROTECT, **WIDE)
+    models = [HotBuffer.resident_prefix(WIDE["hot"]), HotBuffer.empty(WIDE["hot"])]  # as twin_worlds resets them
     rng = random.Random(seed)
     seq, asked = {0: 41, 1: 60}, {0: [], 1: []}
     counters = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
@@ -109,7 +116,13 @@ def test_the_protected_walk_matches_the_scanning_kernel_over_block_sized_chunks(
             row = [min(max(t, 0), n - 1) for t in row]
             asked[r] = (asked[r] + row)[-30:]
             top_k.append(row)
-        step_both(scan, indexed, top_k, [0, 1], [seq[0], seq[1]], counters)
+        out = step_both(scan, indexed, top_k, [0, 1], [seq[0], seq[1]], counters)
+        for r in (0, 1):
+            step = swap_in_step(models[r], top_k[r], seq[r], protect_recent=WIDE_PROTECT[0],
+                                protect_near=WIDE_PROTECT[1])
+            assert out[r].tolist() == [int(scan.device_buffer_locs[r, s]) if s >= 0 else -1 for s in step.slots]
+            assert scan.device_buffer_tokens[r, :WIDE["hot"]].tolist() == models[r].tokens
+            assert scan.lru_slots[r].tolist() == models[r].lru
 
 
 @pytest.mark.parametrize("policy, head, victims", [("lru", 2, [0, 1]), (PROTECT, 2, [1, 2])],

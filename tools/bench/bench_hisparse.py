@@ -13,7 +13,7 @@ Candidates, all measured in the same run on the same state:
   thread; cuda backend: tables and device buffer on the GPU, host cache in pinned memory, timed
   with CUDA events);
 * ``raw``: the compiled module's export called directly (the wrapper's Python overhead is the gap);
-* ``near_lru``: the wrapper with ``policy="near_lru"`` (the protected LRU: 2 S + 1 = 33 table
+* ``near_lru``: the wrapper with ``policy="near_lru"`` (the protected LRU: up to 3 bucket
   lookups per non-hit slot, a second victim order, the LRU row compacted by victim rank); here it
   loads what LRU loads, so the column is the policy's cost per step (``near_lru_over_lru``);
 * ``model`` (baseline): the plain-Python policy (:func:`sparsekv.testing.hisparse_policy.swap_in_step`,
