@@ -435,9 +435,9 @@ def _check_hot_buffers(coord, reqs) -> tuple[int, int]:
     from sparsekv.kv_layout import V4
 
     def entry(cache, slot: int):
-        page, offset = divmod(slot, coord.page_size)
-        return torch.cat([V4.value_view(cache, coord.page_size)[page, offset],
-                          V4.scale_view(cache, coord.page_size)[page, offset]])
+        page, offset = divmod(slot, coord.page_slots)
+        return torch.cat([V4.value_view(cache, coord.page_slots)[page, offset],
+                          V4.scale_view(cache, coord.page_slots)[page, offset]])
 
     checked = wrong = 0
     hot = coord.device_buffer_size

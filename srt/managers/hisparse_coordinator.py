@@ -186,21 +186,21 @@ class HiSparseCoordinator:
         self.top_k = top_k
         self.device_buffer_size = device_buffer_size
         self.compress_ratio = allocator.compress_ratio
-        self.page_size = allocator.device_page_size
-        self.padded_buffer_size = device_buffer_size + self.page_size
+        self.page_slots = allocator.device_page_size  # C4 slots per page, on the device and the host
+        self.padded_buffer_size = device_buffer_size + self.page_slots
         self.item_size_bytes = V4.bytes_per_token
         self.swap_in_block_size = swap_in_block_size
         self.tp_group = tp_group
         device = device_pool.device
         num_reqs, max_context = self.req_to_token.shape
         if host_pool is None:
-            host_pages = -(-allocator.size_full // self.compress_ratio // self.page_size)
+            host_pages = -(-allocator.size_full // self.compress_ratio // self.page_slots)
             host_pool = DeepSeekV4PagedHostPool("dsv4_hisparse_c4", device_pool.kv_buffer, host_pages,
-                                                slot_page_size=self.page_size)
+                                                slot_page_size=self.page_slots)
         self.mem_pool_host = host_pool
         layers, padded, hot = device_pool.layer_num, self.padded_buffer_size, device_buffer_size
 
-        max_entries = -(-max_context // self.compress_ratio) + self.page_size
+        max_entries = -(-max_context // self.compress_ratio) + self.page_slots
         self.req_to_host_pool = torch.full((num_reqs, max_entries), -1, dtype=torch.int64, device=device)
         self.req_to_host_pool_allocated_len = torch.zeros(num_reqs, dtype=torch.int64)
         self.req_to_device_buffer = torch.full((num_reqs, padded), -1, dtype=torch.int64, device=device)
@@ -398,7 +398,7 @@ class HiSparseCoordinator:
             Not enough host pages; nothing changed.
         """
         rid = self._check_req(req, (None, "transfer"), "given direct-transfer host slots")
-        num_entries = int_in(num_entries, "num_entries", 0, self.req_to_host_pool.shape[1] - self.page_size)
+        num_entries = int_in(num_entries, "num_entries", 0, self.req_to_host_pool.shape[1] - self.page_slots)
         slots = self.mem_pool_host.alloc_paged_token_slots(
             self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, num_entries)
         self._reqs.setdefault(rid, _ReqState("transfer")).length = req.kv_allocated_len
@@ -628,7 +628,7 @@ class HiSparseCoordinator:
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
             num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
-            page_slots=self.page_size, speculative=True, policy=self.swap_in_policy,
+            page_slots=self.page_slots, speculative=True, policy=self.swap_in_policy,
             resident_index=self.resident_indexes[layer_id] if self.resident_indexes else None)
         return out
 
@@ -719,9 +719,9 @@ class HiSparseCoordinator:
     def get_token_stats(self) -> dict[str, int]:
         """Device and host usage in C4 slots."""
         return {
-            "device_used": len(self.allocator.device_alloc.used_pages) * self.page_size,
-            "device_total": (self.allocator.num_device_pages - 1) * self.page_size,
-            "host_used": (self.mem_pool_host.num_pages - self.mem_pool_host.available_pages) * self.page_size,
+            "device_used": len(self.allocator.device_alloc.used_pages) * self.page_slots,
+            "device_total": (self.allocator.num_device_pages - 1) * self.page_slots,
+            "host_used": (self.mem_pool_host.num_pages - self.mem_pool_host.available_pages) * self.page_slots,
             "host_total": self.mem_pool_host.size,
         }
 
