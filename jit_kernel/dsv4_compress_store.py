@@ -64,7 +64,7 @@ def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
         The cache and the store's parameters.
     impl : {"auto", "header", "triton"}
         ``"header"``: ``csrc/dsv4_compress_store.cuh``; ``"triton"``: the Triton twin
-        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`, the ``V4`` cache only), on a GPU or, on
+        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`), on a GPU or, on
         CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header.
 
     Raises
@@ -136,7 +136,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         bool ``[B]``, contiguous, to write (default: a new tensor).
     impl : {"auto", "header", "triton"}
         With ``store``: ``"header"`` runs ``csrc/dsv4_compress_store.cuh``; ``"triton"`` the Triton twin
-        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`, the ``V4`` cache only), on a GPU or, on
+        (:mod:`sparsekv.jit_kernel.triton.dsv4_compress_store`), on a GPU or, on
         CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header. Without ``store``, the header.
 
     Returns

@@ -1,6 +1,7 @@
 """Triton twins of ``compress_store`` and ``compress_decode_store`` (``csrc/dsv4_compress_store.cuh``):
 a step of the compressor's raw ring fused with the store, for the main cache (``V4``, 584-byte
-``fp8_ds_mla``); the indexer caches have no twin.
+``fp8_ds_mla``) and the indexer caches (``INDEXER_FP8`` 132 B, ``INDEXER_FP4`` 68 B, after the
+128-point Walsh-Hadamard rotation).
 
 Same contracts as the header entries behind
 :func:`sparsekv.jit_kernel.dsv4_compress_store.compress_store_step` and
@@ -8,8 +9,9 @@ Same contracts as the header entries behind
 and :func:`compress_decode_store` here for ``impl="triton"``), and the same stored bytes: one program
 per event pools its window from the input rows and the ring (the planned sources, as
 ``compress_extend``, or for a decode step the state rows and positions read on the device, as
-``compress_decode``), rounds the entry to bf16, then RMSNorm, RoPE and the V4 quantizer, and stores
-the token; a second launch writes the new ring rows after every event has read the ring as it was.
+``compress_decode``), rounds the entry to bf16, then RMSNorm, RoPE (the indexer kinds: Hadamard)
+and the quantizer, and stores the token as 32-bit words (bytes when the cache is not 4-byte
+aligned); a second launch writes the new ring rows after every event has read the ring as it was.
 
 Exactness. The pooled floats follow :mod:`sparsekv.jit_kernel.triton.dsv4_compress` (the header's
 order of explicitly rounded steps; its exponential is libdevice's ``expf`` on a GPU, numpy's under
@@ -17,8 +19,9 @@ the interpreter). Everything after pooling is rounded as the header writes it an
 exactly: the mean square in the team order of ``lane_reduce.h`` (each of 32 virtual lanes folds
 channels ``l + 32 k`` in ``k`` order, then an xor butterfly 16, 8, 4, 2, 1, here as pairwise sums of
 halves), ``1 / sqrt(ms + eps)`` as an IEEE square root then division, the bf16 roundings, RoPE's
-products and sums (FMA contraction off), and the quantizer of :mod:`~sparsekv.jit_kernel.triton.dsv4_quant`
-(integer arithmetic on the bits). So the stored bytes equal the header's whenever the pooled entry
+products and sums (FMA contraction off), the Hadamard butterflies, the indexer FP8 scale and codes as
+IEEE divisions, and the encoders of :mod:`~sparsekv.jit_kernel.triton.dsv4_quant` (integer arithmetic
+on the bits). So the stored bytes equal the header's whenever the pooled entry
 does: always on a GPU (same ``expf``), and under the interpreter for every entry whose pooled floats
 agree (the tests compare the twin's bytes with the header's store of the twin's own entries, and
 with the header's bytes where the pooled entries agree).
@@ -33,13 +36,22 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
-from sparsekv.jit_kernel.triton.dsv4_quant import check_paged_cache, check_unique_slots, float_to_bf16, store_v4_token
-from sparsekv.kv_layout import V4
+from sparsekv.jit_kernel.triton.dsv4_quant import (
+    ceil_scale_exponent,
+    check_paged_cache,
+    check_unique_slots,
+    exp2_int,
+    float_to_bf16,
+    float_to_e4m3,
+    pack_words,
+    store_v4_token,
+)
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
 
 __all__ = ["AOT_KERNELS", "CACHE_KINDS", "compress_decode_store", "compress_store"]
 
-#: The cache kinds the twin stores (the indexer kinds stay on the header).
-CACHE_KINDS = {"V4": 512}
+#: The cache kinds the twin stores: (layout, entry width); ``KIND`` of the kernels is the position here.
+CACHE_KINDS = {"V4": (V4, 512), "INDEXER_FP8": (INDEXER_FP8, 128), "INDEXER_FP4": (INDEXER_FP4, 128)}
 ROPE_PAIRS = 32
 NUM_WARPS = 4
 
@@ -179,61 +191,147 @@ def _rope(y, cos_ptr, sin_ptr, pos, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot, stores, cache_ptr, page_stride,
-                    page_shift, num_slots, PACKED: tl.constexpr):
-    """The header's ``NormRopeStore<V4>::finish`` of a pooled ``[8, 64]`` entry: bf16, RMSNorm, RoPE at
-    ``pos``, quantize and store into ``slot``; nothing is stored unless ``stores`` and the slot and the
-    position lie in the cache and the RoPE table (the work is then done on slot 0, position 0)."""
+def _butterfly(z, HALF: tl.constexpr):
+    """One stage of the Walsh-Hadamard transform of a ``[128]`` row: channels ``c`` and ``c + HALF``
+    (bit ``HALF`` of ``c`` clear) become ``(a + b, a - b)``."""
+    a, b = tl.split(tl.permute(tl.reshape(z, (64 // HALF, 2, HALF)), (0, 2, 1)))  # [q, r, the bit]
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (128,))
+
+
+@triton.jit
+def _hadamard(z):
+    """The 128-point Walsh-Hadamard transform of a ``[128]`` row, strides 1 .. 64, then the 1/sqrt(128)
+    scale (``NormRopeStore::hadamard``)."""
+    z = _butterfly(_butterfly(_butterfly(_butterfly(_butterfly(_butterfly(_butterfly(z, 1), 2), 4), 8), 16), 32), 64)
+    return z * 0.08838834764831845
+
+
+@triton.jit
+def _float_to_e2m1(x):
+    """float32 -> e2m1 code (int32 0..15), ties to the even code, NaN saturating (``fp8::float_to_e2m1``)."""
+    a = tl.abs(x)
+    code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(a < 1.75, 3, tl.where(
+        a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
+    return ((x.to(tl.int32, bitcast=True) >> 28) & 8) | code
+
+
+@triton.jit
+def _store_indexer_token(cache_ptr, page_base, in_page, page_shift, z, valid, FP4: tl.constexpr,
+                         PACKED: tl.constexpr):
+    """A 128-wide row into one IndexerFp8 token (128 e4m3 codes, one fp32 scale ``max(amax, 1e-4) / 448``,
+    codes ``e4m3(z / scale)``, true divisions) or IndexerFp4 token (per 32 channels a UE8M0 scale, the
+    smallest ``2^e`` with ``6 * 2^e >= max(amax, 6 * 2^-126)``, codes ``e2m1(z * 2^-e)`` packed two a byte,
+    the even channel low): slot ``in_page`` of the page at byte ``page_base`` (``store_indexer_fp8`` /
+    ``_fp4``); nothing is written unless ``valid``."""
+    on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
+    VALUE_BYTES: tl.constexpr = 64 if FP4 else 128
+    WORDS: tl.constexpr = VALUE_BYTES // 4
+    if FP4:
+        blocks = tl.reshape(z, (4, 32))
+        amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
+        e = ceil_scale_exponent(amax, 6.0)
+        codes = _float_to_e2m1(blocks * exp2_int(-e)[:, None])
+        scales = e + 127
+    else:
+        amax = tl.maximum(tl.max(tl.abs(z), 0), 1e-4)
+        scale = tl.div_rn(amax, tl.full((), 448.0, tl.float32))
+        codes = float_to_e4m3(tl.div_rn(z, scale))
+    value_off = page_base + in_page * VALUE_BYTES
+    scale_off = page_base + (1 << page_shift) * VALUE_BYTES + in_page * 4
+    if PACKED:
+        if FP4:
+            words = pack_words(codes, 16, 8)  # eight nibbles a word, the even channel low
+        else:
+            words = pack_words(codes, 32, 4)
+        w = tl.arange(0, WORDS)
+        tl.store((cache_ptr + value_off).to(tl.pointer_type(tl.int32)) + w, words, mask=w < WORDS * on)
+        if FP4:
+            scale_word = pack_words(scales, 1, 4)
+        else:
+            scale_word = tl.zeros((1,), tl.int32) + scale.to(tl.int32, bitcast=True)
+        one = tl.arange(0, 1)
+        tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.int32)) + one, scale_word, mask=one < on)
+    else:
+        byte = tl.arange(0, VALUE_BYTES)
+        if FP4:  # two codes a byte, the even channel in the low nibble
+            low, high = tl.split(tl.reshape(codes, (64, 2)))
+            value_bytes = low | (high << 4)
+        else:
+            value_bytes = codes
+        tl.store(cache_ptr + value_off + byte, value_bytes.to(tl.uint8), mask=byte < VALUE_BYTES * on)
+        four = tl.arange(0, 4)
+        if FP4:
+            scale_bytes = scales
+        else:
+            bits = scale.to(tl.int32, bitcast=True)
+            scale_bytes = (bits >> (four * 8)) & 0xFF
+        tl.store(cache_ptr + scale_off + four, scale_bytes.to(tl.uint8), mask=four < 4 * on)
+
+
+@triton.jit
+def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot, stores, cache_ptr, page_stride,
+                 page_shift, num_slots, KIND: tl.constexpr, PACKED: tl.constexpr):
+    """The header's ``NormRopeStore<Kind>::finish`` of a pooled ``[ROWS, 64]`` entry: bf16, RMSNorm, RoPE
+    at ``pos`` on the last 64 dims, (the indexer kinds: Hadamard,) quantize and store into ``slot``;
+    nothing is stored unless ``stores`` and the slot and the position lie in the cache and the RoPE
+    table (the work is then done on slot 0, position 0)."""
+    ROWS: tl.constexpr = 8 if KIND == 0 else 2
     valid = stores & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
     slot = tl.where(valid, slot, 0)
     pos = tl.where(valid, pos, 0)
-    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    row = tl.arange(0, ROWS)[:, None]
+    c = row * 64 + tl.arange(0, 64)[None, :]
     x = _round_bf16(x)
-    inv = _rms_inverse(x, eps, 512)
+    inv = _rms_inverse(x, eps, ROWS * 64)
     y = _round_bf16((x * inv) * tl.load(weight_ptr + c))
-    rope = _row_of(_rope(y, cos_ptr, sin_ptr, pos, 8), 7, 8)
+    rotated = _rope(y, cos_ptr, sin_ptr, pos, ROWS)
     page = slot >> page_shift
     in_page = slot & ((1 << page_shift) - 1)
-    value_off = page * page_stride + in_page * 576
-    scale_off = page * page_stride + (1 << page_shift) * 576 + in_page * 8
-    store_v4_token(cache_ptr, value_off, scale_off, y, rope, valid, PACKED)
+    if KIND == 0:
+        value_off = page * page_stride + in_page * 576
+        scale_off = page * page_stride + (1 << page_shift) * 576 + in_page * 8
+        store_v4_token(cache_ptr, value_off, scale_off, y, _row_of(rotated, ROWS - 1, ROWS), valid, PACKED)
+    else:
+        z = _hadamard(tl.reshape(tl.where(row == ROWS - 1, rotated, y), (128,)))
+        _store_indexer_token(cache_ptr, page * page_stride, in_page, page_shift, z, valid, KIND == 2, PACKED)
 
 
 @triton.jit
-def compress_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr,
-                             num_ring_rows, sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr,
-                             rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
-                             RATIO: tl.constexpr, RING_BF16: tl.constexpr, PACKED: tl.constexpr,
-                             NATIVE: tl.constexpr):
-    """Event ``e``: pool, then store into ``slots[e]`` at RoPE position ``positions[e]`` (``CompressStore<V4>``)."""
+def compress_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
+                          sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr, rope_positions, slots_ptr,
+                          cache_ptr, page_stride, page_shift, num_slots, RATIO: tl.constexpr,
+                          RING_BF16: tl.constexpr, KIND: tl.constexpr, PACKED: tl.constexpr, NATIVE: tl.constexpr):
+    """Event ``e``: pool, then store into ``slots[e]`` at RoPE position ``positions[e]`` (``CompressStore<Kind>``)."""
+    ROWS: tl.constexpr = 8 if KIND == 0 else 2
     e = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [8, 64]: channel 64 r + q
+    c = tl.arange(0, ROWS)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [ROWS, 64]: channel 64 r + q
     x = _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
-                    sources_ptr, sources_ptr, 0, e, 0, c, 512, RATIO, RING_BF16, False, NATIVE)
-    _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, tl.load(positions_ptr + e),
-                    tl.load(slots_ptr + e), True, cache_ptr, page_stride, page_shift, num_slots, PACKED)
+                    sources_ptr, sources_ptr, 0, e, 0, c, ROWS * 64, RATIO, RING_BF16, False, NATIVE)
+    _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, tl.load(positions_ptr + e),
+                    tl.load(slots_ptr + e), True, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED)
 
 
 @triton.jit
-def compress_decode_store_v4_kernel(kv_ptr, score_ptr, kv_stride, score_stride, batch, ape_ptr, ring_ptr,
-                                    num_ring_rows, rows_ptr, rows_stride, positions_ptr, out_ptr, emitted_ptr,
-                                    weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, slots_ptr, cache_ptr,
-                                    page_stride, page_shift, num_slots, RATIO: tl.constexpr,
-                                    RING_BF16: tl.constexpr, PACKED: tl.constexpr, NATIVE: tl.constexpr):
+def compress_decode_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, batch, ape_ptr, ring_ptr, num_ring_rows,
+                                 rows_ptr, rows_stride, positions_ptr, out_ptr, emitted_ptr, weight_ptr, eps, cos_ptr,
+                                 sin_ptr, rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
+                                 RATIO: tl.constexpr, RING_BF16: tl.constexpr, KIND: tl.constexpr,
+                                 PACKED: tl.constexpr, NATIVE: tl.constexpr):
     """Batch row ``b`` of a decode step: its entry (zeros unless its token completes one) into ``out``,
     the flag into ``emitted``, and a completed entry stored into ``slots[b]`` at its anchor
-    ``positions[b] - ratio + 1`` (``CompressStore<V4>`` with ``DecodeRows``)."""
+    ``positions[b] - ratio + 1`` (``CompressStore<Kind>`` with ``DecodeRows``)."""
+    ROWS: tl.constexpr = 8 if KIND == 0 else 2
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + b)
     emits = (pos >= 0) & ((pos + 1) % RATIO == 0)
-    c = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    c = tl.arange(0, ROWS)[:, None] * 64 + tl.arange(0, 64)[None, :]
     x = _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, batch, ape_ptr, ring_ptr, num_ring_rows, rows_ptr,
-                    rows_ptr, rows_stride, b, pos, c, 512, RATIO, RING_BF16, True, NATIVE)
+                    rows_ptr, rows_stride, b, pos, c, ROWS * 64, RATIO, RING_BF16, True, NATIVE)
     x = tl.where(emits, x, 0.0)
-    tl.store(out_ptr + b * 512 + c, x)
+    tl.store(out_ptr + b * (ROWS * 64) + c, x)
     tl.store(emitted_ptr + b, emits)
-    _store_v4_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos - (RATIO - 1), tl.load(slots_ptr + b),
-                    emits, cache_ptr, page_stride, page_shift, num_slots, PACKED)
+    _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos - (RATIO - 1), tl.load(slots_ptr + b),
+                    emits, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED)
 
 
 @triton.jit
@@ -296,8 +394,9 @@ def _check_rope_position(pos, n, rope_positions):
                          f"[0, {rope_positions})")
 
 
-def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, read_slots=True):
-    """``check_store<Kind>`` of ``dsv4_store.cuh`` (the V4 layout): returns ``(page_shift, num_slots)``."""
+def _check_store(entries, layout, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+                 read_slots=True):
+    """``check_store<Kind>`` of ``dsv4_store.cuh``: returns ``(page_shift, num_slots)``."""
     check(weight, "weight").dtype(torch.float32).ndim(1).size(0, dim, "head dim").contiguous()
     check(weight, "weight").same_device(cache, "cache")
     check(positions, "positions").dtype(torch.int64).ndim(1).contiguous().size(0, entries, "entries")
@@ -313,7 +412,7 @@ def _check_store(entries, dim, weight, eps, positions, cache, slots, page_size, 
             _check_rope_position(pos, n, rope_cos.shape[0])
     if not eps >= 0.0:
         raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")  # as C++ streams a double
-    return check_paged_cache(cache, slots, page_size, V4, read_slots)
+    return check_paged_cache(cache, slots, page_size, layout, read_slots)
 
 
 def _check_kind(cache_kind):
@@ -331,11 +430,11 @@ def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes
                    read(positions, "positions"), written(cache, "cache"), read(slots, "slots"),
                    read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     d, ring_bf16 = _check_extend(kv, score, ape, ratio, state, sources, writes)
-    dim = CACHE_KINDS[cache_kind]
+    layout, dim = CACHE_KINDS[cache_kind]
     if d != dim:
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
-    shift, num_slots = _check_store(sources.shape[0], dim, weight, eps, positions, cache, slots, page_size, rope_cos,
-                                    rope_sin)
+    shift, num_slots = _check_store(sources.shape[0], layout, dim, weight, eps, positions, cache, slots, page_size,
+                                    rope_cos, rope_sin)
     check(cache, "cache").same_device(kv, "kv")
     return d, ring_bf16, shift, num_slots
 
@@ -348,8 +447,8 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
 
     Raises
     ------
-    ValueError
-        ``cache_kind`` other than ``"V4"`` (the indexer kinds have no twin), or any refusal of the header.
+    TypeError, ValueError, IndexError
+        The header's refusals, same types and messages; nothing is written.
     """
     _check_kind(cache_kind)
     d, ring_bf16, shift, num_slots = check_compress_store_arguments(
@@ -358,11 +457,12 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
     ring = state.view(torch.int16) if ring_bf16 else state
     stride = row_stride(cache)
     if sources.shape[0] > 0:
-        compress_store_v4_kernel[(sources.shape[0],)](
+        compress_store_kernel[(sources.shape[0],)](
             kv, score, row_stride(kv), row_stride(score), kv.shape[0], ape, ring, state.shape[0], sources, weight,
             float(eps), positions, rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride, shift, num_slots,
-            RATIO=ratio, RING_BF16=ring_bf16, PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0,
-            NATIVE=not interpreting(), num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+            RATIO=ratio, RING_BF16=ring_bf16, KIND=list(CACHE_KINDS).index(cache_kind),
+            PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
+            **LAUNCH_OPTIONS)
     if writes.shape[0] > 0:
         _write_ring(kv, score, ring, state.shape[0], writes, 0, writes.shape[0], ring_bf16, 0, False)
 
@@ -411,13 +511,13 @@ def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_ro
                    read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     check(out, "out").dtype(torch.float32).ndim(2).contiguous().same_device(kv, "kv")
     d, ring_bf16 = _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted)
-    dim = CACHE_KINDS[cache_kind]
+    layout, dim = CACHE_KINDS[cache_kind]
     if d != dim:
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
     check(out, "out").size(0, kv.shape[0], "rows of kv").size(1, dim, "d")
     check(cache, "cache").same_device(kv, "kv")
-    shift, num_slots = _check_store(kv.shape[0], dim, weight, eps, positions, cache, slots, page_size, rope_cos,
-                                    rope_sin, read_slots=False)
+    shift, num_slots = _check_store(kv.shape[0], layout, dim, weight, eps, positions, cache, slots, page_size,
+                                    rope_cos, rope_sin, read_slots=False)
     if cache.device.type != "cuda":
         stored = []
         for b, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
@@ -445,11 +545,12 @@ def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, o
     ring = state.view(torch.int16) if ring_bf16 else state
     stride = row_stride(cache)
     rows_stride = row_stride(state_rows)
-    compress_decode_store_v4_kernel[(batch,)](
+    compress_decode_store_kernel[(batch,)](
         kv, score, row_stride(kv), row_stride(score), batch, ape, ring, state.shape[0], state_rows, rows_stride,
         positions, out, emitted, weight, float(eps), rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride,
-        shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0,
-        NATIVE=not interpreting(), num_warps=NUM_WARPS, **LAUNCH_OPTIONS)
+        shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, KIND=list(CACHE_KINDS).index(cache_kind),
+        PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
+        **LAUNCH_OPTIONS)
     _write_ring(kv, score, ring, state.shape[0], state_rows, rows_stride, batch, ring_bf16,
                 8 if ratio == 4 else ratio, True)
 
@@ -465,43 +566,39 @@ def _write_ring(kv, score, ring, ring_rows, writes, rows_stride, count, ring_bf1
 def _aot_kernels():
     from sparsekv.jit_kernel.triton.aot import AotKernel
 
+    common = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64"}
+    store = {"weight_ptr": "*fp32", "eps": "fp32"}
+    rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64", "slots_ptr": "*i64", "cache_ptr": "*u8",
+            "page_stride": "i64", "page_shift": "i32", "num_slots": "i64"}
+    # V4 at both ratios, float32 and bf16 rings (the decode's state rows int64 and int32 alike); the
+    # indexer caches at C4 with a float32 ring.
+    configs = [("V4", ratio, ring_bf16) for ratio in (4, 128) for ring_bf16 in (False, True)]
+    configs += [(kind, 4, False) for kind in ("INDEXER_FP8", "INDEXER_FP4")]
     kernels = []
-    for ratio in (4, 128):
-        for ring_bf16 in (False, True):
-            constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "PACKED": True, "NATIVE": True}
-            ring = "*i16" if ring_bf16 else "*fp32"
-            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
-                         "num_inputs": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
-                         "sources_ptr": "*i64", "weight_ptr": "*fp32", "eps": "fp32", "positions_ptr": "*i64",
-                         "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64", "slots_ptr": "*i64",
-                         "cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32", "num_slots": "i64",
-                         **dict.fromkeys(constexprs, "constexpr")}
-            name = f"dsv4_compress_store.v4[C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring]"
-            kernels.append(AotKernel(name, compress_store_v4_kernel, signature, constexprs, NUM_WARPS,
-                                     ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr", "weight_ptr",
-                                      "cache_ptr"), LAUNCH_OPTIONS))
-    # The decode step: a float32 ring with int64 state rows, a bf16 ring with int32 ones.
-    for ratio in (4, 128):
-        for ring_bf16 in (False, True):
-            constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "PACKED": True, "NATIVE": True}
-            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
-                         "batch": "i64", "ape_ptr": "*fp32", "ring_ptr": "*i16" if ring_bf16 else "*fp32",
-                         "num_ring_rows": "i64", "rows_ptr": "*i32" if ring_bf16 else "*i64", "rows_stride": "i64",
-                         "positions_ptr": "*i64", "out_ptr": "*fp32", "emitted_ptr": "*i1", "weight_ptr": "*fp32",
-                         "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64",
-                         "slots_ptr": "*i64", "cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32",
-                         "num_slots": "i64", **dict.fromkeys(constexprs, "constexpr")}
-            name = f"dsv4_compress_store.v4_decode[C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring]"
-            kernels.append(AotKernel(name, compress_decode_store_v4_kernel, signature, constexprs, NUM_WARPS,
-                                     ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "rows_ptr", "out_ptr",
-                                      "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
+    for kind, ratio, ring_bf16 in configs:
+        constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "KIND": list(CACHE_KINDS).index(kind), "PACKED": True,
+                      "NATIVE": True}
+        ring = "*i16" if ring_bf16 else "*fp32"
+        what = f"{kind},C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring"
+        signature = {**common, "num_inputs": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
+                     "sources_ptr": "*i64", **store, "positions_ptr": "*i64", **rope,
+                     **dict.fromkeys(constexprs, "constexpr")}
+        kernels.append(AotKernel(f"dsv4_compress_store.prefill[{what}]", compress_store_kernel, signature,
+                                 constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr",
+                                                         "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
+        signature = {**common, "batch": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
+                     "rows_ptr": "*i32" if ring_bf16 else "*i64", "rows_stride": "i64", "positions_ptr": "*i64",
+                     "out_ptr": "*fp32", "emitted_ptr": "*i1", **store, **rope,
+                     **dict.fromkeys(constexprs, "constexpr")}
+        kernels.append(AotKernel(f"dsv4_compress_store.decode[{what}]", compress_decode_store_kernel, signature,
+                                 constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "rows_ptr",
+                                                         "out_ptr", "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
     for ring_bf16 in (False, True):
         for decode in (False, True):
             constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024, "WINDOW": 8 if decode else 0, "DECODE": decode}
-            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
-                         "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32", "num_ring_rows": "i64",
-                         "writes_ptr": "*i32" if decode and ring_bf16 else "*i64", "rows_stride": "i64",
-                         "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
+            signature = {**common, "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32",
+                         "num_ring_rows": "i64", "writes_ptr": "*i32" if decode and ring_bf16 else "*i64",
+                         "rows_stride": "i64", "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
             name = f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}{',decode' if decode else ''}]"
             kernels.append(AotKernel(name, ring_write_kernel, signature, constexprs, NUM_WARPS,
                                      ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS))

@@ -1,4 +1,5 @@
-"""The Triton twin of the fused compress-store (``impl="triton"``, the V4 cache), in a prefill step and
+"""The Triton twin of the fused compress-store (``impl="triton"``; V4 and both indexer caches, aligned
+or not), in a prefill step and
 a device-planned decode step: streamed in chunks through ``CompressorState.extend`` (and one decode
 step of a batch through ``compress_decode_step``), it stores exactly the bytes of its own pooled entries through the
 torch store oracle (bf16, RMSNorm in the team order, RoPE, the V4 quantizer), writes the header's
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
-from sparsekv.kv_layout import INDEXER_FP8, V4
+from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, to_backend, triton_examples
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
@@ -24,31 +25,37 @@ from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 D, PAGE = 512, 4
+KINDS = {"V4": (V4, 512), "INDEXER_FP8": (INDEXER_FP8, 128), "INDEXER_FP4": (INDEXER_FP4, 128)}
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 
 
 @settings(max_examples=triton_examples(), deadline=None)
-@given(ratio=st.sampled_from([4, 128]), ring_bf16=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data())
-def test_triton_fused_store_writes_its_entries_bytes_and_the_header_ring(backend, ratio, ring_bf16, seed, data):
+@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from([4, 128]), ring_bf16=st.booleans(),
+       aligned=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_triton_fused_store_writes_its_entries_bytes_and_the_header_ring(backend, kind, ratio, ring_bf16, aligned,
+                                                                         seed, data):
     device = device_of(backend)
     coff = 2 if ratio == 4 else 1
+    layout, dim = KINDS[kind]
     t = data.draw(st.integers(ratio, 2 * ratio + 3))
     cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), max_size=2)) + [0, t]))
     g = torch.Generator().manual_seed(seed)
-    kv, score = torch.randn(t, coff * D, generator=g), torch.randn(t, coff * D, generator=g) * 3
-    ape, weight = torch.randn(ratio, coff * D, generator=g), torch.rand(D, generator=g) + 0.5
+    kv, score = torch.randn(t, coff * dim, generator=g), torch.randn(t, coff * dim, generator=g) * 3
+    ape, weight = torch.randn(ratio, coff * dim, generator=g), torch.rand(dim, generator=g) + 0.5
     kv, score, ape, weight = to_backend(backend, [kv, score, ape, weight])
     rope = ROPE.table(4 * ratio, device)
     ring = 2 * (8 if ratio == 4 else 128)
     dtype = torch.bfloat16 if ring_bf16 else torch.float32
     caches, states = {}, {}
     for impl in ("header", "triton"):
-        caches[impl] = torch.zeros(4, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
-        states[impl] = torch.zeros(2 * ring, 2 * coff * D, dtype=dtype, device=device)
+        # Pages in a wider buffer, one byte in, when not `aligned`: the record goes out byte by byte.
+        pages = torch.zeros(4, layout.page_bytes(PAGE) + 1, dtype=torch.uint8, device=device)
+        caches[impl] = pages[:, :-1] if aligned else pages[:, 1:]
+        states[impl] = torch.zeros(2 * ring, 2 * coff * dim, dtype=dtype, device=device)
         comp = CompressorState(states[impl], ape, ratio, ring_size=ring)
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             comp.extend([0], [[1]], [lo], kv[lo:hi], score[lo:hi], impl=impl,
-                        store=StoreTarget(caches[impl], weight, 1e-6, PAGE, rope),
+                        store=StoreTarget(caches[impl], weight, 1e-6, PAGE, rope, kind),
                         entry_slots=lambda _b, anchor: anchor // ratio)
     assert torch.equal(states["triton"].cpu(), states["header"].cpu())
     # The twin's own entries (a bf16 ring pools the bf16-rounded sequence) through the store oracle.
@@ -57,7 +64,7 @@ def test_triton_fused_store_writes_its_entries_bytes_and_the_header_ring(backend
     anchors = torch.arange(entries["triton"].shape[0]) * ratio
     expected = torch.zeros_like(caches["triton"]).cpu()
     norm_rope_store_reference(entries["triton"], weight.cpu(), 1e-6, anchors, expected, anchors // ratio, PAGE,
-                              rope.cos.cpu(), rope.sin.cpu())
+                              rope.cos.cpu(), rope.sin.cpu(), kind)
     assert torch.equal(caches["triton"].cpu(), expected)
     assert expected.count_nonzero() > 0
     if device.type == "cuda" or torch.equal(entries["triton"], entries["header"]):
@@ -120,53 +127,40 @@ def test_triton_refuses_what_the_header_refuses_with_the_same_error_and_writes_n
     assert refusals[0] == refusals[1]
 
 
-def test_the_indexer_caches_have_no_twin_and_say_so(backend):
-    args = to_backend(backend, _args())
-    del args["target"]
-    args.update(to_backend(backend, dict(kv=args["kv"][:, :256].contiguous(), score=args["score"][:, :256].contiguous(),
-                                         ape=args["ape"][:, :256].contiguous(), state=torch.zeros(8, 512))))
-    cache = to_backend(backend, [torch.zeros(2, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)])[0]
-    target = StoreTarget(cache, torch.ones(128, device=cache.device), 1e-6, PAGE, ROPE.table(64, cache.device),
-                         "INDEXER_FP8")
-    with pytest.raises(ValueError, match="`cache_kind` 'INDEXER_FP8' has no Triton twin"):
-        compress_store_step(**args, target=target, impl="triton")
-    assert not cache.any() and not args["state"].any()
-    compress_store_step(**args, target=target, impl="header")  # the header stores it
-    assert cache.any()
-
-
 # ---- the device-planned decode step (compress_decode_step with a store) ---------------------------
 
 
-def _decode_step(ratio, seed, positions, ring_dtype, rows_dtype):
+def _decode_step(ratio, seed, positions, ring_dtype, rows_dtype, dim=D):
     """One decode step of ``len(positions)`` rows over a random ring (float32 or bf16): its arguments."""
     coff, window = (2 if ratio == 4 else 1), (8 if ratio == 4 else 128)
     g = torch.Generator().manual_seed(seed)
     batch, ring = len(positions), window + 3
     rows = [[b * ring + (p - window + 1 + j) % ring for j in range(window)] for b, p in enumerate(positions)]
-    return dict(kv=torch.randn(batch, coff * D, generator=g), score=torch.randn(batch, coff * D, generator=g) * 3,
-                ape=torch.randn(ratio, coff * D, generator=g), ratio=ratio,
-                state=torch.randn(batch * ring, 2 * coff * D, generator=g).to(ring_dtype),
+    return dict(kv=torch.randn(batch, coff * dim, generator=g), score=torch.randn(batch, coff * dim, generator=g) * 3,
+                ape=torch.randn(ratio, coff * dim, generator=g), ratio=ratio,
+                state=torch.randn(batch * ring, 2 * coff * dim, generator=g).to(ring_dtype),
                 state_rows=torch.tensor(rows, dtype=rows_dtype), positions=torch.tensor(positions),
                 entry_slots=torch.tensor([5 - b for b in range(batch)]),
-                out=torch.full((batch, D), 9.0), emitted=torch.zeros(batch, dtype=torch.bool))
+                out=torch.full((batch, dim), 9.0), emitted=torch.zeros(batch, dtype=torch.bool))
 
 
 @settings(max_examples=triton_examples(), deadline=None)
-@given(ratio=st.sampled_from([4, 128]), ring_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from([4, 128]),
+       ring_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        rows_dtype=st.sampled_from([torch.int32, torch.int64]), seed=st.integers(0, 2**31 - 1), data=st.data())
-def test_triton_decode_step_matches_the_header_and_stores_its_entries_bytes(backend, ratio, ring_dtype, rows_dtype,
-                                                                            seed, data):
+def test_triton_decode_step_matches_the_header_and_stores_its_entries_bytes(backend, kind, ratio, ring_dtype,
+                                                                            rows_dtype, seed, data):
     near = [ratio - 1, 2 * ratio - 1, ratio, 3, 5 * ratio - 1]
     positions = data.draw(st.lists(st.sampled_from(near), min_size=1, max_size=3))
     device = device_of(backend)
     rope = ROPE.table(8 * ratio, device)
-    weight = to_backend(backend, [torch.rand(D, generator=torch.Generator().manual_seed(seed)) + 0.5])[0]
+    layout, dim = KINDS[kind]
+    weight = to_backend(backend, [torch.rand(dim, generator=torch.Generator().manual_seed(seed)) + 0.5])[0]
     got = {}
     for impl in ("header", "triton"):
-        args = to_backend(backend, _decode_step(ratio, seed, positions, ring_dtype, rows_dtype))
-        cache = torch.zeros(2, V4.page_bytes(PAGE), dtype=torch.uint8, device=device)
-        compress_decode_step(**args, store=StoreTarget(cache, weight, 1e-6, PAGE, rope), impl=impl)
+        args = to_backend(backend, _decode_step(ratio, seed, positions, ring_dtype, rows_dtype, dim))
+        cache = torch.zeros(2, layout.page_bytes(PAGE), dtype=torch.uint8, device=device)
+        compress_decode_step(**args, store=StoreTarget(cache, weight, 1e-6, PAGE, rope, kind), impl=impl)
         got[impl] = {name: t.cpu() for name, t in dict(args, cache=cache).items() if isinstance(t, torch.Tensor)}
     header, triton = got["header"], got["triton"]
     emits = torch.tensor([(p + 1) % ratio == 0 for p in positions])
@@ -177,7 +171,7 @@ def test_triton_decode_step_matches_the_header_and_stores_its_entries_bytes(back
     expected = torch.zeros_like(triton["cache"])
     anchors = torch.tensor(positions)[emits] - ratio + 1
     norm_rope_store_reference(triton["out"][emits], weight.cpu(), 1e-6, anchors, expected,
-                              triton["entry_slots"][emits], PAGE, rope.cos.cpu(), rope.sin.cpu())
+                              triton["entry_slots"][emits], PAGE, rope.cos.cpu(), rope.sin.cpu(), kind)
     assert torch.equal(triton["cache"], expected)
     if device.type == "cuda" or torch.equal(triton["out"], header["out"]):
         assert torch.equal(triton["cache"], header["cache"])
