@@ -36,23 +36,20 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
-from sparsekv.jit_kernel.triton.dsv4_quant import (
-    ceil_scale_exponent,
-    check_paged_cache,
-    check_unique_slots,
-    exp2_int,
-    float_to_bf16,
-    float_to_e4m3,
-    pack_words,
-    store_v4_token,
+from sparsekv.jit_kernel.triton.dsv4_quant import check_unique_slots, float_to_bf16, store_v4_token
+from sparsekv.jit_kernel.triton.dsv4_store import (
+    KINDS,
+    apply_rope,
+    check_store,
+    hadamard_128,
+    round_bf16,
+    store_indexer_fp4_token,
+    store_indexer_fp8_token,
+    team_sum,
 )
-from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
 
-__all__ = ["AOT_KERNELS", "CACHE_KINDS", "compress_decode_store", "compress_store"]
+__all__ = ["AOT_KERNELS", "compress_decode_store", "compress_store"]
 
-#: The cache kinds the twin stores: (layout, entry width); ``KIND`` of the kernels is the position here.
-CACHE_KINDS = {"V4": (V4, 512), "INDEXER_FP8": (INDEXER_FP8, 128), "INDEXER_FP4": (INDEXER_FP4, 128)}
-ROPE_PAIRS = 32
 NUM_WARPS = 4
 
 
@@ -60,12 +57,6 @@ NUM_WARPS = 4
 def _bf16_to_float(bits):
     """bf16 bits (any int type, low 16 bits) -> float32, exactly."""
     return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_bf16(x):
-    """``x`` rounded to the nearest bf16 (ties to even, NaN kept), as float32 (``round_bf16`` of the headers)."""
-    return _bf16_to_float(float_to_bf16(x))
 
 
 @triton.jit
@@ -85,8 +76,8 @@ def _slot_rows(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ring_ptr,
     score = tl.load(score_ptr + row * score_stride + half + c, mask=from_input, other=0.0)
     at = tl.where(is_ring, ring_row, 0) * (2 * COFF * d) + half + c
     if RING_BF16:
-        kv = tl.where(is_input, _round_bf16(kv), _bf16_to_float(tl.load(ring_ptr + at, mask=from_ring, other=0)))
-        score = tl.where(is_input, _round_bf16(score),
+        kv = tl.where(is_input, round_bf16(kv), _bf16_to_float(tl.load(ring_ptr + at, mask=from_ring, other=0)))
+        score = tl.where(is_input, round_bf16(score),
                          _bf16_to_float(tl.load(ring_ptr + at + COFF * d, mask=from_ring, other=0)))
     else:
         kv = tl.where(is_input, kv, tl.load(ring_ptr + at, mask=from_ring, other=0.0))
@@ -163,112 +154,6 @@ def _row_of(tile, k, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _rms_inverse(x, eps, DIM: tl.constexpr):
-    """``1 / sqrt(mean(x^2) + eps)`` of a ``DIM``-wide row, summed in the team order of ``lane_reduce.h``."""
-    K: tl.constexpr = DIM // 32
-    squares = tl.reshape(x * x, (K, 32))  # [k, l] is channel l + 32 k
-    partial = tl.zeros((32,), tl.float32)
-    for k in tl.static_range(K):
-        partial = partial + _row_of(squares, k, K)
-    partial = tl.sum(tl.reshape(partial, (2, 16)), 0)  # the butterfly: lane l + lane l ^ 16, ...
-    partial = tl.sum(tl.reshape(partial, (2, 8)), 0)
-    partial = tl.sum(tl.reshape(partial, (2, 4)), 0)
-    partial = tl.sum(tl.reshape(partial, (2, 2)), 0)
-    ms = tl.div_rn(tl.sum(partial, 0), tl.full((), DIM, tl.float32))
-    return tl.div_rn(tl.full((), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-
-
-@triton.jit
-def _rope(y, cos_ptr, sin_ptr, pos, ROWS: tl.constexpr):
-    """RoPE of every 64-wide row of ``y`` (``[ROWS, 64]``) by the table's angles at ``pos`` (a row of the
-    table): interleaved pairs, ``(a c - b s, a s + b c)``, each rounded to bf16 (the caller keeps the last row)."""
-    pair = tl.arange(0, 32)
-    c = tl.load(cos_ptr + pos * 32 + pair)
-    s = tl.load(sin_ptr + pos * 32 + pair)
-    a, b = tl.split(tl.reshape(y, (ROWS, 32, 2)))
-    rotated = tl.join(_round_bf16(a * c[None, :] - b * s[None, :]), _round_bf16(a * s[None, :] + b * c[None, :]))
-    return tl.reshape(rotated, (ROWS, 64))
-
-
-@triton.jit
-def _butterfly(z, HALF: tl.constexpr):
-    """One stage of the Walsh-Hadamard transform of a ``[128]`` row: channels ``c`` and ``c + HALF``
-    (bit ``HALF`` of ``c`` clear) become ``(a + b, a - b)``."""
-    a, b = tl.split(tl.permute(tl.reshape(z, (64 // HALF, 2, HALF)), (0, 2, 1)))  # [q, r, the bit]
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (128,))
-
-
-@triton.jit
-def _hadamard(z):
-    """The 128-point Walsh-Hadamard transform of a ``[128]`` row, strides 1 .. 64, then the 1/sqrt(128)
-    scale (``NormRopeStore::hadamard``)."""
-    z = _butterfly(_butterfly(_butterfly(_butterfly(_butterfly(_butterfly(_butterfly(z, 1), 2), 4), 8), 16), 32), 64)
-    return z * 0.08838834764831845
-
-
-@triton.jit
-def _float_to_e2m1(x):
-    """float32 -> e2m1 code (int32 0..15), ties to the even code, NaN saturating (``fp8::float_to_e2m1``)."""
-    a = tl.abs(x)
-    code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(a < 1.75, 3, tl.where(
-        a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
-    return ((x.to(tl.int32, bitcast=True) >> 28) & 8) | code
-
-
-@triton.jit
-def _store_indexer_token(cache_ptr, page_base, in_page, page_shift, z, valid, FP4: tl.constexpr,
-                         PACKED: tl.constexpr):
-    """A 128-wide row into one IndexerFp8 token (128 e4m3 codes, one fp32 scale ``max(amax, 1e-4) / 448``,
-    codes ``e4m3(z / scale)``, true divisions) or IndexerFp4 token (per 32 channels a UE8M0 scale, the
-    smallest ``2^e`` with ``6 * 2^e >= max(amax, 6 * 2^-126)``, codes ``e2m1(z * 2^-e)`` packed two a byte,
-    the even channel low): slot ``in_page`` of the page at byte ``page_base`` (``store_indexer_fp8`` /
-    ``_fp4``); nothing is written unless ``valid``."""
-    on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
-    VALUE_BYTES: tl.constexpr = 64 if FP4 else 128
-    WORDS: tl.constexpr = VALUE_BYTES // 4
-    if FP4:
-        blocks = tl.reshape(z, (4, 32))
-        amax = tl.maximum(tl.max(tl.abs(blocks), 1), 6.0 * 1.1754943508222875e-38)
-        e = ceil_scale_exponent(amax, 6.0)
-        codes = _float_to_e2m1(blocks * exp2_int(-e)[:, None])
-        scales = e + 127
-    else:
-        amax = tl.maximum(tl.max(tl.abs(z), 0), 1e-4)
-        scale = tl.div_rn(amax, tl.full((), 448.0, tl.float32))
-        codes = float_to_e4m3(tl.div_rn(z, scale))
-    value_off = page_base + in_page * VALUE_BYTES
-    scale_off = page_base + (1 << page_shift) * VALUE_BYTES + in_page * 4
-    if PACKED:
-        if FP4:
-            words = pack_words(codes, 16, 8)  # eight nibbles a word, the even channel low
-        else:
-            words = pack_words(codes, 32, 4)
-        w = tl.arange(0, WORDS)
-        tl.store((cache_ptr + value_off).to(tl.pointer_type(tl.int32)) + w, words, mask=w < WORDS * on)
-        if FP4:
-            scale_word = pack_words(scales, 1, 4)
-        else:
-            scale_word = tl.zeros((1,), tl.int32) + scale.to(tl.int32, bitcast=True)
-        one = tl.arange(0, 1)
-        tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.int32)) + one, scale_word, mask=one < on)
-    else:
-        byte = tl.arange(0, VALUE_BYTES)
-        if FP4:  # two codes a byte, the even channel in the low nibble
-            low, high = tl.split(tl.reshape(codes, (64, 2)))
-            value_bytes = low | (high << 4)
-        else:
-            value_bytes = codes
-        tl.store(cache_ptr + value_off + byte, value_bytes.to(tl.uint8), mask=byte < VALUE_BYTES * on)
-        four = tl.arange(0, 4)
-        if FP4:
-            scale_bytes = scales
-        else:
-            bits = scale.to(tl.int32, bitcast=True)
-            scale_bytes = (bits >> (four * 8)) & 0xFF
-        tl.store(cache_ptr + scale_off + four, scale_bytes.to(tl.uint8), mask=four < 4 * on)
-
-
-@triton.jit
 def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot, stores, cache_ptr, page_stride,
                  page_shift, num_slots, KIND: tl.constexpr, PACKED: tl.constexpr):
     """The header's ``NormRopeStore<Kind>::finish`` of a pooled ``[ROWS, 64]`` entry: bf16, RMSNorm, RoPE
@@ -279,21 +164,28 @@ def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot
     valid = stores & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < rope_positions)
     slot = tl.where(valid, slot, 0)
     pos = tl.where(valid, pos, 0)
-    row = tl.arange(0, ROWS)[:, None]
-    c = row * 64 + tl.arange(0, 64)[None, :]
-    x = _round_bf16(x)
-    inv = _rms_inverse(x, eps, ROWS * 64)
-    y = _round_bf16((x * inv) * tl.load(weight_ptr + c))
-    rotated = _rope(y, cos_ptr, sin_ptr, pos, ROWS)
-    page = slot >> page_shift
+    c = tl.arange(0, ROWS)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = round_bf16(x)
+    ms = tl.div_rn(team_sum(tl.reshape(x * x, (ROWS * 2, 32)), ROWS * 2), tl.full((), ROWS * 64, tl.float32))
+    inv = tl.div_rn(tl.full((), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    y = round_bf16((x * inv) * tl.load(weight_ptr + c))
+    pair = pos * 32 + tl.arange(0, 32)  # the table's row of 32 pairs
+    rope = apply_rope(_row_of(y, ROWS - 1, ROWS), tl.load(cos_ptr + pair), tl.load(sin_ptr + pair))
+    page_base = (slot >> page_shift) * page_stride
     in_page = slot & ((1 << page_shift) - 1)
     if KIND == 0:
-        value_off = page * page_stride + in_page * 576
-        scale_off = page * page_stride + (1 << page_shift) * 576 + in_page * 8
-        store_v4_token(cache_ptr, value_off, scale_off, y, _row_of(rotated, ROWS - 1, ROWS), valid, PACKED)
-    else:
-        z = _hadamard(tl.reshape(tl.where(row == ROWS - 1, rotated, y), (128,)))
-        _store_indexer_token(cache_ptr, page * page_stride, in_page, page_shift, z, valid, KIND == 2, PACKED)
+        value_off = page_base + in_page * 576
+        scale_off = page_base + (1 << page_shift) * 576 + in_page * 8
+        store_v4_token(cache_ptr, value_off, scale_off, y, rope, valid, PACKED)
+    else:  # the 128-wide row: its first 64 dims, then the rotated 64
+        z = hadamard_128(_row_of(y, 0, ROWS), rope)
+        value_bytes: tl.constexpr = 64 if KIND == 2 else 128
+        value_off = page_base + in_page * value_bytes
+        scale_off = page_base + (1 << page_shift) * value_bytes + in_page * 4
+        if KIND == 2:
+            store_indexer_fp4_token(cache_ptr, value_off, scale_off, z, valid, PACKED)
+        else:
+            store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED)
 
 
 @triton.jit
@@ -394,33 +286,6 @@ def _check_rope_position(pos, n, rope_positions):
                          f"[0, {rope_positions})")
 
 
-def _check_store(entries, layout, dim, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
-                 read_slots=True):
-    """``check_store<Kind>`` of ``dsv4_store.cuh``: returns ``(page_shift, num_slots)``."""
-    check(weight, "weight").dtype(torch.float32).ndim(1).size(0, dim, "head dim").contiguous()
-    check(weight, "weight").same_device(cache, "cache")
-    check(positions, "positions").dtype(torch.int64).ndim(1).contiguous().size(0, entries, "entries")
-    check(positions, "positions").same_device(cache, "cache")
-    check(slots, "slots").ndim(1).size(0, entries, "entries")
-    pairs = "rope pairs (64 / 2)"
-    check(rope_cos, "rope_cos").dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, pairs)
-    check(rope_cos, "rope_cos").same_device(cache, "cache")
-    check(rope_sin, "rope_sin").dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, pairs)
-    check(rope_sin, "rope_sin").same_device(cache, "cache").size(0, rope_cos.shape[0], "max positions of rope_cos")
-    if read_slots and positions.device.type != "cuda":  # positions are the entries' own
-        for n, pos in enumerate(positions.tolist()):
-            _check_rope_position(pos, n, rope_cos.shape[0])
-    if not eps >= 0.0:
-        raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")  # as C++ streams a double
-    return check_paged_cache(cache, slots, page_size, layout, read_slots)
-
-
-def _check_kind(cache_kind):
-    if cache_kind not in CACHE_KINDS:
-        raise ValueError(f"sparsekv: argument `cache_kind` {cache_kind!r} has no Triton twin of the fused "
-                         f"compress-store (it stores {sorted(CACHE_KINDS)}); use impl='header'")
-
-
 def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache,
                                    slots, page_size, rope_cos, rope_sin, cache_kind):
     """The header entry ``compress_store<Kind>``'s checks, in its order (same exceptions and messages);
@@ -430,11 +295,11 @@ def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes
                    read(positions, "positions"), written(cache, "cache"), read(slots, "slots"),
                    read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     d, ring_bf16 = _check_extend(kv, score, ape, ratio, state, sources, writes)
-    layout, dim = CACHE_KINDS[cache_kind]
+    _, dim, _ = KINDS[cache_kind]
     if d != dim:
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
-    shift, num_slots = _check_store(sources.shape[0], layout, dim, weight, eps, positions, cache, slots, page_size,
-                                    rope_cos, rope_sin)
+    shift, num_slots = check_store(sources.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size,
+                                   rope_cos, rope_sin)
     check(cache, "cache").same_device(kv, "kv")
     return d, ring_bf16, shift, num_slots
 
@@ -450,7 +315,6 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
     TypeError, ValueError, IndexError
         The header's refusals, same types and messages; nothing is written.
     """
-    _check_kind(cache_kind)
     d, ring_bf16, shift, num_slots = check_compress_store_arguments(
         kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size, rope_cos,
         rope_sin, cache_kind)
@@ -460,7 +324,7 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
         compress_store_kernel[(sources.shape[0],)](
             kv, score, row_stride(kv), row_stride(score), kv.shape[0], ape, ring, state.shape[0], sources, weight,
             float(eps), positions, rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride, shift, num_slots,
-            RATIO=ratio, RING_BF16=ring_bf16, KIND=list(CACHE_KINDS).index(cache_kind),
+            RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
             PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)
     if writes.shape[0] > 0:
@@ -511,13 +375,13 @@ def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_ro
                    read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     check(out, "out").dtype(torch.float32).ndim(2).contiguous().same_device(kv, "kv")
     d, ring_bf16 = _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted)
-    layout, dim = CACHE_KINDS[cache_kind]
+    _, dim, _ = KINDS[cache_kind]
     if d != dim:
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
     check(out, "out").size(0, kv.shape[0], "rows of kv").size(1, dim, "d")
     check(cache, "cache").same_device(kv, "kv")
-    shift, num_slots = _check_store(kv.shape[0], layout, dim, weight, eps, positions, cache, slots, page_size,
-                                    rope_cos, rope_sin, read_slots=False)
+    shift, num_slots = check_store(kv.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size,
+                                   rope_cos, rope_sin, read_slots=False)
     if cache.device.type != "cuda":
         stored = []
         for b, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
@@ -535,7 +399,6 @@ def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, o
 
     The body of the ``sparsekv::compress_decode_store`` op for ``impl="triton"``.
     """
-    _check_kind(cache_kind)
     ring_bf16, shift, num_slots = check_compress_decode_store_arguments(
         kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache, slots, page_size,
         rope_cos, rope_sin, cache_kind)
@@ -548,7 +411,7 @@ def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, o
     compress_decode_store_kernel[(batch,)](
         kv, score, row_stride(kv), row_stride(score), batch, ape, ring, state.shape[0], state_rows, rows_stride,
         positions, out, emitted, weight, float(eps), rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride,
-        shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, KIND=list(CACHE_KINDS).index(cache_kind),
+        shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
         PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
         **LAUNCH_OPTIONS)
     _write_ring(kv, score, ring, state.shape[0], state_rows, rows_stride, batch, ring_bf16,
@@ -576,7 +439,7 @@ def _aot_kernels():
     configs += [(kind, 4, False) for kind in ("INDEXER_FP8", "INDEXER_FP4")]
     kernels = []
     for kind, ratio, ring_bf16 in configs:
-        constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "KIND": list(CACHE_KINDS).index(kind), "PACKED": True,
+        constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "KIND": KINDS[kind][0], "PACKED": True,
                       "NATIVE": True}
         ring = "*i16" if ring_bf16 else "*fp32"
         what = f"{kind},C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring"

@@ -212,7 +212,14 @@ def check_store_arguments(x, weight, eps, positions, cache, slots, page_size, ro
     check_disjoint(read(x, "x"), read(weight, "weight"), read(positions, "positions"), written(cache, "cache"),
                    read(slots, "slots"), read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     check(x, "x").dtype(torch.float32).ndim(2).size(1, dim, "head dim").rows_dense().same_device(cache, "cache")
-    entries = x.shape[0]
+    return check_store(x.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)
+
+
+def check_store(entries, cache_kind, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+                read_slots=True):
+    """The header's ``check_store<Kind>`` for ``entries`` rows, in its order (the positions and slots are
+    read when ``read_slots`` and host-readable); returns (page_shift, num_slots)."""
+    _, dim, layout = KINDS[cache_kind]
     check(weight, "weight").dtype(torch.float32).ndim(1).size(0, dim, "head dim").contiguous()
     check(weight, "weight").same_device(cache, "cache")
     check(positions, "positions").dtype(torch.int64).ndim(1).contiguous().size(0, entries, "entries")
@@ -223,14 +230,14 @@ def check_store_arguments(x, weight, eps, positions, cache, slots, page_size, ro
         check(t, table).dtype(torch.float32).ndim(2).contiguous().size(1, ROPE_PAIRS, "rope pairs (64 / 2)")
         check(t, table).same_device(cache, "cache")
     check(rope_sin, "rope_sin").size(0, rope_cos.shape[0], "max positions of rope_cos")
-    if positions.device.type != "cuda":
+    if read_slots and positions.device.type != "cuda":
         for n, pos in enumerate(positions.tolist()):
             if not 0 <= pos < rope_cos.shape[0]:
                 raise IndexError(f"sparsekv: argument `positions`[{n}] gives RoPE position {pos}, outside the RoPE "
                                  f"table [0, {rope_cos.shape[0]})")
     if not eps >= 0.0:
         raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")
-    return check_paged_cache(cache, slots, page_size, layout)
+    return check_paged_cache(cache, slots, page_size, layout, read_slots)
 
 
 def norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, cache_kind):
