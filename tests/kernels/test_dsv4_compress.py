@@ -219,7 +219,8 @@ def test_rollback_past_the_ring_is_refused_and_state_unchanged(backend):
     assert torch.equal(state, before)
 
 
-def test_pool_rings_are_used_in_place(backend):
+def _small_pool_state(backend, ratio: int):
+    """A 4-layer DSV4-Flash pool for two requests, and the compressor state buffer of its first ``ratio`` layer."""
     from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
     from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
     from sparsekv.srt.model_executor.pool_planner import plan_pipeline
@@ -227,8 +228,12 @@ def test_pool_rings_are_used_in_place(backend):
     model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
     rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
     pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=device_of(backend))
-    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 4)
-    buf = pool.get_compress_state(layer)
+    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == ratio)
+    return pool, pool.get_compress_state(layer)
+
+
+def test_pool_rings_are_used_in_place(backend):
+    pool, buf = _small_pool_state(backend, 4)
     before = buf.clone()
     ring, width = pool.ring_sizes[4], buf.shape[1] // 2
     comp = CompressorState(buf, torch.randn(4, width, device=buf.device), 4, ring_size=ring)
@@ -274,15 +279,7 @@ def test_ratio_and_boundary_length_matrix_with_chunked_prefill_continuation(back
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_online_c128_uses_the_pool_request_rings_in_place(backend):
-    from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
-    from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
-    from sparsekv.srt.model_executor.pool_planner import plan_pipeline
-
-    model = dsv4_preset("dsv4-flash", num_hidden_layers=4)
-    rank = plan_pipeline(model, ServerSpec(max_running_requests=2), 64 << 20).ranks[0]
-    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=device_of(backend))
-    layer = next(lid for lid, (r, _) in pool.layer_mapping.items() if r == 128)
-    buf = pool.get_compress_state(layer)
+    pool, buf = _small_pool_state(backend, 128)
     ring, d = pool.ring_sizes[128], buf.shape[1] // 2
     gen = torch.Generator().manual_seed(0)
     kv, score, ape = (torch.randn(300, d, generator=gen).to(buf.device), torch.randn(300, d, generator=gen).to(

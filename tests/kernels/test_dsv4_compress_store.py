@@ -20,11 +20,10 @@ from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, kernel_backends, to_backend, torch_threads
 from sparsekv.testing.profiles import scaled_examples
-from sparsekv.testing.reference.dsv4_store import LAYOUTS
+from sparsekv.testing.reference.dsv4_store import ENTRY_DIMS, LAYOUTS
 from sparsekv.testing.strategies.dsv4_store import DSV4_C4_ROPE, rope_table_on
 
 BACKENDS = kernel_backends()
-KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
 RATIOS = [4, 128]
 
 
@@ -34,7 +33,7 @@ RATIOS = [4, 128]
 @given(data=st.data())
 def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, data):
     device = device_of(backend)
-    dim, coff = KINDS[kind], (2 if ratio == 4 else 1)
+    dim, coff = ENTRY_DIMS[kind], (2 if ratio == 4 else 1)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     t = data.draw(st.integers(0, 3 * ratio + 2))
     kv, score = torch.randn(t, coff * dim, generator=gen), torch.randn(t, coff * dim, generator=gen)

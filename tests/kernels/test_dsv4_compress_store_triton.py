@@ -17,15 +17,15 @@ from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_decode_step, compress_pool
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
-from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
+from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, to_backend, triton_examples
-from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
+from sparsekv.testing.reference.dsv4_store import ENTRY_DIMS, LAYOUTS, norm_rope_store_reference
 
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 D, PAGE = 512, 4
-KINDS = {"V4": (V4, 512), "INDEXER_FP8": (INDEXER_FP8, 128), "INDEXER_FP4": (INDEXER_FP4, 128)}
+KINDS = {kind: (LAYOUTS[kind], dim) for kind, dim in ENTRY_DIMS.items()}
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 
 

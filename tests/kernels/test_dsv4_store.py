@@ -22,6 +22,7 @@ from sparsekv.testing.backends import device_of, host_readable, kernel_backends,
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, FP8_AMAX_FLOOR
 from sparsekv.testing.reference.dsv4_store import (
+    ENTRY_DIMS,
     LAYOUTS,
     norm_rope_store_reference,
     normalize_rotate,
@@ -32,15 +33,14 @@ from sparsekv.testing.strategies.dsv4_quant import slot_case
 from sparsekv.testing.strategies.dsv4_store import DSV4_C4_ROPE, host_rope_table, rope_table_on, store_case
 
 BACKENDS = kernel_backends()
-KINDS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(ENTRY_DIMS))
 @settings(max_examples=scaled_examples(10), deadline=None)
 @given(data=st.data())
 def test_stored_bytes_equal_the_reference(backend, kind, data):
-    x, weight, eps, positions, rope = data.draw(store_case(KINDS[kind]))
+    x, weight, eps, positions, rope = data.draw(store_case(ENTRY_DIMS[kind]))
     page_size, pages, slots = data.draw(slot_case(x.shape[0]))
     layout = LAYOUTS[kind]
     cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8)
@@ -109,14 +109,14 @@ def test_reference_sqrt_is_the_correctly_rounded_float32_root(values):
     assert np.array_equal(got.view(np.uint32), np.sqrt(a).view(np.uint32))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(ENTRY_DIMS))
 @settings(max_examples=scaled_examples(6), deadline=None)
 @given(data=st.data())
 def test_small_entries_store_the_reference_bytes_and_the_ieee_fp8_scale(backend, kind, data):
     # Entries far below eps's scale (ms << eps): the regime of the planted case, many rows per example.
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    x = torch.randn(32, KINDS[kind], generator=gen) * 2.0 ** data.draw(st.integers(-16, -8))
-    weight = torch.rand(KINDS[kind], generator=gen) + 0.5
+    x = torch.randn(32, ENTRY_DIMS[kind], generator=gen) * 2.0 ** data.draw(st.integers(-16, -8))
+    weight = torch.rand(ENTRY_DIMS[kind], generator=gen) + 0.5
     positions = torch.tensor(data.draw(st.lists(st.sampled_from([0, 1, 4, 128]) | st.integers(0, 1 << 16),
                                                 min_size=32, max_size=32)))
     eps = data.draw(st.sampled_from([1e-6, 1e-5]))

@@ -28,6 +28,8 @@ from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, V4
 from sparsekv.testing.reference.dsv4_quant import INDEXER_FORMATS, encode_fp8_ds_mla, encode_indexer_keys, store_records
 
 LAYOUTS = {"V4": V4, "INDEXER_FP8": INDEXER_FP8, "INDEXER_FP4": INDEXER_FP4}
+#: Channels of the entry each cache kind stores (after RMSNorm and RoPE, before quantization).
+ENTRY_DIMS = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
 
 
 def rope_inv_freq(theta: float, factor: float = 1.0, original_max_positions: int = 0, beta_fast: float = 32.0,
