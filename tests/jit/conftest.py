@@ -1,15 +1,17 @@
 """Fixtures of the JIT tests: ``read_only`` makes a directory unwritable for one test (root needs
-``chattr +i``) and writable again at its end."""
+``chattr +i``) and writable again at its end; ``two_checkouts`` copies ``csrc/`` to two places;
+``counting_cxx`` and ``hanging_cxx`` are host compilers that log or hang."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from sparsekv.jit_kernel.build import cache
+from sparsekv.jit_kernel.build import cache, loader
 from sparsekv.testing.components import component_missing
 
 
@@ -36,3 +38,34 @@ def read_only():
     yield make
     for path in done:
         _undo_read_only(path)
+
+
+@pytest.fixture
+def two_checkouts(tmp_path):
+    """Two copies of this checkout's ``csrc/`` at different paths and depths."""
+    a, b = tmp_path / "checkout_a" / "csrc", tmp_path / "elsewhere" / "checkout_b" / "csrc"
+    shutil.copytree(loader.csrc_root(), a)
+    shutil.copytree(loader.csrc_root(), b)
+    return a, b
+
+
+def _compiler_wrapper(path: Path, compile_line: str) -> Path:
+    """A shell script that answers ``--version`` as ``c++`` does and runs ``compile_line`` for a compile."""
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\n{compile_line}\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def counting_cxx(tmp_path):
+    """A host compiler that logs every compile (not --version probes) to a file, then runs c++:
+    ``(wrapper, log)``."""
+    log = tmp_path / "compiles.log"
+    return _compiler_wrapper(tmp_path / "counting-c++", f'echo "$$ $*" >> {log}\nexec c++ "$@"'), log
+
+
+@pytest.fixture
+def hanging_cxx(tmp_path):
+    """A compiler that announces a compile, then hangs (a build to kill mid-compile): ``(wrapper, started)``."""
+    started = tmp_path / "compile-started"
+    return _compiler_wrapper(tmp_path / "hanging-c++", f"touch {started}\nexec sleep 600"), started

@@ -37,16 +37,6 @@ def staging(cache_dir: Path) -> list[Path]:
     return sorted(parent.iterdir()) if parent.is_dir() else []
 
 
-@pytest.fixture
-def hanging_cxx(tmp_path):
-    """A compiler that announces a compile, then hangs (a build to kill mid-compile)."""
-    started = tmp_path / "compile-started"
-    wrapper = tmp_path / "hanging-c++"
-    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\ntouch {started}\nexec sleep 600\n')
-    wrapper.chmod(0o755)
-    return wrapper, started
-
-
 LOAD_SCRIPT = ("import torch; from sparsekv.jit_kernel.gather_rows import GATHER_ROWS; "
                "GATHER_ROWS.module(index_dtype=torch.int64)")
 

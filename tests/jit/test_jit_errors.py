@@ -24,16 +24,14 @@ def plan_for(csrc: Path = CSRC, backend: str = "cpu", arch: str | None = None):
 
 
 @pytest.fixture
-def counting_cxx(tmp_path, monkeypatch):
-    log = tmp_path / "compiles.log"
-    wrapper = tmp_path / "counting-c++"
-    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "$*" >> {log}\nexec c++ "$@"\n')
-    wrapper.chmod(0o755)
+def compiles(counting_cxx, monkeypatch):
+    """``compiles()``: how many compiles the host compiler (a counting wrapper) has run so far."""
+    wrapper, log = counting_cxx
     monkeypatch.setenv("SPARSEKV_CXX", str(wrapper))
     return lambda: len(log.read_text().splitlines()) if log.exists() else 0
 
 
-def test_compile_error_is_actionable_and_remembered_until_the_sources_change(tmp_path, monkeypatch, counting_cxx):
+def test_compile_error_is_actionable_and_remembered_until_the_sources_change(tmp_path, monkeypatch, compiles):
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     header = csrc / "gather_rows.cuh"
@@ -52,23 +50,23 @@ def test_compile_error_is_actionable_and_remembered_until_the_sources_change(tmp
     assert "not_declared_59" not in message and "not_declared_59" in error.output  # trimmed, not lost
     assert len(message.splitlines()) < loader.ERROR_LINES + 10
     assert "Reproduce with:" in message and error.command[0].endswith("counting-c++")
-    assert counting_cxx() == 1
+    assert compiles() == 1
 
     # The reproduce command, run as printed, gives the same error.
     command = message.split("Reproduce with:\n", 1)[1].strip()
     again = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
     assert again.returncode != 0 and re.search(r"not_declared_0.{1,3}was not declared", again.stderr + again.stdout)
-    assert counting_cxx() == 2
+    assert compiles() == 2
 
     # A second load in the process fails fast, without running the compiler.
     with pytest.raises(loader.JitCompileError, match="remembered") as second:
         loader.find_or_build(plan_for(csrc), roots)
     assert "not_declared_0" in str(second.value)
-    assert counting_cxx() == 2
+    assert compiles() == 2
 
     header.write_bytes(original)  # fixed sources: a new key, compiled at once
     loader.find_or_build(plan_for(csrc), roots)
-    assert counting_cxx() == 3
+    assert compiles() == 3
 
 
 @pytest.mark.parametrize(("output", "hint"), [
@@ -101,7 +99,7 @@ def test_an_arch_nvcc_does_not_know_gets_the_arch_hint(tmp_path, monkeypatch):
     assert "nvcc" in " ".join(info.value.command)
 
 
-def test_strict_miss_names_family_args_backend_and_arch(tmp_path, monkeypatch, counting_cxx):
+def test_strict_miss_names_family_args_backend_and_arch(tmp_path, monkeypatch, compiles):
     monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SPARSEKV_JIT_STRICT", "1")
     with pytest.raises(loader.JitCacheMissError) as info:
@@ -112,12 +110,12 @@ def test_strict_miss_names_family_args_backend_and_arch(tmp_path, monkeypatch, c
     if _has_nvcc():
         with pytest.raises(loader.JitCacheMissError, match=r"gather_rows<int64_t> \(cuda, arch 9\.0a,10\.0a\)"):
             loader.find_or_build(plan_for(backend="cuda", arch="10.0a,9.0a"), cache.open_roots())
-    assert counting_cxx() == 0
+    assert compiles() == 0
     monkeypatch.delenv("SPARSEKV_JIT_STRICT")
     loader.find_or_build(plan_for(), cache.open_roots())
     monkeypatch.setenv("SPARSEKV_JIT_STRICT", "1")
     loader.find_or_build(plan_for(), cache.open_roots())  # a hit loads
-    assert counting_cxx() == 1
+    assert compiles() == 1
 
 
 def test_a_strict_miss_through_a_family_suggests_an_instance_the_cli_accepts(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +20,6 @@ from sparsekv.testing.components import needs
 
 CSRC = loader.csrc_root()
 FAMILY = discover()["gather_rows"]
-
-
-@pytest.fixture
-def two_checkouts(tmp_path):
-    a, b = tmp_path / "a" / "csrc", tmp_path / "deeper" / "b" / "csrc"
-    shutil.copytree(CSRC, a)
-    shutil.copytree(CSRC, b)
-    return a, b
 
 
 def explain(csrc: Path = CSRC, instance: dict | None = None, backend: str = "cpu", arch=None) -> dict:

@@ -25,14 +25,6 @@ def plan_for(csrc: Path, *, backend: str = "cpu", arch: str | None = None, probe
                             kernels=GATHER_ROWS.kernels, backend=backend, arch=arch, probe_dir=probe_dir, csrc=csrc)
 
 
-@pytest.fixture
-def two_checkouts(tmp_path):
-    a, b = tmp_path / "checkout_a" / "csrc", tmp_path / "elsewhere" / "checkout_b" / "csrc"
-    shutil.copytree(CSRC, a)
-    shutil.copytree(CSRC, b)
-    return a, b
-
-
 def test_key_is_the_same_for_two_checkouts_and_holds_no_absolute_path(two_checkouts):
     a, b = two_checkouts
     plan_a, plan_b = plan_for(a), plan_for(b)
@@ -112,16 +104,6 @@ def _worker_script(cache_dir: Path, cxx: Path, barrier: bool = False) -> str:
         assert torch.equal(dst, src.flip(0))
         print("OK", start, end) if {barrier!r} else print("OK")
     """)
-
-
-@pytest.fixture
-def counting_cxx(tmp_path):
-    """A host compiler that logs every compile (not --version probes) to a file, then runs c++."""
-    log = tmp_path / "compiles.log"
-    wrapper = tmp_path / "counting-c++"
-    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "$$ $*" >> {log}\nexec c++ "$@"\n')
-    wrapper.chmod(0o755)
-    return wrapper, log
 
 
 def test_racing_processes_build_once_and_all_succeed(tmp_path, counting_cxx):
