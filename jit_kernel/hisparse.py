@@ -14,15 +14,13 @@ one import.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparsekv import env
 from sparsekv.checks import int_in
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.hisparse_index import ResidentIndex, indexed_module
+from sparsekv.jit_kernel.hisparse_index import ResidentIndex, check_resident_index_on_device, indexed_module
 from sparsekv.jit_kernel.hisparse_params import (
     LAYOUTS,
     SHARED_MEMORY_LIMIT,
@@ -36,11 +34,15 @@ from sparsekv.jit_kernel.hisparse_params import (
     near_bucket_bytes,
     policy_protections,
 )
-from sparsekv.jit_kernel.torch_op import kernel_op
+from sparsekv.jit_kernel.torch_op import (
+    check_no_conflicting_destinations,
+    first_true,
+    index_checks_on_device,
+    kernel_op,
+)
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 __all__ = [
-    "CHECK_ONLY",
     "CHECK_THEN_RUN",
     "COUNTERS",
     "LAYOUTS",
@@ -50,9 +52,10 @@ __all__ = [
     "SWAP_IN",
     "SWAP_IN_ARGS",
     "SWAP_IN_POLICIES",
+    "check_plan_on_device",
+    "check_swap_in_on_device",
     "copy_cache_planned_mla",
     "default_block_size",
-    "host_check_args",
     "load_cache_to_device_buffer_dsv4_mla",
     "load_cache_to_device_buffer_mla",
     "policy_protections",
@@ -193,8 +196,9 @@ def _page_slots(is_dsv4_layout: bool, page_slots: int | None, device_buffer: tor
     return _SLOTS_OF_PAGE_BYTES.get(device_buffer.shape[-1] if device_buffer.dim() == 2 else -1, 64)
 
 
-#: ``index_check`` modes of the C++ entries (``IndexCheck`` in ``csrc/include/sparsekv/ffi.h``).
-RUN, CHECK_ONLY, CHECK_THEN_RUN = 0, 1, 2
+#: ``index_check`` modes of the C++ entries (``IndexCheck`` in ``csrc/include/sparsekv/ffi.h``) that the
+#: wrappers pass: run, or validate every index then run (host-readable tables).
+RUN, CHECK_THEN_RUN = 0, 2
 
 #: Positional arguments of the C++ swap-in entry, in order (see :func:`swap_in_args`).
 SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs", "host_cache",
@@ -210,27 +214,6 @@ def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buf
     return [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
             top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src,
             miss_dst, miss_count, counters, index_check]
-
-
-def host_check_args(args: list, index_check: int = CHECK_ONLY) -> list:
-    """``args`` for the index-check pass of the cpu build: host copies of the tables and one-row
-    stand-ins of the two caches (the pass reads only their shapes), with ``index_check`` set. The
-    indexed entry's arguments too (its extra tables come after the caches)."""
-    out = []
-    caches = (SWAP_IN_ARGS.index("host_cache"), SWAP_IN_ARGS.index("device_buffer"))
-    for i, value in enumerate(args):
-        if i in caches:
-            value = _stand_in(value)
-        elif isinstance(value, torch.Tensor):
-            value = value.cpu()
-        out.append(value)
-    out[-1] = index_check
-    return out
-
-
-def _stand_in(cache: torch.Tensor) -> torch.Tensor:
-    """A host tensor with ``cache``'s shape, dtype and a unit last stride, backed by one row."""
-    return torch.empty((1, cache.shape[-1]), dtype=cache.dtype).expand(cache.shape) if cache.dim() == 2 else cache.cpu()
 
 
 def swap_in_entry(module, speculative: bool):
@@ -287,20 +270,161 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
         at = SWAP_IN_ARGS.index("lru_slots") + 1
         args[at:at] = [index_slot_of, index_queue, index_queue_pos]
         compiled = indexed_module
-    compiled = functools.partial(compiled, protect_recent=protect_recent, protect_near=protect_near)
+    module = compiled(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
+                      block_size=block_size, backend=backend, protect_recent=protect_recent, protect_near=protect_near)
+    tables = (top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
+              lru_slots, num_real_reqs)
+    on_device = index_checks_on_device(top_k_tokens)
+    if on_device and _tables_fit(*tables, host_cache, device_buffer, num_top_k, hot_buffer_size):
+        rows = check_swap_in_on_device(*tables, host_cache, device_buffer, hot_buffer_size=hot_buffer_size,
+                                       page_slots=page_slots, speculative=speculative)
+        if index_slot_of is not None:
+            check_resident_index_on_device(ResidentIndex(index_slot_of, index_queue, index_queue_pos), rows,
+                                           device_buffer_tokens)
+    elif not on_device and env.check_indices():
+        args[-1] = CHECK_THEN_RUN  # host-readable tables: the entry checks every index itself
+    swap_in_entry(module, speculative)(*args)
 
-    def entry(on: str):
-        return swap_in_entry(compiled(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout,
-                                      page_slots=page_slots, block_size=block_size, backend=on), speculative)
 
-    if env.check_indices():
-        if backend == "cpu":
-            args[-1] = CHECK_THEN_RUN
-        else:
-            # Debug mode on the GPU: the cpu build follows every index on host copies of the tables (a
-            # sync) before the kernel runs; the caches are only measured, so they are stand-ins.
-            entry("cpu")(*host_check_args(args))
-    entry(backend)(*args)
+def _tables_fit(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
+                lru_slots, num_real_reqs, host_cache, device_buffer, num_top_k, hot_buffer_size) -> bool:
+    """Whether the swap-in's tables have the dtypes, ranks, shapes and device its entry requires, so the
+    device index check can read them; when not, the check is skipped and the entry names the argument."""
+    tensors = [(top_k_tokens, (torch.int32,)), (device_buffer_tokens, (torch.int32,)),
+               (device_buffer_locs, (torch.int32,)), (host_cache_locs, (torch.int64,)), (lru_slots, (torch.int16,)),
+               (req_pool_indices, _INDEX_DTYPES), (seq_lens, _INDEX_DTYPES)]
+    if num_real_reqs is not None:
+        tensors.append((num_real_reqs, (torch.int32,)))
+    rows, columns = device_buffer_tokens.shape if device_buffer_tokens.dim() == 2 else (-1, -1)
+    return (all(t.dtype in dtypes and t.device == top_k_tokens.device for t, dtypes in tensors)
+            and host_cache.dim() == device_buffer.dim() == 2
+            and top_k_tokens.dim() == 2 and top_k_tokens.shape[1] == num_top_k
+            and req_pool_indices.shape == seq_lens.shape == top_k_tokens.shape[:1]
+            and device_buffer_locs.shape == (rows, columns) and columns > hot_buffer_size
+            and lru_slots.shape == (rows, hot_buffer_size)
+            and host_cache_locs.dim() == 2 and host_cache_locs.shape[0] == rows
+            and (num_real_reqs is None or num_real_reqs.shape == (1,)))
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_error(name: str, row: int, col: int, value: int, limit: int, why: str) -> IndexError:
+    # The words of the header's index_error.
+    return IndexError(f"sparsekv: argument `{name}`[{row}, {col}] = {value} is out of range [0, {limit}) ({why})")
+
+
+def _num_real(num_real_reqs: torch.Tensor | None, batch: int) -> int:
+    """The real batch rows (a host sync), checked as the header's ``check_range`` does."""
+    num_real = batch if num_real_reqs is None else int(num_real_reqs[0])
+    if not 0 <= num_real <= batch:
+        raise ValueError(f"sparsekv: argument `num_real_reqs` must be in [0, {batch + 1}), got {num_real}")
+    return num_real
+
+
+def _slots(cache: torch.Tensor, page_slots: int | None) -> int:
+    """Token slots of a host or device cache of the layout (``page_slots`` None: one per row)."""
+    return cache.shape[0] * (page_slots or 1)
+
+
+def check_swap_in_on_device(top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor,
+                            host_cache_locs: torch.Tensor, device_buffer_locs: torch.Tensor,
+                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, lru_slots: torch.Tensor,
+                            num_real_reqs: torch.Tensor | None, host_cache: torch.Tensor, device_buffer: torch.Tensor,
+                            *, hot_buffer_size: int, page_slots: int | None = None,
+                            speculative: bool = False) -> torch.Tensor:
+    """Validate every index the swap-in would follow, with torch on the tables' own device (the CUDA
+    path with ``SPARSEKV_CHECK_INDICES=1``; a few host syncs). The C++ entry checks host-readable
+    tables the same way (``validate_swap_in`` in ``csrc/hisparse.cuh``), with the same exception types
+    and messages; where several entries are bad, each rule is checked over the whole batch in the
+    order below, so the one named may differ from the entry's row-by-row walk.
+
+    Of the real rows (``b < num_real_reqs[0]``): the request row is in range; no request is named
+    twice unless ``speculative``; on the fast path (``n <= H``) each requested token's device slot is
+    in range; on the slow path ``n`` fits ``host_cache_locs``, the LRU row is a permutation of
+    ``0..H-1``, the device slots of columns ``0..H`` are in range, the host slot of each requested
+    token that is neither the newest nor held is in range, and no device slot is named by two hot
+    slots (columns ``0..H`` of the slow-path requests), which could receive two copies. The caches
+    are only measured (``page_slots``: slots per page row, None for the generic layout).
+
+    Returns
+    -------
+    torch.Tensor
+        The request rows of the real slow-path batch rows, in batch order (what the resident-index
+        check reads).
+
+    Raises
+    ------
+    IndexError
+        An index out of range (the message names the argument, position and value).
+    ValueError
+        ``num_real_reqs`` out of range, an LRU row that is not a permutation, a request named twice,
+        or a device slot named twice.
+    """
+    hot, (max_reqs, _), max_len = hot_buffer_size, device_buffer_tokens.shape, host_cache_locs.shape[1]
+    device_slots, host_slots = _slots(device_buffer, page_slots), _slots(host_cache, page_slots)
+    num_real = _num_real(num_real_reqs, top_k_tokens.shape[0])
+    rids = req_pool_indices[:num_real].long()
+    bad = first_true((rids < 0) | (rids >= max_reqs))
+    if bad is not None:
+        raise _index_error("req_pool_indices", bad[0], 0, int(rids[bad[0]]), max_reqs, "a real batch row")
+    # Row b repeats the request of an earlier row.
+    again = torch.tril(rids[:, None] == rids[None, :], diagonal=-1).any(dim=1)
+    twice = None if speculative else first_true(again)
+    if twice is not None:
+        raise ValueError(f"sparsekv: argument `req_pool_indices` names request row {int(rids[twice[0]])} twice among "
+                         f"the real batch rows (rows of one request, such as MTP draft tokens, go through the "
+                         f"speculative swap-in, which serves them in batch order)")
+    n, top_k, locs = seq_lens[:num_real].long()[:, None], top_k_tokens[:num_real].long(), device_buffer_locs[rids]
+    columns = torch.arange(top_k.shape[1], device=top_k.device)
+    # Fast path: the slot of every requested token (tok < n <= H, inside the row).
+    asked = (n <= hot) & (columns < n) & (top_k >= 0) & (top_k < n)
+    slot = locs.gather(1, torch.where(asked, top_k, 0))
+    bad = first_true(asked & ((slot < 0) | (slot >= device_slots)))
+    if bad is not None:
+        b, i = bad
+        raise _index_error("device_buffer_locs", int(rids[b]), int(top_k[b, i]), int(slot[b, i]), device_slots,
+                           "the slot of a requested token")
+    slow = (n > hot)[:, 0]
+    bad = first_true(slow & (n[:, 0] > max_len))
+    if bad is not None:
+        raise IndexError(f"sparsekv: argument `seq_lens`[{bad[0]}] = {int(n[bad[0]])} exceeds the columns of "
+                         f"`host_cache_locs` ({max_len})")
+    lru = lru_slots[rids].long()
+    order = torch.sort(lru, dim=1, stable=True).indices
+    repeated = torch.zeros_like(lru, dtype=torch.bool)
+    repeated.scatter_(1, order[:, 1:], lru.gather(1, order[:, 1:]) == lru.gather(1, order[:, :-1]))
+    bad = first_true(slow[:, None] & ((lru < 0) | (lru >= hot) | repeated))
+    if bad is not None:
+        b, j = bad
+        raise ValueError(f"sparsekv: argument `lru_slots`[{int(rids[b])}] must be a permutation of 0..{hot - 1} "
+                         f"(entry {j} = {int(lru[b, j])})")
+    hot_locs = locs[:, : hot + 1].long()
+    bad = first_true(slow[:, None] & ((hot_locs < 0) | (hot_locs >= device_slots)))
+    if bad is not None:
+        b, j = bad
+        raise _index_error("device_buffer_locs", int(rids[b]), j, int(hot_locs[b, j]), device_slots, "a hot slot")
+    # Slow path: the host slot of every requested token that is neither the newest nor held.
+    held = torch.sort(device_buffer_tokens[rids, :hot], dim=1).values
+    found = held.gather(1, torch.searchsorted(held, top_k.to(held.dtype)).clamp(max=hot - 1)) == top_k
+    missing = slow[:, None] & (top_k >= 0) & (top_k < n - 1) & ~found
+    host = host_cache_locs[rids].gather(1, torch.where(missing, top_k, 0))
+    bad = first_true(missing & ((host < 0) | (host >= host_slots)))
+    if bad is not None:
+        b, i = bad
+        raise _index_error("host_cache_locs", int(rids[b]), int(top_k[b, i]), int(host[b, i]), host_slots,
+                           "the host slot of a missing token")
+    # Distinct device slots over columns 0..H of the slow-path requests (each counted once), sorted
+    # by (slot, request row) as the header pairs them.
+    first = slow & ~again
+    keys = torch.sort((hot_locs[first] * max_reqs + rids[first, None]).reshape(-1)).values
+    twice = first_true(keys[1:] // max_reqs == keys[:-1] // max_reqs)
+    if twice is not None:
+        (k,) = twice
+        raise ValueError(f"sparsekv: argument `device_buffer_locs` names device slot {int(keys[k]) // max_reqs} twice "
+                         f"(request rows {int(keys[k]) % max_reqs} and {int(keys[k + 1]) % max_reqs}, columns "
+                         f"0..hot_buffer_size): two misses could be copied onto one slot")
+    return rids[slow]
 
 
 def load_cache_to_device_buffer_mla(
@@ -525,11 +649,55 @@ def _copy_planned(miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: to
     values = _layout_values(is_dsv4_layout, _page_slots(is_dsv4_layout, page_slots, device_buffer))
     module = PLANNED.module(backend=backend, **values)
     args = [miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer, item_size_bytes, RUN]
-    if env.check_indices():
-        if backend == "cpu":
-            args[-1] = CHECK_THEN_RUN
-        else:
-            host = [_stand_in(a) if i in (4, 5) else a.cpu() if isinstance(a, torch.Tensor) else a
-                    for i, a in enumerate(args[:-1])]
-            PLANNED.module(backend="cpu", **values).copy_cache_planned(*host, CHECK_ONLY)
+    on_device = index_checks_on_device(miss_src)
+    if on_device and _plan_fits(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer):
+        check_plan_on_device(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer,
+                             page_slots=values.get("page_slots"))
+    elif not on_device and env.check_indices():
+        args[-1] = CHECK_THEN_RUN  # a host-readable plan: the entry checks every entry itself
     module.copy_cache_planned(*args)
+
+
+def _plan_fits(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer) -> bool:
+    """Whether a plan has the dtypes, ranks, shapes and device its entry requires (see :func:`_tables_fit`)."""
+    tensors = [(miss_src, (torch.int64,)), (miss_dst, _INDEX_DTYPES), (miss_count, (torch.int32,)),
+               (num_real_reqs, (torch.int32,))]
+    return (all(t.dtype in dtypes and t.device == miss_src.device for t, dtypes in tensors)
+            and miss_src.dim() == 2 and miss_dst.shape == miss_src.shape and miss_count.shape == miss_src.shape[:1]
+            and num_real_reqs.shape == (1,) and host_cache.dim() == device_buffer.dim() == 2)
+
+
+def check_plan_on_device(miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: torch.Tensor,
+                         num_real_reqs: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor, *,
+                         page_slots: int | None = None) -> None:
+    """Validate every entry of a recorded miss plan with torch on its own device (the CUDA path of
+    :func:`copy_cache_planned_mla` with ``SPARSEKV_CHECK_INDICES=1``; a few host syncs), as the C++ entry
+    checks a host-readable plan (``validate_plan`` in ``csrc/hisparse.cuh``, same messages): for the real
+    rows, ``miss_count`` in ``[0, W]``; each planned ``(miss_src, miss_dst)`` in range, the first bad
+    entry in row-major order named; no destination twice with different sources. The caches are only
+    measured (``page_slots``: slots per page row, None for the generic layout).
+
+    Raises
+    ------
+    IndexError
+        A count or slot out of range (the message names the argument, position and value).
+    ValueError
+        ``num_real_reqs`` out of range, or a destination named twice with different sources.
+    """
+    width, host_slots, device_slots = miss_src.shape[1], _slots(host_cache, page_slots), _slots(device_buffer,
+                                                                                              page_slots)
+    num_real = _num_real(num_real_reqs, miss_src.shape[0])
+    count = miss_count[:num_real].long()
+    bad = first_true((count < 0) | (count > width))
+    if bad is not None:
+        raise _index_error("miss_count", bad[0], 0, int(count[bad[0]]), width + 1, "a plan row")
+    planned = torch.arange(width, device=count.device) < count[:, None]
+    src, dst = miss_src[:num_real], miss_dst[:num_real].long()
+    bad_src, bad_dst = planned & ((src < 0) | (src >= host_slots)), planned & ((dst < 0) | (dst >= device_slots))
+    bad = first_true(bad_src | bad_dst)
+    if bad is not None:  # an entry's source is checked before its destination, as in the header
+        b, m = bad
+        if bool(bad_src[b, m]):
+            raise _index_error("miss_src", b, m, int(src[b, m]), host_slots, "a planned copy")
+        raise _index_error("miss_dst", b, m, int(dst[b, m]), device_slots, "a planned copy")
+    check_no_conflicting_destinations(dst[planned], src[planned], "miss_dst", "miss_src")

@@ -26,7 +26,12 @@ import torch
 
 from sparsekv.checks import one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op
+from sparsekv.jit_kernel.torch_op import (
+    check_no_conflicting_destinations,
+    first_true,
+    index_checks_on_device,
+    kernel_op,
+)
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
 
 #: Slots per C4 page for full-token page sizes 128, 256 and 512 (from :mod:`~sparsekv.kv_layout`).
@@ -141,18 +146,7 @@ def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids
             raise ValueError(f"sparsekv: argument `{dst_name}`[{pos}] = {int(dst_ids[pos])} is also a source in "
                              f"`{src_name}` while source and destination share a buffer (the result would depend "
                              f"on the copy order)")
-    if dst_ids.numel() < 2:
-        return
-    # Sorting by destination puts repeats side by side; a run is consistent iff adjacent sources agree.
-    order = torch.sort(dst_ids, stable=True).indices
-    d, s = dst_ids[order], src_ids[order]
-    conflict = first_true((d[1:] == d[:-1]) & (s[1:] != s[:-1]))
-    if conflict is not None:
-        (k,) = conflict
-        a, b = int(order[k]), int(order[k + 1])
-        raise ValueError(f"sparsekv: argument `{dst_name}` names destination {int(d[k])} twice (positions {a} and "
-                         f"{b}) with different sources `{src_name}`[{a}] = {int(s[k])} and `{src_name}`[{b}] = "
-                         f"{int(s[k + 1])}")
+    check_no_conflicting_destinations(dst_ids, src_ids, dst_name, src_name)
 
 
 def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, dst_count, count_names,

@@ -42,12 +42,14 @@ from sparsekv.jit_kernel.hisparse_params import (
     log2_ceil,
     near_bucket_bytes,
 )
+from sparsekv.jit_kernel.torch_op import first_true
 from sparsekv.kv_layout import resident_index_bytes
 
 __all__ = [
     "INDEXED",
     "SORT_KEY_LIMIT",
     "ResidentIndex",
+    "check_resident_index_on_device",
     "indexed_module",
     "indexed_shared_bytes",
     "resident_index_bytes",
@@ -206,3 +208,58 @@ class ResidentIndex:
         expected = {t: s for s, t in enumerate(tokens) if 0 <= t < max_len}
         got = {t: s for t, s in enumerate(self.slot_of[row].tolist()) if s != -1}
         return got == expected and sorted(self.lru_order(row)) == list(range(hot))
+
+
+def check_resident_index_on_device(index: ResidentIndex, rows: torch.Tensor,
+                                   device_buffer_tokens: torch.Tensor) -> None:
+    """Check that ``index`` agrees with ``device_buffer_tokens`` on request ``rows`` (the slow-path rows
+    of a step, from :func:`~sparsekv.jit_kernel.hisparse.check_swap_in_on_device`), with torch on the
+    tables' own device: the CUDA path of the indexed swap-in with ``SPARSEKV_CHECK_INDICES=1`` (a few
+    host syncs). The C++ entry checks host-readable tables the same way (``validate_resident_index``
+    in ``csrc/hisparse_index.cuh``, same messages), row by row; here each rule goes over every row in
+    the order below: ``slot_of`` is the inverse of the held tokens, the queue's head and tail lie in
+    ``[0, 2 H]``, and each slot's queue position is a live entry naming it. Tables of the wrong dtype,
+    shape or device are left to the entry, which names them.
+
+    Raises
+    ------
+    ValueError
+        The index is out of step with the tables (rebuild it: :meth:`ResidentIndex.rebuild_rows`).
+    """
+    hot, max_len = index.hot, index.slot_of.shape[-1]
+    if not (index.slot_of.dtype == index.queue.dtype == torch.int16 and index.queue_pos.dtype == torch.int32
+            and index.slot_of.dim() == index.queue.dim() == index.queue_pos.dim() == 2
+            and index.slot_of.shape[0] == index.queue.shape[0] == index.queue_pos.shape[0]
+            == device_buffer_tokens.shape[0] and index.queue_pos.shape[1] == hot + 2
+            and index.slot_of.device == index.queue.device == index.queue_pos.device == rows.device):
+        return
+    slot_of, tokens = index.slot_of[rows].long(), device_buffer_tokens[rows, :hot].long()
+    listed = slot_of != -1
+    positions = torch.arange(max_len, device=rows.device)
+    owner = tokens.gather(1, torch.where((slot_of >= 0) & (slot_of < hot), slot_of, 0))
+    bad = first_true(listed & ((slot_of < 0) | (slot_of >= hot) | (owner != positions)))
+    if bad is not None:
+        r, tok = bad
+        raise ValueError(f"sparsekv: argument `slot_of`[{int(rows[r])}, {tok}] = {int(slot_of[r, tok])} disagrees "
+                         f"with `device_buffer_tokens` (rebuild the resident index)")
+    indexed, held = listed.sum(dim=1), ((tokens >= 0) & (tokens < max_len)).sum(dim=1)
+    bad = first_true(indexed != held)
+    if bad is not None:
+        (r,) = bad
+        raise ValueError(f"sparsekv: argument `slot_of`[{int(rows[r])}] indexes {int(indexed[r])} tokens but "
+                         f"`device_buffer_tokens` holds {int(held[r])} (rebuild the resident index)")
+    pos = index.queue_pos[rows].long()
+    head, tail = pos[:, hot : hot + 1], pos[:, hot + 1 : hot + 2]
+    bad = first_true(((head < 0) | (head > tail) | (tail > 2 * hot))[:, 0])
+    if bad is not None:
+        (r,) = bad
+        raise ValueError(f"sparsekv: argument `queue_pos`[{int(rows[r])}] has head {int(head[r])} and tail "
+                         f"{int(tail[r])}, outside 0 <= head <= tail <= {2 * hot}")
+    pos = pos[:, :hot]
+    live = (pos >= head) & (pos < tail)
+    named = index.queue[rows].long().gather(1, torch.where(live, pos, 0))
+    bad = first_true(~live | (named != torch.arange(hot, device=rows.device)))
+    if bad is not None:
+        r, slot = bad
+        raise ValueError(f"sparsekv: argument `queue_pos`[{int(rows[r])}, {slot}] = {int(pos[r, slot])} is not a live "
+                         f"queue entry of slot {slot}")

@@ -96,6 +96,25 @@ def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(int(x) for x in mask.nonzero()[0])
 
 
+def check_no_conflicting_destinations(dst_ids: torch.Tensor, src_ids: torch.Tensor, dst_name: str,
+                                      src_name: str) -> None:
+    """A destination id named twice must come with the same source (rule 3 of ``ffi.h``, whose
+    ``check_no_conflicting_destinations`` words the same ``ValueError``), for 1-D id tables on any
+    device (one host sync when there are repeats to locate)."""
+    if dst_ids.numel() < 2:
+        return
+    # Sorting by destination puts repeats side by side; a run is consistent iff adjacent sources agree.
+    order = torch.sort(dst_ids, stable=True).indices
+    d, s = dst_ids[order], src_ids[order]
+    conflict = first_true((d[1:] == d[:-1]) & (s[1:] != s[:-1]))
+    if conflict is not None:
+        (k,) = conflict
+        a, b = int(order[k]), int(order[k + 1])
+        raise ValueError(f"sparsekv: argument `{dst_name}` names destination {int(d[k])} twice (positions {a} and "
+                         f"{b}) with different sources `{src_name}`[{a}] = {int(s[k])} and `{src_name}`[{b}] = "
+                         f"{int(s[k + 1])}")
+
+
 def rows_of(tensor: torch.Tensor, ndim: int, dim: int = 0) -> int:
     """``tensor.shape[dim]`` when ``tensor`` has ``ndim`` dimensions, else 0: an output size that never
     raises, so a wrong-rank argument reaches the op body and its named error (see the module docstring)."""

@@ -3,14 +3,16 @@
 A Triton kernel has no host entry of its own, so its launcher checks the arguments here before it
 allocates or writes anything: the same conditions, exception types and messages as the header's
 ``check(t, name)...`` chain (``TypeError`` for a dtype, ``ValueError`` for a shape, stride or device,
-``IndexError`` for an index), so both implementations refuse bad input alike.
+``IndexError`` for an index), so both implementations refuse bad input alike. Scalar arguments
+go through :mod:`sparsekv.checks`, the one range convention (closed bounds); ``page_shift``'s
+``[1, 2^20]`` is closed as well.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Arg", "check", "check_disjoint", "check_no_overlap", "check_range", "dtype_name", "optional_arg",
+__all__ = ["Arg", "check", "check_disjoint", "check_no_overlap", "dtype_name", "optional_arg",
            "page_shift", "read", "row_stride", "written"]
 
 _DTYPE_NAMES = {
@@ -75,12 +77,6 @@ class Arg:
 def check(tensor: torch.Tensor, name: str) -> Arg:
     """``Arg(tensor, name)``: start a chain of checks on one argument."""
     return Arg(tensor, name)
-
-
-def check_range(value: int, lo: int, hi_exclusive: int, name: str) -> None:
-    """``value`` in ``[lo, hi_exclusive)``, else ``ValueError`` naming ``name`` (``sparsekv::check_range``)."""
-    if value < lo or value >= hi_exclusive:
-        raise ValueError(f"sparsekv: argument `{name}` must be in [{lo}, {hi_exclusive}), got {value}")
 
 
 def page_shift(page_size: int, name: str) -> int:

@@ -20,18 +20,15 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.build.loader import csrc_root
 from sparsekv.jit_kernel.build.toolchain import host_compiler
 from sparsekv.jit_kernel.hisparse import (
-    CHECK_ONLY,
     PLANNED,
     SHARED_MEMORY_LIMIT,
     SWAP_IN,
-    SWAP_IN_ARGS,
     SWAP_IN_POLICIES,
+    check_plan_on_device,
+    check_swap_in_on_device,
     copy_cache_planned_mla,
     default_block_size,
-    host_check_args,
     load_cache_to_device_buffer_mla,
-    swap_in_args,
-    swap_in_module,
     swap_in_shared_bytes,
 )
 from sparsekv.jit_kernel.hisparse_index import indexed_shared_bytes
@@ -411,26 +408,73 @@ def test_every_table_layout_has_a_plan_replay_instance():
     assert {layout(v) for v in SWAP_IN.instances} <= {layout(v) for v in PLANNED.instances}
 
 
-@pytest.mark.no_backend("the check pass always runs in the cpu build on host copies, whatever the caller's device")
-def test_index_check_reads_only_the_shapes_of_the_caches():
-    # On the GPU the check pass runs in the cpu build on host copies of the tables and one-row
-    # stand-ins of the caches; the stand-ins must pass the same checks and the verdict must be the same.
-    w = world("cpu")
+# -- the device index check (the CUDA path with SPARSEKV_CHECK_INDICES=1) ---------------------------
+def _hold_two(w):
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
-    w.host_cache_locs[0, 21] = -1
-    a = _call_args(w)
-    del a["num_top_k"], a["hot_buffer_size"]
-    args = host_check_args(swap_in_args(**a))
-    assert args[SWAP_IN_ARGS.index("host_cache")].untyped_storage().nbytes() == w.item_size_bytes
-    assert args[-1] == CHECK_ONLY
-    before = _written(a)
-    module = swap_in_module(K, H)
-    with pytest.raises(IndexError, match=r"`host_cache_locs`\[0, 21\] = -1"):
-        module.load_cache_to_device_buffer(*args)
-    w.host_cache_locs[0, 21] = 5
-    module.load_cache_to_device_buffer(*host_check_args(swap_in_args(**a)))
-    # Check-only moves nothing.
-    assert all(torch.equal(x, y) for x, y in zip(_written(a), before))
+    w.reset_request(1, resident=True)
+
+
+# (change to the world, overrides of the call): each a call the host entry refuses.
+DEVICE_CHECKED = {
+    "request out of range": (None, dict(req_pool_indices=torch.tensor([3], dtype=torch.int32))),
+    "request twice": (None, dict(top_k_tokens=torch.tensor([[20, 2, 21, -1, 19], [20, 2, 22, -1, 20]],
+                                                           dtype=torch.int32),
+                                 top_k_device_locs=torch.full((2, K), 7, dtype=torch.int32),
+                                 req_pool_indices=torch.tensor([0, 0], dtype=torch.int64),
+                                 seq_lens=torch.tensor([20, 21], dtype=torch.int64))),
+    "num_real_reqs above the batch": (None, dict(num_real_reqs=torch.tensor([2], dtype=torch.int32))),
+    "fast-path slot": (lambda w: w.device_buffer_locs.__setitem__((1, 2), -5),
+                       dict(req_pool_indices=torch.tensor([1], dtype=torch.int32),
+                            seq_lens=torch.tensor([4], dtype=torch.int32),
+                            top_k_tokens=torch.tensor([[3, -1, 2, 4, 0]], dtype=torch.int32))),
+    "seq_len past host_cache_locs": (None, dict(seq_lens=torch.tensor([41], dtype=torch.int32))),
+    "lru repeat": (lambda w: w.lru_slots.__setitem__((0, 3), 0), {}),
+    "lru out of range": (lambda w: w.lru_slots.__setitem__((0, 3), 7), {}),
+    "hot slot negative": (lambda w: w.device_buffer_locs.__setitem__((0, H), -2), {}),
+    "hot slot too large": (lambda w: w.device_buffer_locs.__setitem__((0, 2), 10**6), {}),
+    "host slot negative": (lambda w: w.host_cache_locs.__setitem__((0, 20), -1), {}),
+    "host slot too large": (lambda w: w.host_cache_locs.__setitem__((0, 21), 10**6), {}),
+    "device slot twice": (lambda w: w.device_buffer_locs.__setitem__((1, 3), int(w.device_buffer_locs[0, 5])),
+                          dict(top_k_tokens=torch.tensor([[20, 2, 21, -1, 29], [30, 31, 32, 33, 34]],
+                                                         dtype=torch.int32),
+                               top_k_device_locs=torch.full((2, K), 7, dtype=torch.int32),
+                               req_pool_indices=torch.tensor([0, 1], dtype=torch.int32),
+                               seq_lens=torch.tensor([30, 36], dtype=torch.int32))),
+}
+
+
+def _check_on_device(backend, a, speculative=False):
+    """``check_swap_in_on_device`` on ``backend``'s device for the wrapper arguments ``a``."""
+    d = to_backend(backend, a)
+    check_swap_in_on_device(d["top_k_tokens"], d["device_buffer_tokens"], d["host_cache_locs"],
+                            d["device_buffer_locs"], d["req_pool_indices"], d["seq_lens"], d["lru_slots"],
+                            d.get("num_real_reqs"), d["host_cache"], d["device_buffer"], hot_buffer_size=H,
+                            speculative=speculative)
+
+
+@pytest.mark.parametrize("change, overrides", DEVICE_CHECKED.values(), ids=DEVICE_CHECKED.keys())
+def test_the_device_index_check_refuses_what_the_host_entry_refuses_in_its_words(backend, monkeypatch, change,
+                                                                                 overrides):
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    w = world("cpu")
+    _hold_two(w)
+    if change is not None:
+        change(w)
+    a = _call_args(w, **overrides)
+    with pytest.raises((IndexError, ValueError)) as host:
+        load_cache_to_device_buffer_mla(**a)  # host tables: the C++ entry's own check
+    with pytest.raises(host.type) as device:
+        _check_on_device(backend, a)
+    assert str(device.value) == str(host.value)
+
+
+def test_the_device_index_check_accepts_valid_calls(backend):
+    w = world("cpu")
+    _hold_two(w)
+    w.host_cache_locs[0, 2] = -1  # a hit and the newest token: their host slots are never read
+    w.host_cache_locs[0, 29] = -1
+    _check_on_device(backend, _call_args(w))
+    _check_on_device(backend, _call_args(w, **DEVICE_CHECKED["request twice"][1]), speculative=True)
 
 
 # -- open instantiation ---------------------------------------------------------------------------
@@ -646,9 +690,14 @@ def test_plan_replay_check_mode_rejects_every_bad_entry(backend, monkeypatch, sr
         assert int((device != before).any(dim=1).sum()) == len(good)
         args["device_buffer"].copy_(before)
     monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
-    with pytest.raises(IndexError, match=f"`{name}`"):
+    with pytest.raises(IndexError, match=f"`{name}`") as raised:
         copy_cache_planned_mla(**args, item_size_bytes=w.item_size_bytes)
     assert torch.equal(args["device_buffer"].cpu(), before)
+    # The device check (the CUDA path) refuses it in the host entry's words.
+    plan = {k: v for k, v in args.items() if k not in ("host_cache", "device_buffer")}
+    with pytest.raises(IndexError) as device:
+        check_plan_on_device(**plan, host_cache=args["host_cache"], device_buffer=args["device_buffer"])
+    assert str(device.value) == str(raised.value)
 
 
 # -- rows of one request in one batch (MTP draft tokens, speculative decoding) --------------------

@@ -19,6 +19,7 @@ from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_mla
 from sparsekv.jit_kernel.hisparse_index import (
     INDEXED,
     ResidentIndex,
+    check_resident_index_on_device,
     indexed_shared_bytes,
     resident_index_bytes,
 )
@@ -240,10 +241,16 @@ def test_check_indices_mode_rejects_an_index_out_of_step_with_the_tables(backend
     corrupt(w.resident_index)
     args, tables = _call(w, w.resident_index)
     before = w.device_buffer_tokens.clone()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         load_cache_to_device_buffer_mla(**to_backend(backend, args),
                                         resident_index=ResidentIndex(**to_backend(backend, tables)))
     assert torch.equal(w.device_buffer_tokens, before)
+    # The device check of the CUDA path, on request row 0 (the slow-path row), in the host entry's words.
+    device = to_backend(backend, [tables, w.device_buffer_tokens])
+    with pytest.raises(ValueError) as checked:
+        check_resident_index_on_device(ResidentIndex(**device[0]), torch.tensor([0], device=device_of(backend)),
+                                       device[1])
+    assert str(checked.value) == str(raised.value)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
