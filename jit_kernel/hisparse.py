@@ -14,10 +14,11 @@ one import.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sparsekv import env
-from sparsekv.checks import int_in
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex, check_resident_index_on_device, indexed_module
@@ -26,13 +27,12 @@ from sparsekv.jit_kernel.hisparse_params import (
     SHARED_MEMORY_LIMIT,
     SWAP_IN_POLICIES,
     WARP,
-    check_block_size,
-    check_protections,
     default_block_size,
     layout_type,
     log2_ceil,
     near_bucket_bytes,
     policy_protections,
+    swap_in_template_args,
 )
 from sparsekv.jit_kernel.torch_op import (
     check_no_conflicting_destinations,
@@ -86,26 +86,18 @@ def swap_in_shared_bytes(num_top_k: int, hot_buffer_size: int, block_size: int, 
     return protect + near_bucket_bytes(num_top_k, protect_near) + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 4
 
 
-def _complete_swap_in(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
-                      block_size: int | None = None, protect_recent: int = 0, protect_near: int = 0) -> tuple:
-    """``SwapIn<K, H, BlockSize, Layout[, ProtectRecent, ProtectNear]>`` arguments: checks the ranges,
-    derives the block size, and bounds ``(K, H)`` by the shared memory the GPU path's per-request
-    scratch needs. LRU (both protections 0) keeps the four-argument form."""
-    k = int_in(num_top_k, "num_top_k", 1, _MAX_SLOTS - 1, why="int16 slot ids", owner="hisparse")
-    h = int_in(hot_buffer_size, "hot_buffer_size", k, _MAX_SLOTS - 1, why="at least num_top_k; int16 slot ids",
-               owner="hisparse")
-    block = check_block_size("hisparse", block_size, k)
-    recent, near = check_protections("hisparse", protect_recent, protect_near)
-    need = swap_in_shared_bytes(k, h, block, recent, near)
-    if need > SHARED_MEMORY_LIMIT:
-        raise ValueError(
-            f"sparsekv: hisparse num_top_k={k}, hot_buffer_size={h} need {need} bytes of per-request scratch "
+def _scratch_too_large(k: int, h: int, need: int) -> str:
+    return (f"sparsekv: hisparse num_top_k={k}, hot_buffer_size={h} need {need} bytes of per-request scratch "
             f"(10 * 2**ceil(log2(2 * num_top_k)) + 2 * hot_buffer_size + 2 * num_top_k + ..., + 6 * "
             f"hot_buffer_size for a protected policy, + 12 * 2**ceil(log2(2 * num_top_k)) with protect_near), over the "
             f"{SHARED_MEMORY_LIMIT} bytes (227 KiB) of shared memory a GPU block can have on sm_90/sm_100; "
             f"lower num_top_k or hot_buffer_size")
-    layout_struct = layout_type("hisparse", layout, page_slots)
-    return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
+
+
+#: ``SwapIn<K, H, BlockSize, Layout[, ProtectRecent, ProtectNear]>`` arguments (the scratch grows with ``H``).
+_complete_swap_in = functools.partial(
+    swap_in_template_args, "hisparse", slot_limit=_MAX_SLOTS, hot_why="at least num_top_k; int16 slot ids",
+    shared_bytes=swap_in_shared_bytes, too_large=_scratch_too_large)
 
 
 def _complete_planned(*, layout: str = "generic", page_slots: int | None = None) -> tuple:

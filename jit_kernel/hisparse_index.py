@@ -27,6 +27,7 @@ measurement yet. The direct map costs 2 bytes per C4 position: 512 KiB per reque
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,9 @@ from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.hisparse_params import (
     SHARED_MEMORY_LIMIT,
     WARP,
-    check_block_size,
-    check_protections,
-    layout_type,
     log2_ceil,
     near_bucket_bytes,
+    swap_in_template_args,
 )
 from sparsekv.jit_kernel.torch_op import first_true
 from sparsekv.kv_layout import resident_index_bytes
@@ -71,21 +70,15 @@ def indexed_shared_bytes(num_top_k: int, block_size: int, protect_near: int = 0)
     return near_bucket_bytes(num_top_k, protect_near) + -(-arrays // 4) * 4 + 4 * (block_size // WARP) + 8
 
 
-def _complete_indexed(*, num_top_k: int, hot_buffer_size: int, layout: str = "generic", page_slots: int | None = None,
-                      block_size: int | None = None, protect_recent: int = 0, protect_near: int = 0) -> tuple:
-    """``IndexedSwapIn<K, H, BlockSize, Layout[, W, S]>`` arguments; the scanning kernel's checks, except
-    that the scratch does not grow with ``H`` (only its own bound applies), for any policy."""
-    k = int_in(num_top_k, "num_top_k", 1, SORT_KEY_LIMIT - 1, why="int16 slot ids", owner="hisparse_index")
-    h = int_in(hot_buffer_size, "hot_buffer_size", k, SORT_KEY_LIMIT - 1,
-               why="at least num_top_k; 2 * H queue positions below 2**16", owner="hisparse_index")
-    block = check_block_size("hisparse_index", block_size, k)
-    recent, near = check_protections("hisparse_index", protect_recent, protect_near)
-    need = indexed_shared_bytes(k, block, near)
-    if need > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"sparsekv: hisparse_index num_top_k={k} needs {need} bytes of per-request scratch, over "
-                         f"the {SHARED_MEMORY_LIMIT} bytes of shared memory a GPU block can have; lower num_top_k")
-    layout_struct = layout_type("hisparse_index", layout, page_slots)
-    return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
+#: ``IndexedSwapIn<K, H, BlockSize, Layout[, W, S]>`` arguments: the scanning kernel's checks, except that the
+#: scratch does not grow with ``H`` and ``2 H`` queue positions must fit the sort keys.
+_complete_indexed = functools.partial(
+    swap_in_template_args, "hisparse_index", slot_limit=SORT_KEY_LIMIT,
+    hot_why="at least num_top_k; 2 * H queue positions below 2**16",
+    shared_bytes=lambda k, h, block, recent, near: indexed_shared_bytes(k, block, near),
+    too_large=lambda k, h, need: (f"sparsekv: hisparse_index num_top_k={k} needs {need} bytes of per-request scratch, "
+                                  f"over the {SHARED_MEMORY_LIMIT} bytes of shared memory a GPU block can have; lower "
+                                  f"num_top_k"))
 
 
 INDEXED = register(

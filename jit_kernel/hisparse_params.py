@@ -8,6 +8,8 @@ check them the same way. Both wrappers import them from here, so neither imports
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sparsekv.checks import int_in, one_of
 from sparsekv.kv_layout import C4_PAGE_SLOTS
 
@@ -23,6 +25,7 @@ __all__ = [
     "log2_ceil",
     "near_bucket_bytes",
     "policy_protections",
+    "swap_in_template_args",
 ]
 
 #: Token layouts of the swap-in's caches: ``"generic"`` MLA rows, or ``"dsv4"`` C4 pages of V4 tokens.
@@ -96,3 +99,24 @@ def policy_protections(policy: object) -> tuple[int, int]:
         return SWAP_IN_POLICIES[policy]
     raise ValueError(f"sparsekv: hisparse argument `policy` must be one of {tuple(SWAP_IN_POLICIES)} or a "
                      f"(protect_recent, protect_near) pair of ints, got {policy!r}")
+
+
+def swap_in_template_args(family: str, *, num_top_k: int, hot_buffer_size: int, layout: str = "generic",
+                          page_slots: int | None = None, block_size: int | None = None, protect_recent: int = 0,
+                          protect_near: int = 0, slot_limit: int, hot_why: str,
+                          shared_bytes: Callable[[int, int, int, int, int], int],
+                          too_large: Callable[[int, int, int], str]) -> tuple:
+    """``<K, H, BlockSize, Layout[, ProtectRecent, ProtectNear]>`` of either swap-in family: checks the
+    ranges (``1 <= K <= H < slot_limit``, ``hot_why`` saying what bounds ``H``), derives the block size,
+    and bounds the GPU path's per-request scratch, ``shared_bytes(K, H, BlockSize, W, S)``, by
+    :data:`SHARED_MEMORY_LIMIT` (``too_large(K, H, need)`` words the ``ValueError``). LRU (both
+    protections 0) keeps the four-argument form."""
+    k = int_in(num_top_k, "num_top_k", 1, slot_limit - 1, why="int16 slot ids", owner=family)
+    h = int_in(hot_buffer_size, "hot_buffer_size", k, slot_limit - 1, why=hot_why, owner=family)
+    block = check_block_size(family, block_size, k)
+    recent, near = check_protections(family, protect_recent, protect_near)
+    need = shared_bytes(k, h, block, recent, near)
+    if need > SHARED_MEMORY_LIMIT:
+        raise ValueError(too_large(k, h, need))
+    layout_struct = layout_type(family, layout, page_slots)
+    return (k, h, block, layout_struct) if recent == near == 0 else (k, h, block, layout_struct, recent, near)
