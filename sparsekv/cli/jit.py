@@ -179,7 +179,7 @@ def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
         values = parse_values([p for p in rest.split(",") if p.strip()], f"--instance {spec!r}") if sep else {}
         chosen.append((family, resolve_instance(family, values)))
     if args.model:
-        for name, values in model_instances(args.model, hot_buffer=args.hot_buffer, page_size=args.page_size):
+        for name, values in model_instances(args.model, hot_buffer_size=args.hot_buffer, page_size=args.page_size):
             family = _family(families, name)
             chosen.append((family, resolve_instance(family, values)))
     elif args.hot_buffer is not None or args.page_size is not None:

@@ -367,7 +367,7 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
         device_pool = HiSparseC4DevicePool(allocator, num_c4, "cpu")
         req_table = SimpleNamespace(req_to_token=torch.zeros(len(plan) + 1, max(spec.seq_lens) + 256,
                                                              dtype=torch.int64))
-        coord = HiSparseCoordinator(req_table, allocator, device_pool, top_k=16, device_buffer_size=64)
+        coord = HiSparseCoordinator(req_table, allocator, device_pool, num_top_k=16, hot_buffer_size=64)
         args = hisparse_decode_kv_args(pool, coord, attn_tp_size=spec.decode_attn_tp_size, is_mla=spec.is_mla)
     else:
         args = kv_args_of(pool, attn_tp_size=spec.decode_attn_tp_size, is_mla=spec.is_mla)
@@ -440,7 +440,7 @@ def _check_hot_buffers(coord, reqs) -> tuple[int, int]:
                           V4.scale_view(cache, coord.page_slots)[page, offset]])
 
     checked = wrong = 0
-    hot = coord.device_buffer_size
+    hot = coord.hot_buffer_size
     for req in reqs:
         rid, n = req.req_pool_idx, coord.host_token_len(req.kv_allocated_len)
         host = coord.req_to_host_pool[rid].tolist()

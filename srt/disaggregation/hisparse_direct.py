@@ -78,6 +78,6 @@ def alloc_direct_host_pages(coordinator, req, num_kv_pages: int) -> list[int]:
     HostPoolExhaustedError
         Not enough free host pages; nothing was allocated.
     """
-    slots = coordinator.alloc_direct_host_slots(req, num_kv_pages * coordinator.mem_pool_host.page_size)
-    pages = slots.whole_pages(coordinator.mem_pool_host.page_size)
+    slots = coordinator.alloc_direct_host_slots(req, num_kv_pages * coordinator.mem_pool_host.page_slots)
+    pages = slots.whole_pages(coordinator.mem_pool_host.page_slots)
     return [] if pages is None else pages.tensor.tolist()

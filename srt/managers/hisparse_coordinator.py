@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 import torch
 
 from sparsekv.checks import as_bool, as_int, index_in, int_in
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla, policy_protections
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex
 from sparsekv.kv_layout import V4
@@ -83,10 +84,12 @@ class HiSparseCoordinator:
         Logical and device allocator (``compress_ratio=4``).
     device_pool : HiSparseC4DevicePool
         The device C4 pool of that allocator.
-    top_k : int
-        Indexer top-k (``K``).
-    device_buffer_size : int
-        Hot slots per request (``H >= K``).
+    num_top_k : int
+        Indexer top-k (``K``), the swap-in's ``num_top_k`` (``top_k=`` still works for one release, with a
+        ``DeprecationWarning``).
+    hot_buffer_size : int
+        Hot slots per request (``H >= K``), the swap-in's ``hot_buffer_size`` (formerly
+        ``device_buffer_size=``, which still works for one release).
     host_pool : DeepSeekV4PagedHostPool, optional
         Default: a layer-first pool over ``device_pool``'s layers with room for every logical C4 entry.
     streams : StreamFactory, optional
@@ -116,13 +119,13 @@ class HiSparseCoordinator:
         An argument of the wrong kind: a non-integer ``req_to_token``, an allocator of another
         class, a bool or float where an int is meant.
     ValueError
-        ``top_k < 1``, ``device_buffer_size < top_k``, or ``device_pool`` not the allocator's pool.
+        ``num_top_k < 1``, ``hot_buffer_size < num_top_k``, or ``device_pool`` not the allocator's pool.
 
     Examples
     --------
     A request's life on the CPU (tests/runtime/test_hisparse_coordinator.py runs this for real)::
 
-        coord = HiSparseCoordinator(req_pool, allocator, device_pool, top_k=5, device_buffer_size=7)
+        coord = HiSparseCoordinator(req_pool, allocator, device_pool, num_top_k=5, hot_buffer_size=7)
         allocator.alloc_extend(req_pool.req_to_token, req.req_pool_idx, 0, prompt_len)
         ...                                              # prefill writes C4 entries to the device pool
         coord.admit_request_into_staging(req)            # back the prefill up to the host
@@ -130,7 +133,7 @@ class HiSparseCoordinator:
         for step in decode_steps:
             coord.map_last_loc_to_buffer([rid], [seq_len], [out_loc])   # before the forward
             for layer in c4_layers:
-                locs = coord.swap_in_selected_pages(rids, c4_lens, top_k, layer)
+                locs = coord.swap_in_selected_pages(rids, c4_lens, top_k_result, layer)
         coord.request_finished(req)                      # every host page and device slot freed
 
     Notes
@@ -155,8 +158,9 @@ class HiSparseCoordinator:
     ``RequestStateError``, never a leak or a free of another request's pages.
     """
 
+    @renamed_keywords(top_k="num_top_k", device_buffer_size="hot_buffer_size")
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: HiSparseTokenToKVPoolAllocator,
-                 device_pool: HiSparseC4DevicePool, *, top_k: int, device_buffer_size: int,
+                 device_pool: HiSparseC4DevicePool, *, num_top_k: int, hot_buffer_size: int,
                  host_pool: DeepSeekV4PagedHostPool | None = None, streams: StreamFactory | None = None,
                  tp_group=None, swap_in_block_size: int | None = None, collect_counters: bool = False,
                  resident_index: bool = False, swap_in_policy: str | tuple[int, int] = "lru") -> None:
@@ -164,8 +168,8 @@ class HiSparseCoordinator:
             raise TypeError(f"sparsekv: argument `allocator` must be a HiSparseTokenToKVPoolAllocator, got "
                             f"{type(allocator).__name__}")
         index_table(getattr(req_to_token_pool, "req_to_token", None), "req_to_token_pool.req_to_token", ndim=2)
-        top_k = int_in(top_k, "top_k", 1)
-        device_buffer_size = int_in(device_buffer_size, "device_buffer_size", 1)
+        num_top_k = int_in(num_top_k, "num_top_k", 1)
+        hot_buffer_size = int_in(hot_buffer_size, "hot_buffer_size", 1)
         if swap_in_block_size is not None:
             swap_in_block_size = int_in(swap_in_block_size, "swap_in_block_size", 1)
         collect_counters = as_bool(collect_counters, "collect_counters")
@@ -175,19 +179,19 @@ class HiSparseCoordinator:
         except ValueError as e:
             raise ValueError(str(e).replace("argument `policy`", "argument `swap_in_policy`")) from None
         self.swap_in_policy = swap_in_policy
-        if device_buffer_size < top_k:
-            raise ValueError(f"sparsekv: argument `device_buffer_size` ({device_buffer_size}) must be >= `top_k` "
-                             f"({top_k})")
+        if hot_buffer_size < num_top_k:
+            raise ValueError(f"sparsekv: argument `hot_buffer_size` ({hot_buffer_size}) must be >= `num_top_k` "
+                             f"({num_top_k})")
         if device_pool.allocator is not allocator:
             raise ValueError("sparsekv: argument `device_pool` must be the pool of `allocator`")
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
         self.device_pool = device_pool
-        self.top_k = top_k
-        self.device_buffer_size = device_buffer_size
+        self.num_top_k = num_top_k
+        self.hot_buffer_size = hot_buffer_size
         self.compress_ratio = allocator.compress_ratio
-        self.page_slots = allocator.device_page_size  # C4 slots per page, on the device and the host
-        self.padded_buffer_size = device_buffer_size + self.page_slots
+        self.page_slots = allocator.page_slots  # C4 slots per page, on the device and the host
+        self.padded_buffer_size = hot_buffer_size + self.page_slots
         self.item_size_bytes = V4.bytes_per_token
         self.swap_in_block_size = swap_in_block_size
         self.tp_group = tp_group
@@ -196,9 +200,9 @@ class HiSparseCoordinator:
         if host_pool is None:
             host_pages = -(-allocator.size_full // self.compress_ratio // self.page_slots)
             host_pool = DeepSeekV4PagedHostPool("dsv4_hisparse_c4", device_pool.kv_buffer, host_pages,
-                                                slot_page_size=self.page_slots)
+                                                page_slots=self.page_slots)
         self.mem_pool_host = host_pool
-        layers, padded, hot = device_pool.layer_num, self.padded_buffer_size, device_buffer_size
+        layers, padded, hot = device_pool.layer_num, self.padded_buffer_size, hot_buffer_size
 
         max_entries = -(-max_context // self.compress_ratio) + self.page_slots
         self.req_to_host_pool = torch.full((num_reqs, max_entries), -1, dtype=torch.int64, device=device)
@@ -208,7 +212,7 @@ class HiSparseCoordinator:
         self.req_device_buffer_token_locs = torch.full((layers, num_reqs, padded), -1, dtype=torch.int32,
                                                        device=device)
         self.lru_slots = torch.arange(hot, dtype=torch.int16, device=device).repeat(layers, num_reqs, 1)
-        self.top_k_device_locs_buffer = torch.full((num_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.top_k_device_locs_buffer = torch.full((num_reqs, num_top_k), -1, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device) if collect_counters else None
         # Columns of req_to_host_pool: the C4 positions a request can reach.
@@ -435,10 +439,10 @@ class HiSparseCoordinator:
         if bool((self.allocator.device_slots(self._compressed_locs(req)).tensor >= 0).any()):
             raise ValueError(f"sparsekv: request row {rid} has C4 entries on the device; a prefill allocated with "
                              "device slots is admitted with admit_request_into_staging")
-        self._install_buffer(req, torch.empty(0, dtype=torch.int64), resident=n <= self.device_buffer_size)
+        self._install_buffer(req, torch.empty(0, dtype=torch.int64), resident=n <= self.hot_buffer_size)
         host = self.req_to_host_pool[rid, :n]
         buffer = self.req_to_device_buffer[rid]
-        hot = self.device_buffer_size
+        hot = self.hot_buffer_size
         if n <= hot:
             host_idx, device_idx = HostSlots(host.clone()), DeviceSlots(buffer[:n].clone())
         else:
@@ -449,7 +453,7 @@ class HiSparseCoordinator:
     def _install_buffer(self, req: Request, compressed_locs: torch.Tensor, *, resident: bool) -> None:
         """Allocate the hot buffer and reset the request's rows: slot ``i`` holds position ``i``
         (``resident``) or nothing; column ``H`` is the newest entry's slot; LRU ``0..H-1``."""
-        rid, hot = req.req_pool_idx, self.device_buffer_size
+        rid, hot = req.req_pool_idx, self.hot_buffer_size
         buffer = self.allocator.alloc_device_buffer(compressed_locs, self.padded_buffer_size).tensor
         self.req_to_device_buffer[rid] = buffer.to(self.req_to_device_buffer.device)
         self.req_device_buffer_token_locs[:, rid] = buffer.to(torch.int32).to(self.req_device_buffer_token_locs.device)
@@ -508,7 +512,7 @@ class HiSparseCoordinator:
                              f"lengths, got {len(req_pool_indices)}, {len(seq_lens)} and {len(out_cache_loc)}")
         if len(set(req_pool_indices)) != len(req_pool_indices):
             raise ValueError(f"sparsekv: argument `req_pool_indices` names a request row twice: {req_pool_indices}")
-        ratio, hot = self.compress_ratio, self.device_buffer_size
+        ratio, hot = self.compress_ratio, self.hot_buffer_size
         # Every row is checked, and the host pages of all backups counted, before any row changes:
         # a row failing halfway would leave earlier rows with host slots no backup fills and with
         # their first-backup skip spent.
@@ -581,7 +585,7 @@ class HiSparseCoordinator:
             may name one request (MTP draft tokens, speculative decoding): they go through the
             speculative swap-in, which serves them in batch order as if one call after another.
         top_k_result : torch.Tensor
-            int32 ``[bs, top_k]``: C4 positions (-1 or out of range: none).
+            int32 ``[bs, num_top_k]``: C4 positions (-1 or out of range: none).
         layer_id : int
             C4 layer index (into the device pool's layers).
         num_real_reqs : torch.Tensor, optional
@@ -590,7 +594,7 @@ class HiSparseCoordinator:
         Returns
         -------
         torch.Tensor
-            int32 ``[bs, top_k]`` device slots (a view of ``top_k_device_locs_buffer``), -1 for none.
+            int32 ``[bs, num_top_k]`` device slots (a view of ``top_k_device_locs_buffer``), -1 for none.
 
         Raises
         ------
@@ -626,7 +630,7 @@ class HiSparseCoordinator:
             top_k_result, self.req_device_buffer_tokens[layer_id], self.req_to_host_pool,
             self.req_device_buffer_token_locs[layer_id], self.mem_pool_host.kv_buffer[layer_id],
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
-            self.lru_slots[layer_id], self.item_size_bytes, self.top_k, self.device_buffer_size,
+            self.lru_slots[layer_id], self.item_size_bytes, self.num_top_k, self.hot_buffer_size,
             num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
             page_slots=self.page_slots, speculative=True, policy=self.swap_in_policy,
             resident_index=self.resident_indexes[layer_id] if self.resident_indexes else None)
@@ -683,7 +687,7 @@ class HiSparseCoordinator:
         self._free_host_slots(rid)
         self.req_device_buffer_tokens[:, rid] = -1
         self.req_device_buffer_token_locs[:, rid] = -1
-        self.lru_slots[:, rid] = torch.arange(self.device_buffer_size, dtype=torch.int16)
+        self.lru_slots[:, rid] = torch.arange(self.hot_buffer_size, dtype=torch.int16)
         self._rebuild_resident_index(rid)
         del self._reqs[rid]
 

@@ -140,12 +140,12 @@ class HiSparseTokenToKVPoolAllocator:
 
     Attributes
     ----------
-    device_page_size : int
+    page_slots : int
         Device slots per page: ``page_size // compress_ratio`` (64 for DSV4).
     num_device_pages : int
         Device pages, the reserved page 0 included (the device pool's page count).
     full_to_hisparse_device_index_mapping : torch.Tensor
-        int64 ``[size_full // compress_ratio + device_page_size + 1]``: device slot of each logical
+        int64 ``[size_full // compress_ratio + page_slots + 1]``: device slot of each logical
         compressed location, -1 when it is not on the device (the last entry always -1).
 
     Examples
@@ -169,22 +169,22 @@ class HiSparseTokenToKVPoolAllocator:
         self.size_full = size * host_to_device_ratio
         self.page_size = page_size
         self.compress_ratio = compress_ratio
-        self.device_page_size = page_size // compress_ratio
+        self.page_slots = page_size // compress_ratio
         self.logical = PagedAllocator(self.size_full // page_size + 1, page_size, "logical")
         # The request row each logical page was allocated to (-1: none): a row may continue only its own
         # last page, never one a stale row entry points into.
         self._logical_row = [-1] * self.logical.num_pages
-        self.num_device_pages = size // compress_ratio // self.device_page_size + 1
-        self.device_alloc = PagedAllocator(self.num_device_pages, self.device_page_size, "device")
+        self.num_device_pages = size // compress_ratio // self.page_slots + 1
+        self.device_alloc = PagedAllocator(self.num_device_pages, self.page_slots, "device")
         self.full_to_hisparse_device_index_mapping = torch.full(
-            (self.size_full // compress_ratio + self.device_page_size + 1,), -1, dtype=torch.int64, device=device)
+            (self.size_full // compress_ratio + self.page_slots + 1,), -1, dtype=torch.int64, device=device)
 
     # ---- logical space ------------------------------------------------------------------
 
     def available_size(self) -> int:
         """Full tokens that can still be admitted: the smaller of the logical and device budgets."""
         return min(self.logical.available_pages * self.page_size,
-                   self.device_alloc.available_pages * self.device_page_size * self.compress_ratio)
+                   self.device_alloc.available_pages * self.page_slots * self.compress_ratio)
 
     def logical_row(self, loc: int) -> int:
         """The request row whose allocation took the logical page of location ``loc``; -1 when that
@@ -225,10 +225,10 @@ class HiSparseTokenToKVPoolAllocator:
                 raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues logical page "
                                  f"{last // self.page_size}, which belongs to request row {owner}, not row {rid}")
             first_entry = prefix_len // self.compress_ratio
-            if with_device and seq_len // self.compress_ratio > first_entry and first_entry % self.device_page_size:
+            if with_device and seq_len // self.compress_ratio > first_entry and first_entry % self.page_slots:
                 locs = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())
                 slot = int(self.full_to_hisparse_device_index_mapping[locs[-1]]) if locs.numel() else -1
-                dpage = slot // self.device_page_size
+                dpage = slot // self.page_slots
                 if not self.device_alloc.is_allocated(dpage):
                     raise ValueError(f"sparsekv: argument `{prefix_name}` = {prefix_len} continues a device page, but "
                                      f"the prefix's last C4 entry of row {rid} is not on the device")
@@ -279,7 +279,7 @@ class HiSparseTokenToKVPoolAllocator:
         """
         with_device = as_bool(with_device, "with_device")
         rid, prefix_len, seq_len = self._check_row(req_to_token, rid, prefix_len, seq_len, with_device)
-        page, dpage, ratio = self.page_size, self.device_page_size, self.compress_ratio
+        page, dpage, ratio = self.page_size, self.page_slots, self.compress_ratio
         logical_pages = -(-seq_len // page) - -(-prefix_len // page)
         first_entry, end_entry = prefix_len // ratio, seq_len // ratio
         if not with_device:
@@ -356,7 +356,7 @@ class HiSparseTokenToKVPoolAllocator:
 
         ``compressed_locs`` are the request's entries in position order (its whole prefill after
         staging; empty when the KV came straight into the host pool). ``need`` is the hot buffer
-        plus one page, ``H + device_page_size``; slot ``H`` is reserved for the newest entry.
+        plus one page, ``H + page_slots``; slot ``H`` is reserved for the newest entry.
 
         * More entries than ``H + 1``: the newest entry's slot is swapped into position ``H``, the
           first ``need`` slots are kept and the pages holding none of them are freed.
@@ -378,11 +378,11 @@ class HiSparseTokenToKVPoolAllocator:
             A location outside the mapping.
         ValueError
             An entry is not on the device (or its slot is in a page the allocator does not hold), an
-            entry named twice, or ``need`` is not ``H + device_page_size`` with ``H >= 1``; nothing changed.
+            entry named twice, or ``need`` is not ``H + page_slots`` with ``H >= 1``; nothing changed.
         AllocatorExhaustedError
             A top-up needs more pages than are free; nothing changed.
         """
-        dpage = self.device_page_size
+        dpage = self.page_slots
         need = as_int(need, "need")
         hot = need - dpage
         if hot < 1:

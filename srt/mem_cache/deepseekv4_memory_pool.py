@@ -154,7 +154,7 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         self.swa_kv_pool = PagedBufferPool(
             config.swa_max_total_num_tokens, page, geo.kv_page_bytes(page), len(self.stage_compress_ratios), self.device
         )
-        c4_page = geo.kv_page_tokens(page, 4)
+        c4_page = geo.kv_page_slots(page, 4)
         self.c4_kv_pool = PagedBufferPool(
             config.c4_max_total_num_tokens, c4_page, geo.kv_page_bytes(c4_page), num_c4, self.device
         )
@@ -162,7 +162,7 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         self.c4_indexer_pool = PagedBufferPool(
             self.size // 4, c4_page, c4_page * geo.indexer_bytes_per_entry(c.index_head_dim), num_c4, self.device
         )
-        c128_page = geo.kv_page_tokens(page, 128)
+        c128_page = geo.kv_page_slots(page, 128)
         self.c128_kv_pool = PagedBufferPool(
             config.c128_max_total_num_tokens, c128_page, geo.kv_page_bytes(c128_page), num_c128, self.device
         )

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from sparsekv.checks import as_int, index_in, int_in
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.hisparse_copy import (
     pointer_table,
     transfer_cache_dsv4_mla,
@@ -50,12 +51,13 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     pool_name : str
         For messages and logs.
     device_buffers : sequence of torch.Tensor
-        The device pool's layers: uint8 ``[device_pages, V4.page_bytes(slot_page_size)]``, unit
+        The device pool's layers: uint8 ``[device_pages, V4.page_bytes(page_slots)]``, unit
         last stride, one shape and page stride for all, on one device (any device pool works).
     num_host_pages : int
         Host pages per layer.
-    slot_page_size : {32, 64, 128}
-        Token slots per page (64: the C4 page of full-token page size 256).
+    page_slots : {32, 64, 128}
+        Token slots per page (64: the C4 page of full-token page size 256); formerly
+        ``slot_page_size=``, which still works for one release (with a ``DeprecationWarning``).
     layout : {"layer_first", "page_first"}
         Host buffer layout (see the module docstring).
     pin_memory : bool, optional
@@ -71,19 +73,18 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         ``pin_memory=False`` with CUDA device buffers (nothing is allocated then).
     """
 
+    @renamed_keywords(slot_page_size="page_slots")
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
-                 slot_page_size: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
+                 page_slots: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
                  page_aligned_only: bool = False) -> None:
-        slot_page_size, num_host_pages = as_int(slot_page_size, "slot_page_size"), int_in(num_host_pages,
-                                                                                          "num_host_pages", 1)
-        if slot_page_size not in C4_PAGE_SLOTS:
-            raise ValueError(f"sparsekv: argument `slot_page_size` must be one of {C4_PAGE_SLOTS}, got "
-                             f"{slot_page_size!r}")
+        page_slots, num_host_pages = as_int(page_slots, "page_slots"), int_in(num_host_pages, "num_host_pages", 1)
+        if page_slots not in C4_PAGE_SLOTS:
+            raise ValueError(f"sparsekv: argument `page_slots` must be one of {C4_PAGE_SLOTS}, got {page_slots!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"sparsekv: argument `layout` must be one of {LAYOUTS}, got {layout!r}")
-        self.item_bytes = V4.page_bytes(slot_page_size)
+        self.item_bytes = V4.page_bytes(page_slots)
         self._check_device_buffers(device_buffers)
-        super().__init__(layer_num=len(device_buffers), page_size=slot_page_size, num_pages=num_host_pages,
+        super().__init__(layer_num=len(device_buffers), page_slots=page_slots, num_pages=num_host_pages,
                          pin_memory=pin_memory, device=device_buffers[0].device)
         self.name = pool_name
         self.layout = layout
@@ -119,7 +120,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def get_size_per_token(self) -> int:
         """Host bytes per slot over all layers, page padding included (585 per layer for 64-slot V4 pages)."""
-        return self.item_bytes * self.layer_num // self.page_size
+        return self.item_bytes * self.layer_num // self.page_slots
 
     def get_contiguous_buf_infos(self) -> BufInfos:
         """Per-layer host regions (pointer, byte length, item length = one page row) for direct PD writes.
@@ -136,7 +137,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def backup_from_device_all_layer(self, host_indices: HostSlots, device_indices: DeviceSlots) -> None:
         """Copy device slots to host slots, every layer (``device_indices[i]`` -> ``host_indices[i]``).
 
-        Whole aligned pages on both sides (runs of ``page_size`` slots starting at a page
+        Whole aligned pages on both sides (runs of ``page_slots`` slots starting at a page
         boundary, in order) move as page rows; anything else moves token by token.
 
         Raises
@@ -163,7 +164,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
             self._copy(host_indices, device_indices, to_host=False, layers=slice(layer_id, layer_id + 1))
 
     def _copy(self, host: HostSlots, device: DeviceSlots, *, to_host: bool, layers: slice) -> None:
-        p = self.page_size
+        p = self.page_slots
         host_side = (self.data_ptrs[layers], host, self.num_pages, self.host_page_stride)
         device_side = (self.device_ptrs[layers], device, self.device_num_pages, self.device_page_stride)
         (src_ptrs, src, src_pages, src_stride), (dst_ptrs, dst, dst_pages, dst_stride) = \

@@ -57,10 +57,10 @@ class HiSparseC4DevicePool:
                              f"{allocator.compress_ratio}")
         num_layers = int_in(num_layers, "num_layers", 1)
         self.allocator = allocator
-        self.page_size = allocator.device_page_size
-        self.page_bytes = V4.page_bytes(self.page_size)
+        self.page_slots = allocator.page_slots
+        self.page_bytes = V4.page_bytes(self.page_slots)
         self.num_pages = allocator.num_device_pages
-        self.size = (self.num_pages - 1) * self.page_size
+        self.size = (self.num_pages - 1) * self.page_slots
         self.device = torch.device(device)
         self.kv_buffer = [torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=self.device)
                           for _ in range(num_layers)]

@@ -24,13 +24,13 @@ class HostPoolExhaustedError(RuntimeError):
 
 
 class HiSparseHostPoolMixin:
-    """Page allocator over ``num_pages`` host pages of ``page_size`` slots.
+    """Page allocator over ``num_pages`` host pages of ``page_slots`` slots.
 
-    The host class calls :meth:`_init_page_allocator` once it knows its geometry (``page_size``
+    The host class calls :meth:`_init_page_allocator` once it knows its geometry (``page_slots``
     and ``num_pages`` attributes).
     """
 
-    page_size: int
+    page_slots: int
     num_pages: int
 
     def _init_page_allocator(self) -> None:
@@ -94,8 +94,8 @@ class HiSparseHostPoolMixin:
         """
         start_pos, num_tokens = int_in(start_pos, "start_pos", 0), int_in(num_tokens, "num_tokens", 0)
         allocated_len = int_in(allocated_len, "allocated_len", 0)
-        page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
-        return max(0, page_end - allocated_len) // self.page_size
+        page_end = -(-(start_pos + num_tokens) // self.page_slots) * self.page_slots
+        return max(0, page_end - allocated_len) // self.page_slots
 
     def alloc_paged_token_slots(self, req_to_host_pool: torch.Tensor, allocated_len: torch.Tensor,
                                 req_pool_idx: int, start_pos: int, num_tokens: int) -> HostSlots:
@@ -110,7 +110,7 @@ class HiSparseHostPoolMixin:
         req_to_host_pool : torch.Tensor
             int64 ``[max_reqs, max_positions]`` host slot table (-1 = unallocated), any device.
         allocated_len : torch.Tensor
-            int64 ``[max_reqs]`` on the CPU: slots allocated per request (a multiple of ``page_size``).
+            int64 ``[max_reqs]`` on the CPU: slots allocated per request (a multiple of ``page_slots``).
         req_pool_idx, start_pos, num_tokens : int
             The request row and the positions wanted.
 
@@ -139,12 +139,12 @@ class HiSparseHostPoolMixin:
             raise ValueError(f"sparsekv: argument `start_pos` = {start_pos} must be in [0, {allocated}], the "
                              f"slots allocated to request {req_pool_idx}")
         num_tokens = int_in(num_tokens, "num_tokens", 0)
-        page_end = -(-(start_pos + num_tokens) // self.page_size) * self.page_size
+        page_end = -(-(start_pos + num_tokens) // self.page_slots) * self.page_slots
         if page_end > req_to_host_pool.shape[1]:
             raise ValueError(f"sparsekv: argument `req_to_host_pool` has {req_to_host_pool.shape[1]} positions per "
                              f"request, {page_end} needed")
         if page_end > allocated:
-            slots = self.alloc_page((page_end - allocated) // self.page_size).slots(self.page_size).tensor
+            slots = self.alloc_page((page_end - allocated) // self.page_slots).slots(self.page_slots).tensor
             req_to_host_pool[req_pool_idx, allocated:page_end] = slots.to(req_to_host_pool.device)
             allocated_len[req_pool_idx] = page_end
         return HostSlots(req_to_host_pool[req_pool_idx, start_pos : start_pos + num_tokens].clone())
@@ -158,9 +158,9 @@ class HiSparseHostPoolMixin:
         rows = min(req_to_host_pool.shape[0], allocated_len.shape[0])
         req_pool_idx = index_in(req_pool_idx, "req_pool_idx", rows)
         allocated = int(allocated_len[req_pool_idx])
-        if allocated < 0 or allocated % self.page_size or allocated > req_to_host_pool.shape[1]:
+        if allocated < 0 or allocated % self.page_slots or allocated > req_to_host_pool.shape[1]:
             raise ValueError(f"sparsekv: argument `allocated_len`[{req_pool_idx}] = {allocated} must be a multiple "
-                             f"of {self.page_size} in [0, {req_to_host_pool.shape[1]}]")
+                             f"of {self.page_slots} in [0, {req_to_host_pool.shape[1]}]")
         return req_pool_idx
 
     def allocated_host_indices(self, req_to_host_pool: torch.Tensor, req_pool_idx: int,
@@ -192,9 +192,9 @@ class HiSparseHostPoolMixin:
         ValueError
             ``slots`` is not made of whole pages, or a page is not allocated.
         """
-        pages = HostSlots.require(slots, "slots").whole_pages(self.page_size)
+        pages = HostSlots.require(slots, "slots").whole_pages(self.page_slots)
         if pages is None:
             if len(slots) == 0:
                 return
-            raise ValueError(f"sparsekv: argument `slots` must be whole aligned host pages of {self.page_size} slots")
+            raise ValueError(f"sparsekv: argument `slots` must be whole aligned host pages of {self.page_slots} slots")
         self.free_pages(pages)

@@ -29,10 +29,10 @@ class HostKVCache(ABC):
     ----------
     layer_num : int
         Layers held.
-    page_size : int
+    page_slots : int
         Token slots per page.
     num_pages : int
-        Host pages; the pool holds ``size = num_pages * page_size`` token slots.
+        Host pages; the pool holds ``size = num_pages * page_slots`` token slots.
     pin_memory : bool, optional
         Pin the host buffers (default: exactly when CUDA is available).
     device : torch.device, optional
@@ -47,9 +47,9 @@ class HostKVCache(ABC):
         device buffers.
     """
 
-    def __init__(self, *, layer_num: int, page_size: int, num_pages: int, pin_memory: bool | None = None,
+    def __init__(self, *, layer_num: int, page_slots: int, num_pages: int, pin_memory: bool | None = None,
                  device: torch.device | str = "cpu") -> None:
-        layer_num, page_size = int_in(layer_num, "layer_num", 1), int_in(page_size, "page_size", 1)
+        layer_num, page_slots = int_in(layer_num, "layer_num", 1), int_in(page_slots, "page_slots", 1)
         num_pages = int_in(num_pages, "num_pages", 1)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
@@ -61,9 +61,9 @@ class HostKVCache(ABC):
             raise ValueError(f"sparsekv: argument `pin_memory` is False, but the device buffers are on {device}: "
                              "GPU kernels can only read and write pinned host memory")
         self.layer_num = layer_num
-        self.page_size = page_size
+        self.page_slots = page_slots
         self.num_pages = num_pages
-        self.size = num_pages * page_size
+        self.size = num_pages * page_slots
         self.pin_memory = pin_memory
 
     def _alloc_host(self, shape: tuple[int, ...]) -> torch.Tensor:

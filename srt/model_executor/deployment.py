@@ -8,8 +8,9 @@ It lives next to the model specs it reads and names the kernel families by strin
 
 from __future__ import annotations
 
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.kv_layout import DSV4_PAGE_SIZES
-from sparsekv.srt.model_executor.dsv4_geometry import kv_page_tokens
+from sparsekv.srt.model_executor.dsv4_geometry import kv_page_slots
 from sparsekv.srt.model_executor.model_spec import DSV4_PRESETS, ServerSpec, dsv4_preset
 
 #: ``index_topk`` of each preset's model config: the CSA indexer's top-k, which the swap-in is built for.
@@ -24,7 +25,8 @@ DEMO = "demo"
 DEMO_TOP_K, DEMO_HOT_BUFFER = 64, 128
 
 
-def model_instances(model: str, *, hot_buffer: int | None = None,
+@renamed_keywords(hot_buffer="hot_buffer_size")
+def model_instances(model: str, *, hot_buffer_size: int | None = None,
                     page_size: int | None = None) -> list[tuple[str, dict[str, object]]]:
     """``(family, {param: value})`` for every kernel instance a HiSparse server of ``model`` loads.
 
@@ -32,8 +34,9 @@ def model_instances(model: str, *, hot_buffer: int | None = None,
     ----------
     model : {"dsv4-flash", "dsv4-pro", "demo"}
         A planner preset, or the model of ``sparsekv demo`` (float32 queries, FP8 indexer keys).
-    hot_buffer : int, optional
-        Device hot-buffer slots per request (default ``2 * index_topk``; 128 for the demo).
+    hot_buffer_size : int, optional
+        Device hot-buffer slots per request (default ``2 * index_topk``; 128 for the demo); formerly
+        ``hot_buffer=``, which still works for one release (with a ``DeprecationWarning``).
     page_size : int, optional
         Full-pool page size (default the planner's :class:`ServerSpec` default).
 
@@ -45,29 +48,30 @@ def model_instances(model: str, *, hot_buffer: int | None = None,
     if model == DEMO:
         import torch
 
-        hot = DEMO_HOT_BUFFER if hot_buffer is None else hot_buffer
+        hot = DEMO_HOT_BUFFER if hot_buffer_size is None else hot_buffer_size
         _check_hot_buffer(hot, DEMO_TOP_K)
         server = ServerSpec() if page_size is None else ServerSpec(page_size=page_size)
-        return serving_instances(top_k=DEMO_TOP_K, hot_buffer=hot, page_size=server.page_size,
+        return serving_instances(num_top_k=DEMO_TOP_K, hot_buffer_size=hot, page_size=server.page_size,
                                  q_dtypes=(torch.float32,), indexer_layouts=("fp8",))
     if model not in DSV4_PRESETS:
         raise ValueError(f"sparsekv: unknown model {model!r}; expected one of {sorted(DSV4_PRESETS) + [DEMO]}")
     spec = dsv4_preset(model)
     if C4_RATIO not in spec.compress_ratios:
         return []
-    top_k = INDEX_TOP_K[model]
-    hot = 2 * top_k if hot_buffer is None else hot_buffer
-    _check_hot_buffer(hot, top_k)
+    num_top_k = INDEX_TOP_K[model]
+    hot = 2 * num_top_k if hot_buffer_size is None else hot_buffer_size
+    _check_hot_buffer(hot, num_top_k)
     server = ServerSpec() if page_size is None else ServerSpec(page_size=page_size)
-    return serving_instances(top_k=top_k, hot_buffer=hot, page_size=server.page_size)
+    return serving_instances(num_top_k=num_top_k, hot_buffer_size=hot, page_size=server.page_size)
 
 
-def _check_hot_buffer(hot: int, top_k: int) -> None:
-    if hot < top_k:
-        raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({top_k})")
+def _check_hot_buffer(hot: int, num_top_k: int) -> None:
+    if hot < num_top_k:
+        raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({num_top_k})")
 
 
-def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dtypes=None,
+@renamed_keywords(top_k="num_top_k", hot_buffer="hot_buffer_size")
+def serving_instances(*, num_top_k: int, hot_buffer_size: int, page_size: int = 256, q_dtypes=None,
                       indexer_layouts: tuple[str, ...] = ("fp8", "fp4")) -> list[tuple[str, dict[str, object]]]:
     """``(family, {param: value})`` of every kernel instance a HiSparse DSV4 decode loads.
 
@@ -78,8 +82,9 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
 
     Parameters
     ----------
-    top_k, hot_buffer : int
-        The indexer's top-k and the hot-buffer slots per request (the swap-in's instance).
+    num_top_k, hot_buffer_size : int
+        The indexer's top-k and the hot-buffer slots per request (the swap-in's instance); formerly
+        ``top_k=`` and ``hot_buffer=``, which still work for one release (with a ``DeprecationWarning``).
     page_size : int
         Full-pool page size (the C4 pages the HiSparse kernels move hold ``page_size / 4`` entries).
     q_dtypes : tuple of torch.dtype, optional
@@ -93,7 +98,7 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
         raise ValueError(f"sparsekv: --page-size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} (the page "
                          f"sizes the DSV4 kernels serve), got {page_size}")
     q_dtypes = (torch.bfloat16, torch.float32) if q_dtypes is None else tuple(q_dtypes)
-    page_slots = kv_page_tokens(page_size, C4_RATIO)
+    page_slots = kv_page_slots(page_size, C4_RATIO)
     store_kinds = ["V4"] + [f"INDEXER_{layout.upper()}" for layout in indexer_layouts]
     return [
         ("dsv4_compress", {}),
@@ -103,7 +108,8 @@ def serving_instances(*, top_k: int, hot_buffer: int, page_size: int = 256, q_dt
         *(("dsv4_indexer", {"layout": layout, "q_dtype": dtype}) for layout in indexer_layouts for dtype in q_dtypes),
         ("dsv4_indexer_topk", {}),
         *(("dsv4_attention", {"q_dtype": dtype}) for dtype in q_dtypes),
-        ("hisparse", {"num_top_k": top_k, "hot_buffer_size": hot_buffer, "layout": "dsv4", "page_slots": page_slots}),
+        ("hisparse", {"num_top_k": num_top_k, "hot_buffer_size": hot_buffer_size, "layout": "dsv4",
+                      "page_slots": page_slots}),
         ("hisparse_planned", {"layout": "dsv4", "page_slots": page_slots}),
         ("hisparse_copy", {"page_slots": page_slots}),
     ]

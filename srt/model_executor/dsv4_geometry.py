@@ -42,14 +42,15 @@ def ceil_align(x: int, y: int) -> int:
     return ceil_div(x, y) * y
 
 
-def kv_page_bytes(tokens_per_page: int) -> int:
-    """Bytes of one FlashMLA V4 page holding ``tokens_per_page`` tokens (values, then scale
+def kv_page_bytes(page_slots: int) -> int:
+    """Bytes of one FlashMLA V4 page holding ``page_slots`` entries (values, then scale
     records, padded to a multiple of 576 B)."""
-    return V4.page_bytes(tokens_per_page)
+    return V4.page_bytes(page_slots)
 
 
-def kv_page_tokens(page_size: int, compress_ratio: int) -> int:
-    """Entries per KV page of a pool: ``page_size`` for SWA (ratio 0), else ``page_size // ratio``.
+def kv_page_slots(page_size: int, compress_ratio: int) -> int:
+    """Entries per KV page of a pool (the kernels' ``page_slots``): ``page_size`` for SWA (ratio 0),
+    else ``page_size // ratio``.
 
     A full-token page of ``page_size`` positions produces ``page_size // ratio`` compressed
     entries, so one page id addresses the same positions in every pool.
@@ -59,8 +60,8 @@ def kv_page_tokens(page_size: int, compress_ratio: int) -> int:
 
 def paged_kv_bytes_per_token(page_size: int, compress_ratio: int = 0) -> float:
     """Page-padded bytes per entry of the SWA (ratio 0) or a compressed KV pool."""
-    tokens = kv_page_tokens(page_size, compress_ratio)
-    return kv_page_bytes(tokens) / tokens
+    slots = kv_page_slots(page_size, compress_ratio)
+    return kv_page_bytes(slots) / slots
 
 
 def indexer_bytes_per_entry(index_head_dim: int) -> int:

@@ -59,9 +59,9 @@ class World:
         self.allocator = HiSparseTokenToKVPoolAllocator(size, page_size, host_to_device_ratio=2)
         self.device_pool = HiSparseC4DevicePool(self.allocator, LAYERS, "cpu")
         host_pool = None if host_pages is None else \
-            DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, host_pages, slot_page_size=self.slots)
-        self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
-                                         device_buffer_size=HOT, host_pool=host_pool,
+            DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, host_pages, page_slots=self.slots)
+        self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, num_top_k=TOP_K,
+                                         hot_buffer_size=HOT, host_pool=host_pool,
                                          streams=streams if streams is not None else CpuStreams(deferred=deferred),
                                          collect_counters=True, swap_in_policy=swap_in_policy,
                                          resident_index=resident_index)
@@ -663,16 +663,17 @@ def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_
 
 
 @pytest.mark.parametrize("change, error, match", [
-    ({"top_k": True}, TypeError, "top_k"), ({"device_buffer_size": 7.0}, TypeError, "device_buffer_size"),
-    ({"top_k": 0}, ValueError, "top_k"), ({"collect_counters": 1}, TypeError, "collect_counters"),
+    ({"num_top_k": True}, TypeError, "num_top_k"), ({"hot_buffer_size": 7.0}, TypeError, "hot_buffer_size"),
+    ({"num_top_k": 0}, ValueError, "num_top_k"), ({"hot_buffer_size": TOP_K - 1}, ValueError, "hot_buffer_size"),
+    ({"collect_counters": 1}, TypeError, "collect_counters"),
     ({"req_to_token_pool": ReqToTokenPool(torch.zeros(MAX_REQS, MAX_CONTEXT))}, TypeError, "req_to_token"),
     ({"allocator": object()}, TypeError, "allocator"),
     ({"swap_in_policy": "mru"}, ValueError, "`swap_in_policy` must be one of"),
 ])
 def test_coordinator_arguments_are_checked(change, error, match):
     w = World()
-    args = {"req_to_token_pool": w.pool, "allocator": w.allocator, "device_pool": w.device_pool, "top_k": TOP_K,
-            "device_buffer_size": HOT, **change}
+    args = {"req_to_token_pool": w.pool, "allocator": w.allocator, "device_pool": w.device_pool,
+            "num_top_k": TOP_K, "hot_buffer_size": HOT, **change}
     with pytest.raises(error, match=match):
         HiSparseCoordinator(**args)
 

@@ -224,7 +224,7 @@ def test_typed_id_conversions():
 
 def _pool(num_pages):
     return DeepSeekV4PagedHostPool("c4", [torch.zeros(1, V4.page_bytes(32), dtype=torch.uint8)],
-                                   num_host_pages=num_pages, slot_page_size=32)
+                                   num_host_pages=num_pages, page_slots=32)
 
 
 @given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 70)), max_size=25))
@@ -296,10 +296,11 @@ def test_an_exhausted_alloc_page_leaves_the_free_and_released_lists_as_they_were
     ({"num_host_pages": True}, TypeError, "num_host_pages"),
     ({"num_host_pages": 2.0}, TypeError, "num_host_pages"),
     ({"num_host_pages": 0}, ValueError, "num_host_pages"),
-    ({"slot_page_size": 32.0}, TypeError, "slot_page_size"),
+    ({"page_slots": 32.0}, TypeError, "page_slots"),
+    ({"page_slots": 48}, ValueError, "page_slots"),
 ])
 def test_pool_sizes_must_be_ints(kwargs, error, match):
-    args = {"num_host_pages": 2, "slot_page_size": 32, **kwargs}
+    args = {"num_host_pages": 2, "page_slots": 32, **kwargs}
     with pytest.raises(error, match=match):
         DeepSeekV4PagedHostPool("c4", [torch.zeros(1, V4.page_bytes(32), dtype=torch.uint8)], **args)
 

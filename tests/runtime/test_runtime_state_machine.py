@@ -76,8 +76,8 @@ class HiSparseRuntime(RuleBasedStateMachine):
         self.allocator = HiSparseTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, host_to_device_ratio=2)
         self.device_pool = HiSparseC4DevicePool(self.allocator, LAYERS, "cpu")
         host_pool = DeepSeekV4PagedHostPool("c4", self.device_pool.kv_buffer, HOST_PAGES)
-        self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, top_k=TOP_K,
-                                         device_buffer_size=HOT, host_pool=host_pool,
+        self.coord = HiSparseCoordinator(self.pool, self.allocator, self.device_pool, num_top_k=TOP_K,
+                                         hot_buffer_size=HOT, host_pool=host_pool,
                                          streams=CpuStreams(deferred=True), resident_index=self.RESIDENT_INDEX,
                                          swap_in_policy=self.SWAP_IN_POLICY)
         self.host = self.coord.mem_pool_host

@@ -146,7 +146,7 @@ def load_kernels(spec: DemoSpec, progress) -> dict:
 
     families = discover()
     built, cached, build_s = [], [], 0.0
-    instances = model_instances(DEMO, hot_buffer=spec.hot_buffer, page_size=PAGE_SIZE)
+    instances = model_instances(DEMO, hot_buffer_size=spec.hot_buffer, page_size=PAGE_SIZE)
     for name, values in progress(instances, desc="kernels", unit="module"):
         family = families[name]
         before = len(loader.COMPILED)

@@ -164,7 +164,7 @@ class Stack:
             self.c4_pool = HiSparseC4DevicePool(self.allocator, len(self.c4_index), self.device)
             self.coordinator = HiSparseCoordinator(
                 SimpleNamespace(req_to_token=self.req_to_token), self.allocator, self.c4_pool,
-                top_k=model.shape.top_k, device_buffer_size=hot_buffer, collect_counters=True)
+                num_top_k=model.shape.top_k, hot_buffer_size=hot_buffer, collect_counters=True)
         rings = self.pool.ring_sizes
         self.kv_state, self.index_state = {}, {}
         for layer, (w, ratio) in enumerate(zip(model.layers, self.ratios)):

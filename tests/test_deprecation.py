@@ -1,0 +1,66 @@
+"""Renamed keywords (``sparsekv.deprecation``): an old keyword warns, naming the old and the new name,
+and its value arrives under the new name; both names at once are refused. Every renamed keyword of the
+runtime is listed here, so each keeps working until the release that drops it."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+
+import pytest
+import torch
+
+from sparsekv.deprecation import renamed_keywords
+from sparsekv.kv_layout import V4
+
+
+@renamed_keywords(top_k="num_top_k", device_buffer_size="hot_buffer_size")
+def _swap_in_sizes(rows: int, *, num_top_k: int, hot_buffer_size: int = 8) -> tuple[int, int, int]:
+    return rows, num_top_k, hot_buffer_size
+
+
+def _renames(caught) -> list[tuple[str, str]]:
+    """``(old, new)`` of each rename warning caught."""
+    return [tuple(re.search(r"argument `(\w+)` of .* is renamed `(\w+)`", str(w.message)).groups()) for w in caught]
+
+
+def test_an_old_keyword_warns_naming_both_and_its_value_arrives_under_the_new_name():
+    with pytest.warns(DeprecationWarning) as caught:
+        assert _swap_in_sizes(2, top_k=5, device_buffer_size=9) == (2, 5, 9)
+    assert _renames(caught) == [("top_k", "num_top_k"), ("device_buffer_size", "hot_buffer_size")]
+    assert "_swap_in_sizes()" in str(caught[0].message)
+    assert {w.category for w in caught} == {DeprecationWarning}
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names never warn
+        assert _swap_in_sizes(2, num_top_k=5) == (2, 5, 8)
+    assert list(inspect.signature(_swap_in_sizes).parameters) == ["rows", "num_top_k", "hot_buffer_size"]
+
+
+def test_both_names_of_one_keyword_are_refused():
+    with pytest.raises(TypeError, match="both `top_k` and its new name `num_top_k`"):
+        _swap_in_sizes(2, top_k=5, num_top_k=6)
+
+
+def test_the_runtime_takes_its_old_keywords_for_one_release():
+    from sparsekv.srt.managers import HiSparseCoordinator
+    from sparsekv.srt.mem_cache import DeepSeekV4PagedHostPool, HiSparseC4DevicePool, HiSparseTokenToKVPoolAllocator
+    from sparsekv.srt.model_executor.deployment import model_instances, serving_instances
+
+    allocator = HiSparseTokenToKVPoolAllocator(1024, 256)
+    device_pool = HiSparseC4DevicePool(allocator, 1, "cpu")
+    table = type("Pool", (), {"req_to_token": torch.zeros(2, 512, dtype=torch.int64)})()
+    with pytest.warns(DeprecationWarning) as caught:
+        coord = HiSparseCoordinator(table, allocator, device_pool, top_k=5, device_buffer_size=7)
+        host = DeepSeekV4PagedHostPool("c4", [torch.zeros(2, V4.page_bytes(32), dtype=torch.uint8)], 2,
+                                       slot_page_size=32)
+        flash = model_instances("dsv4-flash", hot_buffer=2048)
+        old = serving_instances(top_k=512, hot_buffer=1024)
+    assert _renames(caught) == [("top_k", "num_top_k"), ("device_buffer_size", "hot_buffer_size"),
+                                ("slot_page_size", "page_slots"), ("hot_buffer", "hot_buffer_size"),
+                                ("top_k", "num_top_k"), ("hot_buffer", "hot_buffer_size")]
+    assert (coord.num_top_k, coord.hot_buffer_size, host.page_slots) == (5, 7, 32)
+    assert flash == model_instances("dsv4-flash", hot_buffer_size=2048)
+    assert old == serving_instances(num_top_k=512, hot_buffer_size=1024)
+    assert ("hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64}) in old
