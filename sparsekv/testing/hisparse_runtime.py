@@ -56,11 +56,12 @@ def _copy(value: object) -> object:
 def snapshot(coord, req_to_token: torch.Tensor) -> dict[str, object]:
     """Copies of every piece of state a runtime call may change, by name."""
     a, host, c = coord.allocator, coord.mem_pool_host, coord
+    pages = {"logical": a.logical, "device": a.device_alloc, "host": host.page_alloc}
     parts = {
-        "logical.free": list(a.logical._free), "logical.owned": list(a.logical._owned),
-        "device.free": list(a.device_alloc._free), "device.owned": list(a.device_alloc._owned),
+        **{f"{name}.{part}": value for name, alloc in pages.items()
+           for part, value in (("free", alloc._free), ("released", list(alloc._released)),
+                               ("owned", alloc._owned_mask))},
         "mapping": a.full_to_hisparse_device_index_mapping, "req_to_token": req_to_token,
-        "host.free": host._free_pages, "host.released": list(host._released), "host.allocated": host._allocated,
         "req_to_host_pool": c.req_to_host_pool, "host_allocated_len": c.req_to_host_pool_allocated_len,
         "req_to_device_buffer": c.req_to_device_buffer, "buffer_tokens": c.req_device_buffer_tokens,
         "buffer_token_locs": c.req_device_buffer_token_locs, "lru_slots": c.lru_slots,

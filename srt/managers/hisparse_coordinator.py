@@ -368,9 +368,8 @@ class HiSparseCoordinator:
         for _, req in self.ack_staging_queue[:ready]:
             state = self._reqs[req.req_pool_idx]
             slots = self.allocator.device_slots(state.locs).tensor
-            pages = self.allocator.device_alloc.pages_of(slots).tolist()
-            if not torch.equal(slots, state.device.tensor) or \
-                    not all(self.allocator.device_alloc.is_allocated(p) for p in pages):
+            pages = self.allocator.device_alloc.pages_of(slots)
+            if not torch.equal(slots, state.device.tensor) or not self.allocator.device_alloc.all_allocated(pages):
                 raise ValueError(f"sparsekv: request row {req.req_pool_idx} was staged, but its C4 entries are no "
                                  "longer in allocated device slots (freed outside the coordinator?)")
         collected = []

@@ -10,8 +10,8 @@ it is backed up to the host, then a per-request hot buffer (:meth:`alloc_device_
 logical location is written; -1 when it is not on the device.
 
 Both spaces are allocated in whole pages, and every page has one owner: :class:`PagedAllocator`
-refuses a double free, so a leak or a double ownership shows up as an error or in
-:attr:`PagedAllocator.used_pages`.
+(the host pool's allocator too) refuses a double free, so a leak or a double ownership shows up as
+an error or in :attr:`PagedAllocator.used_pages`.
 """
 
 from __future__ import annotations
@@ -36,42 +36,75 @@ class AllocatorExhaustedError(RuntimeError):
 
 
 class PagedAllocator:
-    """Whole pages ``1 .. num_pages - 1`` of one id space; page 0 is the reserved padding page.
+    """Whole pages of one id space, each with one owner: the logical, device and host pools' allocator.
+
+    Pages are handed out from the front of a free list (at first every page, lowest ids first) and
+    freed pages join its back, sorted, so a freed page is reused only after every page that was free
+    before it. With ``deferred_reuse`` freed pages first wait in a release list and join the free list
+    (all of them, sorted together) only when an allocation needs them: the host pool's pages may
+    still be read by in-flight copies of the step that freed them.
+
+    The free list is an int64 tensor, so an allocation slices it and a free checks its pages with
+    one vectorized test; ownership is one byte per page (a ``bytearray``, read per page by
+    :meth:`is_allocated` without building a tensor, and viewed as a bool tensor for the vectorized
+    checks).
 
     Parameters
     ----------
     num_pages : int
         Pages of the space, page 0 included.
     page_size : int
-        Slots per page.
+        Slots per page (:meth:`pages_of`).
     name : str
-        For messages.
+        For messages (``"device"`` reads "sparsekv: device allocator needs ...").
+    reserve_page_0 : bool
+        Page 0 is the reserved padding page, never handed out (default True, the logical space's and
+        the device pool's convention); False hands out every page (the host pool).
+    deferred_reuse : bool
+        Freed pages wait until an allocation needs them (default False: they join the free list at once).
+    exhausted_error : type of Exception
+        What an allocation beyond the available pages raises (default :class:`AllocatorExhaustedError`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``num_pages`` or ``page_size`` is not an int >= 1, or a flag is not a bool.
     """
 
-    def __init__(self, num_pages: int, page_size: int, name: str) -> None:
+    def __init__(self, num_pages: int, page_size: int, name: str, *, reserve_page_0: bool = True,
+                 deferred_reuse: bool = False, exhausted_error: type[Exception] = AllocatorExhaustedError) -> None:
         num_pages, page_size = int_in(num_pages, "num_pages", 1), int_in(page_size, "page_size", 1)
         self.num_pages = num_pages
         self.page_size = page_size
         self.name = name
-        self._free = list(range(1, num_pages))
-        self._owned = [False] * num_pages
+        self.deferred_reuse = as_bool(deferred_reuse, "deferred_reuse")
+        self.exhausted_error = exhausted_error
+        self._free = torch.arange(int(as_bool(reserve_page_0, "reserve_page_0")), num_pages, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._owned = bytearray(num_pages)
+        self._owned_mask = torch.frombuffer(self._owned, dtype=torch.bool)
 
     @property
     def available_pages(self) -> int:
-        """Free pages."""
-        return len(self._free)
+        """Pages an allocation can get (free, plus released with ``deferred_reuse``)."""
+        return self._free.numel() + sum(t.numel() for t in self._released)
 
     @property
     def used_pages(self) -> set[int]:
         """Pages currently allocated."""
-        return {p for p, owned in enumerate(self._owned) if owned}
+        return set(torch.nonzero(self._owned_mask).reshape(-1).tolist())
 
     def is_allocated(self, page: int) -> bool:
         """Whether ``page`` is an allocated page (False for the reserved page and out-of-range ids)."""
-        return 0 < page < self.num_pages and self._owned[page]
+        return 0 <= page < self.num_pages and self._owned[page] == 1
+
+    def all_allocated(self, pages: torch.Tensor) -> bool:
+        """Whether every page of ``pages`` (an int64 CPU tensor) is allocated (True for no pages)."""
+        in_range = bool(((pages >= 0) & (pages < self.num_pages)).all())
+        return in_range and bool(self._owned_mask[pages].all())
 
     def alloc(self, num_pages: int) -> torch.Tensor:
-        """Allocate ``num_pages`` pages (lowest free ids first).
+        """Allocate ``num_pages`` pages from the front of the free list.
 
         Returns
         -------
@@ -85,16 +118,20 @@ class PagedAllocator:
         ValueError
             ``num_pages`` is negative.
         AllocatorExhaustedError
-            Fewer pages are free; nothing was allocated.
+            Fewer pages are available (or the ``exhausted_error`` given); nothing changed, the
+            released pages included.
         """
         num_pages = int_in(num_pages, "num_pages", 0)
-        if num_pages > len(self._free):
-            raise AllocatorExhaustedError(f"sparsekv: {self.name} allocator needs {num_pages} pages, "
-                                          f"{len(self._free)} free")
+        if num_pages == 0:  # most decode tokens start no page: no slicing, no mask write
+            return torch.empty(0, dtype=torch.int64)
+        if num_pages > self.available_pages:
+            raise self.exhausted_error(f"sparsekv: {self.name} allocator needs {num_pages} pages, "
+                                       f"{self.available_pages} free")
+        if num_pages > self._free.numel():
+            self._reuse_released()
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
-        for p in pages:
-            self._owned[p] = True
-        return torch.tensor(pages, dtype=torch.int64)
+        self._owned_mask[pages] = True
+        return pages.clone()
 
     def free(self, pages: torch.Tensor) -> None:
         """Return ``pages`` (each allocated, each named once).
@@ -107,13 +144,21 @@ class PagedAllocator:
             A page that is not allocated (a double free, the reserved page, out of range) or named
             twice; nothing is freed then.
         """
-        ids = id_tensor(pages, "pages", allow_negative=True).tolist()
-        if len(set(ids)) != len(ids) or not all(self.is_allocated(p) for p in ids):
-            raise ValueError(f"sparsekv: {self.name} allocator: freeing pages that are not allocated "
-                             f"(or named twice): {ids}")
-        for p in ids:
-            self._owned[p] = False
-        self._free.extend(sorted(ids))
+        ids = id_tensor(pages, "pages", allow_negative=True)
+        if ids.numel() == 0:
+            return
+        if not self.all_allocated(ids) or torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"sparsekv: argument `pages` names pages the {self.name} allocator has not allocated "
+                             f"(or names one twice): {ids.tolist()}")
+        self._owned_mask[ids] = False
+        self._released.append(ids.clone())
+        if not self.deferred_reuse:
+            self._reuse_released()
+
+    def _reuse_released(self) -> None:
+        """The released pages join the back of the free list, sorted."""
+        self._free = torch.cat([self._free, torch.sort(torch.cat(self._released)).values])
+        self._released = []
 
     def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages holding ``slots`` (an integer tensor; negative slots ignored), ascending."""
@@ -395,7 +440,7 @@ class HiSparseTokenToKVPoolAllocator:
         slots = mapping[locs].cpu().clone()
         if bool((slots < 0).any()):
             raise ValueError("sparsekv: argument `compressed_locs` names entries that are not on the device")
-        if not all(self.device_alloc.is_allocated(p) for p in self.device_alloc.pages_of(slots).tolist()):
+        if not self.device_alloc.all_allocated(self.device_alloc.pages_of(slots)):
             raise ValueError("sparsekv: argument `compressed_locs` names entries in unallocated device pages")
         count = slots.numel()
         owned = self.device_alloc.pages_of(slots)

@@ -16,6 +16,7 @@ import torch
 
 from sparsekv.checks import index_in, int_in
 from sparsekv.srt.checks import index_table
+from sparsekv.srt.mem_cache.allocators import PagedAllocator
 from sparsekv.srt.mem_cache.ids import HostPages, HostSlots
 
 
@@ -24,65 +25,37 @@ class HostPoolExhaustedError(RuntimeError):
 
 
 class HiSparseHostPoolMixin:
-    """Page allocator over ``num_pages`` host pages of ``page_slots`` slots.
+    """Page-granular allocation of ``num_pages`` host pages of ``page_slots`` slots, addressed per token.
 
-    The host class calls :meth:`_init_page_allocator` once it knows its geometry (``page_slots``
-    and ``num_pages`` attributes).
+    The pages come from a :class:`~sparsekv.srt.mem_cache.allocators.PagedAllocator` (``page_alloc``:
+    every page usable, freed pages reused lazily). The host class calls :meth:`_init_page_allocator`
+    once it knows its geometry (``page_slots`` and ``num_pages`` attributes).
     """
 
     page_slots: int
     num_pages: int
 
     def _init_page_allocator(self) -> None:
-        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
-        self._allocated = torch.zeros(self.num_pages, dtype=torch.bool)
+        self.page_alloc = PagedAllocator(self.num_pages, self.page_slots, "host pool", reserve_page_0=False,
+                                         deferred_reuse=True, exhausted_error=HostPoolExhaustedError)
 
     @property
     def available_pages(self) -> int:
         """Pages an allocation can still get (free plus lazily released)."""
-        return self._free_pages.numel() + sum(t.numel() for t in self._released)
+        return self.page_alloc.available_pages
 
     def alloc_page(self, num_pages: int) -> HostPages:
-        """Allocate ``num_pages`` host pages.
-
-        Raises
-        ------
-        TypeError
-            ``num_pages`` is not an int (a bool or a float included).
-        ValueError
-            ``num_pages`` is negative.
-        HostPoolExhaustedError
-            Fewer pages are available; nothing changed (the lazily released pages stay where they are).
-        """
-        num_pages = int_in(num_pages, "num_pages", 0)
-        if num_pages > self.available_pages:
-            raise HostPoolExhaustedError(f"sparsekv: host pool needs {num_pages} pages, {self.available_pages} free")
-        if num_pages > self._free_pages.numel():
-            self._free_pages = torch.cat([self._free_pages, torch.sort(torch.cat(self._released)).values])
-            self._released = []
-        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
-        self._allocated[pages] = True
-        return HostPages(pages.clone())
+        """Allocate ``num_pages`` host pages: :meth:`PagedAllocator.alloc
+        <sparsekv.srt.mem_cache.allocators.PagedAllocator.alloc>`, whose errors it raises, with
+        :class:`HostPoolExhaustedError` when fewer pages are available (nothing changes then, the
+        lazily released pages included)."""
+        return HostPages(self.page_alloc.alloc(num_pages))
 
     def free_pages(self, pages: HostPages) -> None:
-        """Return pages to the pool (lazily: they are reused only when the free list runs dry).
-
-        Raises
-        ------
-        TypeError
-            ``pages`` is not :class:`HostPages`.
-        ValueError
-            A page is not allocated (a double free) or named twice.
-        """
-        ids = HostPages.require(pages, "pages").tensor.to("cpu", torch.int64)
-        if ids.numel() == 0:
-            return
-        if bool(((ids < 0) | (ids >= self.num_pages)).any()) or not bool(self._allocated[ids].all()) or \
-                torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"sparsekv: argument `pages` names pages that are not allocated: {pages!r}")
-        self._allocated[ids] = False
-        self._released.append(ids)
+        """Return pages to the pool, lazily (they are reused only when the free list runs dry):
+        :meth:`PagedAllocator.free <sparsekv.srt.mem_cache.allocators.PagedAllocator.free>`, whose
+        errors it raises, and ``TypeError`` when ``pages`` is not :class:`HostPages`."""
+        self.page_alloc.free(HostPages.require(pages, "pages").tensor)
 
     def host_pages_needed(self, start_pos: int, num_tokens: int, allocated_len: int) -> int:
         """Pages :meth:`alloc_paged_token_slots` would allocate for this request (admission pre-check).

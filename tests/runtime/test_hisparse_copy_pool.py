@@ -285,11 +285,12 @@ def test_an_exhausted_alloc_page_leaves_the_free_and_released_lists_as_they_were
     pool = _pool(3)
     a, _ = pool.alloc_page(1), pool.alloc_page(1)
     pool.free_pages(a)
-    free, released = pool._free_pages.clone(), [t.clone() for t in pool._released]
+    alloc = pool.page_alloc
+    free, released = alloc._free.clone(), [t.clone() for t in alloc._released]
     with pytest.raises(HostPoolExhaustedError):
         pool.alloc_page(3)
-    assert torch.equal(pool._free_pages, free)
-    assert len(pool._released) == len(released) and all(torch.equal(x, y) for x, y in zip(pool._released, released))
+    assert torch.equal(alloc._free, free)
+    assert len(alloc._released) == len(released) and all(torch.equal(x, y) for x, y in zip(alloc._released, released))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

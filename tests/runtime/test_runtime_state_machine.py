@@ -502,14 +502,12 @@ class HiSparseRuntime(RuleBasedStateMachine):
     @invariant()
     def pages_have_one_owner_and_add_up(self):
         c, a = self.coord, self.allocator
-        for alloc in (a.logical, a.device_alloc):
-            free, used = alloc._free, alloc.used_pages
-            assert len(set(free)) == len(free) and not set(free) & used and 0 not in used and 0 not in free
-            assert len(free) + len(used) == alloc.num_pages - 1
-        host_free = torch.cat([self.host._free_pages, *self.host._released]).tolist()
-        host_used = set(torch.nonzero(self.host._allocated).reshape(-1).tolist())
-        assert len(set(host_free)) == len(host_free) and not set(host_free) & host_used
-        assert len(host_free) + len(host_used) == HOST_PAGES == self.host.num_pages
+        for alloc, reserved in ((a.logical, {0}), (a.device_alloc, {0}), (self.host.page_alloc, set())):
+            free, used = torch.cat([alloc._free, *alloc._released]).tolist(), alloc.used_pages
+            assert len(set(free)) == len(free) and not set(free) & used and not (set(free) | used) & reserved
+            assert len(free) + len(used) == alloc.num_pages - len(reserved) and len(free) == alloc.available_pages
+        assert self.host.page_alloc.num_pages == HOST_PAGES == self.host.num_pages
+        host_used = self.host.page_alloc.used_pages
 
         logical, device, host = [], [], []
         for rid, row in self.rows.items():
