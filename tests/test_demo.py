@@ -16,6 +16,8 @@ import pytest
 from sparsekv.cli import main
 from sparsekv.kv_layout import V4
 from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
+from sparsekv.srt.managers import HiSparseCoordinator
+from sparsekv.testing.hisparse_traces import Trace, replay
 
 TINY = ["--tokens", "640", "--steps", "6"]
 
@@ -46,11 +48,47 @@ def test_tiny_demo_checks_hold_and_its_swap_in_numbers_add_up(tmp_path):
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_refuses_what_this_build_lacks_naming_the_flag(capsys):
+def test_demo_traces_are_what_its_swap_in_received_and_what_it_did(tmp_path, monkeypatch):
+    """--save-traces: each C4 layer's trace holds, per step and request, the C4 length and top-k the
+    coordinator's swap-in was called with; LRU replayed over it at the demo's hot buffer gives the
+    kernel's hits and loads of that layer, which add up to the demo's per-step counters. The
+    recording run still equals the all-resident run bit for bit."""
+    received: dict[int, list[tuple[list[int], list[int], list[list[int]]]]] = {}
+    swap_in = HiSparseCoordinator.swap_in_selected_pages
+
+    def spy(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, num_real_reqs=None):
+        received.setdefault(layer_id, []).append(
+            (req_pool_indices.tolist(), compressed_seq_lens.tolist(), top_k_result.tolist()))
+        return swap_in(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, num_real_reqs)
+
+    monkeypatch.setattr(HiSparseCoordinator, "swap_in_selected_pages", spy)
+    code, report = run_demo(tmp_path, "--save-traces", str(tmp_path / "traces"))
+    assert code == 0 and report["checks"]["hisparse_equals_resident"]["ok"]
+    assert report["traces"] == [str(tmp_path / "traces" / f"demo_layer{layer}.json") for layer in (1, 3)]
+    per_step = [[0, 0] for _ in report["steps"]]
+    for c4_layer, path in enumerate(report["traces"]):
+        trace = Trace.load(path)
+        assert trace.num_top_k == 64 and trace.source["layer"] == (1, 3)[c4_layer]
+        calls = received[c4_layer]
+        assert len(calls) == 6 == trace.num_steps
+        for step, (rids, lens, top_k) in enumerate(calls):
+            assert [r.id for r in trace.requests] == [f"r{rid}" for rid in rids]
+            assert [r.steps[step] for r in trace.requests] == list(zip(lens, top_k))
+        kernel = trace.source["kernel_steps"]
+        assert [[s.hits, s.loads] for s in replay(trace, trace.source["hot_buffer"], "lru").steps] == kernel
+        per_step = [[a + b for a, b in zip(total, layer)] for total, layer in zip(per_step, kernel)]
+    assert per_step == [[s["hits"], s["misses"]] for s in report["steps"]]
+    assert sum(loads for _, loads in per_step) > 0
+
+
+def test_demo_refuses_what_this_build_lacks_naming_the_flag(capsys, tmp_path):
     assert main(["demo", "--backend", "tpu"]) == 2
     assert "--backend" in capsys.readouterr().err
     assert main(["demo", "--hisparse", "many"]) == 2
     assert "--hisparse" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["demo", "--save-traces", str(tmp_path / "file")]) == 2
+    assert "--save-traces" in capsys.readouterr().err
 
 
 @pytest.mark.slow

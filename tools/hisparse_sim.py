@@ -5,21 +5,26 @@ and the bytes moved host -> device (loads x item bytes), for the LRU policy of t
 the recency-protected LRU (``recent_lru``: entries of the last ``--protect-recent`` positions are
 evicted last), the neighbour-protected LRU (``near_lru``: also entries within ``--protect-near``
 positions of a requested token) and Belady's offline optimum on the same trace
-(:mod:`sparsekv.testing.hisparse_traces`). On a synthetic trace (also one saved by
-``--save-trace``) it adds ``informed``: an online policy told the generator's own pick chances, the
-closest to Belady that any online policy can expect on that trace. Each policy's bytes over
-Belady's are in the table and the JSON.
+(:mod:`sparsekv.testing.hisparse_traces`), with ``oracle_lfu`` as a yardstick: LFU told each
+entry's pick count over the whole trace (its popularity, not the order of the picks). On a
+synthetic trace (also one saved by ``--save-trace``) it adds ``informed``: an online policy told
+the generator's own pick chances, the closest to Belady that any online policy can expect on that
+trace. Each policy's bytes over Belady's are in the table and the JSON.
 
-Input: ``--trace FILE`` (our JSON trace format, see the module above), or a synthetic trace with
-tunable growth, drift, recency bias and locality (``--save-trace`` writes it out).
+Input: ``--trace PATH ...`` (files in our JSON trace format, see the module above, or folders of
+them: each ``*.json`` inside), or a synthetic trace with tunable growth, drift, recency bias and
+locality (``--save-trace`` writes it out). ``sparsekv demo --save-traces DIR`` records the demo's
+decode (one trace per C4 layer); ``tools/hisparse_traces/`` ships one such recording.
 
-Output: a summary table per H (stdout), the per-step table of one H (``--per-step H``), JSON with
-every per-step series (``--json``), and a PNG of hit rate (and bytes per step) vs H (``--plot``).
-``--quick`` shrinks the synthetic trace.
+Output, per trace: a summary table per H (stdout), the per-step table of one H (``--per-step H``),
+JSON with every per-step series (``--json``: ``{"traces": [{"trace": ..., "rows": [...]}, ...]}``),
+and a PNG of hit rate and bytes per step vs H, a row of plots per trace (``--plot``). H defaults
+to the trace's top-k K times 1, 9/8, 5/4, 3/2, 2, 3 and 4. ``--quick`` shrinks the synthetic trace.
 
-Example::
+Examples::
 
     python tools/hisparse_sim.py --hot 512,640,768,1024,2048 --plot hit_rate.png
+    python tools/hisparse_sim.py --trace tools/hisparse_traces --hot 128,256,512,1024
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 from tqdm import tqdm
 
@@ -42,11 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   epilog="example:\n  python tools/hisparse_sim.py --hot 512,640,768,1024,2048 --plot hit_rate.png",
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
-    p.add_argument("--trace", help="replay this JSON trace instead of a synthetic one")
+    p.add_argument("--trace", nargs="+", metavar="PATH",
+                   help="replay these JSON traces (a folder: every *.json in it) instead of a synthetic one")
     p.add_argument("--save-trace", type=output_path, help="write the (synthetic) trace to this JSON file")
-    p.add_argument("--hot", type=int_list(1, 1 << 20), default=(512, 576, 640, 768, 1024, 1536, 2048),
-                   help="comma list of hot-buffer sizes H (each >= the trace's top-k; default "
-                        "512,576,640,768,1024,1536,2048)")
+    p.add_argument("--hot", type=int_list(1, 1 << 20),
+                   help="comma list of hot-buffer sizes H (each >= every trace's top-k K; default K times "
+                        + ", ".join(f"{m:g}" for m in HOT_PER_TOP_K) + ": 512,576,...,2048 for K = 512)")
     p.add_argument("--item-bytes", type=int_range(1), default=V4.bytes_per_token,
                    help="bytes per loaded entry (584: V4)")
     p.add_argument("--per-step", type=int_range(1), metavar="H", help="also print the per-step table of this H")
@@ -70,23 +78,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--locality-span", type=int_range(1), default=16)
     g.add_argument("--seed", type=int_range(0), default=0)
     args = p.parse_args(argv)
-    args.loaded_trace = None
-    if args.trace is not None:  # read now: a missing or malformed file is a usage error, not a traceback
+    args.loaded_traces = []
+    for path in trace_files(args.trace or []):  # read now: a missing or malformed file is a usage error
         try:
-            args.loaded_trace = Trace.load(args.trace)
+            args.loaded_traces.append((str(path), Trace.load(path)))
         except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-            p.error(f"--trace {args.trace}: not a readable trace file ({type(e).__name__}: {e})")
+            p.error(f"--trace {path}: not a readable trace file ({type(e).__name__}: {e})")
+    if args.trace and not args.loaded_traces:
+        p.error(f"--trace {' '.join(args.trace)}: no *.json trace in it")
+    for path, trace in args.loaded_traces or [("synthetic", SimpleNamespace(num_top_k=args.top_k))]:
+        if args.hot and min(args.hot) < trace.num_top_k:
+            p.error(f"--hot: every H must be >= the top-k of the {path} trace ({trace.num_top_k}), got {min(args.hot)}")
+    if args.hot and args.per_step is not None and args.per_step not in args.hot:
+        p.error(f"--per-step {args.per_step} is not one of the --hot sizes")
     return args
 
 
-def load_or_make_trace(args: argparse.Namespace) -> Trace:
-    if args.loaded_trace is not None:  # loaded (and checked) when the arguments were parsed
-        return args.loaded_trace
+#: The default hot-buffer sizes, as multiples of a trace's top-k.
+HOT_PER_TOP_K = (1, 1.125, 1.25, 1.5, 2, 3, 4)
+
+
+def trace_files(paths: list[str]) -> list[Path]:
+    """The trace files named: a file as given, a folder as its ``*.json`` files in name order."""
+    return [f for path in map(Path, paths) for f in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
+
+
+def load_or_make_traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
+    """``(label, trace)`` of every trace to replay: the files given, else one synthetic trace."""
+    if args.loaded_traces:  # loaded (and checked) when the arguments were parsed
+        return args.loaded_traces
     steps, requests = (100, 2) if args.quick else (args.steps, args.requests)
-    return synthetic_trace(num_requests=requests, num_steps=steps, num_top_k=args.top_k, start_len=args.start_len,
-                           growth=args.growth, drift=args.drift, recency=args.recency,
-                           recency_window=args.recency_window, locality=args.locality,
-                           locality_span=args.locality_span, seed=args.seed)
+    return [("synthetic", synthetic_trace(
+        num_requests=requests, num_steps=steps, num_top_k=args.top_k, start_len=args.start_len, growth=args.growth,
+        drift=args.drift, recency=args.recency, recency_window=args.recency_window, locality=args.locality,
+        locality_span=args.locality_span, seed=args.seed))]
 
 
 def trace_policies(trace: Trace) -> list[str]:
@@ -95,11 +120,11 @@ def trace_policies(trace: Trace) -> list[str]:
 
 
 def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int = PROTECT_RECENT,
-             protect_near: int = PROTECT_NEAR) -> list[dict]:
+             protect_near: int = PROTECT_NEAR, desc: str = "hisparse_sim") -> list[dict]:
     """One row per H: overall hit rates and bytes, and every per-step series, for every policy."""
     rows = []
     policies = trace_policies(trace)
-    for hot in tqdm(hots, desc="hisparse_sim", unit="H"):
+    for hot in tqdm(hots, desc=desc, unit="H"):
         row: dict = {"hot": hot}
         for policy in policies:
             result = replay(trace, hot, policy, protect_recent=protect_recent, protect_near=protect_near)
@@ -116,7 +141,8 @@ def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int
 
 
 def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None:
-    names = {"lru": "LRU", "recent_lru": "recent", "near_lru": "near", "belady": "Belady", "informed": "informed"}
+    names = {"lru": "LRU", "recent_lru": "recent", "near_lru": "near", "belady": "Belady", "informed": "informed",
+             "oracle_lfu": "oracleLFU"}
     policies = [p for p in POLICIES if f"{p}_bytes" in rows[0]]
     online = [p for p in policies if p != "belady"]
     print(f"{'H':>6} " + " ".join(f"{names[p] + ' hit':>13}" for p in policies) + " "
@@ -130,7 +156,8 @@ def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None
         return
     row = next((r for r in rows if r["hot"] == per_step), None)
     if row is None:
-        raise SystemExit(f"hisparse_sim: --per-step {per_step} is not one of the simulated H")
+        print(f"\n(no per-step table: H={per_step} is not one of this trace's H)", file=out)
+        return
     print(f"\nper step, H={per_step}", file=out)
     print(f"{'step':>6} " + " ".join(f"{names[p] + ' hit':>13}" for p in policies) + " "
           + " ".join(f"{names[p] + ' bytes':>15}" for p in policies), file=out)
@@ -139,26 +166,31 @@ def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None
               + " ".join(f"{s['bytes']:>15}" for s in steps), file=out)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(results: list[dict], path: str) -> None:
+    """Hit rate and MB per step vs H, one row of two plots per trace (``results``: the JSON's ``traces``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hots = [r["hot"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"lru": "o-", "recent_lru": "^-", "near_lru": "v-", "belady": "s--", "informed": "d:"}
-    for policy, style in ((p, s) for p, s in styles.items() if f"{p}_bytes" in rows[0]):
-        ax1.plot(hots, [r[f"{policy}_hit_rate"] for r in rows], style, label=policy)
-        ax2.plot(hots, [r[f"{policy}_bytes_per_step"] / 1e6 for r in rows], style, label=policy)
-    ax1.set_xlabel("hot buffer size H")
-    ax1.set_ylabel("hit rate")
-    ax2.set_xlabel("hot buffer size H")
-    ax2.set_ylabel("MB host -> device per step")
-    for ax in (ax1, ax2):
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
+    styles = {"lru": "o-", "recent_lru": "^-", "near_lru": "v-", "belady": "s--", "informed": "d:",
+              "oracle_lfu": "x:"}
+    for (ax1, ax2), result in zip(axes, results):
+        rows = result["rows"]
+        hots = [r["hot"] for r in rows]
+        for policy, style in ((p, s) for p, s in styles.items() if f"{p}_bytes" in rows[0]):
+            ax1.plot(hots, [r[f"{policy}_hit_rate"] for r in rows], style, label=policy)
+            ax2.plot(hots, [r[f"{policy}_bytes_per_step"] / 1e6 for r in rows], style, label=policy)
+        ax1.set_xlabel("hot buffer size H")
+        ax1.set_ylabel("hit rate")
+        ax2.set_xlabel("hot buffer size H")
+        ax2.set_ylabel("MB host -> device per step")
+        for ax in (ax1, ax2):
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        ax1.set_title(f"{result['trace']} (K={result['num_top_k']})", fontsize=9)
+    fig.suptitle("HiSparse hot buffer: policies vs Belady")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -166,26 +198,28 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    trace = load_or_make_trace(args)
+    traces = load_or_make_traces(args)
     if args.save_trace:
-        trace.save(args.save_trace)
-    hots = sorted(set(args.hot))
-    if hots[0] < trace.num_top_k:
-        raise SystemExit(f"hisparse_sim: every H must be >= the trace's top-k ({trace.num_top_k}), got {hots[0]}")
-    rows = simulate(trace, hots, args.item_bytes, args.protect_recent, args.protect_near)
-    print_tables(rows, args.per_step)
-    source = args.trace or "synthetic"
-    doc = {"name": "hisparse_sim", "trace": source, "num_top_k": trace.num_top_k, "protect_recent": args.protect_recent,
-           "protect_near": args.protect_near,
-           "requests": len(trace.requests), "steps": trace.num_steps, "item_bytes": args.item_bytes,
+        traces[0][1].save(args.save_trace)
+    results = []
+    for label, trace in traces:
+        hots = sorted(set(args.hot or (round(trace.num_top_k * m) for m in HOT_PER_TOP_K)))
+        rows = simulate(trace, hots, args.item_bytes, args.protect_recent, args.protect_near, desc=label)
+        print(f"trace {label}: {len(trace.requests)} requests, {trace.num_steps} steps, K={trace.num_top_k}")
+        print_tables(rows, args.per_step)
+        source = None if trace.source is None else {k: v for k, v in trace.source.items() if k != "kernel_steps"}
+        results.append({"trace": label, "num_top_k": trace.num_top_k, "requests": len(trace.requests),
+                        "steps": trace.num_steps, "source": source, "rows": rows})
+    doc = {"name": "hisparse_sim", "protect_recent": args.protect_recent, "protect_near": args.protect_near,
+           "item_bytes": args.item_bytes,
            "synthetic": None if args.trace else {k: getattr(args, k) for k in (
                "growth", "drift", "recency", "recency_window", "locality", "locality_span", "start_len", "seed")},
-           "rows": rows}
+           "traces": results}
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(doc, f)
     if args.plot:
-        plot(rows, args.plot, f"HiSparse hot buffer, K={trace.num_top_k}, {source} trace: policies vs Belady")
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

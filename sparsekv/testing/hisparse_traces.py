@@ -17,7 +17,13 @@ step, the lookups served from the hot buffer and the entries loaded host -> devi
 * ``"informed"`` (synthetic traces only): the best-informed online policy we can state, a yardstick
   and not a kernel candidate. It is told the generator's parameters (:class:`TraceGenerator`) and
   evicts the entries least likely to be picked at the next step; what separates it from Belady is
-  what no online policy can know (which uniform draw comes next).
+  what no online policy can know (which uniform draw comes next);
+* ``"oracle_lfu"`` (any trace): another yardstick, LFU told in advance how often each entry of the
+  request is picked over the whole trace (its hindsight popularity, not the order of the picks):
+  it evicts the least popular entries (least recently used first among equals). Where the picks
+  are close to independent draws (the demo's decode: fresh random hidden states every step) this
+  is about the best an online policy can do, so its gap to Belady is the part of LRU's that no
+  policy closes; what is left is Belady knowing which draw comes next.
 
 Both start as a prefill staged on the device (slot ``i`` holds position ``i``), give the newest
 entry its reserved slot for free, and serve everything while ``seq_len <= H`` (the fast path).
@@ -30,7 +36,16 @@ Trace file format (JSON)::
 
 ``top_k`` lists at most ``num_top_k`` positions; entries outside ``[0, seq_len)`` mean "no token".
 Steps of different requests with the same index happen in the same decode step. A synthetic trace
-also carries ``"generator"``: the parameters of :class:`TraceGenerator`.
+also carries ``"generator"``: the parameters of :class:`TraceGenerator`. A recorded trace may carry
+``"source"``: where it came from, a JSON object that replays ignore (readers of this format ignore
+keys they do not know, so an optional key keeps the version). ``sparsekv demo --save-traces DIR``
+writes one trace per C4 layer (:class:`TraceRecorder`) whose ``source`` holds the demo's settings,
+the model layer, and the swap-in kernel's own counters per step at the run's hot buffer::
+
+    "source": {"kind": "sparsekv demo", "demo": {"tokens": 8192, ...}, "layer": 1,
+               "hot_buffer": 128, "policy": "lru", "kernel_steps": [[hits, loads], ...]}
+
+so that :func:`replay` with that ``policy`` and ``hot_buffer`` can be held to what the kernel did.
 """
 
 from __future__ import annotations
@@ -39,13 +54,14 @@ import bisect
 import heapq
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 FORMAT = "sparsekv.hisparse_trace/1"
-POLICIES = ("lru", "recent_lru", "near_lru", "belady", "informed")
+POLICIES = ("lru", "recent_lru", "near_lru", "belady", "informed", "oracle_lfu")
 #: Positions before the newest that ``"recent_lru"`` protects (the synthetic traces' recency window).
 PROTECT_RECENT = 256
 #: Positions either side of a requested token that ``"near_lru"`` protects (the synthetic traces' locality span).
@@ -81,11 +97,13 @@ class TraceGenerator:
 
 @dataclass
 class Trace:
-    """Top-k selections of several requests over decode steps (``generator``: set on synthetic traces)."""
+    """Top-k selections of several requests over decode steps (``generator``: set on synthetic
+    traces; ``source``: where a recorded trace came from, free-form JSON)."""
 
     num_top_k: int
     requests: list[RequestTrace]
     generator: TraceGenerator | None = None
+    source: dict | None = None
 
     @property
     def num_steps(self) -> int:
@@ -97,6 +115,8 @@ class Trace:
                             for r in self.requests]}
         if self.generator is not None:
             doc["generator"] = vars(self.generator)
+        if self.source is not None:
+            doc["source"] = self.source
         return doc
 
     @classmethod
@@ -117,15 +137,67 @@ class Trace:
             if any(len(t) > k for _, t in steps):
                 raise ValueError(f"sparsekv: request {r['id']!r} has a step with more than num_top_k={k} entries")
             requests.append(RequestTrace(str(r["id"]), steps))
-        generator = doc.get("generator")
-        return cls(k, requests, None if generator is None else TraceGenerator(**generator))
+        generator, source = doc.get("generator"), doc.get("source")
+        if source is not None and not isinstance(source, dict):
+            raise ValueError(f"sparsekv: a trace's `source` must be a JSON object, got {type(source).__name__}")
+        return cls(k, requests, None if generator is None else TraceGenerator(**generator), source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
+        Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")))
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+class TraceRecorder:
+    """Builds a :class:`Trace` of one layer from what its indexer selected, one decode step at a time.
+
+    Parameters
+    ----------
+    num_top_k : int
+        Width of the top-k rows recorded.
+    source : dict, optional
+        The trace's ``source`` (see the format above); :meth:`record` appends to its
+        ``"kernel_steps"`` when given a step's counters.
+    """
+
+    def __init__(self, num_top_k: int, source: dict | None = None):
+        self.num_top_k = num_top_k
+        self.source = source
+        self._steps: dict[str, list[tuple[int, list[int]]]] = {}
+
+    def record(self, request_ids: Sequence[int], seq_lens: Sequence[int], top_k: Sequence[Sequence[int]],
+               kernel_counts: tuple[int, int] | None = None) -> None:
+        """One decode step: request ``request_ids[b]`` of ``seq_lens[b]`` entries asked for ``top_k[b]``
+        (plain lists: the caller reads tensors back, which waits for the device);
+        ``kernel_counts``: the swap-in's ``(hits, loads)`` over these rows, kept in ``source``.
+
+        Raises
+        ------
+        ValueError
+            The three sequences differ in length, a request appears twice, or a row is wider than
+            ``num_top_k``.
+        """
+        if not len(request_ids) == len(seq_lens) == len(top_k):
+            raise ValueError(f"sparsekv: arguments `request_ids`, `seq_lens` and `top_k` must have equal lengths, "
+                             f"got {len(request_ids)}, {len(seq_lens)} and {len(top_k)}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"sparsekv: argument `request_ids` names a request twice: {list(request_ids)}")
+        for rid, n, row in zip(request_ids, seq_lens, top_k):
+            if len(row) > self.num_top_k:
+                raise ValueError(f"sparsekv: argument `top_k` has a row of {len(row)} entries, more than "
+                                 f"num_top_k={self.num_top_k}")
+            self._steps.setdefault(f"r{rid}", []).append((int(n), [int(t) for t in row]))
+        if kernel_counts is not None:
+            if self.source is None:
+                self.source = {}
+            self.source.setdefault("kernel_steps", []).append([int(c) for c in kernel_counts])
+
+    def trace(self) -> Trace:
+        """What was recorded so far, requests in the order they first appeared."""
+        return Trace(self.num_top_k, [RequestTrace(rid, steps) for rid, steps in self._steps.items()],
+                     source=self.source)
 
 
 def synthetic_trace(*, num_requests: int = 4, num_steps: int = 200, num_top_k: int = 512, start_len: int = 4096,
@@ -226,18 +298,10 @@ def _replay_lru(steps: list[tuple[int, list[int]]], hot: int, protect_recent: in
     return out
 
 
-def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
-    needed = [{t for t in top_k if 0 <= t < seq_len - 1} for seq_len, top_k in steps]
-    uses: dict[int, list[int]] = {}
-    for i, need in enumerate(needed):
-        for t in need:
-            uses.setdefault(t, []).append(i)
-
-    def next_use(token: int, now: int) -> float:
-        times = uses.get(token, [])
-        j = bisect.bisect_right(times, now)
-        return times[j] if j < len(times) else float("inf")
-
+def _replay_ranked(steps: list[tuple[int, list[int]]], hot: int,
+                   rank: Callable[[int, int], object]) -> list[tuple[int, int, int]]:
+    """A demand policy that loads each step's missing entries and evicts, among the entries this
+    step does not need, those of the lowest ``rank(token, step)``."""
     cache = set(range(hot))
     out = []
     for i, (seq_len, top_k) in enumerate(steps):
@@ -245,38 +309,52 @@ def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[i
         if seq_len <= hot:
             out.append((lookups, lookups, 0))
             continue
-        need = needed[i]
+        need = {t for t in top_k if 0 <= t < seq_len - 1}
         missing = need - cache
         hits = sum(1 for t in top_k if t == seq_len - 1 or (0 <= t < seq_len - 1 and t in cache))
         evict = len(cache) + len(missing) - hot
         if evict > 0:
-            cache -= set(heapq.nlargest(evict, cache - need, key=lambda t: next_use(t, i)))
+            cache -= set(heapq.nsmallest(evict, cache - need, key=lambda t: rank(t, i)))
         cache |= missing
         out.append((lookups, hits, len(missing)))
     return out
+
+
+def _step_uses(steps: list[tuple[int, list[int]]]) -> dict[int, list[int]]:
+    """Per token, the steps (ascending) that need it."""
+    uses: dict[int, list[int]] = {}
+    for i, (seq_len, top_k) in enumerate(steps):
+        for t in {t for t in top_k if 0 <= t < seq_len - 1}:
+            uses.setdefault(t, []).append(i)
+    return uses
+
+
+def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+    uses = _step_uses(steps)
+
+    def next_use(token: int, now: int) -> float:
+        times = uses.get(token, [])
+        j = bisect.bisect_right(times, now)
+        return times[j] if j < len(times) else float("inf")
+
+    return _replay_ranked(steps, hot, lambda t, i: -next_use(t, i))
 
 
 def _replay_informed(steps: list[tuple[int, list[int]]], hot: int,
                      generator: TraceGenerator) -> list[tuple[int, int, int]]:
-    cache = set(range(hot))
-    out = []
-    for seq_len, top_k in steps:
-        lookups = _lookups(seq_len, top_k, hot)
-        if seq_len <= hot:
-            out.append((lookups, lookups, 0))
-            continue
-        newest = seq_len - 1
-        need = {t for t in top_k if 0 <= t < newest}
-        missing = need - cache
-        hits = sum(1 for t in top_k if t == newest or (0 <= t < newest and t in cache))
-        evict = len(cache) + len(missing) - hot
-        if evict > 0:
-            members = sorted(need)
-            cache -= set(heapq.nsmallest(evict, cache - need,
-                                         key=lambda t: (generator.pick_chance(t, members, newest), t)))
-        cache |= missing
-        out.append((lookups, hits, len(missing)))
-    return out
+    members = [sorted({t for t in top_k if 0 <= t < seq_len - 1}) for seq_len, top_k in steps]
+    return _replay_ranked(steps, hot, lambda t, i: (generator.pick_chance(t, members[i], steps[i][0] - 1), t))
+
+
+def _replay_oracle_lfu(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+    uses = _step_uses(steps)
+
+    def popularity_then_last_use(token: int, now: int) -> tuple[int, int, int]:
+        times = uses.get(token, [])
+        j = bisect.bisect_left(times, now)
+        return len(times), times[j - 1] if j else -1, token
+
+    return _replay_ranked(steps, hot, popularity_then_last_use)
 
 
 def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT_RECENT,
@@ -298,7 +376,8 @@ def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT
         raise ValueError(f"sparsekv: argument `hot` ({hot}) must be >= the trace's num_top_k ({trace.num_top_k})")
     runs = {"lru": _replay_lru, "recent_lru": lambda steps, h: _replay_lru(steps, h, protect_recent),
             "near_lru": lambda steps, h: _replay_lru(steps, h, protect_recent, protect_near),
-            "belady": _replay_belady, "informed": lambda steps, h: _replay_informed(steps, h, trace.generator)}
+            "belady": _replay_belady, "informed": lambda steps, h: _replay_informed(steps, h, trace.generator),
+            "oracle_lfu": _replay_oracle_lfu}
     run = runs[policy]
     result = ReplayResult(policy, hot, [StepStats() for _ in range(trace.num_steps)])
     for request in trace.requests:

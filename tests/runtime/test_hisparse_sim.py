@@ -1,5 +1,6 @@
 """The trace replay behind tools/hisparse_sim.py: Belady is optimal (against brute force on tiny
-traces), its LRU is the kernel's policy (against the kernel's own counters), traces round-trip."""
+traces), its LRU is the kernel's policy (against the kernel's own counters, also on the shipped
+demo traces), traces round-trip."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from sparsekv.testing.hisparse_traces import POLICIES, RequestTrace, Trace, Trac
 from sparsekv.testing.strategies.hisparse import make_world
 
 REPO = Path(__file__).resolve().parents[2]
+DEMO_TRACES = sorted((REPO / "tools" / "hisparse_traces").glob("demo_layer*.json"))
 
 
 def brute_force_min_loads(steps: list[tuple[int, list[int]]], hot: int) -> int:
@@ -134,6 +136,24 @@ def test_informed_policy_keeps_the_likely_pick():
         replay(Trace(1, [RequestTrace("r", steps)]), 3, "informed")
 
 
+@given(steps=tiny_steps(hot=3, k=2))
+def test_oracle_lfu_never_beats_belady(steps):
+    trace = Trace(2, [RequestTrace("r", steps)])
+    oracle, opt = replay(trace, 3, "oracle_lfu"), replay(trace, 3, "belady")
+    assert opt.loads <= oracle.loads
+    assert [s.lookups for s in oracle.steps] == [s.lookups for s in opt.steps]
+
+
+def test_oracle_lfu_keeps_the_popular_entry():
+    # H = 2 (tokens 0, 1), newest 9. Tokens 0 and 2 are picked twice, token 1 once (at step 0).
+    # Step 1 needs 2: LRU evicts 0 (least recently used) and loads it again at step 2; the oracle
+    # evicts 1 (the less popular) and hits from then on.
+    steps = [(10, [1]), (10, [2]), (10, [0]), (10, [2]), (10, [0])]
+    trace = Trace(1, [RequestTrace("r", steps)])
+    assert [s.loads for s in replay(trace, 2, "lru").steps] == [0, 1, 1, 0, 0]
+    assert [s.loads for s in replay(trace, 2, "oracle_lfu").steps] == [0, 1, 0, 0, 0]
+
+
 def test_pick_chances_sum_to_one():
     generator = TraceGenerator(recency=0.3, recency_window=16, locality=0.4, locality_span=3)
     members = [20, 21, 40, 77]
@@ -183,19 +203,59 @@ def test_synthetic_trace_is_a_drifting_distinct_top_k():
     assert 0.75 < sum(kept) / len(kept) < 0.99
 
 
-def test_sim_tool_reports_every_policy(tmp_path):
-    trace = synthetic_trace(num_requests=2, num_steps=30, num_top_k=8, start_len=100, seed=2)
-    trace_path, out = tmp_path / "trace.json", tmp_path / "out.json"
-    trace.save(trace_path)
-    subprocess.run([sys.executable, str(REPO / "tools" / "hisparse_sim.py"), "--trace", str(trace_path), "--hot",
-                    "8,16", "--json", str(out), "--plot", str(tmp_path / "p.png")], check=True, capture_output=True,
-                   timeout=300)
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["hot"] for r in rows] == [8, 16]
-    for r in rows:
-        for policy in POLICIES:
-            result = replay(trace, r["hot"], policy)
-            assert r[f"{policy}_hit_rate"] == result.hit_rate
-            assert r[f"{policy}_bytes"] == result.loads * 584
-            assert len(r[f"{policy}_steps"]) == 30
+def test_sim_tool_reports_every_policy_of_every_trace(tmp_path):
+    # A folder of two traces (one recorded-like, without a generator: no "informed") and a file.
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    traces = {folder / "a.json": synthetic_trace(num_requests=2, num_steps=30, num_top_k=8, start_len=100, seed=2),
+              folder / "b.json": Trace(4, synthetic_trace(num_requests=1, num_steps=20, num_top_k=4, start_len=50,
+                                                          seed=3).requests, source={"kind": "test"}),
+              tmp_path / "c.json": synthetic_trace(num_requests=1, num_steps=10, num_top_k=16, start_len=40, seed=4)}
+    for path, trace in traces.items():
+        trace.save(path)
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(REPO / "tools" / "hisparse_sim.py"), "--trace", str(folder),
+                    str(tmp_path / "c.json"), "--hot", "16,24", "--json", str(out), "--plot", str(tmp_path / "p.png")],
+                   check=True, capture_output=True, timeout=300)
+    results = json.loads(out.read_text())["traces"]
+    assert [r["trace"] for r in results] == [str(p) for p in traces]
+    assert results[1]["source"] == {"kind": "test"}
+    for result, trace in zip(results, traces.values()):
+        rows = result["rows"]
+        assert [r["hot"] for r in rows] == [16, 24]
+        for r in rows:
+            for policy in POLICIES:
+                if trace.generator is None and policy == "informed":
+                    assert "informed_bytes" not in r
+                    continue
+                replayed = replay(trace, r["hot"], policy)
+                assert r[f"{policy}_hit_rate"] == replayed.hit_rate
+                assert r[f"{policy}_bytes"] == replayed.loads * 584
+                assert len(r[f"{policy}_steps"]) == trace.num_steps
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_sim_tool_default_hot_sizes_follow_the_top_k(tmp_path):
+    trace = synthetic_trace(num_requests=1, num_steps=5, num_top_k=8, start_len=40, seed=1)
+    trace.save(tmp_path / "t.json")
+    subprocess.run([sys.executable, str(REPO / "tools" / "hisparse_sim.py"), "--trace", str(tmp_path / "t.json"),
+                    "--json", str(tmp_path / "out.json")], check=True, capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "out.json").read_text())["traces"][0]["rows"]
+    assert [r["hot"] for r in rows] == [8, 9, 10, 12, 16, 24, 32]
+
+
+@pytest.mark.parametrize("path", DEMO_TRACES, ids=lambda p: p.name)
+def test_shipped_demo_trace_replays_what_the_swap_in_kernel_did(path):
+    """The recorded demo decode (``sparsekv demo --save-traces``): LRU replayed at the recording's
+    hot buffer gives, step by step, the hits and loads the swap-in kernel counted in that run; the
+    requests outgrow H = 1,024 (so the sweep's largest H evicts), and Belady loads least there."""
+    assert len(DEMO_TRACES) == 2  # one per C4 layer of the demo model
+    trace = Trace.load(path)
+    source = trace.source
+    assert source["kind"] == "sparsekv demo" and source["policy"] == "lru" and trace.num_top_k == 64
+    result = replay(trace, source["hot_buffer"], source["policy"])
+    assert [[s.hits, s.loads] for s in result.steps] == source["kernel_steps"]
+    assert len(trace.requests) == 2 and all(len(r.steps) == source["demo"]["steps"] for r in trace.requests)
+    assert min(n for r in trace.requests for n, _ in r.steps) > 1024
+    loads = {p: replay(trace, 1024, p).loads for p in ("lru", "near_lru", "oracle_lfu", "belady")}
+    assert 0 < loads["belady"] <= min(loads.values())

@@ -20,6 +20,12 @@ Checks (the exit code is 0 only if all hold):
   C4 entry resident;
 * ``--pd``: prefill in one process, decode in another, the KV sent over NIXL on 127.0.0.1 straight
   into the decode's host pool; the decode's outputs are bit for bit the single-process ones.
+
+``--save-traces DIR`` records what the HiSparse run's decode asked for (the all-resident run's
+without HiSparse): per C4 layer, the top-k of every request at every step, written as
+``DIR/demo_layer<L>.json`` in the trace format ``tools/hisparse_sim.py`` replays
+(:mod:`sparsekv.testing.hisparse_traces`), with the swap-in kernel's hits and loads per step.
+Recording reads the top-k back every step; without the flag nothing is read back.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class DemoSpec:
 
 @dataclass
 class DemoReport:
-    """Everything the demo measured."""
+    """Everything the demo measured (``traces``: the trace files written by ``--save-traces``)."""
 
     spec: dict
     plan: dict = field(default_factory=dict)
@@ -72,6 +78,7 @@ class DemoReport:
     steps: list[dict] = field(default_factory=list)
     errors: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)
+    traces: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -93,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(on the cpu backend under the Triton interpreter; slow) (default: header)")
     parser.add_argument("--backend", choices=BACKENDS, default="cpu", help="kernel backend (default: cpu)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot hit rate and bytes moved per step (matplotlib)")
+    parser.add_argument("--save-traces", metavar="DIR",
+                        help="write each C4 layer's decode top-k per request and step to DIR/demo_layer<L>.json, "
+                             "the trace format tools/hisparse_sim.py replays")
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': stdout)")
 
 
@@ -132,6 +142,8 @@ def spec_from_args(args: argparse.Namespace) -> DemoSpec:
         except ImportError as e:
             raise UsageError(f"--pd needs NIXL (`make install-pd`, or pip install --no-deps nixl-cu12 nixl): {e}"
                              ) from None
+    if args.save_traces is not None and os.path.exists(args.save_traces) and not os.path.isdir(args.save_traces):
+        raise UsageError(f"--save-traces takes a directory, {args.save_traces!r} is a file")
     return DemoSpec(tokens=args.tokens, steps=args.steps, hisparse=hisparse, pd=args.pd, backend=args.backend,
                     impl=args.impl)
 
@@ -159,8 +171,9 @@ def load_kernels(spec: DemoSpec, progress) -> dict:
     return {"built": built, "cached": cached, "build_s": build_s}
 
 
-def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool):
-    """One process: prefill both requests, (HiSparse) back them up, decode; ``(stack, outputs, stats, prefill_s)``."""
+def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool, record: bool = False):
+    """One process: prefill both requests, (HiSparse) back them up, decode; ``(stack, outputs, stats, prefill_s)``
+    (``record``: the stack's ``recorders`` hold every C4 layer's top-k trace)."""
     from sparsekv.cli.demo.model import DemoModel, ModelShape
     from sparsekv.cli.demo.stack import Request, Stack
 
@@ -168,7 +181,7 @@ def run_single(spec: DemoSpec, progress, *, hisparse: int | None, check: bool):
     prompts = spec.prompts()
     stack = Stack(model, tokens=max(prompts) + spec.steps, requests=spec.requests, hisparse=hisparse,
                   hot_buffer=spec.hot_buffer, device="cuda" if spec.backend == "cuda" else "cpu", check=check,
-                  impl=spec.impl)
+                  impl=spec.impl, trace_source={"kind": "sparsekv demo", "demo": asdict(spec)} if record else None)
     reqs = [Request(i + 1, 0) for i in range(spec.requests)]
     start = time.perf_counter()
     for req, n in zip(reqs, prompts):
@@ -194,8 +207,23 @@ def same_outputs(a, b) -> tuple[bool, float]:
     return equal, worst
 
 
-def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
-    """Run the demo (see the module docstring) and return its report; nothing printed but progress."""
+def save_traces(stack, directory: str) -> list[str]:
+    """Write the stack's recorded traces, one file per C4 layer; their paths."""
+    from pathlib import Path
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for layer, recorder in stack.recorders.items():
+        path = out / f"demo_layer{layer}.json"
+        recorder.trace().save(path)
+        paths.append(str(path))
+    return paths
+
+
+def run_demo(spec: DemoSpec, progress=None, *, traces_dir: str | None = None) -> DemoReport:
+    """Run the demo (see the module docstring) and return its report; nothing printed but progress.
+    ``traces_dir``: record the decode's top-k there (``--save-traces``)."""
     from sparsekv.cli.demo.stack import ATTENTION_TOL, COMPRESS_TOL, INDEXER_TOL, STORE_REL_TOL
 
     if progress is None:
@@ -206,7 +234,11 @@ def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
     start = time.perf_counter()
     report.kernels = load_kernels(spec, progress)
     report.setup_s = time.perf_counter() - start
-    resident, resident_out, _, prefill_s = run_single(spec, progress, hisparse=None, check=True)
+    record = traces_dir is not None
+    resident, resident_out, _, prefill_s = run_single(spec, progress, hisparse=None, check=True,
+                                                      record=record and spec.hisparse is None)
+    if record and spec.hisparse is None:
+        report.traces = save_traces(resident, traces_dir)
     report.plan = {"budget_bytes": resident.budget, "full_tokens": resident.config.full_max_total_num_tokens,
                    "swa_tokens": resident.config.swa_max_total_num_tokens,
                    "c4_tokens": resident.config.c4_max_total_num_tokens,
@@ -221,7 +253,10 @@ def run_demo(spec: DemoSpec, progress=None) -> DemoReport:
                        "attention": ATTENTION_TOL}}
     steps = None
     if spec.hisparse is not None:
-        hot, hot_out, steps, prefill_s = run_single(spec, progress, hisparse=spec.hisparse, check=False)
+        hot, hot_out, steps, prefill_s = run_single(spec, progress, hisparse=spec.hisparse, check=False,
+                                                    record=record)
+        if record:
+            report.traces = save_traces(hot, traces_dir)
         equal, worst = same_outputs(resident_out, hot_out)
         report.prefill_s = prefill_s
         report.checks["hisparse_equals_resident"] = {"ok": equal, "max_abs_diff": worst,
@@ -332,8 +367,10 @@ def run(args: argparse.Namespace) -> int:
         return tqdm(items, leave=False, dynamic_ncols=True, **kwargs)
 
     with logging_redirect_tqdm(loggers=[logging.getLogger("sparsekv")]):
-        report = run_demo(spec, progress)
+        report = run_demo(spec, progress, traces_dir=args.save_traces)
     print(render(report))
+    if report.traces:
+        print(f"traces: {', '.join(report.traces)}")
     if args.plot and report.steps:
         plot(report, args.plot)
         print(f"plot: {args.plot}")

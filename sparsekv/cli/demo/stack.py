@@ -10,6 +10,10 @@ One :class:`Stack` is one server process: the memory plan of the model for a bud
 * decode: each C4 layer's indexer scores against the fp64 indexer, each layer's attention against
   the fp64 attention over the same selected slots of the same (dequantized) cache bytes.
 
+With ``trace_source`` it also records, per C4 layer, the top-k each request asked for at each
+decode step (:class:`~sparsekv.testing.hisparse_traces.TraceRecorder`), and with HiSparse the
+swap-in's hits and loads of that layer: the traces ``tools/hisparse_sim.py`` replays.
+
 Errors are kept as a fraction of each kernel's documented tolerance (1.0 = at the bound).
 """
 
@@ -35,6 +39,7 @@ from sparsekv.srt.mem_cache.allocators import PagedAllocator
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
+from sparsekv.testing.hisparse_traces import TraceRecorder
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, entry_slots, indexer_scores_reference
@@ -134,10 +139,14 @@ class Stack:
     impl : str
         ``"header"`` or ``"triton"``: the implementation of the indexer and the attention (the
         functions with a Triton twin; on CPU tensors Triton runs under ``TRITON_INTERPRET=1``).
+    trace_source : dict, optional
+        Record every C4 layer's top-k (``recorders``, by model layer); each trace's ``source`` is
+        this plus the layer, and with HiSparse the hot buffer, the policy and the swap-in's counts.
+        Recording reads the top-k (and the counters) back each step: it waits for the device.
     """
 
     def __init__(self, model: DemoModel, *, tokens: int, requests: int, hisparse: int | None, hot_buffer: int,
-                 device: str = "cpu", check: bool = True, impl: str = "header"):
+                 device: str = "cpu", check: bool = True, impl: str = "header", trace_source: dict | None = None):
         self.model = model
         self.impl = impl
         self.device = torch.device(device)
@@ -165,6 +174,12 @@ class Stack:
             self.coordinator = HiSparseCoordinator(
                 SimpleNamespace(req_to_token=self.req_to_token), self.allocator, self.c4_pool,
                 num_top_k=model.shape.top_k, hot_buffer_size=hot_buffer, collect_counters=True)
+        self.recorders: dict[int, TraceRecorder] = {}
+        if trace_source is not None:
+            swap_in = {} if self.coordinator is None else {"hot_buffer": hot_buffer,
+                                                           "policy": self.coordinator.swap_in_policy}
+            self.recorders = {layer: TraceRecorder(model.shape.top_k, {**trace_source, "layer": layer, **swap_in})
+                              for layer in self.c4_index}
         rings = self.pool.ring_sizes
         self.kv_state, self.index_state = {}, {}
         for layer, (w, ratio) in enumerate(zip(model.layers, self.ratios)):
@@ -396,11 +411,19 @@ class Stack:
                 errors.indexer = max(errors.indexer, float((diff[finite] / bound.expand_as(diff)[finite]).max()))
         tokens, slots = indexer_topk(scores, positions, self.model.shape.top_k, page_table=page_table,
                                      page_size=C4_PAGE, impl=self.impl)
+        recorder = self.recorders.get(layer)
         if self.coordinator is None:
+            if recorder is not None:
+                recorder.record(rids, [(n + 1) // 4 for n in n_before], tokens.tolist())
             return dict(extra_kv_cache=cache, extra_indices=slots, extra_page_size=C4_PAGE)
         c4_lens = torch.tensor([(n + 1) // 4 for n in n_before], dtype=torch.int32, device=dev)
+        before = self.coordinator.read_counters() if recorder is not None else None
         locs = self.coordinator.swap_in_selected_pages(torch.tensor(rids, device=dev), c4_lens, tokens,
                                                        self.c4_index[layer])
+        if recorder is not None:
+            after = self.coordinator.read_counters()
+            recorder.record(rids, c4_lens.tolist(), tokens.tolist(),
+                            (after["hits"] - before["hits"], after["misses"] - before["misses"]))
         return dict(extra_kv_cache=cache, extra_indices=locs, extra_page_size=C4_PAGE)
 
     def _max_key_norm(self, k_cache, page_table, positions) -> torch.Tensor:
