@@ -5,11 +5,10 @@ and the bytes moved host -> device (loads x item bytes), for the LRU policy of t
 the recency-protected LRU (``recent_lru``: entries of the last ``--protect-recent`` positions are
 evicted last), the neighbour-protected LRU (``near_lru``: also entries within ``--protect-near``
 positions of a requested token) and Belady's offline optimum on the same trace
-(:mod:`sparsekv.testing.hisparse_traces`), with ``oracle_lfu`` as a yardstick: LFU told each
-entry's pick count over the whole trace (its popularity, not the order of the picks). On a
-synthetic trace (also one saved by ``--save-trace``) it adds ``informed``: an online policy told
-the generator's own pick chances, the closest to Belady that any online policy can expect on that
-trace. Each policy's bytes over Belady's are in the table and the JSON.
+(:mod:`sparsekv.testing.hisparse_traces`). On a synthetic trace (also one saved by
+``--save-trace``) it adds ``informed``: an online policy told the generator's own pick chances, the
+closest to Belady that any online policy can expect on that trace. Each policy's bytes over
+Belady's are in the table and the JSON.
 
 Input: ``--trace PATH ...`` (files in our JSON trace format, see the module above, or folders of
 them: each ``*.json`` inside), or a synthetic trace with tunable growth, drift, recency bias and
@@ -141,8 +140,7 @@ def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int
 
 
 def print_tables(rows: list[dict], per_step: int | None, out=sys.stdout) -> None:
-    names = {"lru": "LRU", "recent_lru": "recent", "near_lru": "near", "belady": "Belady", "informed": "informed",
-             "oracle_lfu": "oracleLFU"}
+    names = {"lru": "LRU", "recent_lru": "recent", "near_lru": "near", "belady": "Belady", "informed": "informed"}
     policies = [p for p in POLICIES if f"{p}_bytes" in rows[0]]
     online = [p for p in policies if p != "belady"]
     print(f"{'H':>6} " + " ".join(f"{names[p] + ' hit':>13}" for p in policies) + " "
@@ -174,8 +172,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
-    styles = {"lru": "o-", "recent_lru": "^-", "near_lru": "v-", "belady": "s--", "informed": "d:",
-              "oracle_lfu": "x:"}
+    styles = {"lru": "o-", "recent_lru": "^-", "near_lru": "v-", "belady": "s--", "informed": "d:"}
     for (ax1, ax2), result in zip(axes, results):
         rows = result["rows"]
         hots = [r["hot"] for r in rows]

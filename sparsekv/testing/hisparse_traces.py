@@ -17,13 +17,10 @@ step, the lookups served from the hot buffer and the entries loaded host -> devi
 * ``"informed"`` (synthetic traces only): the best-informed online policy we can state, a yardstick
   and not a kernel candidate. It is told the generator's parameters (:class:`TraceGenerator`) and
   evicts the entries least likely to be picked at the next step; what separates it from Belady is
-  what no online policy can know (which uniform draw comes next);
-* ``"oracle_lfu"`` (any trace): another yardstick, LFU told in advance how often each entry of the
-  request is picked over the whole trace (its hindsight popularity, not the order of the picks):
-  it evicts the least popular entries (least recently used first among equals). Where the picks
-  are close to independent draws (the demo's decode: fresh random hidden states every step) this
-  is about the best an online policy can do, so its gap to Belady is the part of LRU's that no
-  policy closes; what is left is Belady knowing which draw comes next.
+  what no online policy can know (which uniform draw comes next). With ``drift=1, recency=0,
+  locality=0`` every step is a fresh uniform draw: every entry is as likely as any other, no
+  online policy can expect to load less than LRU, and ``"informed"`` loads about what LRU loads
+  (the control for traces of independent picks, such as the demo's decode).
 
 Both start as a prefill staged on the device (slot ``i`` holds position ``i``), give the newest
 entry its reserved slot for free, and serve everything while ``seq_len <= H`` (the fast path).
@@ -61,7 +58,7 @@ from pathlib import Path
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 
 FORMAT = "sparsekv.hisparse_trace/1"
-POLICIES = ("lru", "recent_lru", "near_lru", "belady", "informed", "oracle_lfu")
+POLICIES = ("lru", "recent_lru", "near_lru", "belady", "informed")
 #: Positions before the newest that ``"recent_lru"`` protects (the synthetic traces' recency window).
 PROTECT_RECENT = 256
 #: Positions either side of a requested token that ``"near_lru"`` protects (the synthetic traces' locality span).
@@ -320,17 +317,11 @@ def _replay_ranked(steps: list[tuple[int, list[int]]], hot: int,
     return out
 
 
-def _step_uses(steps: list[tuple[int, list[int]]]) -> dict[int, list[int]]:
-    """Per token, the steps (ascending) that need it."""
-    uses: dict[int, list[int]] = {}
+def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
+    uses: dict[int, list[int]] = {}  # per token, the steps (ascending) that need it
     for i, (seq_len, top_k) in enumerate(steps):
         for t in {t for t in top_k if 0 <= t < seq_len - 1}:
             uses.setdefault(t, []).append(i)
-    return uses
-
-
-def _replay_belady(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
-    uses = _step_uses(steps)
 
     def next_use(token: int, now: int) -> float:
         times = uses.get(token, [])
@@ -344,17 +335,6 @@ def _replay_informed(steps: list[tuple[int, list[int]]], hot: int,
                      generator: TraceGenerator) -> list[tuple[int, int, int]]:
     members = [sorted({t for t in top_k if 0 <= t < seq_len - 1}) for seq_len, top_k in steps]
     return _replay_ranked(steps, hot, lambda t, i: (generator.pick_chance(t, members[i], steps[i][0] - 1), t))
-
-
-def _replay_oracle_lfu(steps: list[tuple[int, list[int]]], hot: int) -> list[tuple[int, int, int]]:
-    uses = _step_uses(steps)
-
-    def popularity_then_last_use(token: int, now: int) -> tuple[int, int, int]:
-        times = uses.get(token, [])
-        j = bisect.bisect_left(times, now)
-        return len(times), times[j - 1] if j else -1, token
-
-    return _replay_ranked(steps, hot, popularity_then_last_use)
 
 
 def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT_RECENT,
@@ -376,8 +356,7 @@ def replay(trace: Trace, hot: int, policy: str, *, protect_recent: int = PROTECT
         raise ValueError(f"sparsekv: argument `hot` ({hot}) must be >= the trace's num_top_k ({trace.num_top_k})")
     runs = {"lru": _replay_lru, "recent_lru": lambda steps, h: _replay_lru(steps, h, protect_recent),
             "near_lru": lambda steps, h: _replay_lru(steps, h, protect_recent, protect_near),
-            "belady": _replay_belady, "informed": lambda steps, h: _replay_informed(steps, h, trace.generator),
-            "oracle_lfu": _replay_oracle_lfu}
+            "belady": _replay_belady, "informed": lambda steps, h: _replay_informed(steps, h, trace.generator)}
     run = runs[policy]
     result = ReplayResult(policy, hot, [StepStats() for _ in range(trace.num_steps)])
     for request in trace.requests:

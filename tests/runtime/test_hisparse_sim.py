@@ -136,24 +136,6 @@ def test_informed_policy_keeps_the_likely_pick():
         replay(Trace(1, [RequestTrace("r", steps)]), 3, "informed")
 
 
-@given(steps=tiny_steps(hot=3, k=2))
-def test_oracle_lfu_never_beats_belady(steps):
-    trace = Trace(2, [RequestTrace("r", steps)])
-    oracle, opt = replay(trace, 3, "oracle_lfu"), replay(trace, 3, "belady")
-    assert opt.loads <= oracle.loads
-    assert [s.lookups for s in oracle.steps] == [s.lookups for s in opt.steps]
-
-
-def test_oracle_lfu_keeps_the_popular_entry():
-    # H = 2 (tokens 0, 1), newest 9. Tokens 0 and 2 are picked twice, token 1 once (at step 0).
-    # Step 1 needs 2: LRU evicts 0 (least recently used) and loads it again at step 2; the oracle
-    # evicts 1 (the less popular) and hits from then on.
-    steps = [(10, [1]), (10, [2]), (10, [0]), (10, [2]), (10, [0])]
-    trace = Trace(1, [RequestTrace("r", steps)])
-    assert [s.loads for s in replay(trace, 2, "lru").steps] == [0, 1, 1, 0, 0]
-    assert [s.loads for s in replay(trace, 2, "oracle_lfu").steps] == [0, 1, 0, 0, 0]
-
-
 def test_pick_chances_sum_to_one():
     generator = TraceGenerator(recency=0.3, recency_window=16, locality=0.4, locality_span=3)
     members = [20, 21, 40, 77]
@@ -257,5 +239,5 @@ def test_shipped_demo_trace_replays_what_the_swap_in_kernel_did(path):
     assert [[s.hits, s.loads] for s in result.steps] == source["kernel_steps"]
     assert len(trace.requests) == 2 and all(len(r.steps) == source["demo"]["steps"] for r in trace.requests)
     assert min(n for r in trace.requests for n, _ in r.steps) > 1024
-    loads = {p: replay(trace, 1024, p).loads for p in ("lru", "near_lru", "oracle_lfu", "belady")}
+    loads = {p: replay(trace, 1024, p).loads for p in ("lru", "recent_lru", "near_lru", "belady")}
     assert 0 < loads["belady"] <= min(loads.values())
