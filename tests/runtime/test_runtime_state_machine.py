@@ -56,6 +56,8 @@ DPAGE = PAGE // RATIO
 
 ARGUMENT_ERRORS = (TypeError, ValueError, IndexError)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @dataclass
 class Row:
@@ -560,16 +562,6 @@ class HiSparseRuntime(RuleBasedStateMachine):
         assert self.host.available_pages == HOST_PAGES
         assert bool((a.full_to_hisparse_device_index_mapping == -1).all())
         assert self.coord._reqs == {} and self.coord.ack_staging_queue == []
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Snapshots copy the byte pools at every refused call; on a loaded 2-core machine torch's
-    multi-threaded copies of these sub-megabyte buffers are 500x slower than a single thread's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # The ci profile runs 10 x 40 = 400 steps (about 15 s on one core); --slow runs 200 x 100 = 20,000.
