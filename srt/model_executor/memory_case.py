@@ -105,15 +105,13 @@ def _check_limits(name: str, obj: dict) -> None:
             raise ValueError(f"{name}{key} must be <= {limit}, got {shown}")
 
 
-def _string(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
-    return value
+_JSON_KINDS = {str: "a string", dict: "a JSON object"}
 
 
-def _object(name: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a JSON object, got {type(value).__name__}")
+def _json(name: str, value: Any, kind: type) -> Any:
+    """``value`` if it is a JSON string or object (``kind``), else a ``TypeError`` naming the field."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {_JSON_KINDS[kind]}, got {type(value).__name__}")
     return value
 
 
@@ -133,13 +131,13 @@ def _prefixed(prefix: str, error: Exception) -> Exception:
 
 
 def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
-    model = _object("model", raw)
+    model = _json("model", raw, dict)
     if "preset" in model:
         if "kind" in model:
             raise ValueError("model must have either 'preset' or 'kind', not both")
         _reject_unknown("model", model, ("preset",) + DSV4_MODEL_OVERRIDES)
         _check_limits("model.", model)
-        preset = _string("model.preset", model["preset"])
+        preset = _json("model.preset", model["preset"], str)
         if preset not in DSV4_PRESETS:
             raise ValueError(f"model.preset must be one of {sorted(DSV4_PRESETS)}, got {preset!r}")
         overrides = {k: model[k] for k in DSV4_MODEL_OVERRIDES if k in model}
@@ -165,7 +163,7 @@ def _parse_model(raw: Any) -> tuple[ModelSpec, str]:
 def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
     if raw is None:
         return None
-    spec = _object("server.speculative", raw)
+    spec = _json("server.speculative", raw, dict)
     _reject_unknown("server.speculative", spec, SPECULATIVE_FIELDS)
     _check_limits("server.speculative.", spec)
     if "algorithm" not in spec:
@@ -184,24 +182,24 @@ def _parse_speculative(raw: Any) -> SpeculativeSpec | None:
 
 
 def _parse_server(raw: Any, model: ModelSpec) -> tuple[ServerSpec, int]:
-    server = dict(_object("server", raw))
+    server = dict(_json("server", raw, dict))
     _reject_unknown("server", server, SERVER_FIELDS)
     _check_limits("server.", server)
     is_dsv4 = isinstance(model, DSV4ModelSpec)
     fields = dict(DSV4_SERVER_DEFAULTS if is_dsv4 else MHA_SERVER_DEFAULTS)
     attn_dp_size = int_in(server.pop("attn_dp_size", 1), "server.attn_dp_size", 1)
-    sizing = _string("server.swa_sizing", server.pop("swa_sizing", "ratio"))
+    sizing = _json("server.swa_sizing", server.pop("swa_sizing", "ratio"), str)
     if sizing not in ("ratio", "cap"):
         raise ValueError(f"server.swa_sizing must be 'ratio' or 'cap', got {sizing!r}")
     speculative = _parse_speculative(server.pop("speculative", None))
     if speculative is not None and not is_dsv4:
         raise ValueError("server.speculative is supported for DSV4 presets only (an MHA draft's layers are unknown)")
     mode = server.pop("disaggregation_mode", "null")
-    fields["disaggregation_mode"] = "null" if mode is None else _string("server.disaggregation_mode", mode)
+    fields["disaggregation_mode"] = "null" if mode is None else _json("server.disaggregation_mode", mode, str)
     extra_slots = server.pop("disaggregation_decode_extra_slots", 0)
     fields["disaggregation_decode_extra_slots"] = 0 if extra_slots is None else extra_slots
     if "compress_state_dtype" in server:
-        dtype = _string("server.compress_state_dtype", server.pop("compress_state_dtype"))
+        dtype = _json("server.compress_state_dtype", server.pop("compress_state_dtype"), str)
         if dtype not in STATE_DTYPE_ALIASES:
             raise ValueError(f"server.compress_state_dtype must be 'fp32' or 'bf16', got {dtype!r}")
         fields["compress_state_dtype"] = STATE_DTYPE_ALIASES[dtype]
@@ -231,11 +229,11 @@ def parse_case(raw: Any) -> MemoryCase:
     TypeError, ValueError
         A malformed case, with the offending field named.
     """
-    case = _object("case", raw)
+    case = _json("case", raw, dict)
     for key in ("model", "available_bytes"):
         if key not in case:
             raise ValueError(f"case field {key!r} is required")
-    name = _string("name", case.get("name", "case"))
+    name = _json("name", case.get("name", "case"), str)
     _check_limits("", case)
     model, label = _parse_model(case["model"])
     server, attn_dp_size = _parse_server(case.get("server", {}), model)
