@@ -154,17 +154,18 @@ class DeepSeekV4TokenToKVPool(BaseSWAKVPool):
         self.swa_kv_pool = PagedBufferPool(
             config.swa_max_total_num_tokens, page, geo.kv_page_bytes(page), len(self.stage_compress_ratios), self.device
         )
-        c4_page = geo.kv_page_slots(page, 4)
+        c4_page_slots = geo.kv_page_slots(page, 4)
         self.c4_kv_pool = PagedBufferPool(
-            config.c4_max_total_num_tokens, c4_page, geo.kv_page_bytes(c4_page), num_c4, self.device
+            config.c4_max_total_num_tokens, c4_page_slots, geo.kv_page_bytes(c4_page_slots), num_c4, self.device
         )
         # The indexer scores every logical C4 entry, so HiSparse never shrinks it.
         self.c4_indexer_pool = PagedBufferPool(
-            self.size // 4, c4_page, c4_page * geo.indexer_bytes_per_entry(c.index_head_dim), num_c4, self.device
+            self.size // 4, c4_page_slots, c4_page_slots * geo.indexer_bytes_per_entry(c.index_head_dim), num_c4,
+            self.device
         )
-        c128_page = geo.kv_page_slots(page, 128)
+        c128_page_slots = geo.kv_page_slots(page, 128)
         self.c128_kv_pool = PagedBufferPool(
-            config.c128_max_total_num_tokens, c128_page, geo.kv_page_bytes(c128_page), num_c128, self.device
+            config.c128_max_total_num_tokens, c128_page_slots, geo.kv_page_bytes(c128_page_slots), num_c128, self.device
         )
         # SWA-addressed rings: ring 0 belongs to the reserved SWA page 0 and doubles as scratch.
         ring4 = self.ring_sizes.get(4, 0)

@@ -9,16 +9,11 @@ It lives next to the model specs it reads and names the kernel families by strin
 from __future__ import annotations
 
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.kv_layout import DSV4_PAGE_SIZES
-from sparsekv.srt.model_executor.dsv4_geometry import kv_page_slots
+from sparsekv.kv_layout import C4_RATIO, DSV4_PAGE_SIZES, c4_page_slots
 from sparsekv.srt.model_executor.model_spec import DSV4_PRESETS, ServerSpec, dsv4_preset
 
 #: ``index_topk`` of each preset's model config: the CSA indexer's top-k, which the swap-in is built for.
 INDEX_TOP_K = {"dsv4-flash": 512, "dsv4-pro": 1024}
-
-#: C4 compression ratio: the compressed pages the HiSparse kernels move hold ``page_size / 4`` tokens.
-C4_RATIO = 4
-
 
 #: The model of ``sparsekv demo`` (:mod:`sparsekv.cli.demo.model`): its top-k, hot buffer and query dtype.
 DEMO = "demo"
@@ -98,7 +93,7 @@ def serving_instances(*, num_top_k: int, hot_buffer_size: int, page_size: int = 
         raise ValueError(f"sparsekv: --page-size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} (the page "
                          f"sizes the DSV4 kernels serve), got {page_size}")
     q_dtypes = (torch.bfloat16, torch.float32) if q_dtypes is None else tuple(q_dtypes)
-    page_slots = kv_page_slots(page_size, C4_RATIO)
+    page_slots = c4_page_slots(page_size)
     store_kinds = ["V4"] + [f"INDEXER_{layout.upper()}" for layout in indexer_layouts]
     return [
         ("dsv4_compress", {}),
