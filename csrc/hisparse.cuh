@@ -58,8 +58,9 @@
 // named twice with different sources are rejected for host-readable plans (the caller's duty on
 // the device).
 //
-// Each entry takes a trailing `index_check` (ffi.h IndexCheck): 0 run, 1 validate every index and
-// move nothing, 2 validate then run. Optional tensors are tvm::ffi::Optional (Python None).
+// Each entry takes an `index_check` (ffi.h IndexCheck): 0 run, 1 validate every index and move
+// nothing, 2 validate then run; the swap-in's, then `speculative`. Optional tensors are
+// tvm::ffi::Optional (Python None).
 #pragma once
 
 #include "sparsekv/indices.h"
@@ -106,8 +107,27 @@ struct Dsv4C4 : PagedRows<kv_layout::PagedKV<kv_layout::V4, PageSlots>> {
 template <class Layout>
 inline constexpr bool kIsPaged = !std::is_same_v<Layout, LinearRows>;
 
+// The two caches a token moves between, host -> device (SwapIn's misses, CopyPlanned's replay).
+struct TokenCaches {
+  const uint8_t* host_cache;
+  int64_t host_stride;
+  int64_t host_slots;
+  uint8_t* device_buffer;
+  int64_t device_stride;
+  int64_t device_slots;
+  int64_t item_bytes;
+
+  // Host slot src -> device slot dst, skipped (false) when either is outside its cache.
+  template <class Layout>
+  SPARSEKV_HOST_DEVICE bool copy_token(int64_t src, int64_t dst, Lanes lanes) const {
+    if (src < 0 || src >= host_slots || dst < 0 || dst >= device_slots) return false;
+    Layout::copy(device_buffer, device_stride, dst, host_cache, host_stride, src, item_bytes, lanes);
+    return true;
+  }
+};
+
 // SwapIn's launch parameters (the same for every K, H and policy).
-struct SwapInParams {
+struct SwapInParams : TokenCaches {
   const int32_t* top_k_tokens;
   int64_t top_k_stride;
   int32_t* top_k_device_locs;
@@ -126,13 +146,6 @@ struct SwapInParams {
   int64_t batch;
   int64_t max_reqs;
   const int32_t* num_real_reqs;  // nullptr: every row is real
-  const uint8_t* host_cache;
-  int64_t host_stride;
-  int64_t host_slots;
-  uint8_t* device_buffer;
-  int64_t device_stride;
-  int64_t device_slots;
-  int64_t item_bytes;
   int64_t* miss_src;  // nullptr: no plan
   void* miss_dst;
   bool miss_dst_is64;
@@ -287,6 +300,50 @@ struct SwapIn {
 
   SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
 
+  // Step 1 of a slow-path row, into a scratch S with the top-k table and NearBuckets (SwapIn's,
+  // IndexedSwapIn's): the step's distinct tokens, each with its first top-k index (the newest one has
+  // its own slot and is never looked up); the copy counter starts at 0.
+  template <class S>
+  SPARSEKV_HOST_DEVICE static void hash_step(S& s, const Team& t, const int32_t* top_k, int64_t seq_len) {
+    for (int j = t.tid; j < kHashSize; j += t.size) {
+      s.hash_key[j] = kEmpty;
+      s.hash_first[j] = K;
+      s.hash_slot[j] = -1;
+    }
+    s.clear(t);
+    if (t.tid == 0) s.copies = 0;
+    t.sync();
+    for (int i = t.tid; i < K; i += t.size) {
+      const int32_t tok = top_k[i];
+      if (is_token(tok, seq_len) && tok != seq_len - 1) {
+        insert(s, tok, i);
+        s.add(tok);
+      }
+    }
+    t.sync();
+  }
+
+  // Step 3 of a slow-path row: on_miss(m, i, cell) for the m-th distinct token no hot slot holds, in
+  // top-k order (i: its first top-k index, cell: its hash cell), every m in one team-wide pass per
+  // chunk of the top-k; returns the number of misses, after a barrier.
+  template <class S, class OnMiss>
+  SPARSEKV_HOST_DEVICE static int for_each_miss(S& s, const Team& t, const int32_t* top_k, int64_t seq_len,
+                                                OnMiss on_miss) {
+    int num_misses = 0;
+    for (int base = 0; base < K; base += t.size) {
+      const int i = base + t.tid;
+      const int32_t tok = i < K ? top_k[i] : -1;
+      const int cell = is_token(tok, seq_len) && tok != seq_len - 1 ? lookup(s, tok) : -1;
+      const bool miss = cell >= 0 && s.hash_first[cell] == i && s.hash_slot[cell] < 0;
+      int n = 0;
+      const int r = t.rank(miss, &n, s.warp_counts);
+      if (miss) on_miss(num_misses + r, i, cell);
+      num_misses += n;
+    }
+    t.sync();
+    return num_misses;
+  }
+
   // The protected LRU's rule (Recent = W, Near = S) for a non-hit slot holding `held`: in the last
   // Recent positions, or within Near positions of a token of the step's hash table (the scratch's
   // NearBuckets<kHashSize, Near>, filled with the same tokens: SwapIn's or IndexedSwapIn's).
@@ -396,23 +453,8 @@ struct SwapIn {
     int32_t* tokens = p.device_buffer_tokens + rid * p.buffer_stride;
     int16_t* lru = p.lru_slots + rid * p.lru_stride;
 
-    // 1. Hash the step's distinct tokens (the newest one has its own slot and is never looked up).
-    for (int j = t.tid; j < kHashSize; j += t.size) {
-      s.hash_key[j] = kEmpty;
-      s.hash_first[j] = K;
-      s.hash_slot[j] = -1;
-    }
-    s.clear(t);
-    if (t.tid == 0) s.copies = 0;
-    t.sync();
-    for (int i = t.tid; i < K; i += t.size) {
-      const int32_t tok = top_k[i];
-      if (is_token(tok, seq_len) && tok != newest) {
-        insert(s, tok, i);
-        s.add(tok);
-      }
-    }
-    t.sync();
+    // 1. Hash the step's distinct tokens.
+    hash_step(s, t, top_k, seq_len);
 
     // 2. Walk the LRU order: hits compact forward, the rest backward, both keeping LRU order, so
     //    lru_out[H - 1 - e] is the e-th least-recently-used evictable slot.
@@ -462,34 +504,22 @@ struct SwapIn {
     }
 
     // 3. Misses in top-k order (first occurrence of each token) take evictable slots in LRU order.
-    int num_misses = 0;
-    for (int base = 0; base < K; base += t.size) {
-      const int i = base + t.tid;
-      const int32_t tok = i < K ? top_k[i] : -1;
-      const int pos = is_token(tok, seq_len) && tok != newest ? lookup(s, tok) : -1;
-      const bool miss = pos >= 0 && s.hash_first[pos] == i && s.hash_slot[pos] < 0;
-      int n_miss = 0;
-      const int r_miss = t.rank(miss, &n_miss, s.warp_counts);
-      if (miss) {
-        const int m = num_misses + r_miss;
-        int16_t slot = -1;
-        if (m < num_evictable) {
-          if constexpr (kProtect) {
-            slot = s.victims[m];
-          } else {
-            slot = s.lru_out[H - 1 - m];
-          }
-        }
-        s.miss_index[m] = static_cast<int16_t>(i);
-        s.hash_first[pos] = -1;  // marks the token as loaded this step (for the hit counter)
-        if (slot >= 0 && slot < H) {
-          s.hash_slot[pos] = slot;
-          tokens[slot] = tok;
+    const int num_misses = for_each_miss(s, t, top_k, seq_len, [&](int m, int i, int cell) {
+      int16_t slot = -1;
+      if (m < num_evictable) {
+        if constexpr (kProtect) {
+          slot = s.victims[m];
+        } else {
+          slot = s.lru_out[H - 1 - m];
         }
       }
-      num_misses += n_miss;
-    }
-    t.sync();
+      s.miss_index[m] = static_cast<int16_t>(i);
+      s.hash_first[cell] = -1;  // marks the token as loaded this step (for the hit counter)
+      if (slot >= 0 && slot < H) {
+        s.hash_slot[cell] = slot;
+        tokens[slot] = top_k[i];
+      }
+    });
 
     // 4. LRU order becomes [unused evictables | miss slots | hits]: a permutation of the old row.
     const int used = num_misses < num_evictable ? num_misses : num_evictable;
@@ -570,11 +600,7 @@ struct SwapIn {
         p.miss_src[b * p.miss_src_stride + m] = src;
         store_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m, dst);
       }
-      if (src >= 0 && src < p.host_slots && dst >= 0 && dst < p.device_slots) {
-        Layout::copy(p.device_buffer, p.device_stride, dst, p.host_cache, p.host_stride, src, p.item_bytes,
-                     t.warp_lanes());
-        if (t.lane == 0) Team::fetch_add(&s.copies, 1);
-      }
+      if (p.template copy_token<Layout>(src, dst, t.warp_lanes()) && t.lane == 0) Team::fetch_add(&s.copies, 1);
     }
     t.sync();
     if (t.tid == 0) {
@@ -627,7 +653,7 @@ int SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>::run_on_cuda(con
 // ---------------------------------------------------------------------------------------------
 template <class Layout>
 struct CopyPlanned {
-  struct Params {
+  struct Params : TokenCaches {
     const int64_t* miss_src;
     const void* miss_dst;
     bool miss_dst_is64;
@@ -637,13 +663,6 @@ struct CopyPlanned {
     int64_t batch;
     int64_t width;  // plan columns
     const int32_t* num_real_reqs;
-    const uint8_t* host_cache;
-    int64_t host_stride;
-    int64_t host_slots;
-    uint8_t* device_buffer;
-    int64_t device_stride;
-    int64_t device_slots;
-    int64_t item_bytes;
   };
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.batch * p.width; }
@@ -654,8 +673,7 @@ struct CopyPlanned {
     if (b >= static_cast<int64_t>(*p.num_real_reqs) || m >= p.miss_count[b]) return;
     const int64_t src = p.miss_src[b * p.miss_src_stride + m];
     const int64_t dst = load_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m);
-    if (src < 0 || src >= p.host_slots || dst < 0 || dst >= p.device_slots) return;
-    Layout::copy(p.device_buffer, p.device_stride, dst, p.host_cache, p.host_stride, src, p.item_bytes, lanes);
+    p.template copy_token<Layout>(src, dst, lanes);
   }
 };
 
@@ -689,6 +707,26 @@ void check_item_size(int64_t item_size_bytes) {
   } else {
     check_range(item_size_bytes, 1, int64_t(1) << 40, "item_size_bytes");
   }
+}
+
+// The two caches' checks (dtype, rank, unit last stride, device, row size against the layout, after
+// item_size_bytes) and their TokenCaches; `dev` / `dev_name`: the argument the device buffer must share
+// a device with.
+template <class Layout>
+TokenCaches token_caches(const TensorView& host_cache, const TensorView& device_buffer, int64_t item_size_bytes,
+                         const TensorView& dev, const char* dev_name) {
+  check_item_size<Layout>(item_size_bytes);
+  check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
+  check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(dev, dev_name);
+  TokenCaches c{};
+  c.host_cache = static_cast<const uint8_t*>(host_cache.data_ptr());
+  c.host_stride = host_cache.stride(0);
+  c.host_slots = cache_slots<Layout>(host_cache, "host_cache", item_size_bytes);
+  c.device_buffer = static_cast<uint8_t*>(device_buffer.data_ptr());
+  c.device_stride = device_buffer.stride(0);
+  c.device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
+  c.item_bytes = item_size_bytes;
+  return c;
 }
 
 // Steps 1-2 of the swap-in entry: the O(1) checks (dtypes, shapes, strides, devices, and the memory
@@ -731,14 +769,10 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   check(seq_lens, "seq_lens").ndim(1).contiguous().same_device(dev, "top_k_tokens");
   const bool seq_is64 = check(seq_lens, "seq_lens").int32_or_int64();
   check(seq_lens, "seq_lens").size(0, bs, "batch size");
-  check_item_size<Layout>(item_size_bytes);
-  check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
-  check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(dev, "top_k_tokens");
-  const int64_t host_slots = cache_slots<Layout>(host_cache, "host_cache", item_size_bytes);
-  const int64_t device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
-
   using P = typename SwapIn<K, H, BlockSize, Layout>::Params;
   P p{};
+  static_cast<TokenCaches&>(p) =
+      token_caches<Layout>(host_cache, device_buffer, item_size_bytes, dev, "top_k_tokens");
   if (num_real_reqs) {
     check(*num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(dev, "top_k_tokens");
     p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs->data_ptr());
@@ -790,13 +824,6 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   p.seq_is64 = seq_is64;
   p.batch = bs;
   p.max_reqs = max_reqs;
-  p.host_cache = static_cast<const uint8_t*>(host_cache.data_ptr());
-  p.host_stride = host_cache.stride(0);
-  p.host_slots = host_slots;
-  p.device_buffer = static_cast<uint8_t*>(device_buffer.data_ptr());
-  p.device_stride = device_buffer.stride(0);
-  p.device_slots = device_slots;
-  p.item_bytes = item_size_bytes;
   return p;
 }
 
@@ -828,7 +855,8 @@ void check_distinct_requests(const P& p) {
 }
 
 // The index-check pass (IndexCheck::kOnly / kThenRun): every index the swap-in would follow, on
-// host-readable tables (the wrapper passes host copies when the kernel runs on the GPU), and the
+// host-readable tables (the wrapper checks CUDA tables with torch in the same words:
+// jit_kernel/hisparse.py check_swap_in_on_device), and the
 // destination rule: the device slots a step may write (columns 0..H of the slow-path rows) are
 // distinct across the batch, so no two copies land on one slot.
 template <class P, int K, int H>
@@ -895,12 +923,16 @@ void validate_swap_in(const P& p) {
   }
 }
 
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
-void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-             TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
-             TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots,
-             int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst,
-             OptionalTensor miss_count, OptionalTensor counters, int64_t index_check, bool speculative) {
+// The entry. speculative = false: every real row names its own request; true (MTP draft tokens,
+// speculative decoding): several real rows may name one request, whose rows are served in batch
+// order by one block, as if run one call after another.
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
+void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+                                 TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
+                                 TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
+                                 TensorView lru_slots, int64_t item_size_bytes, OptionalTensor num_real_reqs,
+                                 OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
+                                 OptionalTensor counters, int64_t index_check, bool speculative) {
   // 1-2. Validate and derive the parameters.
   const IndexCheck mode = index_check_mode(index_check);
   auto p = swap_in_params<K, H, BlockSize, Layout>(
@@ -908,7 +940,7 @@ void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorVie
       top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
       optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
       optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"),
-      mode != IndexCheck::kOnly);  // a check-only pass gets a one-row stand-in of the cache (expand)
+      mode != IndexCheck::kOnly);  // a check-only pass writes no byte
   p.speculative = speculative;
   const bool on_device = top_k_tokens.device().device_type == kDLCUDA;
   // 3. The index-check pass, when asked for (host-readable tables only).
@@ -923,37 +955,6 @@ void swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorVie
   if (mode == IndexCheck::kOnly || p.batch == 0) return;
   // 4. Launch on the caller's stream.
   launch<SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>>(p, top_k_tokens.device());
-}
-
-// The plain entry: every real row names its own request.
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
-void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-                                 TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
-                                 TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
-                                 TensorView lru_slots, int64_t item_size_bytes, OptionalTensor num_real_reqs,
-                                 OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
-                                 OptionalTensor counters, int64_t index_check) {
-  swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(
-      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
-                                   host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
-                                   item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
-                                   index_check, false);
-}
-
-// The speculative entry (MTP draft tokens, speculative decoding): several real rows may name one
-// request; its rows are served in batch order by one block, as if run one call after another.
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
-void load_cache_to_device_buffer_speculative(
-    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
-    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, int64_t item_size_bytes,
-    OptionalTensor num_real_reqs, OptionalTensor miss_src, OptionalTensor miss_dst, OptionalTensor miss_count,
-    OptionalTensor counters, int64_t index_check) {
-  swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(
-      top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
-                                   host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots,
-                                   item_size_bytes, num_real_reqs, miss_src, miss_dst, miss_count, counters,
-                                   index_check, true);
 }
 
 // The destination rule and, with `strict` (the index-check mode), every entry of a recorded plan:
@@ -993,15 +994,14 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   check(miss_count, "miss_count").dtype<int32_t>().ndim(1).contiguous().size(0, bs, "rows of miss_src");
   check(miss_count, "miss_count").same_device(miss_src, "miss_src");
   check(num_real_reqs, "num_real_reqs").dtype<int32_t>().ndim(1).size(0, 1).same_device(miss_src, "miss_src");
-  check_item_size<Layout>(item_size_bytes);
-  check(host_cache, "host_cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device_or_host();
-  check(device_buffer, "device_buffer").dtype<uint8_t>().ndim(2).rows_dense().same_device(miss_src, "miss_src");
+  typename CopyPlanned<Layout>::Params p{};
+  static_cast<TokenCaches&>(p) =
+      token_caches<Layout>(host_cache, device_buffer, item_size_bytes, miss_src, "miss_src");
   check_disjoint({read(miss_src, "miss_src"), read(miss_dst, "miss_dst"), read(miss_count, "miss_count"),
                   read(num_real_reqs, "num_real_reqs"), read(host_cache, "host_cache"),
-                  Operand{&device_buffer, "device_buffer", mode != IndexCheck::kOnly}});  // check-only: a stand-in
+                  Operand{&device_buffer, "device_buffer", mode != IndexCheck::kOnly}});  // check-only writes no byte
 
   // 2. Derive the parameters.
-  typename CopyPlanned<Layout>::Params p{};
   p.miss_src = static_cast<const int64_t*>(miss_src.data_ptr());
   p.miss_dst = miss_dst.data_ptr();
   p.miss_dst_is64 = dst_is64;
@@ -1011,13 +1011,6 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   p.batch = bs;
   p.width = miss_src.size(1);
   p.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
-  p.host_cache = static_cast<const uint8_t*>(host_cache.data_ptr());
-  p.host_stride = host_cache.stride(0);
-  p.host_slots = cache_slots<Layout>(host_cache, "host_cache", item_size_bytes);
-  p.device_buffer = static_cast<uint8_t*>(device_buffer.data_ptr());
-  p.device_stride = device_buffer.stride(0);
-  p.device_slots = cache_slots<Layout>(device_buffer, "device_buffer", item_size_bytes);
-  p.item_bytes = item_size_bytes;
 
   // 3. Host-readable plans: no destination twice with different sources (always), every entry in
   //    range (index-check mode). On the device, distinct destinations are the caller's duty.

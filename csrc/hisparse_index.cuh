@@ -87,10 +87,8 @@ struct IndexedSwapIn {
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.base.batch; }
 
-  SPARSEKV_HOST_DEVICE static void insert(Shared& s, int32_t token, int32_t index) { Base::insert(s, token, index); }
   SPARSEKV_HOST_DEVICE static int lookup(const Shared& s, int32_t token) { return Base::lookup(s, token); }
 
-  SPARSEKV_HOST_DEVICE static bool is_token(int32_t token, int64_t seq_len) { return token >= 0 && token < seq_len; }
   SPARSEKV_HOST_DEVICE static bool is_slot(int32_t slot) { return slot >= 0 && slot < H; }
 
   // What the misses' walk finds at queue position j (slot: the entry's slot when live).
@@ -224,26 +222,9 @@ struct IndexedSwapIn {
       head = 0;
     }
 
-    // 1. Hash the step's distinct tokens (the newest one has its own slot and is never looked up).
-    for (int j = t.tid; j < kHashSize; j += t.size) {
-      s.hash_key[j] = kEmpty;
-      s.hash_first[j] = K;
-      s.hash_slot[j] = -1;
-    }
-    s.clear(t);
-    if (t.tid == 0) {
-      s.copies = 0;
-      s.walked_end = head;
-    }
-    t.sync();
-    for (int i = t.tid; i < K; i += t.size) {
-      const int32_t tok = top_k[i];
-      if (is_token(tok, seq_len) && tok != newest) {
-        insert(s, tok, i);
-        s.add(tok);
-      }
-    }
-    t.sync();
+    // 1. Hash the step's distinct tokens (SwapIn's step 1).
+    if (t.tid == 0) s.walked_end = head;
+    Base::hash_step(s, t, top_k, seq_len);
 
     // 2. Hits: the index names a slot and the slot's token confirms it. Collected with their queue
     //    position for the re-append in old LRU order.
@@ -265,21 +246,10 @@ struct IndexedSwapIn {
     t.sync();
 
     // 3. Misses in top-k order (first occurrence of each token).
-    int num_misses = 0;
-    for (int base = 0; base < K; base += t.size) {
-      const int i = base + t.tid;
-      const int32_t tok = i < K ? top_k[i] : -1;
-      const int cell = is_token(tok, seq_len) && tok != newest ? lookup(s, tok) : -1;
-      const bool miss = cell >= 0 && s.hash_first[cell] == i && s.hash_slot[cell] < 0;
-      int n = 0;
-      const int r = t.rank(miss, &n, s.warp_counts);
-      if (miss) {
-        s.miss_index[num_misses + r] = static_cast<int16_t>(i);
-        s.evict_slot[num_misses + r] = -1;
-      }
-      num_misses += n;
-    }
-    t.sync();
+    const int num_misses = Base::for_each_miss(s, t, top_k, seq_len, [&](int m, int i, int) {
+      s.miss_index[m] = static_cast<int16_t>(i);
+      s.evict_slot[m] = -1;
+    });
 
     // 4. The misses take the first live non-hit entries from the head, in queue (LRU) order; under a
     //    protected policy the unprotected ones first, then, when too few, the protected ones. The
@@ -428,14 +398,16 @@ void validate_resident_index(const P& p) {
   }
 }
 
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
-void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-                     TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer,
-                     TensorView top_k_device_locs, TensorView req_pool_indices, TensorView seq_lens,
-                     TensorView lru_slots, TensorView slot_of, TensorView queue, TensorView queue_pos,
-                     int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
-                     OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check,
-                     bool speculative) {
+// The entry, as SwapIn's: plain (speculative = false: every real row its own request) or speculative
+// (rows of one request served in batch order). The index tables follow lru_slots.
+template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
+void load_cache_to_device_buffer_indexed(
+    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
+    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
+    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
+    TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
+    OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check,
+    bool speculative) {
   // 1-2. Validate and derive the parameters: SwapIn's (lru_slots is checked there, never read or
   //      written here), then the index tables.
   const IndexCheck mode = index_check_mode(index_check);
@@ -454,7 +426,7 @@ void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, T
       top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
       optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
       optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"),
-      mode != IndexCheck::kOnly);  // a check-only pass gets a one-row stand-in of the cache (expand)
+      mode != IndexCheck::kOnly);  // a check-only pass writes no byte
   check_disjoint({read(top_k_tokens, "top_k_tokens"), written(device_buffer_tokens, "device_buffer_tokens"),
                   read(host_cache_locs, "host_cache_locs"), read(device_buffer_locs, "device_buffer_locs"),
                   read(host_cache, "host_cache"),
@@ -487,34 +459,6 @@ void indexed_swap_in(TensorView top_k_tokens, TensorView device_buffer_tokens, T
   if (mode == IndexCheck::kOnly || p.base.batch == 0) return;
   // 4. Launch on the caller's stream.
   launch<Kernel>(p, top_k_tokens.device());
-}
-
-// The entries, as SwapIn's: plain (every real row its own request) and speculative (rows of one
-// request served in batch order). The index tables follow lru_slots.
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
-void load_cache_to_device_buffer_indexed(
-    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
-    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
-    TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
-    OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check) {
-  indexed_swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
-                                           host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens,
-                                           lru_slots, slot_of, queue, queue_pos, item_size_bytes, num_real_reqs,
-                                           miss_src, miss_dst, miss_count, counters, index_check, false);
-}
-
-template <int K, int H, int BlockSize, class Layout, int ProtectRecent = 0, int ProtectNear = 0>
-void load_cache_to_device_buffer_indexed_speculative(
-    TensorView top_k_tokens, TensorView device_buffer_tokens, TensorView host_cache_locs,
-    TensorView device_buffer_locs, TensorView host_cache, TensorView device_buffer, TensorView top_k_device_locs,
-    TensorView req_pool_indices, TensorView seq_lens, TensorView lru_slots, TensorView slot_of, TensorView queue,
-    TensorView queue_pos, int64_t item_size_bytes, OptionalTensor num_real_reqs, OptionalTensor miss_src,
-    OptionalTensor miss_dst, OptionalTensor miss_count, OptionalTensor counters, int64_t index_check) {
-  indexed_swap_in<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
-                                           host_cache, device_buffer, top_k_device_locs, req_pool_indices, seq_lens,
-                                           lru_slots, slot_of, queue, queue_pos, item_size_bytes, num_real_reqs,
-                                           miss_src, miss_dst, miss_count, counters, index_check, true);
 }
 
 }  // namespace sparsekv::hisparse

@@ -15,6 +15,7 @@ one import.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -25,6 +26,7 @@ from sparsekv.jit_kernel.hisparse_index import ResidentIndex, check_resident_ind
 from sparsekv.jit_kernel.hisparse_params import (
     LAYOUTS,
     SHARED_MEMORY_LIMIT,
+    SWAP_IN_PARAMS,
     SWAP_IN_POLICIES,
     WARP,
     default_block_size,
@@ -60,7 +62,6 @@ __all__ = [
     "load_cache_to_device_buffer_mla",
     "policy_protections",
     "swap_in_args",
-    "swap_in_entry",
     "swap_in_module",
     "swap_in_shared_bytes",
     "transfer_cache_dsv4_mla",
@@ -109,12 +110,9 @@ SWAP_IN = register(
     KernelFamily(
         name="hisparse",
         header="hisparse.cuh",
-        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer",
-                 "load_cache_to_device_buffer_speculative":
-                     "sparsekv::hisparse::load_cache_to_device_buffer_speculative"},
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer"},
         kernels=("sparsekv::hisparse::SwapIn",),
-        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size", "protect_recent",
-                "protect_near"),
+        params=SWAP_IN_PARAMS,
         complete=_complete_swap_in,
         instances=(
             # Small shapes for the tests (odd sizes, hash collisions, H close to K).
@@ -195,32 +193,49 @@ RUN, CHECK_THEN_RUN = 0, 2
 #: Positional arguments of the C++ swap-in entry, in order (see :func:`swap_in_args`).
 SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs", "host_cache",
                 "device_buffer", "top_k_device_locs", "req_pool_indices", "seq_lens", "lru_slots", "item_size_bytes",
-                "num_real_reqs", "miss_src", "miss_dst", "miss_count", "counters", "index_check")
+                "num_real_reqs", "miss_src", "miss_dst", "miss_count", "counters", "index_check", "speculative")
 
 
 def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
                  top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, *, num_real_reqs=None,
-                 miss_src=None, miss_dst=None, miss_count=None, counters=None, index_check: int = RUN) -> list:
+                 miss_src=None, miss_dst=None, miss_count=None, counters=None, index_check: int = RUN,
+                 speculative: bool = False) -> list:
     """The argument list of the C++ entry ``load_cache_to_device_buffer`` (the one place its order is
     written: the wrapper, the tests and the benchmark all build it here). Optional tensors stay None."""
     return [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
             top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src,
-            miss_dst, miss_count, counters, index_check]
+            miss_dst, miss_count, counters, index_check, speculative]
 
 
-def swap_in_entry(module, speculative: bool):
-    """The C++ entry of a compiled swap-in module: the plain one (every real row its own request)
-    or the speculative one (rows of one request served together, in batch order)."""
-    if not isinstance(speculative, bool):
-        raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
-    return module.load_cache_to_device_buffer_speculative if speculative else module.load_cache_to_device_buffer
-
-
-def _load(is_dsv4_layout, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
-          device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k,
-          hot_buffer_size, num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots,
-          speculative, resident_index, policy) -> None:
-    """Checks the Python-object arguments and unpacks the resident index into the op's tensors."""
+def _load(
+    is_dsv4_layout: bool,
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    item_size_bytes: int,
+    num_top_k: int,
+    hot_buffer_size: int,
+    *,
+    num_real_reqs: torch.Tensor | None = None,
+    miss_src: torch.Tensor | None = None,
+    miss_dst: torch.Tensor | None = None,
+    miss_count: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    block_size: int | None = None,
+    page_slots: int | None = None,
+    speculative: bool = False,
+    resident_index: ResidentIndex | None = None,
+    policy: str = "lru",
+) -> None:
+    """Both public swap-ins (``is_dsv4_layout``: which): checks the Python-object arguments and unpacks the
+    resident index into the op's tensors. The one place their arguments are written."""
     if not isinstance(speculative, bool):
         raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
     protect_recent, protect_near = policy_protections(policy)
@@ -255,7 +270,7 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
-                        counters=counters)
+                        counters=counters, speculative=speculative)
     compiled = swap_in_module
     if index_slot_of is not None:
         # The indexed entries take the index tables right after lru_slots.
@@ -274,8 +289,8 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
             check_resident_index_on_device(ResidentIndex(index_slot_of, index_queue, index_queue_pos), rows,
                                            device_buffer_tokens)
     elif not on_device and env.check_indices():
-        args[-1] = CHECK_THEN_RUN  # host-readable tables: the entry checks every index itself
-    swap_in_entry(module, speculative)(*args)
+        args[-2] = CHECK_THEN_RUN  # index_check: host-readable tables, the entry checks every index itself
+    module.load_cache_to_device_buffer(*args)
 
 
 def _tables_fit(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
@@ -419,32 +434,7 @@ def check_swap_in_on_device(top_k_tokens: torch.Tensor, device_buffer_tokens: to
     return rids[slow]
 
 
-def load_cache_to_device_buffer_mla(
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    item_size_bytes: int,
-    num_top_k: int,
-    hot_buffer_size: int,
-    *,
-    num_real_reqs: torch.Tensor | None = None,
-    miss_src: torch.Tensor | None = None,
-    miss_dst: torch.Tensor | None = None,
-    miss_count: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-    block_size: int | None = None,
-    page_slots: int | None = None,
-    speculative: bool = False,
-    resident_index: ResidentIndex | None = None,
-    policy: str = "lru",
-) -> None:
+def load_cache_to_device_buffer_mla(*args, **kwargs) -> None:
     """Resolve one layer's top-k against the per-request hot buffers; load the misses host -> device.
 
     For each batch row ``b`` (request row ``rid = req_pool_indices[b]``, ``n = seq_lens[b]``,
@@ -537,38 +527,10 @@ def load_cache_to_device_buffer_mla(
         two copies: distinct ``device_buffer_locs`` are otherwise the caller's duty). Without it the
         kernel skips out-of-range entries instead of faulting.
     """
-    _load(False, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-          top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
-          resident_index, policy)
+    _load(False, *args, **kwargs)
 
 
-def load_cache_to_device_buffer_dsv4_mla(
-    top_k_tokens: torch.Tensor,
-    device_buffer_tokens: torch.Tensor,
-    host_cache_locs: torch.Tensor,
-    device_buffer_locs: torch.Tensor,
-    host_cache: torch.Tensor,
-    device_buffer: torch.Tensor,
-    top_k_device_locs: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lru_slots: torch.Tensor,
-    item_size_bytes: int,
-    num_top_k: int,
-    hot_buffer_size: int,
-    *,
-    num_real_reqs: torch.Tensor | None = None,
-    miss_src: torch.Tensor | None = None,
-    miss_dst: torch.Tensor | None = None,
-    miss_count: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-    block_size: int | None = None,
-    page_slots: int | None = None,
-    speculative: bool = False,
-    resident_index: ResidentIndex | None = None,
-    policy: str = "lru",
-) -> None:
+def load_cache_to_device_buffer_dsv4_mla(*args, **kwargs) -> None:
     """:func:`load_cache_to_device_buffer_mla` for the DSV4 C4 layout, paged on both sides.
 
     Differences: ``host_cache`` and ``device_buffer`` are uint8 ``[pages, V4.page_bytes(P)]`` page
@@ -580,10 +542,12 @@ def load_cache_to_device_buffer_dsv4_mla(
     :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
     128, 256, 512); default: read off ``device_buffer``'s page-row bytes.
     """
-    _load(True, top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-          top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_top_k, hot_buffer_size,
-          num_real_reqs, miss_src, miss_dst, miss_count, counters, block_size, page_slots, speculative,
-          resident_index, policy)
+    _load(True, *args, **kwargs)
+
+
+# Both take _load's arguments after the layout flag: what help() and inspect show.
+load_cache_to_device_buffer_mla.__signature__ = load_cache_to_device_buffer_dsv4_mla.__signature__ = \
+    inspect.signature(_load).replace(parameters=tuple(inspect.signature(_load).parameters.values())[1:])
 
 
 def copy_cache_planned_mla(

@@ -36,6 +36,7 @@ from sparsekv.checks import int_in
 from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.hisparse_params import (
     SHARED_MEMORY_LIMIT,
+    SWAP_IN_PARAMS,
     WARP,
     log2_ceil,
     near_bucket_bytes,
@@ -85,13 +86,10 @@ INDEXED = register(
     KernelFamily(
         name="hisparse_index",
         header="hisparse_index.cuh",
-        # The names of the scanning module's entries, so swap_in_entry picks either module's.
-        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer_indexed",
-                 "load_cache_to_device_buffer_speculative":
-                     "sparsekv::hisparse::load_cache_to_device_buffer_indexed_speculative"},
+        # The scanning module's export name, so the swap-in op calls either module's alike.
+        exports={"load_cache_to_device_buffer": "sparsekv::hisparse::load_cache_to_device_buffer_indexed"},
         kernels=("sparsekv::hisparse::IndexedSwapIn",),
-        params=("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size", "protect_recent",
-                "protect_near"),
+        params=SWAP_IN_PARAMS,
         complete=_complete_indexed,
         instances=(
             {"num_top_k": 5, "hot_buffer_size": 7, "layout": "generic"},

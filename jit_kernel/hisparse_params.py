@@ -16,6 +16,7 @@ from sparsekv.kv_layout import C4_PAGE_SLOTS
 __all__ = [
     "LAYOUTS",
     "SHARED_MEMORY_LIMIT",
+    "SWAP_IN_PARAMS",
     "SWAP_IN_POLICIES",
     "WARP",
     "check_block_size",
@@ -30,6 +31,9 @@ __all__ = [
 
 #: Token layouts of the swap-in's caches: ``"generic"`` MLA rows, or ``"dsv4"`` C4 pages of V4 tokens.
 LAYOUTS = ("generic", "dsv4")
+#: The template parameters of both swap-in families (:func:`swap_in_template_args` completes them).
+SWAP_IN_PARAMS = ("num_top_k", "hot_buffer_size", "layout", "page_slots", "block_size", "protect_recent",
+                  "protect_near")
 #: Shared memory one block may use on sm_90 / sm_100 (227 KiB): the bound on the GPU path's scratch.
 SHARED_MEMORY_LIMIT = 227 * 1024
 #: Threads of a GPU warp (the block size's unit and the scratch's per-warp counters).

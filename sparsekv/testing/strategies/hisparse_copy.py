@@ -79,14 +79,17 @@ def slot_pairs(draw, src_slots: int, dst_slots: int, page_slots: int, max_n: int
     return torch.tensor(src, dtype=torch.int64), torch.tensor(pool, dtype=torch.int64)
 
 
+def _two_sides(draw, page_slots: int, max_pages: int):
+    """A source and a destination side of 1-3 layers (the same count), 1-``max_pages`` pages each."""
+    layers = draw(st.integers(1, 3))
+    return tuple(paged_side(layers, draw(st.integers(1, max_pages)), page_slots, page_first=draw(st.booleans()),
+                            seed=draw(st.integers(0, 2**31 - 1))) for _ in range(2))
+
+
 @st.composite
 def token_copy_case(draw, page_slots: int):
     """``(src_side, dst_side, src_ids, dst_ids)`` for a token copy over 1-3 layers and 1-3 pages."""
-    layers = draw(st.integers(1, 3))
-    src = paged_side(layers, draw(st.integers(1, 3)), page_slots, page_first=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2**31 - 1)))
-    dst = paged_side(layers, draw(st.integers(1, 3)), page_slots, page_first=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2**31 - 1)))
+    src, dst = _two_sides(draw, page_slots, 3)
     src_ids, dst_ids = draw(slot_pairs(src.num_pages * page_slots, dst.num_pages * page_slots, page_slots))
     return src, dst, src_ids, dst_ids
 
@@ -94,11 +97,7 @@ def token_copy_case(draw, page_slots: int):
 @st.composite
 def page_copy_case(draw, page_slots: int):
     """``(src_side, dst_side, src_pages, dst_pages)``: distinct destination pages, repeated sources allowed."""
-    layers = draw(st.integers(1, 3))
-    src = paged_side(layers, draw(st.integers(1, 4)), page_slots, page_first=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2**31 - 1)))
-    dst = paged_side(layers, draw(st.integers(1, 4)), page_slots, page_first=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2**31 - 1)))
+    src, dst = _two_sides(draw, page_slots, 4)
     dst_pages = draw(st.permutations(range(dst.num_pages)))[: draw(st.integers(0, dst.num_pages))]
     src_pages = draw(st.lists(st.integers(0, src.num_pages - 1), min_size=len(dst_pages), max_size=len(dst_pages)))
     return src, dst, torch.tensor(src_pages, dtype=torch.int64), torch.tensor(dst_pages, dtype=torch.int64)
