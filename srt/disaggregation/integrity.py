@@ -25,6 +25,7 @@ import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -48,37 +49,57 @@ def _hash_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_HASH_THREADS, thread_name_prefix="sparsekv-digest")
 
 
-def _runs(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and lengths of the runs of consecutive values in ``idx``, in order."""
-    if idx.size == 0:
-        return idx, idx
-    first = np.concatenate(([0], np.flatnonzero(np.diff(idx) != 1) + 1))
-    return idx[first], np.diff(np.concatenate((first, [idx.size])))
+class ItemRuns(NamedTuple):
+    """An index list as the runs of consecutive items it names, in order (computed once per list
+    and shared by every region the list indexes: a room's KV regions all take its page list)."""
+
+    indices: np.ndarray  # int64
+    starts: list[int]
+    lengths: list[int]
+    lowest: int
+    highest: int
+
+    @classmethod
+    def of(cls, indices) -> ItemRuns:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size == 0:
+            return cls(idx, [], [], 0, -1)
+        first = np.concatenate(([0], np.flatnonzero(np.diff(idx) != 1) + 1))
+        lengths = np.diff(np.concatenate((first, [idx.size])))
+        return cls(idx, idx[first].tolist(), lengths.tolist(), int(idx.min()), int(idx.max()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _region_bytes(ptr: int, nbytes: int) -> memoryview:
+    """A region's bytes, viewed where they lie (one view per region, not one per room)."""
+    return memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)).cast("B")
 
 
 def region_digest(region: Region, indices) -> int:
     """XXH3-64 of items ``indices`` of a host ``region``, concatenated in index order.
+
+    ``indices`` may be an :class:`ItemRuns` already made of them.
 
     Raises
     ------
     IndexError
         An index outside the region.
     """
-    items = region.nbytes // region.item_len
-    memory = (ctypes.c_uint8 * (items * region.item_len)).from_address(region.ptr)
-    table = np.frombuffer(memory, dtype=np.uint8).reshape(items, region.item_len)
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.size and (idx.min() < 0 or idx.max() >= items):
+    runs = indices if isinstance(indices, ItemRuns) else ItemRuns.of(indices)
+    size = region.item_len
+    items = region.nbytes // size
+    if runs.lowest < 0 or runs.highest >= items:
         raise IndexError(f"sparsekv: an index of region {region.label!r} is outside its {items} items")
+    memory = _region_bytes(region.ptr, items * size)
     state = xxhash.xxh3_64()
-    starts, lengths = _runs(idx)
-    if idx.size * region.item_len >= _MIN_RUN_BYTES * starts.size:
-        for first, n in zip(starts.tolist(), lengths.tolist()):
-            state.update(table[first : first + n])  # contiguous: hashed where it lies
+    if runs.indices.size * size >= _MIN_RUN_BYTES * len(runs.starts):
+        for first, n in zip(runs.starts, runs.lengths):
+            state.update(memory[first * size : (first + n) * size])  # contiguous: hashed where it lies
         return state.intdigest()
-    step = max(1, _CHUNK_BYTES // region.item_len)
-    for start in range(0, idx.size, step):
-        state.update(np.ascontiguousarray(table[idx[start:start + step]]))
+    table = np.frombuffer(memory, dtype=np.uint8).reshape(items, size)
+    step = max(1, _CHUNK_BYTES // size)
+    for start in range(0, runs.indices.size, step):
+        state.update(np.ascontiguousarray(table[runs.indices[start:start + step]]))
     return state.intdigest()
 
 
@@ -97,7 +118,7 @@ def room_digests(components: list[tuple[str, list[Region]]], kv_indices, kv_grou
     return start_room_digests(components, kv_indices, kv_group_indices, state_indices, only)()
 
 
-def _hash_regions(work: list[tuple[str, Region, object]]) -> dict[str, int]:
+def _hash_regions(work: list[tuple[str, Region, ItemRuns]]) -> dict[str, int]:
     return {key: region_digest(region, indices) for key, region, indices in work}
 
 
@@ -117,6 +138,7 @@ def start_room_digests(components: list[tuple[str, list[Region]]], kv_indices, k
         Fewer state index lists than components, or (a small room) an index outside its region.
     """
     work = []
+    runs: dict[int, ItemRuns] = {}  # id(index list) -> its runs: regions that share a list share them
     for c, (name, regions) in enumerate(components):
         for region in regions:
             key = f"{name}/{region.label}"
@@ -126,8 +148,10 @@ def start_room_digests(components: list[tuple[str, list[Region]]], kv_indices, k
                 indices = kv_group_indices.get(region.label.split(":", 1)[0], kv_indices)
             else:
                 indices = state_indices[c - 1]
-            work.append((key, region, indices))
-    sizes = [len(indices) * region.item_len for _, region, indices in work]
+            if id(indices) not in runs:
+                runs[id(indices)] = ItemRuns.of(indices)
+            work.append((key, region, runs[id(indices)]))
+    sizes = [r.indices.size * region.item_len for _, region, r in work]
     threads = min(_HASH_THREADS, sum(sizes) // _BYTES_PER_THREAD)
     if threads <= 1:
         digests = _hash_regions(work)
