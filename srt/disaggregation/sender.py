@@ -469,10 +469,12 @@ class KVSender:
             while not ended or pending or inflight:
                 culprit = None
                 try:
-                    # Take the rooms the reader has planned; wait for one only when nothing is in flight.
-                    while not ended:
+                    # Take the next room the reader has planned once this one's batches are all
+                    # posted (waiting for its digests, which the reader started, only then); wait
+                    # for one only when nothing is in flight.
+                    while not ended and not pending:
                         try:
-                            item = posts.get(block=not (pending or inflight))
+                            item = posts.get(block=not inflight)
                         except queue.Empty:
                             break
                         if item is None:
@@ -482,20 +484,25 @@ class KVSender:
                                 pending.append(posting)
                             elif not self._succeed(ch, posting, session):
                                 lost = "sparsekv: the decode side went away"
-                    while pending and len(inflight) < self.max_inflight:
+                    # Post one batch when there is room for it, then see to the oldest batch in
+                    # flight: waited for only when nothing else can be posted, else merely checked,
+                    # so a room whose batches have landed is reported at once, not after the
+                    # batches posted behind it (its decode then checks bytes it has just received).
+                    posted = bool(pending) and len(inflight) < self.max_inflight
+                    if posted:
                         culprit = posting = pending[0]
                         inflight.append((posting, self._post(peer, posting, session)))
                         if posting.posted == len(posting.batches):
                             pending.popleft()
                     if inflight:
                         culprit, handle = inflight[0]
-                        self._wait_one(hangup, handle, culprit.deadline)
-                        inflight.popleft()
-                        culprit.done += 1
-                        if self.progress is not None:
-                            self.progress(culprit.room, culprit.done, len(culprit.batches))
-                        if culprit.done == len(culprit.batches) and not self._succeed(ch, culprit, session):
-                            lost = "sparsekv: the decode side went away"
+                        if self._landed(hangup, handle, culprit.deadline, wait=not posted):
+                            inflight.popleft()
+                            culprit.done += 1
+                            if self.progress is not None:
+                                self.progress(culprit.room, culprit.done, len(culprit.batches))
+                            if culprit.done == len(culprit.batches) and not self._succeed(ch, culprit, session):
+                                lost = "sparsekv: the decode side went away"
                 except TransferError as e:
                     lost = (f"sparsekv: room {culprit.room}: transfer failed after {culprit.done}/"
                             f"{len(culprit.batches)} batches: {e}")
@@ -558,13 +565,17 @@ class KVSender:
         self._finish(room, RoomState.FAILED, error)
         self._send(ch, Status(room, ok=False, error=error))
 
-    def _wait_one(self, hangup: threading.Event, handle: TransferHandle, deadline: float) -> None:
+    def _landed(self, hangup: threading.Event, handle: TransferHandle, deadline: float, wait: bool) -> bool:
+        """Whether the batch of ``handle`` has landed (its handle then released); with ``wait``
+        polls until it has. Raises TransferError (the handle released) if it failed, the decode
+        went away, the sender is closing or the deadline passed."""
         since = time.monotonic()
         try:
             while True:
                 state = handle.status()
                 if state == "DONE":
-                    return
+                    handle.release()
+                    return True
                 if state == "ERR":
                     raise TransferError("the transfer engine reported a failed write")
                 if hangup.is_set():
@@ -573,6 +584,9 @@ class KVSender:
                     raise TransferError("the sender is closing")
                 if time.monotonic() > deadline:
                     raise TransferError(f"writes did not complete within {self.deadlines.write_s} s")
+                if not wait:
+                    return False
                 poll_pause(since)
-        finally:
+        except TransferError:
             handle.release()
+            raise

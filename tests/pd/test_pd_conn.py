@@ -7,6 +7,7 @@ the reason, only where NIXL cannot be imported (the planner test always runs).""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
 from sparsekv.srt.disaggregation.planning import RoomPlanner, plan_room
+from sparsekv.srt.disaggregation.protocol import Notification
 from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.sender import KVSender
 from sparsekv.srt.disaggregation.state_routing import kv_args_of
@@ -225,3 +227,48 @@ def test_ucx_settings_reach_the_agent_not_the_environment(monkeypatch):
     assert dict(os.environ) == before
     with pytest.raises(ValueError, match="`net_devices`.*UCX_NET_DEVICES"):
         NixlBackend(net_devices="lo,eth0")  # engine_config cannot carry a list: refused before any agent
+
+
+class _SettledNixl(NixlBackend):
+    """A NIXL endpoint whose writes have landed by the time ``write`` returns, and which records
+    each (room, batch) it posts in ``events``."""
+
+    def __init__(self, events: list, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events = events
+
+    def write(self, peer, rows, *, src_kind, dst_kind, notif=b""):
+        handle = super().write(peer, rows, src_kind=src_kind, dst_kind=dst_kind, notif=notif)
+        while handle.status() == "PROC":
+            time.sleep(1e-4)
+        notification = Notification.decode(notif)
+        self.events.append(("posted", notification.room, notification.batch))
+        return handle
+
+
+@needs_nixl
+def test_a_landed_batch_is_reported_before_the_next_one_is_posted():
+    # The poster once posted up to max_inflight batches before it looked at the oldest, so a room
+    # whose bytes had landed was reported only after the copies behind it (the decode then hashed
+    # bytes long gone from the cache, and waited longer).
+    events = []
+    prefill, decode = kv_args_of(dsv4_pool()), kv_args_of(dsv4_pool())
+    sender = KVSender(prefill, _SettledNixl(events, net_devices="lo"), timeout_s=20, max_batch_rows=3, max_inflight=4,
+                      progress=lambda room, done, batches: events.append(("landed", room, done - 1)))
+    try:
+        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], timeout_s=20)
+        try:
+            for room in range(3):
+                src_kv, src_states, dst_kv, dst_states = room_indices(room)
+                sender.add_request(room, src_kv, src_states)
+            for room in range(3):
+                receiver.request(room, *room_indices(room)[2:])
+            for room in range(3):
+                receiver.wait(room)
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+    posted = [e[1:] for e in events if e[0] == "posted"]
+    assert len(posted) > 3  # several batches per room (3 rows each)
+    assert events == [(kind, *batch) for batch in posted for kind in ("posted", "landed")]
