@@ -36,6 +36,7 @@
 #include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
+#include "sparsekv/query.h"
 
 namespace sparsekv::dsv4_attention {
 
@@ -43,14 +44,6 @@ using Layout = kv_layout::V4;
 inline constexpr int kDim = 512;
 inline constexpr int kNope = 448;
 inline constexpr int kScaleBlock = 64;
-
-// bf16 query elements, read as their 16 raw bits.
-struct Bf16 {
-  uint16_t bits;
-};
-
-SPARSEKV_HOST_DEVICE float load_q(const float* p) { return *p; }
-SPARSEKV_HOST_DEVICE float load_q(const Bf16* p) { return fp8::bf16_to_float(p->bits); }
 
 // One paged cache and its index list.
 struct Source {

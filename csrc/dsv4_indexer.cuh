@@ -43,6 +43,7 @@
 #include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
 #include "sparsekv/portability.h"
+#include "sparsekv/query.h"
 
 namespace sparsekv::dsv4_indexer {
 
@@ -51,12 +52,6 @@ inline constexpr int kMaxHeads = 64;
 inline constexpr int kRatio = 4;
 inline constexpr int kFp4Block = 32;
 
-struct Bf16 {
-  uint16_t bits;
-};
-SPARSEKV_HOST_DEVICE float load_q(const float* p) { return *p; }
-SPARSEKV_HOST_DEVICE float load_q(const Bf16* p) { return fp8::bf16_to_float(p->bits); }
-
 // Entries visible from raw position t: i < (t + 1) / 4, computed without t + 1 (t may be INT64_MAX).
 SPARSEKV_HOST_DEVICE int64_t visible(int64_t position) {
   return position < 0 ? 0 : position / kRatio + (position % kRatio == kRatio - 1 ? 1 : 0);
@@ -64,6 +59,14 @@ SPARSEKV_HOST_DEVICE int64_t visible(int64_t position) {
 
 SPARSEKV_HOST_DEVICE int64_t load_position(const void* positions, bool is64, int64_t b) {
   return is64 ? static_cast<const int64_t*>(positions)[b] : static_cast<const int32_t*>(positions)[b];
+}
+
+// Entries of row b that its position can see, at most the row's width (the scores' and the top-k's
+// Params: positions, positions_is64, width).
+template <class P>
+SPARSEKV_HOST_DEVICE int64_t visible_in_row(const P& p, int64_t b) {
+  const int64_t n = visible(load_position(p.positions, p.positions_is64, b));
+  return n < p.width ? n : p.width;
 }
 
 // Dimension d of an indexer key.
@@ -131,11 +134,6 @@ struct IndexerScores {
     int64_t batch;
     int64_t heads;
   };
-
-  SPARSEKV_HOST_DEVICE static int64_t visible_in_row(const Params& p, int64_t b) {
-    const int64_t n = visible(load_position(p.positions, p.positions_is64, b));
-    return n < p.width ? n : p.width;
-  }
 
   // The key of entry i of row b, or false when its page is not in the cache.
   SPARSEKV_HOST_DEVICE static bool locate(const Params& p, int64_t b, int64_t i, const uint8_t** value,
@@ -209,7 +207,7 @@ __global__ void __launch_bounds__(K::kThreads) scores_kernel(const typename K::P
       w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
     }
     __syncthreads();
-    const int64_t n = K::visible_in_row(p, b);
+    const int64_t n = visible_in_row(p, b);
     const int64_t first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
     const int64_t last = first + K::kEntriesPerBlock < p.width ? first + K::kEntriesPerBlock : p.width;
     for (int64_t i = first + warp; i < last; i += K::kWarps) {
@@ -289,11 +287,6 @@ struct TopK {
     int page_shift;
   };
 
-  SPARSEKV_HOST_DEVICE static int64_t row_length(const Params& p, int64_t b) {
-    const int64_t n = visible(load_position(p.positions, p.positions_is64, b));
-    return n < p.width ? n : p.width;
-  }
-
   SPARSEKV_HOST_DEVICE static void emit(const Params& p, int64_t b, int64_t j, int32_t tok) {
     p.tokens[b * p.tokens_stride + j] = tok;
     if (p.slots) {
@@ -311,7 +304,7 @@ struct TopK {
   static constexpr int kHostBins = 1 << 16;
   static void item(const Params& p, int64_t b, Lanes) {
     const float* s = p.scores + b * p.scores_stride;
-    const int64_t n = row_length(p, b);
+    const int64_t n = visible_in_row(p, b);
     int64_t j = 0;
     if (n <= p.k) {
       for (; j < n; ++j) emit(p, b, j, static_cast<int32_t>(j));
@@ -353,7 +346,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
   __shared__ uint32_t warp_equal[TopK::kWarps], warp_taken[TopK::kWarps];
   const int64_t b = blockIdx.x;
   const float* s = p.scores + b * p.scores_stride;
-  const int64_t n = TopK::row_length(p, b);
+  const int64_t n = visible_in_row(p, b);
   const int tid = threadIdx.x;
   if (n <= p.k) {
     for (int64_t j = tid; j < p.k; j += TopK::kThreads) TopK::emit(p, b, j, j < n ? static_cast<int32_t>(j) : -1);

@@ -42,7 +42,7 @@ from sparsekv.jit_kernel.triton.checks import page_shift
 __all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention", "workspace_floats"]
 
 HEAD_DIM = 512
-_Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::dsv4_attention::Bf16"}
+_Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
 # cuda: blocks of 8 heads (Partial::kHeadsPerBlock); split until the grid covers ~2 waves of an H100/H200.
 _CUDA_HEADS_PER_BLOCK = 8
 _CUDA_TARGET_BLOCKS = 264

@@ -67,7 +67,7 @@ COMPRESS_RATIO = 4
 _MAX_TOP_K = 2**31 - 1
 #: Indexer K cache layouts by name.
 INDEXER_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
-_Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::dsv4_indexer::Bf16"}
+_Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
 
 INDEXER = register(
     KernelFamily(
