@@ -26,15 +26,16 @@
 // Never written: host_cache, host_cache_locs, device_buffer_locs, column H and beyond of
 // device_buffer_tokens, table rows of padding rows, device bytes other than the miss slots.
 //
-// Rows of one request (MTP draft tokens, speculative decoding). The plain entry serves each real
-// row in its own block, so two real rows naming one request would race on its tables and slots: it
-// refuses them (host-readable tables: ValueError before anything is written; on the device, with
-// no host sync: every such row comes out all -1 with no miss, its request's tables untouched). The
-// speculative entry serves all real rows of a request in one block, in batch order, each on the
-// tables the previous row left: the result equals running the rows one call after another. A token
-// missing from several of them is loaded once (the first row loads it, the next ones hit it), and
-// each row gets the slots of its own top-k, which stay its own while the group selects at most H
-// distinct tokens (a later row's misses then evict none of them).
+// Rows of one request (MTP draft tokens, speculative decoding), the entry's `speculative` flag.
+// Plain (false): each real row is served in its own block, so two real rows naming one request
+// would race on its tables and slots; they are refused (host-readable tables: ValueError before
+// anything is written; on the device, with no host sync: every such row comes out all -1 with no
+// miss, its request's tables untouched). Speculative (true): all real rows of a request are served
+// in one block, in batch order, each on the tables the previous row left: the result equals running
+// the rows one call after another. A token missing from several of them is loaded once (the first
+// row loads it, the next ones hit it), and each row gets the slots of its own top-k, which stay its
+// own while the group selects at most H distinct tokens (a later row's misses then evict none of
+// them).
 //
 // Input contract (ffi.h): no written argument (top_k_device_locs, device_buffer_tokens, lru_slots,
 // device_buffer, the plan, counters) shares memory with any other argument; the entry rejects it
@@ -359,8 +360,8 @@ struct SwapIn {
   }
 
   // Work unit b of a launch; called by every thread of the team. A real row whose request another
-  // real row also names: plain entry, refused (like padding: -1, no miss, tables untouched: two
-  // blocks must never work on one request's tables); speculative entry, the first such row serves
+  // real row also names: plain, refused (like padding: -1, no miss, tables untouched: two
+  // blocks must never work on one request's tables); speculative, the first such row serves
   // them all, in batch order, each with the tables the previous one left (the later rows' units do
   // nothing). Rows of distinct requests are served alone either way.
   SPARSEKV_HOST_DEVICE static void serve(const Params& p, int64_t b, const Team& t, Shared& s) {
@@ -833,7 +834,7 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
                             << "through the speculative swap-in, which serves them in batch order)";
 }
 
-// Host-readable tables, plain entry: no request named by two real rows (on the device the kernel
+// Host-readable tables, plain (not speculative): no request named by two real rows (on the device the kernel
 // refuses such rows instead: they come out all -1 and change nothing).
 template <class P>
 void check_distinct_requests(const P& p) {

@@ -188,12 +188,7 @@ def test_the_scratch_does_not_grow_with_the_hot_buffer():
 
 
 def _call(w, index, **overrides):
-    args = dict(top_k_tokens=torch.tensor([[20, 2, 21, -1, 29]], dtype=torch.int32),
-                device_buffer_tokens=w.device_buffer_tokens, host_cache_locs=w.host_cache_locs,
-                device_buffer_locs=w.device_buffer_locs, host_cache=w.host_cache, device_buffer=w.device_buffer,
-                top_k_device_locs=torch.full((1, K), 7, dtype=torch.int32),
-                req_pool_indices=torch.tensor([0], dtype=torch.int32), seq_lens=torch.tensor([30], dtype=torch.int32),
-                lru_slots=w.lru_slots, item_size_bytes=w.item_size_bytes, num_top_k=K, hot_buffer_size=H)
+    args = w.call_args([[20, 2, 21, -1, 29]], [0], [30])
     tables = dict(slot_of=index.slot_of, queue=index.queue, queue_pos=index.queue_pos)
     tables.update({k: v for k, v in overrides.items() if k in tables})
     args.update({k: v for k, v in overrides.items() if k not in tables})

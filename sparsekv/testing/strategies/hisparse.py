@@ -75,6 +75,20 @@ class SwapInWorld:
         cache = self.device_buffer if device_buffer is None else device_buffer
         write_token(cache, loc, self.host_token(rid, token, host_cache), page_slots=self.page_slots)
 
+    def call_args(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], /, **overrides) -> dict:
+        """The public swap-in's arguments for a call on this world's tables (int32 rows and lengths, an
+        output pre-filled with 7), ``overrides`` replacing any of them: for bad-input tests that call
+        the wrapper themselves."""
+        return dict(top_k_tokens=torch.tensor(top_k, dtype=torch.int32).reshape(len(rids), self.num_top_k),
+                    device_buffer_tokens=self.device_buffer_tokens, host_cache_locs=self.host_cache_locs,
+                    device_buffer_locs=self.device_buffer_locs, host_cache=self.host_cache,
+                    device_buffer=self.device_buffer,
+                    top_k_device_locs=torch.full((len(rids), self.num_top_k), 7, dtype=torch.int32),
+                    req_pool_indices=torch.tensor(rids, dtype=torch.int32),
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32), lru_slots=self.lru_slots,
+                    item_size_bytes=self.item_size_bytes, num_top_k=self.num_top_k, hot_buffer_size=self.hot) \
+            | overrides
+
     def swap_in(self, top_k: list[list[int]], rids: list[int], seq_lens: list[int], *,
                 num_real_reqs: int | None = None, plan: bool = False, miss_dst_dtype: torch.dtype = torch.int64,
                 counters: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32,
