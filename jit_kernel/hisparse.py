@@ -285,7 +285,7 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
     if on_device and _tables_fit(*tables, host_cache, device_buffer, num_top_k, hot_buffer_size):
         rows = check_swap_in_on_device(*tables, host_cache, device_buffer, hot_buffer_size=hot_buffer_size,
                                        page_slots=page_slots, speculative=speculative)
-        if index_slot_of is not None:
+        if index_slot_of is not None and index_queue.dim() == 2 and index_queue.shape[1] == 2 * hot_buffer_size:
             check_resident_index_on_device(ResidentIndex(index_slot_of, index_queue, index_queue_pos), rows,
                                            device_buffer_tokens)
     elif not on_device and env.check_indices():

@@ -221,7 +221,8 @@ def check_resident_index_on_device(index: ResidentIndex, rows: torch.Tensor,
     if not (index.slot_of.dtype == index.queue.dtype == torch.int16 and index.queue_pos.dtype == torch.int32
             and index.slot_of.dim() == index.queue.dim() == index.queue_pos.dim() == 2
             and index.slot_of.shape[0] == index.queue.shape[0] == index.queue_pos.shape[0]
-            == device_buffer_tokens.shape[0] and index.queue_pos.shape[1] == hot + 2
+            == device_buffer_tokens.shape[0] and index.queue.shape[1] == 2 * hot
+            and index.queue_pos.shape[1] == hot + 2 and device_buffer_tokens.shape[1] > hot
             and index.slot_of.device == index.queue.device == index.queue_pos.device == rows.device):
         return
     slot_of, tokens = index.slot_of[rows].long(), device_buffer_tokens[rows, :hot].long()
