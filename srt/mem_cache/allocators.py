@@ -99,9 +99,20 @@ class PagedAllocator:
         return 0 <= page < self.num_pages and self._owned[page] == 1
 
     def all_allocated(self, pages: torch.Tensor) -> bool:
-        """Whether every page of ``pages`` (an int64 CPU tensor) is allocated (True for no pages)."""
-        in_range = bool(((pages >= 0) & (pages < self.num_pages)).all())
-        return in_range and bool(self._owned_mask[pages].all())
+        """Whether every page of ``pages`` (an integer tensor, any shape and device) is allocated (True
+        for no pages).
+
+        Raises
+        ------
+        TypeError
+            ``pages`` is not an integer tensor (a bool tensor would index as a mask, not as pages).
+        """
+        return self._all_owned(id_tensor(pages, "pages", allow_negative=True))
+
+    def _all_owned(self, ids: torch.Tensor) -> bool:
+        """:meth:`all_allocated` of int64 CPU ``ids`` (a negative id must not index from the end)."""
+        in_range = bool(((ids >= 0) & (ids < self.num_pages)).all())
+        return in_range and bool(self._owned_mask[ids].all())
 
     def alloc(self, num_pages: int) -> torch.Tensor:
         """Allocate ``num_pages`` pages from the front of the free list.
@@ -147,7 +158,7 @@ class PagedAllocator:
         ids = id_tensor(pages, "pages", allow_negative=True)
         if ids.numel() == 0:
             return
-        if not self.all_allocated(ids) or torch.unique(ids).numel() != ids.numel():
+        if not self._all_owned(ids) or torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"sparsekv: argument `pages` names pages the {self.name} allocator has not allocated "
                              f"(or names one twice): {ids.tolist()}")
         self._owned_mask[ids] = False

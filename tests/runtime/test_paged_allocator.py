@@ -122,3 +122,24 @@ def test_pages_of_are_the_distinct_pages_of_the_slots_ascending():
 def test_the_allocator_arguments_are_checked(kwargs, error, match):
     with pytest.raises(error, match=match):
         PagedAllocator(**{"num_pages": 4, "page_size": 64, "name": "test", **kwargs})
+
+
+def test_all_allocated_reads_any_integer_ids_and_refuses_others_naming_the_argument():
+    a = PagedAllocator(6, 4, "device")
+    pages = a.alloc(3)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        assert a.all_allocated(pages.to(dtype)) and a.all_allocated(pages.to(dtype).reshape(3, 1))
+        assert not a.all_allocated(torch.tensor([1, 4], dtype=dtype))
+        assert not a.all_allocated(torch.tensor([-5, 1], dtype=dtype))  # never read as "from the end"
+    # A bool tensor is not a list of pages (indexing would read it as a mask over all of them).
+    for ids in (torch.tensor([1.0]), torch.tensor([False, True, True, True, False, False])):
+        with pytest.raises(TypeError, match="`pages`"):
+            a.all_allocated(ids)
+
+
+def test_a_free_keeps_its_own_copy_of_the_pages_it_defers():
+    a = PagedAllocator(6, 4, "host", reserve_page_0=False, deferred_reuse=True)
+    pages = a.alloc(4)
+    a.free(pages[:2])  # a view of the caller's tensor, which the caller then reuses
+    pages.fill_(5)
+    assert a.alloc(4).tolist() == [4, 5, 0, 1] and a.used_pages == {0, 1, 2, 3, 4, 5}
