@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,7 +46,12 @@ def test_both_names_of_one_keyword_are_refused():
 
 def test_the_runtime_takes_its_old_keywords_for_one_release():
     from sparsekv.srt.managers import HiSparseCoordinator
-    from sparsekv.srt.mem_cache import DeepSeekV4PagedHostPool, HiSparseC4DevicePool, HiSparseTokenToKVPoolAllocator
+    from sparsekv.srt.mem_cache import (
+        DeepSeekV4PagedHostPool,
+        HiSparseC4DevicePool,
+        HiSparseTokenToKVPoolAllocator,
+        HostKVCache,
+    )
     from sparsekv.srt.model_executor.deployment import model_instances, serving_instances
 
     allocator = HiSparseTokenToKVPoolAllocator(1024, 256)
@@ -57,10 +63,13 @@ def test_the_runtime_takes_its_old_keywords_for_one_release():
                                        slot_page_size=32)
         flash = model_instances("dsv4-flash", hot_buffer=2048)
         old = serving_instances(top_k=512, hot_buffer=1024)
+        base = SimpleNamespace()  # what a host pool's super().__init__ sets up
+        HostKVCache.__init__(base, layer_num=1, page_size=16, num_pages=2, pin_memory=False)
     assert _renames(caught) == [("top_k", "num_top_k"), ("device_buffer_size", "hot_buffer_size"),
                                 ("slot_page_size", "page_slots"), ("hot_buffer", "hot_buffer_size"),
-                                ("top_k", "num_top_k"), ("hot_buffer", "hot_buffer_size")]
-    assert (coord.num_top_k, coord.hot_buffer_size, host.page_slots) == (5, 7, 32)
+                                ("top_k", "num_top_k"), ("hot_buffer", "hot_buffer_size"), ("page_size", "page_slots")]
+    assert {w.filename for w in caught} == {__file__}  # constructors' warnings point at the caller too
+    assert (coord.num_top_k, coord.hot_buffer_size, host.page_slots, base.page_slots) == (5, 7, 32, 16)
     assert flash == model_instances("dsv4-flash", hot_buffer_size=2048)
     assert old == serving_instances(num_top_k=512, hot_buffer_size=1024)
     assert ("hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64}) in old

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from sparsekv.checks import int_in
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
 
@@ -30,7 +31,8 @@ class HostKVCache(ABC):
     layer_num : int
         Layers held.
     page_slots : int
-        Token slots per page.
+        Token slots per page; formerly ``page_size=``, which still works for one release (with a
+        ``DeprecationWarning``).
     num_pages : int
         Host pages; the pool holds ``size = num_pages * page_slots`` token slots.
     pin_memory : bool, optional
@@ -47,6 +49,7 @@ class HostKVCache(ABC):
         device buffers.
     """
 
+    @renamed_keywords(page_size="page_slots")
     def __init__(self, *, layer_num: int, page_slots: int, num_pages: int, pin_memory: bool | None = None,
                  device: torch.device | str = "cpu") -> None:
         layer_num, page_slots = int_in(layer_num, "layer_num", 1), int_in(page_slots, "page_slots", 1)
