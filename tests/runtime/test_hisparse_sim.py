@@ -21,7 +21,9 @@ from sparsekv.testing.hisparse_traces import POLICIES, RequestTrace, Trace, Trac
 from sparsekv.testing.strategies.hisparse import make_world
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_TRACES = sorted((REPO / "tools" / "hisparse_traces").glob("demo_layer*.json"))
+# The shipped recording: one trace per C4 layer of the demo model (named, so a missing file fails
+# its test instead of leaving an empty parameter list).
+DEMO_TRACES = [REPO / "tools" / "hisparse_traces" / f"demo_layer{layer}.json" for layer in (1, 3)]
 
 
 def brute_force_min_loads(steps: list[tuple[int, list[int]]], hot: int) -> int:
@@ -231,7 +233,7 @@ def test_shipped_demo_trace_replays_what_the_swap_in_kernel_did(path):
     """The recorded demo decode (``sparsekv demo --save-traces``): LRU replayed at the recording's
     hot buffer gives, step by step, the hits and loads the swap-in kernel counted in that run; the
     requests outgrow H = 1,024 (so the sweep's largest H evicts), and Belady loads least there."""
-    assert len(DEMO_TRACES) == 2  # one per C4 layer of the demo model
+    assert sorted(path.parent.glob("demo_layer*.json")) == DEMO_TRACES
     trace = Trace.load(path)
     source = trace.source
     assert source["kind"] == "sparsekv demo" and source["policy"] == "lru" and trace.num_top_k == 64
