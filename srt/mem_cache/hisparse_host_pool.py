@@ -45,16 +45,31 @@ class HiSparseHostPoolMixin:
         return self.page_alloc.available_pages
 
     def alloc_page(self, num_pages: int) -> HostPages:
-        """Allocate ``num_pages`` host pages: :meth:`PagedAllocator.alloc
-        <sparsekv.srt.mem_cache.allocators.PagedAllocator.alloc>`, whose errors it raises, with
-        :class:`HostPoolExhaustedError` when fewer pages are available (nothing changes then, the
-        lazily released pages included)."""
+        """Allocate ``num_pages`` host pages (:meth:`PagedAllocator.alloc
+        <sparsekv.srt.mem_cache.allocators.PagedAllocator.alloc>`).
+
+        Raises
+        ------
+        TypeError
+            ``num_pages`` is not an int (a bool or a float included).
+        ValueError
+            ``num_pages`` is negative.
+        HostPoolExhaustedError
+            Fewer pages are available; nothing changed (the lazily released pages stay where they are).
+        """
         return HostPages(self.page_alloc.alloc(num_pages))
 
     def free_pages(self, pages: HostPages) -> None:
-        """Return pages to the pool, lazily (they are reused only when the free list runs dry):
-        :meth:`PagedAllocator.free <sparsekv.srt.mem_cache.allocators.PagedAllocator.free>`, whose
-        errors it raises, and ``TypeError`` when ``pages`` is not :class:`HostPages`."""
+        """Return pages to the pool, lazily: they are reused only when the free list runs dry
+        (:meth:`PagedAllocator.free <sparsekv.srt.mem_cache.allocators.PagedAllocator.free>`).
+
+        Raises
+        ------
+        TypeError
+            ``pages`` is not :class:`HostPages`.
+        ValueError
+            A page is not allocated (a double free) or named twice; nothing is freed then.
+        """
         self.page_alloc.free(HostPages.require(pages, "pages").tensor)
 
     def host_pages_needed(self, start_pos: int, num_tokens: int, allocated_len: int) -> int:
