@@ -462,7 +462,7 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     check(lengths, "topk_length").size(0, batch, "batch of q");
     main.lengths = static_cast<const int32_t*>(lengths.data_ptr());
     if (q.device().device_type != kDLCUDA) {
-      for (int64_t b = 0; b < batch; ++b) check_range(main.lengths[b], 0, main.count + 1, "topk_length");
+      for (int64_t b = 0; b < batch; ++b) check_range(main.lengths[b], 0, main.count, "topk_length");
     }
   }
   Source extra{nullptr, 0, 0, 0, nullptr, 0, 0};

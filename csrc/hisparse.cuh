@@ -59,8 +59,8 @@
 // named twice with different sources are rejected for host-readable plans (the caller's duty on
 // the device).
 //
-// Each entry takes an `index_check` (ffi.h IndexCheck): 0 run, 1 validate every index and move
-// nothing, 2 validate then run; the swap-in's, then `speculative`. Optional tensors are
+// Each entry takes an `index_check` (ffi.h IndexCheck): 0 run, 1 validate every index then run
+// (host-readable tables); the swap-in's, then `speculative`. Optional tensors are
 // tvm::ffi::Optional (Python None).
 #pragma once
 
@@ -704,9 +704,9 @@ template <class Layout>
 void check_item_size(int64_t item_size_bytes) {
   if constexpr (kIsPaged<Layout>) {
     using L = typename Layout::PagedT::LayoutT;
-    check_range(item_size_bytes, L::kBytesPerToken, L::kBytesPerToken + 1, "item_size_bytes");
+    check_range(item_size_bytes, L::kBytesPerToken, L::kBytesPerToken, "item_size_bytes");
   } else {
-    check_range(item_size_bytes, 1, int64_t(1) << 40, "item_size_bytes");
+    check_range(item_size_bytes, 1, (int64_t(1) << 40) - 1, "item_size_bytes");
   }
 }
 
@@ -738,7 +738,7 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
     const TensorView& device_buffer_locs, const TensorView& host_cache, const TensorView& device_buffer,
     const TensorView& top_k_device_locs, const TensorView& req_pool_indices, const TensorView& seq_lens,
     const TensorView& lru_slots, int64_t item_size_bytes, const TensorView* num_real_reqs, const TensorView* miss_src,
-    const TensorView* miss_dst, const TensorView* miss_count, const TensorView* counters, bool moves_bytes) {
+    const TensorView* miss_dst, const TensorView* miss_count, const TensorView* counters) {
   const TensorView& dev = top_k_tokens;
   check(top_k_tokens, "top_k_tokens").dtype<int32_t>().ndim(2).rows_dense().on_backend_device();
   const int64_t bs = top_k_tokens.size(0);
@@ -803,7 +803,7 @@ typename SwapIn<K, H, BlockSize, Layout>::Params swap_in_params(
   // output row: no written argument may share memory with any other argument.
   check_disjoint({read(top_k_tokens, "top_k_tokens"), written(device_buffer_tokens, "device_buffer_tokens"),
                   read(host_cache_locs, "host_cache_locs"), read(device_buffer_locs, "device_buffer_locs"),
-                  read(host_cache, "host_cache"), Operand{&device_buffer, "device_buffer", moves_bytes},
+                  read(host_cache, "host_cache"), written(device_buffer, "device_buffer"),
                   written(top_k_device_locs, "top_k_device_locs"), read(req_pool_indices, "req_pool_indices"),
                   read(seq_lens, "seq_lens"), written(lru_slots, "lru_slots"), read(num_real_reqs, "num_real_reqs"),
                   written(miss_src, "miss_src"), written(miss_dst, "miss_dst"), written(miss_count, "miss_count"),
@@ -855,7 +855,7 @@ void check_distinct_requests(const P& p) {
                             << " is out of range [0, " << limit << ") (" << why << ")";
 }
 
-// The index-check pass (IndexCheck::kOnly / kThenRun): every index the swap-in would follow, on
+// The index-check pass (IndexCheck::kThenRun): every index the swap-in would follow, on
 // host-readable tables (the wrapper checks CUDA tables with torch in the same words:
 // jit_kernel/hisparse.py check_swap_in_on_device), and the
 // destination rule: the device slots a step may write (columns 0..H of the slow-path rows) are
@@ -863,7 +863,7 @@ void check_distinct_requests(const P& p) {
 template <class P, int K, int H>
 void validate_swap_in(const P& p) {
   const int64_t num_real = p.num_real_reqs ? *p.num_real_reqs : p.batch;
-  check_range(num_real, 0, p.batch + 1, "num_real_reqs");
+  check_range(num_real, 0, p.batch, "num_real_reqs");
   std::vector<int64_t> seen;
   std::vector<std::pair<int32_t, int64_t>> written_locs;  // (device slot, request row)
   for (int64_t b = 0; b < num_real; ++b) {
@@ -940,8 +940,7 @@ void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buff
       top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
       top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
       optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
-      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"),
-      mode != IndexCheck::kOnly);  // a check-only pass writes no byte
+      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
   p.speculative = speculative;
   const bool on_device = top_k_tokens.device().device_type == kDLCUDA;
   // 3. The index-check pass, when asked for (host-readable tables only).
@@ -953,7 +952,7 @@ void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buff
   } else if (!on_device && !speculative) {
     check_distinct_requests(p);
   }
-  if (mode == IndexCheck::kOnly || p.batch == 0) return;
+  if (p.batch == 0) return;
   // 4. Launch on the caller's stream.
   launch<SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>>(p, top_k_tokens.device());
 }
@@ -963,7 +962,7 @@ void load_cache_to_device_buffer(TensorView top_k_tokens, TensorView device_buff
 template <class P>
 void validate_plan(const P& p, bool strict) {
   const int64_t num_real = *p.num_real_reqs;
-  check_range(num_real, 0, p.batch + 1, "num_real_reqs");
+  check_range(num_real, 0, p.batch, "num_real_reqs");
   std::vector<int64_t> src, dst;
   for (int64_t b = 0; b < num_real; ++b) {
     const int64_t count = p.miss_count[b];
@@ -1000,7 +999,7 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
       token_caches<Layout>(host_cache, device_buffer, item_size_bytes, miss_src, "miss_src");
   check_disjoint({read(miss_src, "miss_src"), read(miss_dst, "miss_dst"), read(miss_count, "miss_count"),
                   read(num_real_reqs, "num_real_reqs"), read(host_cache, "host_cache"),
-                  Operand{&device_buffer, "device_buffer", mode != IndexCheck::kOnly}});  // check-only writes no byte
+                  written(device_buffer, "device_buffer")});
 
   // 2. Derive the parameters.
   p.miss_src = static_cast<const int64_t*>(miss_src.data_ptr());
@@ -1020,7 +1019,7 @@ void copy_cache_planned(TensorView miss_src, TensorView miss_dst, TensorView mis
   } else if (mode != IndexCheck::kOff) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `index_check` needs a host-readable plan (pass host copies)";
   }
-  if (mode == IndexCheck::kOnly || p.batch * p.width == 0) return;
+  if (p.batch * p.width == 0) return;
 
   // 4. Launch.
   launch<CopyPlanned<Layout>>(p, miss_src.device());

@@ -425,12 +425,11 @@ void load_cache_to_device_buffer_indexed(
       top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
       top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
       optional_arg(num_real_reqs, "num_real_reqs"), optional_arg(miss_src, "miss_src"),
-      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"),
-      mode != IndexCheck::kOnly);  // a check-only pass writes no byte
+      optional_arg(miss_dst, "miss_dst"), optional_arg(miss_count, "miss_count"), optional_arg(counters, "counters"));
   check_disjoint({read(top_k_tokens, "top_k_tokens"), written(device_buffer_tokens, "device_buffer_tokens"),
                   read(host_cache_locs, "host_cache_locs"), read(device_buffer_locs, "device_buffer_locs"),
                   read(host_cache, "host_cache"),
-                  Operand{&device_buffer, "device_buffer", mode != IndexCheck::kOnly},
+                  written(device_buffer, "device_buffer"),
                   written(top_k_device_locs, "top_k_device_locs"), read(req_pool_indices, "req_pool_indices"),
                   read(seq_lens, "seq_lens"), read(lru_slots, "lru_slots"), written(slot_of, "slot_of"),
                   written(queue, "queue"), written(queue_pos, "queue_pos")});
@@ -456,7 +455,7 @@ void load_cache_to_device_buffer_indexed(
   } else if (!on_device && !speculative) {
     check_distinct_requests(p.base);
   }
-  if (mode == IndexCheck::kOnly || p.base.batch == 0) return;
+  if (p.base.batch == 0) return;
   // 4. Launch on the caller's stream.
   launch<Kernel>(p, top_k_tokens.device());
 }

@@ -188,7 +188,7 @@ def _page_slots(is_dsv4_layout: bool, page_slots: int | None, device_buffer: tor
 
 #: ``index_check`` modes of the C++ entries (``IndexCheck`` in ``csrc/include/sparsekv/ffi.h``) that the
 #: wrappers pass: run, or validate every index then run (host-readable tables).
-RUN, CHECK_THEN_RUN = 0, 2
+RUN, CHECK_THEN_RUN = 0, 1
 
 #: Positional arguments of the C++ swap-in entry, in order (see :func:`swap_in_args`).
 SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs", "host_cache",
@@ -325,7 +325,7 @@ def _num_real(num_real_reqs: torch.Tensor | None, batch: int) -> int:
     """The real batch rows (a host sync), checked as the header's ``check_range`` does."""
     num_real = batch if num_real_reqs is None else int(num_real_reqs[0])
     if not 0 <= num_real <= batch:
-        raise ValueError(f"sparsekv: argument `num_real_reqs` must be in [0, {batch + 1}), got {num_real}")
+        raise ValueError(f"sparsekv: argument `num_real_reqs` must be in [0, {batch}], got {num_real}")
     return num_real
 
 

@@ -13,14 +13,15 @@
 //      itself either (an `expand`ed view writes one element from many places).
 //   3. Destinations: a destination named twice must come with the same source
 //      (`check_no_conflicting_destinations`). Checked where the ids are host-readable; for
-//      device-resident ids it is the caller's duty (say so in the kernel's contract) unless the
-//      entry's index-check mode runs on host copies.
+//      device-resident ids it is the caller's duty (say so in the kernel's contract; the wrapper
+//      checks them with torch on the device when SPARSEKV_CHECK_INDICES=1).
 //   4. Pointer tables (uint64 per-layer base addresses): no null entry (`check_pointer_table`);
 //      when source and destination tables share a base address, no id may be both a source and
 //      another pair's destination (`check_no_chained_ids`), since the result would depend on order.
 //   5. Indices: O(1) checks always; kernels skip out-of-range entries (safe by construction);
 //      every index is validated in full before anything moves when host-readable, or on request
-//      (`IndexCheck`, driven by SPARSEKV_CHECK_INDICES=1).
+//      (`IndexCheck`, driven by SPARSEKV_CHECK_INDICES=1; for device tables the wrapper validates
+//      them with torch on the device, `torch_op.index_checks_on_device`).
 //   6. Optional tensors are `OptionalTensor` (Python None = absent); a 0-dim tensor passed for one
 //      is rejected (`optional_arg`), never mistaken for "absent".
 #pragma once
@@ -234,11 +235,12 @@ class Arg {
 
 inline Arg check(const TensorView& t, const char* name) { return Arg(t, name); }
 
-// Scalar argument range check.
-inline void check_range(int64_t value, int64_t lo, int64_t hi_exclusive, const char* name) {
-  if (value < lo || value >= hi_exclusive) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be in [" << lo << ", " << hi_exclusive
-                              << "), got " << value;
+// Scalar argument range check, closed [lo, hi]: the convention of sparsekv.checks, so both languages
+// word a refusal the same way.
+inline void check_range(int64_t value, int64_t lo, int64_t hi, const char* name) {
+  if (value < lo || value > hi) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be in [" << lo << ", " << hi << "], got "
+                              << value;
   }
 }
 
@@ -427,12 +429,11 @@ void check_no_chained_ids(const Index* src, const Index* dst, int64_t n, const c
 // Rule 5: the index-check mode of an entry that has one (Python passes SPARSEKV_CHECK_INDICES).
 enum class IndexCheck : int64_t {
   kOff = 0,      // O(1) checks, then run (kernels skip bad entries)
-  kOnly = 1,     // validate every index, move nothing (host copies of device tables)
-  kThenRun = 2,  // validate every index, then run (host-readable tables)
+  kThenRun = 1,  // validate every index, then run (host-readable tables)
 };
 
 inline IndexCheck index_check_mode(int64_t mode) {
-  check_range(mode, 0, 3, "index_check");
+  check_range(mode, 0, 1, "index_check");
   return static_cast<IndexCheck>(mode);
 }
 
