@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sparsekv.srt.disaggregation.backend import TransferBackend, TransferError, TransferHandle, poll_pause
+from sparsekv.srt.disaggregation.backend import SPIN_S, TransferBackend, TransferError, TransferHandle, poll_pause
 from sparsekv.srt.disaggregation.bootstrap import LOOPBACK, Channel, PeerClosedError, Wakeup, b64, listen, unb64
 from sparsekv.srt.disaggregation.deadlines import Deadlines
 from sparsekv.srt.disaggregation.integrity import start_room_digests
@@ -485,9 +485,11 @@ class KVSender:
                             elif not self._succeed(ch, posting, session):
                                 lost = "sparsekv: the decode side went away"
                     # Post one batch when there is room for it, then see to the oldest batch in
-                    # flight: waited for only when nothing else can be posted, else merely checked,
-                    # so a room whose batches have landed is reported at once, not after the
-                    # batches posted behind it (its decode then checks bytes it has just received).
+                    # flight: waited for when nothing else can be posted, else given SPIN_S to land
+                    # (a host-to-host write copies inside the post and completes tens of
+                    # microseconds later), so a room whose batches have landed is reported at once,
+                    # not after the batches posted behind it (its decode then checks bytes it has
+                    # just received).
                     posted = bool(pending) and len(inflight) < self.max_inflight
                     if posted:
                         culprit = posting = pending[0]
@@ -496,7 +498,7 @@ class KVSender:
                             pending.popleft()
                     if inflight:
                         culprit, handle = inflight[0]
-                        if self._landed(hangup, handle, culprit.deadline, wait=not posted):
+                        if self._landed(hangup, handle, culprit.deadline, SPIN_S if posted else None):
                             inflight.popleft()
                             culprit.done += 1
                             if self.progress is not None:
@@ -565,10 +567,11 @@ class KVSender:
         self._finish(room, RoomState.FAILED, error)
         self._send(ch, Status(room, ok=False, error=error))
 
-    def _landed(self, hangup: threading.Event, handle: TransferHandle, deadline: float, wait: bool) -> bool:
-        """Whether the batch of ``handle`` has landed (its handle then released); with ``wait``
-        polls until it has. Raises TransferError (the handle released) if it failed, the decode
-        went away, the sender is closing or the deadline passed."""
+    def _landed(self, hangup: threading.Event, handle: TransferHandle, deadline: float,
+                patience: float | None) -> bool:
+        """Whether the batch of ``handle`` landed within ``patience`` seconds (None: polls until it
+        has; its handle is then released). Raises TransferError (the handle released) if it
+        failed, the decode went away, the sender is closing or the deadline passed."""
         since = time.monotonic()
         try:
             while True:
@@ -584,7 +587,7 @@ class KVSender:
                     raise TransferError("the sender is closing")
                 if time.monotonic() > deadline:
                     raise TransferError(f"writes did not complete within {self.deadlines.write_s} s")
-                if not wait:
+                if patience is not None and time.monotonic() - since >= patience:
                     return False
                 poll_pause(since)
         except TransferError:
