@@ -17,6 +17,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from sparsekv.jit_kernel import hisparse
 from sparsekv.jit_kernel.build.loader import csrc_root
 from sparsekv.jit_kernel.build.toolchain import host_compiler
 from sparsekv.jit_kernel.hisparse import (
@@ -459,15 +460,32 @@ def test_the_device_index_check_refuses_what_the_host_entry_refuses_in_its_words
     with pytest.raises(host.type) as device:
         _check_on_device(backend, a)
     assert str(device.value) == str(host.value)
+    # The op's CUDA path on this backend's tables: they fit the device check, which refuses before the
+    # launch (the entry, told to run, would skip the bad entries), in those words, writing nothing.
+    monkeypatch.setattr(hisparse, "index_checks_on_device", lambda tensor: True)
+    d = to_backend(backend, a)
+    before = _written(d)
+    with pytest.raises(host.type) as op:
+        load_cache_to_device_buffer_mla(**d)
+    assert str(op.value) == str(host.value)
+    assert all(torch.equal(x, y) for x, y in zip(_written(d), before))
 
 
-def test_the_device_index_check_accepts_valid_calls(backend):
+def test_the_device_index_check_accepts_valid_calls(backend, monkeypatch):
     w = world("cpu")
     _hold_two(w)
     w.host_cache_locs[0, 2] = -1  # a hit and the newest token: their host slots are never read
     w.host_cache_locs[0, 29] = -1
     _check_on_device(backend, _call_args(w))
     _check_on_device(backend, _call_args(w, **DEVICE_CHECKED["request twice"][1]), speculative=True)
+    # The op's CUDA path on this backend's tables (of a copy of the world) writes what the unchecked call writes.
+    unchecked, checked = to_backend(backend, _call_args(w)), to_backend(backend, _call_args(_copy_world(w)))
+    load_cache_to_device_buffer_mla(**unchecked)
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    monkeypatch.setattr(hisparse, "index_checks_on_device", lambda tensor: True)
+    load_cache_to_device_buffer_mla(**checked)
+    assert (checked["top_k_device_locs"] != 7).all()
+    assert all(torch.equal(x, y) for x, y in zip(_written(checked), _written(unchecked)))
 
 
 # -- open instantiation ---------------------------------------------------------------------------
