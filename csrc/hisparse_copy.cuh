@@ -122,8 +122,8 @@ inline void check_tables(const TensorView& src_ptrs, const TensorView& dst_ptrs,
   check(src_ptrs, "src_ptrs").dtype<uint64_t>().ndim(1).contiguous().on_backend_device();
   check(dst_ptrs, "dst_ptrs").dtype<uint64_t>().ndim(1).contiguous().same_device(src_ptrs, "src_ptrs");
   check(dst_ptrs, "dst_ptrs").size(0, src_ptrs.size(0), "one base pointer per layer, as src_ptrs");
-  check_range(src_page_stride, page_bytes, kUnknownCount, "src_page_stride");
-  check_range(dst_page_stride, page_bytes, kUnknownCount, "dst_page_stride");
+  check_range(src_page_stride, page_bytes, kUnknownCount - 1, "src_page_stride");
+  check_range(dst_page_stride, page_bytes, kUnknownCount - 1, "dst_page_stride");
 }
 
 inline void check_ids(const TensorView& src_ids, const char* src_name, int64_t src_count, const char* src_count_name,
@@ -132,8 +132,8 @@ inline void check_ids(const TensorView& src_ids, const char* src_name, int64_t s
   check(src_ids, src_name).dtype<int64_t>().ndim(1).contiguous().same_device(device_of, "src_ptrs");
   check(dst_ids, dst_name).dtype<int64_t>().ndim(1).contiguous().same_device(device_of, "src_ptrs");
   check(dst_ids, dst_name).size(0, src_ids.size(0), src_name);
-  check_range(src_count, -1, kUnknownCount, src_count_name);
-  check_range(dst_count, -1, kUnknownCount, dst_count_name);
+  check_range(src_count, -1, kUnknownCount - 1, src_count_name);
+  check_range(dst_count, -1, kUnknownCount - 1, dst_count_name);
 }
 
 // Argument names of one id kind, for error messages.

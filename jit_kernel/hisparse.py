@@ -527,7 +527,7 @@ def load_cache_to_device_buffer_mla(*args, **kwargs) -> None:
         two copies: distinct ``device_buffer_locs`` are otherwise the caller's duty). Without it the
         kernel skips out-of-range entries instead of faulting.
     """
-    _load(False, *args, **kwargs)
+    _run_load(load_cache_to_device_buffer_mla, False, args, kwargs)
 
 
 def load_cache_to_device_buffer_dsv4_mla(*args, **kwargs) -> None:
@@ -542,7 +542,20 @@ def load_cache_to_device_buffer_dsv4_mla(*args, **kwargs) -> None:
     :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
     128, 256, 512); default: read off ``device_buffer``'s page-row bytes.
     """
-    _load(True, *args, **kwargs)
+    _run_load(load_cache_to_device_buffer_dsv4_mla, True, args, kwargs)
+
+
+def _run_load(public, is_dsv4_layout: bool, args: tuple, kwargs: dict) -> None:
+    """``_load`` for a public swap-in. Arguments that do not fit its signature are named against the
+    public function, not ``_load``; binding them only after a TypeError keeps the call path free of it."""
+    try:
+        _load(is_dsv4_layout, *args, **kwargs)
+    except TypeError as error:
+        try:
+            inspect.signature(public).bind(*args, **kwargs)
+        except TypeError as unbound:
+            raise TypeError(f"sparsekv: {public.__name__}(): {unbound}") from None
+        raise error
 
 
 # Both take _load's arguments after the layout flag: what help() and inspect show.

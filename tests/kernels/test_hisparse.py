@@ -958,3 +958,14 @@ def test_the_kernel_policies_are_the_simulated_ones():
     assert SWAP_IN_POLICIES["lru"] == (0, 0)
     assert SWAP_IN_POLICIES["recent_lru"] == (PROTECT_RECENT, 0)
     assert SWAP_IN_POLICIES["near_lru"] == (PROTECT_RECENT, PROTECT_NEAR)
+
+
+@pytest.mark.parametrize("public", [hisparse.load_cache_to_device_buffer_mla,
+                                    hisparse.load_cache_to_device_buffer_dsv4_mla])
+def test_a_call_that_does_not_fit_the_signature_names_the_public_function(public):
+    with pytest.raises(TypeError, match=rf"^sparsekv: {public.__name__}\(\): missing a required argument: "
+                                        r"'host_cache_locs'$"):
+        public(torch.zeros(1, 5, dtype=torch.int32), torch.zeros(1, 7, dtype=torch.int32))
+    with pytest.raises(TypeError, match=rf"^sparsekv: {public.__name__}\(\): got an unexpected keyword argument "
+                                        r"'top_k'$"):
+        public(*[torch.zeros(1)] * 13, top_k=5)
