@@ -962,10 +962,11 @@ def test_the_kernel_policies_are_the_simulated_ones():
 
 @pytest.mark.parametrize("public", [hisparse.load_cache_to_device_buffer_mla,
                                     hisparse.load_cache_to_device_buffer_dsv4_mla])
-def test_a_call_that_does_not_fit_the_signature_names_the_public_function(public):
+def test_a_call_that_does_not_fit_the_signature_names_the_public_function(backend, public):
+    device = device_of(backend)
     with pytest.raises(TypeError, match=rf"^sparsekv: {public.__name__}\(\): missing a required argument: "
                                         r"'host_cache_locs'$"):
-        public(torch.zeros(1, 5, dtype=torch.int32), torch.zeros(1, 7, dtype=torch.int32))
+        public(torch.zeros(1, 5, dtype=torch.int32, device=device), torch.zeros(1, 7, dtype=torch.int32, device=device))
     with pytest.raises(TypeError, match=rf"^sparsekv: {public.__name__}\(\): got an unexpected keyword argument "
                                         r"'top_k'$"):
-        public(*[torch.zeros(1)] * 13, top_k=5)
+        public(*[torch.zeros(1, device=device)] * 13, top_k=5)
