@@ -120,28 +120,62 @@ def _may_self_overlap(t: torch.Tensor) -> bool:
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a tensor's elements cover (``(0, 0)`` when it has none)."""
     if t.numel() == 0:
         return 0, 0
+    if t.is_contiguous():  # the common case, without a Python loop over the dims
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     low = sum(min(0, (n - 1) * st) for st, n in zip(t.stride(), t.shape))
     high = sum(max(0, (n - 1) * st) for st, n in zip(t.stride(), t.shape))
     return t.data_ptr() + low * t.element_size(), t.data_ptr() + (high + 1) * t.element_size()
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
+def _refuse_sharing(a_name: str, b_name: str) -> None:
+    raise ValueError(f"sparsekv: arguments `{a_name}` and `{b_name}` must not share memory (the kernel writes one "
+                     f"while reading the other)")
+
+
 def check_no_overlap(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
     """``a`` and ``b`` span disjoint bytes, else ``ValueError`` naming both (``check_no_overlap`` of ffi.h)."""
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    if a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1:
-        raise ValueError(f"sparsekv: arguments `{a_name}` and `{b_name}` must not share memory (the kernel writes one "
-                         f"while reading the other)")
+    if _overlap(_byte_span(a), _byte_span(b)):
+        _refuse_sharing(a_name, b_name)
 
 
 def check_disjoint(*operands: tuple) -> None:
-    """No written argument shares memory with another argument, nor overlaps itself (``check_disjoint``)."""
-    for t, name, is_written in operands:
-        if is_written and t is not None and _may_self_overlap(t):
+    """No written argument shares memory with another argument, nor overlaps itself (``check_disjoint``).
+
+    One span per operand and one sweep over them sorted by start address: O(n log n), not a test of
+    every pair. Only when the sweep finds a clash are the pairs walked in argument order, so the
+    message names the first clashing pair, as the header's does.
+    """
+    spans = []
+    for order, (t, name, is_written) in enumerate(operands):
+        if t is None:
+            continue
+        if is_written and _may_self_overlap(t):
             raise ValueError(f"sparsekv: argument `{name}` is written but its elements overlap each other (e.g. an "
                              f"expand()ed view, stride 0); pass a tensor with distinct elements")
-    for i, (a, a_name, a_written) in enumerate(operands):
-        for b, b_name, b_written in operands[i + 1:]:
-            if (a_written or b_written) and a is not None and b is not None:
-                check_no_overlap(a, a_name, b, b_name)
+        start, end = _byte_span(t)
+        if start < end:
+            spans.append((start, end, is_written, order, name))
+    spans.sort()
+    reach_any = reach_written = 0  # the furthest end of the spans before this one (any; written ones)
+    for start, end, is_written, _, _ in spans:
+        if start < (reach_any if is_written else reach_written):
+            _refuse_first_clash(spans)
+        reach_any = max(reach_any, end)
+        if is_written:
+            reach_written = max(reach_written, end)
+
+
+def _refuse_first_clash(spans: list) -> None:
+    """Raise for the first pair, in argument order, of ``spans`` that overlap with one of them written."""
+    spans = sorted(spans, key=lambda span: span[3])
+    for i, (a0, a1, a_written, _, a_name) in enumerate(spans):
+        for b0, b1, b_written, _, b_name in spans[i + 1:]:
+            if (a_written or b_written) and _overlap((a0, a1), (b0, b1)):
+                _refuse_sharing(a_name, b_name)
