@@ -29,11 +29,15 @@ from sparsekv.argtypes import output_path
 
 @dataclass
 class Timing:
-    """Robust timing of one callable: median and min over repeats, in seconds."""
+    """Robust timing of one callable: median and min over repeats, in seconds per call."""
 
     median_s: float
     min_s: float
     repeats: int
+    #: GPU timings only: one eager call's latency from an idle GPU (median), and how ``median_s`` was
+    #: taken (a CUDA-graph replay or a loop of calls): see :func:`time_cuda`.
+    eager_s: float | None = None
+    method: str | None = None
 
 
 def time_call(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.05) -> Timing:
@@ -88,28 +92,77 @@ def environment() -> dict:
     }
 
 
-def time_cuda(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.05) -> Timing:
-    """Time ``fn()`` on the current CUDA stream with CUDA events: warm up, then ``repeats`` samples,
-    each a run of calls between two events, sized from the warm-up to last about ``min_time_s``."""
+#: The most calls one CUDA graph of a timed sample holds, and the calls of a sample timed as a loop.
+GRAPH_CALLS = 100
+#: About how long one replayed sample lasts: a graph holds this long's calls (3 to :data:`GRAPH_CALLS`).
+SAMPLE_S = 0.02
+
+
+def time_cuda(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
+    """Device time of ``fn()`` on the current CUDA stream, and separately one eager call's latency.
+
+    ``median_s`` / ``min_s`` are per call, over ``repeats`` samples, each a replay of one CUDA graph
+    holding about :data:`SAMPLE_S` (or ``min_time_s``, if longer) of calls (3 to :data:`GRAPH_CALLS`),
+    timed with CUDA events: the kernels back to back, no host work between them. A call that cannot
+    be captured (it syncs, or copies from pageable host memory) is timed as a loop of
+    :data:`GRAPH_CALLS` eager calls instead; :attr:`Timing.method` says which. ``eager_s`` is the
+    median latency of one call from an idle GPU (synchronized before it), the host's wrapper
+    included. The inputs stay in L2 between calls where they fit in it.
+    """
     import torch
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(warmup):
+    for _ in range(max(warmup, 1)):
         fn()
-    end.record()
-    end.synchronize()
-    per_call_s = max(start.elapsed_time(end) / 1e3 / max(warmup, 1), 1e-7)
-    loops = max(1, round(min_time_s / per_call_s))
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    eager = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        eager.append(start.elapsed_time(end) / 1e3)
+    calls = min(GRAPH_CALLS, max(3, round(max(SAMPLE_S, min_time_s) / max(statistics.median(eager), 1e-7))))
+    run, method, calls = _captured(fn, calls)
+    run()  # warm: the first replay uploads the graph
+    torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         start.record()
-        for _ in range(loops):
-            fn()
+        run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / loops)
-    return Timing(median_s=statistics.median(samples), min_s=min(samples), repeats=repeats)
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), repeats=repeats,
+                  eager_s=statistics.median(eager), method=method)
+
+
+def _captured(fn: Callable[[], object], calls: int) -> tuple[Callable[[], object], str, int]:
+    """``(run, method, calls)``: ``run()`` replays a CUDA graph of ``calls`` calls of ``fn``, or, when
+    ``fn`` cannot be captured, makes :data:`GRAPH_CALLS` calls one by one."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # torch's recipe: a warm-up call on a side stream before capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as error:  # noqa: BLE001 - whatever refused the capture, time the calls eagerly
+        torch.cuda.synchronize()
+        reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+
+        def loop() -> None:
+            for _ in range(GRAPH_CALLS):
+                fn()
+
+        return loop, f"loop of {GRAPH_CALLS} eager calls (not capturable: {reason})", GRAPH_CALLS
+    return graph.replay, f"CUDA-graph replay of {calls} calls", calls
 
 
 def timer(backend: str) -> Callable[..., Timing]:
@@ -133,9 +186,34 @@ def triton_timer(backend: str, repeats: int) -> Callable[..., Timing]:
     return lambda fn: time_call(fn, repeats=1, warmup=0, min_time_s=0.0)
 
 
+#: ``notes.timer`` of a cuda run: what its kernel figures are (see :func:`time_cuda`).
+CUDA_TIMER = (f"device time per call: CUDA events around a CUDA-graph replay of up to {GRAPH_CALLS} calls (a loop of "
+              f"{GRAPH_CALLS} eager calls where a call cannot be captured: each row's *_method says which); "
+              f"*_eager_us: one eager call from an idle GPU, the Python wrapper included")
+
+
 def backend_notes(backend: str, **notes) -> dict:
     """``BenchResult.notes`` saying the backend and its timer, with ``notes`` added."""
-    return {"backend": backend, "timer": "CUDA events" if backend == "cuda" else "perf_counter", **notes}
+    return {"backend": backend, "timer": CUDA_TIMER if backend == "cuda" else "perf_counter", **notes}
+
+
+def timing_fields(name: str, timing: Timing) -> dict:
+    """A row's columns of one timed candidate: ``{name}_us``, and on a GPU ``{name}_eager_us`` and
+    ``{name}_method``."""
+    row = {f"{name}_us": timing.median_s * 1e6}
+    if timing.eager_s is not None:
+        row[f"{name}_eager_us"] = timing.eager_s * 1e6
+        row[f"{name}_method"] = timing.method
+    return row
+
+
+def device_name(backend: str) -> str:
+    """The device a benchmark's kernels run on: the GPU's name on the cuda backend, else ``"cpu"``."""
+    if backend != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
