@@ -8,7 +8,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install install-pd demo lint test test-gpu test-slow test-sanitize test-sim clean-venv
+.PHONY: install install-pd demo docs lint test test-gpu test-slow test-sanitize test-sim clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	# torch first and alone, so the pinned CPU wheel is taken and nothing pulls a CUDA build.
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
-	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,bench,docs]'
 	touch $(STAMP)
 
 # The optional PD transfer engines, each an extra of its own (the demo and the kernels need neither).
@@ -40,6 +40,10 @@ install-pd: $(PD_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m sparsekv demo
+
+# The documentation site into site/, strictly (a warning is an error); tests/test_docs.py runs the same build.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -191,7 +191,7 @@ def sparse_decode_attention(
         ``"header"``: the kernel of ``csrc/dsv4_attention.cuh`` on the cpu or cuda backend by device;
         ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_attention`), on a GPU
         or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (on the H200 the
-        header took 372 us and the twin 853 us at batch 1, top-k 512: see the README). Same
+        header took 372 us and the twin 853 us at batch 1, top-k 512: docs/sim-and-triton.md). Same
         arguments, same custom op, same refusals; results within the tolerance each implementation
         documents.
     topk_length : torch.Tensor, optional

@@ -78,7 +78,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     impl : {"auto", "header", "triton"}
         ``"header"``: ``csrc/dsv4_compress.cuh`` on the cpu or cuda backend; ``"triton"``: the Triton
         twin (:mod:`sparsekv.jit_kernel.triton.dsv4_compress`), on a GPU or, on CPU tensors, under
-        ``TRITON_INTERPRET=1``; ``"auto"``: the header (see the README's ``impl`` table).
+        ``TRITON_INTERPRET=1``; ``"auto"``: the header (see the ``impl`` table of docs/sim-and-triton.md).
 
     Returns
     -------

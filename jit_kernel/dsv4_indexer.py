@@ -193,7 +193,7 @@ def indexer_scores(
         ``"header"``: the ``csrc/dsv4_indexer.cuh`` kernel on the cpu or cuda backend by device;
         ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or,
         on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (on the H200 the header
-        took 227 us and the twin 279 us over 64k entries: see the README). Same arguments, same custom
+        took 227 us and the twin 279 us over 64k entries: docs/sim-and-triton.md). Same arguments, same custom
         op, same refusals, scores within the same tolerance.
 
     Returns

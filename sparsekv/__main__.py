@@ -1,3 +1,7 @@
+"""``python -m sparsekv``: the ``sparsekv`` command. Importing the module runs nothing (the API
+reference's generator imports every module of the package)."""
+
 from sparsekv.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Every ``SPARSEKV_*`` environment variable, read in one place.
 
 Each function reads the environment when called (never at import), so tests and tools can change a
-variable between calls. The README's configuration table lists the same variables and defaults.
+variable between calls. docs/configuration.md lists the same variables and defaults.
 One is read outside Python: ``SPARSEKV_SIM_SEED`` (the sim backend's thread and block order, default
 0), by the simulator itself (``csrc/include/sparsekv/sim.h``) at every launch.
 """

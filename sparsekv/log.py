@@ -59,14 +59,14 @@ def parse_level(text: str, source: str = "SPARSEKV_LOG_LEVEL") -> int:
 def configure(level: int | str | None = None) -> logging.Logger:
     """Show ``sparsekv.*`` records at ``level`` and above on stderr; returns the ``sparsekv`` logger.
 
+    Calling it again changes the level; there is only ever one handler of ours. Records still
+    propagate, so an application that configures the root logger itself should not call this.
+
     Parameters
     ----------
     level : int or str, optional
         A logging level or its name. Default: ``SPARSEKV_LOG_LEVEL``, else WARNING.
         ``SPARSEKV_JIT_VERBOSE=1`` shows the ``sparsekv.jit`` logger at DEBUG whatever the level.
-
-    Calling it again changes the level; there is only ever one handler of ours. Records still
-    propagate, so an application that configures the root logger itself should not call this.
 
     Raises
     ------

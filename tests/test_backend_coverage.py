@@ -60,7 +60,7 @@ def test_every_registered_family_has_a_backend_parametrized_test_file():
 
 
 def test_every_kernel_stem_has_its_benchmark():
-    """A kernel family's header, wrapper, tests and benchmark share its stem (README, "Layout")."""
+    """A kernel family's header, wrapper, tests and benchmark share its stem (CONTRIBUTING.md, "Layout")."""
     stems = {Path(family.header).stem for family in discover().values()}
     missing = sorted(f"tools/bench/bench_{stem}.py" for stem in stems
                      if not (REPO / "tools" / "bench" / f"bench_{stem}.py").is_file())

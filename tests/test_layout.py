@@ -1,4 +1,4 @@
-"""The repository layout's import directions (README, "Layout"), pinned on the sources.
+"""The repository layout's import directions (CONTRIBUTING.md, "Layout"), pinned on the sources.
 
 Every ``import`` of every module is read with ``ast`` (function-level imports included, and the
 names a package resolves lazily through its ``_LAZY`` table), and the rules hold for what a module

@@ -36,7 +36,7 @@ def resolve_impl(impl: str, device) -> str:
     """``"header"`` or ``"triton"`` for a call on ``device`` (a ``torch.device``).
 
     ``"auto"`` picks ``"header"`` on every device, for every kernel: the one GPU measurement so far
-    (an H200, the README's Triton section) has the header ahead wherever both ran (attention at
+    (an H200, docs/sim-and-triton.md) has the header ahead wherever both ran (attention at
     batch 1, indexer scores over 64k entries, the top-k), and the memory-bound twins are not timed
     yet; on CPU tensors the interpreter is a test vehicle, not speed. ``"triton"`` must be asked for.
 

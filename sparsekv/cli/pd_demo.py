@@ -72,7 +72,7 @@ class DemoSpec:
     kill_decode_after: int = 0
     #: Transfer engine of both sides (:data:`~sparsekv.srt.disaggregation.engines.ENGINES`).
     engine: str = "nixl"
-    #: The session's shared secret (README, "PD trust model"); :func:`run_session` draws one when empty.
+    #: The session's shared secret (docs/pd.md, "PD trust model"); :func:`run_session` draws one when empty.
     secret: str = ""
     #: The decode verifies every region's digest (:mod:`~sparsekv.srt.disaggregation.integrity`).
     checksums: bool = True

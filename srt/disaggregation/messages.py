@@ -9,7 +9,7 @@ integers are JSON integers (never bool or float) in ``[0, 2^63)``, lists hold at
 :data:`MAX_INDICES` entries, strings at most :data:`MAX_TEXT` characters, and the nesting the
 schema allows is all there is (anything deeper is refused while parsing the frame).
 
-Session identity and secret (README, "PD trust model"): the decode sends a random ``session`` id
+Session identity and secret (docs/pd.md, "PD trust model"): the decode sends a random ``session`` id
 in its hello; the prefill puts it in every notification it sends that decode, so notifications
 from another deployment on the same host are never counted. With a shared ``secret`` configured
 on both sides, the prefill refuses a hello that does not present it (compared in constant time).

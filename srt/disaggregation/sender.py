@@ -129,7 +129,7 @@ class KVSender:
         are forgotten (a server's memory stays bounded, and their ids may be declared again).
     secret : str, optional
         The deployment's shared secret: a decode whose hello does not present it is refused
-        (constant-time comparison). None serves any decode that can reach the port (README, "PD
+        (constant-time comparison). None serves any decode that can reach the port (docs/pd.md, "PD
         trust model").
     max_connections : int
         Decode connections served at once; one more is refused (one message) and closed.

@@ -4,7 +4,7 @@ A fresh-clone CI run on a loaded 2-core machine once saw a room reported as a su
 regions all held other bytes (while another deployment's ``pd-demo --engine mooncake`` ran on the
 same host). Since then every room's regions are hashed on the prefill and checked on the decode,
 each deployment has its own secret and each decode its own session id in every notification
-(README, "PD trust model"). This test repeats the scenarios under busy-loop CPU hogs, one per core:
+(docs/pd.md, "PD trust model"). This test repeats the scenarios under busy-loop CPU hogs, one per core:
 the default profile runs one PP=2 session with a HiSparse decode per engine (some 30 s); ``--slow``
 runs 10 rounds of both decode kinds per engine. A failure names the session and its rooms.
 """
