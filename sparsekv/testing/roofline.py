@@ -94,7 +94,9 @@ def fields(cost: Cost, measured_s: float | None = None, device_name: str | None 
     A time measured on another device (the cpu backend, an unknown GPU) gets no ratio: the roofline
     of a GPU says nothing about it.
     """
-    row = {"bytes": cost.bytes, "flops": cost.flops, "math": cost.math}
+    row = {"bytes": cost.bytes, "flops": cost.flops}
+    if cost.flops:
+        row["math"] = cost.math
     if cost.host_bytes:
         row["host_bytes"] = cost.host_bytes
     for key, gpu in GPUS.items():

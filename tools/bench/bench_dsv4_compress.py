@@ -10,10 +10,10 @@ first): on the GPU with CUDA events (``triton_ms``); on the cpu backend under th
 (``TRITON_INTERPRET=1``, set here before triton is imported), which is NOT speed, one sample over the
 first 256 tokens of the 4k cases (``triton_interpreted_ms``).
 
-On paper, per raw token, the GPU kernel reads ``2 * coff * d * 4`` B (fp32 ``kv`` and ``score``,
-coff = 2 for C4; each token is read once, C4's overlapping A halves come from L2) and writes
-``4 d / ratio`` B of float entries. Each row reports the bytes and the implied H200 time at 4.8 TB/s
-(``h200_us``) and H100 time at 3.35 TB/s (``h100_us``).
+On paper (:func:`sparsekv.testing.roofline.compress`), per raw token, the GPU kernel reads
+``2 * coff * d * 4`` B (fp32 ``kv`` and ``score``, coff = 2 for C4; each token is read once, C4's
+overlapping A halves come from L2) and writes ``4 d / ratio`` B of float entries. Each row reports
+the bytes, the H100 / H200 / B200 roofline times and, on a GPU, ``measured_over_roofline``.
 
 Prints JSON; ``--plot PNG`` draws the speedup over torch per case.
 """
@@ -27,13 +27,12 @@ import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4 import compress_pool
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, time_call, timer
+from sparsekv.testing.bench import device_name, kernel_sweep, time_call, timer, timing_fields
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 
 D = 512
-H200_HBM_BYTES_PER_S = 4.8e12
-H100_HBM_BYTES_PER_S = 3.35e12
 CASES = tuple((t, ratio) for t in (4096, 65536) for ratio in (4, 128))
 QUICK_CASES = ((4096, 4), (4096, 128))
 INTERPRETED_TOKENS = 256
@@ -46,24 +45,15 @@ def _inputs(t: int, ratio: int, device: torch.device):
     return tuple(torch.randn(shape, generator=gen).to(device) for shape in shapes)
 
 
-def _paper(t: int, ratio: int) -> dict:
-    coff = 2 if ratio == 4 else 1
-    read, write = 2 * coff * D * 4, 4 * D / ratio
-    return {
-        "hbm_read_b_per_token": read,
-        "hbm_write_b_per_token": round(write, 2),
-        "h200_us": round((read + write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
-        "h100_us": round((read + write) * t / H100_HBM_BYTES_PER_S * 1e6, 2),
-    }
-
-
 def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     kv, score, ape = _inputs(t, ratio, device_of(backend))
     time_it = timer(backend)
     ours = time_it(lambda: compress_pool(kv, score, ape, ratio, impl="header"), repeats=repeats)
     base = time_it(lambda: compress_pool_reference(kv, score, ape, ratio, dtype=torch.float32), repeats=repeats)
     row = {"case": f"pool C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
-           "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+           "torch_fp32_ms": base.median_s * 1e3, "speedup": base.median_s / ours.median_s,
+           **timing_fields("kernel", ours),
+           **roofline.fields(roofline.compress(t, ratio, D), ours.median_s, device_name(backend))}
     if backend == "cpu":  # the twin runs on CPU tensors only under the interpreter, read when triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if t > 4096:
@@ -80,8 +70,7 @@ def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
 def main() -> None:
     kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_compress compress_pool (d=512)",
                  baseline="float32 torch reference", cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
-                 notes=dict(h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S,
-                            triton_timing=f"cuda backend: triton_ms, CUDA events; cpu backend: "
+                 notes=dict(triton_timing=f"cuda backend: triton_ms, CUDA events; cpu backend: "
                                           f"triton_interpreted_ms, the Triton interpreter on the first "
                                           f"{INTERPRETED_TOKENS} tokens of the 4k cases, one sample, NOT speed"),
                  plot=dict(label_key="case", value_keys=("speedup",), ylabel="speedup over float32 torch"),

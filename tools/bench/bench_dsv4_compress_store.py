@@ -19,8 +19,9 @@ On paper, per raw token, the GPU kernels move (fp32 inputs ``kv`` and ``score``,
 HBM round trips of the compressed-KV path: ours is **2** at decode (fused pool + norm + RoPE +
 quantize + store, then the ring-row write; the state rows a decode step pools are read in the
 fused pass) and **1** for a prefill chunk (plus a ring tail of at most ``ring_size`` rows). The
-unfused path is 3 (pool -> float entries -> store). Each row reports the bytes and the implied H200
-time at 4.8 TB/s (``h200_us``) and H100 time at 3.35 TB/s (``h100_us``) for the fused path.
+unfused path is 3 (pool -> float entries -> store). Each row reports the fused path's bytes, its
+H100 / H200 / B200 roofline times (:func:`sparsekv.testing.roofline.compress_store`) and, on a GPU,
+``measured_over_roofline``.
 
 Each row also times the Triton twin of the fused step (``impl="triton"``, V4; its bytes checked
 against the header's first where the pooled entries agree): on the GPU with CUDA events
@@ -42,14 +43,13 @@ from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget, compress_pool, norm_rope_store
 from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, time_call, timer
+from sparsekv.testing.bench import device_name, kernel_sweep, time_call, timer, timing_fields
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 D = 512
-H200_HBM_BYTES_PER_S = 4.8e12
-H100_HBM_BYTES_PER_S = 3.35e12
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 PAGE = 64
 CASES = tuple((t, ratio) for t in (4096, 65536) for ratio in (4, 128))
@@ -66,8 +66,6 @@ def _paper(t: int, ratio: int) -> dict:
         "hbm_read_b_per_token": read,
         "hbm_write_b_per_token": round(fused_write, 2),
         "unfused_hbm_b_per_token": round(unfused, 2),
-        "h200_us": round((read + fused_write) * t / H200_HBM_BYTES_PER_S * 1e6, 2),
-        "h100_us": round((read + fused_write) * t / H100_HBM_BYTES_PER_S * 1e6, 2),
     }
 
 
@@ -105,7 +103,8 @@ def run_case(t: int, ratio: int, repeats: int, backend: str) -> dict:
     base = time_it(torch_fp32, repeats=repeats)
     row = {"case": f"fused C{ratio} T={t // 1024}k", "kernel_ms": ours.median_s * 1e3,
            "two_pass_ms": unfused.median_s * 1e3, "torch_fp32_ms": base.median_s * 1e3,
-           "speedup": base.median_s / ours.median_s, **_paper(t, ratio)}
+           "speedup": base.median_s / ours.median_s, **_paper(t, ratio), **timing_fields("kernel", ours),
+           **roofline.fields(roofline.compress_store(t, ratio, D), ours.median_s, device_name(backend))}
     tokens = t
     if backend == "cpu":  # the twin runs on CPU tensors only under the interpreter, read when triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -133,7 +132,7 @@ def main() -> None:
                             triton_timing=f"cuda backend: triton_ms, CUDA events; cpu backend: "
                                           f"triton_interpreted_ms, the Triton interpreter on the first "
                                           f"{INTERPRETED_TOKENS} tokens of the 4k cases, one sample, NOT speed",
-                            h200_hbm_bytes_per_s=H200_HBM_BYTES_PER_S, h100_hbm_bytes_per_s=H100_HBM_BYTES_PER_S),
+                            roofline="sparsekv.testing.roofline.compress_store"),
                  plot=dict(label_key="case", value_keys=("speedup",), ylabel="speedup over float32 torch"),
                  threaded=True)
 

@@ -23,8 +23,17 @@ import torch
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
 from sparsekv.kv_layout import V4
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import INTERPRETED_ROWS, TRITON_TIMING, kernel_sweep, timer, triton_timer
+from sparsekv.testing.bench import (
+    INTERPRETED_ROWS,
+    TRITON_TIMING,
+    device_name,
+    kernel_sweep,
+    timer,
+    timing_fields,
+    triton_timer,
+)
 from sparsekv.testing.reference.dsv4_quant import quantize_fp8_ds_mla as quantize_reference
 
 PAGE_SIZE = 64
@@ -53,7 +62,8 @@ def run_case(n: int, dtype_name: str, repeats: int, backend: str) -> dict:
     row = {"case": f"N={n} {dtype_name}", "rows": n, "dtype": dtype_name,
            "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
            "kernel_rows_per_us": n / (kernel.median_s * 1e6), "torch_rows_per_us": n / (baseline.median_s * 1e6),
-           "kernel_vs_torch": baseline.median_s / kernel.median_s}
+           "kernel_vs_torch": baseline.median_s / kernel.median_s, **timing_fields("kernel", kernel),
+           **roofline.fields(roofline.quantize(n, x.element_size()), kernel.median_s, device_name(backend))}
     if backend == "cuda" or n <= INTERPRETED_ROWS:
         triton_cache = torch.zeros_like(cache)
         quantize_fp8_ds_mla(x, triton_cache, slots, PAGE_SIZE, impl="triton")

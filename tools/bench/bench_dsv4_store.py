@@ -23,8 +23,17 @@ import torch
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
 from sparsekv.kv_layout import LAYOUTS
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import INTERPRETED_ROWS, TRITON_TIMING, kernel_sweep, timer, triton_timer
+from sparsekv.testing.bench import (
+    INTERPRETED_ROWS,
+    TRITON_TIMING,
+    device_name,
+    kernel_sweep,
+    timer,
+    timing_fields,
+    triton_timer,
+)
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
 PAGE_SIZE = 64
@@ -61,7 +70,9 @@ def run_case(n: int, kind: str, repeats: int, backend: str) -> dict:
            "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
            "kernel_entries_per_us": n / (kernel.median_s * 1e6),
            "torch_entries_per_us": n / (baseline.median_s * 1e6),
-           "kernel_vs_torch": baseline.median_s / kernel.median_s}
+           "kernel_vs_torch": baseline.median_s / kernel.median_s, **timing_fields("kernel", kernel),
+           **roofline.fields(roofline.store(n, WIDTH[kind], LAYOUTS[kind].bytes_per_token), kernel.median_s,
+                             device_name(backend))}
     if backend == "cuda" or n <= INTERPRETED_ROWS:
         triton_cache = torch.zeros_like(cache)
         norm_rope_store(x, weight, 1e-6, positions, triton_cache, slots, PAGE_SIZE, rope, kind, impl="triton")

@@ -19,10 +19,11 @@ import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.gather_rows import gather_rows
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, timer
+from sparsekv.testing.bench import device_name, kernel_sweep, timer, timing_fields
 
-CASES = ((1 << 12, 584), (1 << 16, 584), (1 << 16, 4096), (1 << 18, 584))
+CASES = ((1 << 12, 584), (1 << 14, 584), (1 << 16, 584), (1 << 16, 4096), (1 << 18, 584))
 QUICK_CASES = ((1 << 10, 584), (1 << 14, 584))
 
 
@@ -45,7 +46,8 @@ def run_case(n: int, row_bytes: int, repeats: int, backend: str) -> dict:
     return {"case": f"{n // 1024}k x {row_bytes} B", "rows": n, "row_bytes": row_bytes,
             "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
             "kernel_gbps": payload / kernel.median_s / 1e9, "torch_gbps": payload / baseline.median_s / 1e9,
-            "kernel_vs_torch": baseline.median_s / kernel.median_s}
+            "kernel_vs_torch": baseline.median_s / kernel.median_s, **timing_fields("kernel", kernel),
+            **roofline.fields(roofline.gather_rows(n, row_bytes), kernel.median_s, device_name(backend))}
 
 
 def main() -> None:
