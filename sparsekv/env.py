@@ -17,11 +17,18 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def cache_dir() -> Path:
-    """``SPARSEKV_CACHE_DIR``: root of the JIT cache (default ``$XDG_CACHE_HOME/sparsekv`` or ``~/.cache/sparsekv``)."""
+def configured_cache_dir() -> Path | None:
+    """``SPARSEKV_CACHE_DIR``: the JIT cache root, the only one read and written when set; None when unset."""
     explicit = os.environ.get("SPARSEKV_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
+    return Path(explicit).expanduser() if explicit else None
+
+
+def cache_dir() -> Path:
+    """The JIT cache root: ``SPARSEKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/sparsekv`` or ``~/.cache/sparsekv``
+    (when that default cannot be created or written, the cache uses ``$TMPDIR/sparsekv-cache-<uid>``)."""
+    explicit = configured_cache_dir()
+    if explicit is not None:
+        return explicit
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "sparsekv"
 

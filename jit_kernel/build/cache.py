@@ -18,8 +18,8 @@ host sharing the cache: its entry lock is free and it is older than :data:`FOREI
 
 Rules: a root, entry or artifact that another user owns or can write is never loaded (a library
 loaded from such a place runs someone else's code). An artifact whose size or hash disagrees with
-its key.json, or that fails to load, is a miss and is rebuilt. A root we cannot write is still read;
-new artifacts then go to a private fallback root.
+its key.json, or that fails to load, is a miss and is rebuilt. A process uses one root only (see
+:class:`CacheRoots`): a configured root we cannot write is still read, and a miss there is an error.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class CacheSecurityError(PermissionError):
 
 
 class CacheUnwritableError(PermissionError):
-    """Neither the configured cache root nor the private fallback accepts new modules."""
+    """The cache root (configured, or the default and then the private fallback) accepts no new modules."""
 
 
 def check_private(path: Path, what: str) -> None:
@@ -80,7 +80,7 @@ def check_private(path: Path, what: str) -> None:
 
 
 def fallback_root() -> Path:
-    """The private per-user root used when the configured one is read-only."""
+    """The private per-user root used when no root is configured and the default one is unusable."""
     return Path(tempfile.gettempdir()) / f"sparsekv-cache-{os.getuid()}"
 
 
@@ -105,48 +105,85 @@ def _writable(path: Path) -> bool:
     return True
 
 
-class CacheRoots:
-    """Where artifacts are read from and written to.
+def _usable_default(path: Path) -> bool:
+    """Whether the default root is, or can become, a directory we write to. Asked of the kernel
+    (``access``: it knows read-only mounts and immutable directories, even for root), so the
+    decision writes nothing."""
+    if path.is_dir():
+        return os.access(path, os.W_OK | os.X_OK)
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return not path.exists() and parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
 
-    Reading never writes: the warm path only stats and loads. The write root is chosen at the
-    first miss: the configured root if we can create files in it, else the private fallback.
+
+class CacheRoots:
+    """The one root artifacts are read from and written to.
+
+    A configured root (``SPARSEKV_CACHE_DIR``) is the only root: a read-only one is still read, and a
+    miss there raises :class:`CacheUnwritableError` instead of building elsewhere. Without one, the
+    default (``$XDG_CACHE_HOME/sparsekv`` or ``~/.cache/sparsekv``) is the root, or, when it cannot
+    be created or written, the private fallback ``$TMPDIR/sparsekv-cache-<uid>`` alone. So a process
+    never loads a module that another cache published. Reading never writes: the warm path only
+    stats and loads.
 
     Attributes
     ----------
     primary : Path
-        The configured root (``SPARSEKV_CACHE_DIR``).
+        The configured root, or the default one.
+    configured : bool
+        Whether ``primary`` was configured.
     """
 
-    def __init__(self, primary: Path) -> None:
+    def __init__(self, primary: Path, *, configured: bool = True) -> None:
         if primary.exists() and not primary.is_dir():  # once: silently fell back to $TMPDIR
-            raise CacheUnwritableError(f"sparsekv: SPARSEKV_CACHE_DIR={primary} is not a directory (a regular file "
-                                       "is there); point it at a directory")
+            if configured:
+                raise CacheUnwritableError(f"sparsekv: SPARSEKV_CACHE_DIR={primary} is not a directory (a regular "
+                                           "file is there); point it at a directory")
         self.primary = primary
-        _private_dir_or_absent(primary)  # refuse an unsafe configured root up front
+        self.configured = configured
+        if configured:
+            _private_dir_or_absent(primary)  # refuse an unsafe configured root up front
+
+    @functools.cached_property
+    def root(self) -> Path:
+        """The root this process uses (see the class docstring)."""
+        if self.configured or _usable_default(self.primary):
+            return self.primary
+        return fallback_root()
 
     @property
     def read(self) -> tuple[Path, ...]:
-        """Existing, private roots searched for an artifact, in order."""
-        return tuple(root for root in (self.primary, fallback_root()) if _private_dir_or_absent(root))
+        """The root, when it is an existing, private directory; else nothing."""
+        return (self.root,) if _private_dir_or_absent(self.root) else ()
 
     @functools.cached_property
     def write(self) -> Path:
-        """The root new artifacts are published to (created, mode 0700, on first use)."""
-        if _ensure_private_dir(self.primary):
-            check_private(self.primary, "cache directory")
-            if _writable(self.primary):
-                return self.primary
-        fallback = fallback_root()
-        if not _ensure_private_dir(fallback) or not _writable(fallback):
-            raise CacheUnwritableError(
-                f"sparsekv: cannot write a JIT module: the cache {self.primary} is read-only and the fallback "
-                f"{fallback} is not writable by uid {os.getuid()}; set SPARSEKV_CACHE_DIR to a writable directory "
-                f"of your own, or prebuild the modules (`sparsekv jit build`) where the cache is writable"
-            )
-        check_private(fallback, "fallback cache directory")
-        logger.info("JIT cache %s is not writable; new modules go to %s", self.primary, fallback)
-        return fallback
+        """The root new artifacts are published to (created, mode 0700, on first use).
 
+        Raises
+        ------
+        CacheUnwritableError
+            The root cannot be created or written.
+        """
+        root = self.root
+        if _ensure_private_dir(root):
+            check_private(root, "cache directory")
+            if _writable(root):
+                if root != self.primary:
+                    logger.info("JIT cache %s cannot be written; using %s", self.primary, root)
+                return root
+        if self.configured:
+            raise CacheUnwritableError(
+                f"sparsekv: cannot write a JIT module: the cache SPARSEKV_CACHE_DIR={root} is read-only (its modules "
+                f"are still loaded); point SPARSEKV_CACHE_DIR at a writable directory of your own, or prebuild the "
+                f"modules (`sparsekv jit build`) where the cache is writable"
+            )
+        raise CacheUnwritableError(
+            f"sparsekv: cannot write a JIT module: neither the default cache {self.primary} nor the fallback "
+            f"{fallback_root()} is writable by uid {os.getuid()}; set SPARSEKV_CACHE_DIR to a writable directory "
+            f"of your own"
+        )
 
     def probe_dir(self) -> Path | None:
         """Where compiler probes are cached: ``<write root>/.toolchain``; None when nothing is writable
@@ -172,14 +209,17 @@ def _private_dir_or_absent(root: Path) -> bool:
 
 
 def open_roots() -> CacheRoots:
-    """Resolve the cache roots from ``SPARSEKV_CACHE_DIR``, checking their safety.
+    """Resolve the cache root from ``SPARSEKV_CACHE_DIR`` (or the default), checking its safety.
 
     Raises
     ------
     CacheSecurityError
         The configured root is owned by another user or writable by others.
     """
-    return CacheRoots(env.cache_dir())
+    configured = env.configured_cache_dir()
+    if configured is not None:
+        return CacheRoots(configured)
+    return CacheRoots(env.cache_dir(), configured=False)
 
 
 def _sha256(path: Path) -> str:

@@ -114,25 +114,33 @@ def _gpu() -> list[Check]:
 def _cache() -> list[Check]:
     from sparsekv.jit_kernel.build import cache
 
-    root = env.cache_dir()
-    checks = []
+    checks, readable = [], ()
     try:
         roots = cache.open_roots()
+        readable = roots.read
         write = roots.write
+    except cache.CacheUnwritableError as exc:
+        if not readable:
+            return [Check("cache", "fail", str(exc).removeprefix("sparsekv: "),
+                          "set SPARSEKV_CACHE_DIR to a private directory you can write")]
+        write = None  # a read-only, pre-seeded cache: its modules load, nothing new can be built
+        checks.append(Check("cache", "warn", f"{roots.root} is read-only: its modules load, a miss is an error",
+                            "prebuild every module this deployment loads (`sparsekv jit build --model ...`)"))
     except PermissionError as exc:
         return [Check("cache", "fail", str(exc).removeprefix("sparsekv: "),
                       "set SPARSEKV_CACHE_DIR to a private directory you can write")]
-    st = write.stat()
-    usage = shutil.disk_usage(write)
-    owner = "this user" if st.st_uid == os.getuid() else f"uid {st.st_uid}"
-    low = usage.free < 1 << 30
-    checks.append(Check("cache", "warn" if low else "ok",
-                        f"{write} (owner {owner}, mode {stat.S_IMODE(st.st_mode):o}, {usage.free / 2**30:.1f} GiB "
-                        f"free)" + ("" if write == root else f"; configured {root} is read-only"),
-                        "free disk space or set SPARSEKV_CACHE_DIR elsewhere" if low else ""))
-    count = sum(len(cache.entries(r)) for r in dict.fromkeys(roots.read + (write,)))
+    if write is not None:
+        st = write.stat()
+        usage = shutil.disk_usage(write)
+        owner = "this user" if st.st_uid == os.getuid() else f"uid {st.st_uid}"
+        low = usage.free < 1 << 30
+        checks.append(Check("cache", "warn" if low else "ok",
+                            f"{write} (owner {owner}, mode {stat.S_IMODE(st.st_mode):o}, {usage.free / 2**30:.1f} GiB "
+                            f"free)" + ("" if write == roots.primary else f"; the default {roots.primary} is unusable"),
+                            "free disk space or set SPARSEKV_CACHE_DIR elsewhere" if low else ""))
+    count = sum(len(cache.entries(r)) for r in readable)
     checks.append(Check("cached modules", "ok", str(count)))
-    leftovers = [p for p in cache.sweep_leftovers(write, dry_run=True) if p.parent.name == ".staging"]
+    leftovers = [p for r in readable for p in cache.sweep_leftovers(r, dry_run=True) if p.parent.name == ".staging"]
     if leftovers:
         checks.append(Check("leftovers", "warn", f"{len(leftovers)} staging directories of dead or failed builds",
                             "sparsekv jit clean --stale"))

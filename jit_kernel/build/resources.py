@@ -17,6 +17,7 @@ from sparsekv import env
 COMPILE_BYTES = {"cpu": 1 << 30, "cuda": 2 << 30}
 
 _CGROUP = Path("/sys/fs/cgroup")
+_MEMINFO = Path("/proc/meminfo")
 
 
 def _read(path: Path) -> str | None:
@@ -53,7 +54,7 @@ def available_cores() -> int:
 def available_memory() -> int:
     """Bytes that can be allocated without swapping: ``MemAvailable``, capped by the cgroup's headroom."""
     available = None
-    for line in (_read(Path("/proc/meminfo")) or "").splitlines():
+    for line in (_read(_MEMINFO) or "").splitlines():
         if line.startswith("MemAvailable:"):
             available = int(line.split()[1]) * 1024
     if available is None:
@@ -69,10 +70,17 @@ def available_memory() -> int:
     return available
 
 
-def build_jobs(backend: str, requested: int | None = None) -> int:
+def build_jobs(backend: str, requested: int | None = None, *, cores: int | None = None,
+               memory: int | None = None) -> int:
     """Parallel compiles for ``backend``: ``requested`` (``--jobs``), else ``SPARSEKV_MAX_JOBS``, else
-    the smaller of the usable cores and the free memory divided by :data:`COMPILE_BYTES`; at least 1."""
+    the smaller of the usable cores and the free memory divided by :data:`COMPILE_BYTES`; at least 1.
+
+    ``cores`` and ``memory`` (bytes) default to :func:`available_cores` and :func:`available_memory`,
+    this machine's state at the call; a caller (a test) may pass them instead.
+    """
     explicit = requested or env.max_jobs()
     if explicit:
         return explicit
-    return max(1, min(available_cores(), available_memory() // COMPILE_BYTES[backend]))
+    cores = available_cores() if cores is None else cores
+    memory = available_memory() if memory is None else memory
+    return max(1, min(cores, memory // COMPILE_BYTES[backend]))

@@ -20,11 +20,16 @@ GIB = 1 << 30
 
 @pytest.fixture
 def fake_cgroup(tmp_path, monkeypatch):
-    """A cgroup v2 tree with a memory limit and a CPU quota, as a container would have."""
+    """A cgroup v2 tree with a memory limit and a CPU quota, as a container would have, on a host whose
+    /proc/meminfo reports 64 GiB available and whose process may run on 16 cores."""
     root = tmp_path / "cgroup"
     root.mkdir()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {128 * GIB // 1024} kB\nMemAvailable:   {64 * GIB // 1024} kB\n")
     monkeypatch.setattr(resources, "_CGROUP", root)
+    monkeypatch.setattr(resources, "_MEMINFO", meminfo)
     monkeypatch.setattr(resources, "_cgroup_dir", lambda: root)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
 
     def limit(memory_max: int | str, memory_current: int, cpu_max: str = "max 100000") -> None:
         (root / "memory.max").write_text(f"{memory_max}\n")
@@ -34,30 +39,34 @@ def fake_cgroup(tmp_path, monkeypatch):
     return limit
 
 
-def test_jobs_are_bounded_by_the_container_memory(fake_cgroup, monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.delenv("SPARSEKV_MAX_JOBS", raising=False)
-    fake_cgroup(5 * GIB, GIB)  # 4 GiB of headroom
-    assert resources.available_memory() <= 4 * GIB
-    assert resources.build_jobs("cpu") == 4 * GIB // resources.COMPILE_BYTES["cpu"]
-    assert resources.build_jobs("cuda") == 4 * GIB // resources.COMPILE_BYTES["cuda"]
-    fake_cgroup(GIB + GIB // 2, GIB)  # less than one compile's worth: still one job
-    assert resources.build_jobs("cuda") == 1
-
-
-def test_jobs_are_bounded_by_the_cpu_quota(fake_cgroup, monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.delenv("SPARSEKV_MAX_JOBS", raising=False)
-    fake_cgroup("max", 0, cpu_max="300000 100000")  # 3 CPUs, no memory limit
+def test_the_container_limits_bound_the_memory_and_cores(fake_cgroup):
+    fake_cgroup(5 * GIB, GIB, cpu_max="300000 100000")  # 4 GiB of headroom, 3 CPUs
+    assert resources.available_memory() == 4 * GIB
     assert resources.available_cores() == 3
-    by_memory = resources.available_memory() // resources.COMPILE_BYTES["cpu"]
-    assert resources.build_jobs("cpu") == max(1, min(3, by_memory))
+    fake_cgroup("max", GIB)  # no limits: the host's
+    assert resources.available_memory() == 64 * GIB
+    assert resources.available_cores() == 16
+
+
+def test_jobs_are_bounded_by_the_container_memory(monkeypatch):
+    monkeypatch.delenv("SPARSEKV_MAX_JOBS", raising=False)
+    assert resources.build_jobs("cpu", cores=16, memory=4 * GIB) == 4 * GIB // resources.COMPILE_BYTES["cpu"] == 4
+    assert resources.build_jobs("cuda", cores=16, memory=4 * GIB) == 4 * GIB // resources.COMPILE_BYTES["cuda"] == 2
+    # Less than one compile's worth: still one job.
+    assert resources.build_jobs("cuda", cores=16, memory=GIB // 2) == 1
+
+
+def test_jobs_are_bounded_by_the_cpu_quota(monkeypatch):
+    monkeypatch.delenv("SPARSEKV_MAX_JOBS", raising=False)
+    assert resources.build_jobs("cpu", cores=3, memory=64 * GIB) == 3
+    assert resources.build_jobs("cpu", cores=1, memory=64 * GIB) == 1
 
 
 def test_explicit_jobs_override(monkeypatch):
     monkeypatch.setenv("SPARSEKV_MAX_JOBS", "7")
     assert resources.build_jobs("cpu") == 7
     assert resources.build_jobs("cpu", requested=2) == 2
+    assert resources.build_jobs("cpu", requested=2, cores=16, memory=64 * GIB) == 2
     monkeypatch.setenv("SPARSEKV_MAX_JOBS", "zero")
     with pytest.raises(ValueError, match="SPARSEKV_MAX_JOBS"):
         resources.build_jobs("cpu")

@@ -26,8 +26,11 @@ def plan_for(csrc: Path = CSRC):
                             kernels=GATHER_ROWS.kernels, backend="cpu", arch=None, probe_dir=None, csrc=csrc)
 
 
-def jit(*args: str, cache_dir: Path, **extra_env) -> subprocess.CompletedProcess:
+def jit(*args: str, cache_dir: Path | None, **extra_env) -> subprocess.CompletedProcess:
+    """``sparsekv jit ARGS`` with ``cache_dir`` configured (None: no root configured)."""
     env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir), **extra_env)
+    if cache_dir is None:
+        del env["SPARSEKV_CACHE_DIR"]
     return subprocess.run([sys.executable, "-m", "sparsekv", "jit", *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
@@ -120,24 +123,26 @@ def test_unwritable_fallback_is_a_clear_error_and_hits_still_load(tmp_path, monk
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    cache_dir = tmp_path / "cache"
-    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(cache_dir))
-    loader.find_or_build(plan_for(), cache.open_roots())
+    # No root configured, and a default that cannot be created: the fallback is the root.
+    monkeypatch.delenv("SPARSEKV_CACHE_DIR")
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    read_only(xdg)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
     fallback = cache.fallback_root()
-    fallback.mkdir(mode=0o700)
-    read_only(cache_dir)
+    loader.find_or_build(plan_for(), cache.open_roots())
     read_only(fallback)
-    roots = cache.open_roots()
-    loader.find_or_build(plan_for(), roots)  # a hit needs no write
+    loader.find_or_build(plan_for(), cache.open_roots())  # a hit needs no write
     monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_UNWRITABLE_TEST=1")
     with pytest.raises(cache.CacheUnwritableError) as info:
         loader.find_or_build(plan_for(), cache.open_roots())
     message = str(info.value)
-    assert str(cache_dir) in message and str(fallback) in message and "SPARSEKV_CACHE_DIR" in message
+    assert str(xdg / "sparsekv") in message and str(fallback) in message and "SPARSEKV_CACHE_DIR" in message
     assert ".locks" not in message
 
 
-def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path, read_only):
+@pytest.mark.parametrize("configured", [True, False])
+def test_unwritable_cache_in_the_cli_is_one_line(tmp_path, read_only, configured):
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     fallback_parent = tmp_path / "tmp"
@@ -146,9 +151,12 @@ def test_unwritable_fallback_in_the_cli_is_one_line(tmp_path, read_only):
     fallback.mkdir(mode=0o700)
     read_only(cache_dir)
     read_only(fallback)
-    done = jit("build", "gather_rows", cache_dir=cache_dir, TMPDIR=str(fallback_parent))
+    # Unconfigured: the default (under a read-only XDG_CACHE_HOME) is unusable and the fallback read-only.
+    done = jit("build", "gather_rows", cache_dir=cache_dir if configured else None, TMPDIR=str(fallback_parent),
+               XDG_CACHE_HOME=str(cache_dir))
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "not writable" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert ("is read-only" if configured else "is writable by uid") in done.stderr
 
 
 def _corrupt_keeping_size_and_mtime(so: Path) -> None:

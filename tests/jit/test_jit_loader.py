@@ -172,7 +172,7 @@ def test_corrupted_artifact_is_rebuilt_transparently(tmp_path, counting_cxx, dam
     assert len(log.read_text().splitlines()) == 2  # built, then rebuilt once
 
 
-def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, monkeypatch, read_only):
+def test_a_read_only_configured_cache_is_read_and_a_miss_there_is_an_error(tmp_path, monkeypatch, read_only):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -181,15 +181,54 @@ def test_read_only_cache_is_read_and_misses_go_to_a_private_fallback(tmp_path, m
     root = roots.write
     read_only(root)
     ro_roots = cache.open_roots()
-    assert ro_roots.write == cache.fallback_root() and root in ro_roots.read
-    # A hit in the read-only root loads without building anything in the fallback.
+    assert ro_roots.read == (root,)
+    # A hit in the read-only root loads.
     loader.find_or_build(plan, ro_roots)
-    assert cache.entries(ro_roots.write) == []
-    # A miss (another flag set) builds into the fallback.
+    # A miss (another flag set) is refused, naming the root; nothing is built elsewhere.
     monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_READ_ONLY_TEST=1")
-    loader.find_or_build(plan_for(CSRC), ro_roots)
-    assert len(cache.entries(ro_roots.write)) == 1
-    assert stat.S_IMODE(ro_roots.write.stat().st_mode) == 0o700
+    with pytest.raises(cache.CacheUnwritableError, match=f"SPARSEKV_CACHE_DIR={root} is read-only"):
+        loader.find_or_build(plan_for(CSRC), ro_roots)
+    assert not cache.fallback_root().exists()
+
+
+def test_a_module_published_only_in_the_fallback_is_compiled_again_under_a_configured_root(
+        tmp_path, monkeypatch, counting_cxx):
+    import tempfile
+
+    cxx, log = counting_cxx
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    # No root configured and an unusable default (a file where its directory would be): the fallback, alone.
+    monkeypatch.delenv("SPARSEKV_CACHE_DIR")
+    (tmp_path / "xdg").write_text("not a directory\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    fallback = cache.open_roots()
+    assert fallback.read == () and fallback.write == cache.fallback_root() and fallback.read == (fallback.write,)
+    plan = plan_for(CSRC)
+    loader.find_or_build(plan, fallback)
+    assert (cache.fallback_root() / plan.entry_name() / cache.ARTIFACT).is_file()
+    # A configured root reads itself only: the fallback's module is compiled again into it.
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "own"))
+    own = cache.open_roots()
+    assert own.read == () and own.write == tmp_path / "own"
+    assert own.read == (tmp_path / "own",)
+    loader.find_or_build(plan_for(CSRC), own)
+    assert [e.name for e in cache.entries(tmp_path / "own")] == [plan.entry_name()]
+    assert len(log.read_text().splitlines()) == 2  # compiled in the fallback, then again in the configured root
+
+
+def test_a_usable_default_root_is_used_alone(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cache.fallback_root().mkdir(mode=0o700)  # present, but not read: the default is usable
+    monkeypatch.delenv("SPARSEKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    roots = cache.open_roots()
+    assert roots.root == tmp_path / "xdg" / "sparsekv" and roots.read == ()
+    assert roots.write == tmp_path / "xdg" / "sparsekv" and roots.read == (roots.write,)
 
 
 def test_cache_dir_writable_by_others_is_refused(tmp_path, monkeypatch):
