@@ -60,7 +60,8 @@ def snapshot(coord, req_to_token: torch.Tensor) -> dict[str, object]:
     parts = {
         **{f"{name}.{part}": value for name, alloc in pages.items()
            for part, value in (("free", alloc._free), ("released", list(alloc._released)),
-                               ("owned", alloc._owned_mask))},
+                               ("owned", alloc._owned_mask), ("owner", alloc._owner))},
+        "held_rows": dict(a._held_rows),
         "mapping": a.full_to_hisparse_device_index_mapping, "req_to_token": req_to_token,
         "req_to_host_pool": c.req_to_host_pool, "host_allocated_len": c.req_to_host_pool_allocated_len,
         "req_to_device_buffer": c.req_to_device_buffer, "buffer_tokens": c.req_device_buffer_tokens,

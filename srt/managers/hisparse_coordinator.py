@@ -154,8 +154,15 @@ class HiSparseCoordinator:
     Ownership: the coordinator records what it admitted for each request (its length, and while
     staging its C4 locations and device slots) and frees exactly that. A scheduler field that
     disagrees with the record (a ``kv_allocated_len`` at finish shorter than the length admitted or
-    last decoded, an admission shorter than what the allocator gave the row) is a
-    ``RequestStateError``, never a leak or a free of another request's pages.
+    last decoded, an admission shorter than what the allocator gave the row, or longer: a reused
+    row's stale ``kv_allocated_len`` reaching into other requests' locations) is a
+    ``RequestStateError``, never a leak or a free of another request's pages. Every page the
+    coordinator allocates (device and host) records the request row as its owner, and the
+    coordinator holds its rows in the allocator (:meth:`HiSparseTokenToKVPoolAllocator.hold_row
+    <sparsekv.srt.mem_cache.allocators.HiSparseTokenToKVPoolAllocator.hold_row>`) from admission to
+    finish: a free or a load that names another row's pages, a ``free_logical`` or
+    ``free_device_buffer`` of a held row, and an ``alloc_extend`` of a staging or decoding row are
+    refused, naming the request; only ``request_finished`` releases a held row's pages.
     """
 
     @renamed_keywords(top_k="num_top_k", device_buffer_size="hot_buffer_size")
@@ -201,6 +208,7 @@ class HiSparseCoordinator:
             host_pages = -(-allocator.size_full // self.compress_ratio // self.page_slots)
             host_pool = DeepSeekV4PagedHostPool("dsv4_hisparse_c4", device_pool.kv_buffer, host_pages,
                                                 page_slots=self.page_slots)
+        host_pool.guard_device_writes(allocator.device_alloc)
         self.mem_pool_host = host_pool
         layers, padded, hot = device_pool.layer_num, self.padded_buffer_size, hot_buffer_size
 
@@ -267,11 +275,37 @@ class HiSparseCoordinator:
         return self.allocator.compressed_locs(self.req_to_token[req.req_pool_idx, : req.kv_allocated_len].cpu())
 
     def _check_admitted_length(self, rid: int, length: int) -> None:
-        """Refuse an admission of ``length`` tokens when the allocator gave row ``rid`` more: a
-        logical page beyond them, or a C4 entry on the device in the rest of their last page (what
-        the coordinator is not told of it could never free)."""
+        """Refuse an admission of ``length`` tokens when they are not exactly what the allocator
+        gave row ``rid``: a location outside the row's logical pages (a stale, too-long length of
+        a reused row would read another request's locations, and free its device pages at the
+        finish), a logical page beyond them, or a C4 entry on the device in the rest of their last
+        page (what the coordinator is not told of it could never free)."""
         full = self.req_to_token[rid, :length].cpu()
         page = self.allocator.page_size
+        logical = self.allocator.logical
+        pages = full // page
+        in_space = (full >= 0) & (pages < logical.num_pages)
+        foreign = ~in_space
+        foreign[in_space] = logical.owners(pages[in_space]) != rid
+        # What alloc_extend / alloc_decode write: position i at offset i % page of the page of its
+        # group of `page` positions, one page per group, no page twice (a stale entry may name one
+        # of the row's own pages again).
+        positions = torch.arange(length)
+        group_pages = pages[::page]
+        misplaced = (full % page != positions % page) | (pages != group_pages[positions // page])
+        sorted_pages, order = torch.sort(group_pages, stable=True)
+        repeated = torch.zeros_like(group_pages, dtype=torch.bool)  # a group whose page an earlier group has
+        repeated[order[1:]] = sorted_pages[1:] == sorted_pages[:-1]
+        misplaced |= repeated.repeat_interleave(page)[:length]
+        bad = foreign | misplaced
+        if bool(bad.any()):
+            pos = int(torch.nonzero(bad)[0])
+            owner = self.allocator.logical_row(int(full[pos])) if bool(in_space[pos]) else -1
+            whose = "no request's" if owner < 0 else f"request row {owner}'s"
+            where = f"is in {whose} page" if bool(foreign[pos]) else "is not where alloc_extend put that position"
+            raise RequestStateError(f"sparsekv: `req.kv_allocated_len` = {length} is beyond the logical pages of "
+                                    f"request row {rid}: req_to_token[{rid}, {pos}] = {int(full[pos])} {where} "
+                                    "(a stale length of a reused row?)")
         beyond = self.allocator.logical_pages_of_row(rid) - set((full // page).tolist())
         tail = torch.empty(0, dtype=torch.int64)
         if length % page:
@@ -337,6 +371,7 @@ class HiSparseCoordinator:
             raise
         self.ack_staging_queue.append((self.write_staging_stream.record_event(), req))
         self._reqs[rid] = _ReqState("staging", req.kv_allocated_len, locs=locs, device=device_idx)
+        self.allocator.hold_row(rid, "staging")
 
     def collect_ready_reqs(self) -> list[Request]:
         """Requests whose staging backup has completed, in admission order, now ready to decode.
@@ -405,6 +440,7 @@ class HiSparseCoordinator:
         slots = self.mem_pool_host.alloc_paged_token_slots(
             self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, 0, num_entries)
         self._reqs.setdefault(rid, _ReqState("transfer")).length = req.kv_allocated_len
+        self.allocator.hold_row(rid, "transfer")
         return slots
 
     def admit_request_direct(self, req: Request) -> None:
@@ -447,13 +483,13 @@ class HiSparseCoordinator:
         else:
             host_idx, device_idx = HostSlots(host[n - 1 :].clone()), DeviceSlots(buffer[hot : hot + 1].clone())
         for layer in range(self.device_pool.layer_num):
-            self.mem_pool_host.load_to_device_per_layer(host_idx, device_idx, layer)
+            self.mem_pool_host.load_to_device_per_layer(host_idx, device_idx, layer, owner=rid)
 
     def _install_buffer(self, req: Request, compressed_locs: torch.Tensor, *, resident: bool) -> None:
         """Allocate the hot buffer and reset the request's rows: slot ``i`` holds position ``i``
         (``resident``) or nothing; column ``H`` is the newest entry's slot; LRU ``0..H-1``."""
         rid, hot = req.req_pool_idx, self.hot_buffer_size
-        buffer = self.allocator.alloc_device_buffer(compressed_locs, self.padded_buffer_size).tensor
+        buffer = self.allocator.alloc_device_buffer(compressed_locs, self.padded_buffer_size, rid=rid).tensor
         self.req_to_device_buffer[rid] = buffer.to(self.req_to_device_buffer.device)
         self.req_device_buffer_token_locs[:, rid] = buffer.to(torch.int32).to(self.req_device_buffer_token_locs.device)
         self.req_device_buffer_tokens[:, rid] = -1
@@ -462,6 +498,7 @@ class HiSparseCoordinator:
         self.lru_slots[:, rid] = torch.arange(hot, dtype=torch.int16)
         self._rebuild_resident_index(rid)
         self._reqs[rid] = _ReqState("decode", req.kv_allocated_len, skip_first_backup=True)
+        self.allocator.hold_row(rid, "decode")
 
     def _rebuild_resident_index(self, rid: int) -> None:
         """Row ``rid`` of every layer's resident index, from its (just reset) slot tokens and LRU."""
@@ -657,6 +694,16 @@ class HiSparseCoordinator:
         rid = self._check_req(req, ("transfer", "staging", "decode"), "finished")
         state = self._reqs[rid]
         self._check_finishing_length(rid, state, req)
+        # The request's own release: the allocator lets its row's pages go (and holds the row
+        # again if a free raises, for a retry).
+        self.allocator.release_row(rid)
+        try:
+            self._release(rid, state)
+        except BaseException:
+            self.allocator.hold_row(rid, state.phase)
+            raise
+
+    def _release(self, rid: int, state: _ReqState) -> None:
         if state.phase == "transfer":  # an abandoned direct transfer: only its host slots are held
             self._free_host_slots(rid)
             del self._reqs[rid]
@@ -676,11 +723,11 @@ class HiSparseCoordinator:
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         if state.phase == "staging":
             slots = state.device.tensor
-            self.allocator.free_device_buffer(state.device)
+            self.allocator.free_device_buffer(state.device, rid=rid)
             state.device = DeviceSlots(torch.empty(0, dtype=torch.int64))
         else:
             slots = self.req_to_device_buffer[rid].cpu().clone()  # the row is reset below
-            self.allocator.free_device_buffer(DeviceSlots(slots))
+            self.allocator.free_device_buffer(DeviceSlots(slots), rid=rid)
             self.req_to_device_buffer[rid] = -1
         mapping[torch.isin(mapping, slots.to(mapping.device)) & (mapping >= 0)] = -1
         self._free_host_slots(rid)
@@ -695,7 +742,7 @@ class HiSparseCoordinator:
         size) and clear them from its row."""
         allocated = int(self.req_to_host_pool_allocated_len[rid])
         self.mem_pool_host.free(self.mem_pool_host.allocated_host_indices(
-            self.req_to_host_pool[:, keep:], rid, allocated - keep))
+            self.req_to_host_pool[:, keep:], rid, allocated - keep), owner=rid)
         self.req_to_host_pool[rid, keep:] = -1
         self.req_to_host_pool_allocated_len[rid] = keep
 

@@ -11,7 +11,12 @@ logical location is written; -1 when it is not on the device.
 
 Both spaces are allocated in whole pages, and every page has one owner: :class:`PagedAllocator`
 (the host pool's allocator too) refuses a double free, so a leak or a double ownership shows up as
-an error or in :attr:`PagedAllocator.used_pages`.
+an error or in :attr:`PagedAllocator.used_pages`. Each page also records the request row it was
+allocated for, and a free that names another row (or none) is refused, naming the owner: one
+request cannot free another's pages. The rows a coordinator holds (staging, decoding, holding
+transfer slots) are marked with :meth:`HiSparseTokenToKVPoolAllocator.hold_row`: their pages are
+freed only by the coordinator's own release, and ``alloc_extend`` does not rewrite a row that is
+staging or decoding.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from sparsekv.checks import as_bool, as_int, index_in, int_in
 from sparsekv.srt.checks import id_tensor, index_table, int_tensor
+from sparsekv.srt.errors import RequestStateError
 from sparsekv.srt.mem_cache.ids import DevicePages, DeviceSlots
 
 
@@ -29,6 +35,10 @@ def compressed_locs_of(full_locs: torch.Tensor, compress_ratio: int) -> torch.Te
     produce nothing and are dropped."""
     produced = full_locs[(full_locs + 1) % compress_ratio == 0]
     return torch.div(produced, compress_ratio, rounding_mode="floor")
+
+
+#: The owner of a page that no request owns (free, reserved, or allocated without ``owner=``).
+NO_OWNER = -1
 
 
 class AllocatorExhaustedError(RuntimeError):
@@ -47,7 +57,11 @@ class PagedAllocator:
     The free list is an int64 tensor, so an allocation slices it and a free checks its pages with
     one vectorized test; ownership is one byte per page (a ``bytearray``, read per page by
     :meth:`is_allocated` without building a tensor, and viewed as a bool tensor for the vectorized
-    checks).
+    checks). Each page also records its owner, the request row it was allocated for (``owner=`` of
+    :meth:`alloc`, :data:`NO_OWNER` without one): an int64 tensor with a numpy view for per-page reads.
+    A free (or a write a pool guards with :meth:`check_owner`) of a page owned by a row other than
+    the caller's ``owner=`` is refused with :class:`~sparsekv.srt.errors.RequestStateError` naming
+    that row.
 
     Parameters
     ----------
@@ -83,6 +97,8 @@ class PagedAllocator:
         self._released: list[torch.Tensor] = []
         self._owned = bytearray(num_pages)
         self._owned_mask = torch.frombuffer(self._owned, dtype=torch.bool)
+        self._owner = torch.full((num_pages,), NO_OWNER, dtype=torch.int64)
+        self._owner_np = self._owner.numpy()  # per-page reads without building a tensor
 
     @property
     def available_pages(self) -> int:
@@ -97,6 +113,62 @@ class PagedAllocator:
     def is_allocated(self, page: int) -> bool:
         """Whether ``page`` is an allocated page (False for the reserved page and out-of-range ids)."""
         return 0 <= page < self.num_pages and self._owned[page] == 1
+
+    def owner_of(self, page: int) -> int:
+        """The request row ``page`` was allocated for; :data:`NO_OWNER` when it has none (not
+        allocated, allocated without an owner, or out of range)."""
+        return int(self._owner_np[page]) if 0 <= page < self.num_pages else NO_OWNER
+
+    def owners(self, pages: torch.Tensor) -> torch.Tensor:
+        """int64 owners of ``pages`` (an integer tensor of page ids in range), :data:`NO_OWNER` for none.
+
+        Raises
+        ------
+        TypeError
+            ``pages`` is not an integer tensor.
+        IndexError
+            A page id out of range.
+        """
+        return self._owner[id_tensor(pages, "pages", size=self.num_pages)]
+
+    def pages_owned_by(self, owner: int) -> torch.Tensor:
+        """The allocated pages whose owner is request row ``owner``, ascending (int64)."""
+        return torch.nonzero(self._owner == as_int(owner, "owner")).reshape(-1)
+
+    def check_owner(self, pages: torch.Tensor, owner: int | None, action: str, *, name: str = "pages") -> None:
+        """Refuse pages that belong to a request row other than ``owner`` (``None``: any row).
+
+        Pages without an owner pass; ids outside the space are the caller's to refuse.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            int64 page ids on the CPU.
+        owner : int or None
+            The request row on whose behalf the caller acts.
+        action : str
+            What the caller does to the pages, for the message ("freed", "written").
+        name : str
+            The argument that named the pages.
+
+        Raises
+        ------
+        RequestStateError
+            A page owned by another row; the message names the page and its owner.
+        """
+        caller = NO_OWNER if owner is None else owner
+        ids = pages[(pages >= 0) & (pages < self.num_pages)]
+        own = self._owner[ids]
+        foreign = (own != NO_OWNER) & (own != caller)
+        if bool(foreign.any()):
+            i = int(torch.nonzero(foreign)[0])
+            who = "without naming an owner" if owner is None else f"for request row {owner}"
+            raise RequestStateError(
+                f"sparsekv: argument `{name}` names {self.name} page {int(ids[i])}, which belongs to request row "
+                f"{int(own[i])}; it cannot be {action} {who} (only that request's own release frees it)")
+
+    def _owner_id(self, owner: int | None) -> int:
+        return NO_OWNER if owner is None else int_in(owner, "owner", 0)
 
     def all_allocated(self, pages: torch.Tensor) -> bool:
         """Whether every page of ``pages`` (an integer tensor, any shape and device) is allocated (True
@@ -114,8 +186,9 @@ class PagedAllocator:
         in_range = bool(((ids >= 0) & (ids < self.num_pages)).all())
         return in_range and bool(self._owned_mask[ids].all())
 
-    def alloc(self, num_pages: int) -> torch.Tensor:
-        """Allocate ``num_pages`` pages from the front of the free list.
+    def alloc(self, num_pages: int, *, owner: int | None = None) -> torch.Tensor:
+        """Allocate ``num_pages`` pages from the front of the free list, for request row ``owner``
+        (default: no owner).
 
         Returns
         -------
@@ -125,14 +198,15 @@ class PagedAllocator:
         Raises
         ------
         TypeError
-            ``num_pages`` is not an int (a bool or a float included).
+            ``num_pages`` or ``owner`` is not an int (a bool or a float included).
         ValueError
-            ``num_pages`` is negative.
+            ``num_pages`` or ``owner`` is negative.
         AllocatorExhaustedError
             Fewer pages are available (or the ``exhausted_error`` given); nothing changed, the
             released pages included.
         """
         num_pages = int_in(num_pages, "num_pages", 0)
+        owner_id = self._owner_id(owner)
         if num_pages == 0:  # most decode tokens start no page: no slicing, no mask write
             return torch.empty(0, dtype=torch.int64)
         if num_pages > self.available_pages:
@@ -142,26 +216,33 @@ class PagedAllocator:
             self._reuse_released()
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
         self._owned_mask[pages] = True
+        self._owner[pages] = owner_id
         return pages.clone()
 
-    def free(self, pages: torch.Tensor) -> None:
-        """Return ``pages`` (each allocated, each named once).
+    def free(self, pages: torch.Tensor, *, owner: int | None = None) -> None:
+        """Return ``pages`` (each allocated, each named once), on behalf of request row ``owner``.
 
         Raises
         ------
         TypeError
-            ``pages`` is not an integer tensor (float ids are never truncated).
+            ``pages`` is not an integer tensor (float ids are never truncated), or ``owner`` not an int.
         ValueError
             A page that is not allocated (a double free, the reserved page, out of range) or named
             twice; nothing is freed then.
+        RequestStateError
+            A page owned by a request row other than ``owner`` (any row, without ``owner``); nothing
+            is freed then.
         """
         ids = id_tensor(pages, "pages", allow_negative=True)
+        owner = None if owner is None else self._owner_id(owner)
         if ids.numel() == 0:
             return
         if not self._all_owned(ids) or torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"sparsekv: argument `pages` names pages the {self.name} allocator has not allocated "
                              f"(or names one twice): {ids.tolist()}")
+        self.check_owner(ids, owner, "freed")
         self._owned_mask[ids] = False
+        self._owner[ids] = NO_OWNER
         self._released.append(ids.clone())
         if not self.deferred_reuse:
             self._reuse_released()
@@ -175,6 +256,11 @@ class PagedAllocator:
         """The distinct pages holding ``slots`` (an integer tensor; negative slots ignored), ascending."""
         slots = id_tensor(slots, "slots", allow_negative=True)
         return torch.unique(slots[slots >= 0] // self.page_size)
+
+
+#: How a message names each phase a coordinator holds a row in.
+_HELD_WORDS = {"transfer": "holding direct-transfer host slots in the coordinator",
+               "staging": "staging in the coordinator", "decode": "decoding in the coordinator"}
 
 
 class HiSparseTokenToKVPoolAllocator:
@@ -226,10 +312,11 @@ class HiSparseTokenToKVPoolAllocator:
         self.page_size = page_size
         self.compress_ratio = compress_ratio
         self.page_slots = page_size // compress_ratio
+        # Each logical and device page's owner is the request row it was allocated for: a row may
+        # continue only its own last page, never one a stale row entry points into.
         self.logical = PagedAllocator(self.size_full // page_size + 1, page_size, "logical")
-        # The request row each logical page was allocated to (-1: none): a row may continue only its own
-        # last page, never one a stale row entry points into.
-        self._logical_row = [-1] * self.logical.num_pages
+        # Rows a coordinator holds, by phase ("transfer", "staging", "decode"): see hold_row.
+        self._held_rows: dict[int, str] = {}
         self.num_device_pages = size // compress_ratio // self.page_slots + 1
         self.device_alloc = PagedAllocator(self.num_device_pages, self.page_slots, "device")
         self.full_to_hisparse_device_index_mapping = torch.full(
@@ -245,12 +332,36 @@ class HiSparseTokenToKVPoolAllocator:
     def logical_row(self, loc: int) -> int:
         """The request row whose allocation took the logical page of location ``loc``; -1 when that
         page is not allocated (or ``loc`` is outside the logical space)."""
-        page = as_int(loc, "loc") // self.page_size
-        return self._logical_row[page] if self.logical.is_allocated(page) else -1
+        return self.logical.owner_of(as_int(loc, "loc") // self.page_size)
 
     def logical_pages_of_row(self, rid: int) -> set[int]:
         """The allocated logical pages whose allocation was for request row ``rid``."""
-        return {p for p, r in enumerate(self._logical_row) if r == rid and self.logical.is_allocated(p)}
+        return set(self.logical.pages_owned_by(rid).tolist())
+
+    # ---- rows a coordinator holds -------------------------------------------------------
+
+    def hold_row(self, rid: int, phase: str) -> None:
+        """Mark request row ``rid`` as held by a coordinator in ``phase`` (``"transfer"``,
+        ``"staging"`` or ``"decode"``; the coordinator calls this at each change of phase).
+
+        While a row is held, :meth:`free_logical` and :meth:`free_device_buffer` refuse it (the
+        coordinator's release frees its pages, after :meth:`release_row`), and while it is staging
+        or decoding :meth:`alloc_extend` refuses it (its table row is the coordinator's record).
+        """
+        self._held_rows[as_int(rid, "rid")] = phase
+
+    def release_row(self, rid: int) -> None:
+        """Row ``rid`` is no longer held (its coordinator is releasing or has released it)."""
+        self._held_rows.pop(as_int(rid, "rid"), None)
+
+    def held_phase(self, rid: int) -> str | None:
+        """The phase a coordinator holds row ``rid`` in; None when it is not held."""
+        return self._held_rows.get(rid)
+
+    def _refuse_held(self, rid: int, action: str, phases: tuple[str, ...] = ("transfer", "staging", "decode")) -> None:
+        phase = self._held_rows.get(rid)
+        if phase in phases:
+            raise RequestStateError(f"sparsekv: request row {rid} is {_HELD_WORDS[phase]}; {action}")
 
     def compressed_locs(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Logical compressed locations produced by ``full_locs`` (an integer tensor): keep
@@ -294,9 +405,7 @@ class HiSparseTokenToKVPoolAllocator:
         """Full locations for positions ``[prefix_len, seq_len)``, continuing the last logical page."""
         page = self.page_size
         new_pages = -(-seq_len // page) - -(-prefix_len // page)
-        pages = self.logical.alloc(new_pages)
-        for p in pages.tolist():
-            self._logical_row[p] = rid
+        pages = self.logical.alloc(new_pages, owner=rid)
         if prefix_len % page:
             last = int(req_to_token[rid, prefix_len - 1]) // page
             pages = torch.cat([torch.tensor([last]), pages])
@@ -330,11 +439,16 @@ class HiSparseTokenToKVPoolAllocator:
             page that the row does not hold (its last location is not allocated or was allocated
             to another row, or its last C4 entry is not on the device when device slots are
             wanted); nothing was allocated.
+        RequestStateError
+            The row is staging or decoding in a coordinator (:meth:`hold_row`): its table row is
+            the coordinator's record, and a decoding row grows by :meth:`alloc_decode`.
         AllocatorExhaustedError
             Not enough logical or device pages; nothing was allocated.
         """
         with_device = as_bool(with_device, "with_device")
         rid, prefix_len, seq_len = self._check_row(req_to_token, rid, prefix_len, seq_len, with_device)
+        self._refuse_held(rid, "alloc_extend cannot rewrite its req_to_token row (a decoding row grows by "
+                          "alloc_decode)", ("staging", "decode"))
         page, dpage, ratio = self.page_size, self.page_slots, self.compress_ratio
         logical_pages = -(-seq_len // page) - -(-prefix_len // page)
         first_entry, end_entry = prefix_len // ratio, seq_len // ratio
@@ -348,7 +462,7 @@ class HiSparseTokenToKVPoolAllocator:
         full = self._logical_locs(req_to_token, rid, prefix_len, seq_len)
         req_to_token[rid, prefix_len:seq_len] = full.to(req_to_token.device)
         if end_entry > first_entry:
-            pages = self.device_alloc.alloc(device_pages)
+            pages = self.device_alloc.alloc(device_pages, owner=rid)
             if first_entry % dpage:
                 last_loc = self.compressed_locs(req_to_token[rid, :prefix_len].cpu())[-1]
                 last = int(self.full_to_hisparse_device_index_mapping[last_loc]) // dpage
@@ -376,20 +490,24 @@ class HiSparseTokenToKVPoolAllocator:
         req_to_token[rid, seq_len - 1] = loc
         return loc
 
-    def free_logical(self, full_locs: torch.Tensor) -> None:
-        """Free the logical pages of a finished request (``full_locs``: all its locations).
+    def free_logical(self, full_locs: torch.Tensor, *, rid: int) -> None:
+        """Free the logical pages of a finished request row ``rid`` (``full_locs``: all its locations).
 
         Raises
         ------
         TypeError
-            ``full_locs`` is not an integer tensor.
+            ``full_locs`` is not an integer tensor, or ``rid`` not an int.
         ValueError
             A page that is not allocated; nothing is freed then.
+        RequestStateError
+            A page of another request row, or row ``rid`` is still held by a coordinator
+            (``request_finished`` first); nothing is freed then.
         """
+        rid = int_in(rid, "rid", 0)
         pages = self.logical.pages_of(id_tensor(full_locs, "full_locs", allow_negative=True))
-        self.logical.free(pages)
-        for p in pages.tolist():
-            self._logical_row[p] = -1
+        self.logical.check_owner(pages, rid, "freed", name="full_locs")
+        self._refuse_held(rid, "free_logical must wait for its request_finished")
+        self.logical.free(pages, owner=rid)
 
     # ---- device space -------------------------------------------------------------------
 
@@ -407,8 +525,9 @@ class HiSparseTokenToKVPoolAllocator:
         locs = id_tensor(compressed_locs, "compressed_locs", size=mapping.numel())
         return DeviceSlots(mapping[locs.to(mapping.device)].cpu())
 
-    def alloc_device_buffer(self, compressed_locs: torch.Tensor, need: int) -> DeviceSlots:
-        """Turn a request's device slots into its hot buffer of ``need`` slots.
+    def alloc_device_buffer(self, compressed_locs: torch.Tensor, need: int, *, rid: int) -> DeviceSlots:
+        """Turn request row ``rid``'s device slots into its hot buffer of ``need`` slots (new pages
+        are allocated for ``rid``).
 
         ``compressed_locs`` are the request's entries in position order (its whole prefill after
         staging; empty when the KV came straight into the host pool). ``need`` is the hot buffer
@@ -429,17 +548,20 @@ class HiSparseTokenToKVPoolAllocator:
         Raises
         ------
         TypeError
-            ``compressed_locs`` is not an integer tensor or ``need`` not an int.
+            ``compressed_locs`` is not an integer tensor, or ``need`` or ``rid`` not an int.
         IndexError
             A location outside the mapping.
         ValueError
             An entry is not on the device (or its slot is in a page the allocator does not hold), an
             entry named twice, or ``need`` is not ``H + page_slots`` with ``H >= 1``; nothing changed.
+        RequestStateError
+            An entry's slot is in a device page of another request row; nothing changed.
         AllocatorExhaustedError
             A top-up needs more pages than are free; nothing changed.
         """
         dpage = self.page_slots
         need = as_int(need, "need")
+        rid = int_in(rid, "rid", 0)
         hot = need - dpage
         if hot < 1:
             raise ValueError(f"sparsekv: argument `need` ({need}) must be a hot buffer plus one page of {dpage}")
@@ -455,6 +577,7 @@ class HiSparseTokenToKVPoolAllocator:
             raise ValueError("sparsekv: argument `compressed_locs` names entries in unallocated device pages")
         count = slots.numel()
         owned = self.device_alloc.pages_of(slots)
+        self.device_alloc.check_owner(owned, rid, "made a hot buffer", name="compressed_locs")
         # Entries fill their pages in position order, so only the newest entry's page has spare
         # slots; read it before the swap below moves that entry to column H.
         newest_page = int(slots[-1]) // dpage if count else 0
@@ -467,12 +590,12 @@ class HiSparseTokenToKVPoolAllocator:
             spare_slots = newest_page * dpage + torch.arange(tail, dpage) if tail else \
                 torch.empty(0, dtype=torch.int64)
             missing = need - count - spare_slots.numel()
-            new_pages = (self.device_alloc.alloc(-(-missing // dpage)) if missing > 0
+            new_pages = (self.device_alloc.alloc(-(-missing // dpage), owner=rid) if missing > 0
                          else torch.empty(0, dtype=torch.int64))
             new_slots = (new_pages[:, None] * dpage + torch.arange(dpage)).reshape(-1)
             buffer = torch.cat([slots, spare_slots, new_slots])[:need]
         surplus = owned[~torch.isin(owned, self.device_alloc.pages_of(buffer))]
-        self.device_alloc.free(surplus)
+        self.device_alloc.free(surplus, owner=rid)
         mapping[locs] = -1
         kept = min(count, hot)
         mapping[locs[:kept]] = buffer[:kept].to(mapping.device)
@@ -480,17 +603,24 @@ class HiSparseTokenToKVPoolAllocator:
             mapping[locs[count - 1]] = int(buffer[hot])
         return DeviceSlots(buffer)
 
-    def free_device_buffer(self, slots: DeviceSlots) -> None:
-        """Free the pages of a request's device slots (its hot buffer, or its prefill while staging).
+    def free_device_buffer(self, slots: DeviceSlots, *, rid: int) -> None:
+        """Free the pages of request row ``rid``'s device slots (its hot buffer, or its prefill).
 
         Raises
         ------
         TypeError
-            ``slots`` is not :class:`DeviceSlots`.
+            ``slots`` is not :class:`DeviceSlots`, or ``rid`` not an int.
         ValueError
             A page that is not allocated; nothing is freed then.
+        RequestStateError
+            A page of another request row, or row ``rid`` is held by a coordinator (whose
+            ``request_finished`` frees it); nothing is freed then.
         """
-        self.device_alloc.free(self.device_alloc.pages_of(DeviceSlots.require(slots, "slots").tensor))
+        pages = self.device_alloc.pages_of(DeviceSlots.require(slots, "slots").tensor)
+        rid = int_in(rid, "rid", 0)
+        self.device_alloc.check_owner(pages, rid, "freed", name="slots")
+        self._refuse_held(rid, "its device slots are freed by its request_finished")
+        self.device_alloc.free(pages, owner=rid)
 
     def device_pages_of(self, slots: DeviceSlots) -> DevicePages:
         """The distinct device pages holding ``slots``."""

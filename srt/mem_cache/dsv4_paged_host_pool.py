@@ -35,6 +35,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import C4_PAGE_SLOTS, V4
+from sparsekv.srt.mem_cache.allocators import PagedAllocator
 from sparsekv.srt.mem_cache.base_swa_pool import BufInfos
 from sparsekv.srt.mem_cache.hisparse_host_pool import HiSparseHostPoolMixin
 from sparsekv.srt.mem_cache.host_kv_cache import HostKVCache
@@ -65,6 +66,11 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         buffers (the kernels read and write the host pages directly).
     page_aligned_only : bool
         Reject token-granular transfers (for pools whose tokens must only move as whole pages).
+    device_allocator : PagedAllocator, optional
+        The device pool's page allocator, whose page owners guard :meth:`load_to_device_per_layer`:
+        a load into a device page of another request row is refused. A
+        :class:`~sparsekv.srt.managers.hisparse_coordinator.HiSparseCoordinator` attaches its
+        allocator's (:meth:`guard_device_writes`); default: unguarded.
 
     Raises
     ------
@@ -76,7 +82,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     @renamed_keywords(slot_page_size="page_slots")
     def __init__(self, pool_name: str, device_buffers: Sequence[torch.Tensor], num_host_pages: int, *,
                  page_slots: int = 64, layout: str = "layer_first", pin_memory: bool | None = None,
-                 page_aligned_only: bool = False) -> None:
+                 page_aligned_only: bool = False, device_allocator: PagedAllocator | None = None) -> None:
         page_slots, num_host_pages = as_int(page_slots, "page_slots"), int_in(num_host_pages, "num_host_pages", 1)
         if page_slots not in C4_PAGE_SLOTS:
             raise ValueError(f"sparsekv: argument `page_slots` must be one of {C4_PAGE_SLOTS}, got {page_slots!r}")
@@ -103,6 +109,31 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         self.data_ptrs = pointer_table(self.kv_buffer, self.device)
         self.device_ptrs = pointer_table(self.device_buffers, self.device)
         self._init_page_allocator()
+        self.device_allocator: PagedAllocator | None = None
+        if device_allocator is not None:
+            self.guard_device_writes(device_allocator)
+
+    def guard_device_writes(self, device_allocator: PagedAllocator) -> None:
+        """Guard loads into the device pool with the page owners of ``device_allocator`` (its pages
+        must be this pool's device pages).
+
+        Raises
+        ------
+        TypeError
+            ``device_allocator`` is not a :class:`PagedAllocator`.
+        ValueError
+            Its page size or page count is not the device buffers', or another allocator guards already.
+        """
+        if not isinstance(device_allocator, PagedAllocator):
+            raise TypeError(f"sparsekv: argument `device_allocator` must be a PagedAllocator, got "
+                            f"{type(device_allocator).__name__}")
+        if (device_allocator.page_size, device_allocator.num_pages) != (self.page_slots, self.device_num_pages):
+            raise ValueError(f"sparsekv: argument `device_allocator` has {device_allocator.num_pages} pages of "
+                             f"{device_allocator.page_size} slots; the device buffers have {self.device_num_pages} "
+                             f"of {self.page_slots}")
+        if self.device_allocator is not None and self.device_allocator is not device_allocator:
+            raise ValueError(f"sparsekv: pool {self.name!r} already guards its device writes with another allocator")
+        self.device_allocator = device_allocator
 
     def _check_device_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         if len(buffers) == 0:
@@ -153,14 +184,23 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         if self._has_transfer_indices(host_indices, device_indices):
             self._copy(host_indices, device_indices, to_host=True, layers=slice(None))
 
-    def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int) -> None:
-        """Copy host slots to device slots of layer ``layer_id`` (``host_indices[i]`` -> ``device_indices[i]``).
+    def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int, *,
+                                 owner: int | None = None) -> None:
+        """Copy host slots to device slots of layer ``layer_id`` (``host_indices[i]`` -> ``device_indices[i]``),
+        on behalf of request row ``owner``.
 
         Paths and errors as :meth:`backup_from_device_all_layer`, plus ``IndexError`` for a bad layer
-        (a negative one included) and ``TypeError`` for a ``layer_id`` that is not an int.
+        (a negative one included), ``TypeError`` for a ``layer_id`` or ``owner`` that is not an int,
+        and, when a device allocator guards the pool (:meth:`guard_device_writes`),
+        :class:`~sparsekv.srt.errors.RequestStateError` for a device slot in a page of a request
+        row other than ``owner`` (any row, without ``owner``); nothing is written then.
         """
         layer_id = index_in(layer_id, "layer_id", self.layer_num)
+        owner = None if owner is None else int_in(owner, "owner", 0)
         if self._has_transfer_indices(host_indices, device_indices):
+            if self.device_allocator is not None:  # admission's load, not the decode path: reading ids is fine
+                pages = self.device_allocator.pages_of(device_indices.tensor)
+                self.device_allocator.check_owner(pages, owner, "written", name="device_indices")
             self._copy(host_indices, device_indices, to_host=False, layers=slice(layer_id, layer_id + 1))
 
     def _copy(self, host: HostSlots, device: DeviceSlots, *, to_host: bool, layers: slice) -> None:

@@ -5,6 +5,9 @@ but allocates (and frees) whole host pages, so whole-page backups can move opaqu
 A request's host slots live in a table ``req_to_host_pool[req, position]`` (-1 = none yet) with
 ``allocated_len[req]`` slots allocated so far, always a multiple of the page size.
 
+Each page records the request row it was allocated for (``alloc_paged_token_slots`` allocates for
+its ``req_pool_idx``): a free that names another row, or none, is refused naming the owner.
+
 Freeing is lazy: freed pages wait in a release list and join the free list only when an
 allocation needs them, so a page freed during a step is not handed out again within it while
 in-flight copies may still read it.
@@ -44,33 +47,37 @@ class HiSparseHostPoolMixin:
         """Pages an allocation can still get (free plus lazily released)."""
         return self.page_alloc.available_pages
 
-    def alloc_page(self, num_pages: int) -> HostPages:
-        """Allocate ``num_pages`` host pages (:meth:`PagedAllocator.alloc
-        <sparsekv.srt.mem_cache.allocators.PagedAllocator.alloc>`).
+    def alloc_page(self, num_pages: int, *, owner: int | None = None) -> HostPages:
+        """Allocate ``num_pages`` host pages for request row ``owner`` (default none)
+        (:meth:`PagedAllocator.alloc <sparsekv.srt.mem_cache.allocators.PagedAllocator.alloc>`).
 
         Raises
         ------
         TypeError
-            ``num_pages`` is not an int (a bool or a float included).
+            ``num_pages`` or ``owner`` is not an int (a bool or a float included).
         ValueError
-            ``num_pages`` is negative.
+            ``num_pages`` or ``owner`` is negative.
         HostPoolExhaustedError
             Fewer pages are available; nothing changed (the lazily released pages stay where they are).
         """
-        return HostPages(self.page_alloc.alloc(num_pages))
+        return HostPages(self.page_alloc.alloc(num_pages, owner=owner))
 
-    def free_pages(self, pages: HostPages) -> None:
-        """Return pages to the pool, lazily: they are reused only when the free list runs dry
-        (:meth:`PagedAllocator.free <sparsekv.srt.mem_cache.allocators.PagedAllocator.free>`).
+    def free_pages(self, pages: HostPages, *, owner: int | None = None) -> None:
+        """Return pages to the pool on behalf of request row ``owner``, lazily: they are reused only
+        when the free list runs dry (:meth:`PagedAllocator.free
+        <sparsekv.srt.mem_cache.allocators.PagedAllocator.free>`).
 
         Raises
         ------
         TypeError
-            ``pages`` is not :class:`HostPages`.
+            ``pages`` is not :class:`HostPages`, or ``owner`` not an int.
         ValueError
             A page is not allocated (a double free) or named twice; nothing is freed then.
+        RequestStateError
+            A page owned by a request row other than ``owner`` (any row, without ``owner``);
+            nothing is freed then.
         """
-        self.page_alloc.free(HostPages.require(pages, "pages").tensor)
+        self.page_alloc.free(HostPages.require(pages, "pages").tensor, owner=owner)
 
     def host_pages_needed(self, start_pos: int, num_tokens: int, allocated_len: int) -> int:
         """Pages :meth:`alloc_paged_token_slots` would allocate for this request (admission pre-check).
@@ -89,7 +96,7 @@ class HiSparseHostPoolMixin:
                                 req_pool_idx: int, start_pos: int, num_tokens: int) -> HostSlots:
         """Host slots for positions ``[start_pos, start_pos + num_tokens)`` of request ``req_pool_idx``.
 
-        Whole pages are allocated up to the page holding the last position and recorded in
+        Whole pages are allocated (for row ``req_pool_idx``) up to the page holding the last position and recorded in
         ``req_to_host_pool[req_pool_idx, allocated:page_end]``; ``allocated_len[req_pool_idx]``
         becomes ``page_end``.
 
@@ -132,7 +139,8 @@ class HiSparseHostPoolMixin:
             raise ValueError(f"sparsekv: argument `req_to_host_pool` has {req_to_host_pool.shape[1]} positions per "
                              f"request, {page_end} needed")
         if page_end > allocated:
-            slots = self.alloc_page((page_end - allocated) // self.page_slots).slots(self.page_slots).tensor
+            new_pages = self.alloc_page((page_end - allocated) // self.page_slots, owner=req_pool_idx)
+            slots = new_pages.slots(self.page_slots).tensor
             req_to_host_pool[req_pool_idx, allocated:page_end] = slots.to(req_to_host_pool.device)
             allocated_len[req_pool_idx] = page_end
         return HostSlots(req_to_host_pool[req_pool_idx, start_pos : start_pos + num_tokens].clone())
@@ -170,8 +178,9 @@ class HiSparseHostPoolMixin:
         row = req_to_host_pool[req_pool_idx, :allocated_len]
         return HostSlots(row[row >= 0].clone())
 
-    def free(self, slots: HostSlots) -> None:
-        """Free the pages of ``slots``, which must be whole aligned pages (as allocated).
+    def free(self, slots: HostSlots, *, owner: int | None = None) -> None:
+        """Free the pages of ``slots``, which must be whole aligned pages (as allocated), on behalf
+        of request row ``owner``.
 
         Raises
         ------
@@ -179,10 +188,12 @@ class HiSparseHostPoolMixin:
             ``slots`` is not :class:`HostSlots`.
         ValueError
             ``slots`` is not made of whole pages, or a page is not allocated.
+        RequestStateError
+            A page owned by a request row other than ``owner``; nothing is freed then.
         """
         pages = HostSlots.require(slots, "slots").whole_pages(self.page_slots)
         if pages is None:
             if len(slots) == 0:
                 return
             raise ValueError(f"sparsekv: argument `slots` must be whole aligned host pages of {self.page_slots} slots")
-        self.free_pages(pages)
+        self.free_pages(pages, owner=owner)

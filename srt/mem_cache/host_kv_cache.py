@@ -112,5 +112,7 @@ class HostKVCache(ABC):
         """Copy device slots ``device_indices[i]`` to host slots ``host_indices[i]``, every layer."""
 
     @abstractmethod
-    def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int) -> None:
-        """Copy host slots ``host_indices[i]`` to device slots ``device_indices[i]`` of one layer."""
+    def load_to_device_per_layer(self, host_indices: HostSlots, device_indices: DeviceSlots, layer_id: int, *,
+                                 owner: int | None = None) -> None:
+        """Copy host slots ``host_indices[i]`` to device slots ``device_indices[i]`` of one layer, on
+        behalf of request row ``owner``."""

@@ -23,7 +23,7 @@ from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, HiSparseT
 from sparsekv.srt.mem_cache.dsv4_paged_host_pool import DeepSeekV4PagedHostPool
 from sparsekv.srt.mem_cache.hisparse_device_pool import HiSparseC4DevicePool
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
-from sparsekv.srt.mem_cache.ids import DeviceSlots, HostSlots
+from sparsekv.srt.mem_cache.ids import DeviceSlots, HostPages, HostSlots
 from sparsekv.srt.streams import CpuStream, CpuStreams, CudaStream
 from sparsekv.testing.hisparse_runtime import Req, ReqToTokenPool, changed, entry_bytes, snapshot
 from sparsekv.testing.hisparse_runtime import resident_index_disagreements as index_disagreements
@@ -161,7 +161,8 @@ class World:
 
     def finish(self, req: Req) -> None:
         self.coord.request_finished(req)
-        self.allocator.free_logical(self.pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len])
+        self.allocator.free_logical(self.pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len],
+                                    rid=req.req_pool_idx)
 
     def finish_all(self, *reqs: Req) -> None:
         """Finish ``reqs`` (and free their logical pages, as the scheduler does): then every page is
@@ -304,9 +305,11 @@ def test_allocator_refuses_what_it_cannot_hold_and_a_double_free():
     assert w.allocator.logical.used_pages == set() and w.allocator.device_alloc.used_pages == set()
     w.prefill(req, 256)
     pages = w.allocator.device_alloc.pages_of(w.allocator.device_slots(w.coord._compressed_locs(req)).tensor)
-    w.allocator.device_alloc.free(pages)
-    with pytest.raises(ValueError, match="not allocated"):
+    with refused(w, RequestStateError, "belongs to request row 0"):  # only row 0's own release frees them
         w.allocator.device_alloc.free(pages)
+    w.allocator.device_alloc.free(pages, owner=0)
+    with pytest.raises(ValueError, match="not allocated"):
+        w.allocator.device_alloc.free(pages, owner=0)
 
 
 def test_host_token_len_and_alloc_device_buffer_layout():
@@ -316,7 +319,7 @@ def test_host_token_len_and_alloc_device_buffer_layout():
     w.prefill(req, 300)
     locs = w.coord._compressed_locs(req)
     before = w.allocator.device_slots(locs).tensor
-    buffer = w.allocator.alloc_device_buffer(locs, HOT + 64).tensor
+    buffer = w.allocator.alloc_device_buffer(locs, HOT + 64, rid=0).tensor
     # Positions below H keep their slots; column H is the newest entry's slot.
     assert buffer[:HOT].tolist() == before[:HOT].tolist()
     assert int(buffer[HOT]) == int(before[-1])
@@ -495,16 +498,17 @@ def test_request_finished_can_be_retried_after_a_free_fails(monkeypatch):
     free = w.host.free
     calls = []
 
-    def fails_once(slots):
+    def fails_once(slots, *, owner):
         calls.append(slots)
         if len(calls) == 1:
             raise RuntimeError("free failed")
-        free(slots)
+        free(slots, owner=owner)
 
     monkeypatch.setattr(w.host, "free", fails_once)
     with pytest.raises(RuntimeError, match="free failed"):
         w.coord.request_finished(req)
     assert 0 in w.coord._reqs  # still admitted: the retry below releases what is left
+    assert w.allocator.held_phase(0) == "decode"  # and its row still held against other frees
     w.finish_all(req)
     with pytest.raises(ValueError, match="request row 0 is not admitted"):
         w.coord.request_finished(req)
@@ -519,7 +523,7 @@ def test_alloc_device_buffer_hands_out_distinct_slots_of_pages_it_owns(hot, coun
     locs = allocator.compressed_locs(allocator.alloc_extend(req_to_token, 0, 0, 4 * count))
     before = allocator.device_slots(locs).tensor
     need = hot + 64
-    buffer = allocator.alloc_device_buffer(locs, need).tensor
+    buffer = allocator.alloc_device_buffer(locs, need, rid=0).tensor
     assert buffer.numel() == need and buffer.unique().numel() == need
     assert set(allocator.device_alloc.pages_of(buffer).tolist()) == allocator.device_alloc.used_pages
     kept = min(count, hot)
@@ -618,8 +622,12 @@ def test_collect_refuses_before_installing_any_hot_buffer_when_a_queued_prefill_
     for req in (first, second):
         w.prefill(req, 40)
         w.coord.admit_request_into_staging(req)
-    # The scheduler frees the second prefill's device pages behind the coordinator's back.
-    w.allocator.free_device_buffer(w.allocator.device_slots(w.coord._compressed_locs(second)))
+    # The scheduler frees the second prefill's device pages behind the coordinator's back (its
+    # free_device_buffer is refused while the row is staging; the page allocator's is not).
+    slots = w.allocator.device_slots(w.coord._compressed_locs(second))
+    with refused(w, RequestStateError, "request row 1 is staging"):
+        w.allocator.free_device_buffer(slots, rid=1)
+    w.allocator.device_alloc.free(w.allocator.device_alloc.pages_of(slots.tensor), owner=1)
     with refused(w, ValueError, "request row 1"):  # the first is not left installed but unreported
         w.coord.collect_ready_reqs()
 
@@ -771,7 +779,7 @@ def test_finishing_with_a_longer_length_frees_only_its_own_pages():
     a, b = _decoding_pair(w)
     b_pages, b_buffer = w.owned_device_pages(b), w.coord.req_to_device_buffer[b.req_pool_idx].clone()
     w.coord.request_finished(Req(a.req_pool_idx, a.kv_allocated_len + 300, a.uid))
-    w.allocator.free_logical(w.pool.req_to_token[a.req_pool_idx, : a.kv_allocated_len])
+    w.allocator.free_logical(w.pool.req_to_token[a.req_pool_idx, : a.kv_allocated_len], rid=a.req_pool_idx)
     assert w.allocator.device_alloc.used_pages == b_pages
     mapping = w.allocator.full_to_hisparse_device_index_mapping
     assert bool(torch.isin(mapping[mapping >= 0], b_buffer).all())
@@ -795,12 +803,15 @@ def test_admitting_fewer_tokens_than_were_allocated_is_refused():
 def test_finishing_a_staged_request_whose_pages_were_reused_frees_only_its_own():
     # The scheduler frees A's logical pages while A is staging and B reuses them. Finishing A once
     # freed B's device pages and wiped B's mapping (re-reading A's row), while A's own pages leaked.
+    # free_logical now refuses a staging row; the page allocator's own free still lets it happen.
     w = World(deferred=True)
     a = Req(0, 0, uid=51)
     w.prefill(a, 300)
     w.coord.admit_request_into_staging(a)
     a_pages = w.owned_device_pages(a)
-    w.allocator.free_logical(w.pool.req_to_token[0, :300])
+    with refused(w, RequestStateError, "request row 0 is staging"):
+        w.allocator.free_logical(w.pool.req_to_token[0, :300], rid=0)
+    w.allocator.logical.free(w.allocator.logical.pages_of(w.pool.req_to_token[0, :300]), owner=0)
     b = Req(0 + 1, 0, uid=52)
     w.pool.req_to_token[1] = 0
     w.prefill(b, 300)  # takes A's logical pages again: A's row and B's row name the same locations
@@ -837,3 +848,65 @@ def test_swap_in_refuses_a_row_that_is_not_decoding(phase):
                                          torch.zeros(1, TOP_K, dtype=torch.int32), 0,
                                          num_real_reqs=torch.zeros(1, dtype=torch.int32))
     assert bool((out == -1).all())
+
+
+def _cross_request_calls(w: World, a: Req, b: Req) -> dict[str, tuple]:
+    """The sweep's seven ways one request freed or overwrote another's memory (row ``a`` the victim,
+    decoding; row ``b`` the other request): call -> the words the refusal must hold."""
+    rtt, alloc = w.pool.req_to_token, w.allocator
+    rid, other = a.req_pool_idx, b.req_pool_idx
+    buffer = DeviceSlots(w.coord.req_to_device_buffer[rid].clone())
+    table = w.coord.req_to_host_pool[rid]
+    host_pages = torch.unique(table[table >= 0] // w.slots)
+    stale = Req(2, 0, uid=99)
+    rtt[2, :600] = rtt[rid, :600]  # a reused row whose table still names request a's locations
+    alloc.alloc_extend(rtt, 2, 0, 40)
+    return {
+        "free_logical": (lambda: alloc.free_logical(rtt[rid, : a.kv_allocated_len], rid=other),
+                         f"belongs to request row {rid}"),
+        "free_device_buffer": (lambda: alloc.free_device_buffer(buffer, rid=other), f"belongs to request row {rid}"),
+        "device allocator free": (lambda: alloc.device_alloc.free(alloc.device_alloc.pages_of(buffer.tensor)),
+                                  f"belongs to request row {rid}"),
+        "host free_pages": (lambda: w.host.free_pages(HostPages(host_pages)), f"belongs to request row {rid}"),
+        "load into another's device slot": (lambda: w.host.load_to_device_per_layer(
+            HostSlots(table[:1].clone()), DeviceSlots(buffer.tensor[:1]), 0, owner=other),
+            f"belongs to request row {rid}"),
+        "alloc_extend on a decoding row": (lambda: alloc.alloc_extend(rtt, rid, 0, 8),
+                                           f"request row {rid} is decoding"),
+        "stale too-long kv_allocated_len": (lambda: w.coord.admit_request_into_staging(Req(2, 600, stale.uid)),
+                                            f"req_to_token\\[2, 40\\] = \\d+ is in request row {rid}'s page"),
+    }
+
+
+@pytest.mark.parametrize("case", ["free_logical", "free_device_buffer", "device allocator free", "host free_pages",
+                                  "load into another's device slot", "alloc_extend on a decoding row",
+                                  "stale too-long kv_allocated_len"])
+def test_one_request_cannot_free_or_overwrite_another_requests_pages(case):
+    # The sweep of 1077b6d: each of these freed or overwrote a live request's pages, which then could
+    # not finish. Each is refused now, naming the owner, with nothing changed; both requests then
+    # decode and finish with their own bytes.
+    w = World()
+    a, b = _decoding_pair(w)
+    call, match = _cross_request_calls(w, a, b)[case]
+    with refused(w, RequestStateError, match):
+        call()
+    w.check_results(w.decode_step([a, b]))
+    locs = w.allocator.compressed_locs(w.pool.req_to_token[2, :40])  # the scheduler drops row 2's prefill
+    w.allocator.free_device_buffer(w.allocator.device_slots(locs), rid=2)
+    w.allocator.full_to_hisparse_device_index_mapping[locs] = -1
+    w.allocator.free_logical(w.pool.req_to_token[2, :40], rid=2)
+    w.finish_all(a, b)
+
+
+def test_a_held_row_is_freed_only_by_its_own_release():
+    w = World()
+    a, b = _decoding_pair(w)
+    with refused(w, RequestStateError, "request row 0 is decoding in the coordinator; free_logical must wait"):
+        w.allocator.free_logical(w.pool.req_to_token[0, : a.kv_allocated_len], rid=0)
+    with refused(w, RequestStateError, "request row 0 is decoding in the coordinator; its device slots are freed by"):
+        w.allocator.free_device_buffer(DeviceSlots(w.coord.req_to_device_buffer[0].clone()), rid=0)
+    w.coord.request_finished(a)
+    assert w.allocator.held_phase(0) is None
+    w.allocator.free_logical(w.pool.req_to_token[0, : a.kv_allocated_len], rid=0)  # its own finish: accepted
+    w.finish_all(b)
+    w.check_all_free()

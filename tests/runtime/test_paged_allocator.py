@@ -3,7 +3,8 @@
 A hypothesis state machine draws the allocator's flavour (page 0 reserved or not, freed pages reused
 at once or deferred until an allocation needs them) and interleaves allocations, frees and misuse
 (double frees, the reserved page, out-of-range and repeated ids, bools and floats for counts,
-float ids, allocations beyond the available pages). It holds the allocator to the documented order
+float ids, allocations beyond the available pages, a page freed for a request row other than its
+owner or for none). It holds the allocator to the documented order
 (pages from the front of the free list; a free's pages, or with deferred reuse everything released
 since the last allocation that needed them, sorted to its back), each page to one owner, and every
 refused call to no change at all. The runtime's machine (test_runtime_state_machine.py) runs the
@@ -18,7 +19,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sparsekv.srt.mem_cache.allocators import AllocatorExhaustedError, PagedAllocator
+from sparsekv.srt.errors import RequestStateError
+from sparsekv.srt.mem_cache.allocators import NO_OWNER, AllocatorExhaustedError, PagedAllocator
 from sparsekv.srt.mem_cache.hisparse_host_pool import HostPoolExhaustedError
 from sparsekv.testing.profiles import scaled_examples
 
@@ -35,17 +37,18 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         self.free = [p for p in range(num_pages) if p not in self.reserved]
         self.released: list[int] = []
         self.owned: set[int] = set()
+        self.owner: dict[int, int | None] = {}  # page -> the request row it was allocated for
 
     def state(self):
         a = self.alloc
-        return a._free.clone(), [t.clone() for t in a._released], a._owned_mask.clone()
+        return a._free.clone(), [t.clone() for t in a._released], a._owned_mask.clone(), a._owner.clone()
 
     def refused(self, call, error):
         before = self.state()
         with pytest.raises(error):
             call()
         after = self.state()
-        assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+        assert all(torch.equal(before[i], after[i]) for i in (0, 2, 3))
         assert len(before[1]) == len(after[1]) and all(torch.equal(x, y) for x, y in zip(before[1], after[1]))
 
     @rule(data=st.data())
@@ -56,15 +59,20 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
             self.free += sorted(self.released)
             self.released = []
         expected, self.free = self.free[:n], self.free[n:]
-        got = self.alloc.alloc(n)
+        owner = data.draw(st.sampled_from([None, 0, 1, 2]), label="owner")
+        got = self.alloc.alloc(n, owner=owner)
         assert got.dtype == torch.int64 and got.tolist() == expected
         self.owned |= set(expected)
+        self.owner |= dict.fromkeys(expected, owner)
 
     @precondition(lambda self: self.owned)
     @rule(data=st.data())
     def free_pages(self, data):
-        pages = data.draw(st.lists(st.sampled_from(sorted(self.owned)), min_size=1, unique=True), label="freed")
-        self.alloc.free(torch.tensor(pages, dtype=data.draw(st.sampled_from([torch.int32, torch.int64]))))
+        owner = self.owner[data.draw(st.sampled_from(sorted(self.owned)), label="owner's page")]
+        mine = sorted(p for p in self.owned if self.owner[p] == owner)
+        pages = data.draw(st.lists(st.sampled_from(mine), min_size=1, unique=True), label="freed")
+        self.alloc.free(torch.tensor(pages, dtype=data.draw(st.sampled_from([torch.int32, torch.int64]))),
+                        owner=owner)
         self.owned -= set(pages)
         if self.deferred:
             self.released += pages
@@ -89,7 +97,14 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
             page = min(self.owned)
             calls["free a page twice in one call"] = (lambda: a.free(torch.tensor([page, page])), ValueError)
             calls["free an owned page with one that is not"] = (
-                lambda: a.free(torch.tensor([page, unowned[0]])), ValueError)
+                lambda: a.free(torch.tensor([page, unowned[0]]), owner=self.owner[page]), ValueError)
+            owned_by_rows = sorted(p for p in self.owned if self.owner[p] is not None)
+            if owned_by_rows:  # a page of a request row, freed for another row or for none
+                victim = owned_by_rows[0]
+                thief = data.draw(st.sampled_from([None] + [r for r in (0, 1, 2) if r != self.owner[victim]]))
+                calls["free another row's page"] = (lambda: a.free(torch.tensor([victim]), owner=thief),
+                                                    RequestStateError)
+            calls["free with a bool owner"] = (lambda: a.free(torch.tensor([page]), owner=True), TypeError)
         kind = data.draw(st.sampled_from(sorted(calls)), label="misuse")
         self.refused(*calls[kind])
 
@@ -102,6 +117,9 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         assert [a.is_allocated(p) for p in range(-1, a.num_pages + 1)] == \
             [p in self.owned for p in range(-1, a.num_pages + 1)]
         assert a.all_allocated(torch.tensor(sorted(self.owned), dtype=torch.int64))
+        assert [a.owner_of(p) for p in range(-1, a.num_pages + 1)] == \
+            [NO_OWNER if self.owner.get(p) is None or p not in self.owned else self.owner[p]
+             for p in range(-1, a.num_pages + 1)]
 
 
 TestPagedAllocator = PagedAllocatorMachine.TestCase

@@ -8,7 +8,12 @@ length disagrees with what was admitted or allocated, a swap-in of a row that is
 The invariants:
 
 * a refused call raises the documented error and leaves the whole observable state unchanged
-  (free lists, tables, mapping, staging queue, pending backup, device and host bytes);
+  (free lists, page owners, held rows, tables, mapping, staging queue, pending backup, device and
+  host bytes): in particular a free or a write of one request's pages by another request, by no
+  request, or by the owner outside its own release (``free_logical``, ``free_device_buffer``, the
+  page allocators' ``free``, the host pool's ``free_pages`` / ``free``, a load into its device
+  slots), an ``alloc_extend`` of a staging or decoding row, and an admission with a reused row's
+  stale, too-long ``kv_allocated_len`` are refused and change no request's bytes or tables;
 * after every step each page (logical, device, host) has at most one owner, the owners' pages are
   exactly the allocated ones, and free + allocated == capacity;
 * every slot a swap-in returns holds the bytes of the entry asked for, and every entry that has
@@ -151,6 +156,10 @@ class HiSparseRuntime(RuleBasedStateMachine):
         if prompt_len >= RATIO:  # the last C4 entry's tokens left out: its device slot would leak
             self.refused(lambda: self.coord.admit_request_into_staging(Req(rid, prompt_len - RATIO, req.uid)),
                          (RequestStateError,), "admit_staging shorter than allocated")
+        stale = -(-prompt_len // PAGE) * PAGE + 1  # one position into a page the row was never given
+        if stale <= MAX_CONTEXT:  # a reused row's stale length: its table names earlier requests' pages
+            self.refused(lambda: self.coord.admit_request_into_staging(Req(rid, stale, req.uid)),
+                         (RequestStateError,), "admit_staging a reused row with a stale, too-long length")
         before = self.snap()
         try:
             self.coord.admit_request_into_staging(req)
@@ -167,9 +176,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
     def abort_prefill(self, rid: int, length: int) -> None:
         """The scheduler takes an unadmitted prefill back: device slots, mapping entries, locations."""
         locs = self.allocator.compressed_locs(self.pool.req_to_token[rid, :length])
-        self.allocator.free_device_buffer(self.allocator.device_slots(locs))
+        self.allocator.free_device_buffer(self.allocator.device_slots(locs), rid=rid)
         self.allocator.full_to_hisparse_device_index_mapping[locs] = -1
-        self.allocator.free_logical(self.pool.req_to_token[rid, :length])
+        self.allocator.free_logical(self.pool.req_to_token[rid, :length], rid=rid)
 
     @precondition(lambda self: len(self.rows) < MAX_REQS)
     @rule(data=st.data(), prompt_len=st.integers(1, 500), admit=st.booleans())
@@ -183,6 +192,10 @@ class HiSparseRuntime(RuleBasedStateMachine):
             return
         req = self.new_req(rid, prompt_len)
         n = prompt_len // RATIO
+        stale = -(-prompt_len // PAGE) * PAGE + 1
+        if stale <= MAX_CONTEXT:
+            self.refused(lambda: self.coord.admit_request_direct(Req(rid, stale, req.uid)),
+                         (RequestStateError,), "admit_direct a reused row with a stale, too-long length")
         if n:
             self.refused(lambda: self.coord.admit_request_direct(req), (ValueError,),
                          "admit_direct before the host slots")
@@ -191,7 +204,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             host = self.coord.alloc_direct_host_slots(req, n).tensor
         except HostPoolExhaustedError:
             assert changed(before, self.snap()) == []
-            self.allocator.free_logical(self.pool.req_to_token[rid, :prompt_len])
+            self.allocator.free_logical(self.pool.req_to_token[rid, :prompt_len], rid=rid)
             return
         for layer in range(LAYERS):  # the prefill side's transfer engine
             for pos in range(n):
@@ -259,7 +272,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             for req, loc in zip(reqs, out_locs):  # the scheduler retracts the step's tokens
                 req.kv_allocated_len -= 1
                 if req.kv_allocated_len % PAGE == 0:
-                    self.allocator.logical.free(torch.tensor([loc // PAGE]))
+                    self.allocator.logical.free(torch.tensor([loc // PAGE]), owner=req.req_pool_idx)
             return
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         for req, loc in zip(reqs, out_locs):
@@ -299,7 +312,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
         self.coord.decode_backup_stream.synchronize()
         self.check_host_entries(row)
         self.coord.request_finished(row.req)
-        self.allocator.free_logical(self.pool.req_to_token[rid, : row.req.kv_allocated_len])
+        self.allocator.free_logical(self.pool.req_to_token[rid, : row.req.kv_allocated_len], rid=rid)
         del self.rows[rid]
         if rid in self.staging_order:
             self.staging_order.remove(rid)
@@ -321,8 +334,8 @@ class HiSparseRuntime(RuleBasedStateMachine):
     def misuse(self, data, count):
         """Calls a careless caller makes, each drawn from every kind that applies now."""
         for _ in range(count):
-            # Pick a group first, so the few kinds that need a live or decoding row are drawn as
-            # often as the many that need nothing.
+            # Pick a group first, so the few kinds that need a live or decoding row (or another
+            # request's pages) are drawn as often as the many that need nothing.
             groups = self.misuse_calls(data)
             kinds = groups[data.draw(st.sampled_from(sorted(g for g in groups if groups[g])))]
             kind = data.draw(st.sampled_from(sorted(kinds)))
@@ -355,11 +368,11 @@ class HiSparseRuntime(RuleBasedStateMachine):
             "device free float ids": (lambda: a.device_alloc.free(torch.tensor([1.7])), (TypeError,)),
             "device free bool ids": (lambda: a.device_alloc.free(torch.tensor([True])), (TypeError,)),
             "device free reserved page": (lambda: a.device_alloc.free(torch.tensor([0])), (ValueError,)),
-            "free_logical float locs": (lambda: a.free_logical(torch.tensor([256.0])), (TypeError,)),
+            "free_logical float locs": (lambda: a.free_logical(torch.tensor([256.0]), rid=0), (TypeError,)),
             "device_slots negative loc": (lambda: a.device_slots(torch.tensor([-1])), (IndexError,)),
-            "free_device_buffer bare tensor": (lambda: a.free_device_buffer(torch.tensor([64])), (TypeError,)),
+            "free_device_buffer bare tensor": (lambda: a.free_device_buffer(torch.tensor([64]), rid=0), (TypeError,)),
             "alloc_device_buffer need too small": (lambda: a.alloc_device_buffer(torch.zeros(0, dtype=torch.int64),
-                                                                                 DPAGE), (ValueError,)),
+                                                                                 DPAGE, rid=0), (ValueError,)),
             # host pool
             "host alloc_page bool": (lambda: self.host.alloc_page(True), (TypeError,)),
             "host alloc_page negative": (lambda: self.host.alloc_page(-1), (ValueError,)),
@@ -403,7 +416,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
             "admit float kv_allocated_len": (lambda: c.admit_request_direct(Req(0, 8.0, 0)), (TypeError,)),
             "host_token_len bool": (lambda: c.host_token_len(True), (TypeError,)),
         }
-        groups = {"any": calls, "free row": {}, "live row": {}, "decoding row": {}}
+        groups = {"any": calls, "free row": {}, "live row": {}, "decoding row": {}, "cross request": {}}
         if free:
             calls = groups["free row"]
             free_rid = data.draw(st.sampled_from(free), label="free row")
@@ -453,6 +466,7 @@ class HiSparseRuntime(RuleBasedStateMachine):
                     lambda: self.host.free_pages(HostPages(torch.tensor([host_pages[0]] * 2))), (ValueError,))
             calls["direct host slots beyond the table"] = (
                 lambda: c.alloc_direct_host_slots(live.req, c.req_to_host_pool.shape[1]), ARGUMENT_ERRORS)
+            groups["cross request"] = self.cross_request_calls(data, live_rid)
         decoding = self.rows_in("decode")
         if decoding:
             calls = groups["decoding row"]
@@ -494,10 +508,65 @@ class HiSparseRuntime(RuleBasedStateMachine):
                     lambda: c.map_last_loc_to_buffer([dec_rid], [far], [base]), (ValueError,))
             buffer = c.req_to_device_buffer[dec_rid].clone()
             calls["alloc_device_buffer entry twice"] = (
-                lambda: a.alloc_device_buffer(torch.tensor([0, 0]), HOT + DPAGE), (ValueError,))
+                lambda: a.alloc_device_buffer(torch.tensor([0, 0]), HOT + DPAGE, rid=dec_rid), (ValueError,))
             calls["device double free of a hot buffer"] = (
                 lambda: a.device_alloc.free(torch.cat([a.device_alloc.pages_of(buffer)] * 2)), (ValueError,))
         return groups
+
+    def cross_request_calls(self, data, rid: int) -> dict[str, tuple]:
+        """Frees and writes of live row ``rid``'s pages by another row, or by no row, or by ``rid``
+        itself outside its own release: each refused (a RequestStateError naming the owner or the
+        phase), so no other request's bytes or tables change."""
+        a, c, rtt = self.allocator, self.coord, self.pool.req_to_token
+        state = (RequestStateError,)
+        row = self.rows[rid]
+        other = data.draw(st.sampled_from([r for r in range(MAX_REQS) if r != rid]), label="other row")
+        full = rtt[rid, : row.req.kv_allocated_len].clone()
+        logical_pages = a.logical.pages_of(full)
+        calls = {
+            "free_logical another row's pages": (lambda: a.free_logical(full, rid=other), state),
+            "free_logical a held row's pages before its finish": (lambda: a.free_logical(full, rid=rid), state),
+            "logical free of a live row's pages without an owner": (lambda: a.logical.free(logical_pages), state),
+        }
+        table = c.req_to_host_pool[rid]
+        host_pages = torch.unique(table[table >= 0] // DPAGE)
+        if host_pages.numel():
+            calls |= {
+                "host free_pages of a live row's pages": (lambda: self.host.free_pages(HostPages(host_pages)), state),
+                "host free_pages of a live row's pages for another row": (
+                    lambda: self.host.free_pages(HostPages(host_pages), owner=other), state),
+                "host free of a live row's slots for another row": (
+                    lambda: self.host.free(HostPages(host_pages[:1]).slots(DPAGE), owner=other), state),
+            }
+        if row.phase == "staging":
+            slots = a.device_slots(self.locs_of(rid)).tensor
+        elif row.phase == "decode":
+            slots = c.req_to_device_buffer[rid].clone()
+        else:
+            slots = torch.empty(0, dtype=torch.int64)
+        if slots.numel():
+            device_pages = a.device_alloc.pages_of(slots)
+            calls |= {
+                "free_device_buffer another row's slots": (lambda: a.free_device_buffer(DeviceSlots(slots), rid=other),
+                                                           state),
+                "free_device_buffer a held row's slots before its finish": (
+                    lambda: a.free_device_buffer(DeviceSlots(slots), rid=rid), state),
+                "device free of a live row's pages": (lambda: a.device_alloc.free(device_pages), state),
+                "device free of a live row's pages for another row": (
+                    lambda: a.device_alloc.free(device_pages, owner=other), state),
+                "host load into a live row's device slot": (lambda: self.host.load_to_device_per_layer(
+                    HostSlots(torch.tensor([0])), DeviceSlots(slots[:1]), 0), state),
+                "host load into a live row's device slot for another row": (
+                    lambda: self.host.load_to_device_per_layer(HostSlots(torch.tensor([0])), DeviceSlots(slots[-1:]),
+                                                               LAYERS - 1, owner=other), state),
+            }
+        if row.phase in ("staging", "decode"):
+            kv = row.req.kv_allocated_len
+            calls["alloc_extend a staging or decoding row from 0"] = (lambda: a.alloc_extend(rtt, rid, 0, 8), state)
+            if kv < MAX_CONTEXT:
+                calls["alloc_extend appending to a staging or decoding row"] = (
+                    lambda: a.alloc_extend(rtt, rid, kv, kv + 1), state)
+        return calls
 
     # ---- invariants ---------------------------------------------------------------
 
@@ -530,10 +599,14 @@ class HiSparseRuntime(RuleBasedStateMachine):
             table = c.req_to_host_pool[rid]
             assert bool((table[:held] >= 0).all()) and bool((table[held:] == -1).all()) and held % DPAGE == 0
             host.append(set((table[:held] // DPAGE).tolist()))
-        for owners, used in ((logical, a.logical.used_pages), (device, a.device_alloc.used_pages),
-                             (host, host_used)):
+        for owners, used, alloc in ((logical, a.logical.used_pages, a.logical),
+                                    (device, a.device_alloc.used_pages, a.device_alloc),
+                                    (host, host_used, self.host.page_alloc)):
             assert sum(len(s) for s in owners) == len(set().union(*owners)), "a page has two owners"
             assert set().union(*owners) == used, "an allocated page no live request owns (a leak), or the reverse"
+            for rid, pages in zip(self.rows, owners):  # each page records the request row that holds it
+                assert {alloc.owner_of(p) for p in pages} <= {rid}, (alloc.name, rid, pages)
+        assert a._held_rows == {rid: row.phase for rid, row in self.rows.items()}
         for rid in range(MAX_REQS):
             if rid not in self.rows:
                 assert int(c.req_to_host_pool_allocated_len[rid]) == 0
