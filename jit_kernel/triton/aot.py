@@ -1,10 +1,16 @@
 """Ahead-of-time compile of every Triton kernel for CUDA archs, without a GPU (``sparsekv jit build --triton``).
 
 Each Triton module lists its kernels' launch shapes in ``AOT_KERNELS`` (:class:`AotKernel`: the
-argument types, the constexprs and the warps of the configurations the launcher uses). For each
-kernel and arch this compiles ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
-down to a cubin and publishes it, with its metadata, under ``<cache root>/.triton/<key>/``; the key
-is the sha256 of the kernel's source (triton's ``cache_key``, which covers the functions it calls),
+argument types, the values of the integer arguments at the benchmark's serving shape, the
+constexprs and the warps of the configurations the launcher uses). Each is compiled as the JIT
+compiles a launch with those arguments (:func:`specialization`): an integer argument equal to 1
+becomes a constant, one divisible by 16 carries ``tt.divisibility = 16``, one past int32 is i64,
+16-byte aligned pointers carry the divisibility too, and the stages and warps are the JIT's
+(its default ``num_stages``, the launcher's ``num_warps``); ``tests/jit/test_triton_aot_jit.py``
+holds the two to the same record. For each kernel and arch this compiles
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` down to a cubin and publishes
+it, with its metadata, under ``<cache root>/.triton/<key>/``; the key is
+the sha256 of the kernel's source (triton's ``cache_key``, which covers the functions it calls),
 the signature, the constexprs, the warps, the arch and the triton version, so a change of any of
 them compiles anew and nothing else does. Registers come from the cubin (``EIATTR_REGCOUNT`` of
 its ``.nv.info`` sections), shared memory from triton's metadata.
@@ -24,7 +30,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["AotKernel", "TRITON_MODULES", "aot_kernels", "build", "cubin_registers"]
+__all__ = ["AotKernel", "TRITON_MODULES", "aot_kernels", "build", "compile_inputs", "cubin_registers",
+           "specialization"]
 
 #: Modules (under ``sparsekv.jit_kernel.triton``) whose ``AOT_KERNELS`` are compiled.
 TRITON_MODULES = ("dsv4_attention", "dsv4_compress", "dsv4_compress_store", "dsv4_indexer", "dsv4_quant",
@@ -51,6 +58,9 @@ class AotKernel:
         Pointer arguments assumed 16-byte aligned (what the JIT specializes on for torch allocations).
     options : dict
         Further compile options the launcher passes (e.g. ``enable_fp_fusion=False``).
+    args : dict
+        Value of every integer argument at the benchmark's serving shape (strides, counts, shifts):
+        what the JIT specializes on.
     """
 
     name: str
@@ -60,6 +70,7 @@ class AotKernel:
     num_warps: int = 4
     aligned: tuple = field(default=())
     options: dict = field(default_factory=dict)
+    args: dict = field(default_factory=dict)
 
 
 def aot_kernels() -> list[AotKernel]:
@@ -82,7 +93,8 @@ def cache_key(kernel: AotKernel, arch: str) -> str:
 
     doc = {"kernel": kernel.name, "source": kernel.fn.cache_key, "signature": kernel.signature,
            "constexprs": {k: repr(v) for k, v in sorted(kernel.constexprs.items())}, "num_warps": kernel.num_warps,
-           "aligned": list(kernel.aligned), "arch": arch, "triton": triton.__version__}
+           "aligned": list(kernel.aligned), "args": dict(sorted(kernel.args.items())), "arch": arch,
+           "specialized": "jit", "triton": triton.__version__}
     if kernel.options:  # absent when empty: the keys of kernels without options stay what they were
         doc["options"] = {k: repr(v) for k, v in sorted(kernel.options.items())}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
@@ -120,16 +132,62 @@ def cubin_registers(cubin: bytes) -> int:
     return registers
 
 
-def _compile(kernel: AotKernel, arch: str):
-    import triton
+_INT_TYPES = ("i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+_DIVISIBLE = [["tt.divisibility", 16]]
+
+
+def specialization(kernel: AotKernel) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` of ``kernel`` as the JIT specializes a launch with its
+    :attr:`AotKernel.args`: an integer of 1 is a constant, an integer's type is i32 when it fits,
+    else i64 (u64 past that), an integer divisible by 16 and a pointer in ``aligned`` carry
+    ``tt.divisibility = 16``; floats and bools are not specialized. ``attrs`` hold, in argument
+    order and keyed by argument path, what the JIT records: the divisibility, or no attribute
+    (``[]``) for every other pointer, integer and constant argument.
+
+    Raises
+    ------
+    ValueError
+        An integer argument of the signature has no value in ``args``.
+    """
+    signature, constexprs, attrs = {}, dict(kernel.constexprs), {}
+    for position, name in enumerate(kernel.fn.arg_names):
+        kind = kernel.signature[name]
+        signature[name] = kind
+        divisible = False
+        if kind.startswith("*"):
+            divisible = name in kernel.aligned
+        elif kind in _INT_TYPES:
+            if name not in kernel.args:
+                raise ValueError(f"sparsekv: AOT kernel {kernel.name}: integer argument `{name}` has no value in "
+                                 f"`args` (the benchmark's value, which the JIT specializes on)")
+            value = kernel.args[name]
+            if value == 1:
+                signature[name], constexprs[name] = "constexpr", 1
+            else:
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64" if -2**63 <= value < 2**63 else "u64"
+                divisible = value % 16 == 0
+        elif kind != "constexpr":
+            continue  # floats and bools: not specialized, no attribute
+        attrs[(position,)] = _DIVISIBLE if divisible else []
+    return signature, constexprs, attrs
+
+
+def compile_inputs(kernel: AotKernel, arch: str) -> tuple:
+    """``(source, target, options)``: what :func:`build` hands ``triton.compile`` for ``kernel`` on ``arch``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    index = {n: i for i, n in enumerate(kernel.fn.arg_names)}
-    attrs = {(index[n],): [["tt.divisibility", 16]] for n in kernel.aligned}
-    source = ASTSource(kernel.fn, kernel.signature, constexprs=kernel.constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", _capability(arch), 32),
-                          options={"num_warps": kernel.num_warps, "num_stages": 1, **kernel.options})
+    signature, constexprs, attrs = specialization(kernel)
+    source = ASTSource(kernel.fn, signature, constexprs=constexprs, attrs=attrs)
+    # No num_stages: the launchers pass none, so the JIT takes the backend's default, and so does this.
+    return source, GPUTarget("cuda", _capability(arch), 32), {"num_warps": kernel.num_warps, **kernel.options}
+
+
+def _compile(kernel: AotKernel, arch: str):
+    import triton
+
+    source, target, options = compile_inputs(kernel, arch)
+    return triton.compile(source, target=target, options=options)
 
 
 def build(kernel: AotKernel, arch: str, root: Path) -> dict:
@@ -147,7 +205,7 @@ def build(kernel: AotKernel, arch: str, root: Path) -> dict:
     cubin = compiled.asm["cubin"]
     doc = {"kernel": kernel.name, "arch": arch, "key": key, "registers": cubin_registers(cubin),
            "shared_bytes": int(compiled.metadata.shared), "num_warps": kernel.num_warps,
-           "cubin_bytes": len(cubin)}
+           "num_stages": int(compiled.metadata.num_stages), "cubin_bytes": len(cubin)}
     staging = root / _SUBDIR / f".staging-{os.getpid()}-{key}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True, mode=0o700)

@@ -367,8 +367,17 @@ def _aot_kernels():
                 "lse_ptr",
                 "part_out_ptr", "part_lse_ptr")
     kernels = []
-    # The model's bf16 q and bf16 output, and the float32 q (split operands) with float32 output.
+    # The model's bf16 q and bf16 output, and the float32 q (split operands) with float32 output. The
+    # integer arguments at the benchmark's serving shapes: 64 heads, top-k 512 over 64-slot C4 pages
+    # plus a 128-entry window (the extra cache), batch 64 for bf16 q and batch 1 for float32 q, with
+    # the GPU's default splits.
     for q_type, split in (("*bf16", False), ("*fp32", True)):
+        batch = 64 if q_type == "*bf16" else 1
+        splits = default_splits(torch.device("cuda"), batch, 64, 512 + 128)
+        args = {"q_stride_b": 64 * 512, "q_stride_h": 512, "page_stride": V4.page_bytes(64), "page_shift": 6,
+                "num_slots": batch * 512, "idx_stride": 512, "count": 512, "x_page_stride": V4.page_bytes(64),
+                "x_page_shift": 6, "x_num_slots": batch * 128, "x_idx_stride": 128, "x_count": 128, "heads": 64,
+                "num_splits": splits, "split_len": -(-(512 + 128) // splits)}
         constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT": split, "HAS_EXTRA": True,
                       "HAS_LENGTHS": True, "NATIVE_BF16": True}
         signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", **source, **extra,
@@ -377,13 +386,14 @@ def _aot_kernels():
                      "part_out_ptr": "*fp32",
                      "part_lse_ptr": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
         kernels.append(AotKernel(f"dsv4_attention.partial[{q_type[1:]}]", attention_partial_kernel, signature,
-                                 constexprs, NUM_WARPS, pointers))
+                                 constexprs, NUM_WARPS, pointers, args=args))
         signature = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": q_type,
                      "lse_ptr": "*fp32", "heads": "i32", "num_splits": "i32", "BLOCK_S": "constexpr",
                      "NATIVE_BF16": "constexpr"}
         kernels.append(AotKernel(f"dsv4_attention.combine[{q_type[1:]}]", attention_combine_kernel, signature,
-                                 {"BLOCK_S": 8, "NATIVE_BF16": True}, 4,
-                                 ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr")))
+                                 {"BLOCK_S": triton.next_power_of_2(splits), "NATIVE_BF16": True}, 4,
+                                 ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr"),
+                                 args={"heads": 64, "num_splits": splits}))
     return kernels
 
 

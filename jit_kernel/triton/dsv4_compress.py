@@ -161,9 +161,10 @@ def _aot_kernels():
             constexprs = {"RATIO": ratio, "BLOCK_D": block, "NATIVE": True}
             signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
                          "ape_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32", **dict.fromkeys(constexprs, "constexpr")}
+            width = (2 if ratio == 4 else 1) * d  # contiguous [T, coff * d] kv and score, as the benchmark's
             kernels.append(AotKernel(f"dsv4_compress.pool[C{ratio},d{d}]", compress_pool_kernel, signature,
                                      constexprs, warps, ("kv_ptr", "score_ptr", "ape_ptr", "out_ptr"),
-                                     LAUNCH_OPTIONS))
+                                     LAUNCH_OPTIONS, args={"kv_stride": width, "score_stride": width, "d": d}))
     return kernels
 
 

@@ -437,10 +437,18 @@ def _aot_kernels():
     # indexer caches at C4 with a float32 ring.
     configs = [("V4", ratio, ring_bf16) for ratio in (4, 128) for ring_bf16 in (False, True)]
     configs += [(kind, 4, False) for kind in ("INDEXER_FP8", "INDEXER_FP4")]
+    # The integer arguments at the benchmark's serving shape: a 4k-token prefill chunk (a decode step of
+    # batch 64), contiguous fp32 [T, coff * d] kv and score, a ring of 2 * window rows per request, a
+    # 64k-position RoPE table, 64-slot pages of 1024 pages.
     kernels = []
     for kind, ratio, ring_bf16 in configs:
         constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "KIND": KINDS[kind][0], "PACKED": True,
                       "NATIVE": True}
+        d = 512 if kind == "V4" else 128
+        width = (2 if ratio == 4 else 1) * d
+        ring_rows = 2 * (8 if ratio == 4 else 128)
+        serving = {"kv_stride": width, "score_stride": width, "rope_positions": 65536,
+                   "page_stride": KINDS[kind][2].page_bytes(64), "page_shift": 6, "num_slots": 65536}
         ring = "*i16" if ring_bf16 else "*fp32"
         what = f"{kind},C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring"
         signature = {**common, "num_inputs": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
@@ -448,14 +456,17 @@ def _aot_kernels():
                      **dict.fromkeys(constexprs, "constexpr")}
         kernels.append(AotKernel(f"dsv4_compress_store.prefill[{what}]", compress_store_kernel, signature,
                                  constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr",
-                                                         "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
+                                                         "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS,
+                                 args={**serving, "num_inputs": 4096, "num_ring_rows": ring_rows}))
         signature = {**common, "batch": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
                      "rows_ptr": "*i32" if ring_bf16 else "*i64", "rows_stride": "i64", "positions_ptr": "*i64",
-                     "out_ptr": "*fp32", "emitted_ptr": "*i1", **store, **rope,
+                     "out_ptr": "*fp32", "emitted_ptr": "*u1", **store, **rope,
                      **dict.fromkeys(constexprs, "constexpr")}
         kernels.append(AotKernel(f"dsv4_compress_store.decode[{what}]", compress_decode_store_kernel, signature,
                                  constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "rows_ptr",
-                                                         "out_ptr", "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS))
+                                                         "out_ptr", "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS,
+                                 args={**serving, "batch": 64, "num_ring_rows": 64 * ring_rows,
+                                       "rows_stride": 2 * ring_rows}))
     for ring_bf16 in (False, True):
         for decode in (False, True):
             constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024, "WINDOW": 8 if decode else 0, "DECODE": decode}
@@ -463,8 +474,10 @@ def _aot_kernels():
                          "num_ring_rows": "i64", "writes_ptr": "*i32" if decode and ring_bf16 else "*i64",
                          "rows_stride": "i64", "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
             name = f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}{',decode' if decode else ''}]"
+            args = {"kv_stride": 1024, "score_stride": 1024, "num_inputs": 64 if decode else 4096,
+                    "num_ring_rows": 64 * 16, "rows_stride": 2 * 16 if decode else 16, "width": 2048}
             kernels.append(AotKernel(name, ring_write_kernel, signature, constexprs, NUM_WARPS,
-                                     ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS))
+                                     ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS, args=args))
     return kernels
 
 

@@ -469,15 +469,24 @@ def _aot_kernels():
                          "page_shift": "i32", "table_ptr": "*i32", "table_stride": "i64", "max_pages": "i64",
                          "positions_ptr": "*i64", "out_ptr": "*fp32", "out_stride": "i64", "width": "i64",
                          "heads": "i32", **dict.fromkeys(constexprs, "constexpr")}
+            # The benchmark's serving shape: one row of 64 heads over 64k entries in 1024 pages of 64.
+            args = {"q_stride_b": 64 * 128, "q_stride_h": 128, "w_stride": 64,
+                    "page_stride": _LAYOUTS[layout].page_bytes(64), "num_pages": 1024, "page_shift": 6,
+                    "table_stride": 1024, "max_pages": 1024, "out_stride": 65536, "width": 65536, "heads": 64}
             kernels.append(AotKernel(f"dsv4_indexer.scores[{layout},{q_type[1:]}]", indexer_scores_kernel, signature,
-                                     constexprs, NUM_WARPS, ("q_ptr", "w_ptr", "cache_ptr", "table_ptr", "out_ptr")))
+                                     constexprs, NUM_WARPS, ("q_ptr", "w_ptr", "cache_ptr", "table_ptr", "out_ptr"),
+                                     args=args))
     slots = {"tokens_stride": "i64", "slots_ptr": "*i32", "slots_stride": "i64", "table_ptr": "*i32",
              "table_stride": "i64", "max_pages": "i64", "page_shift": "i32"}
     constexprs = {"HAS_SLOTS": True, "BLOCK": TOPK_BLOCK}
     signature = {"scores_ptr": "*fp32", "scores_stride": "i64", "width": "i64", "positions_ptr": "*i64", "k": "i32",
                  "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
+    # Top-k of one 64k-score row (1024 pages of 64), k = 2048 for the radix kernel, k = 512 for the levels.
+    paged = {"table_stride": 1024, "max_pages": 1024, "page_shift": 6}
     kernels.append(AotKernel("dsv4_indexer.topk_radix", topk_radix_kernel, signature, constexprs, NUM_WARPS,
-                             ("scores_ptr", "tokens_ptr", "slots_ptr", "table_ptr")))
+                             ("scores_ptr", "tokens_ptr", "slots_ptr", "table_ptr"),
+                             args={"scores_stride": 65536, "width": 65536, "k": 2048, "tokens_stride": 2048,
+                                   "slots_stride": 2048, **paged}))
     # The plan of a 64k-entry row, k = 512: one level of 4096-item chunks from the scores, the finish of 8192.
     lists = {"scores_ptr": "*fp32", "keys_ptr": "*i32", "index_ptr": "*i32", "src_stride": "i64", "length": "i64",
              "positions_ptr": "*i64", "width": "i64"}
@@ -485,11 +494,16 @@ def _aot_kernels():
     signature = {**lists, "keep": "i32", "chunks": "i64", "out_keys_ptr": "*i32", "out_index_ptr": "*i32",
                  "out_stride": "i64", **dict.fromkeys(constexprs, "constexpr")}
     kernels.append(AotKernel("dsv4_indexer.topk_chunk", topk_chunk_kernel, signature, constexprs, _warps(TOPK_CHUNK),
-                             ("scores_ptr", "keys_ptr", "index_ptr", "out_keys_ptr", "out_index_ptr")))
+                             ("scores_ptr", "keys_ptr", "index_ptr", "out_keys_ptr", "out_index_ptr"),
+                             args={"src_stride": 65536, "length": 65536, "width": 65536, "keep": 512,
+                                   "chunks": 65536 // TOPK_CHUNK, "out_stride": 65536 // TOPK_CHUNK * 512}))
     constexprs = {"FIRST": False, "HAS_SLOTS": True, "BLOCK": TOPK_FINAL}
     signature = {**lists, "k": "i32", "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
+    listed = 65536 // TOPK_CHUNK * 512
     kernels.append(AotKernel("dsv4_indexer.topk_finish", topk_finish_kernel, signature, constexprs,
-                             _warps(TOPK_FINAL), ("keys_ptr", "index_ptr", "tokens_ptr", "slots_ptr", "table_ptr")))
+                             _warps(TOPK_FINAL), ("keys_ptr", "index_ptr", "tokens_ptr", "slots_ptr", "table_ptr"),
+                             args={"src_stride": listed, "length": listed, "width": 65536, "k": 512,
+                                   "tokens_stride": 512, "slots_stride": 512, **paged}))
     return kernels
 
 

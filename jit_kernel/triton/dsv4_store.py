@@ -265,8 +265,12 @@ def _aot_kernels():
     return [AotKernel(f"dsv4_store.norm_rope_store[{kind}]", norm_rope_store_kernel, signature,
                       {"KIND": code, "PACKED": True}, NUM_WARPS,
                       ("x_ptr", "weight_ptr", "positions_ptr", "slots_ptr", "cache_ptr", "cos_ptr", "sin_ptr"),
-                      LAUNCH_OPTIONS)
-            for kind, (code, _, _) in KINDS.items()]
+                      LAUNCH_OPTIONS,
+                      # The benchmark's serving shape: contiguous [N, d] entries, 64-slot pages of 1024
+                      # pages, a 64k-position RoPE table.
+                      args={"x_stride": 512 if kind == "V4" else 128, "page_stride": layout.page_bytes(64),
+                            "page_shift": 6, "num_slots": 65536, "rope_positions": 65536})
+            for kind, (code, _, layout) in KINDS.items()]
 
 
 #: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.
