@@ -61,26 +61,27 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Without --slow, slow tests are deselected rather than skipped: the skips of a CI run are only the
+    # GPU ones (sparsekv.testing.components).
     if config.getoption("--slow"):
         return
-    import pytest
-
-    skip = pytest.mark.skip(reason="slow: run with --slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
 
 
 def pytest_runtest_setup(item):
     gpu = item.get_closest_marker("gpu")
     if gpu is not None:
-        import pytest
         import torch
+
+        from sparsekv.testing.components import skip_for_gpu
 
         need = gpu.kwargs.get("count", 1)
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < need:
-            pytest.skip(f"needs {need} CUDA GPU{'s' if need > 1 else ''}, {have} visible")
+            skip_for_gpu(f"needs {need} CUDA GPU{'s' if need > 1 else ''}, {have} visible")
     # A backend that was asked for (SPARSEKV_TEST_BACKENDS) but cannot run here fails with the
     # reason, rather than vanishing from the run or breaking collection.
     callspec = getattr(item, "callspec", None)

@@ -15,8 +15,8 @@ import pytest
 
 from sparsekv.cli import main
 from sparsekv.kv_layout import V4
-from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
 from sparsekv.srt.managers import HiSparseCoordinator
+from sparsekv.testing.components import needs_nixl
 from sparsekv.testing.hisparse_traces import Trace, replay
 
 TINY = ["--tokens", "640", "--steps", "6"]
@@ -122,14 +122,11 @@ def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model():
     assert "0 built" in strict.stdout and "HiSparse (small hot buffer) outputs == all-resident outputs" in strict.stdout
 
 
+@needs_nixl()
 def test_tiny_demo_over_pd_equals_the_single_process_run(tmp_path):
     """Prefill and decode in two processes, the KV over NIXL on 127.0.0.1 (C4 KV straight into the
     decode's host pool): bit for bit the single-process outputs. NIXL is the `pd` extra (make test
     installs it)."""
-    try:
-        load_nixl_api()
-    except ImportError as e:
-        pytest.skip(f"NIXL cannot be imported: {e}")
     code, report = run_demo(tmp_path, "--pd")
     assert code == 0
     pd = report["checks"]["pd_equals_single_process"]

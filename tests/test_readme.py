@@ -2,8 +2,9 @@
 everything they name exists.
 
 A block that must not run in the default profile is named, with the reason, in CONTRIBUTING.md's
-table of blocks that do not run (by its file and the start of its first line): ``never`` is
-skipped with that reason, ``slow`` runs only with ``--slow``, ``gpu`` only where CUDA is available.
+table of blocks that do not run (by its file and the start of its first line): ``never`` is not a
+test item (the table names why), ``slow`` runs only with ``--slow`` (deselected without it), ``gpu``
+only where CUDA is available (a GPU skip elsewhere, the one kind of skip CI allows).
 Shell blocks run with ``bash -euo pipefail`` in the repository with the test's Python environment
 first on ``PATH`` (a block that runs ``jit clean`` gets a private JIT cache, so it cannot touch the
 cache other tests use); Python blocks run in a fresh interpreter in an empty directory.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from sparsekv.testing.components import skip_for_gpu
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -99,20 +102,20 @@ def test_every_row_of_the_not_run_table_names_one_block():
         assert len(matches) == 1, (file, start, len(matches))
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: f"{b.file}:line{b.line}-{b.language}")
-def test_doc_block_runs(block, tmp_path, request):
-    found = marker(block)
-    if found is not None:
-        runs, why = found
-        if runs == "never":
-            pytest.skip(why)
-        if runs == "slow" and not request.config.getoption("--slow"):
-            pytest.skip(f"slow: {why}")
-        if runs == "gpu":
-            import torch
+def _block_param(block: Block):
+    slow = (marker(block) or ("",))[0] == "slow"
+    return pytest.param(block, marks=[pytest.mark.slow] if slow else [],
+                        id=f"{block.file}:line{block.line}-{block.language}")
 
-            if not torch.cuda.is_available():
-                pytest.skip(f"needs a GPU: {why}")
+
+@pytest.mark.parametrize("block", [_block_param(b) for b in RUNNABLE if (marker(b) or ("",))[0] != "never"])
+def test_doc_block_runs(block, tmp_path):
+    found = marker(block)
+    if found is not None and found[0] == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            skip_for_gpu(found[1])
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     if block.language == "bash":
         if "jit clean" in block.code:  # never clean the cache other tests are using

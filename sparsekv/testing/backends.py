@@ -15,6 +15,7 @@ of the inputs: the cpu build is the reference the cuda and sim builds must match
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
@@ -55,8 +56,6 @@ def triton_unavailable_reason(backend: str) -> str | None:
     CPU tensors need the interpreter (``TRITON_INTERPRET=1`` when triton was imported: ``tests/conftest.py``
     turns it on for a session without the cuda backend); CUDA tensors need it off and a GPU.
     """
-    import importlib.util
-
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -66,6 +65,20 @@ def triton_unavailable_reason(backend: str) -> str | None:
         return ("Triton on CPU tensors needs TRITON_INTERPRET=1 at triton's import: a session without the cuda "
                 "backend sets it (SPARSEKV_TEST_BACKENDS=cpu)")
     return None
+
+
+def skip_unless_triton_runs(backend: str) -> None:
+    """Skip the running test where the Triton twins cannot run on ``backend``'s tensors: for want of triton
+    (a missing component: :func:`sparsekv.testing.components.component_missing`), or because the session
+    has the cuda backend and so the interpreter is on or off for all (a GPU skip)."""
+    from sparsekv.testing.components import component_missing, skip_for_gpu
+
+    reason = triton_unavailable_reason(backend)
+    if reason is None:
+        return
+    if importlib.util.find_spec("triton") is None:
+        component_missing("triton", reason)
+    skip_for_gpu(reason)
 
 
 def triton_examples() -> int:

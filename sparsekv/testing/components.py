@@ -4,8 +4,12 @@ Where the component is missing such a test skips with the reason; under ``SPARSE
 (set by CI's ``.ci/run``) it fails with the same reason instead, so a component that went missing
 (a failed download, a broken install) cannot hide behind a skip.
 
-This module is also the pytest plugin that acts on :func:`needs` marks (``tests/conftest.py`` loads
-it with ``pytest_plugins``).
+Under ``SPARSEKV_REQUIRE_ALL=1`` the run also lists every test that skipped and fails if any did for
+a reason other than a GPU (:func:`gpu_only`): the one skip CI's machine may take is the one it
+cannot avoid, so a plain ``skipif`` or ``pytest.skip`` that bypasses :func:`needs` fails CI too.
+
+This module is also the pytest plugin that acts on :func:`needs` marks and keeps that list
+(``tests/conftest.py`` loads it with ``pytest_plugins``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import NoReturn
 import pytest
 
 from sparsekv import env
+
+GPU_ONLY = "gpu only: "
 
 
 def component_missing(component: str, reason: str) -> NoReturn:
@@ -32,8 +38,84 @@ def needs(component: str, missing: str | None) -> pytest.MarkDecorator:
     return pytest.mark.needs_component(component, missing)
 
 
+def needs_nixl() -> pytest.MarkDecorator:
+    """:func:`needs` for NIXL (the ``pd`` extra), whether it imports decided now."""
+    from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
+
+    try:
+        load_nixl_api()
+    except ImportError as e:
+        return needs("NIXL", f"NIXL cannot be imported: {e}")
+    return needs("NIXL", None)
+
+
+def needs_mooncake() -> pytest.MarkDecorator:
+    """:func:`needs` for Mooncake's engine (the ``mooncake`` extra and its system libraries)."""
+    from sparsekv.srt.disaggregation.mooncake_backend import load_mooncake_engine
+
+    try:
+        load_mooncake_engine()
+    except ImportError as e:
+        return needs("Mooncake", f"Mooncake cannot be imported: {e}")
+    return needs("Mooncake", None)
+
+
+def gpu_only(reason: str) -> str:
+    """The reason of a skip decided by a GPU being there or not (the one kind CI may take)."""
+    return GPU_ONLY + reason
+
+
+def skip_for_gpu(reason: str) -> NoReturn:
+    """Skip the running test for a reason :func:`gpu_only` names (it needs the cuda backend, or the absence of
+    a GPU)."""
+    pytest.skip(gpu_only(reason))
+
+
+def skip_reason(report) -> str:
+    """The reason of a skipped test or collection report ("Skipped: " taken off)."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+class SkipLedger:
+    """Under ``SPARSEKV_REQUIRE_ALL=1``: every skip of the run, listed at the end; any but a GPU one fails it."""
+
+    def __init__(self) -> None:
+        self.skips: list[tuple[str, str]] = []
+
+    def _record(self, report) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skips.append((report.nodeid, skip_reason(report)))
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self._record(report)
+
+    def pytest_collectreport(self, report) -> None:
+        self._record(report)
+
+    def forbidden(self) -> list[tuple[str, str]]:
+        return [(node, reason) for node, reason in self.skips if not reason.startswith(GPU_ONLY)]
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.skips:
+            return
+        terminalreporter.section("skips (SPARSEKV_REQUIRE_ALL=1: only GPU ones are allowed)")
+        for node, reason in self.skips:
+            verdict = "allowed" if reason.startswith(GPU_ONLY) else "NOT ALLOWED"
+            terminalreporter.write_line(f"{verdict}: {node}: {reason}")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session) -> None:
+        if self.forbidden() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "needs_component(component, missing): an optional component a test needs")
+    # Under xdist the controller sees every worker's reports: it alone keeps the ledger.
+    if env.require_all() and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SkipLedger(), "sparsekv-skip-ledger")
 
 
 def pytest_runtest_setup(item) -> None:

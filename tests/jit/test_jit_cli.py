@@ -17,6 +17,7 @@ from sparsekv.cli import jit as cli
 from sparsekv.jit_kernel.build import cache
 from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.srt.model_executor.deployment import model_instances
+from sparsekv.testing.components import gpu_only
 
 NO_ARCH_ENV = {"SPARSEKV_CUDA_ARCH": "", "TVM_FFI_CUDA_ARCH_LIST": ""}
 
@@ -77,7 +78,7 @@ def test_bad_arguments_give_one_line_and_the_exit_code(args, code, message, tmp_
     assert not re.search(r"\b_[a-z]\w*\(\)", done.stderr), done.stderr  # no Python-internal function names
 
 
-@pytest.mark.skipif(_gpu_visible(), reason="a GPU is visible: its arch is used")
+@pytest.mark.skipif(_gpu_visible(), reason=gpu_only("a GPU is visible: its arch is used"))
 def test_cuda_build_without_an_arch_or_a_gpu_says_what_to_set(tmp_path):
     done = jit("build", "--backend", "cuda", "--all", cache_dir=tmp_path, **NO_ARCH_ENV)
     assert done.returncode == 2 and "Traceback" not in done.stderr

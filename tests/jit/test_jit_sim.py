@@ -1,5 +1,6 @@
 """The sim backend's own guarantees, on planted kernels (tests/jit/data/planted_sim.cuh): a shared-memory
-race changes its result with SPARSEKV_SIM_SEED, a partial-warp shuffle and a partial barrier are errors
+race changes its result with SPARSEKV_SIM_SEED, and so does a race between blocks (the blocks run in an
+order drawn from the seed), a partial-warp shuffle and a partial barrier are errors
 naming kernel, block and thread, unwritten shared memory reads as the poison, launches over Hopper's
 limits are refused naming the limit, and the warp operations mean what they mean in CUDA; and how
 calls reach the sim build (SPARSEKV_CPU_BACKEND, a cache key of its own)."""
@@ -18,7 +19,8 @@ from sparsekv.jit_kernel.gather_rows import GATHER_ROWS
 
 HERE = Path(__file__).resolve().parent
 PLANTED = "planted_sim.cuh"
-KERNELS = ("Race", "PartialShuffle", "PartialBarrier", "Uninitialized", "WarpOps", "BlockShape", "DynamicSmem")
+KERNELS = ("Race", "BlockOrder", "PartialShuffle", "PartialBarrier", "Uninitialized", "WarpOps", "BlockShape",
+           "DynamicSmem")
 POISON = 0x7FA5A5A5  # cuda_sim::kPoisonWord
 
 
@@ -49,6 +51,24 @@ def test_a_shared_memory_race_changes_its_result_with_the_seed(planted, monkeypa
     # ...that depends on the thread order the seed draws, and is the same again for the same seed.
     assert len({tuple(r) for r in results.values()}) > 1, results
     assert _race(planted, 3, monkeypatch) == results[3]
+
+
+def _block_order(module, seed, monkeypatch) -> list[int]:
+    monkeypatch.setenv("SPARSEKV_SIM_SEED", str(seed))
+    out = torch.zeros(9, dtype=torch.int32)
+    module.BlockOrder(out, 0, 0)
+    assert out[0] == 8  # every block took one slot
+    return out[1:].tolist()
+
+
+def test_a_race_between_blocks_changes_its_result_with_the_seed(planted, monkeypatch):
+    # A kernel whose result depends on the block order (as the hisparse swap-in's rows of one request
+    # did, issue 23) can only be caught if the order varies: a seed sweep must see several orders,
+    # each one a permutation of the 8 blocks, and the same seed the same order again.
+    orders = {seed: _block_order(planted, seed, monkeypatch) for seed in range(8)}
+    assert all(sorted(order) == list(range(8)) for order in orders.values()), orders
+    assert len({tuple(order) for order in orders.values()}) > 1, orders
+    assert _block_order(planted, 5, monkeypatch) == orders[5]
 
 
 def test_a_partial_warp_shuffle_is_an_error_naming_kernel_block_and_thread(planted):

@@ -6,6 +6,7 @@ store 32-bit words; the store's has no FMA."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+from sparsekv.testing.components import needs
+
+pytestmark = needs("triton", None if importlib.util.find_spec("triton") else "triton is not installed")
 
 ARCHS = ["9.0a", "10.0a"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.testing.backends import cpu_backend, kernel_backends, triton_unavailable_reason
+from sparsekv.testing.backends import cpu_backend, kernel_backends, skip_unless_triton_runs
 
 
 @pytest.fixture(params=kernel_backends(), autouse=True, scope="module")
@@ -63,6 +63,4 @@ def index_checks(backend, monkeypatch) -> None:
 def triton_runs_here(backend) -> None:
     """Skip a test of a Triton twin where the twin cannot run on ``backend`` in this process (CPU
     tensors need the interpreter, which ``tests/conftest.py`` turns on for sessions without cuda)."""
-    reason = triton_unavailable_reason(backend)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_triton_runs(backend)

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, attention_template_args, sparse_decode_attention
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
@@ -186,8 +186,8 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("mutate, exc, name", BAD_INPUTS)
 def test_bad_input_raises_naming_the_argument_and_writes_nothing(backend, index_checks, mutate, exc, name, impl):
     # Both implementations refuse the same inputs with the same exception naming the same argument.
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     args = _fresh()
     mutate(args)
     args = to_backend(backend, args)

@@ -19,7 +19,7 @@ from sparsekv.jit_kernel.dsv4_indexer import (
     lightning_indexer,
     visible_entries,
 )
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.reference.dsv4_indexer import (
     decode_indexer_keys,
     entry_slots,
@@ -243,8 +243,8 @@ SCORE_BAD_INPUTS = [
 def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(backend, index_checks, mutate, exc,
                                                                               name, impl):
     # Both implementations refuse the same inputs with the same exception naming the same argument.
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     args = _fresh()
     mutate(args)
     args = to_backend(backend, args)
@@ -272,8 +272,8 @@ TOPK_BAD_INPUTS = [
 @pytest.mark.parametrize("change, exc, name", TOPK_BAD_INPUTS)
 def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(backend, index_checks, change, exc,
                                                                                 name, impl):
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), top_k=4,
                 page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_size=4,
                 out=torch.full((2, 4), 7, dtype=torch.int32), out_slots=torch.full((2, 4), 7, dtype=torch.int32))

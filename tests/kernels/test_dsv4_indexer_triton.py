@@ -107,6 +107,30 @@ def test_triton_topk_levels_equal_the_header_and_torch_topk(backend, batch, widt
         assert torch.equal(scores[b, taken[:min(k, n)].long()].sort().values, expected)
 
 
+@pytest.mark.parametrize("k", [9, 12, 20, 40])
+def test_triton_topk_radix_path_takes_the_first_ties_by_position(backend, k):
+    # Explicit examples, not draws: the radix path needs k above the chunk (9 with chunk 8) and a row
+    # wider than the finish, and only ties at the threshold tell `equal_rank <= remaining` from `<`.
+    # Scores 0..3 repeating: 16 entries of each value, so the k-th largest is tied 16 ways (or, at
+    # k = 20 and 40, the threshold falls inside the 2s). The row sees 60 of its 64 entries.
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+    width, chunk, final = 64, 8, 16
+    assert triton_indexer.topk_plan(width, k, chunk, final) is None  # the radix kernel
+    scores = (torch.arange(2 * width) % 4).float().view(2, width)
+    scores[1] = scores[1].flip(0)
+    positions = torch.tensor([4 * 60 - 1, 4 * width + 2])
+    device = device_of(backend)
+    out = torch.empty(2, k, dtype=torch.int32, device=device)
+    triton_indexer.indexer_topk(scores.to(device), positions.to(device), out, None, None, 4, chunk=chunk, final=final)
+    for b, n in enumerate((60, width)):
+        # Largest first, ties in position order (a stable sort): the first k, in ascending position.
+        order = torch.sort(scores[b, :n], descending=True, stable=True).indices[:k]
+        assert out[b].cpu().tolist() == order.sort().values.tolist()
+    header = indexer_topk(scores.to(device), positions.to(device), k, impl="header")[0]
+    assert torch.equal(out.cpu(), header.cpu())
+
+
 @pytest.mark.no_backend("the plan is computed in Python")
 def test_topk_plan_reads_the_row_once_and_shrinks_each_level_fourfold():
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, indexer_scores, quantize_fp8_ds_mla, quantize_indexer_keys
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
 from sparsekv.kv_layout import V4
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, entry_slots
@@ -121,8 +121,8 @@ BAD = [
 @pytest.mark.parametrize("mutate, exc, name", BAD)
 def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, index_checks, mutate, exc, name, impl):
     # Both implementations refuse the same inputs with the same exception and message.
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     x, cache, slots, page_size = to_backend(backend, _args())
     before = cache.clone()
     args = to_backend(backend, mutate(x, cache, slots, page_size))

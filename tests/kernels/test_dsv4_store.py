@@ -18,7 +18,8 @@ from sparsekv.jit_kernel.dsv4 import (
     norm_rope_store,
 )
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
-from sparsekv.testing.backends import device_of, host_readable, kernel_backends, to_backend, triton_unavailable_reason
+from sparsekv.testing.backends import device_of, host_readable, kernel_backends, skip_unless_triton_runs, to_backend
+from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_quant import E4M3_MAX, FP8_AMAX_FLOOR
 from sparsekv.testing.reference.dsv4_store import (
@@ -260,10 +261,10 @@ BAD = [
 @pytest.mark.parametrize("mutate, extra, exc, name", BAD)
 def test_bad_input_names_the_argument_and_leaves_the_cache(backend, index_checks, mutate, extra, exc, name, impl):
     # Both implementations refuse the same inputs with the same exception and message.
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     if name == "positions" and exc is IndexError and not host_readable(backend):
-        pytest.skip("device-resident positions are not read by the host: the kernel skips such entries")
+        skip_for_gpu("device-resident positions are not read by the host: the kernel skips such entries")
     args = to_backend(backend, _args())
     cache = args[4]
     before = cache.clone()

@@ -33,7 +33,7 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_shared_bytes,
 )
 from sparsekv.jit_kernel.hisparse_index import indexed_shared_bytes
-from sparsekv.testing.backends import device_of, host_readable, run_on_backend, to_backend
+from sparsekv.testing.backends import cpu_backend, device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.hisparse_traces import PROTECT_NEAR, PROTECT_RECENT
 from sparsekv.testing.profiles import scaled_examples
@@ -848,19 +848,20 @@ def _two_rows_of_request_0(w, seed, monkeypatch, speculative):
             tuple(w.lru_slots[0].tolist()))
 
 
-def test_rows_of_one_request_in_one_launch_do_not_depend_on_the_block_order(backend, monkeypatch):
+@pytest.mark.no_backend("runs on sim in every session (make test too): only sim runs blocks in a seeded order")
+def test_rows_of_one_request_in_one_launch_do_not_depend_on_the_block_order(monkeypatch):
     # The GPU hazard of issue 23: two real rows of one request served by two blocks at once race on
     # the request's tables and slots. Sim runs the blocks one after the other in a seeded order, so
     # such a race is an outcome that changes with the seed (before the fix: two outcomes in these 8
-    # seeds). Now the plain entry refuses the launch and the speculative one serves both rows in one
-    # block, in batch order: the same as two calls one after the other.
-    if backend != "sim":
-        pytest.skip("only the sim backend runs blocks in a seeded order")
-    plain = {seed: _two_rows_of_request_0(world(backend), seed, monkeypatch, False) for seed in range(8)}
+    # seeds; tests/jit/test_jit_sim.py holds the order to vary). Now the plain entry refuses the
+    # launch and the speculative one serves both rows in one block, in batch order: the same as two
+    # calls one after the other.
+    with cpu_backend("sim"):
+        plain = {seed: _two_rows_of_request_0(world("sim"), seed, monkeypatch, False) for seed in range(8)}
+        together = {seed: _two_rows_of_request_0(world("sim"), seed, monkeypatch, True) for seed in range(8)}
     assert set(plain.values()) == {"refused"}
-    together = {seed: _two_rows_of_request_0(world(backend), seed, monkeypatch, True) for seed in range(8)}
     assert len(set(together.values())) == 1, f"the outcome depends on the block order: {together}"
-    w = world(backend)
+    w = world("cpu")
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])
     rows = []
     for top_k in ([8, 3, 9, 7, 13], [20, 3, 21, 22, 12]):  # one call after the other

@@ -40,6 +40,7 @@ from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device
 from sparsekv.kv_layout import V4
 from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of
+from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
 
@@ -339,7 +340,7 @@ def test_each_op_of_a_decode_step_writes_only_what_it_declares(backend):
 @pytest.mark.gpu
 def test_a_captured_decode_step_replays_without_a_host_sync(backend):
     if backend != "cuda":
-        pytest.skip("CUDA-graph capture needs the cuda backend")
+        skip_for_gpu("CUDA-graph capture needs the cuda backend")
     device = device_of(backend)
     expected, static = step_tensors(device), step_tensors(device)
     decode_step(step_tensors(device))  # loads every module before the sync check and the capture
@@ -387,7 +388,7 @@ STEP_BAD = {
 @pytest.mark.parametrize("bad", sorted(STEP_BAD))
 def test_a_compiled_decode_step_refuses_bad_input_like_an_eager_one_and_writes_nothing(backend, bad):
     if bad == "ring row outside state" and backend == "cuda":
-        pytest.skip("device-resident rows are not read by the host: the kernel skips them")
+        skip_for_gpu("device-resident rows are not read by the host: the kernel skips them")
     device = device_of(backend)
     change, error, name = STEP_BAD[bad]
     messages = []

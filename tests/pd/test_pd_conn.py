@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sparsekv.cli.pd_demo import fill_regions, region_array
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.manifest import Manifest
-from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
+from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 from sparsekv.srt.disaggregation.planning import RoomPlanner, plan_room
 from sparsekv.srt.disaggregation.protocol import Notification
 from sparsekv.srt.disaggregation.receiver import KVReceiver
@@ -26,16 +26,10 @@ from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
-from sparsekv.testing.components import needs
+from sparsekv.testing import components
 from sparsekv.testing.profiles import scaled_examples
 
-try:
-    load_nixl_api()
-    NIXL_MISSING = None
-except ImportError as e:  # the only reason the transfer tests may skip
-    NIXL_MISSING = str(e)
-
-needs_nixl = needs("NIXL", NIXL_MISSING and f"NIXL cannot be imported: {NIXL_MISSING}")
+needs_nixl = components.needs_nixl()  # the only reason the transfer tests may skip (CI: fail)
 ROOMS = 6
 
 

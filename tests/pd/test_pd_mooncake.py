@@ -32,16 +32,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv.srt.disaggregation.backend import TransferError
-from sparsekv.srt.disaggregation.mooncake_backend import RegionTable, check_rows, load_mooncake_engine
-from sparsekv.testing.components import needs
+from sparsekv.srt.disaggregation.mooncake_backend import RegionTable, check_rows
+from sparsekv.testing import components
 
-try:
-    load_mooncake_engine()
-    MOONCAKE_MISSING = None
-except ImportError as e:  # the only reason the engine tests may skip
-    MOONCAKE_MISSING = str(e)
-
-needs_mooncake = needs("Mooncake", MOONCAKE_MISSING and f"Mooncake cannot be imported: {MOONCAKE_MISSING}")
+needs_mooncake = components.needs_mooncake()  # the only reason the engine tests may skip (CI: fail)
 
 SMALL = {"num_layers": 6, "budget_mib": 16, "seq_lens": [1000, 3000, 700, 200], "timeout_s": 30.0,
          "engine": "mooncake"}

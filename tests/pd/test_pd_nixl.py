@@ -15,16 +15,9 @@ import re
 import pytest
 
 from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
-from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
-from sparsekv.testing.components import needs
+from sparsekv.testing.components import needs_nixl
 
-try:
-    load_nixl_api()
-    NIXL_MISSING = None
-except ImportError as e:  # the only reason these tests may skip
-    NIXL_MISSING = str(e)
-
-pytestmark = needs("NIXL", NIXL_MISSING and f"NIXL cannot be imported: {NIXL_MISSING}")
+pytestmark = needs_nixl()  # the only reason these tests may skip (CI: fail)
 
 # With HiSparse the demo's hot buffer holds 64 C4 entries: room 4 (200 tokens, 50 entries) is preloaded
 # whole by admit_request_direct, the others (>= 175 entries) load only their newest entry.

@@ -30,20 +30,15 @@ from sparsekv.srt.disaggregation.bootstrap import MAX_MESSAGE_BYTES, Channel, b6
 from sparsekv.srt.disaggregation.integrity import region_digest
 from sparsekv.srt.disaggregation.manifest import Manifest, ManifestMismatchError, Region
 from sparsekv.srt.disaggregation.messages import ProtocolError
-from sparsekv.srt.disaggregation.nixl_backend import NixlBackend, load_nixl_api
+from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 from sparsekv.srt.disaggregation.protocol import Transfer
 from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.sender import KVSender
 from sparsekv.srt.disaggregation.state_routing import kv_args_of
+from sparsekv.testing import components
 from sparsekv.testing.profiles import scaled_examples
 
-try:
-    load_nixl_api()
-    NIXL_MISSING = None
-except ImportError as e:
-    NIXL_MISSING = str(e)
-
-needs_nixl = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL cannot be imported: {NIXL_MISSING}")
+needs_nixl = components.needs_nixl()
 SECRET = "s3cret-of-this-deployment"
 
 

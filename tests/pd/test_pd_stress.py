@@ -17,16 +17,12 @@ import sys
 
 import pytest
 from pd_cpu_lock import hold_cpu_load_lock
-from test_pd_mooncake import MOONCAKE_MISSING, SMALL, run_isolated  # the namespaced child runner
+from test_pd_mooncake import SMALL, needs_mooncake, run_isolated  # the namespaced child runner
 
 from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
-from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
+from sparsekv.testing import components
 
-try:
-    load_nixl_api()
-    NIXL_MISSING = None
-except ImportError as e:
-    NIXL_MISSING = str(e)
+needs_nixl = components.needs_nixl()
 
 
 @pytest.fixture
@@ -53,7 +49,7 @@ def _check(report: dict, what: str) -> None:
     assert verdict(report), (what, {r: v["status"] for r, v in prefill["rooms"].items()})
 
 
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL cannot be imported: {NIXL_MISSING}")
+@needs_nixl
 def test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load_nixl(cpu_load, request):
     rounds, modes = _rounds(request)
     for i in range(rounds):
@@ -63,7 +59,7 @@ def test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load_nixl(cpu_load,
             _check(run_session(spec), f"nixl round {i} hisparse={hisparse}")
 
 
-@pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=f"Mooncake cannot be imported: {MOONCAKE_MISSING}")
+@needs_mooncake
 def test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load_mooncake(cpu_load, request):
     rounds, modes = _rounds(request)
     for i in range(rounds):

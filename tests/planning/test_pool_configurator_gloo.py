@@ -41,7 +41,8 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_gloo_min_over_pp_ranks_matches_in_process_plan(world_size, tmp_path):
-    mp = pytest.importorskip("torch.multiprocessing")
+    import torch.multiprocessing as mp
+
     # fork: the children inherit the imported torch instead of importing it again (CPU only, no CUDA state).
     mp.start_processes(_rank_main, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size, join=True,
                        start_method="fork")

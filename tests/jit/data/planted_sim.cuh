@@ -25,6 +25,12 @@ __global__ void race_kernel(const Params p) {
   if (threadIdx.x == 0) p.out[blockIdx.x] = last;
 }
 
+// A race between blocks: thread 0 of each block takes the next slot of out[1..] (out[0] counts) and
+// writes its block index there, so out[1..] is the order the blocks ran in.
+__global__ void block_order_kernel(const Params p) {
+  if (threadIdx.x == 0) p.out[1 + atomicAdd(&p.out[0], 1)] = static_cast<int32_t>(blockIdx.x);
+}
+
 // A shuffle reached by half of every warp.
 __global__ void partial_shuffle_kernel(const Params p) {
   int32_t v = static_cast<int32_t>(threadIdx.x);
@@ -88,6 +94,10 @@ __global__ void warp_ops_kernel(const Params p) {
 struct Race {
   using Params = planted_sim::Params;
   SPARSEKV_PLANTED_LAUNCH(race_kernel, 4, 256, 0)
+};
+struct BlockOrder {
+  using Params = planted_sim::Params;
+  SPARSEKV_PLANTED_LAUNCH(block_order_kernel, 8, 32, 0)
 };
 struct PartialShuffle {
   using Params = planted_sim::Params;
