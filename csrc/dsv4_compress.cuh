@@ -26,9 +26,12 @@
 //     snapshot after chosen tokens, and emits acc / sum when the segment closes the window.
 //     Snapshot layout (two ring rows of 2 d floats): row a = [acc | max], row b = [sum | 0].
 //
-// The event, write and segment tables are built by the Python wrapper (sparsekv.jit_kernel.
-// dsv4_compress) from host-side lengths; when they are host-readable the host entry checks every
-// row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
+//   PlanRawStep: the event and ring-write tables of a streaming step, planned on the device from a
+//     few numbers per request (StepRequest) and the ring ids the step touches.
+//
+// CompressorState (sparsekv.srt.mem_cache.compressor_state) plans the raw ring's event and write
+// tables with PlanRawStep and the online fold's segments on the host; when tables are
+// host-readable the host entry checks every row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
 // by construction).
 // GPU: one warp per (event, 32-channel tile); lane = channel, so each slot is one 128-byte load.
 // cpu backend: the events of a prefill call (compress_pool, compress_extend and the fused store)
@@ -265,6 +268,105 @@ struct RingWrite {
   }
 };
 
+// The plan of one streaming step of the raw ring, on the device (PlanRawStep). The host hands over
+// a few numbers per request (StepRequest) and the ring ids that its reads and writes touch; every
+// event's window sources, anchor and request, and every ring write, are derived here. Request b's
+// chunk covers positions [start, start + n) at input rows row0 ...; its events are the entries
+// i = start / ratio + k (k < its event count) whose last token lies in the chunk, event k of the
+// step's table being its event event0 + k; slot j of entry i is position q = ratio i - (4 for C4) + j:
+// masked (-1) when q < 0, input row row0 + q - start when q >= start, ring row -2 - ring_row(q)
+// otherwise. Its ring writes are positions write_from .. start + n - 1 (the last ring_size), write
+// write0 + k being position write_from + k.
+struct StepRequest {
+  int64_t start;       // position of the chunk's first token
+  int64_t row0;        // input row of that token
+  int64_t event0;      // its first event in the step's tables (non-decreasing over requests)
+  int64_t write0;      // its first ring write (non-decreasing over requests)
+  int64_t write_from;  // the first position it writes to the ring
+  int64_t ids;         // offset of its ring ids in the ring-id table: the read range's, then the write range's
+  int64_t read_lo;     // ring index (position / span, 0 without span) of the read range's first id
+  int64_t read_count;  // ids of the read range
+  int64_t write_lo;    // ring index of the write range's first id
+};
+static_assert(sizeof(StepRequest) == 9 * sizeof(int64_t), "dsv4_compress: a step request is 9 int64");
+
+struct PlanParams {
+  const StepRequest* requests;
+  int64_t num_requests;
+  const int64_t* ring_ids;
+  int64_t num_ring_ids;
+  int64_t ratio;
+  int64_t ring_size;  // rows per ring id
+  int64_t span;       // positions per ring id, 0: one ring id per request
+  int64_t num_events;
+  int64_t num_writes;
+  int64_t* sources;         // [num_events, window]
+  int64_t* anchors;         // [num_events]: ratio * i
+  int64_t* event_requests;  // [num_events]: the request (its index in the batch) of each event
+  int64_t* writes;          // [num_writes, 2]: (input row, ring row)
+};
+
+// Design: planning is a gather over a few hundred bytes per request, bound by launch latency at
+// every shape (4k C4 tokens: 1,024 events x 8 slots = 64 KiB of sources); one warp per event or
+// write, lanes over the window's slots, a binary search over the requests per item (log2 B steps,
+// B <= a few hundred). Instruction budget: ~40 instructions per slot, 8k slots over 132 SMs: far
+// under the launch's ~3 us.
+struct PlanRawStep {
+  using Params = PlanParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events + p.num_writes; }
+
+  // The request whose item range holds item k: the last one whose first item is <= k.
+  template <bool kWrites>
+  SPARSEKV_HOST_DEVICE static int64_t request_of(const Params& p, int64_t k) {
+    int64_t lo = 0, hi = p.num_requests;  // the answer lies in [lo, hi)
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      const int64_t first = kWrites ? p.requests[mid].write0 : p.requests[mid].event0;
+      if (first <= k) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
+
+  // Ring row of position q of request r, or -1 if its ring id is not in the table (the host
+  // checked every id it hands over, so this is unreachable).
+  SPARSEKV_HOST_DEVICE static int64_t ring_row(const Params& p, const StepRequest& r, int64_t q) {
+    const int64_t index = p.span > 0 ? q / p.span : 0;
+    const int64_t t = index < r.read_lo + r.read_count ? index - r.read_lo : r.read_count + index - r.write_lo;
+    if (t < 0 || r.ids + t >= p.num_ring_ids) return -1;
+    return p.ring_ids[r.ids + t] * p.ring_size + q % p.ring_size;
+  }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t k, Lanes lanes) {
+    if (k < p.num_events) {
+      const int64_t b = request_of<false>(p, k);
+      const StepRequest& r = p.requests[b];
+      const int64_t entry = r.start / p.ratio + (k - r.event0);
+      const int64_t window = window_of(p.ratio);
+      const int64_t first = p.ratio * entry - (p.ratio == 4 ? 4 : 0);
+      for (int64_t j = lanes.lane; j < window; j += lanes.count) {
+        const int64_t q = first + j;
+        p.sources[k * window + j] = q < 0 ? -1 : (q >= r.start ? r.row0 + q - r.start : -2 - ring_row(p, r, q));
+      }
+      if (lanes.lane == 0) {
+        p.anchors[k] = p.ratio * entry;
+        p.event_requests[k] = b;
+      }
+      return;
+    }
+    const int64_t w = k - p.num_events;
+    if (lanes.lane != 0) return;
+    const StepRequest& r = p.requests[request_of<true>(p, w)];
+    const int64_t q = r.write_from + (w - r.write0);
+    p.writes[2 * w] = r.row0 + q - r.start;
+    p.writes[2 * w + 1] = ring_row(p, r, q);
+  }
+};
+
 // One segment of the online C128 fold: tokens pos0 .. pos0 + count - 1 (all in one 128-window)
 // at input rows row0 ...
 struct Segment {
@@ -470,6 +572,39 @@ inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int
                                     event_bytes_per_channel(ratio) * kTile, [] {});
   }
   if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
+}
+
+// Plans one streaming step of the raw ring on the tensor's device (PlanRawStep): `meta` int64
+// [9 B + R] holds the StepRequest rows of the B requests, then the R ring ids they name; the
+// tables of compress_extend (and the anchors and event requests of the fused store) go to `plan`
+// int64 [E * (W + 2) + 2 M]: sources [E, W], anchors [E], event requests [E], writes [M, 2].
+inline void plan_raw_step(TensorView meta, int64_t num_requests, int64_t ratio, int64_t ring_size, int64_t span,
+                          int64_t num_events, int64_t num_writes, TensorView plan) {
+  // 1. Validate.
+  check_disjoint({read(meta, "meta"), written(plan, "plan")});
+  coff_of(ratio);
+  check(meta, "meta").dtype<int64_t>().ndim(1).contiguous().on_backend_device();
+  check(plan, "plan").dtype<int64_t>().ndim(1).contiguous().same_device(meta, "meta");
+  constexpr int64_t kFields = sizeof(StepRequest) / sizeof(int64_t);
+  check_range(num_requests, 0, meta.size(0) / kFields, "num_requests");
+  check_range(ring_size, 1, INT64_MAX - 1, "ring_size");
+  check_range(span, 0, INT64_MAX - 1, "span");
+  check_range(num_events, 0, INT64_MAX / 256, "num_events");
+  check_range(num_writes, 0, INT64_MAX / 4, "num_writes");
+  const int64_t window = window_of(ratio);
+  check(plan, "plan").size(0, num_events * (window + 2) + 2 * num_writes, "E (W + 2) + 2 M");
+  if (num_requests == 0 && num_events + num_writes > 0) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `num_requests` is 0 but the step has " << num_events
+                              << " events and " << num_writes << " writes";
+  }
+
+  // 2. Derive the tables' places and launch.
+  const auto* in = static_cast<const int64_t*>(meta.data_ptr());
+  auto* out = static_cast<int64_t*>(plan.data_ptr());
+  const PlanParams params{reinterpret_cast<const StepRequest*>(in), num_requests, in + kFields * num_requests,
+                          meta.size(0) - kFields * num_requests, ratio, ring_size, span, num_events, num_writes, out,
+                          out + num_events * window, out + num_events * (window + 1), out + num_events * (window + 2)};
+  if (num_events + num_writes > 0) launch<PlanRawStep>(params, meta.device());
 }
 
 // Validates a decode step (inputs, state, the state rows and positions of each batch row) and returns

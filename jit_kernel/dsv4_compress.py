@@ -8,10 +8,11 @@ channels, masked for ``i = 0``; slots 4-7 = tokens ``4i..4i+3`` with the last ``
 is position ``m*i``.
 
 The streaming steps take tables planned elsewhere: :func:`compress_extend` and
-:func:`compress_online_c128` the event / ring-write / segment tables that
+:func:`compress_online_c128` the event / ring-write / segment tables of
 :class:`~sparsekv.srt.mem_cache.compressor_state.CompressorState` (the per-request progress and
-rollback state) builds on the host, :func:`compress_decode` the state rows and positions of a decode
-step on the device. The same steps fused with the store are :mod:`~sparsekv.jit_kernel.dsv4_compress_store`.
+rollback state; :func:`plan_raw_step` plans its raw ring's tables on the device from a few numbers
+per request), :func:`compress_decode` the state rows and positions of a decode step on the device.
+The same steps fused with the store are :mod:`~sparsekv.jit_kernel.dsv4_compress_store`.
 
 On the cpu backend the prefill kernels (``compress_pool``, ``compress_extend``, the fused store
 included) split their entries over up to ``torch.get_num_threads()`` threads when a call reads more
@@ -38,11 +39,13 @@ DSV4_COMPRESS = register(
             "compress_extend": "sparsekv::dsv4_compress::compress_extend",
             "compress_online_c128": "sparsekv::dsv4_compress::compress_online_c128",
             "compress_decode": "sparsekv::dsv4_compress::compress_decode",
+            "plan_raw_step": "sparsekv::dsv4_compress::plan_raw_step",
         },
         kernels=(
             "sparsekv::dsv4_compress::CompressEvents",
             "sparsekv::dsv4_compress::RingWrite",
             "sparsekv::dsv4_compress::OnlineC128",
+            "sparsekv::dsv4_compress::PlanRawStep",
         ),
     )
 )
@@ -152,6 +155,43 @@ def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, r
                      sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
     DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, ape, ratio, state, sources, writes, out,
                                                                  torch.get_num_threads())
+
+
+def plan_raw_step(meta: torch.Tensor, num_requests: int, ratio: int, ring_size: int, span: int, num_events: int,
+                  num_writes: int, plan: torch.Tensor) -> None:
+    """Plan one streaming step of the raw ring on ``meta``'s device: the tables of :func:`compress_extend`.
+
+    Parameters
+    ----------
+    meta : torch.Tensor
+        int64 ``[9 B + R]``, contiguous: per request (B rows of 9) ``start, row0, event0, write0,
+        write_from, ids, read_lo, read_count, write_lo`` (``csrc/dsv4_compress.cuh``, ``StepRequest``),
+        then the R ring ids the requests name.
+    num_requests : int
+        B.
+    ratio : int
+        4 or 128.
+    ring_size, span : int
+        Rows per ring id; positions per ring id (0: one ring id per request).
+    num_events, num_writes : int
+        E and M, the sizes of the tables.
+    plan : torch.Tensor
+        int64 ``[E * (W + 2) + 2 M]``, contiguous (W = 8 for ratio 4, 128 for ratio 128), written:
+        ``sources [E, W]``, ``anchors [E]``, the request of each event ``[E]``, ``writes [M, 2]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A wrong dtype, shape or device, a size out of range (named).
+    """
+    _plan_raw_step(meta, num_requests, ratio, ring_size, span, num_events, num_writes, plan)
+
+
+@kernel_op("plan_raw_step", mutates_args=("plan",))
+def _plan_raw_step(meta: torch.Tensor, num_requests: int, ratio: int, ring_size: int, span: int, num_events: int,
+                   num_writes: int, plan: torch.Tensor) -> None:
+    DSV4_COMPRESS.module(backend=backend_of(meta)).plan_raw_step(meta, num_requests, ratio, ring_size, span,
+                                                                 num_events, num_writes, plan)
 
 
 def compress_online_c128(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor,

@@ -2,9 +2,10 @@
 
 Scheduler state, not kernel code: which tokens each request's ring holds (its accepted length and
 the furthest a draft wrote), whether a rollback to an earlier position is still possible, and the
-host-side plan of each step (the event sources, ring writes and online-C128 segments) that the
-compressor kernels (:mod:`sparsekv.jit_kernel.dsv4_compress`) and the fused compress-store
-(:mod:`sparsekv.jit_kernel.dsv4_compress_store`) run on.
+plan of each step that the compressor kernels (:mod:`sparsekv.jit_kernel.dsv4_compress`) and the
+fused compress-store (:mod:`sparsekv.jit_kernel.dsv4_compress_store`) run on: the raw ring's event
+sources and ring writes, planned on the device from a few numbers per request (no loop over events
+or tokens, no copy from pageable memory), and the online C128 fold's segments.
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparsekv.checks import as_int, int_in
-from sparsekv.jit_kernel.dsv4_compress import check_ratio, compress_extend, compress_online_c128, window
+from sparsekv.jit_kernel.dsv4_compress import (
+    check_ratio,
+    compress_extend,
+    compress_online_c128,
+    plan_raw_step,
+    window,
+)
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
 from sparsekv.jit_kernel.dsv4_store import StoreTarget
 
@@ -25,6 +33,33 @@ def first_needed(length: int, ratio: int) -> int:
     return max(0, (length // ratio) * ratio - (4 if ratio == 4 else 0))
 
 
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: to a GPU through pinned memory, asynchronously (no copy from pageable
+    memory, no host sync; the pinned block is held until the copy is done)."""
+    if device.type == "cpu":
+        return host
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class RawStepPlan:
+    """The tables of one raw-ring step (:meth:`CompressorState.plan_raw`), int64 on the step's device.
+
+    ``sources [E, W]`` (W = 8 for C4, 128 for C128; ``s >= 0`` input row, ``-1`` masked, ``s <= -2``
+    ring row ``-s - 2``), ``anchors [E]`` (each entry's RoPE position), ``event_requests [E]`` (each
+    entry's request, its index in the batch), ``writes [M, 2]`` (input row, ring row), and
+    ``host_anchors``: the anchors again, on the host.
+    """
+
+    sources: torch.Tensor
+    anchors: torch.Tensor
+    event_requests: torch.Tensor
+    writes: torch.Tensor
+    host_anchors: torch.Tensor
 
 
 @dataclass
@@ -181,8 +216,11 @@ class CompressorState:
             Raw ring only: pool, normalize, rotate, quantize and store each entry into
             ``store.cache`` in the same pass (no float entry is written); ``entries`` is then None.
         entry_slots : callable or None
-            With ``store``: ``entry_slots(b, anchor)`` is the cache slot of request ``b``'s entry
-            anchored at ``anchor`` (for a pool: ``full_loc(position anchor + m - 1) // m``).
+            With ``store``: ``entry_slots(b, anchor)`` returns the cache slots of the step's entries,
+            int64 ``[E]`` on kv's device, given int64 ``[E]`` tensors on kv's device of each entry's
+            request (its index in the batch) and anchor (for a pool: ``full_loc(position anchor + m -
+            1) // m``, a gather on the device; ``lambda b, anchor: anchor // m`` for one request
+            whose slots follow its positions). It is called once per step, with torch tensors.
         impl : {"auto", "header", "triton"}
             With ``store``: the implementation of the fused kernel
             (:func:`~sparsekv.jit_kernel.dsv4_compress_store.compress_store_step`).
@@ -209,7 +247,6 @@ class CompressorState:
         lengths = [kv.shape[0]] if lengths is None else [as_int(n, "lengths") for n in lengths]
         request_ids = [as_int(r, "request_ids") for r in request_ids]
         starts = [as_int(s, "starts") for s in starts]
-        rings = [[as_int(r, "rings") for r in ring_ids] for ring_ids in rings]
         if ring_span is not None:
             ring_span = int_in(ring_span, "ring_span", 1)
         if len(set(request_ids)) != len(request_ids):
@@ -226,7 +263,8 @@ class CompressorState:
         if self.online:
             entries, anchors = self._plan_online(rings, starts, lengths, kv, score, ring_span)
         else:
-            entries, anchors = self._plan_raw(rings, starts, lengths, kv, score, ring_span, store, entry_slots, impl)
+            plan = self.plan_raw(rings, starts, lengths, ring_span, kv.device)
+            entries, anchors = self._run_raw(plan, kv, score, store, entry_slots, impl)
         for prog, s, n in zip(progress, starts, lengths):
             prog.valid = s + n
             prog.high = max(prog.high, prog.valid)
@@ -237,47 +275,82 @@ class CompressorState:
         if index >= len(ring_ids):
             raise IndexError(f"sparsekv: argument `rings` has {len(ring_ids)} ring ids, position {pos} needs "
                              f"id {index} (ring_span {span})")
-        ring = ring_ids[index]
+        ring = as_int(ring_ids[index], "rings")
         if ring < 0 or (ring + 1) * self.ring_size > self.state.shape[0]:
             raise IndexError(f"sparsekv: argument `rings`: ring {ring} is outside state "
                              f"({self.state.shape[0] // self.ring_size} rings of {self.ring_size} rows)")
         return ring * self.ring_size + pos % self.ring_size
 
-    def _plan_raw(self, rings, starts, lengths, kv, score, span, store, entry_slots, impl):
-        m, win = self.ratio, window(self.ratio)
-        sources, writes, anchors, slot_ids = [], [], [], []
-        row0 = 0
-        for b, (ring_ids, s, n) in enumerate(zip(rings, starts, lengths)):
+    def _ring_ids(self, ring_ids: Sequence[int], lo: int, hi: int, span: int | None) -> tuple[int, list[int]]:
+        """The ring index of position ``lo`` and the checked ring ids of positions ``[lo, hi)`` (none if empty)."""
+        if lo >= hi:
+            return 0, []
+        if span is None:
+            self._row(ring_ids, lo, None)
+            return 0, [as_int(ring_ids[0], "rings")]
+        first, last = lo // span, (hi - 1) // span
+        for index in range(first, last + 1):  # O(ring_size / span) ids, whatever the chunk's length
+            self._row(ring_ids, max(lo, index * span), span)
+        return first, [int(r) for r in ring_ids[first : last + 1]]
+
+    def plan_raw(self, rings: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
+                 ring_span: int | None, device: torch.device) -> RawStepPlan:
+        """The tables of one raw-ring step, planned on ``device`` (what :meth:`extend` runs; progress is
+        neither checked nor changed).
+
+        Per request the host derives a few ints (its ring reads are the window before its start, its
+        writes the last ``ring_size`` positions) and checks the ring ids they touch; one small kernel
+        (:func:`~sparsekv.jit_kernel.dsv4_compress.plan_raw_step`) writes the tables. The host work is
+        O(requests + ring_size / ring_span) whatever the chunks' lengths, and nothing is read back.
+
+        Parameters
+        ----------
+        rings, starts, lengths, ring_span
+            As :meth:`extend` (ints already checked; ``lengths`` given).
+        device : torch.device
+            Where the tables go (kv's device).
+
+        Raises
+        ------
+        IndexError
+            A ring id outside ``state`` or missing from ``rings`` (named ``rings``).
+        """
+        m, win, rs = self.ratio, window(self.ratio), self.ring_size
+        lead = 4 if m == 4 else 0
+        requests, ring_table, first_entries, counts = [], [], [], []
+        row0 = events = writes = 0
+        for ring_ids, s, n in zip(rings, starts, lengths):
             e = s + n
-            for i in range(s // m, e // m):  # entries whose last token is in [s, e)
-                first = m * i - (4 if m == 4 else 0)
-                slot_src = []
-                for q in range(first, first + win):
-                    if q < 0:
-                        slot_src.append(-1)
-                    elif q >= s:
-                        slot_src.append(row0 + q - s)
-                    else:
-                        slot_src.append(-2 - self._row(ring_ids, q, span))
-                sources.append(slot_src)
-                anchors.append(m * i)
-                if store is not None:
-                    slot_ids.append(int(entry_slots(b, m * i)))
-            for q in range(max(s, e - self.ring_size), e):
-                writes.append((row0 + q - s, self._row(ring_ids, q, span)))
-            row0 += n
-        device = kv.device
-        src = torch.tensor(sources, dtype=torch.int64).reshape(-1, win).to(device)
-        wr = torch.tensor(writes, dtype=torch.int64).reshape(-1, 2).to(device)
-        host_anchors = torch.tensor(anchors, dtype=torch.int64)  # returned from the host: no device read-back
+            count = e // m - s // m  # entries whose last token is in [s, e)
+            read_from = max(0, m * (s // m) - lead) if count else s
+            write_from = max(s, e - rs)
+            read_lo, read_ids = self._ring_ids(ring_ids, read_from, s, ring_span)
+            write_lo, write_ids = self._ring_ids(ring_ids, write_from, e, ring_span)
+            requests += [s, row0, events, writes, write_from, len(ring_table), read_lo, len(read_ids), write_lo]
+            ring_table += read_ids + write_ids
+            first_entries.append(s // m)
+            counts.append(count)
+            row0, events, writes = row0 + n, events + count, writes + e - write_from
+        meta = _to_device(torch.tensor(requests + ring_table, dtype=torch.int64), device)
+        plan = torch.empty(events * (win + 2) + 2 * writes, dtype=torch.int64, device=device)
+        plan_raw_step(meta, len(counts), m, rs, ring_span or 0, events, writes, plan)
+        sources, anchors, event_requests, writes_flat = plan.split([events * win, events, events, 2 * writes])
+        # The anchors once more on the host, from the same ints: entry i of a request is anchored at m i.
+        counts = np.asarray(counts, dtype=np.int64)
+        offsets = np.repeat(np.asarray(first_entries, dtype=np.int64) - (np.cumsum(counts) - counts), counts)
+        host_anchors = torch.from_numpy(m * (offsets + np.arange(events, dtype=np.int64)))
+        return RawStepPlan(sources=sources.view(events, win), anchors=anchors, event_requests=event_requests,
+                           writes=writes_flat.view(writes, 2), host_anchors=host_anchors)
+
+    def _run_raw(self, plan: RawStepPlan, kv, score, store, entry_slots, impl):
         if store is not None:
-            slots = torch.tensor(slot_ids, dtype=torch.int64, device=device)
-            compress_store_step(kv, score, self.ape, m, self.state, src, wr, host_anchors.to(device), slots, store,
-                                impl=impl)
-            return None, host_anchors
-        out = torch.empty(src.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=device)
-        compress_extend(kv, score, self.ape, m, self.state, src, wr, out)
-        return out, host_anchors
+            slots = entry_slots(plan.event_requests, plan.anchors)
+            compress_store_step(kv, score, self.ape, self.ratio, self.state, plan.sources, plan.writes, plan.anchors,
+                                slots, store, impl=impl)
+            return None, plan.host_anchors
+        out = torch.empty(plan.sources.shape[0], kv.shape[-1] // self.coff, dtype=torch.float32, device=kv.device)
+        compress_extend(kv, score, self.ape, self.ratio, self.state, plan.sources, plan.writes, out)
+        return out, plan.host_anchors
 
     def _plan_online(self, rings, starts, lengths, kv, score, span):
         k_snap = self.snapshots

@@ -13,7 +13,11 @@ from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, kernel_backends, torch_threads
 from sparsekv.testing.profiles import scaled_examples
-from sparsekv.testing.reference.dsv4_compress import compress_pool_reference, online_fold_reference
+from sparsekv.testing.reference.dsv4_compress import (
+    compress_pool_reference,
+    online_fold_reference,
+    plan_raw_reference,
+)
 from sparsekv.testing.strategies.dsv4_compress import feeding, sequence
 
 BACKENDS = kernel_backends()
@@ -336,6 +340,115 @@ def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(back
     got, _ = _feed(comp, steps, kv, score, [2], None, seed=1)
     rounded = [t.bfloat16().float() for t in (kv, score)]
     assert torch.equal(got, compress_pool(*_on(backend, *rounded, ape), ratio).cpu())
+
+
+# ---- the raw ring's step plan, on the device -------------------------------------------------
+
+
+@st.composite
+def raw_steps(draw, ratio: int):
+    """A ragged batch of chunks (prefill chunks, decode tokens, drafts re-fed from an earlier start):
+    the rings, starts and lengths of one step, its ring size and span, and the state's ring count."""
+    win = window_of(ratio)
+    ring_size = draw(st.sampled_from([win, win + 3, 2 * win]))
+    span = draw(st.sampled_from([None, ring_size, 2 * ring_size, 5]))
+    batch = draw(st.integers(0, 4))
+    near = [0, 1, ratio - 1, ratio, ratio + 1, 2 * ratio - 1, 3 * ratio + 2]
+    starts = [draw(st.sampled_from(near) | st.integers(0, 4 * ratio)) for _ in range(batch)]
+    lengths = [draw(st.sampled_from([0, 1, 1, 2, ratio - 1, ratio, 2 * win + 3]) | st.integers(0, 3 * ratio))
+               for _ in range(batch)]
+    num_rings = 9
+    needed = [1 if span is None else (s + n + span - 1) // span for s, n in zip(starts, lengths)]
+    rings = [draw(st.lists(st.integers(0, num_rings - 1), min_size=k, max_size=k if span is None else k + 2))
+             for k in needed]
+    return rings, starts, lengths, ring_size, span, num_rings
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=scaled_examples(25), deadline=None)
+@given(data=st.data())
+def test_device_plan_equals_the_host_planner(backend, ratio, data):
+    rings, starts, lengths, ring_size, span, num_rings = data.draw(raw_steps(ratio))
+    device = device_of(backend)
+    comp = CompressorState(torch.zeros(num_rings * ring_size, 4, device=device), torch.zeros(ratio, 2, device=device),
+                           ratio, ring_size=ring_size)
+    plan = comp.plan_raw(rings, starts, lengths, span, device)
+    sources, writes, anchors, event_requests = plan_raw_reference(rings, starts, lengths, ratio, ring_size, span)
+    assert torch.equal(plan.sources.cpu(), sources)
+    assert torch.equal(plan.writes.cpu(), writes)
+    assert torch.equal(plan.anchors.cpu(), anchors) and torch.equal(plan.host_anchors, anchors)
+    assert plan.host_anchors.device.type == "cpu"
+    assert torch.equal(plan.event_requests.cpu(), event_requests)
+
+
+def test_device_plan_refuses_ring_ids_as_the_host_planner_did(backend):
+    device = device_of(backend)
+    comp = CompressorState(torch.zeros(3 * 8, 32, device=device), torch.zeros(4, 16, device=device), 4, ring_size=8)
+    with pytest.raises(IndexError, match=r"`rings` has 1 ring ids, position 8 needs id 1 \(ring_span 8\)"):
+        comp.plan_raw([[0]], [0], [9], 8, device)  # the write of position 8
+    with pytest.raises(IndexError, match=r"`rings` has 0 ring ids, position 2 needs id 0"):
+        comp.plan_raw([[]], [2], [1], 8, device)  # the read of position 2 (entry 0's window)
+    with pytest.raises(IndexError, match="ring 3 is outside state"):
+        comp.plan_raw([[0], [3]], [0, 0], [1, 1], None, device)
+    with pytest.raises(TypeError, match="`rings`"):
+        comp.plan_raw([[0, 1.5]], [6], [3], 8, device)
+    # A request with nothing to read or write names no ring: nothing to check.
+    plan = comp.plan_raw([[]], [5], [0], None, device)
+    assert plan.sources.shape == (0, 8) and plan.writes.shape == (0, 2)
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a call runs, and the host tensors it copies to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_to_device = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append(func)
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            dst = kwargs.get("device") if func is torch.ops.aten._to_copy.default else args[0].device
+            if src.device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
+                self.host_to_device.append(src.numel())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.no_backend("runs on meta tensors: no kernel runs and no device value can be read back")
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("with_store", [False, True], ids=["entries", "store"])
+def test_a_step_plan_reads_nothing_back_and_costs_the_same_at_any_length(ratio, with_store):
+    """The step on meta tensors: any read of a device value (.item(), .tolist(), a copy to the host)
+    raises there. The ops it runs, and the one host-to-device copy of its per-request numbers, are
+    the same for 256 tokens and 32k: the host work does not grow with the token count."""
+    from sparsekv.jit_kernel.dsv4 import StoreTarget
+    from sparsekv.jit_kernel.dsv4_store import RopeTable
+
+    meta, d = torch.device("meta"), 512
+    coff = 2 if ratio == 4 else 1
+    state = torch.empty(4 * 256, 2 * coff * d, device=meta)
+    comp = CompressorState(state, torch.empty(ratio, coff * d, device=meta), ratio, ring_size=256)
+    store = {}
+    if with_store:
+        meta_rope = RopeTable(torch.empty(32768, 32, device=meta), torch.empty(32768, 32, device=meta))
+        target = StoreTarget(torch.empty(600, 584 * 64, dtype=torch.uint8, device=meta), torch.empty(d, device=meta),
+                             1e-6, 64, meta_rope)
+        store = dict(store=target, entry_slots=lambda _b, anchor: anchor // ratio)
+    logs = []
+    for tokens in (256, 32768):
+        kv = torch.empty(2 * tokens, coff * d, device=meta)
+        log = _OpLog()
+        with log:
+            none_or_entries, anchors = comp.extend([0, 1], [[1], [2]], [0, 0], kv, kv, lengths=[tokens, tokens],
+                                                   **store)
+        comp.release(0), comp.release(1)
+        assert anchors.device.type == "cpu" and anchors.shape == (2 * (tokens // ratio),)
+        assert (none_or_entries is None) == with_store
+        logs.append(log)
+    assert [str(op) for op in logs[0].ops] == [str(op) for op in logs[1].ops]
+    assert len(logs[0].host_to_device) == 1 and logs[0].host_to_device == logs[1].host_to_device
 
 
 # ---- device-planned decode step -------------------------------------------------------------

@@ -236,6 +236,18 @@ class Stack:
             return int(self.allocator.full_to_hisparse_device_index_mapping[loc])
         return loc
 
+    def _entry_slots(self, reqs: list[Request], ratio: int, *, hot: bool):
+        """``entry_slots`` of ``CompressorState.extend`` for a batch of ``reqs``: :meth:`_entry_slot` of
+        each entry, gathered on the device from the batch's rows of ``req_to_token``."""
+        locs = self.req_to_token[[r.req_pool_idx for r in reqs]].to(self.device)
+        mapping = self.allocator.full_to_hisparse_device_index_mapping if hot else None
+
+        def slots(b: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+            loc = locs[b, anchor + ratio - 1] // ratio
+            return mapping[loc] if hot else loc
+
+        return slots
+
     def _rope(self, w) -> RopeTable:
         return self.rope_tables[w.rope]
 
@@ -351,9 +363,7 @@ class Stack:
                 ring_args = [self._rings(r, ratio) for r in reqs]
                 self.kv_state[layer].extend(
                     rids, [a for a, _ in ring_args], n_before, x @ w.w_ckv, x @ w.w_cscore, ring_args[0][1],
-                    lengths=[1] * len(reqs), store=target,
-                    entry_slots=lambda b, anchor, ratio=ratio, hot=hot: self._entry_slot(reqs[b], ratio, anchor,
-                                                                                         hot=hot))
+                    lengths=[1] * len(reqs), store=target, entry_slots=self._entry_slots(reqs, ratio, hot=hot))
             if ratio == 128:
                 visible = [(n + 1) // 128 for n in n_before]
                 c128 = torch.full((len(reqs), max(1, max(visible))), -1, dtype=torch.int32)
@@ -386,7 +396,7 @@ class Stack:
             lengths=[1] * len(reqs),
             store=StoreTarget(self.pool.get_indexer_buffer(layer), w.i_norm, EPS, C4_PAGE, self._rope(w),
                               "INDEXER_FP8"),
-            entry_slots=lambda b, anchor: self._entry_slot(reqs[b], 4, anchor, hot=False))
+            entry_slots=self._entry_slots(reqs, 4, hot=False))
         pages = max(-(-len(r.locs) // PAGE_SIZE) for r in reqs)
         page_table = torch.zeros(len(reqs), pages, dtype=torch.int32)
         for b, r in enumerate(reqs):

@@ -60,3 +60,42 @@ def online_fold_reference(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
         states = merged
     _, s, acc = states[0]
     return acc / s
+
+
+def plan_raw_reference(rings: list[list[int]], starts: list[int], lengths: list[int], ratio: int, ring_size: int,
+                       span: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tables of one raw-ring step of ``CompressorState``, planned on the host event by event and
+    slot by slot: ``sources [E, W]``, ``writes [M, 2]``, ``anchors [E]``, ``event_requests [E]`` (int64).
+
+    The planner ``CompressorState`` ran before it planned on the device: the oracle of the device
+    plan and the baseline of its benchmark. Position ``p`` of request ``b`` lives in ring row
+    ``rings[b][p // span] * ring_size + p % ring_size`` (``span=None``: ``rings[b][0]``).
+    """
+    win = 8 if ratio == 4 else ratio
+
+    def ring_row(ring_ids: list[int], pos: int) -> int:
+        return ring_ids[0 if span is None else pos // span] * ring_size + pos % ring_size
+
+    sources, writes, anchors, event_requests = [], [], [], []
+    row0 = 0
+    for b, (ring_ids, s, n) in enumerate(zip(rings, starts, lengths)):
+        e = s + n
+        for i in range(s // ratio, e // ratio):  # entries whose last token is in [s, e)
+            first = ratio * i - (4 if ratio == 4 else 0)
+            slots = []
+            for q in range(first, first + win):
+                if q < 0:
+                    slots.append(-1)
+                elif q >= s:
+                    slots.append(row0 + q - s)
+                else:
+                    slots.append(-2 - ring_row(ring_ids, q))
+            sources.append(slots)
+            anchors.append(ratio * i)
+            event_requests.append(b)
+        for q in range(max(s, e - ring_size), e):
+            writes.append((row0 + q - s, ring_row(ring_ids, q)))
+        row0 += n
+    return (torch.tensor(sources, dtype=torch.int64).reshape(-1, win),
+            torch.tensor(writes, dtype=torch.int64).reshape(-1, 2), torch.tensor(anchors, dtype=torch.int64),
+            torch.tensor(event_requests, dtype=torch.int64))
