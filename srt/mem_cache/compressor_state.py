@@ -353,29 +353,28 @@ class CompressorState:
         return out, plan.host_anchors
 
     def _plan_online(self, rings, starts, lengths, kv, score, span):
+        # The segments (each a request's tokens within one 128-window) by numpy over all of them at
+        # once: no Python loop per segment, one pinned copy to the device.
         k_snap = self.snapshots
-        readers, others, anchors = [], [], []
-        row0 = 0
-        for ring_ids, s, n in zip(rings, starts, lengths):
-            base = self._row(ring_ids, 0, None)
-            e = s + n
-            keep_from = max(s + 1, e - k_snap + 1)
-            pos = s
-            while pos < e:
-                end = min(e, (pos // 128 + 1) * 128)
-                read = base + 2 * (s % k_snap) if (pos == s and s % 128) else -1
-                out_row = -1
-                if end % 128 == 0:
-                    out_row = len(anchors)
-                    anchors.append(end - 128)
-                seg = [row0 + pos - s, pos, end - pos, read, out_row, base, keep_from]
-                (readers if read >= 0 else others).append(seg)
-                pos = end
-            row0 += n
-        device = kv.device
-        out = torch.empty(len(anchors), kv.shape[-1], dtype=torch.float32, device=device)
+        base = np.asarray([self._row(ring_ids, 0, None) for ring_ids in rings], dtype=np.int64)
+        s, n = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        e, row0 = s + n, np.cumsum(n) - n
+        count = np.where(n > 0, (e - 1) // 128 - s // 128 + 1, 0)
+        req = np.repeat(np.arange(len(s)), count)
+        j = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # segment j of its request
+        first, last = s[req], e[req]
+        window_start = 128 * (first // 128 + j)
+        pos, end = np.maximum(first, window_start), np.minimum(last, window_start + 128)
+        read = np.where((j == 0) & (first % 128 != 0), base[req] + 2 * (first % k_snap), -1)
+        closes = end % 128 == 0
+        out_row = np.where(closes, np.cumsum(closes) - 1, -1)
+        keep_from = np.maximum(first + 1, last - k_snap + 1)
+        segs = np.stack([row0[req] + pos - first, pos, end - pos, read, out_row, base[req], keep_from], axis=1)
         # Segments that read a snapshot run first: a later segment may store into the same slot.
-        for group in (readers, others):
-            segs = torch.tensor(group, dtype=torch.int64).reshape(-1, 7).to(device)
-            compress_online_c128(kv, score, self.ape, self.state, k_snap, segs, out)
-        return out, torch.tensor(anchors, dtype=torch.int64)
+        readers = int((read >= 0).sum())
+        table = _to_device(torch.from_numpy(segs[np.argsort(read < 0, kind="stable")].reshape(-1, 7)), kv.device)
+        anchors = torch.from_numpy(end[closes] - 128)
+        out = torch.empty(anchors.shape[0], kv.shape[-1], dtype=torch.float32, device=kv.device)
+        for group in (table[:readers], table[readers:]):
+            compress_online_c128(kv, score, self.ape, self.state, k_snap, group, out)
+        return out, anchors
