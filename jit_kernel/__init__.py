@@ -15,6 +15,7 @@ from sparsekv._lazy import lazy_getattr
 _LAZY = {
     "JitCompileError": "build.loader",
     "JitCacheMissError": "build.loader",
+    "JitCompileTimeoutError": "build.loader",
     "load_jit": "build.loader",
     "KernelFamily": "build.registry",
     "discover": "build.registry",

@@ -99,6 +99,33 @@ def verbose_build() -> bool:
     return _flag("SPARSEKV_JIT_VERBOSE")
 
 
+def _seconds(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"sparsekv: {name} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def jit_compile_timeout() -> float:
+    """``SPARSEKV_JIT_COMPILE_TIMEOUT``: seconds one module's build may take; then its compilers are
+    killed and the load raises ``JitCompileTimeoutError`` (default 600)."""
+    return _seconds("SPARSEKV_JIT_COMPILE_TIMEOUT", 600.0)
+
+
+def jit_lock_timeout() -> float:
+    """``SPARSEKV_JIT_LOCK_TIMEOUT``: seconds a load waits for another process's build of the same
+    module (default: the compile timeout plus 60); a builder that is stopped, or gone while its lock
+    is held, ends the wait sooner (after at most 10 s). Either raises ``CacheLockTimeoutError``
+    naming the builder's pid."""
+    return _seconds("SPARSEKV_JIT_LOCK_TIMEOUT", jit_compile_timeout() + 60.0)
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 

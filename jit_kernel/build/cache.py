@@ -279,11 +279,92 @@ def _open_locked(path: Path, blocking: bool):
         handle.close()
 
 
+#: A lock holder seen stopped, or gone while its lock stays held, this long (at most the lock
+#: timeout) ends the wait: it will not finish the build.
+STALLED_HOLDER_S = 10.0
+#: Longest pause between two tries of a held lock.
+LOCK_POLL_S = 0.25
+
+
+class CacheLockTimeoutError(TimeoutError):
+    """Another process held a module's build lock too long, or is stopped or gone while holding it.
+
+    Attributes: ``pid`` (the holder's, or None when it did not record one) and ``lock`` (the lock file).
+    """
+
+    def __init__(self, message: str, *, pid: int | None, lock: Path) -> None:
+        super().__init__(message)
+        self.pid, self.lock = pid, lock
+
+
+def _lock_holder(path: Path) -> tuple[int | None, str]:
+    """``(pid, host)`` the holder wrote into the lock file; ``(None, "")`` when it wrote none."""
+    try:
+        pid, host = path.read_text().split()
+        return int(pid), host
+    except (OSError, ValueError):
+        return None, ""
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/<pid>/stat`` (R, S, D, T stopped, t traced, Z, ...); None when no such
+    process; ``"?"`` where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc/self") else "?"
+    except (OSError, IndexError):
+        return "?"
+
+
+def _wait_for_lock(path: Path, entry: str):
+    """Take the build lock ``path``, waiting at most ``SPARSEKV_JIT_LOCK_TIMEOUT`` for its holder, and
+    less (:data:`STALLED_HOLDER_S`) for a holder that is stopped or gone; then record our pid in it."""
+    timeout = env.jit_lock_timeout()
+    start = time.monotonic()
+    stalled_since = None
+    pause = 0.01
+    while True:
+        handle = _open_locked(path, blocking=False)
+        if handle is not None:
+            handle.truncate(0)  # opened for appending: the write lands at 0
+            handle.write(f"{os.getpid()} {_host_tag()}\n")
+            handle.flush()
+            return handle
+        now = time.monotonic()
+        pid, host = _lock_holder(path)
+        local = pid is not None and host == _host_tag()
+        state = _process_state(pid) if local else "?"
+        # A holder that has just taken the lock may not have written its pid yet: the previous
+        # holder's is read meanwhile, so only a state that lasts counts.
+        if state in (None, "Z", "T", "t"):
+            stalled_since = now if stalled_since is None else stalled_since
+        else:
+            stalled_since = None
+        waited = now - start
+        if stalled_since is not None and now - stalled_since >= min(STALLED_HOLDER_S, timeout):
+            why = (f"is stopped (state {state}: SIGSTOP, ^Z or a debugger); resume it (`kill -CONT {pid}`) or end it"
+                   if state in ("T", "t") else
+                   "has exited, but the lock is still held (by a process it started?); end that process")
+            raise CacheLockTimeoutError(
+                f"sparsekv: gave up after {waited:.1f} s waiting for the build lock of JIT module {entry}: its "
+                f"holder, pid {pid}, {why}, then load again (lock file {path})", pid=pid, lock=path)
+        if waited >= timeout:
+            holder = f"pid {pid}" + ("" if local else f" on host {host}") if pid else "another process"
+            raise CacheLockTimeoutError(
+                f"sparsekv: gave up after {waited:.1f} s (SPARSEKV_JIT_LOCK_TIMEOUT) waiting for {holder} to finish "
+                f"building JIT module {entry}; if it is stuck, end it and load again (lock file {path})",
+                pid=pid, lock=path)
+        time.sleep(min(pause, timeout - waited))
+        pause = min(2 * pause, LOCK_POLL_S)
+
+
 @contextmanager
 def _build_lock(root: Path, entry: str):
     locks = root / ".locks"
     locks.mkdir(mode=0o700, exist_ok=True)
-    handle = _open_locked(_lock_path(root, entry), blocking=True)
+    handle = _wait_for_lock(_lock_path(root, entry), entry)
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -75,6 +76,11 @@ class JitCompileError(RuntimeError):
                  output: str = "", hint: str = "") -> None:
         super().__init__(message)
         self.what, self.command, self.cwd, self.output, self.hint = what, command or [], cwd, output, hint
+
+
+class JitCompileTimeoutError(JitCompileError):
+    """A module's build ran past ``SPARSEKV_JIT_COMPILE_TIMEOUT``; its compilers were killed. Not
+    remembered: the next load of the module builds it again."""
 
 
 class JitCacheMissError(RuntimeError):
@@ -341,12 +347,65 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.Popen:
                             env=_compiler_env())
 
 
-def _wait_all(jobs: list[tuple[list[str], subprocess.Popen]], cwd: Path, what: str) -> None:
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a compiler driver's cc1plus, as, cicc, ...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a compiler and everything it started (a killed driver would leave its cc1plus running,
+    and a child holding the output pipe would keep ``communicate`` waiting), then reap it."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    proc.communicate()
+
+
+def _wait_all(jobs: list[tuple[list[str], subprocess.Popen]], cwd: Path, what: str, deadline: float) -> None:
+    """Wait for every job (none outlives a failure of another); past ``deadline`` (monotonic), or on
+    an exception such as KeyboardInterrupt, kill them all."""
     failure = None
-    for cmd, proc in jobs:
-        out, _ = proc.communicate()  # wait for every job, so none outlives a failure of another
-        if proc.returncode != 0 and failure is None:
-            failure = (cmd, proc.returncode, out)
+    try:
+        for cmd, proc in jobs:
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timeout = env.jit_compile_timeout()
+                raise JitCompileTimeoutError(
+                    f"sparsekv: compiling {what} took longer than {timeout:g} s (SPARSEKV_JIT_COMPILE_TIMEOUT); "
+                    f"the compiler (pid {proc.pid}) and what it started were killed. A loaded machine may need a "
+                    f"larger SPARSEKV_JIT_COMPILE_TIMEOUT; a compiler that hangs can be reproduced with:\n"
+                    f"  cd {shlex.quote(str(cwd))} && {shlex.join(cmd)}",
+                    what=what, command=cmd, cwd=str(cwd),
+                ) from None
+            if proc.returncode != 0 and failure is None:
+                failure = (cmd, proc.returncode, out)
+    except BaseException:
+        for _, proc in jobs:
+            if proc.returncode is None:
+                _kill_tree(proc)
+        raise
     if failure is not None:
         cmd, code, out = failure
         hint = compile_hint(out)
@@ -398,7 +457,7 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     slow.daemon = True
     slow.start()
     try:
-        _compile(plan, staging, what, includes, ffi_includes, link)
+        _compile(plan, staging, what, includes, ffi_includes, link, time.monotonic() + env.jit_compile_timeout())
     finally:
         slow.cancel()
     seconds = time.perf_counter() - start
@@ -408,19 +467,19 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
 
 
 def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi_includes: list[str],
-             link: list[str]) -> None:
+             link: list[str], deadline: float) -> None:
     if plan.backend == "cpu":
         cmd = [plan.cxx.path, *CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes,
                *ffi_includes, "-shared", "module.cpp", "-o", cache.ARTIFACT, *link]
-        _wait_all([(cmd, _run(cmd, staging))], staging, what)
+        _wait_all([(cmd, _run(cmd, staging))], staging, what, deadline)
     elif plan.backend == "sim":
         flags = [*CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes]
         sim_cmd = [plan.cxx.path, *flags, "-c", "kernels_sim.cpp", "-o", "kernels_sim.o"]
         cxx_cmd = [plan.cxx.path, *flags, *ffi_includes, "-c", "module.cpp", "-o", "module.o"]
-        _wait_all([(sim_cmd, _run(sim_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what)
+        _wait_all([(sim_cmd, _run(sim_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what, deadline)
         link_cmd = [plan.cxx.path, *sanitizer_flags(plan.sanitize), "-shared", "module.o", "kernels_sim.o", "-o",
                     cache.ARTIFACT, *link]
-        _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what)
+        _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what, deadline)
     else:
         assert plan.nvcc is not None  # internal invariant: cuda plans always carry nvcc
         cuda_home = toolchain.cuda_home()
@@ -429,10 +488,10 @@ def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi
         cxx_cmd = [plan.cxx.path, *CXX_FLAGS, *plan.extra_cflags, *includes, *ffi_includes, "-c", "module.cpp",
                    "-o", "module.o"]
         # nvcc and the host compiler run side by side; the .cu has no tvm-ffi headers, so it is the short one.
-        _wait_all([(nvcc_cmd, _run(nvcc_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what)
+        _wait_all([(nvcc_cmd, _run(nvcc_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what, deadline)
         link_cmd = [plan.cxx.path, "-shared", "module.o", "kernels.o", "-o", cache.ARTIFACT, *link,
                     f"-L{cuda_home / 'lib64'}", "-lcudart"]
-        _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what)
+        _wait_all([(link_cmd, _run(link_cmd, staging))], staging, what, deadline)
 
 
 _logging_checked = False
@@ -592,10 +651,14 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
                               f"it is retried once its sources, flags or compiler change)",
                               what=failed.what, command=failed.command, cwd=failed.cwd, output=failed.output,
                               hint=failed.hint)
-    env.cache_max_size()  # a malformed SPARSEKV_CACHE_MAX_SIZE is reported before anything compiles
+    # A malformed SPARSEKV_CACHE_MAX_SIZE or timeout is reported before anything compiles.
+    env.cache_max_size()
+    env.jit_lock_timeout()
     try:
         return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging),
                                        _load)
+    except JitCompileTimeoutError:
+        raise
     except JitCompileError as exc:
         _failed[entry] = exc
         raise

@@ -1,6 +1,6 @@
 """Fixtures of the JIT tests: ``read_only`` makes a directory unwritable for one test (root needs
 ``chattr +i``) and writable again at its end; ``two_checkouts`` copies ``csrc/`` to two places;
-``counting_cxx`` and ``hanging_cxx`` are host compilers that log or hang."""
+``counting_cxx``, ``hanging_cxx`` and ``forking_hanging_cxx`` are host compilers that log or hang."""
 
 from __future__ import annotations
 
@@ -69,3 +69,12 @@ def hanging_cxx(tmp_path):
     """A compiler that announces a compile, then hangs (a build to kill mid-compile): ``(wrapper, started)``."""
     started = tmp_path / "compile-started"
     return _compiler_wrapper(tmp_path / "hanging-c++", f"touch {started}\nexec sleep 600"), started
+
+
+@pytest.fixture
+def forking_hanging_cxx(tmp_path):
+    """A compiler that starts a child sharing its output, records both pids, then waits for it forever
+    (killing the compiler alone would leave the child, and the loader reading their output, hanging):
+    ``(wrapper, pids)``, where ``pids`` holds ``"<compiler pid> <child pid>"`` once it runs."""
+    pids = tmp_path / "compile-pids"
+    return _compiler_wrapper(tmp_path / "forking-c++", f"sleep 600 &\necho $$ $! > {pids}\nwait"), pids
