@@ -164,18 +164,52 @@ class Wakeup:
             self.is_set = True
             self._write.send(b"\0")
 
-    def wait_readable(self, socks: list) -> list:
-        """Block until one of ``socks`` is readable or this is set; the readable ones ([] once set).
+    def wait_readable(self, socks: list, timeout_s: float | None = None) -> list:
+        """Block until one of ``socks`` is readable or this is set, at most ``timeout_s`` (None: no
+        bound); the readable ones ([] once set, or when the time ran out).
 
         Raises
         ------
         OSError, ValueError
             A socket was closed under the wait.
         """
-        readable, _, _ = select.select([*socks, self], [], [])
+        readable, _, _ = select.select([*socks, self], [], [], timeout_s)
         return [] if self.is_set else readable
 
     def close(self) -> None:
         """Release both ends (after the waiters stopped)."""
+        self._read.close()
+        self._write.close()
+
+
+class Doorbell:
+    """Wakes one thread that waits for sockets, any number of times: a socketpair whose read end
+    turns readable on :meth:`ring` until :meth:`clear`. Pass it to ``select`` beside the sockets."""
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def ring(self) -> None:
+        """Make the read end readable (a full pipe is already readable)."""
+        try:
+            self._write.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def clear(self) -> None:
+        """Consume every ring so far."""
+        try:
+            while self._read.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Release both ends."""
         self._read.close()
         self._write.close()

@@ -28,6 +28,13 @@ class Deadlines:
         Prefill: a room's writes completing in the engine.
     arrival_s : float
         Decode: a room arriving (the default of :meth:`~.receiver.KVReceiver.wait`).
+    idle_s : float
+        Prefill: a decode connection holding no room (none asked for and unanswered) is closed
+        after this long (the decode connects again for its next room).
+    quarantine_s : float
+        Decode: a given-up room's destinations stay unreleased this long after a stage that did
+        not confirm it stopped writing closed its connection (data it had already sent may still
+        land meanwhile; docs/pd.md, "PD trust model").
     close_s : float
         Either end: each of its threads stopping on close.
     """
@@ -37,6 +44,8 @@ class Deadlines:
     source_s: float = 30.0
     write_s: float = 30.0
     arrival_s: float = 30.0
+    idle_s: float = 300.0
+    quarantine_s: float = 5.0
     close_s: float = 30.0
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparsekv.srt.disaggregation.kv_args import KVArgs, StateType
+from sparsekv.srt.disaggregation.kv_args import MEM_KINDS, KVArgs, StateType
 
 KV_COMPONENT = "kv"
 #: State types whose regions are sharded by attention TP head for non-MLA models: prefill and
@@ -71,19 +71,52 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict) -> Manifest:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`, every field checked in its exact JSON type and range (a peer's
+        manifest is untrusted: ``page_size`` 64.9 or ``"256"``, ``is_mla`` ``"false"``, a negative
+        TP size or region size are refused, never coerced).
 
         Raises
         ------
         ManifestMismatchError
-            A malformed manifest (missing or mistyped fields).
+            A missing, mistyped or out-of-range field, named (``manifest.page_size``,
+            ``manifest.components[0][1][2].nbytes``).
         """
-        try:
-            comps = [(str(name), [Region(**r) for r in regions]) for name, regions in d["components"]]
-            return cls(comps, tuple(d["layers"]), int(d["page_size"]), int(d["attn_tp_size"]),
-                       int(d["attn_tp_rank"]), bool(d["is_mla"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestMismatchError(f"sparsekv: malformed state manifest: {e!r}") from e
+        d = _field(d, "manifest", dict)
+        comps = []
+        for c, comp in enumerate(_field(d.get("components"), "manifest.components", list)):
+            where = f"manifest.components[{c}]"
+            comp = _field(comp, where, list)
+            if len(comp) != 2:
+                raise ManifestMismatchError(f"sparsekv: malformed state manifest: `{where}` must be "
+                                            f"[name, regions], got {len(comp)} entries")
+            name = _field(comp[0], f"{where}[0]", str)
+            regions = []
+            for i, r in enumerate(_field(comp[1], f"{where}[1]", list)):
+                at = f"{where}[1][{i}]"
+                r = _field(r, at, dict)
+                unknown = sorted(set(r) - set(_REGION_FIELDS))
+                if unknown:
+                    raise ManifestMismatchError(f"sparsekv: malformed state manifest: `{at}` has unknown "
+                                                f"fields {unknown[:4]}")
+                mem_kind = _field(r.get("mem_kind"), f"{at}.mem_kind", str)
+                if mem_kind not in MEM_KINDS:
+                    raise ManifestMismatchError(f"sparsekv: malformed state manifest: `{at}.mem_kind` must be one "
+                                                f"of {list(MEM_KINDS)}, got {mem_kind!r:.40}")
+                regions.append(Region(_field(r.get("label"), f"{at}.label", str),
+                                      _count(r.get("item_len"), f"{at}.item_len", 1),
+                                      _count(r.get("nbytes"), f"{at}.nbytes", 0), mem_kind,
+                                      _count(r.get("ptr"), f"{at}.ptr", 0)))
+            comps.append((name, regions))
+        layers = _field(d.get("layers"), "manifest.layers", list)
+        if len(layers) != 2:
+            raise ManifestMismatchError(f"sparsekv: malformed state manifest: `manifest.layers` must be [start, end], "
+                                        f"got {len(layers)} entries")
+        start = _count(layers[0], "manifest.layers[0]", 0)
+        end = _count(layers[1], "manifest.layers[1]", start)
+        tp_size = _count(d.get("attn_tp_size"), "manifest.attn_tp_size", 1)
+        tp_rank = _count(d.get("attn_tp_rank"), "manifest.attn_tp_rank", 0, tp_size - 1)
+        return cls(comps, (start, end), _count(d.get("page_size"), "manifest.page_size", 1), tp_size, tp_rank,
+                   _field(d.get("is_mla"), "manifest.is_mla", bool))
 
     @property
     def state_types(self) -> list[str]:
@@ -131,3 +164,28 @@ def check_manifests(prefill: Manifest, decode: Manifest) -> None:
                                     f"{other.item_len} B on decode")
     if problems:
         raise ManifestMismatchError("sparsekv: state manifest mismatch: " + "; ".join(problems))
+
+
+_REGION_FIELDS = ("label", "item_len", "nbytes", "mem_kind", "ptr")
+_INT_LIMIT = 1 << 63
+
+
+def _field(value: object, name: str, kind: type):
+    """``value`` if its type is exactly ``kind`` (a bool is no int, an int no float), else a mismatch
+    naming ``name``."""
+    if type(value) is not kind:  # noqa: E721 - exact: bool is an int subclass
+        got = "nothing" if value is None else f"{type(value).__name__} {value!r:.40}"
+        raise ManifestMismatchError(f"sparsekv: malformed state manifest: `{name}` must be a JSON "
+                                    f"{_JSON_NAMES[kind]}, got {got}")
+    return value
+
+
+def _count(value: object, name: str, lowest: int, highest: int = _INT_LIMIT - 1) -> int:
+    """``value`` if it is a JSON integer in ``[lowest, highest]``, else a mismatch naming ``name``."""
+    if not lowest <= _field(value, name, int) <= highest:
+        raise ManifestMismatchError(f"sparsekv: malformed state manifest: `{name}` must be in [{lowest}, {highest}], "
+                                    f"got {value}")
+    return value
+
+
+_JSON_NAMES = {dict: "object", list: "array", str: "string", int: "integer", bool: "boolean"}

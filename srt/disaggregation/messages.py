@@ -9,15 +9,24 @@ integers are JSON integers (never bool or float) in ``[0, 2^63)``, lists hold at
 :data:`MAX_INDICES` entries, strings at most :data:`MAX_TEXT` characters, and the nesting the
 schema allows is all there is (anything deeper is refused while parsing the frame).
 
-Session identity and secret (docs/pd.md, "PD trust model"): the decode sends a random ``session`` id
-in its hello; the prefill puts it in every notification it sends that decode, so notifications
-from another deployment on the same host are never counted. With a shared ``secret`` configured
-on both sides, the prefill refuses a hello that does not present it (compared in constant time).
+Session identity (docs/pd.md, "PD trust model"): the decode sends a random ``session`` id in its
+hello; the prefill puts it in every notification it sends that decode, so notifications from
+another deployment on the same host are never counted.
+
+Authentication: with a shared ``secret`` configured on both sides, each side proves it holds the
+secret without sending it. The decode's hello carries a fresh random nonce; the prefill answers
+with its own nonce and :func:`secret_proof` of its role over both nonces and the session; the
+decode checks it and answers with its own proof, which the prefill checks (constant time) before
+it loads the decode's engine descriptor or reveals its own. A proof is good for one pair of fresh
+nonces only, so one captured on the wire cannot be replayed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import re
+import secrets
 
 #: Most entries in one index list (a 2^20-token request at page size 1 plus room to spare).
 MAX_INDICES = 1 << 22
@@ -54,11 +63,6 @@ def text(value: object, field: str) -> str:
     return value
 
 
-def optional_text(value: object, field: str) -> str | None:
-    """``value`` if it is None or a :func:`text`."""
-    return None if value is None else text(value, field)
-
-
 def indices(value: object, field: str) -> list[int]:
     """``value`` if it is a list of at most :data:`MAX_INDICES` :func:`integer` entries, else ProtocolError."""
     if type(value) is not list or len(value) > MAX_INDICES:  # noqa: E721
@@ -93,8 +97,42 @@ def named_texts(value: object, field: str) -> dict[str, str]:
     return {text(k, f"{field} key"): text(v, f"{field}[{k!r:.40}]") for k, v in mapping(value, field).items()}
 
 
-def secret_matches(expected: str | None, presented: str | None) -> bool:
-    """Whether a peer presented the configured secret (always, when none is configured); constant time."""
-    if expected is None:
-        return True
-    return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
+_NONCE = re.compile(r"[0-9a-f]{32}")
+_PROOF = re.compile(r"[0-9a-f]{64}")
+
+
+def nonce(value: object, field: str) -> str:
+    """``value`` if it is a nonce (32 lowercase hex digits), else ProtocolError."""
+    if type(value) is not str or not _NONCE.fullmatch(value):  # noqa: E721
+        raise ProtocolError(f"sparsekv: bootstrap field `{field}` must be 32 lowercase hex digits, got {value!r:.80}")
+    return value
+
+
+def optional_nonce(value: object, field: str) -> str:
+    """``value`` if it is "" (no challenge) or a :func:`nonce`."""
+    return "" if value == "" else nonce(value, field)
+
+
+def proof(value: object, field: str) -> str:
+    """``value`` if it is a proof (64 lowercase hex digits: an HMAC-SHA256), else ProtocolError."""
+    if type(value) is not str or not _PROOF.fullmatch(value):  # noqa: E721
+        raise ProtocolError(f"sparsekv: bootstrap field `{field}` must be 64 lowercase hex digits, got {value!r:.80}")
+    return value
+
+
+def new_nonce() -> str:
+    """A fresh random challenge (128 bits)."""
+    return secrets.token_hex(16)
+
+
+def secret_proof(secret: str, role: str, decode_nonce: str, prefill_nonce: str, session: str) -> str:
+    """The HMAC-SHA256, keyed by ``secret``, of the ``role`` (``"prefill"`` or ``"decode"``: one side's
+    proof never passes for the other's) over both nonces and the decode's session id."""
+    message = f"sparsekv-pd-auth/1\0{role}\0{decode_nonce}\0{prefill_nonce}\0{session}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_matches(secret: str, role: str, decode_nonce: str, prefill_nonce: str, session: str,
+                  presented: str) -> bool:
+    """Whether ``presented`` is ``role``'s :func:`secret_proof` (constant-time comparison)."""
+    return hmac.compare_digest(secret_proof(secret, role, decode_nonce, prefill_nonce, session), presented)

@@ -87,7 +87,7 @@ class NixlHandle(TransferHandle):
 
     def status(self) -> str:
         with self._backend.lock:
-            if self._handle is None:
+            if self._handle is None or self._backend.agent is None:
                 return "ERR"
             return self._backend.agent.check_xfer_state(self._handle)
 
@@ -99,6 +99,8 @@ class NixlHandle(TransferHandle):
         if self._handle is not None:
             handle, self._handle = self._handle, None
             self._backend._open.pop(id(self), None)
+            if self._backend.agent is None:  # the agent is gone, and every request with it
+                return
             try:
                 self._backend.agent.release_xfer_handle(handle)
             except Exception as e:  # an un-cancellable request: NIXL keeps it, we must not reuse it
@@ -163,19 +165,31 @@ class NixlBackend(TransferBackend):
         self._known: dict[bytes, str] = {}  # descriptor -> peer
         self._open: dict[int, NixlHandle] = {}
 
+    def _live(self):
+        """The NIXL agent (caller holds ``lock``).
+
+        Raises
+        ------
+        TransferError
+            The backend is closed.
+        """
+        if self.agent is None:
+            raise TransferError(f"sparsekv: NIXL agent {self.name!r} is closed")
+        return self.agent
+
     @_locked
     def register(self, regions: list[tuple[int, int, str]]) -> None:
         by_kind: dict[str, list[tuple[int, int]]] = {}
         for ptr, nbytes, kind in regions:
             by_kind.setdefault(kind, []).append((int(ptr), int(nbytes)))
         for kind, spans in by_kind.items():
-            descs = self.agent.register_memory([(p, n, 0, "") for p, n in spans], kind)
+            descs = self._live().register_memory([(p, n, 0, "") for p, n in spans], kind)
             self._reg_descs.append(descs)
             self.registered += [(p, n, kind) for p, n in spans]
 
     @_locked
     def descriptor(self) -> bytes:
-        return self.agent.get_agent_metadata()
+        return self._live().get_agent_metadata()
 
     @_locked
     def connect(self, descriptor: bytes) -> str:
@@ -183,10 +197,10 @@ class NixlBackend(TransferBackend):
         # thread has in flight to that peer then fails), so a known descriptor is not reloaded.
         peer = self._known.get(descriptor)
         if peer is None or peer not in self._peers:
-            peer = self.agent.add_remote_agent(descriptor)
+            peer = self._live().add_remote_agent(descriptor)
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
             # Open the engine's connection now, not on the first write (~10 ms on the first room).
-            self.agent.make_connection(peer)
+            self._live().make_connection(peer)
             self._known[descriptor] = peer
         self._peers[peer] = self._peers.get(peer, 0) + 1
         return peer
@@ -197,7 +211,7 @@ class NixlBackend(TransferBackend):
             self._peers[peer] -= 1
             if self._peers[peer] == 0:
                 del self._peers[peer]
-                self.agent.remove_remote_agent(peer)
+                self._live().remove_remote_agent(peer)
 
     @_locked
     def write(self, peer: str, rows: np.ndarray, *, src_kind: str, dst_kind: str, notif: bytes = b"") -> NixlHandle:
@@ -208,15 +222,16 @@ class NixlBackend(TransferBackend):
         remote = np.zeros((rows.shape[0], 3), dtype=np.uint64)
         local[:, 0], local[:, 1] = rows[:, 0], rows[:, 2]
         remote[:, 0], remote[:, 1] = rows[:, 1], rows[:, 2]
+        agent = self._live()
         try:
-            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, src_kind),
-                                                self.agent.get_xfer_descs(remote, dst_kind), peer, notif)
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, src_kind),
+                                           agent.get_xfer_descs(remote, dst_kind), peer, notif)
         except Exception as e:
             raise TransferError(f"sparsekv: NIXL refused a {rows.shape[0]}-row write to {peer!r}: {e}") from e
         wrapped = NixlHandle(self, handle)
         self._open[id(wrapped)] = wrapped
         try:
-            state = self.agent.transfer(handle)
+            state = agent.transfer(handle)
         except Exception as e:
             wrapped.release()
             raise TransferError(f"sparsekv: NIXL could not post a write to {peer!r}: {e}") from e
@@ -228,12 +243,14 @@ class NixlBackend(TransferBackend):
     @_locked
     def send_notif(self, peer: str, message: bytes) -> None:
         try:
-            self.agent.send_notif(peer, message)
+            self._live().send_notif(peer, message)
         except Exception as e:
             raise TransferError(f"sparsekv: NIXL could not notify {peer!r}: {e}") from e
 
     @_locked
     def get_notifs(self) -> dict[str, list[bytes]]:
+        if self.agent is None:  # closed: nothing arrives any more
+            return {}
         return {str(k): list(v) for k, v in self.agent.get_new_notifs().items()}
 
     @property
@@ -248,8 +265,14 @@ class NixlBackend(TransferBackend):
 
     @_locked
     def close(self) -> None:
+        """Release every handle, forget every peer, deregister every region, and drop the agent:
+        NIXL frees an agent (its UCX worker, listening socket and connections) only when the
+        last reference to it goes, so a closed backend that kept it held those sockets for as
+        long as its owner lived (idempotent)."""
+        if self.agent is None:
+            return
         for h in list(self._open.values()):
-            h.release()
+            h._release()
         for peer in list(self._peers):
             self._peers[peer] = 1
             try:
@@ -260,3 +283,4 @@ class NixlBackend(TransferBackend):
             self.agent.deregister_memory(descs)
         self._reg_descs.clear()
         self.registered = []
+        self.agent = None

@@ -6,12 +6,20 @@ of :mod:`.messages` that its wire value must pass, and its default when a peer m
 :func:`decode` turns a received object back into its kind, checking every field (a
 :class:`~.messages.ProtocolError` names the first bad one). The exchange::
 
-    decode -> prefill   Hello      (engine descriptor, manifest, session id, checksums?, secret?)
+    decode -> prefill   Hello      (engine descriptor, manifest, session id, checksums?, nonce)
+  with a shared secret on the prefill (:mod:`.messages`, "Authentication"):
+    prefill -> decode   Challenge  (the prefill's nonce, its proof)
+    decode -> prefill   Proof      (the decode's proof)
+  then
     prefill -> decode   Welcome    (engine descriptor, manifest)  or  Refused (then it closes)
     decode -> prefill   Transfer   (a room and its destination indices; any number, any order)
+                        Cancel     (the decode gave up on a room: write nothing more of it)
     prefill -> decode   Status     (a room's outcome: batches, bytes, region digests, or its error)
+                     or Cancelled  (none of the room's writes is in flight, and none will be posted)
                      or Refused    (a message that could not be read; the connection goes on)
     decode -> prefill   Bye        (nothing more will be asked)
+    prefill -> decode   Bye        (the connection held no room for ``idle_s``: it closes; the
+                                    decode connects again for its next room)
 
 Besides these, each batch of writes carries a :class:`Notification` through the transfer engine,
 which the engine delivers after the batch's data. A decode that says ``notified`` in its hello
@@ -36,7 +44,9 @@ from sparsekv.srt.disaggregation.messages import (
     mapping,
     named_indices,
     named_texts,
-    optional_text,
+    nonce,
+    optional_nonce,
+    proof,
     text,
 )
 
@@ -92,9 +102,27 @@ class Hello(Message):
     manifest: dict = _wire(mapping)  # :meth:`~.manifest.Manifest.to_dict`
     session: str = _wire(text, default="")  # echoed in every notification to this decode
     checksums: bool = _wire(boolean, default=False)  # report region digests with each room's status
-    secret: str | None = _wire(optional_text, default=None)  # the deployment's shared secret
+    #: The decode's challenge (:func:`~.messages.new_nonce`); "" from a decode without a secret.
+    nonce: str = _wire(optional_nonce, default="")
     #: Report a room's success by its notifications alone (digests in batch 0's): no success status.
     notified: bool = _wire(boolean, default=False)
+
+
+@dataclass(frozen=True)
+class Challenge(Message):
+    """A prefill stage with a secret answers a hello with its own nonce and its proof of the secret."""
+
+    OP: ClassVar[str] = "challenge"
+    nonce: str = _wire(nonce)
+    proof: str = _wire(proof)
+
+
+@dataclass(frozen=True)
+class Proof(Message):
+    """The decode's proof of the secret, over both nonces (:func:`~.messages.secret_proof`)."""
+
+    OP: ClassVar[str] = "proof"
+    proof: str = _wire(proof)
 
 
 @dataclass(frozen=True)
@@ -145,16 +173,38 @@ class Status(Message):
     bytes: int = _wire(integer, default=0)
     #: XXH3-64 hex digest of each host region as sent (when the decode asked for checksums).
     digests: dict[str, str] = _wire(named_texts, default_factory=dict)
+    #: A failure whose writes may still be in flight (they did not stop within the sender's bound):
+    #: the room's destinations are not free yet.
+    inflight: bool = _wire(boolean, default=False)
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """The decode gave up on a room (timeout, abort, close): write nothing more of it."""
+
+    OP: ClassVar[str] = "cancel"
+    room: int = _wire(integer)
+
+
+@dataclass(frozen=True)
+class Cancelled(Message):
+    """The answer to a :class:`Cancel`: no write of the room is in flight on this connection and
+    none will be posted (the room's destinations may be reused as far as this stage goes)."""
+
+    OP: ClassVar[str] = "cancelled"
+    room: int = _wire(integer)
 
 
 @dataclass(frozen=True)
 class Bye(Message):
-    """The decode waits for nothing more on this connection."""
+    """The sender waits for nothing more on this connection (from the decode: it asks for nothing
+    more; from the prefill: the connection held no room for its idle bound, and closes)."""
 
     OP: ClassVar[str] = "bye"
 
 
-KINDS: dict[str, type[Message]] = {kind.OP: kind for kind in (Hello, Welcome, Refused, Transfer, Status, Bye)}
+KINDS: dict[str, type[Message]] = {kind.OP: kind for kind in (Hello, Challenge, Proof, Welcome, Refused, Transfer,
+                                                              Cancel, Cancelled, Status, Bye)}
 
 
 def decode(message: dict, *expected: type[Message]) -> Message:

@@ -17,14 +17,28 @@ How a stage's success is learnt is one argument, ``completion``:
   The engine only offers polling for notifications (NIXL's ``get_notifs``), so
   :meth:`KVReceiver.wait` polls it from the request on.
 
+A room succeeds only when complete: a stage's success names a batch count the room's plan
+allows (at least one batch per memory-kind pair the room writes, at most one per item it
+writes), every batch of that count notified its arrival and no other, and (with checksums) a
+digest for exactly the host regions the stage sends, each equal to what arrived. A status or
+notification that claims less, or names a region the stage does not send, fails the room.
+
+Giving up on a room (:meth:`KVReceiver.cancel`, a :meth:`KVReceiver.wait` that times out,
+:meth:`KVReceiver.close`) tells every stage; its destinations may be reused only once
+:meth:`KVReceiver.released` says so: every stage answered that none of the room's writes is in
+flight or will be posted (a :class:`~.protocol.Cancelled`, or the room's final status), or its
+connection ended at least ``deadlines.quarantine_s`` ago (docs/pd.md, "PD trust model").
+
 Lifecycle: ``KVReceiver(kv_args, backend, addresses)`` registers, connects and checks the
-manifests (raising :class:`~.manifest.ManifestMismatchError` on both sides); ``close()`` says
-goodbye and releases everything.
+manifests (raising :class:`~.manifest.ManifestMismatchError` on both sides); ``close()`` cancels
+what is still in flight, says goodbye and releases everything. A stage that closes an idle
+connection (it held no room for its ``idle_s``) is connected again for the next room.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -37,11 +51,15 @@ from sparsekv.srt.disaggregation.deadlines import Deadlines
 from sparsekv.srt.disaggregation.integrity import mismatched, room_digests
 from sparsekv.srt.disaggregation.kv_args import KVArgs
 from sparsekv.srt.disaggregation.manifest import Manifest, ManifestMismatchError, check_manifests
-from sparsekv.srt.disaggregation.messages import ProtocolError
+from sparsekv.srt.disaggregation.messages import ProtocolError, new_nonce, proof_matches, secret_proof
 from sparsekv.srt.disaggregation.protocol import (
     Bye,
+    Cancel,
+    Cancelled,
+    Challenge,
     Hello,
     Notification,
+    Proof,
     Refused,
     Status,
     Transfer,
@@ -56,12 +74,19 @@ logger = logging.getLogger(__name__)
 COMPLETIONS = ("status", "notifications")
 
 
+_HEX_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
 @dataclass
 class _Stage:
     channel: Channel
-    port: int
+    address: tuple[str, int]
     manifest: Manifest
+    #: ``component/label`` of every host region the stage sends (the digests a room's status must name).
+    host_regions: frozenset[str]
     closed: bool = False
+    closed_at: float = 0.0  # monotonic() when the connection ended
+    idle: bool = False  # the stage closed it after a bye (it held none of this decode's rooms)
     thread: threading.Thread | None = None
 
 
@@ -74,6 +99,13 @@ class _Arrival:
     notifs: dict[int, set[int]] = field(default_factory=dict)  # stage index -> batches notified
     notified_batches: dict[int, int] = field(default_factory=dict)  # stage index -> batches its notifs name
     notified_digests: dict[int, dict[str, str]] = field(default_factory=dict)  # stage index -> batch 0's digests
+    #: Stage index -> why its notifications of this room cannot be believed (a batch beyond the
+    #: count they name, or counts that disagree).
+    bad_notifs: dict[int, str] = field(default_factory=dict)
+    #: Stage index -> ``(fewest, most)`` batches the room's plan on that stage allows.
+    batch_bounds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    cancelled: bool = False  # this side gave up: every stage was asked to write nothing more
+    settled: set[int] = field(default_factory=set)  # stages with nothing of the room in flight
     state: RoomState = RoomState.REQUESTED
     error: str = ""
 
@@ -97,12 +129,14 @@ class KVReceiver:
         Bound of every wait (:meth:`.Deadlines.uniform`), unless ``deadlines`` names each.
     deadlines : Deadlines, optional
         This side's waits: connecting and the handshake, a stage's messages, a room's arrival
-        (the default of :meth:`wait`), the threads on close.
+        (the default of :meth:`wait`), a gone stage's quarantine, the threads on close.
     history : int
         Finished rooms whose outcome :meth:`poll` still reports; older ones are forgotten (a
         server's memory stays bounded).
     secret : str, optional
-        The deployment's shared secret, presented to every stage (see :class:`~.sender.KVSender`).
+        The deployment's shared secret: every stage must prove it holds it, and this side proves
+        it to them (:mod:`.messages`, "Authentication"); it never crosses the wire. None: stages
+        without a secret only.
     checksums : bool
         Verify every host region of every room against the digest its stage computed before
         sending (:mod:`.integrity`); a mismatch fails the room. On by default.
@@ -112,8 +146,8 @@ class KVReceiver:
     Raises
     ------
     ManifestMismatchError
-        A stage refused the manifest (or this side refuses the stage's); everything opened so far
-        is closed again.
+        A stage refused the manifest or this side's proof (or this side refuses the stage's
+        manifest or proof); everything opened so far is closed again.
     ConnectionError, TimeoutError
         A stage cannot be reached or does not answer in time; likewise cleaned up.
     """
@@ -123,6 +157,8 @@ class KVReceiver:
                  secret: str | None = None, checksums: bool = True, completion: str = "status") -> None:
         self.notified = one_of(completion, "completion", COMPLETIONS) == "notifications"
         self._rooms: RoomTable[_Arrival] = RoomTable(history)
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            raise ValueError("sparsekv: argument `secret` must be a non-empty string or None")
         self.deadlines = deadlines if deadlines is not None else Deadlines.uniform(timeout_s)
         self.secret = secret
         self.checksums = checksums
@@ -131,7 +167,8 @@ class KVReceiver:
         self.kv_args = kv_args
         self.manifest = Manifest.of(kv_args)
         self.backend = backend
-        # Guards the rooms; notified when a status arrives or a stage closes.
+        # Guards the rooms and the stages' connections; notified when a status or an
+        # acknowledgement arrives or a stage closes.
         self._cond = threading.Condition()
         self._stages: list[_Stage] = []
         self._wakeup = Wakeup()
@@ -142,10 +179,9 @@ class KVReceiver:
         except BaseException:
             self.close()
             raise
-        self._stage_of_port = {s.port: i for i, s in enumerate(self._stages)}
-        for i, stage in enumerate(self._stages):
-            stage.thread = threading.Thread(target=self._read_loop, args=(i,), name="kv-receiver", daemon=True)
-            stage.thread.start()
+        self._stage_of_port = {s.address[1]: i for i, s in enumerate(self._stages)}
+        for i in range(len(self._stages)):
+            self._start_reading(i)
 
     @property
     def history(self) -> int:
@@ -154,9 +190,22 @@ class KVReceiver:
     def _connect(self, address: tuple[str, int]) -> _Stage:
         ch = Channel.connect(address, self.deadlines.handshake_s)
         try:
+            challenge = new_nonce() if self.secret is not None else ""
             ch.send(Hello(b64(self.backend.descriptor()), self.manifest.to_dict(), self.session, self.checksums,
-                          self.secret, self.notified).encode())
-            reply = decode(ch.recv(self.deadlines.handshake_s), Welcome, Refused)
+                          challenge, self.notified).encode())
+            reply = decode(ch.recv(self.deadlines.handshake_s), Challenge, Welcome, Refused)
+            if isinstance(reply, Challenge):
+                if self.secret is None:
+                    raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} asks for a "
+                                                "secret this decode was not given")
+                if not proof_matches(self.secret, "prefill", challenge, reply.nonce, self.session, reply.proof):
+                    raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} did not prove "
+                                                "it holds this deployment's secret")
+                ch.send(Proof(secret_proof(self.secret, "decode", challenge, reply.nonce, self.session)).encode())
+                reply = decode(ch.recv(self.deadlines.handshake_s), Welcome, Refused)
+            elif isinstance(reply, Welcome) and self.secret is not None:
+                raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} did not prove it "
+                                            "holds this deployment's secret (it asked for none)")
             if isinstance(reply, Refused):
                 raise ManifestMismatchError(f"sparsekv: prefill stage at {address[0]}:{address[1]} refused this "
                                             f"decode: {reply.error}")
@@ -170,31 +219,63 @@ class KVReceiver:
             raise
         # Only the writing side loads the other's descriptor: when both sides connect to each
         # other at once, the engine's two simultaneous connects can reset one another.
-        return _Stage(ch, address[1], remote)
+        host = frozenset(f"{name}/{r.label}" for name, regions in remote.components for r in regions
+                         if r.mem_kind == "DRAM")
+        return _Stage(ch, address, remote, host)
 
-    def _read_loop(self, index: int) -> None:
+    def _start_reading(self, index: int) -> None:
         stage = self._stages[index]
+        stage.thread = threading.Thread(target=self._read_loop, args=(index, stage.channel), name="kv-receiver",
+                                        daemon=True)
+        stage.thread.start()
+
+    def _read_loop(self, index: int, channel: Channel) -> None:
+        stage = self._stages[index]
+        idle = False
         while True:
             try:
-                if not self._wakeup.wait_readable([stage.channel.sock]):
+                if not self._wakeup.wait_readable([channel.sock]):
                     break
-                message = decode(stage.channel.recv(self.deadlines.message_s), Status, Refused)
+                message = decode(channel.recv(self.deadlines.message_s), Status, Cancelled, Refused, Bye)
             except ProtocolError as e:
-                logger.error("prefill stage %d sent a message this side cannot read: %s", stage.port, e)
+                logger.error("prefill stage %d sent a message this side cannot read: %s", stage.address[1], e)
                 continue
             except (PeerClosedError, TimeoutError, ValueError, OSError):
                 break
             if isinstance(message, Refused):
-                logger.error("prefill stage %d refused a message: %s", stage.port, message.error)
+                logger.error("prefill stage %d refused a message: %s", stage.address[1], message.error)
                 continue
+            if isinstance(message, Bye):  # idle: it holds none of our rooms, and read none it did not answer
+                idle = True
+                break
             with self._cond:
                 arrival = self._rooms.get(message.room)
-                if arrival is not None and not arrival.state.finished:
-                    arrival.statuses[index] = message
+                if arrival is not None:
+                    if isinstance(message, Cancelled):
+                        arrival.settled.add(index)
+                    elif not arrival.state.finished:
+                        arrival.statuses[index] = message
+                    if arrival.state.finished and not (isinstance(message, Status) and message.inflight):
+                        arrival.settled.add(index)  # a final status: nothing of the room is in flight
                 self._cond.notify_all()
+        channel.close()
         with self._cond:
-            stage.closed = True
+            if stage.channel is channel:
+                stage.closed, stage.idle, stage.closed_at = True, idle, time.monotonic()
             self._cond.notify_all()
+
+    def _reconnect_idle(self, index: int) -> None:
+        """Connect again to a stage that closed an idle connection (caller holds ``_cond``). The stage
+        answered every message of ours it read before its bye: a live room it did not answer was
+        never read there and is asked for again; a given-up one has nothing there to stop."""
+        fresh = self._connect(self._stages[index].address)
+        self._stages[index] = fresh
+        self._start_reading(index)
+        for _, arrival in self._rooms.live_items():
+            if index not in arrival.statuses:
+                fresh.channel.send(arrival.request.encode())
+        for _, arrival in self._rooms.finished_items():
+            arrival.settled.add(index)
 
     @property
     def stage_manifests(self) -> list[Manifest]:
@@ -218,7 +299,8 @@ class KVReceiver:
         Raises
         ------
         ValueError
-            The number of state lists differs from this side's components.
+            The number of state lists differs from this side's components, or the room is still
+            live (pending, or given up and not yet :meth:`released`).
         PeerClosedError
             A stage is gone.
         """
@@ -227,11 +309,72 @@ class KVReceiver:
                              f"{len(state_indices)} index lists")
         transfer = Transfer(int(room), [int(i) for i in kv_indices], [[int(i) for i in s] for s in state_indices],
                             {k: [int(i) for i in v] for k, v in (kv_group_indices or {}).items()})
-        with self._cond:  # a room asked for again is a new transfer: forget what the last one reported
+        with self._cond:
+            old = self._rooms.get(transfer.room)
+            if old is not None and not (old.state.finished and self._released(old)):
+                raise ValueError(f"sparsekv: room {transfer.room} is still in transfer (or given up and not yet "
+                                 "released): it cannot be asked for again yet")
+            for i, stage in enumerate(self._stages):
+                if stage.closed and stage.idle:
+                    self._reconnect_idle(i)
+            # A room asked for again is a new transfer: forget what the last one reported.
             self._rooms.add(transfer.room, _Arrival(transfer), replace=True)
+            stages = list(self._stages)
         message = transfer.encode()
-        for stage in self._stages:
+        for stage in stages:
             stage.channel.send(message)
+
+    def cancel(self, room: int, reason: str = "cancelled by the decode") -> None:
+        """Give up on a requested room: it fails with ``reason`` (unless it already finished) and
+        every stage is told to write nothing more of it. Its destinations may be reused once
+        :meth:`released` says so."""
+        with self._cond:
+            arrival = self._rooms.get(room)
+            if arrival is None:
+                return
+            if not arrival.state.finished:
+                self._finish(room, arrival, f"gave up: {reason}")
+            if arrival.cancelled or self._released(arrival):
+                return
+            arrival.cancelled = True
+            stages = [s for i, s in enumerate(self._stages) if i not in arrival.settled]
+        for stage in stages:
+            try:
+                stage.channel.send(Cancel(room).encode())
+            except PeerClosedError:  # its end is seen by the stage's reader; quarantine applies
+                pass
+
+    def _released(self, arrival: _Arrival) -> bool:
+        """Whether no stage can still write into a finished room's destinations (caller holds ``_cond``)."""
+        if arrival.state == RoomState.SUCCESS:
+            return True
+        now = time.monotonic()
+        for i, stage in enumerate(self._stages):
+            if i in arrival.settled or stage.idle:
+                continue
+            if not stage.closed or now - stage.closed_at < self.deadlines.quarantine_s:
+                return False
+        return True
+
+    def released(self, room: int) -> bool:
+        """Whether room ``room``'s destinations may be reused: it succeeded, or it failed and every
+        stage either said that none of its writes is in flight or will be posted, or closed its
+        connection at least ``deadlines.quarantine_s`` ago. An unknown (or forgotten) room: True."""
+        with self._cond:
+            arrival = self._rooms.get(room)
+            return arrival is None or (arrival.state.finished and self._released(arrival))
+
+    def wait_released(self, room: int, timeout_s: float | None = None) -> bool:
+        """Wait until :meth:`released` (at most ``timeout_s``; default: the arrival deadline); whether it is."""
+        deadline = time.monotonic() + (self.deadlines.arrival_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while not self.released(room):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # A gone stage's quarantine ends without a message: wake for it too.
+                self._cond.wait(min(left, self.deadlines.quarantine_s))
+            return True
 
     def _drain_notifs(self) -> None:
         notifs = self.backend.get_notifs()
@@ -248,11 +391,15 @@ class KVReceiver:
                         continue
                     stage = self._stage_of_port.get(notif.port)
                     arrival = self._rooms.get(notif.room)
-                    if stage is not None and arrival is not None and not arrival.state.finished:
-                        arrival.notifs.setdefault(stage, set()).add(notif.batch)
-                        arrival.notified_batches[stage] = notif.batches
-                        if notif.digests is not None:
-                            arrival.notified_digests[stage] = notif.digests
+                    if stage is None or arrival is None or arrival.state.finished:
+                        continue
+                    named = arrival.notified_batches.setdefault(stage, notif.batches)
+                    if notif.batch >= notif.batches or notif.batches != named:
+                        arrival.bad_notifs[stage] = (f"its notifications name batch {notif.batch} of {notif.batches} "
+                                                     f"after naming {named} batches")
+                    arrival.notifs.setdefault(stage, set()).add(notif.batch)
+                    if notif.digests is not None:
+                        arrival.notified_digests[stage] = notif.digests
 
     def poll(self, room: int) -> tuple[RoomStatus, str]:
         """``(status, error)`` of a requested room, without waiting."""
@@ -284,10 +431,13 @@ class KVReceiver:
         """Record a finished room's outcome: failed with ``error``, else a success (caller holds ``_cond``)."""
         arrival.error = error
         self._rooms.advance(room, RoomState.FAILED if error else RoomState.SUCCESS)
+        # A stage that reported a final status has nothing of the room in flight (unless it says so).
+        arrival.settled.update(i for i, status in arrival.statuses.items() if not status.inflight)
         arrival.statuses.clear()
         arrival.notifs.clear()
         arrival.notified_batches.clear()
         arrival.notified_digests.clear()
+        self._cond.notify_all()
         return arrival.outcome
 
     def _verify(self, request: Transfer, expected_per_stage: list[dict[str, str]]) -> str:
@@ -309,12 +459,59 @@ class KVReceiver:
                         f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
         return ""
 
+    def _batch_bounds(self, i: int, request: Transfer) -> tuple[int, int]:
+        """The fewest and most batches room ``request`` can take on stage ``i``: one per memory-kind
+        pair it writes, one per item it writes (each item of each region one write, uncoalesced)."""
+        kinds, items = set(), 0
+        for c, (_, regions) in enumerate(self._stages[i].manifest.components):
+            local = self.manifest.region_map(c)
+            for region in regions:
+                if c == 0:
+                    n = len(request.kv_group_indices.get(region.label.split(":", 1)[0], request.kv_indices))
+                else:
+                    n = len(request.state_indices[c - 1]) if c - 1 < len(request.state_indices) else 0
+                if n:
+                    kinds.add((region.mem_kind, local[region.label].mem_kind))
+                    items += n
+        return len(kinds), items
+
+    def _claim_error(self, i: int, arrival: _Arrival, batches: int, digests: dict[str, str]) -> str:
+        """Why stage ``i``'s claim of success (its batch count and digests) cannot be the room's
+        ("" if it can) (caller holds ``_cond``)."""
+        if i not in arrival.batch_bounds:
+            arrival.batch_bounds[i] = self._batch_bounds(i, arrival.request)
+        fewest, most = arrival.batch_bounds[i]
+        if not fewest <= batches <= most:
+            return f"it reported {batches} batches, the room's plan takes {fewest} to {most}"
+        expected = self._stages[i].host_regions if self.checksums else frozenset()
+        missing, unknown = sorted(expected - digests.keys()), sorted(digests.keys() - expected)
+        if missing or unknown:
+            return (f"its digests do not cover the regions it sends (missing {missing[:4]}, unknown "
+                    f"{[k[:40] for k in unknown[:4]]})")
+        malformed = [k for k, v in digests.items() if not _HEX_DIGEST.fullmatch(v)]
+        if malformed:
+            return f"its digests of {malformed[:4]} are not 16 hex digits"
+        return ""
+
     def _failure(self, arrival: _Arrival) -> str:
         """Why a stage failed the room ("" if none did) (caller holds ``_cond``)."""
         for i, stage in enumerate(self._stages):
             status = arrival.statuses.get(i)
             if status is not None and not status.ok:
                 return f"prefill stage {i}: {status.error}"
+            if i in arrival.bad_notifs:
+                return f"prefill stage {i}: {arrival.bad_notifs[i]}"
+            if status is not None:
+                claim = self._claim_error(i, arrival, status.batches, status.digests)
+                named = arrival.notified_batches.get(i, status.batches)
+                if not claim and named != status.batches:
+                    claim = f"its status reports {status.batches} batches, its notifications {named}"
+            elif self.notified and i in arrival.notified_digests:
+                claim = self._claim_error(i, arrival, arrival.notified_batches[i], arrival.notified_digests[i])
+            else:
+                claim = ""
+            if claim:
+                return f"prefill stage {i}: {claim}"
             if status is None and stage.closed:
                 return f"prefill stage {i} closed the connection before room {arrival.request.room} finished"
         return ""
@@ -322,18 +519,20 @@ class KVReceiver:
     def _arrived(self, arrival: _Arrival) -> bool:
         """Whether every stage's batches all notified their arrival, and the stage reported success
         (or, with ``completion="notifications"``, batch 0's notification brought the digests)
-        (caller holds ``_cond``)."""
+        (caller holds ``_cond``; :meth:`_failure` found nothing wrong)."""
         for i in range(len(self._stages)):
             notified = len(arrival.notifs.get(i, ()))
             if i in arrival.statuses:
-                if notified < arrival.statuses[i].batches:
+                if notified != arrival.statuses[i].batches:
                     return False
-            elif not (self.notified and i in arrival.notified_digests and notified >= arrival.notified_batches[i]):
+            elif not (self.notified and i in arrival.notified_digests and notified == arrival.notified_batches[i]):
                 return False
         return True
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
         """Wait until room ``room`` has fully arrived (at most ``timeout_s``; default: the arrival deadline).
+
+        A room that does not arrive in time is given up (:meth:`cancel`).
 
         Raises
         ------
@@ -348,9 +547,11 @@ class KVReceiver:
             if status == RoomStatus.SUCCESS:
                 return
             if status == RoomStatus.FAILED:
+                self.cancel(room)  # a stage's failure may leave the others writing: stop them
                 raise TransferError(f"sparsekv: room {room} failed: {error}")
             left = deadline - time.monotonic()
             if left <= 0:
+                self.cancel(room, f"did not arrive within {bound} s")
                 raise TransferError(f"sparsekv: room {room} did not arrive within {bound} s")
             if self.notified:  # only the engine's notifications will say so: poll them
                 reported_at = reported_at or time.monotonic()
@@ -376,7 +577,19 @@ class KVReceiver:
         return arrival.state.finished or all(i in arrival.statuses or s.closed for i, s in enumerate(self._stages))
 
     def close(self) -> None:
-        """Say goodbye to every stage, close the connections, release the backend (idempotent)."""
+        """Give up on every room still in flight and wait (at most ``deadlines.close_s``) until no
+        stage can write into it, then say goodbye to every stage, close the connections and
+        release the backend, deregistering its memory (idempotent)."""
+        with self._cond:
+            live = [room for room, _ in self._rooms.live_items()]
+            live += [room for room, arrival in self._rooms.finished_items() if not self._released(arrival)]
+        for room in live:
+            self.cancel(room, "the decode is closing")
+        deadline = time.monotonic() + self.deadlines.close_s
+        for room in live:
+            if not self.wait_released(room, max(0.0, deadline - time.monotonic())):
+                logger.error("room %d: a prefill stage did not confirm it stopped writing within %s s; closing "
+                             "anyway (its destinations are deregistered)", room, self.deadlines.close_s)
         self._wakeup.set()
         for stage in self._stages:
             try:

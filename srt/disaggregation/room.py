@@ -79,6 +79,14 @@ class RoomTable(Generic[R]):
         record = self._live.get(room)
         return record if record is not None else self._finished.get(room)
 
+    def live_items(self) -> list[tuple[int, R]]:
+        """``(room, record)`` of every live room, oldest first."""
+        return list(self._live.items())
+
+    def finished_items(self) -> list[tuple[int, R]]:
+        """``(room, record)`` of every remembered finished room, oldest first."""
+        return list(self._finished.items())
+
     def __contains__(self, room: int) -> bool:
         return room in self._live or room in self._finished
 

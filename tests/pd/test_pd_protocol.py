@@ -29,7 +29,7 @@ from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import MAX_MESSAGE_BYTES, Channel, b64
 from sparsekv.srt.disaggregation.integrity import region_digest
 from sparsekv.srt.disaggregation.manifest import Manifest, ManifestMismatchError, Region
-from sparsekv.srt.disaggregation.messages import ProtocolError
+from sparsekv.srt.disaggregation.messages import ProtocolError, proof_matches, secret_proof
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 from sparsekv.srt.disaggregation.protocol import Transfer
 from sparsekv.srt.disaggregation.receiver import KVReceiver
@@ -61,7 +61,19 @@ def deployment():
 
 def _hello(decode, backend: NixlBackend, **fields) -> dict:
     return {"op": "hello", "agent": b64(backend.descriptor()), "manifest": Manifest.of(decode).to_dict(),
-            "session": "raw", "secret": SECRET, **fields}
+            "session": "raw", "nonce": NONCE, **fields}
+
+
+NONCE = "0123456789abcdef" * 2
+
+
+def _answer_challenge(ch: Channel, secret: str = SECRET) -> dict:
+    """Answer the prefill's challenge to a :func:`_hello` with ``secret``'s proof; the reply to it."""
+    challenge = ch.recv(10)
+    assert challenge["op"] == "challenge", challenge
+    assert proof_matches(SECRET, "prefill", NONCE, challenge["nonce"], "raw", challenge["proof"])
+    ch.send({"op": "proof", "proof": secret_proof(secret, "decode", NONCE, challenge["nonce"], "raw")})
+    return ch.recv(10)
 
 
 def _raw(sender) -> Channel:
@@ -75,7 +87,7 @@ def _send_frame(ch: Channel, payload: bytes) -> None:
 def _welcomed(sender, decode, agent) -> Channel:
     ch = _raw(sender)
     ch.send(_hello(decode, agent))
-    assert ch.recv(10)["op"] == "welcome"
+    assert _answer_challenge(ch)["op"] == "welcome"
     return ch
 
 
@@ -95,8 +107,8 @@ HELLO_CASES = {
     "deep nesting": lambda d, a: b'{"op": "hello", "manifest": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "non-string agent": lambda d, a: json.dumps(_hello(d, a, agent=12)).encode(),
     "bad engine descriptor": lambda d, a: json.dumps(_hello(d, a, agent=b64(b"not an agent"))).encode(),
-    "no secret": lambda d, a: json.dumps({k: v for k, v in _hello(d, a).items() if k != "secret"}).encode(),
-    "wrong secret": lambda d, a: json.dumps(_hello(d, a, secret=SECRET[:-1] + "x")).encode(),
+    "no challenge": lambda d, a: json.dumps({k: v for k, v in _hello(d, a).items() if k != "nonce"}).encode(),
+    "a short nonce": lambda d, a: json.dumps(_hello(d, a, nonce="abc")).encode(),
     "a list": lambda d, a: b"[1, 2]",
     "not utf-8": lambda d, a: b"\xff\xfe{",
 }
@@ -110,9 +122,32 @@ def test_a_bad_hello_gets_one_refusal_and_the_port_keeps_serving(deployment, cas
     try:
         _send_frame(ch, HELLO_CASES[case](decode, agent))
         reply = ch.recv(10)
+        if reply["op"] == "challenge":  # a well-formed hello: what is wrong is checked after the proof
+            ch.send({"op": "proof", "proof": secret_proof(SECRET, "decode", NONCE, reply["nonce"], "raw")})
+            reply = ch.recv(10)
         assert reply["op"] == "refused" and reply["error"].startswith("sparsekv:"), reply
         with pytest.raises(ConnectionError):
             ch.recv(10)  # then closed: nothing else is sent
+    finally:
+        ch.close()
+    assert died == []
+
+
+@needs_nixl
+@pytest.mark.parametrize("proof", ["wrong secret", "the prefill's own proof", "not hex"])
+def test_a_decode_that_cannot_prove_the_secret_is_refused(deployment, proof):
+    sender, decode, agent, died = deployment
+    ch = _raw(sender)
+    try:
+        ch.send(_hello(decode, agent))
+        challenge = ch.recv(10)
+        answer = {"wrong secret": secret_proof(SECRET + "x", "decode", NONCE, challenge["nonce"], "raw"),
+                  "the prefill's own proof": challenge["proof"], "not hex": "z" * 64}[proof]
+        ch.send({"op": "proof", "proof": answer})
+        reply = ch.recv(10)
+        assert reply["op"] == "refused" and "secret" in reply["error"] or "`proof`" in reply["error"], reply
+        with pytest.raises(ConnectionError):
+            ch.recv(10)
     finally:
         ch.close()
     assert died == []

@@ -12,8 +12,12 @@ from sparsekv.srt.disaggregation.messages import ProtocolError
 from sparsekv.srt.disaggregation.protocol import (
     KINDS,
     Bye,
+    Cancel,
+    Cancelled,
+    Challenge,
     Hello,
     Notification,
+    Proof,
     Refused,
     Status,
     Transfer,
@@ -74,16 +78,22 @@ def test_the_table_remembers_live_rooms_and_the_last_finished_ones(ops, history)
         assert (room in table) == (room in live or room in finished)
 
 
+hex_text = st.integers(0, 15).map("0123456789abcdef".__getitem__)
 messages = st.one_of(
     st.builds(Hello, st.text(max_size=8), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-              st.text(max_size=8), st.booleans(), st.none() | st.text(max_size=8), st.booleans()),
+              st.text(max_size=8), st.booleans(), st.just("") | st.text(hex_text, min_size=32, max_size=32),
+              st.booleans()),
+    st.builds(Challenge, st.text(hex_text, min_size=32, max_size=32), st.text(hex_text, min_size=64, max_size=64)),
+    st.builds(Proof, st.text(hex_text, min_size=64, max_size=64)),
+    st.builds(Cancel, st.integers(0, 2**63 - 1)),
+    st.builds(Cancelled, st.integers(0, 2**63 - 1)),
     st.builds(Welcome, st.text(max_size=8), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)),
     st.builds(Refused, st.text(max_size=8)),
     st.builds(Transfer, st.integers(0, 2**63 - 1), st.lists(st.integers(0, 99), max_size=4),
               st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=3),
               st.dictionaries(st.text(max_size=3), st.lists(st.integers(0, 9), max_size=3), max_size=2)),
     st.builds(Status, st.integers(0, 99), st.booleans(), st.text(max_size=8), st.integers(0, 9), st.integers(0, 9),
-              st.dictionaries(st.text(max_size=3), st.text(max_size=16), max_size=2)),
+              st.dictionaries(st.text(max_size=3), st.text(max_size=16), max_size=2), st.booleans()),
     st.just(Bye()),
 )
 
@@ -116,7 +126,7 @@ def test_a_notification_round_trips_and_refuses_anything_else():
 
 
 def test_deadlines_name_each_wait_and_refuse_a_bad_bound():
-    assert Deadlines.uniform(5) == Deadlines(5, 5, 5, 5, 5, 5)
+    assert Deadlines.uniform(5) == Deadlines(5, 5, 5, 5, 5, 5, 5, 5)
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="`write_s`"):
             Deadlines(write_s=bad)

@@ -3,6 +3,8 @@ bad input is refused before a plan exists. The manifest check refuses what would
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -127,3 +129,50 @@ def test_mla_pools_may_differ_in_tp_but_mamba_may_not():
 def test_a_malformed_manifest_is_a_mismatch():
     with pytest.raises(ManifestMismatchError, match="malformed"):
         Manifest.from_dict({"components": [["kv", [{"label": "x"}]]]})
+
+
+def _with(field: str, value) -> dict:
+    """A valid manifest's dict with one field (a dotted path) replaced."""
+    d = Manifest.of(_args(["c4_kv:2"], [10], [(StateType.SWA, ["swa_kv:2"])])).to_dict()
+    *path, last = field.split(".")
+    target = d
+    for key in path:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    target[int(last) if isinstance(target, list) else last] = value
+    return d
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("page_size", 64.9, "manifest.page_size"),
+    ("page_size", "256", "manifest.page_size"),
+    ("page_size", True, "manifest.page_size"),
+    ("page_size", 0, "manifest.page_size"),
+    ("is_mla", "false", "manifest.is_mla"),
+    ("is_mla", 0, "manifest.is_mla"),
+    ("attn_tp_size", -3, "manifest.attn_tp_size"),
+    ("attn_tp_rank", 1, "manifest.attn_tp_rank"),  # TP size 1: rank 0 only
+    ("layers", [3, 1], r"manifest.layers\[1\]"),
+    ("layers", [0, 1.0], r"manifest.layers\[1\]"),
+    ("components.0.1.0.nbytes", -1, r"manifest.components\[0\]\[1\]\[0\].nbytes"),
+    ("components.0.1.0.item_len", 0, r"manifest.components\[0\]\[1\]\[0\].item_len"),
+    ("components.0.1.0.ptr", 2**63, r"manifest.components\[0\]\[1\]\[0\].ptr"),
+    ("components.0.1.0.mem_kind", "HBM", r"manifest.components\[0\]\[1\]\[0\].mem_kind"),
+    ("components.0.1.0.label", 7, r"manifest.components\[0\]\[1\]\[0\].label"),
+    ("components.1.0", ["swa"], r"manifest.components\[1\]\[0\]"),
+    ("components.1", ["swa"], r"manifest.components\[1\]"),
+])
+def test_manifest_fields_are_checked_in_their_exact_type_and_range(field, value, named):
+    with pytest.raises(ManifestMismatchError, match=f"`{named}`"):
+        Manifest.from_dict(_with(field, value))
+
+
+def test_a_manifest_round_trips_exactly_through_json():
+    manifest = Manifest.of(_args(["c4_kv:2"], [10], [(StateType.SWA, ["swa_kv:2"])], tp=2, is_mla=False))
+    assert Manifest.from_dict(json.loads(json.dumps(manifest.to_dict()))) == manifest
+
+
+def test_a_region_with_an_unknown_field_is_refused():
+    d = _with("components.0.1.0.label", "c4_kv:2")
+    d["components"][0][1][0]["offset"] = 4
+    with pytest.raises(ManifestMismatchError, match="unknown fields"):
+        Manifest.from_dict(d)
