@@ -40,7 +40,7 @@ import torch
 
 from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
@@ -65,6 +65,10 @@ MAX_INDEXER_HEADS = 64
 COMPRESS_RATIO = 4
 #: Entry positions and cache slots are int32: a top-k longer than that names nothing more.
 _MAX_TOP_K = 2**31 - 1
+#: A top-k past the row length only adds columns of -1: up to this many (above every DSV4 / V3.2
+#: top-k) are taken whatever the row length, so a short batch keeps the model's fixed top-k; beyond
+#: it, top_k must not exceed the row length (``top_k=2**28`` once allocated and wrote 1 GiB of -1).
+TOP_K_PAST_ROW_LENGTH = 2**16
 #: Indexer K cache layouts by name.
 INDEXER_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
@@ -262,7 +266,8 @@ def indexer_topk(
     positions : torch.Tensor
         int32 or int64 ``[B]``, contiguous: raw query positions ``t``.
     top_k : int
-        ``1 <= k < 2^31`` (an int or a numpy integer).
+        ``1 <= k < 2^31`` (an int or a numpy integer), at most ``max(L, 65536)`` for rows of ``L``
+        entries (:data:`TOP_K_PAST_ROW_LENGTH`: columns past ``L`` only hold -1).
     page_table : torch.Tensor, optional
         int32 ``[B, max_pages]``; when given, the cache slots of the selected entries are returned too.
     page_size : int
@@ -292,22 +297,41 @@ def indexer_topk(
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape, stride or device; ``top_k`` not an int or out of range (refused before
-        anything is allocated); ``out_slots`` without ``page_table``; an output sharing memory with
+        Wrong dtype, shape, stride or device; ``top_k`` not an int or out of range (above the row
+        length and 65,536 included; refused before anything is allocated); ``out_slots`` without
+        ``page_table``; an output sharing memory with
         another argument or with itself; a ``workspace`` of the wrong dtype, shape or device, or too small.
     IndexError
         A page holding visible entries that is negative or whose slots overflow int32 (host-readable
         tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
     """
     top_k, page_size = as_int(top_k, "top_k"), as_int(page_size, "page_size")
-    k = top_k if 1 <= top_k <= _MAX_TOP_K else 0  # the op body names a bad top_k
-    batch = rows_of(scores, 2)
+    impl = resolve_impl(impl, scores.device)
+    out, out_slots = _topk_outputs(scores, top_k, page_table, out, out_slots)
+    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
+    return out, out_slots
+
+
+def _check_top_k(scores: torch.Tensor, top_k: int) -> None:
+    if not 1 <= top_k <= _MAX_TOP_K:
+        raise ValueError(f"sparsekv: argument `top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
+                         f"{top_k}")
+    width = rows_of(scores, 2, 1)
+    if top_k > max(width, TOP_K_PAST_ROW_LENGTH):
+        raise ValueError(f"sparsekv: argument `top_k` = {top_k} is more than the {width} entries of a `scores` row "
+                         f"(and than {TOP_K_PAST_ROW_LENGTH}, the columns of -1 taken past a row's length)")
+
+
+def _topk_outputs(scores: torch.Tensor, top_k: int, page_table: torch.Tensor | None, out: torch.Tensor | None,
+                  out_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out`` and ``out_slots`` of a top-k call, allocated when not given (``[B, top_k]`` int32), after
+    the ``top_k`` check (:func:`_check_top_k`), so an absurd ``top_k`` allocates nothing."""
+    _check_top_k(scores, top_k)
+    k, batch = top_k, rows_of(scores, 2)
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     if page_table is not None and out_slots is None:
         out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
-    impl = resolve_impl(impl, scores.device)
-    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
     return out, out_slots
 
 
@@ -333,13 +357,11 @@ def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, top_k: int, 
             check_no_overlap(workspace, "workspace", other, name)
 
 
-@kernel_op("indexer_topk", mutates_args=("out", "out_slots", "workspace"))
-def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
-                  impl: str) -> None:
-    if not 1 <= top_k <= _MAX_TOP_K:
-        raise ValueError(f"sparsekv: argument `top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
-                         f"{top_k}")
+def _check_topk_options(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
+                        page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None,
+                        workspace: torch.Tensor | None, impl: str) -> None:
+    """The top-k op body's own checks (the entry's follow in the kernel call)."""
+    _check_top_k(scores, top_k)
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
     if out.dim() != 2 or out.shape[1] != top_k:
@@ -349,6 +371,13 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, pag
         check_pages_in_use(page_table, positions, page_size, 2**31 // page_size, "pages whose slots fit int32")
     if workspace is not None and scores.dim() == 2:
         _check_workspace(workspace, scores, top_k, impl, out, out_slots)
+
+
+@kernel_op("indexer_topk", mutates_args=("out", "out_slots", "workspace"))
+def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
+                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
+                  impl: str) -> None:
+    _check_topk_options(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
@@ -380,9 +409,34 @@ def lightning_indexer(
     ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_size``).
     ``workspace`` is the top-k's (:func:`topk_workspace_ints`). Same parameters and errors as the two;
     given the four buffers, a call allocates nothing.
+
+    Every argument of the top-k (``top_k``, ``out``, ``out_slots``, ``workspace``, and ``scores`` as
+    the top-k reads it) is checked before the scores are computed: a refusal leaves ``scores`` as
+    it was (in eager calls; a traced graph checks each op as it runs).
     """
+    top_k, page_size = as_int(top_k, "top_k"), as_int(page_size, "page_size")
+    if scores is None:
+        width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
+        scores = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
+    topk_impl = resolve_impl(impl, scores.device)
+    out, out_slots = _topk_outputs(scores, top_k, page_table, out, out_slots)
+    if not _through_dispatcher((scores, positions, out)):
+        _check_topk_arguments(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, topk_impl)
     scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores,
                             impl=impl)
     tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
                                  out_slots=out_slots, workspace=workspace, impl=impl)
     return tokens, slots
+
+
+def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
+                          page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None,
+                          workspace: torch.Tensor | None, impl: str) -> None:
+    """The checks of a top-k call (the op body's, then the entry's: the header's and the Triton
+    twin's are one contract, which the twin's Python checks mirror), without running it. The table
+    pages are left to the call itself: that check reads values, and allocates (the decode path
+    must not); a page whose slots overflow int32 is outside any cache, which the scores refuse first."""
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
+    _check_topk_options(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
+    triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_size, read_tables=False)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import (
     check,
@@ -297,8 +298,7 @@ def _check_page_table(page_table, batch, like):
 
 def _check_pages_in_use(page_table, positions, width, page_size, num_pages, pages_are):
     """The header entry's host-table check (``check_pages_in_use`` of ``dsv4_indexer.cuh``), same messages."""
-    t = positions.to(torch.int64)
-    n_all = torch.div((t + 1).clamp_min(0), 4, rounding_mode="floor")
+    n_all = visible_entries(positions.to(torch.int64))  # the header's visible(): no wrap at t = 2**63 - 1
     pages_seen = -(-n_all // page_size)
     for b in range(page_table.shape[0]):
         if int(pages_seen[b]) > page_table.shape[1]:
@@ -355,8 +355,11 @@ def indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout
         BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
 
 
-def check_topk_arguments(scores, positions, out, page_table, out_slots, page_size):
-    """The header entry ``indexer_topk``'s checks, in its order; the page shift (0 without a table)."""
+def check_topk_arguments(scores, positions, out, page_table, out_slots, page_size, *, read_tables=True):
+    """The header entry ``indexer_topk``'s checks, in its order; the page shift (0 without a table).
+
+    ``read_tables=False`` leaves out the one check that reads values (the host tables' pages), which
+    allocates: what a caller checking ahead on the decode path runs."""
     check_disjoint(read(scores, "scores"), read(positions, "positions"), written(out, "out"),
                    read(optional_arg(page_table, "page_table"), "page_table"),
                    written(optional_arg(out_slots, "out_slots"), "out_slots"))
@@ -377,7 +380,7 @@ def check_topk_arguments(scores, positions, out, page_table, out_slots, page_siz
     _check_page_table(page_table, batch, scores)
     check(out_slots, "out_slots").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
     check(out_slots, "out_slots").size(0, batch, "batch").size(1, out.shape[1], "top_k")
-    if scores.device.type != "cuda":
+    if scores.device.type != "cuda" and read_tables:
         _check_pages_in_use(page_table, positions, width, page_size, 1 << (31 - shift), "pages whose slots fit int32")
     return shift
 

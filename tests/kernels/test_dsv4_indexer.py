@@ -339,3 +339,61 @@ def test_template_args_cover_the_instance_table():
     assert args == {INDEXER.template_args(values) for values in INDEXER.instances}
     with pytest.raises(ValueError, match="`layout`"):
         indexer_template_args("int8", torch.float32)
+
+
+def _fused_bad_topk(args: dict) -> dict[str, tuple[dict, type[Exception], str]]:
+    """The sweep's top-k refusals of a lightning_indexer call, which once came after the scores were written."""
+    scores = args["scores"]
+    return {
+        "top_k 0": (dict(top_k=0), ValueError, "top_k"),
+        "out of width 4": (dict(out=torch.zeros(2, 4, dtype=torch.int32)), ValueError, "out"),
+        "int64 out_slots": (dict(out_slots=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "out_slots"),
+        "float32 workspace": (dict(workspace=torch.zeros(64, dtype=torch.float32)), ValueError, "workspace"),
+        "scores overlapping out": (dict(out=scores.view(torch.int32)[:, :3]), ValueError, "out"),
+        "top_k above the row length": (dict(top_k=2**16 + 1), ValueError, "top_k"),
+    }
+
+
+@pytest.mark.parametrize("impl", ["header", "triton"])
+@pytest.mark.parametrize("case", ["top_k 0", "out of width 4", "int64 out_slots", "float32 workspace",
+                                  "scores overlapping out", "top_k above the row length"])
+def test_lightning_indexer_checks_the_topk_before_it_writes_the_scores(backend, case, impl):
+    # Validate, then write: these were refused by the top-k only after the scores had been written.
+    if impl == "triton" and triton_unavailable_reason(backend):
+        pytest.skip(triton_unavailable_reason(backend))
+    fresh = _fresh()
+    args = {k: v for k, v in fresh.items() if k != "out"}
+    args.update(scores=torch.full((2, 12), 7.0), top_k=3)
+    change, exc, name = _fused_bad_topk(args)[case]
+    args = to_backend(backend, {**args, **change})
+    before = args["scores"].clone()
+    with pytest.raises(exc, match=f"`{name}`"):
+        lightning_indexer(**args, impl=impl)
+    assert torch.equal(args["scores"], before)
+
+
+def test_a_topk_is_bounded_by_the_row_length_past_the_columns_a_model_takes(backend):
+    # indexer_topk(top_k=2**28) once allocated (and wrote) 1 GiB of -1 for 12-entry rows.
+    device = device_of(backend)
+    scores, positions = torch.randn(2, 12, device=device), torch.tensor([40, 20], device=device)
+    for top_k, out in ((2**28, None), (2**16 + 1, torch.full((2, 2**16 + 1), 7, dtype=torch.int32, device=device))):
+        with pytest.raises(ValueError, match=f"`top_k` = {top_k} is more than the 12 entries"):
+            indexer_topk(scores, positions, top_k, out=out)
+        assert out is None or bool((out == 7).all())
+    wide = torch.randn(1, 2**16 + 8, device=device)  # a row that long takes a top_k that long
+    tokens, _ = indexer_topk(wide, torch.tensor([4 * (2**16 + 8)], device=device), 2**16 + 1)
+    assert tokens.shape == (1, 2**16 + 1) and int((tokens >= 0).sum()) == 2**16 + 1
+    # A short row keeps a model's fixed top-k: the columns past its length are -1.
+    tokens = indexer_topk(scores, positions, 512)[0].cpu()
+    assert torch.equal(tokens[:, :12], indexer_topk(scores, positions, 12)[0].cpu())
+    assert bool((tokens[:, 12:] == -1).all())
+
+
+def test_the_triton_scores_refuse_the_largest_int64_position_as_the_header_does(backend):
+    # (t + 1) wrapped in the twin's host check at t = 2^63 - 1: it saw 0 entries and accepted the call.
+    if triton_unavailable_reason(backend):
+        pytest.skip(triton_unavailable_reason(backend))
+    args = to_backend(backend, {**_fresh(), "positions": torch.tensor([2**63 - 1, 20])})
+    for impl in ("header", "triton"):
+        with pytest.raises(ValueError, match="`page_table`.*sees 2305843009213693952 entries"):
+            indexer_scores(**args, impl=impl)
