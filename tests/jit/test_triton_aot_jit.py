@@ -16,6 +16,7 @@ are interpreted functions, not JIT ones.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+pytestmark = needs("triton", None if importlib.util.find_spec("triton") else "triton is not installed")
 
 ARCHS = ("9.0a", "10.0a")
 

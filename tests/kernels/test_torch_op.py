@@ -1,10 +1,13 @@
 """The kernel entries as ``sparsekv::`` custom ops: each traces under ``torch.compile(fullgraph=True)``
-with no graph break and, compiled (``backend="eager"``), writes the same bytes as an eager call;
+with no graph break and, compiled (``backend="aot_eager"``: the graph is functionalized from the
+schemas and traced through the fakes, so an undeclared write is a wrong result), writes the same bytes
+as an eager call; ``opcheck`` passes on every op;
 meta tensors give output shapes without running a kernel; a compiled call refuses bad input with the
 eager call's exception, before anything is written; given its buffers a call allocates nothing."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +27,7 @@ from sparsekv.jit_kernel.dsv4 import (
     lightning_indexer,
     norm_rope_store,
     quantize_fp8_ds_mla,
+    quantize_indexer_keys,
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
@@ -38,6 +42,7 @@ from sparsekv.jit_kernel.hisparse import (
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device
 from sparsekv.kv_layout import V4
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.components import skip_for_gpu
@@ -55,7 +60,9 @@ def fresh_dynamo():
 
 
 def compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, fullgraph=True, backend="eager")
+    # aot_eager, not eager: AOT autograd functionalizes the graph by each op's declared writes and traces
+    # it through the fakes, so a write missing from `mutates_args` (or a wrong fake) changes the result.
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -175,21 +182,24 @@ def test_compiled_op_writes_the_same_bytes_as_eager(backend, case):
     assert_same_bytes(compiled(fn)(world(device)), fn(world(device)))
 
 
+WRITES = {
+    "gather_rows": ["dst"], "transfer_cache_dsv4_mla": ["dst_ptrs"], "transfer_pages_dsv4_mla": ["dst_ptrs"],
+    "load_cache_to_device_buffer": ["counters", "device_buffer", "device_buffer_tokens", "index_queue",
+                                    "index_queue_pos", "index_slot_of", "lru_slots", "miss_count", "miss_dst",
+                                    "miss_src", "top_k_device_locs"],
+    "copy_cache_planned_mla": ["device_buffer"], "quantize_fp8_ds_mla": ["cache"],
+    "dequantize_fp8_ds_mla": ["out"], "quantize_indexer_keys": ["cache"], "norm_rope_store": ["cache"],
+    "compress_pool": ["out"],
+    "compress_extend": ["out", "state"], "compress_online_c128": ["out", "state"],
+    "compress_store": ["cache", "state"], "compress_decode": ["emitted", "out", "state"],
+    "compress_decode_store": ["cache", "emitted", "out", "state"], "indexer_scores": ["out"],
+    "indexer_topk": ["out", "out_slots", "workspace"], "sparse_decode_attention": ["lse", "out", "workspace"],
+}
+
+
 @pytest.mark.no_backend("reads the registered schemas; nothing runs")
 def test_every_entry_is_a_sparsekv_op_with_its_writes_declared():
-    expected = {
-        "gather_rows": ["dst"], "transfer_cache_dsv4_mla": ["dst_ptrs"], "transfer_pages_dsv4_mla": ["dst_ptrs"],
-        "load_cache_to_device_buffer": ["counters", "device_buffer", "device_buffer_tokens", "index_queue",
-                                        "index_queue_pos", "index_slot_of", "lru_slots", "miss_count", "miss_dst",
-                                        "miss_src", "top_k_device_locs"],
-        "copy_cache_planned_mla": ["device_buffer"], "quantize_fp8_ds_mla": ["cache"],
-        "dequantize_fp8_ds_mla": ["out"], "quantize_indexer_keys": ["cache"], "norm_rope_store": ["cache"],
-        "compress_pool": ["out"],
-        "compress_extend": ["out", "state"], "compress_online_c128": ["out", "state"],
-        "compress_store": ["cache", "state"], "compress_decode": ["emitted", "out", "state"],
-        "compress_decode_store": ["cache", "emitted", "out", "state"], "indexer_scores": ["out"],
-        "indexer_topk": ["out", "out_slots", "workspace"], "sparse_decode_attention": ["lse", "out", "workspace"],
-    }
+    expected = WRITES
     writes = {}
     for name in expected:
         schema = getattr(torch.ops.sparsekv, name).default._schema
@@ -335,6 +345,72 @@ def test_each_op_of_a_decode_step_writes_only_what_it_declares(backend):
                                                             "sparse_decode_attention.default"]
     for func, (args, kwargs) in recorder.calls:
         torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
+
+
+def streaming_steps(device: torch.device) -> None:
+    """The ops only prefill reaches, through their public entries: the raw ring's streaming step (C4),
+    the fused one that stores entries, the online C128 fold, and the plain indexer-key store."""
+    t, g = step_tensors(device), torch.Generator().manual_seed(1)
+    kv, score = (torch.randn(9, 1024, generator=g).to(device) for _ in range(2))
+    CompressorState(torch.zeros(2 * 16, 2048, device=device), t["main_ape"], 4, ring_size=16).extend(
+        [0], [[1]], [0], kv, score)
+    rope = RopeTable(t["rope_cos"], t["rope_sin"])
+    CompressorState(t["main_state"], t["main_ape"], 4, ring_size=16).extend(
+        [0], [[0]], [0], kv, score, store=StoreTarget(t["kv_cache"], t["main_weight"], 1e-6, C4P, rope),
+        entry_slots=lambda b, anchor: 3 + anchor // 4)
+    kv, score = (torch.randn(130, 64, generator=g).to(device) for _ in range(2))
+    CompressorState(torch.zeros(4, 128, device=device), torch.randn(128, 64, generator=g).to(device), 128,
+                    ring_size=4, online=True).extend([0], [[0]], [0], kv, score)
+    w = world(device)
+    quantize_indexer_keys(torch.randn(3, INDEXER_HEAD_DIM, generator=g).to(device), w["index_cache"],
+                          torch.tensor([5, 0, 40], device=device), page_size=P)
+
+
+def every_op_call(device: torch.device, worlds: list) -> list:
+    """Every ``sparsekv::`` op call of the op cases, the decode step and the streaming steps, as recorded.
+
+    The copies' pointer tables hold addresses of their world's buffers: ``worlds`` keeps those alive
+    for as long as the calls may be replayed."""
+    with RecordOps() as recorder:
+        for case in op_cases(device).values():
+            worlds.append(world(device))
+            case(worlds[-1])
+        decode_step(step_tensors(device))
+        streaming_steps(device)
+    return recorder.calls
+
+
+def test_opcheck_passes_on_a_call_of_every_op(backend):
+    """Not only the decode step's six: a call of each of the 18 ops, each checked by opcheck (declared
+    writes are exactly what the kernel changes, the fake agrees with the real op)."""
+    calls = every_op_call(device_of(backend), worlds := [])
+    assert {func._schema.name.removeprefix("sparsekv::") for func, _ in calls} == set(WRITES)
+    for func, (args, kwargs) in calls:
+        torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
+    del worlds
+
+
+def _call(func, args, kwargs):
+    func(*args, **kwargs)
+
+
+def test_every_op_compiled_alone_writes_the_same_bytes_as_eager(backend):
+    """Each recorded call replayed eagerly and compiled (aot_eager) on copies of its arguments: every tensor
+    argument ends the same, byte for byte. An op whose schema declares none of its writes is traced as
+    pure and dropped (seen: gather_rows with mutates_args=()); one write left out beside a declared one
+    (compress_store without `state`) leaves the op in the graph, and is opcheck's to catch (above)."""
+    for func, (args, kwargs) in every_op_call(device_of(backend), worlds := []):
+        (eager_args, eager_kwargs), (traced_args, traced_kwargs) = (
+            pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs)) for _ in range(2))
+        func(*eager_args, **eager_kwargs)
+        torch._dynamo.reset()
+        compiled(functools.partial(_call, func))(traced_args, traced_kwargs)
+        eager = pytree.tree_leaves((eager_args, eager_kwargs))
+        traced = pytree.tree_leaves((traced_args, traced_kwargs))
+        for i, (x, y) in enumerate(zip(eager, traced, strict=True)):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(as_bytes(x), as_bytes(y)), (func, i)
+    del worlds
 
 
 @pytest.mark.gpu
