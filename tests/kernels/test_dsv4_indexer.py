@@ -359,8 +359,8 @@ def _fused_bad_topk(args: dict) -> dict[str, tuple[dict, type[Exception], str]]:
                                   "scores overlapping out", "top_k above the row length"])
 def test_lightning_indexer_checks_the_topk_before_it_writes_the_scores(backend, case, impl):
     # Validate, then write: these were refused by the top-k only after the scores had been written.
-    if impl == "triton" and triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
     fresh = _fresh()
     args = {k: v for k, v in fresh.items() if k != "out"}
     args.update(scores=torch.full((2, 12), 7.0), top_k=3)
@@ -391,8 +391,7 @@ def test_a_topk_is_bounded_by_the_row_length_past_the_columns_a_model_takes(back
 
 def test_the_triton_scores_refuse_the_largest_int64_position_as_the_header_does(backend):
     # (t + 1) wrapped in the twin's host check at t = 2^63 - 1: it saw 0 entries and accepted the call.
-    if triton_unavailable_reason(backend):
-        pytest.skip(triton_unavailable_reason(backend))
+    skip_unless_triton_runs(backend)
     args = to_backend(backend, {**_fresh(), "positions": torch.tensor([2**63 - 1, 20])})
     for impl in ("header", "triton"):
         with pytest.raises(ValueError, match="`page_table`.*sees 2305843009213693952 entries"):
