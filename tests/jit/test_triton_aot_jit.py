@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-import pytest
+from sparsekv.testing.components import needs
 
 pytestmark = needs("triton", None if importlib.util.find_spec("triton") else "triton is not installed")
 
