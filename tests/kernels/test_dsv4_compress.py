@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import compress_pool
-from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device
+from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device, compress_decode
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, kernel_backends, torch_threads
@@ -484,3 +484,46 @@ def test_prefill_results_do_not_depend_on_the_thread_count(backend):
     with torch_threads(2):
         two = compress_pool(kv, score, ape, ratio).cpu()
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@settings(max_examples=scaled_examples(4), deadline=None)
+@given(data=st.data())
+def test_decode_steps_write_each_token_into_its_ring_row_and_emit_the_one_shot_entries(backend, ratio, data):
+    """compress_decode, a token per request per step after a prefill: the new token's kv and score land in
+    ring row ``state_rows[b, W - 1]`` (its position's row) and no other row changes; a token that completes
+    an entry emits compress_pool's entry over the request's whole sequence. Planted bug this catches: the
+    step writing its token into the row of ``W - 2`` (the previous token's row)."""
+    device = device_of(backend)
+    window, coff, d = window_of(ratio), (2 if ratio == 4 else 1), 8
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    batch, ring_size = 2, window
+    prefix = [data.draw(st.integers(0, 2 * ratio), label="prefix") for _ in range(batch)]
+    steps = data.draw(st.integers(1, ratio + 2 if ratio == 4 else 3), label="steps")
+    if ratio == 128:  # the steps cross an entry boundary at least once
+        prefix = [128 * n - 1 - data.draw(st.integers(0, steps - 1)) for n in (1, 2)]
+    total = max(prefix) + steps
+    kv, score = torch.randn(batch, total, coff * d, generator=gen), torch.randn(batch, total, coff * d, generator=gen)
+    ape = torch.randn(ratio, coff * d, generator=gen).to(device)
+    state = torch.zeros(batch * ring_size, 2 * coff * d, device=device)
+    CompressorState(state, ape, ratio, ring_size=ring_size).extend(
+        [0, 1], [[0], [1]], [0, 0], torch.cat([kv[b, :n] for b, n in enumerate(prefix)]).to(device),
+        torch.cat([score[b, :n] for b, n in enumerate(prefix)]).to(device), lengths=prefix)
+    for step in range(steps):
+        pos = [n + step for n in prefix]
+        state_rows = torch.tensor([[b * ring_size + (p - window + 1 + j) % ring_size for j in range(window)]
+                                   for b, p in enumerate(pos)])
+        before = state.cpu().clone()
+        out, emitted = compress_decode(*_on(backend, torch.stack([kv[b, p] for b, p in enumerate(pos)]),
+                                            torch.stack([score[b, p] for b, p in enumerate(pos)])), ape, ratio, state,
+                                       state_rows.to(device), torch.tensor(pos).to(device))
+        expected = before.clone()
+        for b, p in enumerate(pos):
+            expected[b * ring_size + p % ring_size] = torch.cat([kv[b, p], score[b, p]])
+        assert torch.equal(state.cpu(), expected)
+        assert emitted.cpu().tolist() == [(p + 1) % ratio == 0 for p in pos]
+        for b, p in enumerate(pos):
+            if (p + 1) % ratio == 0:
+                one_shot = compress_pool(*_on(backend, kv[b, : p + 1], score[b, : p + 1]), ape, ratio)[-1]
+                torch.testing.assert_close(out[b].cpu(), one_shot.cpu(), rtol=1e-5, atol=1e-6)
