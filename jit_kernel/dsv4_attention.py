@@ -35,11 +35,13 @@ import torch
 
 from sparsekv.checks import as_float, as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.flashmla import dsv4_attention as flashmla
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import page_shift
 
-__all__ = ["ATTENTION", "HEAD_DIM", "attention_template_args", "sparse_decode_attention", "workspace_floats"]
+__all__ = ["ATTENTION", "HEAD_DIM", "IMPLS", "attention_impl", "attention_template_args", "sparse_decode_attention",
+           "workspace_floats"]
 
 HEAD_DIM = 512
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
@@ -59,6 +61,36 @@ ATTENTION = register(
         instances=tuple({"q_dtype": dtype} for dtype in _Q_TYPES),
     )
 )
+
+
+#: The values of ``impl=``: the kernels' common ones and FlashMLA's (:mod:`.flashmla.dsv4_attention`).
+IMPLS = ("auto", "header", "triton", "flashmla")
+
+
+def attention_impl(impl: str, q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.Tensor | None) -> str:
+    """The implementation a call runs: ``"header"``, ``"triton"`` or ``"flashmla"``.
+
+    ``"auto"`` is FlashMLA where it runs (a CUDA tensor on an sm_90 or sm_100 GPU, the ``flash_mla``
+    package importable) and fits the call (bfloat16 ``q`` with 64 or 128 heads, top-k lists in whole
+    blocks of 64); otherwise the header (:func:`sparsekv.jit_kernel.triton.resolve_impl`).
+
+    Raises
+    ------
+    ValueError
+        ``impl`` is not one of :data:`IMPLS`; ``"flashmla"`` where FlashMLA cannot run (the one-line
+        reason); ``"triton"`` where Triton cannot run.
+    """
+    if impl == "flashmla":
+        reason = flashmla.unavailable_reason(q.device)
+        if reason is not None:
+            raise ValueError(f"sparsekv: argument `impl` is 'flashmla', but {reason}")
+        return impl
+    if impl == "auto" and isinstance(q, torch.Tensor) and flashmla.unavailable_reason(q.device) is None \
+            and isinstance(indices, torch.Tensor) and flashmla.misfit_reason(q, indices, extra_indices) is None:
+        return "flashmla"
+    if impl not in IMPLS:
+        raise ValueError(f"sparsekv: argument `impl` must be one of {list(IMPLS)}, got {impl!r}")
+    return resolve_impl(impl, q.device)
 
 
 def attention_template_args(q_dtype: torch.dtype) -> tuple[str]:
@@ -187,13 +219,16 @@ def sparse_decode_attention(
         the bf16 output's float32 staging). Default: one buffer per device kept by this module and
         replaced only when a call needs more (calls on one device share it: concurrent calls on
         different streams, and CUDA graphs, pass their own).
-    impl : {"auto", "header", "triton"}
+    impl : {"auto", "header", "triton", "flashmla"}
         ``"header"``: the kernel of ``csrc/dsv4_attention.cuh`` on the cpu or cuda backend by device;
         ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_attention`), on a GPU
-        or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (on the H200 the
-        header took 372 us and the twin 853 us at batch 1, top-k 512: docs/sim-and-triton.md). Same
-        arguments, same custom op, same refusals; results within the tolerance each implementation
-        documents.
+        or, on CPU tensors, under ``TRITON_INTERPRET=1``; ``"flashmla"``: FlashMLA's kernel through
+        the ``flash_mla`` package (:mod:`sparsekv.jit_kernel.flashmla.dsv4_attention`: sm_90 / sm_100,
+        bf16 ``q``, 64 or 128 heads, lists in blocks of 64, bf16-rounded ``out``; it allocates its
+        outputs); ``"auto"``: FlashMLA where it runs and fits the call (:func:`attention_impl`), else
+        the header (on the H200 the header took 372 us and the twin 853 us at batch 1, top-k 512:
+        docs/sim-and-triton.md). Same arguments, same custom op, same refusals; results within the tolerance
+        each implementation documents.
     topk_length : torch.Tensor, optional
         int32 ``[B]``, contiguous, on ``q``'s device (FlashMLA's argument of that name): only the
         first ``topk_length[b]`` entries of ``indices[b]`` are candidates, so a row with fewer valid
@@ -230,7 +265,7 @@ def sparse_decode_attention(
         An entry that is neither -1 nor a slot of its cache, when the indices are host-readable (cpu
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
-    impl = resolve_impl(impl, q.device)
+    impl = attention_impl(impl, q, indices, extra_indices)
     page_size = as_int(page_size, "page_size")
     softmax_scale = as_float(softmax_scale, "softmax_scale")
     extra_page_size = -1 if extra_page_size is None else as_int(extra_page_size, "extra_page_size")
@@ -240,6 +275,8 @@ def sparse_decode_attention(
     entries = _entries(indices, extra_indices)
     if num_splits is not None:
         splits = num_splits
+    elif impl == "flashmla":  # FlashMLA plans its own splits
+        splits = 1
     elif impl == "triton":
         from sparsekv.jit_kernel.triton.dsv4_attention import default_splits
 
@@ -252,6 +289,7 @@ def sparse_decode_attention(
     if lse is None:
         lse = torch.empty((batch, heads), dtype=torch.float32, device=q.device)
     floats = workspace_floats(batch, heads, splits, out_dtype) if 1 <= splits <= max(1, entries) else 0
+    floats = 0 if impl == "flashmla" else floats
     if workspace is None and floats:
         workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
@@ -278,6 +316,20 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     most = max(1, _entries(indices, extra_indices))
     if not 1 <= num_splits <= most:  # before any workspace is sized for it
         raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
+    if impl == "flashmla":  # the checks of the Triton launcher (the header's, in Python), then FlashMLA
+        from sparsekv.jit_kernel.triton.dsv4_attention import check_arguments
+
+        if topk_length is not None:
+            _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=index_checks_on_device(q))
+        check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
+                        extra_page_size, num_splits, out, lse, None, None, topk_length)
+        if index_checks_on_device(q):
+            _check_slots_on_device(indices, kv_cache, page_size, "indices")
+            if extra_indices is not None:
+                _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
+        flashmla.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
+                                         extra_indices, extra_page_size, out, lse, topk_length)
+        return
     floats = workspace_floats(batch, heads, num_splits, out.dtype)
     if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
                    or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):

@@ -11,7 +11,8 @@ triton, pytest, pytest-xdist and hypothesis; no network). This script, run from 
 3. runs the graph-capture test of a full decode step;
 4. runs compute-sanitizer memcheck on one small test per kernel family; where the tool is missing or
    refuses the device, the step says so and the run goes on;
-5. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events);
+5. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events), and FlashMLA beside our
+   attention (``--peer``) where its peer library was built into ``peers/flashmla`` (docs/flashmla.md);
 6. runs compute-sanitizer racecheck on the same cases;
 7. runs every kernel test on the cuda backend (each compared with the cpu build of its header; the
    Triton twins run natively), with what is left of the budget;
@@ -74,6 +75,9 @@ SANITIZER_CASES = {
     "hisparse": "tests/kernels/test_hisparse.py::test_hits_newest_and_lru_then_misses_take_lru_slots",
 }
 SANITIZER_TOOLS = ("memcheck", "racecheck")
+#: FlashMLA's kernels as a peer of our attention (docs/flashmla.md): built by tools/peers/build_flashmla.sh
+#: into this ignored folder, carried with the tree; its step runs only where the library is present.
+PEER_LIBRARY = REPO / "peers" / "flashmla" / "libsparsekv_flashmla.so"
 
 
 @dataclass
@@ -117,6 +121,11 @@ def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
     benches = [Step(f"bench {bench[len('bench_'):-len('.py')]}",
                     [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
                      str(work / (bench[:-len(".py")] + ".json"))], 60) for bench in KERNEL_BENCHMARKS]
+    if PEER_LIBRARY.is_file():
+        benches.append(Step("bench dsv4_attention vs flashmla",
+                            [python, str(BENCH_DIR / "bench_dsv4_attention.py"), "--backend", "cuda", "--quick",
+                             "--peer", f"flashmla={PEER_LIBRARY}", "--json",
+                             str(work / "bench_dsv4_attention_flashmla.json")], 120))
     # -v and --failures-now: each outcome and each failure's traceback is in the log as it happens, so
     # a suite stopped by the budget still says why its tests failed.
     kernel_tests = Step("kernel tests cuda", [python, "-m", "pytest", "-v", "--failures-now", "-n", str(jobs), "-p",
@@ -169,7 +178,7 @@ def check_plumbing(steps: list[Step], wheels: Path) -> list[str]:
             problems.append(f"{path.relative_to(REPO)} does not exist")
             continue
         helped = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
-        for flag in ("--backend", "--quick", "--json"):
+        for flag in ("--backend", "--quick", "--json") + (("--peer",) if bench == "bench_dsv4_attention.py" else ()):
             if flag not in helped.stdout:
                 problems.append(f"{bench} does not take {flag}")
     if not (REPO / "Makefile").read_text().count("gpu-check:"):

@@ -28,6 +28,14 @@ DSV4-Flash at 1M context (CSA/C4: indexer + top-k + attention over 512 + 128 ent
 attention over all 8,192 compressed + 128 window entries), the H200 roofline time of each, and what
 a GPU top-k must do to beat sglang's ~15 us at 256k candidates.
 
+* ``peer`` (``--peer flashmla=PATH``, cuda only): FlashMLA's sparse decode, built by
+  ``tools/peers/build_flashmla.sh`` (PATH: the library or its folder), and ours (header and Triton)
+  on identical inputs: bf16 ``q``, a C4 cache of distinct rows with ``top_k`` slots per row and
+  ``topk_length``, the 128-entry SWA window as the extra cache, the sink; B in {1, 8, 64, 128}, K in
+  {512, 1024, 2048}, 64 and 128 heads. FlashMLA's output is checked against the fp64 reference (two
+  rows per case, within FlashMLA's tolerance) before timing, which also checks our reading of its
+  layout; each row prints ours / FlashMLA (``header_vs_flashmla``, ``triton_vs_flashmla``).
+
 cuda: tensors on the GPU, every figure timed with CUDA events. Prints JSON (``--json``), plots
 latencies (``--plot``), ``--quick`` runs a short sweep.
 """
@@ -270,6 +278,87 @@ def op_overhead(backend: str, time_it) -> dict:
     return row
 
 
+#: The SWA window DSV4 attends beside the top-k (the peer cases' extra cache).
+WINDOW = 128
+PEER_CASES = [(b, k, h) for h in (64, 128) for k in (512, 1024, 2048) for b in (1, 8, 64, 128)]
+PEER_QUICK = [(1, 512, 64), (64, 512, 64), (64, 2048, 128)]
+#: FlashMLA's own test tolerances (out, lse) against its fp32 reference.
+FLASHMLA_TOL = ({"atol": 1e-3, "rtol": 2.01 / 128}, {"atol": 1e-6, "rtol": 8.01 / 65536})
+
+
+class PeerCase:
+    """The inputs FlashMLA and ours both take: bf16 ``q`` of ``heads`` heads, ``k`` distinct C4 slots per
+    row (``topk_length`` = k) out of ``cache``, the SWA window of each row in ``window`` as the extra
+    cache, a sink."""
+
+    def __init__(self, batch: int, k: int, heads: int, cache: torch.Tensor, window: torch.Tensor, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        device = cache.device
+        slots = cache.shape[0] * PAGE
+        self.args = {
+            "q": torch.randn(batch, heads, 512, generator=g).bfloat16().to(device), "kv_cache": cache,
+            "indices": torch.randperm(slots, generator=g)[:batch * k].view(batch, k).int().to(device),
+            "sink": torch.randn(heads, generator=g).to(device), "page_size": PAGE,
+            "extra_kv_cache": window, "extra_page_size": PAGE,
+            "extra_indices": torch.randperm(window.shape[0] * PAGE, generator=g)[:batch * WINDOW].view(batch, WINDOW)
+            .int().to(device),
+            "topk_length": torch.full((batch,), k, dtype=torch.int32, device=device)}
+        self.out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
+        self.lse = torch.empty(batch, heads, device=device)
+
+    def ours(self, impl: str):
+        return sparse_decode_attention(**self.args, out=self.out, lse=self.lse, impl=impl)
+
+    def peer(self, library):
+        a = self.args
+        library(a["q"], a["kv_cache"], a["indices"], a["sink"], PAGE, self.out, self.lse,
+                extra_kv_cache=a["extra_kv_cache"], extra_indices=a["extra_indices"], extra_page_size=PAGE,
+                topk_length=a["topk_length"])
+        return self.out, self.lse
+
+    @functools.cached_property
+    def checked_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The first and last rows and their fp64 reference ``(out, lse)``."""
+        rows = [0, self.out.shape[0] - 1]
+        a = {name: value[rows].cpu() if name in ("q", "indices", "extra_indices", "topk_length") else value
+             for name, value in self.args.items()}
+        return rows, *sparse_decode_attention_reference(
+            a["q"], a["kv_cache"].cpu(), a["indices"], a["sink"].cpu(), PAGE, extra_kv_cache=a["extra_kv_cache"].cpu(),
+            extra_indices=a["extra_indices"], extra_page_size=PAGE, topk_length=a["topk_length"])
+
+    def check(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """``out``/``lse`` against the fp64 reference on the first and last rows, within FlashMLA's tolerance."""
+        rows, ref_out, ref_lse = self.checked_rows
+        torch.testing.assert_close(out[rows].cpu().double(), ref_out, **FLASHMLA_TOL[0])
+        torch.testing.assert_close(lse[rows].cpu().double(), ref_lse, **FLASHMLA_TOL[1])
+
+
+def peer_rows(path: str, cases, time_it, bar, device: str) -> list[dict]:
+    """FlashMLA (the peer library at ``path``) and ours on identical inputs, one row per case."""
+    from sparsekv.testing.flashmla_peer import FlashMLAPeer
+
+    library = FlashMLAPeer(path)
+    biggest = max(b * k for b, k, _ in cases)
+    g = torch.Generator().manual_seed(1)
+    cache = v4_cache(random_rows(biggest, g), PAGE).cuda()  # every row distinct: no L2 reuse across rows
+    window = v4_cache(random_rows(max(b for b, _, _ in cases) * WINDOW, g), PAGE).cuda()
+    rows = []
+    for batch, k, heads in cases:
+        bar.update()
+        case = PeerCase(batch, k, heads, cache, window)
+        case.check(*case.peer(library))
+        peer = time_it(functools.partial(case.peer, library))
+        row = {"case": f"peer B{batch} K{k} H{heads}", "batch": batch, "top_k": k, "heads": heads, "window": WINDOW,
+               **timing_fields("flashmla", peer)}
+        for impl in ("header", "triton"):
+            case.check(*case.ours(impl))
+            row.update(timing_fields(impl, time_it(functools.partial(case.ours, impl))))
+            row[f"{impl}_vs_flashmla"] = row[f"{impl}_us"] / row["flashmla_us"]
+        row.update(roofline.fields(roofline.attention(batch, k + WINDOW, heads), peer.median_s, device))
+        rows.append(row)
+    return rows
+
+
 def check_topk(tokens: torch.Tensor, scores: torch.Tensor, k: int) -> None:
     for row in range(min(scores.shape[0], 2)):
         expected = torch.topk(scores[row], k, sorted=False).values.sort().values
@@ -296,11 +385,20 @@ def serving_cases(backend: str, quick: bool) -> dict:
 
 
 def main() -> None:
-    run = open_sweep(CliParser(description=__doc__.splitlines()[0]), stem="dsv4_attention",
+    parser = CliParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", action="append", default=[], metavar="flashmla=PATH",
+                        help="time a peer beside ours on the same inputs (cuda): flashmla=PATH, the library "
+                             "tools/peers/build_flashmla.sh built or its folder")
+    run = open_sweep(parser, stem="dsv4_attention",
                      name="DSV4 sparse decode attention and lightning indexer",
                      baseline="torch (fp64 reference / fp32 torch; torch.topk)", repeats=5,
                      one_thread=True, baseline_threads=1)  # the cpu backend runs on one thread: like with like
     args, result, repeats = run.args, run.result, run.repeats
+    peers = dict(spec.split("=", 1) if "=" in spec else (spec, "") for spec in args.peer)
+    if set(peers) - {"flashmla"} or not all(peers.values()):
+        parser.error(f"--peer takes flashmla=PATH, got {args.peer}")
+    if peers and args.backend != "cuda":
+        parser.error("--peer runs FlashMLA's kernels: it needs --backend cuda")
     if args.backend == "cpu":  # the Triton twins run on CPU tensors only under the interpreter (read at import)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpreted = args.backend == "cpu"
@@ -318,7 +416,9 @@ def main() -> None:
                          "roofline": "bytes, flops, *_roofline_us and measured_over_roofline (the kernel's device "
                                      "time over the roofline of the GPU it ran on): sparsekv.testing.roofline"})
     cases = serving_cases(args.backend, args.quick)
-    bar = tqdm(total=sum(len(v) for v in cases.values()) + 1, desc="bench_dsv4_attention", unit="case")
+    peer_cases = (PEER_QUICK if args.quick else PEER_CASES) if peers else []
+    bar = tqdm(total=sum(len(v) for v in cases.values()) + len(peer_cases) + 1, desc="bench_dsv4_attention",
+               unit="case")
     bar.update()
     # Microsecond calls: each sample loops for 20 ms, so the op layer's cost is not lost in timer noise.
     result.rows.append(op_overhead(args.backend, functools.partial(time_it, min_time_s=0.02)))
@@ -385,10 +485,13 @@ def main() -> None:
         row["speedup_vs_torch_topk"] = row["torch_topk_us"] / row["kernel_us"]
         row.update(roofline.fields(roofline.indexer_topk(batch, entries, k), kernel.median_s, device))
         result.rows.append(row)
+    if peers:
+        result.rows.extend(peer_rows(peers["flashmla"], peer_cases, time_it, bar, device))
     bar.close()
     run.report(lambda r, path: bar_plot(
         r, path, label_key="case",
-        value_keys=("kernel_us", "triton_us", "reference_fp64_us", "torch_fp32_us", "torch_topk_us", "raw_us",
+        value_keys=("kernel_us", "triton_us", "header_us", "flashmla_us", "reference_fp64_us", "torch_fp32_us",
+                    "torch_topk_us", "raw_us",
                     "eager_op_us", "compiled_op_us", "graph_replay_us"),
         ylabel="latency (us, log)", log=True))
 
