@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from sparsekv.cli.bench import available, kernel_family_stems, selected
+from sparsekv.cli.bench import RATIO_DIRECTION, available, kernel_family_stems, selected, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,3 +63,15 @@ def test_bench_runs_from_an_installed_wheel_outside_a_checkout(tmp_path):
     document = json.loads((tmp_path / "out" / "results.json").read_text())
     assert Path(document["folder"]) == site / "sparsekv" / "benchmarks"
     assert document["benchmarks"]["gather_rows"]["ratios"]["kernel_vs_torch"]["cases"] == 2
+
+
+def test_the_table_says_which_way_each_ratio_points():
+    summary = {"median": 2.0, "min": 1.0, "max": 3.0, "cases": 2}
+    text = table({"hisparse_copy": {"ratios": {"kernel_vs_torch": summary, "kernel_vs_memcpy": summary}},
+                  "dsv4_compress": {"ratios": {"speedup": summary}}})
+    lines = text.splitlines()
+    assert lines[0] == RATIO_DIRECTION and "above 1, ours is faster" in lines[0]
+    reads = {line.split()[1]: line for line in lines[2:]}
+    assert "> 1: faster than torch" in reads["kernel_vs_torch"]
+    assert "share of memcpy bandwidth" in reads["kernel_vs_memcpy"]
+    assert "> 1: faster than baseline" in reads["speedup"]

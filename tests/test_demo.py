@@ -28,13 +28,17 @@ def run_demo(tmp_path, *extra):
     return code, json.loads(out.read_text())
 
 
-def test_tiny_demo_checks_hold_and_its_swap_in_numbers_add_up(tmp_path, monkeypatch):
+def test_tiny_demo_checks_hold_and_its_swap_in_numbers_add_up(tmp_path, monkeypatch, capsys):
     reads = []
     read_counters = HiSparseCoordinator.read_counters
     monkeypatch.setattr(HiSparseCoordinator, "read_counters", lambda self, **kw: reads.append(kw) or read_counters(
         self, **kw))
     code, report = run_demo(tmp_path, "--plot", str(tmp_path / "demo.png"))
     assert code == 0 and report["ok"] and report["traces"] == []
+    printed = capsys.readouterr()
+    # The error column says what it means, and no progress bar is drawn off a terminal.
+    assert "over its documented bound: 1.0 is at the bound" in printed.out
+    assert "\r" not in printed.out + printed.err
     # Not recording traces, the counters are read once per step (and once after the backup): the
     # recording's reads around every layer's swap-in (a wait for the device each) are not made.
     assert reads == [{"reset": True}] * 7

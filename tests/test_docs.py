@@ -4,6 +4,7 @@ read is an error. The blocks of its pages run in ``tests/test_readme.py``."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,9 @@ def test_the_docs_build_strictly(tmp_path):
 
 
 def test_the_hook_maps_every_folder_the_package_maps(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import docs_hooks
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    docs_hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs_hooks)
     tree = docs_hooks.package_tree(tmp_path) / "sparsekv"
     for name, folder in docs_hooks.folder_of_import_name().items():
         assert (tree / name.split(".", 1)[1]).resolve() == (REPO / folder).resolve()

@@ -123,7 +123,7 @@ def simulate(trace: Trace, hots: list[int], item_bytes: int, protect_recent: int
     """One row per H: overall hit rates and bytes, and every per-step series, for every policy."""
     rows = []
     policies = trace_policies(trace)
-    for hot in tqdm(hots, desc=desc, unit="H"):
+    for hot in tqdm(hots, desc=desc, unit="H", disable=None):
         row: dict = {"hot": hot}
         for policy in policies:
             result = replay(trace, hot, policy, protect_recent=protect_recent, protect_near=protect_near)

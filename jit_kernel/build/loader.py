@@ -33,7 +33,6 @@ from sparsekv.jit_kernel.build import cache, toolchain
 
 logger = logging.getLogger("sparsekv.jit")
 #: A compile running longer than this (seconds) is announced at WARNING while it runs.
-SLOW_COMPILE_S = 1.0
 #: ``(instance, seconds)`` of every compile this process ran, in order (reports: what was built, what came
 #: from the cache).
 COMPILED: list[tuple[str, float]] = []
@@ -440,8 +439,31 @@ def _check_sanitizer_runtime(names: Sequence[str]) -> None:
     )
 
 
-def build_module(plan: BuildPlan, staging: Path) -> Path:
-    """Compile ``plan`` inside ``staging``; returns the path of the shared library."""
+#: Set by the first compile of the process, which says (once, at WARNING) that compiling started.
+_announced_compiling = False
+PREBUILD_HINT = ("prebuild with `sparsekv jit build --model MODEL` (a model's serving path), `sparsekv jit build "
+                 "--all`, or `sparsekv jit import BUNDLE`; SPARSEKV_JIT_STRICT=1 then forbids compiling")
+
+
+def building_on_purpose() -> None:
+    """The process compiles because it was asked to (``sparsekv jit build``): no first-compile
+    warning, which is for a caller surprised by a compile."""
+    global _announced_compiling
+    _announced_compiling = True
+
+
+def _announce_compile(what: str, reason: str) -> None:
+    """Each compile at INFO with why it is built; the process's first one also once at WARNING."""
+    global _announced_compiling
+    if not _announced_compiling:
+        _announced_compiling = True
+        logger.warning("sparsekv: compiling JIT kernels in this process (a few seconds each; %s)", PREBUILD_HINT)
+    logger.info("JIT: compiling %s (%s)", what, reason)
+
+
+def build_module(plan: BuildPlan, staging: Path, reason: str = "not in cache") -> Path:
+    """Compile ``plan`` inside ``staging``; returns the path of the shared library. ``reason`` says
+    why it is built (``"not in cache"``, ``"header changed: ..."``, ``"flags changed"``, ...)."""
     for name, text in plan.sources.items():
         (staging / name).write_text(text)
     includes = [f"-I{plan.csrc}", f"-I{plan.csrc / 'include'}"]
@@ -451,15 +473,8 @@ def build_module(plan: BuildPlan, staging: Path) -> Path:
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
     what = plan.describe()
     start = time.perf_counter()
-    # A compile that is still running after a second is shown at WARNING, so a caller whose first
-    # call stalls for seconds sees why (the INFO line below follows with the time).
-    slow = threading.Timer(SLOW_COMPILE_S, logger.warning, ("compiling %s (first use)", what))
-    slow.daemon = True
-    slow.start()
-    try:
-        _compile(plan, staging, what, includes, ffi_includes, link, time.monotonic() + env.jit_compile_timeout())
-    finally:
-        slow.cancel()
+    _announce_compile(what, reason)
+    _compile(plan, staging, what, includes, ffi_includes, link, time.monotonic() + env.jit_compile_timeout())
     seconds = time.perf_counter() - start
     COMPILED.append((what, seconds))
     logger.info("JIT: compiled %s in %.2f s", what, seconds)
@@ -611,8 +626,9 @@ def _capturing_cuda_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
-    """Load ``plan``'s artifact from any cache root, building and publishing it on a miss."""
+def find_or_build(plan: BuildPlan, roots: cache.CacheRoots, reason: str = "not in cache") -> tvm_ffi.Module:
+    """Load ``plan``'s artifact from any cache root, building and publishing it on a miss (logged
+    with ``reason``: why the module is built)."""
     entry = plan.entry_name()
     _check_sanitizer_runtime(plan.sanitize)
     for root in roots.read:
@@ -655,7 +671,7 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots) -> tvm_ffi.Module:
     env.cache_max_size()
     env.jit_lock_timeout()
     try:
-        return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging),
+        return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging, reason),
                                        _load)
     except JitCompileTimeoutError:
         raise
@@ -733,6 +749,45 @@ def _closure_changed(closure: Mapping[str, bytes], root: Path) -> bool:
     return False
 
 
+def _request_summary(request: ModuleRequest) -> dict:
+    """What a later rebuild of the same instance compares to say why it rebuilds."""
+    return {"instance": [request.header, list(request.template_args), request.backend],
+            "flags": [list(request.archs), list(request.extra_cflags), list(request.sanitize)],
+            "compilers": list(request.compilers)}
+
+
+def rebuild_reason(request: ModuleRequest, roots: cache.CacheRoots) -> str:
+    """Why ``request`` is not loaded from the cache, from the indexes earlier loads of the same
+    instance left: ``"header changed: <files>"``, ``"compiler changed"``, ``"flags changed"`` (arch,
+    SPARSEKV_EXTRA_CFLAGS or sanitizers), or ``"not in cache"``."""
+    mine = _request_summary(request)
+    flags_differ = False
+    for root in roots.read:
+        for path in sorted((root / INDEX_DIR).glob(f"{request.name}__*.json")):
+            try:
+                doc = json.loads(path.read_text())
+                if doc.get("request", {}).get("instance") != mine["instance"]:
+                    continue
+                if doc["request"]["flags"] != mine["flags"]:
+                    flags_differ = True
+                    continue
+                changed = []
+                for file, signature in doc["files"].items():
+                    try:
+                        if _stat_signature([file])[file] != signature:
+                            changed.append(file)
+                    except OSError:
+                        changed.append(file)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            headers = [os.path.basename(f) for f in changed if f not in request.compilers]
+            if headers:
+                return f"header changed: {', '.join(headers)}"
+            if changed or doc["request"]["compilers"] != mine["compilers"]:
+                return "compiler changed"
+    return "flags changed" if flags_differ else "not in cache"
+
+
 def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoots) -> None:
     """Record the request -> entry shortcut next to the artifact (best effort: a read-only root
     simply keeps taking the full path)."""
@@ -741,7 +796,8 @@ def _write_index(request: ModuleRequest, plan: BuildPlan, roots: cache.CacheRoot
         if cache.valid_artifact(root / entry) is None:
             continue
         files = [str(plan.csrc / rel) for rel in plan.closure] + [c for c in request.compilers if c]
-        doc = {"entry": entry, "tvm_ffi": tvm_ffi.__version__, "files": _stat_signature(files)}
+        doc = {"entry": entry, "tvm_ffi": tvm_ffi.__version__, "files": _stat_signature(files),
+               "request": _request_summary(request)}
         # Stat first, then check the bytes are still those the key hashed: a header edited since (e.g.
         # while the module compiled) must not be recorded as this entry's, or the next process would
         # load the old module for the new header until the header changed again.
@@ -840,6 +896,6 @@ def load_jit(
         if module is None:
             plan = make_plan(name, template_args, header=header, exports=exports, kernels=kernels,
                              backend=backend, arch=request.archs, probe_dir=roots.probe_dir())
-            module = find_or_build(plan, roots)
+            module = find_or_build(plan, roots, rebuild_reason(request, roots))
             _write_index(request, plan, roots)
     return module

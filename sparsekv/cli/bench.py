@@ -109,19 +109,36 @@ def run_one(stem: str, script: Path, args: argparse.Namespace, out: Path) -> dic
     return entry
 
 
+#: The table's header: which way the ratios point (every benchmark reports its ratios so).
+RATIO_DIRECTION = ("Each ratio is a throughput ratio against a baseline timed in the same run (the baseline's "
+                   "time over ours): above 1, ours is faster; for *_vs_memcpy, the share of memcpy's bandwidth "
+                   "ours reaches (1 = as fast as memcpy).")
+
+
+def reads(key: str) -> str:
+    """How a ratio column reads: ``"> 1: ours faster than <baseline>"``, or the memcpy share."""
+    if key.endswith("_vs_memcpy"):
+        return "share of memcpy bandwidth"
+    baseline = key.split("_vs_", 1)[1] if "_vs_" in key else "baseline"
+    return f"> 1: faster than {baseline}"
+
+
 def table(results: dict[str, dict]) -> str:
-    """One text table: benchmark, ratio, median, min, max, cases (a failed benchmark: its error)."""
-    lines = [("benchmark", "ratio (ours / same-run baseline)", "median", "min", "max", "cases")]
+    """One text table: benchmark, ratio, how it reads, median, min, max, cases (a failed benchmark:
+    its error), under a line that says which way the ratios point."""
+    lines = [("benchmark", "ratio", "reads", "median", "min", "max", "cases")]
     for stem, entry in results.items():
         if "error" in entry:
-            lines.append((stem, f"FAILED (exit {entry['returncode']}): {entry['error'][:80]}", "", "", "", ""))
+            lines.append((stem, f"FAILED (exit {entry['returncode']}): {entry['error'][:80]}", "", "", "", "", ""))
             continue
         if not entry["ratios"]:
-            lines.append((stem, "(no ratio columns)", "", "", "", ""))
+            lines.append((stem, "(no ratio columns)", "", "", "", "", ""))
         for key, r in entry["ratios"].items():
-            lines.append((stem, key, f"{r['median']:.3g}", f"{r['min']:.3g}", f"{r['max']:.3g}", str(r["cases"])))
+            lines.append((stem, key, reads(key), f"{r['median']:.3g}", f"{r['min']:.3g}", f"{r['max']:.3g}",
+                          str(r["cases"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    rows = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join([RATIO_DIRECTION, *rows])
 
 
 def run(args: argparse.Namespace) -> int:

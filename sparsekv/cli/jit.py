@@ -308,6 +308,7 @@ def _build(args) -> int:
         if args.all or args.names or args.instance or args.model:
             raise UsageError("--triton builds the Triton kernels only; build the header families in another call")
         return _build_triton(args)
+    loader.building_on_purpose()
     families = discover()
     if not (args.all or args.names or args.instance or args.model):
         raise UsageError("name families to build, or --all, --instance or --model, or --triton")

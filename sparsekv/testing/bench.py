@@ -324,7 +324,7 @@ class Sweep:
         from tqdm import tqdm
 
         chosen = quick_cases if self.args.quick and quick_cases is not None else cases
-        return tqdm(chosen, desc=f"bench_{self.stem}", unit="case")
+        return tqdm(chosen, desc=f"bench_{self.stem}", unit="case", disable=None)  # None: terminals only
 
     def report(self, plot: Callable[[BenchResult, str], None] | None = None) -> None:
         """:func:`report` of this run."""

@@ -20,6 +20,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from sparsekv import env
 from sparsekv.checks import as_bool, as_int, index_in, int_in
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.hisparse import COUNTERS, load_cache_to_device_buffer_dsv4_mla, policy_protections
@@ -641,14 +642,16 @@ class HiSparseCoordinator:
         ValueError
             More rows than the coordinator's tables, or the kernel's shape and device checks.
         RequestStateError
-            Host-readable ``req_pool_indices`` name a (real) row that is not decoding (an O(1)
-            check per row). On the device no row is read back: a row that is not decoding has
-            every slot column at -1 (reset at finish, set only at admission), so the kernel loads
-            nothing into it and returns -1 for it.
+            With ``SPARSEKV_CHECK_INDICES=1`` and host-readable ``req_pool_indices``: a (real) row
+            that is not decoding. Otherwise no row is read back, so the call traces under
+            ``torch.compile(fullgraph=True)`` and is captured in a CUDA graph on every device: a
+            row that is not decoding has every slot column at -1 (reset at finish, set only at
+            admission, where the phases are checked), so the kernel loads nothing into it and
+            returns -1 for it.
         """
         layer_id = index_in(layer_id, "layer_id", self.device_pool.layer_num)
-        if isinstance(req_pool_indices, torch.Tensor) and req_pool_indices.device.type == "cpu" and \
-                (num_real_reqs is None or num_real_reqs.device.type == "cpu"):
+        if env.check_indices() and isinstance(req_pool_indices, torch.Tensor) and \
+                req_pool_indices.device.type == "cpu" and (num_real_reqs is None or num_real_reqs.device.type == "cpu"):
             real = req_pool_indices.tolist()[: int(num_real_reqs[0]) if num_real_reqs is not None else None]
             for r in real:
                 state = self._reqs.get(r)

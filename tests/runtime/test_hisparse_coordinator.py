@@ -832,7 +832,9 @@ def test_finishing_a_staged_request_whose_pages_were_reused_frees_only_its_own()
 
 
 @pytest.mark.parametrize("phase", ["unknown", "staging", "transfer"])
-def test_swap_in_refuses_a_row_that_is_not_decoding(phase):
+def test_swap_in_refuses_a_row_that_is_not_decoding(phase, monkeypatch):
+    """With SPARSEKV_CHECK_INDICES=1 the phase is checked on host rows; without it nothing is read
+    back (the call traces and captures), and the row, with no slot column set, loads nothing."""
     w = World(deferred=True)
     a = Req(0, 0, uid=61)
     if phase == "staging":
@@ -840,6 +842,15 @@ def test_swap_in_refuses_a_row_that_is_not_decoding(phase):
         w.coord.admit_request_into_staging(a)
     elif phase == "transfer":
         w.direct_transfer(a, 300)
+    before = snapshot(w.coord, w.pool.req_to_token)
+    monkeypatch.delenv("SPARSEKV_CHECK_INDICES", raising=False)
+    out = w.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([75], dtype=torch.int32),
+                                         torch.zeros(1, TOP_K, dtype=torch.int32), 0)
+    # No byte moves and nothing is allocated: at most the row's own slot tokens and LRU order change,
+    # which its admission resets.
+    assert bool((out == -1).all())
+    assert set(changed(before, snapshot(w.coord, w.pool.req_to_token))) <= {"buffer_tokens", "lru_slots"}
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
     with refused(w, RequestStateError, "request row 0 .* cannot be swapped in"):
         w.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([75], dtype=torch.int32),
                                        torch.zeros(1, TOP_K, dtype=torch.int32), 0)

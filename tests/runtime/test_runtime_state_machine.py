@@ -25,6 +25,7 @@ The default profile runs 400 steps; ``--slow`` runs 20,000.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -60,6 +61,22 @@ DEVICE_TOKENS, HOST_PAGES = 1024, 6
 DPAGE = PAGE // RATIO
 
 ARGUMENT_ERRORS = (TypeError, ValueError, IndexError)
+
+
+def with_index_checks(call):
+    """``call`` under SPARSEKV_CHECK_INDICES=1: the swap-in checks a row's phase only then (off, it
+    reads nothing back and a row that is not decoding loads nothing)."""
+    def run():
+        before = os.environ.get("SPARSEKV_CHECK_INDICES")
+        os.environ["SPARSEKV_CHECK_INDICES"] = "1"
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ["SPARSEKV_CHECK_INDICES"]
+            else:
+                os.environ["SPARSEKV_CHECK_INDICES"] = before
+    return run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -422,9 +439,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
             free_rid = data.draw(st.sampled_from(free), label="free row")
             calls |= {
                 "finish unknown row": (lambda: c.request_finished(Req(free_rid, 0, 0)), state),
-                "swap_in an unknown row": (lambda: c.swap_in_selected_pages(
+                "swap_in an unknown row": (with_index_checks(lambda: c.swap_in_selected_pages(
                     torch.tensor([free_rid]), torch.ones(1, dtype=torch.int32),
-                    torch.zeros(1, TOP_K, dtype=torch.int32), 0), state),
+                    torch.zeros(1, TOP_K, dtype=torch.int32), 0)), state),
                 "map_last_loc unknown row": (lambda: c.map_last_loc_to_buffer([free_rid], [5], [3]), state),
                 "alloc_extend continuing an empty row": (lambda: a.alloc_extend(rtt, free_rid, 10, 300),
                                                          (ValueError,)),
@@ -451,9 +468,9 @@ class HiSparseRuntime(RuleBasedStateMachine):
             if live.phase != "decode":
                 calls["map_last_loc not decoding"] = (
                     lambda: c.map_last_loc_to_buffer([live_rid], [live.req.kv_allocated_len + 1], [3]), state)
-                calls["swap_in a row not decoding"] = (lambda: c.swap_in_selected_pages(
+                calls["swap_in a row not decoding"] = (with_index_checks(lambda: c.swap_in_selected_pages(
                     torch.tensor([live_rid]), torch.ones(1, dtype=torch.int32),
-                    torch.zeros(1, TOP_K, dtype=torch.int32), 0), state)
+                    torch.zeros(1, TOP_K, dtype=torch.int32), 0)), state)
             if live.req.kv_allocated_len >= 1:
                 calls["finish with a shorter length"] = (
                     lambda: c.request_finished(Req(live_rid, live.req.kv_allocated_len - 1, live.req.uid)), state)

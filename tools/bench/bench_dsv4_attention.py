@@ -418,7 +418,7 @@ def main() -> None:
     cases = serving_cases(args.backend, args.quick)
     peer_cases = (PEER_QUICK if args.quick else PEER_CASES) if peers else []
     bar = tqdm(total=sum(len(v) for v in cases.values()) + len(peer_cases) + 1, desc="bench_dsv4_attention",
-               unit="case")
+               unit="case", disable=None)
     bar.update()
     # Microsecond calls: each sample loops for 20 ms, so the op layer's cost is not lost in timer noise.
     result.rows.append(op_overhead(args.backend, functools.partial(time_it, min_time_s=0.02)))

@@ -161,7 +161,7 @@ def main() -> None:
                          baseline="memcpy of the same bytes; torch indexing",
                          threads={"ours": args.threads if args.backend == "cpu" else "cuda",
                                   "baseline": {"copy_": args.threads, "memmove": 1, "torch": args.threads}})
-    for n, layers in tqdm(cases, desc="bench_hisparse_copy", unit="case"):
+    for n, layers in tqdm(cases, desc="bench_hisparse_copy", unit="case", disable=None):
         result.rows.append(run_case(n, layers, repeats, torch_repeats, args.thp, args.backend))
     result.notes = {
         "backend": args.backend,

@@ -122,7 +122,7 @@ def main() -> None:
     result = BenchResult(name="bench_jit_loader", baseline="tvm_ffi.cpp.load on the same source (ninja every call)",
                          threads={"ours": "one compiler process per build",
                                   "baseline": "one compiler process per build"})
-    for backend, arch in tqdm(backends, desc="bench_jit_loader: cold build + warm loads", unit="backend"):
+    for backend, arch in tqdm(backends, desc="bench_jit_loader: cold build + warm loads", unit="backend", disable=None):
         cold = cold_build_s(backend, arch)
         GATHER_ROWS.module(index_dtype=torch.int64, backend=backend, arch=arch)
         in_process = time_call(lambda b=backend, a=arch: GATHER_ROWS.module(index_dtype=torch.int64, backend=b, arch=a))

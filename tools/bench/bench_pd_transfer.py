@@ -278,7 +278,7 @@ def main() -> None:
                                 "stream": args.stream, "engine": args.engine})
     room_ids = itertools.count(1)
     try:
-        for seq_len in tqdm(lengths, desc="bench_pd_transfer", unit="request"):
+        for seq_len in tqdm(lengths, desc="bench_pd_transfer", unit="request", disable=None):
             row = {"case": f"{seq_len // 1024}k tokens", "seq_len": seq_len}
             variants = (("ours", args.stream, True, receiver), ("ours_notified", args.stream, True, notified),
                         ("ours_unchecked", args.stream, True, unchecked),

@@ -46,7 +46,7 @@ def main() -> None:
                          threads={"ours": 1, "baseline": 1})
     baseline_ms = fresh_process_ms(["-c", "import sparsekv"], runs)
     result.notes["baseline_fresh_process_ms"] = baseline_ms
-    for name in tqdm(CASES, desc="bench_plan_memory", unit="case"):
+    for name in tqdm(CASES, desc="bench_plan_memory", unit="case", disable=None):
         case = parse_case(by_name[name])
         try:
             case.plan()
