@@ -71,16 +71,18 @@ gpu-check:
 # UBSan: "memcheck without a GPU". Python is not instrumented, so the compiler's ASan runtime is
 # preloaded, with libstdc++ (whose __cxa_throw ASan intercepts: kernels raise C++ exceptions for bad
 # input). Leak checking is off: the interpreter's own allocations are not leaks. Sanitized modules
-# have their own cache keys, so the cache stays warm across runs.
+# have their own cache keys, so the cache stays warm across runs. The cpu backend only: the core tests' sim
+# copies (make test runs them) are not built with sanitizers.
 SANITIZE_CXX ?= $(or $(SPARSEKV_CXX),$(CXX),c++)
 test-sanitize: $(STAMP)
 	LD_PRELOAD="$$($(SANITIZE_CXX) -print-file-name=libasan.so) $$($(SANITIZE_CXX) -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 SPARSEKV_SANITIZE=address,undefined \
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels tests/jit/test_jit_sanitize.py
+	SPARSEKV_TEST_BACKENDS=cpu $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels tests/jit/test_jit_sanitize.py
 
 # Every kernel test on the sim backend (each header's CUDA path run on the CPU with GPU semantics:
 # barriers, warp shuffles and ballots, shared memory, launch limits). The simulator's own planted-bug
-# tests (tests/jit/test_jit_sim.py) run in `make test`. Sim modules have their own cache keys.
+# tests (tests/jit/test_jit_sim.py) and each family's core property test on sim run in `make test`.
+# Sim modules have their own cache keys.
 test-sim: $(STAMP)
 	SPARSEKV_TEST_BACKENDS=sim $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.testing.backends import to_device
+from sparsekv.testing.backends import core_backends, kernel_backends, to_device
 
 META = torch.device("meta")  # another device, on any machine
 
@@ -35,3 +35,13 @@ def test_a_tensor_already_on_the_device_is_passed_as_is():
     view = base[1:, ::3]
     (moved,) = to_device(torch.device("cpu"), [view])  # already there: the tensor itself
     assert moved is view
+
+
+def test_core_tests_run_on_sim_too_unless_the_session_chose_its_backends(monkeypatch):
+    # make test (no choice): each family's core property test runs its CUDA path on sim as well;
+    # make test-sim / test-gpu / test-sanitize choose theirs, and get exactly those.
+    monkeypatch.delenv("SPARSEKV_TEST_BACKENDS", raising=False)
+    assert core_backends() == [*kernel_backends(), "sim"]
+    for chosen in ("cpu", "sim", "cpu,cuda"):
+        monkeypatch.setenv("SPARSEKV_TEST_BACKENDS", chosen)
+        assert core_backends() == kernel_backends() == chosen.split(",")

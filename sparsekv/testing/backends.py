@@ -43,6 +43,16 @@ def kernel_backends() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
+def core_backends() -> list[str]:
+    """Backends for each kernel family's core property test: :func:`kernel_backends`, plus ``sim`` in a
+    session that did not choose its backends (``make test``), so a plain ``make test`` runs every
+    family's CUDA path at the test's small count too (``make test-sim`` runs every test there)."""
+    backends = kernel_backends()
+    if os.environ.get("SPARSEKV_TEST_BACKENDS") or "sim" in backends:
+        return backends
+    return [*backends, "sim"]
+
+
 def unavailable_reason(backend: str) -> str | None:
     """Why ``backend`` cannot run here, or None when it can."""
     if backend == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ from sparsekv.jit_kernel.dsv4 import compress_pool
 from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device, compress_decode
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
-from sparsekv.testing.backends import device_of, kernel_backends, torch_threads
+from sparsekv.testing.backends import core_backends, device_of, kernel_backends, torch_threads
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import (
     compress_pool_reference,
@@ -29,7 +29,7 @@ def _on(backend, *tensors):
     return [t.to(device) for t in tensors]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("ratio", RATIOS)
 @settings(max_examples=scaled_examples(10), deadline=None)
 @given(data=st.data())

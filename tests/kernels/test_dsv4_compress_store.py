@@ -18,7 +18,7 @@ from sparsekv.jit_kernel.dsv4 import (
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
-from sparsekv.testing.backends import device_of, kernel_backends, to_backend, torch_threads
+from sparsekv.testing.backends import core_backends, device_of, kernel_backends, to_backend, torch_threads
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_store import ENTRY_DIMS, LAYOUTS
 from sparsekv.testing.strategies.dsv4_store import DSV4_C4_ROPE, rope_table_on
@@ -27,7 +27,7 @@ BACKENDS = kernel_backends()
 RATIOS = [4, 128]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("ratio, kind", [(4, "V4"), (4, "INDEXER_FP8"), (4, "INDEXER_FP4"), (128, "V4")])
 @settings(max_examples=scaled_examples(4), deadline=None)
 @given(data=st.data())

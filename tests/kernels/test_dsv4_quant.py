@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, indexer_scores, quantize_fp8_ds_mla, quantize_indexer_keys
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
 from sparsekv.kv_layout import V4
-from sparsekv.testing.backends import device_of, kernel_backends, skip_unless_triton_runs, to_backend
+from sparsekv.testing.backends import core_backends, device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, entry_slots
@@ -26,7 +26,7 @@ def _noise_cache(pages: int, page_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (pages, V4.page_bytes(page_size)), dtype=torch.uint8, generator=gen)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @settings(max_examples=scaled_examples(15), deadline=None)
 @given(data=st.data())

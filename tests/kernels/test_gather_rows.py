@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.gather_rows import GATHER_ROWS, gather_rows
-from sparsekv.testing.backends import device_of, host_readable, to_backend
+from sparsekv.testing.backends import core_backends, device_of, host_readable, to_backend
 from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.reference.gather_rows import gather_rows_reference
 from sparsekv.testing.strategies.gather_rows import gather_case
@@ -16,6 +16,7 @@ from sparsekv.testing.strategies.gather_rows import gather_case
 INDEX_DTYPES = [values["index_dtype"] for values in GATHER_ROWS.instances]
 
 
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
 @given(data=st.data())
 def test_gather_matches_torch_indexing(backend, index_dtype, data):

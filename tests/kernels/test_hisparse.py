@@ -33,7 +33,7 @@ from sparsekv.jit_kernel.hisparse import (
     swap_in_shared_bytes,
 )
 from sparsekv.jit_kernel.hisparse_index import indexed_shared_bytes
-from sparsekv.testing.backends import cpu_backend, device_of, host_readable, run_on_backend, to_backend
+from sparsekv.testing.backends import core_backends, cpu_backend, device_of, host_readable, run_on_backend, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.hisparse_traces import PROTECT_NEAR, PROTECT_RECENT
 from sparsekv.testing.profiles import scaled_examples
@@ -120,6 +120,7 @@ def test_all_invalid_entries_on_the_slow_path_load_nothing(backend):
     assert torch.equal(w.lru_slots, before[1])
 
 
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("is_dsv4_layout", [False, True], ids=["generic", "dsv4"])
 def test_kernel_matches_reference_on_a_mixed_batch(backend, is_dsv4_layout):
     w = world(backend, is_dsv4_layout, seed=3, max_reqs=4)

@@ -18,7 +18,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import V4
-from sparsekv.testing.backends import device_of, host_readable, to_device
+from sparsekv.testing.backends import core_backends, device_of, host_readable, to_device
 from sparsekv.testing.reference.hisparse_copy import (
     read_token,
     token_pattern,
@@ -55,6 +55,7 @@ def _destination_mask(side, dst_ids, page_slots):
     return mask.bool()
 
 
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @given(data=st.data(), page_slots=st.sampled_from(PAGE_SLOTS))
 def test_token_copy_matches_reference(backend, data, page_slots):
     src, dst, src_ids, dst_ids = data.draw(token_copy_case(page_slots))

@@ -23,7 +23,7 @@ from sparsekv.jit_kernel.hisparse_index import (
     indexed_shared_bytes,
     resident_index_bytes,
 )
-from sparsekv.testing.backends import device_of, to_backend
+from sparsekv.testing.backends import core_backends, device_of, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.strategies.hisparse import make_world
@@ -71,6 +71,7 @@ def step_both(scan, indexed, top_k, rows, lens, counters):
     return a["out"]
 
 
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @POLICIES
 @settings(max_examples=scaled_examples(6), deadline=None)
 @given(seed=st.integers(0, 2**16), is_dsv4_layout=st.booleans())
