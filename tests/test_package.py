@@ -39,7 +39,8 @@ def test_the_readme_imports_work():
 
     assert issubclass(DSV4PoolConfigurator, MemoryPoolConfigurator) and HiSparseCoordinator.__module__.endswith(
         "hisparse_coordinator")
-    assert set(sparsekv.srt.__all__) == {"RequestStateError", "managers", "mem_cache", "model_executor", "streams"}
+    assert set(sparsekv.srt.__all__) == {"RequestStateError", "layers", "managers", "mem_cache", "model_executor",
+                                         "streams"}
     assert sparsekv.srt.RequestStateError.__module__ == "sparsekv.srt.errors"
 
 

@@ -191,3 +191,12 @@ def test_the_overview_says_which_layouts_the_copy_supports():
     row = next(line for line in INDEX.splitlines() if line.startswith("| paged token / page copy"))
     v4_only = {HISPARSE_COPY.template_args(i)[0] for i in HISPARSE_COPY.instances} == {V4.cpp_type}
     assert ("V4 (584 B) layout only" in row) == v4_only
+
+
+def test_the_readme_engine_example_is_the_attention_backend_and_runs():
+    """The README's one engine example is the backend's prefill and decode (run by test_doc_block_runs)."""
+    python = [b for b in RUNNABLE if b.file == "README.md" and b.language == "python"]
+    assert len(python) == 1 and marker(python[0]) is None
+    code = python[0].code
+    assert "Dsv4AttentionBackend(" in code and "forward_extend(" in code and "forward_decode(" in code
+    assert len(code.splitlines()) <= 40

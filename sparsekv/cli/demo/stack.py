@@ -2,8 +2,10 @@
 
 One :class:`Stack` is one server process: the memory plan of the model for a budget
 (:func:`~sparsekv.srt.model_executor.plan_pipeline`, what ``sparsekv plan-memory`` runs), the
-``DeepSeekV4TokenToKVPool`` built from it, and with HiSparse the C4 hot pool, its host pool and the
-:class:`~sparsekv.srt.managers.HiSparseCoordinator`. Each step is checked as it runs:
+``DeepSeekV4TokenToKVPool`` built from it, with HiSparse the C4 hot pool, its host pool and the
+:class:`~sparsekv.srt.managers.HiSparseCoordinator`, and the
+:class:`~sparsekv.srt.layers.Dsv4AttentionBackend` every layer's attention goes through (the stack
+keeps the model's projections, the scheduler's tables and the checks). Each step is checked as it runs:
 
 * prefill: the compressors' entries against the fp64 torch compressor; the fused norm + RoPE +
   quantize + store's bytes against the torch store reference, byte for byte;
@@ -26,17 +28,10 @@ from types import SimpleNamespace
 import torch
 
 from sparsekv.cli.demo.model import EPS, HEAD_DIM, WINDOW, DemoModel
-from sparsekv.jit_kernel.dsv4 import (
-    dequantize_fp8_ds_mla,
-    indexer_scores,
-    indexer_topk,
-    norm_rope_store,
-    sparse_decode_attention,
-)
+from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla
 from sparsekv.jit_kernel.dsv4_indexer import visible_entries
-from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
+from sparsekv.srt.layers.dsv4_attention_backend import Dsv4AttentionBackend, Dsv4LayerParams, ForwardBatch
 from sparsekv.srt.mem_cache.allocators import PagedAllocator
-from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
 from sparsekv.testing.hisparse_traces import TraceRecorder
@@ -119,7 +114,7 @@ def plan(model: DemoModel, *, tokens: int, hisparse: int | None, requests: int):
 
 
 class Stack:
-    """One process's pools and compressor states for the demo model (see the module docstring).
+    """One process's pools, tables and attention backend for the demo model (see the module docstring).
 
     Parameters
     ----------
@@ -148,20 +143,19 @@ class Stack:
     def __init__(self, model: DemoModel, *, tokens: int, requests: int, hisparse: int | None, hot_buffer: int,
                  device: str = "cpu", check: bool = True, impl: str = "header", trace_source: dict | None = None):
         self.model = model
-        self.impl = impl
         self.device = torch.device(device)
         self.check = check
-        # The model's float32 RoPE tables, one per RoPE setting, covering every position a request reaches.
-        self.rope_tables = {w.rope: w.rope.table(tokens + PAGE_SIZE, self.device) for w in model.layers}
         self.hisparse = hisparse
         self.budget, rank, self.server = plan(model, tokens=tokens, hisparse=hisparse, requests=requests)
         self.config = rank.config
         self.pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=self.device)
         self.ratios = model.shape.compress_ratios
-        self.c4_index = {layer: i for i, layer in enumerate(j for j, r in enumerate(self.ratios) if r == 4)}
         self.swa_alloc = PagedAllocator(self.config.swa_max_total_num_tokens // PAGE_SIZE + 1, PAGE_SIZE, "swa")
-        self.req_to_token = torch.zeros(requests + 1, tokens + PAGE_SIZE, dtype=torch.int64)
+        context = tokens + PAGE_SIZE
+        self.req_to_token = torch.zeros(requests + 1, context, dtype=torch.int64)
+        self.req_to_swa_loc = torch.zeros(requests + 1, context, dtype=torch.int64, device=self.device)
         self.coordinator = None
+        c4_layers = sum(r == 4 for r in self.ratios)
         if hisparse is None:
             self.full_alloc = PagedAllocator(self.pool.size // PAGE_SIZE + 1, PAGE_SIZE, "full")
         else:
@@ -170,26 +164,28 @@ class Stack:
 
             self.allocator = HiSparseTokenToKVPoolAllocator(self.pool.size // hisparse, PAGE_SIZE,
                                                             host_to_device_ratio=hisparse, device=self.device)
-            self.c4_pool = HiSparseC4DevicePool(self.allocator, len(self.c4_index), self.device)
+            self.c4_pool = HiSparseC4DevicePool(self.allocator, c4_layers, self.device)
             self.coordinator = HiSparseCoordinator(
                 SimpleNamespace(req_to_token=self.req_to_token), self.allocator, self.c4_pool,
                 num_top_k=model.shape.top_k, hot_buffer_size=hot_buffer, collect_counters=True)
+        rope = {w.rope: w.rope.table(tokens + PAGE_SIZE, self.device) for w in model.layers}
+        layers = [Dsv4LayerParams(w.ratio, w.sink.to(self.device), w.kv_norm.to(self.device), rope[w.rope],
+                                  *((w.ape, w.c_norm) if w.ratio else (None, None)),
+                                  *((w.i_ape, w.i_norm) if w.ratio == 4 else (None, None)), eps=EPS)
+                  for w in model.layers]
+        self.backend = Dsv4AttentionBackend(self.pool, layers, self.req_to_token, self.req_to_swa_loc,
+                                            top_k=model.shape.top_k, window=WINDOW, coordinator=self.coordinator,
+                                            impl=impl)
+        self.c4_index = self.backend.c4_index
         self.recorders: dict[int, TraceRecorder] = {}
         if trace_source is not None:
             swap_in = {} if self.coordinator is None else {"hot_buffer": hot_buffer,
                                                            "policy": self.coordinator.swap_in_policy}
             self.recorders = {layer: TraceRecorder(model.shape.top_k, {**trace_source, "layer": layer, **swap_in})
                               for layer in self.c4_index}
-        rings = self.pool.ring_sizes
-        self.kv_state, self.index_state = {}, {}
-        for layer, (w, ratio) in enumerate(zip(model.layers, self.ratios)):
-            if ratio:
-                self.kv_state[layer] = CompressorState(self.pool.get_compress_state(layer), w.ape, ratio, rings[ratio])
-            if ratio == 4:
-                self.index_state[layer] = CompressorState(self.pool.get_indexer_state(layer), w.i_ape, 4, rings[4])
         self.errors = Errors()
 
-    # ---- addressing ----------------------------------------------------------------------------
+    # ---- addressing (the scheduler's part) -----------------------------------------------------
 
     def _grow(self, req: Request, length: int) -> None:
         """Give ``req`` full-token locations and SWA pages up to ``length`` tokens."""
@@ -207,9 +203,13 @@ class Stack:
                 req.locs.append(self.allocator.alloc_decode(self.req_to_token, req.req_pool_idx, n))
         if self.hisparse is None:
             self.req_to_token[req.req_pool_idx, have:length] = torch.tensor(req.locs[have:length])
+        self._grow_swa(req, have, length)
+        req.kv_allocated_len = length
+
+    def _grow_swa(self, req: Request, have: int, length: int) -> None:
         while len(req.swa_pages) * PAGE_SIZE < length:
             req.swa_pages.append(int(self.swa_alloc.alloc(1)[0]))
-        req.kv_allocated_len = length
+        self.req_to_swa_loc[req.req_pool_idx, have:length] = self._swa_slots(req, range(have, length)).to(self.device)
 
     def adopt(self, req: Request, length: int) -> list[int]:
         """PD decode: allocate a request whose first ``length`` tokens another process prefilled
@@ -217,117 +217,86 @@ class Stack:
         returns its full-token pages (the transfer's KV destinations)."""
         full = self.allocator.alloc_extend(self.req_to_token, req.req_pool_idx, 0, length, with_device=False)
         req.locs = full.tolist()
-        while len(req.swa_pages) * PAGE_SIZE < length:
-            req.swa_pages.append(int(self.swa_alloc.alloc(1)[0]))
+        self._grow_swa(req, 0, length)
         req.kv_allocated_len = length
-        for state in (*self.kv_state.values(), *self.index_state.values()):
-            state.resume(req.req_pool_idx, length)
+        self.backend.admit_transferred(req, length)
         return [req.locs[p] // PAGE_SIZE for p in range(0, length, PAGE_SIZE)]
 
     def _swa_slots(self, req: Request, positions) -> torch.Tensor:
         return torch.tensor([req.swa_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions],
                             dtype=torch.int64)
 
-    def _entry_slot(self, req: Request, ratio: int, anchor: int, *, hot: bool) -> int:
-        """Cache slot of the entry anchored at ``anchor``: ``loc // ratio`` of its last token (C4 KV
-        under HiSparse: the device slot the allocator mapped it to)."""
-        loc = req.locs[anchor + ratio - 1] // ratio
-        if hot:
-            return int(self.allocator.full_to_hisparse_device_index_mapping[loc])
-        return loc
-
-    def _entry_slots(self, reqs: list[Request], ratio: int, *, hot: bool):
-        """``entry_slots`` of ``CompressorState.extend`` for a batch of ``reqs``: :meth:`_entry_slot` of
-        each entry, gathered on the device from the batch's rows of ``req_to_token``."""
-        locs = self.req_to_token[[r.req_pool_idx for r in reqs]].to(self.device)
-        mapping = self.allocator.full_to_hisparse_device_index_mapping if hot else None
-
-        def slots(b: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-            loc = locs[b, anchor + ratio - 1] // ratio
-            return mapping[loc] if hot else loc
-
-        return slots
-
-    def _rope(self, w) -> RopeTable:
-        return self.rope_tables[w.rope]
-
     def _c4_cache(self, layer: int) -> torch.Tensor:
-        if self.hisparse is None:
-            return self.pool.get_compressed_kv_buffer(layer)
-        return self.c4_pool.kv_buffer[self.c4_index[layer]]
-
-    def _rings(self, req: Request, ratio: int) -> tuple[list[int], int | None]:
-        return (req.swa_pages, PAGE_SIZE) if ratio == 4 else ([req.req_pool_idx], None)
+        return self.backend.compressed_cache(layer)
 
     # ---- prefill -------------------------------------------------------------------------------
 
-    def _store(self, x, weight, positions, cache, slots, page, rope, kind, errors: Errors) -> None:
-        norm_rope_store(x, weight, EPS, positions, cache, slots, page, rope, kind)
-        if self.check and slots.numel():
-            exact = normalize_rotate(x.cpu(), weight.cpu(), EPS, positions.cpu(), rope.cos, rope.sin,
-                                     hadamard=kind != "V4")
-            if kind == "V4":
-                stored = dequantize_fp8_ds_mla(cache, slots, page).cpu()
-            else:
-                stored = decode_indexer_keys(cache.cpu(), slots.cpu(), page, "fp8")
-            # Within half an e4m3 step of the exact value (relative 2^-4), or of the subnormal step of
-            # the row's scale (absolute, below 2^-16 of the row's largest value).
-            bound = STORE_REL_TOL * exact.abs() + STORE_ABS_TOL * exact.abs().amax(dim=1, keepdim=True)
-            errors.store = max(errors.store, float(((stored.double() - exact.double()).abs() / bound).max()))
+    def _check_store(self, x, weight, positions, cache, slots, page, rope, kind, errors: Errors) -> None:
+        """The stored bytes at ``slots`` against the normalized, rotated ``x`` (fp64)."""
+        if not self.check or not slots.numel():
+            return
+        exact = normalize_rotate(x.cpu(), weight.cpu(), EPS, positions.cpu(), rope.cos, rope.sin,
+                                 hadamard=kind != "V4")
+        if kind == "V4":
+            stored = dequantize_fp8_ds_mla(cache, slots, page).cpu()
+        else:
+            stored = decode_indexer_keys(cache.cpu(), slots.cpu(), page, "fp8")
+        # Within half an e4m3 step of the exact value (relative 2^-4), or of the subnormal step of
+        # the row's scale (absolute, below 2^-16 of the row's largest value).
+        bound = STORE_REL_TOL * exact.abs() + STORE_ABS_TOL * exact.abs().amax(dim=1, keepdim=True)
+        errors.store = max(errors.store, float(((stored.double() - exact.double()).abs() / bound).max()))
 
     def prefill(self, req: Request, length: int) -> Errors:
-        """Prefill ``length`` tokens of ``req``: per layer the SWA KV, the compressors (then the
-        fused norm + RoPE + quantize + store of their entries) and the indexer keys. With HiSparse
-        the C4 entries land in device slots and the request is then backed up to the host pool."""
+        """Prefill ``length`` tokens of ``req`` through the backend: per layer the SWA KV, the
+        compressors (then the norm + RoPE + quantize + store of their entries) and the indexer keys.
+        With HiSparse the C4 entries land in device slots (backed up later by :meth:`back_up`)."""
         errors = Errors()
         self._grow(req, length)
+        backend = self.backend
+        backend.init_forward_metadata(ForwardBatch(torch.tensor([req.req_pool_idx]), [length], [0]))
         x = self.model.hidden(req.req_pool_idx, 0, length).to(self.device)
         positions = torch.arange(length, dtype=torch.int64, device=self.device)
-        swa = self._swa_slots(req, range(length)).to(self.device)
+        swa = self.req_to_swa_loc[req.req_pool_idx, :length]
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
-            self._store(x @ w.w_kv, w.kv_norm, positions, self.pool.get_swa_kv_buffer(layer), swa, PAGE_SIZE,
-                        self._rope(w), "V4", errors)
+            kv = x @ w.w_kv
+            done = backend.forward_extend(layer, kv, *((x @ w.w_ckv, x @ w.w_cscore) if ratio else (None, None)),
+                                          *((x @ w.w_ikv, x @ w.w_iscore) if ratio == 4 else (None, None)))
+            rope = backend.layers[layer].rope
+            self._check_store(kv, w.kv_norm, positions, self.pool.get_swa_kv_buffer(layer), swa, PAGE_SIZE, rope,
+                              "V4", errors)
             if not ratio:
                 continue
-            kv, score = x @ w.w_ckv, x @ w.w_cscore
-            rings, span = self._rings(req, ratio)
-            entries, anchors = self.kv_state[layer].extend([req.req_pool_idx], [rings], [0], kv, score, span)
+            entries, anchors = done["entries"][0], done["anchors"][0]
             if self.check:
                 errors.compress = max(errors.compress, _rel(entries, compress_pool_reference(
-                    kv.cpu(), score.cpu(), w.ape, ratio), COMPRESS_TOL))
+                    (x @ w.w_ckv).cpu(), (x @ w.w_cscore).cpu(), w.ape, ratio), COMPRESS_TOL))
             hot = ratio == 4 and self.hisparse is not None
-            slots = torch.tensor([self._entry_slot(req, ratio, int(a), hot=hot) for a in anchors],
-                                 dtype=torch.int64, device=self.device)
-            cache = self._c4_cache(layer) if ratio == 4 else self.pool.get_compressed_kv_buffer(layer)
-            self._store(entries, w.c_norm, anchors.to(self.device), cache, slots, C4_PAGE if ratio == 4 else C128_PAGE,
-                        self._rope(w), "V4", errors)
+            slots = backend.entry_slots(req.req_pool_idx, anchors, ratio, hot=hot)
+            self._check_store(entries, w.c_norm, anchors.to(self.device), self._c4_cache(layer) if ratio == 4 else
+                              self.pool.get_compressed_kv_buffer(layer), slots, C4_PAGE if ratio == 4 else C128_PAGE,
+                              rope, "V4", errors)
             if ratio == 4:
-                ikv, iscore = x @ w.w_ikv, x @ w.w_iscore
-                keys, anchors = self.index_state[layer].extend([req.req_pool_idx], [rings], [0], ikv, iscore, span)
+                keys, anchors = done["index_entries"][0], done["index_anchors"][0]
                 if self.check:
                     errors.compress = max(errors.compress, _rel(keys, compress_pool_reference(
-                        ikv.cpu(), iscore.cpu(), w.i_ape, 4), COMPRESS_TOL))
-                islots = torch.tensor([self._entry_slot(req, 4, int(a), hot=False) for a in anchors],
-                                      dtype=torch.int64, device=self.device)
-                self._store(keys, w.i_norm, anchors.to(self.device), self.pool.get_indexer_buffer(layer), islots,
-                            C4_PAGE, self._rope(w), "INDEXER_FP8", errors)
+                        (x @ w.w_ikv).cpu(), (x @ w.w_iscore).cpu(), w.i_ape, 4), COMPRESS_TOL))
+                islots = backend.entry_slots(req.req_pool_idx, anchors, 4, hot=False)
+                self._check_store(keys, w.i_norm, anchors.to(self.device), self.pool.get_indexer_buffer(layer),
+                                  islots, C4_PAGE, rope, "INDEXER_FP8", errors)
         self.errors.merge(errors)
         return errors
 
     def back_up(self, reqs: list[Request]) -> None:
         """HiSparse: back the prefilled C4 KV up to the host pool, keep only the hot buffers."""
-        for req in reqs:
-            self.coordinator.admit_request_into_staging(req)
-        ready = self.coordinator.collect_ready_reqs()
-        if sorted(r.req_pool_idx for r in ready) != sorted(r.req_pool_idx for r in reqs):
-            raise RuntimeError("sparsekv demo: a staged request did not become ready")
+        self.backend.admit(reqs)
         self.coordinator.read_counters(reset=True)
 
     # ---- decode --------------------------------------------------------------------------------
 
     def decode_step(self, reqs: list[Request]) -> tuple[list[torch.Tensor], StepStats]:
-        """One decode token for every request: store its SWA KV, compress (fused store), select the
-        top-k C4 entries with the indexer, swap them in (HiSparse) and attend with the sink.
+        """One decode token for every request through the backend: store its SWA KV, compress
+        (fused store), select the top-k C4 entries with the indexer, swap them in (HiSparse) and
+        attend with the sink.
 
         Returns the attention output of every layer (float32 ``[B, heads, 512]``) and the step's stats.
         """
@@ -336,46 +305,39 @@ class Stack:
         n_before = [r.kv_allocated_len for r in reqs]
         for req, n in zip(reqs, n_before):
             self._grow(req, n + 1)
-        if self.coordinator is not None:
-            self.coordinator.map_last_loc_to_buffer([r.req_pool_idx for r in reqs], [n + 1 for n in n_before],
-                                                    [r.locs[n] for r, n in zip(reqs, n_before)])
-        dev = self.device
-        x = torch.cat([self.model.hidden(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, n_before)]).to(dev)
-        positions = torch.tensor(n_before, dtype=torch.int64, device=dev)
-        swa_new = torch.cat([self._swa_slots(r, [n]) for r, n in zip(reqs, n_before)]).to(dev)
-        window = torch.full((len(reqs), WINDOW), -1, dtype=torch.int32)
-        for b, (r, n) in enumerate(zip(reqs, n_before)):
-            lo = max(0, n + 1 - WINDOW)
-            window[b, : n + 1 - lo] = self._swa_slots(r, range(lo, n + 1)).to(torch.int32)
-        window = window.to(dev)
         rids = [r.req_pool_idx for r in reqs]
+        backend = self.backend
+        backend.init_forward_metadata(ForwardBatch(torch.tensor(rids), [n + 1 for n in n_before]))
+        x = torch.cat([self.model.hidden(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, n_before)]).to(self.device)
+        positions = backend.metadata("positions")
         outputs = []
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
-            swa_cache = self.pool.get_swa_kv_buffer(layer)
-            norm_rope_store(x @ w.w_kv, w.kv_norm, EPS, positions, swa_cache, swa_new, PAGE_SIZE, self._rope(w), "V4")
             q = (x @ w.wq).reshape(len(reqs), -1, HEAD_DIM)
-            extra = {}
-            if ratio:
-                hot = ratio == 4 and self.hisparse is not None
-                page = C4_PAGE if ratio == 4 else C128_PAGE
-                cache = self._c4_cache(layer) if ratio == 4 else self.pool.get_compressed_kv_buffer(layer)
-                target = StoreTarget(cache, w.c_norm, EPS, page, self._rope(w))
-                ring_args = [self._rings(r, ratio) for r in reqs]
-                self.kv_state[layer].extend(
-                    rids, [a for a, _ in ring_args], n_before, x @ w.w_ckv, x @ w.w_cscore, ring_args[0][1],
-                    lengths=[1] * len(reqs), store=target, entry_slots=self._entry_slots(reqs, ratio, hot=hot))
-            if ratio == 128:
-                visible = [(n + 1) // 128 for n in n_before]
-                c128 = torch.full((len(reqs), max(1, max(visible))), -1, dtype=torch.int32)
-                for b, r in enumerate(reqs):
-                    c128[b, : visible[b]] = torch.tensor([self._entry_slot(r, 128, 128 * i, hot=False)
-                                                          for i in range(visible[b])], dtype=torch.int32)
-                extra = dict(extra_kv_cache=cache, extra_indices=c128.to(dev), extra_page_size=C128_PAGE)
-            elif ratio == 4:
-                extra = self._select_c4(layer, w, reqs, rids, n_before, x, positions, cache, errors)
-            out, lse = sparse_decode_attention(q, swa_cache, window, w.sink, PAGE_SIZE, impl=self.impl, **extra)
+            args = [x @ w.w_kv, *((x @ w.w_ckv, x @ w.w_cscore) if ratio else (None, None))]
+            if ratio == 4:
+                iq = (x @ w.w_iq).reshape(len(reqs), -1, 128)
+                weights = torch.sigmoid(x @ w.w_iw)
+                args += [x @ w.w_ikv, x @ w.w_iscore, iq, weights]
+            recorder = self.recorders.get(layer)
+            before = self.coordinator.read_counters() if recorder is not None and self.coordinator else None
+            out = backend.forward_decode(layer, q, *args).clone()
+            if ratio == 4:
+                if self.check:
+                    self._check_indexer(layer, iq, weights, positions, errors)
+                if recorder is not None:
+                    c4_lens = [(n + 1) // 4 for n in n_before]
+                    tokens = backend.metadata("tokens").tolist()
+                    if before is None:
+                        recorder.record(rids, c4_lens, tokens)
+                    else:
+                        after = self.coordinator.read_counters()
+                        recorder.record(rids, c4_lens, tokens, (after["hits"] - before["hits"],
+                                                                after["misses"] - before["misses"]))
             if self.check:
-                ref_out, ref_lse = sparse_decode_attention_reference(q, swa_cache, window, w.sink, PAGE_SIZE, **extra)
+                inputs = backend.attention_inputs(layer)
+                ref_out, ref_lse = sparse_decode_attention_reference(q, inputs.pop("kv_cache"), inputs.pop("indices"),
+                                                                     w.sink, inputs.pop("page_size"), **inputs)
+                lse = backend.metadata("lse")
                 errors.attention = max(errors.attention, _rel(out, ref_out, ATTENTION_TOL),
                                        _rel(lse, ref_lse, ATTENTION_TOL))
                 errors.attention_abs = max(errors.attention_abs, float((out.cpu().double() - ref_out).abs().max()))
@@ -388,53 +350,23 @@ class Stack:
         self.errors.merge(errors)
         return outputs, stats
 
-    def _select_c4(self, layer, w, reqs, rids, n_before, x, positions, cache, errors: Errors) -> dict:
-        """The indexer's top-k of a C4 layer, as attention's extra cache and slots."""
-        dev = self.device
-        self.index_state[layer].extend(
-            rids, [r.swa_pages for r in reqs], n_before, x @ w.w_ikv, x @ w.w_iscore, PAGE_SIZE,
-            lengths=[1] * len(reqs),
-            store=StoreTarget(self.pool.get_indexer_buffer(layer), w.i_norm, EPS, C4_PAGE, self._rope(w),
-                              "INDEXER_FP8"),
-            entry_slots=self._entry_slots(reqs, 4, hot=False))
-        pages = max(-(-len(r.locs) // PAGE_SIZE) for r in reqs)
-        page_table = torch.zeros(len(reqs), pages, dtype=torch.int32)
-        for b, r in enumerate(reqs):
-            ids = [r.locs[p] // PAGE_SIZE for p in range(0, len(r.locs), PAGE_SIZE)]
-            page_table[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        page_table = page_table.to(dev)
-        iq = (x @ w.w_iq).reshape(len(reqs), -1, 128)
-        weights = torch.sigmoid(x @ w.w_iw)
+    def _check_indexer(self, layer, iq, weights, positions, errors: Errors) -> None:
+        """The backend's indexer scores of a C4 layer against the fp64 indexer."""
+        page_table = self.backend.metadata("page_table")
         k_cache = self.pool.get_indexer_buffer(layer)
-        scores = indexer_scores(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE, layout="fp8",
-                                impl=self.impl)
-        if self.check:
-            ref = indexer_scores_reference(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE,
-                                           layout="fp8", width=scores.shape[1])
-            finite = torch.isfinite(ref)
-            # sum_h |w_h| |q_h| |k| <= (sum_h |w_h| |q_h|) * max |k|: the bound per row, with the row's largest key.
-            wq = (weights.abs().double().cpu() * iq.double().cpu().norm(dim=2)).sum(dim=1, keepdim=True)
-            kmax = self._max_key_norm(k_cache, page_table, positions)
-            bound = INDEXER_TOL * wq * kmax[:, None]
-            diff = (scores.cpu().double() - ref).abs()
-            if bool(finite.any()):
-                errors.indexer = max(errors.indexer, float((diff[finite] / bound.expand_as(diff)[finite]).max()))
-        tokens, slots = indexer_topk(scores, positions, self.model.shape.top_k, page_table=page_table,
-                                     page_size=C4_PAGE, impl=self.impl)
-        recorder = self.recorders.get(layer)
-        if self.coordinator is None:
-            if recorder is not None:
-                recorder.record(rids, [(n + 1) // 4 for n in n_before], tokens.tolist())
-            return dict(extra_kv_cache=cache, extra_indices=slots, extra_page_size=C4_PAGE)
-        c4_lens = torch.tensor([(n + 1) // 4 for n in n_before], dtype=torch.int32, device=dev)
-        before = self.coordinator.read_counters() if recorder is not None else None
-        locs = self.coordinator.swap_in_selected_pages(torch.tensor(rids, device=dev), c4_lens, tokens,
-                                                       self.c4_index[layer])
-        if recorder is not None:
-            after = self.coordinator.read_counters()
-            recorder.record(rids, c4_lens.tolist(), tokens.tolist(),
-                            (after["hits"] - before["hits"], after["misses"] - before["misses"]))
-        return dict(extra_kv_cache=cache, extra_indices=locs, extra_page_size=C4_PAGE)
+        scores = self.backend.metadata("scores")
+        ref = indexer_scores_reference(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE,
+                                       layout="fp8", width=scores.shape[1])
+        finite = torch.isfinite(ref)
+        # sum_h |w_h| |q_h| |k| <= (sum_h |w_h| |q_h|) * max |k|: the bound per row, with the row's largest key.
+        wq = (weights.abs().double().cpu() * iq.double().cpu().norm(dim=2)).sum(dim=1, keepdim=True)
+        kmax = self._max_key_norm(k_cache, page_table, positions)
+        bound = INDEXER_TOL * wq * kmax[:, None]
+        visible = torch.arange(scores.shape[1])[None] < ((positions.cpu() + 1) // 4)[:, None]
+        diff = (scores.cpu().double() - ref).abs()
+        keep = finite & visible
+        if bool(keep.any()):
+            errors.indexer = max(errors.indexer, float((diff[keep] / bound.expand_as(diff)[keep]).max()))
 
     def _max_key_norm(self, k_cache, page_table, positions) -> torch.Tensor:
         norms = []

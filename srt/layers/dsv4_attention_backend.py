@@ -1,0 +1,457 @@
+"""The attention backend an engine's DSV4 model calls for each attention layer: :class:`Dsv4AttentionBackend`.
+
+It joins the pieces an engine would otherwise wire by hand: the ``DeepSeekV4TokenToKVPool`` (SWA,
+C4, C128 and indexer caches, compressor rings), the request tables (full-token and SWA locations of
+every request row), the compressors' per-request state (:class:`~sparsekv.srt.mem_cache.CompressorState`)
+and, with HiSparse, the :class:`~sparsekv.srt.managers.HiSparseCoordinator` (admission, backups,
+swap-in, finish). Its shape is the attention-backend shape of sglang and vLLM engines:
+
+* per batch, :meth:`init_forward_metadata` derives on the device what the kernels read: each row's
+  SWA slot and window, compressor ring rows, C4 / C128 / indexer entry slots (C4: the hot-buffer
+  slot under HiSparse), the C4 page table and the C128 entry list;
+* per layer, :meth:`forward_extend` (prefill chunks: SWA store, compressors, stores) and
+  :meth:`forward_decode` (one token per request: SWA store, compressor + fused store, indexer
+  top-k, HiSparse swap-in, sparse attention with the sink) for C4, C128 and window-only layers;
+* CUDA graphs: :meth:`init_cuda_graph_state` allocates every buffer once for ``max_bs`` rows;
+  :meth:`init_forward_metadata_capture_cuda_graph` and :meth:`init_forward_metadata_replay_cuda_graph`
+  refill them in place. Given that state, :meth:`forward_decode` allocates nothing and reads nothing
+  back, and traces under ``torch.compile(fullgraph=True)`` with the HiSparse swap-in included.
+
+Layout of the tables (the engine's): ``req_to_token[row, p]`` is the full-token location of position
+``p`` (C4 entry ``i`` of a request lives at ``req_to_token[row, 4 i + 3] // 4``, C128 entry ``i`` at
+``req_to_token[row, 128 i + 127] // 128``); ``req_to_swa_loc[row, p]`` its SWA location (the C4 rings
+are addressed by the SWA page, the C128 ring by the request row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsekv.jit_kernel.dsv4 import (
+    compress_decode_step,
+    lightning_indexer,
+    norm_rope_store,
+    sparse_decode_attention,
+)
+from sparsekv.jit_kernel.dsv4_attention import workspace_floats
+from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
+from sparsekv.srt.mem_cache.compressor_state import CompressorState
+
+HEAD_DIM = 512
+INDEXER_DIM = 128
+
+
+@dataclass(frozen=True)
+class Dsv4LayerParams:
+    """What the backend needs of one attention layer's weights (the model keeps its projections).
+
+    Attributes
+    ----------
+    ratio : int
+        0 (window only), 4 (C4: compressed KV chosen by the lightning indexer) or 128 (C128: every entry).
+    sink : torch.Tensor
+        float32 ``[heads]``: the per-head attention sink.
+    kv_norm : torch.Tensor
+        float32 ``[512]``: RMSNorm weight of the SWA KV.
+    rope : RopeTable
+        The layer's float32 cos/sin table (``RopeParams(...).table(max_position)``).
+    ape, c_norm : torch.Tensor, optional
+        The compressor's positional bias ``[ratio, coff * 512]`` and its entries' RMSNorm weight (ratio 4, 128).
+    i_ape, i_norm : torch.Tensor, optional
+        The indexer compressor's bias ``[4, 256]`` and its keys' RMSNorm weight ``[128]`` (ratio 4).
+    eps : float
+        RMSNorm epsilon.
+    """
+
+    ratio: int
+    sink: torch.Tensor
+    kv_norm: torch.Tensor
+    rope: RopeTable
+    ape: torch.Tensor | None = None
+    c_norm: torch.Tensor | None = None
+    i_ape: torch.Tensor | None = None
+    i_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+@dataclass
+class ForwardBatch:
+    """One batch as the scheduler describes it.
+
+    Attributes
+    ----------
+    req_pool_indices : torch.Tensor
+        int64 ``[B]``: the request rows.
+    seq_lens : sequence of int
+        Host lengths of each request after this batch (decode: including the new token).
+    extend_prefix_lens : sequence of int, optional
+        Extend only: tokens each request already had (its chunk starts there). Decode: ``None``.
+    """
+
+    req_pool_indices: torch.Tensor
+    seq_lens: Sequence[int]
+    extend_prefix_lens: Sequence[int] | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.extend_prefix_lens is None
+
+
+class Dsv4AttentionBackend:
+    """Per-batch metadata and per-layer calls of DSV4 attention over a ``DeepSeekV4TokenToKVPool``.
+
+    Parameters
+    ----------
+    pool : DeepSeekV4TokenToKVPool
+        The rank's KV pool (page size ``pool.page_size``).
+    layers : sequence of Dsv4LayerParams
+        One per layer of the pool, in layer order.
+    req_to_token, req_to_swa_loc : torch.Tensor
+        int64 ``[rows, max_context]`` on the pool's device: the full-token and SWA location of
+        every position of every request row (the engine's tables; the backend only reads them).
+    top_k : int
+        The indexer's top-k (C4 entries each token attends).
+    window : int
+        Sliding-window length of the SWA attention.
+    coordinator : HiSparseCoordinator, optional
+        With HiSparse: the C4 KV lives in the coordinator's hot buffers and host pool; the backend
+        makes its calls (admission, backups, swap-in, finish).
+    impl : str
+        ``"header"``, ``"triton"`` or ``"auto"``: the indexer's and the attention's implementation.
+    """
+
+    def __init__(self, pool, layers: Sequence[Dsv4LayerParams], req_to_token: torch.Tensor,
+                 req_to_swa_loc: torch.Tensor, *, top_k: int, window: int, coordinator=None, impl: str = "auto"):
+        if len(layers) != len(pool.layer_mapping):
+            raise ValueError(f"sparsekv: argument `layers` has {len(layers)} layers, the pool "
+                             f"{len(pool.layer_mapping)}")
+        for name, table in (("req_to_token", req_to_token), ("req_to_swa_loc", req_to_swa_loc)):
+            if table.dtype != torch.int64 or table.dim() != 2:
+                raise TypeError(f"sparsekv: argument `{name}` must be a 2-D int64 tensor")
+        self.pool, self.layers, self.impl = pool, list(layers), impl
+        self.req_to_token, self.req_to_swa_loc = req_to_token, req_to_swa_loc
+        self.device = pool.device
+        self.top_k, self.window, self.coordinator = top_k, window, coordinator
+        self.page_size = pool.page_size
+        self.c4_page, self.c128_page = self.page_size // 4, self.page_size // 128
+        self.rings = pool.ring_sizes
+        ratios = [layer.ratio for layer in self.layers]
+        self.c4_index = {i: n for n, i in enumerate(i for i, r in enumerate(ratios) if r == 4)}
+        self.max_context = req_to_token.shape[1]
+        self.heads = int(self.layers[0].sink.numel())
+        # Compressor states of prefill chunks (host-planned), one per compressor of each layer.
+        self.kv_state: dict[int, CompressorState] = {}
+        self.index_state: dict[int, CompressorState] = {}
+        self.kv_target: dict[int, StoreTarget] = {}
+        self.index_target: dict[int, StoreTarget] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.ratio:
+                self.kv_state[i] = CompressorState(pool.get_compress_state(i), layer.ape, layer.ratio,
+                                                   self.rings[layer.ratio])
+                page = self.c4_page if layer.ratio == 4 else self.c128_page
+                self.kv_target[i] = StoreTarget(self.compressed_cache(i), layer.c_norm, layer.eps, page, layer.rope)
+            if layer.ratio == 4:
+                self.index_state[i] = CompressorState(pool.get_indexer_state(i), layer.i_ape, 4, self.rings[4])
+                self.index_target[i] = StoreTarget(pool.get_indexer_buffer(i), layer.i_norm, layer.eps, self.c4_page,
+                                                   layer.rope, "INDEXER_FP8")
+        self._bufs: dict[str, torch.Tensor] | None = None
+        self._capacity = 0
+        self.bs = 0
+
+    # ---- caches -----------------------------------------------------------------------------------
+
+    def compressed_cache(self, layer_id: int) -> torch.Tensor:
+        """The paged V4 cache of a layer's compressed entries (C4 under HiSparse: the hot pool)."""
+        if self.layers[layer_id].ratio == 4 and self.coordinator is not None:
+            return self.coordinator.device_pool.kv_buffer[self.c4_index[layer_id]]
+        return self.pool.get_compressed_kv_buffer(layer_id)
+
+    # ---- buffers ----------------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate every per-batch buffer once for up to ``max_bs`` rows (metadata and outputs)."""
+        dev, w, n128 = self.device, self.window, max(1, self.max_context // 128)
+        pages = -(-self.max_context // self.page_size)
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        self._bufs = {
+            "rows": torch.zeros(max_bs, dtype=i64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=i64, device=dev),
+            "swa_slots": torch.zeros(max_bs, dtype=i64, device=dev),
+            "window": torch.full((max_bs, w), -1, dtype=i32, device=dev),
+            "c4_state_rows": torch.zeros(max_bs, 8, dtype=i64, device=dev),
+            "c128_state_rows": torch.zeros(max_bs, 128, dtype=i64, device=dev),
+            "c4_slots": torch.zeros(max_bs, dtype=i64, device=dev),
+            "c128_slots": torch.zeros(max_bs, dtype=i64, device=dev),
+            "index_slots": torch.zeros(max_bs, dtype=i64, device=dev),
+            "page_table": torch.zeros(max_bs, pages, dtype=i32, device=dev),
+            "c128_indices": torch.full((max_bs, n128), -1, dtype=i32, device=dev),
+            "c4_lens": torch.zeros(max_bs, dtype=i32, device=dev),
+            "num_real": torch.zeros(1, dtype=i32, device=dev),
+            "entries": torch.zeros(max_bs, HEAD_DIM, dtype=f32, device=dev),
+            "emitted": torch.zeros(max_bs, dtype=torch.bool, device=dev),
+            "index_entries": torch.zeros(max_bs, INDEXER_DIM, dtype=f32, device=dev),
+            "index_emitted": torch.zeros(max_bs, dtype=torch.bool, device=dev),
+            "scores": torch.zeros(max_bs, pages * self.c4_page, dtype=f32, device=dev),
+            "tokens": torch.zeros(max_bs, self.top_k, dtype=i32, device=dev),
+            "top_slots": torch.zeros(max_bs, self.top_k, dtype=i32, device=dev),
+            "out": torch.zeros(max_bs, self.heads, HEAD_DIM, dtype=f32, device=dev),
+            "lse": torch.zeros(max_bs, self.heads, dtype=f32, device=dev),
+            "workspace": torch.zeros(max(1, workspace_floats(max_bs, self.heads, 1)), dtype=f32, device=dev),
+        }
+        self._capacity = max_bs
+
+    def _buf(self, name: str) -> torch.Tensor:
+        return self._bufs[name][: self.bs]
+
+    def metadata(self, name: str) -> torch.Tensor:
+        """The current batch's rows of one buffer (``"positions"``, ``"window"``, ``"page_table"``,
+        ``"scores"`` and ``"tokens"`` of the last C4 layer, ...): for checks and traces."""
+        return self._buf(name)
+
+    # ---- per batch --------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Derive the batch's metadata on the device (decode), or note the chunks (extend).
+
+        Decode: with HiSparse, first routes each new C4 entry into its request's hot buffer and
+        backs up the previous step's (``map_last_loc_to_buffer``, the scheduler's host step).
+        """
+        rows = batch.req_pool_indices
+        if batch.is_decode:
+            bs = rows.shape[0]
+            if self._bufs is None or bs > self._capacity:
+                self.init_cuda_graph_state(max(bs, self._capacity))
+            if self.coordinator is not None:
+                host_rows = rows.tolist()
+                locs = [int(self.req_to_token[r, n - 1]) for r, n in zip(host_rows, batch.seq_lens)]
+                self.coordinator.map_last_loc_to_buffer(host_rows, list(batch.seq_lens), locs)
+            for r, n in zip(rows.tolist(), batch.seq_lens):
+                for state in (*self.kv_state.values(), *self.index_state.values()):
+                    state.release(r)  # the device step moves the request on: the next chunk starts after it
+                    state.resume(r, n)
+            positions = torch.as_tensor(list(batch.seq_lens), dtype=torch.int64, device=self.device) - 1
+            self._fill_decode(rows.to(self.device), positions, bs, bs)
+        else:
+            self.extend_rows = rows.tolist()
+            self.extend_starts = list(batch.extend_prefix_lens)
+            self.extend_lens = [n - s for n, s in zip(batch.seq_lens, batch.extend_prefix_lens)]
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 positions: torch.Tensor) -> None:
+        """Fill the graph state for a capture of ``bs`` rows (the buffers the captured step reads)."""
+        self._fill_decode(req_pool_indices, positions, bs, bs)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, num_real: int, req_pool_indices: torch.Tensor,
+                                                positions: torch.Tensor) -> None:
+        """Refill the graph state in place before a replay: ``num_real`` real rows of the ``bs``
+        captured (the rest are padding: they write nothing the real rows read, and swap in nothing)."""
+        self._fill_decode(req_pool_indices, positions, bs, num_real)
+
+    def _fill_decode(self, rows: torch.Tensor, positions: torch.Tensor, bs: int, num_real: int) -> None:
+        if self._bufs is None or bs > self._capacity:
+            raise ValueError(f"sparsekv: batch of {bs} rows, the graph state holds {self._capacity}")
+        self.bs = bs
+        b = self._bufs
+        b["rows"][:bs].copy_(rows)
+        b["positions"][:bs].copy_(positions)
+        b["num_real"].fill_(num_real)
+        rows, pos = b["rows"][:bs], b["positions"][:bs]
+        ctx = self.max_context
+        tok = self.req_to_token[rows]  # [bs, ctx]
+        swa = self.req_to_swa_loc[rows]
+        b["swa_slots"][:bs].copy_(swa.gather(1, pos[:, None])[:, 0])
+        # The window: positions lo..pos first (oldest first), then -1.
+        offs = torch.arange(self.window, device=self.device)
+        span = torch.clamp(pos, max=self.window - 1)
+        p = (pos - span)[:, None] + offs
+        window = swa.gather(1, p.clamp(max=ctx - 1))
+        b["window"][:bs].copy_(torch.where(offs <= span[:, None], window, -1))
+        # Compressor ring rows of the last 8 (C4) / 128 (C128) positions; positions before 0 are not read.
+        for ratio, name in ((4, "c4_state_rows"), (128, "c128_state_rows")):
+            ring = self.rings.get(ratio, 0)
+            if not ring:
+                continue
+            w = 8 if ratio == 4 else 128
+            q = (pos[:, None] - (w - 1) + torch.arange(w, device=self.device)).clamp(min=0)
+            ring_id = swa.gather(1, q) // self.page_size if ratio == 4 else rows[:, None].expand(-1, w)
+            b[name][:bs].copy_(ring_id * ring + q % ring)
+        loc = tok.gather(1, pos[:, None])[:, 0]
+        b["index_slots"][:bs].copy_(loc // 4)
+        b["c128_slots"][:bs].copy_(loc // 128)
+        if self.coordinator is not None:
+            mapping = self.coordinator.allocator.full_to_hisparse_device_index_mapping
+            b["c4_slots"][:bs].copy_(mapping[loc // 4])
+        else:
+            b["c4_slots"][:bs].copy_(loc // 4)
+        pages = b["page_table"].shape[1]
+        b["page_table"][:bs].copy_(tok[:, :: self.page_size][:, :pages] // self.page_size)
+        n128 = b["c128_indices"].shape[1]
+        last = 128 * torch.arange(n128, device=self.device) + 127
+        c128 = tok.gather(1, last.clamp(max=ctx - 1)[None].expand(bs, -1)) // 128
+        b["c128_indices"][:bs].copy_(torch.where(last[None] <= pos[:, None], c128, -1))
+        b["c4_lens"][:bs].copy_((pos + 1) // 4)
+
+    # ---- per layer --------------------------------------------------------------------------------
+
+    def forward_decode(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, c_kv: torch.Tensor | None = None,
+                       c_score: torch.Tensor | None = None, i_kv: torch.Tensor | None = None,
+                       i_score: torch.Tensor | None = None, index_q: torch.Tensor | None = None,
+                       weights: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token of every row through layer ``layer_id``; returns the attention output.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            float32 ``[B, heads, 512]``.
+        kv : torch.Tensor
+            float32 ``[B, 512]``: the new token's SWA KV before its norm (stored normalized, rotated, FP8).
+        c_kv, c_score : torch.Tensor, optional
+            float32 ``[B, coff * 512]``: the compressor's inputs (C4, C128 layers).
+        i_kv, i_score, index_q, weights : torch.Tensor, optional
+            C4 layers: the indexer compressor's inputs ``[B, 256]``, the indexer query ``[B, heads', 128]``
+            and its head weights ``[B, heads']``.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 ``[B, heads, 512]``: a view of the backend's output buffer (the next layer's call
+            overwrites it: copy what you keep).
+        """
+        layer = self.layers[layer_id]
+        pos = self._buf("positions")
+        swa_cache = self.pool.get_swa_kv_buffer(layer_id)
+        norm_rope_store(kv, layer.kv_norm, layer.eps, pos, swa_cache, self._buf("swa_slots"), self.page_size,
+                        layer.rope, "V4")
+        extra = {}
+        if layer.ratio:
+            slots = self._buf("c4_slots" if layer.ratio == 4 else "c128_slots")
+            rows = self._buf("c4_state_rows" if layer.ratio == 4 else "c128_state_rows")
+            compress_decode_step(c_kv, c_score, layer.ape, layer.ratio, self.pool.get_compress_state(layer_id), rows,
+                                 pos, store=self.kv_target[layer_id], entry_slots=slots, out=self._buf("entries"),
+                                 emitted=self._buf("emitted"))
+        if layer.ratio == 128:
+            extra = dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=self._buf("c128_indices"),
+                         extra_page_size=self.c128_page)
+        elif layer.ratio == 4:
+            compress_decode_step(i_kv, i_score, layer.i_ape, 4, self.pool.get_indexer_state(layer_id),
+                                 self._buf("c4_state_rows"), pos, store=self.index_target[layer_id],
+                                 entry_slots=self._buf("index_slots"), out=self._buf("index_entries"),
+                                 emitted=self._buf("index_emitted"))
+            tokens, slots = lightning_indexer(
+                index_q, weights, self.pool.get_indexer_buffer(layer_id), self._buf("page_table"), pos, self.top_k,
+                page_size=self.c4_page, scores=self._buf("scores"), out=self._buf("tokens"),
+                out_slots=self._buf("top_slots"), impl=self.impl)
+            if self.coordinator is not None:
+                slots = self.coordinator.swap_in_selected_pages(self._buf("rows"), self._buf("c4_lens"), tokens,
+                                                                self.c4_index[layer_id],
+                                                                num_real_reqs=self._bufs["num_real"])
+            extra = dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=slots,
+                         extra_page_size=self.c4_page)
+        out, _ = sparse_decode_attention(q, swa_cache, self._buf("window"), layer.sink, self.page_size,
+                                         out=self._buf("out"), lse=self._buf("lse"), impl=self.impl, **extra)
+        return out
+
+    def attention_inputs(self, layer_id: int) -> dict:
+        """The last decode step's attention inputs of ``layer_id`` besides the query (a check reads
+        them): the SWA cache, the window, and the extra cache, indices and page size."""
+        layer = self.layers[layer_id]
+        inputs = dict(kv_cache=self.pool.get_swa_kv_buffer(layer_id), indices=self._buf("window"),
+                      page_size=self.page_size)
+        if layer.ratio == 128:
+            inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=self._buf("c128_indices"),
+                           extra_page_size=self.c128_page)
+        elif layer.ratio == 4:
+            slots = (self._buf("top_slots") if self.coordinator is None
+                     else self.coordinator.top_k_device_locs_buffer[: self.bs])
+            inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=slots,
+                           extra_page_size=self.c4_page)
+        return inputs
+
+    def forward_extend(self, layer_id: int, kv: torch.Tensor, c_kv: torch.Tensor | None = None,
+                       c_score: torch.Tensor | None = None, i_kv: torch.Tensor | None = None,
+                       i_score: torch.Tensor | None = None) -> dict:
+        """Store one prefill chunk of every request of the batch through layer ``layer_id``.
+
+        The rows of each input are the batch's extend tokens, request after request (the lengths of
+        :meth:`init_forward_metadata`). Writes the SWA KV, runs the compressors over the chunk
+        (continuing each request's rings) and stores their entries and the indexer keys.
+
+        Returns
+        -------
+        dict
+            ``entries`` / ``anchors`` (the compressor's new entries and their first positions) and
+            ``index_entries`` / ``index_anchors`` (C4), each per request, for checks.
+        """
+        layer = self.layers[layer_id]
+        rows, starts, lens = self.extend_rows, self.extend_starts, self.extend_lens
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(self.device)
+        swa_slots = torch.cat([self.req_to_swa_loc[r, s: s + n] for r, s, n in zip(rows, starts, lens)])
+        norm_rope_store(kv, layer.kv_norm, layer.eps, positions, self.pool.get_swa_kv_buffer(layer_id),
+                        swa_slots.to(self.device), self.page_size, layer.rope, "V4")
+        done: dict = {}
+        if not layer.ratio:
+            return done
+        splits = torch.tensor(lens).cumsum(0).tolist()
+        bounds = list(zip([0, *splits[:-1]], splits))
+        for name, state, target, x, score, ratio in (
+                ("", self.kv_state[layer_id], self.kv_target[layer_id], c_kv, c_score, layer.ratio),
+                ("index_", self.index_state.get(layer_id), self.index_target.get(layer_id), i_kv, i_score, 4)):
+            if state is None:
+                continue
+            entries_all, anchors_all = [], []
+            for r, s, (a, z) in zip(rows, starts, bounds):
+                if s == 0:
+                    state.release(r)  # a new request in a reused row
+                ring, span = self._ring(r, ratio)
+                entries, anchors = state.extend([r], [ring], [s], x[a:z], score[a:z], span)
+                hot = ratio == 4 and self.coordinator is not None and not name
+                slot_of = self.entry_slots(r, anchors, ratio, hot=hot)
+                norm_rope_store(entries, target.weight, target.eps, anchors.to(self.device), target.cache,
+                                slot_of, target.page_size, target.rope, target.cache_kind)
+                entries_all.append(entries)
+                anchors_all.append(anchors)
+            done[f"{name}entries"], done[f"{name}anchors"] = entries_all, anchors_all
+        return done
+
+    def _ring(self, row: int, ratio: int) -> tuple[list[int], int | None]:
+        if ratio == 128:
+            return [row], None
+        pages = self.req_to_swa_loc[row, :: self.page_size] // self.page_size
+        return pages.tolist(), self.page_size
+
+    def entry_slots(self, row: int, anchors: torch.Tensor, ratio: int, *, hot: bool) -> torch.Tensor:
+        """Cache slots of request ``row``'s entries anchored at ``anchors``: ``loc // ratio`` of each
+        entry's last token; ``hot``: the HiSparse device slot the allocator mapped it to."""
+        loc = self.req_to_token[row, anchors.to(self.req_to_token.device) + ratio - 1] // ratio
+        if hot:
+            loc = self.coordinator.allocator.full_to_hisparse_device_index_mapping[loc]
+        return loc.to(self.device)
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def admit(self, reqs: Sequence) -> None:
+        """HiSparse: back the prefilled requests' C4 KV up to the host pool and keep their hot buffers."""
+        if self.coordinator is None:
+            return
+        for req in reqs:
+            self.coordinator.admit_request_into_staging(req)
+        ready = self.coordinator.collect_ready_reqs()
+        if sorted(r.req_pool_idx for r in ready) != sorted(r.req_pool_idx for r in reqs):
+            raise RuntimeError("sparsekv: a staged request did not become ready")
+
+    def admit_transferred(self, req, length: int) -> None:
+        """PD decode: a request whose first ``length`` tokens a prefill process sent (``KVReceiver``);
+        its compressors continue at ``length``."""
+        for state in (*self.kv_state.values(), *self.index_state.values()):
+            state.release(req.req_pool_idx)
+            state.resume(req.req_pool_idx, length)
+
+    def finish(self, req) -> None:
+        """Release a finished request's compressor progress and (HiSparse) its hot buffer and host slots."""
+        for state in (*self.kv_state.values(), *self.index_state.values()):
+            state.release(req.req_pool_idx)
+        if self.coordinator is not None:
+            self.coordinator.request_finished(req)

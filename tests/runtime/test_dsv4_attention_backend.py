@@ -1,0 +1,164 @@
+"""``Dsv4AttentionBackend``: a decode step of the demo model's layers (window, C4, C128) through the
+backend, compiled whole under ``torch.compile(fullgraph=True)`` with the HiSparse swap-in, equals
+eager byte for byte (outputs and every cache, ring and hot-buffer table it writes); given the graph
+state it allocates nothing; on a GPU it is captured in a CUDA graph and replayed with padding rows.
+
+The stack around the backend is the demo's (``sparsekv.cli.demo.stack``: plan, pools, the
+scheduler's tables, the model's projections), which ``tests/test_demo.py`` checks against fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.cli.demo.model import HEAD_DIM, DemoModel, ModelShape
+from sparsekv.cli.demo.stack import Request, Stack
+from sparsekv.srt.layers import ForwardBatch
+from sparsekv.testing.allocations import allocations
+
+PROMPTS = (300, 131)  # one request with C128 entries, one with a partial C4 page
+
+
+def prefilled(hisparse: int | None, device: str = "cpu") -> tuple[Stack, list[Request]]:
+    model = DemoModel(ModelShape())
+    stack = Stack(model, tokens=max(PROMPTS) + 8, requests=len(PROMPTS), hisparse=hisparse, hot_buffer=64,
+                  device=device, check=False)
+    reqs = [Request(i, 0) for i in range(len(PROMPTS))]
+    for req, n in zip(reqs, PROMPTS):
+        stack.prefill(req, n)
+    if hisparse is not None:
+        stack.back_up(reqs)
+    return stack, reqs
+
+
+def step_inputs(stack: Stack, reqs: list[Request]) -> list[tuple]:
+    """Start the next decode step (tables, metadata) and return each layer's inputs."""
+    n_before = [r.kv_allocated_len for r in reqs]
+    for req, n in zip(reqs, n_before):
+        stack._grow(req, n + 1)
+    stack.backend.init_forward_metadata(ForwardBatch(torch.tensor([r.req_pool_idx for r in reqs]),
+                                                     [n + 1 for n in n_before]))
+    x = torch.cat([stack.model.hidden(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, n_before)]).to(stack.device)
+    inputs = []
+    for w in stack.model.layers:
+        args = [(x @ w.wq).reshape(len(reqs), -1, HEAD_DIM), x @ w.w_kv]
+        if w.ratio:
+            args += [x @ w.w_ckv, x @ w.w_cscore]
+        if w.ratio == 4:
+            args += [x @ w.w_ikv, x @ w.w_iscore, (x @ w.w_iq).reshape(len(reqs), -1, 128), torch.sigmoid(x @ w.w_iw)]
+        inputs.append(tuple(args))
+    return inputs
+
+
+def decode(backend, inputs) -> list[torch.Tensor]:
+    return [backend.forward_decode(layer, *args).clone() for layer, args in enumerate(inputs)]
+
+
+def written_state(stack: Stack) -> dict[str, torch.Tensor]:
+    """Every buffer a decode step writes: caches, rings, and the HiSparse tables and hot pool."""
+    pool, state = stack.pool, {}
+    for layer, ratio in enumerate(stack.ratios):
+        state[f"swa{layer}"] = pool.get_swa_kv_buffer(layer)
+        if ratio:
+            state[f"kv{layer}"] = stack.backend.compressed_cache(layer)
+            state[f"ring{layer}"] = pool.get_compress_state(layer)
+        if ratio == 4:
+            state[f"index{layer}"] = pool.get_indexer_buffer(layer)
+            state[f"index_ring{layer}"] = pool.get_indexer_state(layer)
+    if stack.coordinator is not None:
+        c = stack.coordinator
+        state |= {"buffer_tokens": c.req_device_buffer_tokens, "lru": c.lru_slots,
+                  "host": torch.stack(list(c.mem_pool_host.kv_buffer))}
+    return {k: v.clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
+def test_a_compiled_decode_step_equals_eager_byte_for_byte(hisparse):
+    eager_stack, eager_reqs = prefilled(hisparse)
+    compiled_stack, compiled_reqs = prefilled(hisparse)
+    compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")  # aot_eager runs the ops' fakes
+    for _ in range(3):  # the third step completes a C4 entry of the second request (131 + 1 = 132)
+        expected = decode(eager_stack.backend, step_inputs(eager_stack, eager_reqs))
+        got = compiled(compiled_stack.backend, step_inputs(compiled_stack, compiled_reqs))
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b)
+        want, have = written_state(eager_stack), written_state(compiled_stack)
+        assert [k for k in want if not torch.equal(want[k], have[k])] == []
+
+
+@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
+def test_a_decode_step_given_its_graph_state_allocates_nothing(hisparse):
+    stack, reqs = prefilled(hisparse)
+    stack.backend.init_cuda_graph_state(4)
+    inputs = step_inputs(stack, reqs)
+    decode(stack.backend, inputs)  # first call: loads the kernels
+    inputs = step_inputs(stack, reqs)
+    assert allocations(lambda: [stack.backend.forward_decode(layer, *args) for layer, args in enumerate(inputs)]) \
+        == []
+
+
+def test_hisparse_decode_through_the_backend_equals_all_resident():
+    resident, resident_reqs = prefilled(None)
+    hot, hot_reqs = prefilled(2)
+    for _ in range(5):
+        a = decode(resident.backend, step_inputs(resident, resident_reqs))
+        b = decode(hot.backend, step_inputs(hot, hot_reqs))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def padded_step(stack: Stack, reqs: list[Request], bs: int):
+    """The next step's inputs padded to ``bs`` rows, as a CUDA-graph runner pads a batch: the padding
+    rows name the spare request row at position 0 (its tables are zeros: the allocators' reserved
+    page 0), and copy row 0's activations. Returns (inputs, rows, positions)."""
+    inputs = step_inputs(stack, reqs)
+    pad = bs - len(reqs)
+    rows = torch.tensor([r.req_pool_idx for r in reqs] + [len(PROMPTS)] * pad, device=stack.device)
+    positions = torch.cat([stack.backend.metadata("positions"), torch.zeros(pad, dtype=torch.int64,
+                                                                            device=stack.device)])
+    padded = [tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in args) for args in inputs]
+    return padded, rows, positions
+
+
+@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
+def test_replay_metadata_with_a_padding_row_leaves_the_real_rows_alone(hisparse):
+    stack, reqs = prefilled(hisparse)
+    twin, twin_reqs = prefilled(hisparse)
+    stack.backend.init_cuda_graph_state(3)
+    for _ in range(3):
+        padded, rows, positions = padded_step(stack, reqs, 3)
+        stack.backend.init_forward_metadata_replay_cuda_graph(3, len(reqs), rows, positions)
+        got = decode(stack.backend, padded)
+        expected = decode(twin.backend, step_inputs(twin, twin_reqs))
+        assert all(torch.equal(want, have[: len(reqs)]) for want, have in zip(expected, got))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
+def test_a_captured_decode_step_replays_with_padding_rows(hisparse):
+    """Capture a step for bs = 4 rows, replay it with 2 real rows: the real rows' outputs equal an
+    eager step of the same two requests in a twin stack."""
+    stack, reqs = prefilled(hisparse, "cuda")
+    twin, twin_reqs = prefilled(hisparse, "cuda")
+    backend, bs = stack.backend, 4
+    backend.init_cuda_graph_state(bs)
+    padded, rows, positions = padded_step(stack, reqs, bs)
+    static = [tuple(t.clone() for t in args) for args in padded]
+    # Warm up and capture on padding only (num_real = 0: nothing real is written or swapped in).
+    dummy_rows, dummy_pos = torch.full_like(rows, len(PROMPTS)), torch.zeros_like(positions)
+    backend.init_forward_metadata_capture_cuda_graph(bs, dummy_rows[:1].expand(bs).clone(), dummy_pos)
+    backend.init_forward_metadata_replay_cuda_graph(bs, 0, dummy_rows, dummy_pos)
+    decode(backend, static)  # warm-up on the padding row: loads every kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [backend.forward_decode(layer, *args).clone() for layer, args in enumerate(static)]
+    expected = decode(twin.backend, step_inputs(twin, twin_reqs))
+    backend.init_forward_metadata_replay_cuda_graph(bs, len(reqs), rows, positions)
+    for dst, src in zip(static, padded):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for want, have in zip(expected, outs):
+        assert torch.equal(want, have[: len(reqs)])
