@@ -102,8 +102,7 @@ class _Arrival:
     #: Stage index -> why its notifications of this room cannot be believed (a batch beyond the
     #: count they name, or counts that disagree).
     bad_notifs: dict[int, str] = field(default_factory=dict)
-    #: Stage index -> ``(fewest, most)`` batches the room's plan on that stage allows.
-    batch_bounds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    claims_checked: set[int] = field(default_factory=set)  # stages whose claim of success fits the plan
     cancelled: bool = False  # this side gave up: every stage was asked to write nothing more
     settled: set[int] = field(default_factory=set)  # stages with nothing of the room in flight
     state: RoomState = RoomState.REQUESTED
@@ -262,6 +261,13 @@ class KVReceiver:
         with self._cond:
             if stage.channel is channel:
                 stage.closed, stage.idle, stage.closed_at = True, idle, time.monotonic()
+                if idle and any(index not in a.statuses for _, a in self._rooms.live_items()):
+                    # A room asked for while the stage decided it was idle: ask again at once.
+                    try:
+                        self._reconnect_idle(index)
+                    except (OSError, ManifestMismatchError, ProtocolError) as e:
+                        logger.error("prefill stage %d cannot be reached again: %s", stage.address[1], e)
+                        stage.idle = False  # its rooms fail: it is gone
             self._cond.notify_all()
 
     def _reconnect_idle(self, index: int) -> None:
@@ -475,12 +481,10 @@ class KVReceiver:
                     items += n
         return len(kinds), items
 
-    def _claim_error(self, i: int, arrival: _Arrival, batches: int, digests: dict[str, str]) -> str:
+    def _claim_error(self, i: int, request: Transfer, batches: int, digests: dict[str, str]) -> str:
         """Why stage ``i``'s claim of success (its batch count and digests) cannot be the room's
         ("" if it can) (caller holds ``_cond``)."""
-        if i not in arrival.batch_bounds:
-            arrival.batch_bounds[i] = self._batch_bounds(i, arrival.request)
-        fewest, most = arrival.batch_bounds[i]
+        fewest, most = self._batch_bounds(i, request)
         if not fewest <= batches <= most:
             return f"it reported {batches} batches, the room's plan takes {fewest} to {most}"
         expected = self._stages[i].host_regions if self.checksums else frozenset()
@@ -502,16 +506,21 @@ class KVReceiver:
             if i in arrival.bad_notifs:
                 return f"prefill stage {i}: {arrival.bad_notifs[i]}"
             if status is not None:
-                claim = self._claim_error(i, arrival, status.batches, status.digests)
                 named = arrival.notified_batches.get(i, status.batches)
-                if not claim and named != status.batches:
-                    claim = f"its status reports {status.batches} batches, its notifications {named}"
-            elif self.notified and i in arrival.notified_digests:
-                claim = self._claim_error(i, arrival, arrival.notified_batches[i], arrival.notified_digests[i])
-            else:
-                claim = ""
-            if claim:
-                return f"prefill stage {i}: {claim}"
+                if named != status.batches:
+                    return f"prefill stage {i}: its status reports {status.batches} batches, its notifications {named}"
+            if i not in arrival.claims_checked:  # each stage's claim is checked once, as it arrives
+                if status is not None:
+                    claim = self._claim_error(i, arrival.request, status.batches, status.digests)
+                elif self.notified and i in arrival.notified_digests:
+                    claim = self._claim_error(i, arrival.request, arrival.notified_batches[i],
+                                              arrival.notified_digests[i])
+                else:
+                    claim = None
+                if claim:
+                    return f"prefill stage {i}: {claim}"
+                if claim is not None:
+                    arrival.claims_checked.add(i)
             if status is None and stage.closed:
                 return f"prefill stage {i} closed the connection before room {arrival.request.room} finished"
         return ""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import binascii
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -477,13 +478,14 @@ class KVSender:
                 with self._cond:
                     if connection.holds_rooms:
                         idle_since = now
-                    elif now - idle_since >= self.deadlines.idle_s:
-                        # Every room it asked for was answered before this bye, on this channel.
-                        self._send(ch, Bye())
-                        hangup.set()
-                        break
+                    idle = not connection.holds_rooms and now - idle_since >= self.deadlines.idle_s
                     bound = min([d for _, d in connection.awaiting.values()] +
                                 ([] if connection.holds_rooms else [idle_since + self.deadlines.idle_s]), default=None)
+                if idle:  # every room it asked for was answered before this bye, on this channel
+                    self._send(ch, Bye())
+                    hangup.set()
+                    self._linger(ch)
+                    break
                 try:
                     readable = self._wakeup.wait_readable([ch.sock, connection.doorbell],
                                                           None if bound is None else max(0.0, bound - now))
@@ -500,6 +502,20 @@ class KVSender:
         finally:
             posts.put(None)
             poster.join()
+
+    def _linger(self, ch: Channel) -> None:
+        """After a bye: stop sending, and read (and drop) what the decode still sends until it
+        closes its end, at most ``deadlines.message_s``. Closing at once with a message of its
+        unread would reset the connection, and the decode could lose the bye ahead of the reset."""
+        try:
+            ch.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + self.deadlines.message_s
+            while (left := deadline - time.monotonic()) > 0:
+                ch.sock.settimeout(left)
+                if not ch.sock.recv(1 << 16):
+                    return
+        except OSError:  # reset, timed out or closed: nothing more to wait for
+            pass
 
     def _dispatch(self, connection: _Connection, planner: RoomPlanner, message: dict, session: _Session,
                   posts: queue.Queue, hangup: threading.Event) -> bool:

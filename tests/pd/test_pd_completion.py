@@ -9,10 +9,14 @@ lies (a stage driven by the test: real bootstrap socket, real NIXL agent over UC
 * A notification of another session is not counted (the receiver's session filter).
 * With several prefill stages, the bytes of each are checked: one stage's corrupted writes fail
   the room, naming that stage.
+* A room asked for just as the stage closes an idle connection (its bye ahead of the unread
+  request) is asked for again on a new connection.
 """
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 
 import pytest
@@ -25,7 +29,7 @@ from sparsekv.srt.disaggregation.bootstrap import Channel, b64, listen, unb64
 from sparsekv.srt.disaggregation.integrity import room_digests
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
-from sparsekv.srt.disaggregation.protocol import Cancelled, Notification, Status, Welcome
+from sparsekv.srt.disaggregation.protocol import Bye, Cancelled, Notification, Status, Welcome
 from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.room import RoomStatus
 from sparsekv.srt.disaggregation.sender import KVSender
@@ -57,12 +61,19 @@ class LyingStage:
         self.peer = self.backend.connect(unb64(self.hello["agent"]))
         self.channel.send(Welcome(b64(self.backend.descriptor()), Manifest.of(self.kv_args).to_dict()).encode())
 
-    def connected(self, decode) -> KVReceiver:
+    def connected(self, decode, answer_cancels: bool = True) -> KVReceiver:
         receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [self.address], timeout_s=10,
                               completion=self.completion)
         self._accepted.join(10)
-        threading.Thread(target=self._answer_cancels, daemon=True).start()
+        if answer_cancels:
+            threading.Thread(target=self._answer_cancels, daemon=True).start()
         return receiver
+
+    def accept_again(self) -> threading.Thread:
+        """Accept the decode's next connection (on a thread: join it once the decode connected)."""
+        self._accepted = threading.Thread(target=self._accept, daemon=True)
+        self._accepted.start()
+        return self._accepted
 
     def _answer_cancels(self) -> None:
         """Read the decode's messages; confirm each cancel (nothing is ever written here)."""
@@ -213,3 +224,31 @@ def test_each_prefill_stage_s_bytes_are_checked(corrupted):
     finally:
         for sender in senders:
             sender.close()
+
+
+def test_a_room_asked_for_as_the_stage_closes_an_idle_connection_is_asked_for_again():
+    stage = LyingStage()
+    stage.completion = "status"
+    decode = kv_args_of(dsv4_pool())
+    fill_regions(decode, seed=2)
+    try:
+        receiver = stage.connected(decode, answer_cancels=False)
+        try:
+            receiver.request(1, *room_indices(1)[2:])
+            first = stage.channel
+            assert select.select([first.sock], [], [], 10)[0]  # the request is there, unread
+            again = stage.accept_again()
+            first.send(Bye().encode())  # the stage had decided it was idle: bye, then close
+            first.sock.shutdown(socket.SHUT_WR)
+            while first.sock.recv(1 << 16):  # until the decode closes its end
+                pass
+            first.close()
+            again.join(10)
+            assert stage.channel is not first and stage.channel.recv(10)["op"] == "transfer"  # asked again
+            stage.notify(1, 0, 1)
+            stage.channel.send(Status(1, True, batches=1, digests=honest_digests(decode, 1)).encode())
+            receiver.wait(1)
+        finally:
+            receiver.close()
+    finally:
+        stage.close()
