@@ -1,6 +1,7 @@
 """Fixtures of the JIT tests: ``read_only`` makes a directory unwritable for one test (root needs
 ``chattr +i``) and writable again at its end; ``two_checkouts`` copies ``csrc/`` to two places;
-``counting_cxx``, ``hanging_cxx`` and ``forking_hanging_cxx`` are host compilers that log or hang."""
+``counting_cxx``, ``gated_cxx``, ``hanging_cxx`` and ``forking_hanging_cxx`` are host compilers that log,
+wait or hang."""
 
 from __future__ import annotations
 
@@ -62,6 +63,16 @@ def counting_cxx(tmp_path):
     ``(wrapper, log)``."""
     log = tmp_path / "compiles.log"
     return _compiler_wrapper(tmp_path / "counting-c++", f'echo "$$ $*" >> {log}\nexec c++ "$@"'), log
+
+
+@pytest.fixture
+def gated_cxx(tmp_path):
+    """A host compiler that logs every compile, then waits to compile until four files are in a folder
+    (four racing processes each leave one there as they start to load): ``(wrapper, log, folder)``."""
+    log, entered = tmp_path / "compiles.log", tmp_path / "entered"
+    entered.mkdir()
+    wait = f'while [ "$(ls {entered} | wc -l)" -lt 4 ]; do sleep 0.05; done'
+    return _compiler_wrapper(tmp_path / "gated-c++", f'echo "$$ $*" >> {log}\n{wait}\nexec c++ "$@"'), log, entered
 
 
 @pytest.fixture
