@@ -42,6 +42,24 @@ def test_writes_only_the_named_columns_of_a_strided_view(backend, rows, pad):
     assert bool((wide[:, :pad] == 7).all()) and bool((wide[:, pad + 8 :] == 7).all())
 
 
+@pytest.mark.parametrize("offset", [0, 8], ids=["aligned", "8-off"])
+def test_584_byte_rows_move_whole_in_every_alignment(backend, offset):
+    # Dense 584-byte rows start alternately on and 8 bytes off a 16-byte boundary: each pair of
+    # source and destination rows below takes one of the GPU path's copies (16 bytes with an 8-byte
+    # head and tail when both sit equally off, 8 bytes when they differ), and nothing around a row moves.
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(offset)
+    src = torch.randint(0, 256, (6, 584), dtype=torch.uint8, generator=gen)
+    wide = torch.full((6, 584 + 16), 7, dtype=torch.uint8)
+    dst_idx, src_idx = torch.tensor([0, 1, 2, 3, 5]), torch.tensor([0, 1, 3, 2, 5])
+    expected = gather_rows_reference(wide[:, offset : offset + 584].clone(), dst_idx, src, src_idx)
+    wide = wide.to(device)
+    dst = wide[:, offset : offset + 584]
+    gather_rows(dst, dst_idx.to(device), src.to(device), src_idx.to(device))
+    assert torch.equal(dst.cpu(), expected)
+    assert bool((wide[:, :offset] == 7).all()) and bool((wide[:, offset + 584 :] == 7).all())
+
+
 def _fresh(backend="cpu"):
     device = device_of(backend)
     src = torch.arange(60, dtype=torch.uint8, device=device).reshape(6, 10)

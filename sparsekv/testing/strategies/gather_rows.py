@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 def byte_table(draw, max_rows: int = 40, max_row_bytes: int = 80) -> torch.Tensor:
     """A uint8 ``[rows, row_bytes]`` table; sometimes a column slice (row stride > row_bytes)."""
     rows = draw(st.integers(1, max_rows))
-    row_bytes = draw(st.integers(1, max_row_bytes))
-    pad_left = draw(st.integers(0, 9))
+    # Widths and offsets that reach every copy width of the GPU path (16, 16 with 8-byte head and
+    # tail, 8, 4, 1 bytes), the V4 token row (584 = 36 x 16 + 8) among them.
+    row_bytes = draw(st.sampled_from([8, 24, 40, 584]) | st.integers(1, max_row_bytes))
+    pad_left = draw(st.sampled_from([0, 8]) | st.integers(0, 9))
     pad_right = draw(st.integers(0, 9))
     seed = draw(st.integers(0, 2**31 - 1))
     wide = torch.randint(0, 256, (rows, pad_left + row_bytes + pad_right), dtype=torch.uint8,
