@@ -454,6 +454,35 @@ def test_a_step_plan_reads_nothing_back_and_costs_the_same_at_any_length(ratio, 
         assert logs[0].host_to_device == logs[1].host_to_device
 
 
+def test_a_step_on_the_gpu_never_synchronizes(backend):
+    """On a GPU: extend (raw ring with and without the fused store, and the online fold) under
+    set_sync_debug_mode("error"): no read-back and no copy from pageable memory (which synchronizes)."""
+    if backend != "cuda":
+        pytest.skip("set_sync_debug_mode is CUDA's; on the host the meta-tensor test above shows the same")
+    from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget
+    from sparsekv.kv_layout import V4
+
+    device, d, t = torch.device(device_of(backend)), 512, 300
+    kv, weight = torch.randn(t, 2 * d, device=device), torch.rand(d, device=device) + 0.5
+    store = StoreTarget(torch.zeros(4, V4.page_bytes(64), dtype=torch.uint8, device=device), weight, 1e-6, 64,
+                        RopeParams(10000).table(t, device))
+    c4 = CompressorState(torch.zeros(4 * 16, 4 * d, device=device), torch.randn(4, 2 * d, device=device), 4, 16)
+    online = CompressorState(torch.zeros(4 * 256, 2 * d, device=device), torch.randn(128, d, device=device), 128,
+                             256, online=True)
+    c4.extend([0], [[1]], [0], kv[:10], kv[:10])  # loads the modules before the checked calls
+    online.extend([0], [[1]], [0], kv[:10, :d], kv[:10, :d])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        c4.extend([0, 1], [[1], [2]], [10, 0], kv[10:], kv[10:], lengths=[t - 20, 10], store=store,
+                  entry_slots=lambda b, anchor: anchor // 4 - 2 + 80 * b)
+        c4.extend([0], [[1]], [t - 10], kv[:5], kv[:5])
+        online.extend([0], [[1]], [10], kv[10:, :d], kv[10:, :d])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 # ---- device-planned decode step -------------------------------------------------------------
 
 
