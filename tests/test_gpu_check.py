@@ -56,14 +56,26 @@ def test_the_dry_run_reports_a_missing_test(gpu_check, tmp_path, monkeypatch):
 
 
 def test_the_summary_puts_each_kernel_time_beside_its_roofline(gpu_check, tmp_path):
-    result = {"name": "dsv4_compress", "rows": [{"case": "pool C4 T=8k", "kernel_ms": 1.5, "torch_fp32_ms": 9.0,
-                                                 "h200_us": 12.0, "h100_us": 17.2}]}
-    (tmp_path / "bench_dsv4_compress.json").write_text(json.dumps(result))
-    step = gpu_check.Step("bench dsv4_compress", ["python", "bench", str(tmp_path / "bench_dsv4_compress.json")], 1,
+    from sparsekv.testing import roofline
+
+    cost = roofline.compress_store(4096, 4)  # 7.115 us on an H200
+    measured = {"case": "fused C4 T=4k", "kernel_ms": 0.0213, "kernel_us": 21.3, "kernel_eager_us": 95.0,
+                "kernel_method": "CUDA-graph replay of 100 calls", **roofline.fields(cost, 21.3e-6, "NVIDIA H200")}
+    on_cpu = {"case": "fused C128 T=4k", "kernel_ms": 40.0, **roofline.fields(cost, 40e-3, "cpu")}
+    result = {"name": "dsv4_compress_store", "rows": [measured, on_cpu, {"case": "op overhead", "raw_us": 2.0}]}
+    (tmp_path / "bench_dsv4_compress_store.json").write_text(json.dumps(result))
+    step = gpu_check.Step("bench dsv4_compress_store", ["python", "bench",
+                                                        str(tmp_path / "bench_dsv4_compress_store.json")], 1,
                           status="pass", seconds=2.0)
     doc = gpu_check.write_summary([step], tmp_path, "test")
-    assert doc["passed"] and doc["benchmarks"]["dsv4_compress"] == result
-    assert "| pool C4 T=8k | kernel_ms=1.5 | h200_us=12.0, h100_us=17.2 |" in (tmp_path / "summary.md").read_text()
+    assert doc["passed"] and doc["benchmarks"]["dsv4_compress_store"] == result
+    rows = doc["roofline"]["dsv4_compress_store"]
+    assert [r["case"] for r in rows] == ["fused C4 T=4k", "fused C128 T=4k"]  # rows without a roofline left out
+    assert rows[0]["measured_over_roofline"] == round(21.3 / 7.1151, 2) and rows[0]["roofline_us"] == 7.115
+    assert rows[1]["device_us"] == 40000.0 and rows[1]["measured_over_roofline"] is None
+    text = (tmp_path / "summary.md").read_text()
+    assert "| fused C4 T=4k | 21.3 | 95 | 7.115 (H200) | 2.99 | CUDA-graph replay of 100 calls |" in text
+    assert "| fused C128 T=4k | 4e+04 | - | 7.115 (H200, on paper) | - | - |" in text
 
 
 def test_a_step_gets_what_is_left_of_the_budget(gpu_check, tmp_path):

@@ -11,13 +11,17 @@ triton, pytest, pytest-xdist and hypothesis; no network). This script, run from 
 3. runs the graph-capture test of a full decode step;
 4. runs compute-sanitizer memcheck on one small test per kernel family; where the tool is missing or
    refuses the device, the step says so and the run goes on;
-5. runs every kernel benchmark with ``--backend cuda --quick`` (CUDA events), and FlashMLA beside our
-   attention (``--peer``) where its peer library was built into ``peers/flashmla`` (docs/flashmla.md);
+5. runs every kernel benchmark with ``--backend cuda --quick``: each kernel's device time is a
+   CUDA-graph replay (or a loop of 100 calls where a call cannot be captured; the row says which),
+   beside one eager call's latency, its bytes and FLOPs and its H100/H200/B200 roofline
+   (``sparsekv.testing.roofline``); and FlashMLA beside our attention (``--peer``) where its peer
+   library was built into ``peers/flashmla`` (docs/flashmla.md);
 6. runs compute-sanitizer racecheck on the same cases;
 7. runs every kernel test on the cuda backend (each compared with the cpu build of its header; the
    Triton twins run natively), with what is left of the budget;
-8. writes ``summary.json`` and ``summary.md`` into ``--out``: pass/fail and seconds per step, and
-   each benchmark's JSON (its time against its roofline time where it reports one).
+8. writes ``summary.json`` and ``summary.md`` into ``--out``: pass/fail and seconds per step, each
+   benchmark's JSON, and per kernel row its measured device time, eager latency, roofline on the GPU
+   it ran on and ``measured / roofline`` (``roofline`` in summary.json).
 
 Each step has a time limit, and the whole run has a budget (``--budget-s``, default 420 s): a step
 gets at most what is left of it, and a step that would start with under 10 s left is reported as
@@ -57,9 +61,10 @@ from sparsekv.cli import CliParser  # noqa: E402
 
 BENCH_DIR = REPO / "tools" / "bench"
 #: Benchmarks that time a kernel family (the others time the loader, planning or PD transfer).
-KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_compress_store.py",
-                     "bench_dsv4_indexer.py", "bench_dsv4_quant.py", "bench_dsv4_store.py", "bench_gather_rows.py",
-                     "bench_hisparse.py", "bench_hisparse_copy.py", "bench_hisparse_index.py")
+KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_compress_plan.py",
+                     "bench_dsv4_compress_store.py", "bench_dsv4_indexer.py", "bench_dsv4_quant.py",
+                     "bench_dsv4_store.py", "bench_gather_rows.py", "bench_hisparse.py", "bench_hisparse_copy.py",
+                     "bench_hisparse_index.py")
 GRAPH_CAPTURE_TEST = "tests/kernels/test_torch_op.py::test_a_captured_decode_step_replays_without_a_host_sync"
 #: One small test per kernel family, run under compute-sanitizer (cuda backend only).
 SANITIZER_CASES = {
@@ -203,23 +208,38 @@ def write_summary(steps: list[Step], out: Path, device: str) -> dict:
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [f"# sparsekv gpu-check on {device}", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.detail.replace('|', '/')[:160]} |" for s in steps]
-    for name, result in benches.items():
-        lines += ["", f"## bench {name}: kernel time against the roofline", "", "| case | measured | roofline |",
-                  "|---|---|---|"]
-        lines += [f"| {case} | {measured} | {roofline} |" for case, measured, roofline in roofline_rows(result)]
+    doc["roofline"] = {name: roofline_rows(result) for name, result in benches.items()}
+    (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
+    for name, rows in doc["roofline"].items():
+        lines += ["", f"## bench {name}: measured device time against the roofline", "",
+                  "| case | device us | eager us | roofline us (GPU) | measured / roofline | timed as |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {_us(r['device_us'])} | {_us(r['eager_us'])} | {_us(r['roofline_us'])} "
+                  f"({r['roofline_gpu'] or 'H200, on paper'}) | {r['measured_over_roofline'] or '-'} | "
+                  f"{r['method'] or '-'} |" for r in rows]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return doc
 
 
-def roofline_rows(result: dict) -> list[tuple[str, str, str]]:
-    """(case, the kernel's measured times, the paper H100/H200 times) of each row of a benchmark's JSON:
-    measured are the ``*_us`` / ``*_ms`` fields naming the kernel, paper ones start with h100 / h200."""
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def roofline_rows(result: dict) -> list[dict]:
+    """Each row of a benchmark's JSON that carries a roofline (``sparsekv.testing.roofline.fields``):
+    its case, the kernel's device time and eager latency (``kernel_us`` / ``kernel_eager_us``, or
+    ``kernel_ms``), how it was timed, the roofline of the GPU it ran on (the H200's when the GPU is
+    not one the model knows) and ``measured_over_roofline``."""
     rows = []
     for row in result.get("rows", []):
-        case = str(row.get("case", next((v for v in row.values() if isinstance(v, str)), "?")))
-        measured = ", ".join(f"{k}={v}" for k, v in row.items() if "kernel" in k and k.endswith(("_us", "_ms")))
-        roofline = ", ".join(f"{k}={v}" for k, v in row.items() if k.startswith(("h100", "h200")))
-        rows.append((case, measured or "-", roofline or "-"))
+        if "h200_roofline_us" not in row:
+            continue
+        device_us = row.get("kernel_us", row["kernel_ms"] * 1e3 if "kernel_ms" in row else None)
+        gpu = row.get("roofline_gpu")
+        rows.append({"case": str(row.get("case", "?")), "device_us": device_us, "eager_us": row.get("kernel_eager_us"),
+                     "method": row.get("kernel_method"), "roofline_gpu": gpu,
+                     "roofline_us": row[f"{gpu.lower()}_roofline_us" if gpu else "h200_roofline_us"],
+                     "measured_over_roofline": row.get("measured_over_roofline")})
     return rows
 
 

@@ -1,0 +1,211 @@
+"""SASS checks without a GPU: every hot kernel, built for sm_90a and sm_100a by nvcc (the headers)
+and by the Triton AOT build (the twins), read with cuobjdump (``sparsekv.testing.sass``) and held
+to the properties of issue 36: no local memory, wide gathers, the hardware fp8 convert, tensor
+cores with N >= 16, the intended CTAs per SM.
+
+The expectations are one table, :data:`SASS_TABLE`: per kernel, its launch (threads per CTA, the
+CTAs per SM its design intends) and, per property it is held to, ``PASS`` or the reason it fails
+today, for both archs or per arch. A failing entry is ``xfail(strict=True)``: when a kernel
+improves, its test fails until the entry is changed to ``PASS`` -- edit the table in the same
+commit as the kernel. A property a kernel is not held to is left out. ``docs/sass.md`` shows the
+table; a test below keeps it equal to this one.
+
+CI cost: only each hot kernel's serving instance is built, with the key the nvcc build of
+``tests/jit/test_jit_cuda.py`` uses (``--arch 9.0a,10.0a``) and the Triton AOT path (triton's own
+cache shares its compiles with ``test_triton_aot.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsekv.jit_kernel.build import toolchain
+from sparsekv.testing.sass import PROPERTIES, Launch, cuda_artifact, disassemble, find_tool
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHS = ("9.0a", "10.0a")
+PASS = "pass"
+
+# (build, module, kernel): the launch, then property -> PASS | reason | {arch: PASS | reason}.
+# build "cuda": module = the header family's instance (as `sparsekv jit build --instance` names it),
+# kernel = a substring of the kernel's mangled name;
+# build "triton": module = the AotKernel's name, kernel = "".
+SASS_TABLE = {
+    ("cuda", "dsv4_attention:q_dtype=bfloat16", "partial_kernel"): dict(
+        launch=Launch(256, 2),
+        no_local="m, l and acc spill: 128 B stack, LDL/STL in the tile loop (issue 37)",
+        wide_gather="each V4 record gathered with LDG.U8 byte loads (issue 37)",
+        fp8_convert="e4m3 decoded in software, not F2FP (issue 37)",
+        tensor_cores="QK^T and PV on CUDA cores (issue 37)",
+        occupancy=PASS),
+    ("triton", "dsv4_attention.partial[bf16]", ""): dict(
+        launch=Launch(256, 1),
+        no_local="255 registers and a stack (328 B sm_90a, 200 B sm_100a) (issue 37)",
+        wide_gather="the record gather has LDG.U8 byte loads (issue 37)",
+        fp8_convert="e4m3 decoded with integer ops, not F2FP (issue 37)",
+        tensor_cores={"9.0a": "QK^T compiles to HGMMA.64x8x16: N = 8 (issue 37)", "10.0a": PASS},
+        occupancy=PASS),
+    ("cuda", "dsv4_indexer:layout=fp8,q_dtype=bfloat16", "scores_kernel"): dict(
+        launch=Launch(256, 2),
+        no_local=PASS,
+        wide_gather="FP8 keys read with LDG.U8 byte loads (issue 36 item 6)",
+        fp8_convert="e4m3 decoded in software from single bytes (issue 36 item 6)",
+        tensor_cores="the scores on CUDA cores (issue 36 item 6: fp8 tensor cores)",
+        occupancy={"9.0a": PASS, "10.0a": "158 registers on sm_100a: one CTA per SM (issue 36 item 6)"}),
+    ("triton", "dsv4_indexer.scores[fp8,bf16]", ""): dict(
+        launch=Launch(128, 2),
+        no_local=PASS, wide_gather=PASS,
+        fp8_convert="e4m3 decoded with integer ops, then bf16 HGMMA (issue 36 item 6: tl.dot on e4m3)",
+        tensor_cores=PASS, occupancy=PASS),
+    ("cuda", "dsv4_indexer_topk", "topk_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
+    ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
+    ("triton", "dsv4_indexer.topk_finish", ""): dict(launch=Launch(512, 1), no_local=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress", "CompressEvents"): dict(
+        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("triton", "dsv4_compress.pool[C4,d512]", ""): dict(
+        launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "CompressStore"): dict(
+        launch=Launch(256, 4),
+        no_local="64 B stack with LDL/STL (issue 36 item 6)",
+        wide_gather=PASS, occupancy=PASS),
+    ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("triton", "dsv4_compress_store.decode[V4,C4,fp32 ring]", ""): dict(
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
+        launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
+    ("triton", "dsv4_quant.fp8_ds_mla[bf16]", ""): dict(launch=Launch(64, 4), no_local=PASS, occupancy=PASS),
+    ("cuda", "dsv4_store:cache_kind=V4", "NormRopeStore"): dict(
+        launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
+    ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(launch=Launch(64, 4), no_local=PASS, occupancy=PASS),
+    ("cuda", "gather_rows:index_dtype=int64", "GatherRows"): dict(
+        launch=Launch(256, 4), no_local=PASS,
+        wide_gather="a byte path for rows that are not a multiple of 8 B (issue 36 item 6)",
+        occupancy=PASS),
+    ("cuda", "hisparse:num_top_k=512,hot_buffer_size=1024,layout=dsv4,page_slots=64",
+     "swap_in_kernel"): dict(
+        launch=Launch(512, 1), no_local=PASS,
+        wide_gather="the miss copies have LDG.U8 byte loads (issue 36 item 6)",
+        occupancy=PASS),
+    ("cuda", "hisparse_copy:page_slots=64", "TransferTokens"): dict(
+        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+}
+
+
+def kernel_label(key: tuple) -> str:
+    build, module, kernel = key
+    return f"{build} {module}{' ' + kernel if kernel else ''}"
+
+
+def instance(spec: str) -> tuple[str, dict]:
+    """``family:k=v,...`` -> (family, values): dtype names become torch dtypes, digits ints."""
+    family, _, pairs = spec.partition(":")
+    values = {}
+    for pair in filter(None, pairs.split(",")):
+        key, value = pair.split("=")
+        values[key] = getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else \
+            int(value) if value.isdigit() else value
+    return family, values
+
+
+def expectation(entry: dict, prop: str, arch: str) -> str:
+    value = entry[prop]
+    return value[arch] if isinstance(value, dict) else value
+
+
+def _cases():
+    for key, entry in SASS_TABLE.items():
+        for prop in PROPERTIES:
+            if prop not in entry:
+                continue
+            for arch in ARCHS:
+                expected = expectation(entry, prop, arch)
+                marks = () if expected == PASS else pytest.mark.xfail(strict=True, reason=expected)
+                yield pytest.param(key, prop, arch, marks=marks, id=f"{kernel_label(key)}-{prop}-sm_{arch}")
+
+
+def _no_tools() -> str | None:
+    if find_tool("cuobjdump") is None:
+        return "cuobjdump is not installed (it comes with triton's wheel)"
+    try:
+        toolchain.nvcc(None)
+    except toolchain.ToolchainError as exc:
+        return f"nvcc: {exc}"
+    return None
+
+
+@cache
+def _triton_cubins() -> dict:
+    """``{(name, arch): cubin path}`` of the hot Triton kernels, built by the AOT path in a child
+    process (CPU sessions interpret Triton, and interpreted kernels do not compile)."""
+    names = [module for build, module, _ in SASS_TABLE if build == "triton"]
+    script = "\n".join([
+        "import json, sys",
+        "from sparsekv.jit_kernel.build import cache",
+        "from sparsekv.jit_kernel.triton import aot",
+        "names, archs = json.loads(sys.argv[1]), json.loads(sys.argv[2])",
+        "root = cache.open_roots().write",
+        "print(json.dumps([[k.name, a, str(root / '.triton' / aot.build(k, a, root)['key'] / 'kernel.cubin')]",
+        "                  for k in aot.aot_kernels() if k.name in names for a in archs]))"])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(names), json.dumps(ARCHS)], capture_output=True,
+                          text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(name, arch): Path(path) for name, arch, path in json.loads(done.stdout)}
+
+
+@cache
+def _sass(key: tuple, arch: str):
+    build, module, kernel = key
+    sm = "sm_" + arch.replace(".", "")
+    if build == "triton":
+        found = list(disassemble(_triton_cubins()[module, arch]).values())
+    else:
+        family, values = instance(module)
+        found = [k for (a, name), k in disassemble(cuda_artifact(family, values, ARCHS)).items()
+                 if a == sm and kernel in name]
+    assert len(found) == 1, f"{kernel_label(key)} on {sm}: {len(found)} kernels match"
+    return found[0]
+
+
+NO_TOOLS = _no_tools()
+
+
+@pytest.mark.skipif(NO_TOOLS is not None, reason=str(NO_TOOLS))
+@pytest.mark.parametrize(("key", "prop", "arch"), list(_cases()))
+def test_sass(key, prop, arch):
+    holds, detail = PROPERTIES[prop](_sass(key, arch), SASS_TABLE[key]["launch"])
+    assert holds, f"{kernel_label(key)} sm_{arch} {prop}: {detail}"
+
+
+def render_table() -> str:
+    """The markdown table of :data:`SASS_TABLE` that ``docs/sass.md`` shows."""
+    props = list(PROPERTIES)
+    lines = ["| kernel | threads, CTAs/SM | " + " | ".join(props) + " |", "|---|---|" + "---|" * len(props)]
+    for key, entry in SASS_TABLE.items():
+        cells = []
+        for prop in props:
+            if prop not in entry:
+                cells.append("-")
+                continue
+            marks = [expectation(entry, prop, arch) == PASS for arch in ARCHS]
+            cells.append("pass" if all(marks) else "FAIL" if not any(marks) else
+                         " / ".join(f"sm_{a.replace('.', '')} {'pass' if m else 'FAIL'}" for a, m in zip(ARCHS, marks)))
+        launch = entry["launch"]
+        lines.append(f"| {kernel_label(key)} | {launch.threads}, {launch.ctas_per_sm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def test_the_docs_show_this_table():
+    text = (REPO / "docs" / "sass.md").read_text()
+    shown = re.search(r"<!-- sass-table -->\n(.*?)\n<!-- /sass-table -->", text, re.S)
+    assert shown and shown.group(1).strip() == render_table(), "regenerate docs/sass.md: " + render_table()

@@ -1,0 +1,168 @@
+"""Host cost of every public decode-path call, with the kernel replaced by a no-op (issue 36 item 2).
+
+For each public call a decode step makes, given its ``out=`` buffers, at a decode shape on the cpu
+backend (8 rows; attention top-k 512 of 64 heads, indexer 64k entries, top-k 512, the store and
+quantizer 8 entries, a 4096-row gather, the DSV4 swap-in at batch 8 with a 1024-slot hot buffer),
+measured in the same run:
+
+* ``host_us``: the public call with every compiled module's export replaced by a no-op (each
+  ``KernelFamily.module`` returns a stub whose exports only count their calls): what the Python
+  wrapper, its checks and the ``sparsekv::`` op layer cost on the host;
+* ``raw_us`` (the baseline): tvm-ffi's own no-op (``testing.nop``) called with the very arguments
+  the wrapper hands the module: one crossing of the FFI with those tensors;
+* ``host_over_raw``: their ratio; the target is at most 3;
+* ``torch_ops``: torch operators run per call (``aten::`` and the ``sparsekv::`` op itself, the
+  nested ones included: torch's profiler);
+  ``allocations``: tensors allocated per call (torch's profiler, ``profile_memory``);
+  ``module_calls``: exports of compiled modules called (kernel launches on a GPU).
+
+Also ``triton attention checks``: the Triton launcher's argument checks alone (the issue measured
+472 us for them before their memory-sharing check became one sweep).
+
+A timed figure, not a test: host times depend on the machine. Prints JSON; ``--plot`` draws host
+and raw time per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import timeit
+
+import torch
+from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
+
+from sparsekv.cli import CliParser
+from sparsekv.jit_kernel.build.registry import KernelFamily
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
+from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
+from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
+from sparsekv.jit_kernel.gather_rows import gather_rows
+from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
+from sparsekv.kv_layout import INDEXER_FP8, V4
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
+
+BATCH, HEADS, PAGE, TOPK, ENTRIES = 8, 64, 64, 512, 1 << 16
+TARGET = 3.0
+
+
+class _Stub:
+    """A compiled module whose every export is a no-op that records its last arguments."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.args: tuple = ()
+
+    def __getattr__(self, name: str):
+        def export(*args):
+            self.calls += 1
+            self.args = args
+
+        return export
+
+
+def _median_us(fn, number: int) -> float:
+    fn()
+    return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+
+
+def calls() -> dict:
+    """Public decode-path call name -> a zero-argument call with its out= buffers given."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.zeros(BATCH * TOPK // PAGE, V4.page_bytes(PAGE), dtype=torch.uint8)
+    q = torch.randn(BATCH, HEADS, 512, generator=g).to(torch.bfloat16)
+    indices = torch.randint(0, BATCH * TOPK, (BATCH, TOPK), generator=g, dtype=torch.int32)
+    sink, out, lse = torch.zeros(HEADS), torch.empty(BATCH, HEADS, 512), torch.empty(BATCH, HEADS)
+    k_cache = torch.zeros(ENTRIES // PAGE, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)
+    iq = torch.randn(BATCH, HEADS, 128, generator=g).to(torch.bfloat16)
+    weights = torch.rand(BATCH, HEADS, generator=g)
+    table = torch.arange(ENTRIES // PAGE, dtype=torch.int32).repeat(BATCH, 1)
+    positions = torch.full((BATCH,), 4 * ENTRIES - 1)
+    scores, tokens = torch.randn(BATCH, ENTRIES, generator=g), torch.empty(BATCH, TOPK, dtype=torch.int32)
+    x = torch.randn(BATCH, 512, generator=g)
+    slots = torch.arange(BATCH)
+    rope = RopeParams(160000, 16, 65536, 32, 1).table(1 << 16, torch.device("cpu"))
+    src, dst = torch.zeros(8192, 584, dtype=torch.uint8), torch.zeros(4096, 584, dtype=torch.uint8)
+    src_idx, dst_idx = torch.randperm(8192)[:4096], torch.randperm(4096)
+    swap = Case(TOPK, 2 * TOPK, BATCH, 0.001, True, "cpu")  # the swap-in's tables at top-k 512, batch 8
+    return {
+        "sparse_decode_attention": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE, out=out,
+                                                     lse=lse, impl="header"),
+        "indexer_scores": functools.partial(indexer_scores, iq, weights, k_cache, table, positions, page_size=PAGE,
+                                            out=scores, impl="header"),
+        "indexer_topk": functools.partial(indexer_topk, scores, positions, TOPK, out=tokens, impl="header"),
+        "norm_rope_store": functools.partial(norm_rope_store, x, torch.ones(512), 1e-6, positions, cache, slots, PAGE,
+                                             rope),
+        "quantize_fp8_ds_mla": functools.partial(quantize_fp8_ds_mla, x, cache, slots, PAGE),
+        "gather_rows": functools.partial(gather_rows, dst, dst_idx, src, src_idx),
+        "load_cache_to_device_buffer_dsv4_mla": functools.partial(
+            load_cache_to_device_buffer_dsv4_mla, swap.top_k, swap.tokens, swap.host_cache_locs,
+            swap.device_buffer_locs, swap.host_cache, swap.device_buffer, swap.out, swap.req, swap.seq, swap.lru,
+            ITEM_BYTES, swap.k, swap.h),
+    }
+
+
+def triton_attention_checks():
+    """The Triton attention launcher's argument checks at the attention call's shape, or None
+    without triton."""
+    try:
+        from sparsekv.jit_kernel.triton.dsv4_attention import check_arguments
+    except ImportError:
+        return None
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, HEADS, 512, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(BATCH * TOPK // PAGE, V4.page_bytes(PAGE), dtype=torch.uint8)
+    indices = torch.zeros(BATCH, TOPK, dtype=torch.int32)
+    args = (q, cache, indices, torch.zeros(HEADS), PAGE, 512**-0.5, None, None, -1, 1,
+            torch.empty(BATCH, HEADS, 512), torch.empty(BATCH, HEADS))
+    return functools.partial(check_arguments, *args)
+
+
+def measure(name: str, call, nop) -> dict:
+    stub = _Stub()
+    real = KernelFamily.module
+    KernelFamily.module = lambda self, **_: stub  # every export a no-op, for this call only
+    try:
+        call()
+        raw_args = stub.args
+        stub.calls = 0
+        call()
+        module_calls = stub.calls
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+        events = prof.events()
+        torch_ops = sum(1 for e in events if "::" in e.name)  # aten:: and sparsekv:: operators
+        allocations = sum(1 for e in events if e.name == "[memory]" and e.cpu_memory_usage > 0)
+        host_us = _median_us(call, 200)
+    finally:
+        KernelFamily.module = real
+    raw_us = _median_us(lambda: nop(*raw_args), 2000)
+    return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
+            "within_target": host_us / raw_us <= TARGET, "torch_ops": torch_ops, "allocations": allocations,
+            "module_calls": module_calls}
+
+
+def main() -> None:
+    import tvm_ffi
+
+    parser = CliParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    nop = tvm_ffi.get_global_func("testing.nop")
+    result = BenchResult(name="host cost per public decode-path call (cpu backend, kernel a no-op)",
+                         baseline="tvm-ffi testing.nop with the module call's arguments (same run)",
+                         threads={"ours": 1, "baseline": 1},
+                         notes={"target": f"host_us <= {TARGET} x raw_us with out= buffers given", "batch": BATCH})
+    for name, call in calls().items():
+        result.rows.append(measure(name, call, nop))
+    checks = triton_attention_checks()
+    if checks is not None:
+        result.rows.append({"case": "triton attention checks", "host_us": _median_us(checks, 200)})
+    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("host_us", "raw_us"),
+                                                  ylabel="us per call (log)", log=True))
+
+
+if __name__ == "__main__":
+    main()

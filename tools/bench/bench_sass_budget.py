@@ -1,0 +1,100 @@
+"""The instruction budget of each hot kernel, before any GPU runs it: inner-loop SASS instructions x
+trip count at the benchmark's shape / the GPU's issue rate, next to the roofline.
+
+For each kernel of the SASS table (``tests/jit/test_sass.py``) built for sm_90a (or ``--arch``):
+the instructions of its main inner loop (:func:`sparsekv.testing.sass.inner_loop`: of the loops
+holding no other loop, the longest), the warp-level trips of that loop at the serving shape (the
+model below: how many times some warp runs the loop body over the whole launch), and
+
+    issue_us = loop instructions x warp trips / (SMs used x 4 schedulers x clock)
+
+(SMs used: the launch's CTAs, at most the GPU's SMs), the time the GPU needs just to issue those
+instructions at one instruction per scheduler per clock,
+against ``roofline_us`` (``sparsekv.testing.roofline``). ``issue_over_roofline`` above 1 says the
+kernel cannot reach its roofline as compiled, whatever the memory system does. Estimates only:
+the trip model is per kernel (``TRIPS``), the clock the boost clock, latency ignored.
+
+The H200 (132 SMs, 1.98 GHz) is the model GPU for sm_90a; the B200 (148 SMs, 1.965 GHz) for
+sm_100a. Nothing runs on a device: it needs nvcc and cuobjdump (triton's wheel ships it).
+"""
+
+from __future__ import annotations
+
+from sparsekv.cli import CliParser
+from sparsekv.testing import roofline
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
+from sparsekv.testing.sass import cuda_artifact, disassemble, inner_loop
+
+#: (SMs, clock in Hz) of the model GPU of each arch.
+ISSUE = {"9.0a": ("H200", 132, 1.98e9), "10.0a": ("B200", 148, 1.965e9)}
+
+# Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads; indexer one row of 64k
+# entries; top-k 512 of 64k; fused compress + store 4k C4 tokens; store / quantize 4096 rows; gather
+# 16k rows of 584 B; swap-in batch 64, top-k 512.
+#: kernel -> (how the SASS is built, the roofline cost, the warp trips of the inner loop, the CTAs of
+#: the launch, the model).
+TRIPS = {
+    "cuda dsv4_attention partial_kernel": (("cuda", "dsv4_attention", {"q_dtype": "bfloat16"}, "partial_kernel"),
+                                           roofline.attention(64, 512, out_bytes=4), 64 * 8 * (512 // 8) * 8, 512,
+                                           "8 heads per 256-thread CTA (8 CTAs per row, 512 CTAs), each "
+                                           "looping over 512 rows in tiles of 8, with 8 warps"),
+    "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
+                                         "scores_kernel"), roofline.indexer_scores(1, 65536), 65536, 65536 // 8,
+                                        "one warp per entry"),
+    "cuda dsv4_indexer_topk topk_kernel": (("cuda", "dsv4_indexer_topk", {}, "topk_kernel"),
+                                           roofline.indexer_topk(1, 65536, 512), 5 * 65536 // 1024 * 32, 1,
+                                           "one 1024-thread CTA per row, 5 passes over the row"),
+    "cuda dsv4_compress_store CompressStore": (("cuda", "dsv4_compress_store", {"cache_kind": "V4"},
+                                                "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
+                                               "one warp per entry (1024), looping over its 8 window slots"),
+    "cuda dsv4_store NormRopeStore": (("cuda", "dsv4_store", {"cache_kind": "V4"}, "NormRopeStore"),
+                                      roofline.store(4096), 4096, 4096 // 8, "one warp per entry"),
+    "cuda dsv4_quant QuantizeRows<V4, bf16>": (("cuda", "dsv4_quant", {}, "QuantizeRowsINS_9kv_layout2V4EtE"),
+                                               roofline.quantize(4096), 4096, 4096 // 8, "one warp per row"),
+    "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
+                                    roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
+                                    "one warp per row, 8 B per lane: 3 trips per 584 B row"),
+}
+
+
+def _values(values: dict) -> dict:
+    import torch
+
+    return {k: getattr(torch, v) if isinstance(getattr(torch, str(v), None), torch.dtype) else v
+            for k, v in values.items()}
+
+
+def budget(name: str, arch: str) -> dict:
+    (_, family, values, kernel), cost, trips, ctas, model = TRIPS[name]
+    sm = "sm_" + arch.replace(".", "")
+    (sass,) = [k for (a, n), k in disassemble(cuda_artifact(family, _values(values), ("9.0a", "10.0a"))).items()
+               if a == sm and kernel in n]
+    gpu, sms, clock = ISSUE[arch]
+    loop = inner_loop(sass)
+    issue_s = len(loop) * trips / (min(ctas, sms) * 4 * clock)
+    roof_s = cost.roofline_s(roofline.GPUS[gpu])
+    return {"case": f"{name} {sm}", "arch": sm, "model_gpu": gpu, "kernel_instructions": len(sass.opcodes),
+            "loop_instructions": len(loop), "warp_trips": trips, "ctas": ctas, "trip_model": model,
+            "issue_us": round(issue_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
+            "issue_over_roofline": round(issue_s / roof_s, 2)}
+
+
+def main() -> None:
+    parser = CliParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="9.0a,10.0a", help="archs to read (default 9.0a,10.0a)")
+    add_common_args(parser)
+    args = parser.parse_args()
+    result = BenchResult(name="SASS instruction budget (static, no GPU)", baseline="the roofline",
+                         threads={"ours": "static", "baseline": "static"},
+                         notes={"issue_rate": "SMs x 4 schedulers x boost clock, one warp instruction each per clock",
+                                "gpus": {arch: {"gpu": g, "sms": n, "clock_hz": c}
+                                         for arch, (g, n, c) in ISSUE.items()}})
+    for name in TRIPS:
+        for arch in args.arch.split(","):
+            result.rows.append(budget(name, arch))
+    report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("issue_us", "roofline_us"),
+                                                  ylabel="us (log)", log=True))
+
+
+if __name__ == "__main__":
+    main()
