@@ -51,6 +51,8 @@ def test_indexer_scores_of_64k_fp8_keys_are_the_issues_8_9_mb_in_1_9_us():
     assert cost.math == "fp8" and cost.flops == 2 * 64 * 128 * 65536
     assert cost.roofline_s(H200) == pytest.approx(1.8612e-6, rel=1e-4)
     assert cost.times_s(H200)["math"] == pytest.approx(0.54258e-6, rel=1e-4)  # 1.074e9 / 1979e12
+    # FP4 keys: 68 B records, 65536 * (68 + 4) + the same page table, query and weights
+    assert roofline.indexer_scores(1, 65536, key_bytes=68).bytes == 4_718_592 + 4096 + 16_640
 
 
 def test_topk_gather_and_swap_in():

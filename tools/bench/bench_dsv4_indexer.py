@@ -22,8 +22,9 @@ import torch
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS, lightning_indexer
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import kernel_sweep, timer
+from sparsekv.testing.bench import device_name, kernel_sweep, timer, timing_fields
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys
 from sparsekv.testing.strategies.dsv4_indexer import write_indexer_keys
 
@@ -67,10 +68,15 @@ def run_case(entries: int, layout: str, repeats: int, backend: str) -> dict:
     time_it = timer(backend)
     ours = time_it(kernel, repeats=repeats)
     baseline = time_it(torch_step, repeats=repeats)
+    scores_cost = roofline.indexer_scores(1, entries, HEADS, PAGE, q_bytes=q.element_size(),
+                                          key_bytes=INDEXER_LAYOUTS[layout].bytes_per_token)
+    topk_cost = roofline.indexer_topk(1, entries, TOP_K)  # the step: scores, then their top-k
+    step = roofline.Cost(scores_cost.bytes + topk_cost.bytes, scores_cost.flops, scores_cost.math)
     return {"case": f"{entries >> 10}k {layout}", "entries": entries, "layout": layout, "top_k": TOP_K,
             "kernel_us": ours.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
             "key_bytes": entries * INDEXER_LAYOUTS[layout].bytes_per_token,
-            "kernel_vs_torch": baseline.median_s / ours.median_s}
+            "kernel_vs_torch": baseline.median_s / ours.median_s, **timing_fields("kernel", ours),
+            **roofline.fields(step, ours.median_s, device_name(backend))}
 
 
 def main() -> None:
