@@ -9,6 +9,8 @@ lies (a stage driven by the test: real bootstrap socket, real NIXL agent over UC
 * A notification of another session is not counted (the receiver's session filter).
 * With several prefill stages, the bytes of each are checked: one stage's corrupted writes fail
   the room, naming that stage.
+* A stage that fails a room with writes still in flight (``inflight``), then goes away without
+  confirming the cancel, keeps the room's destinations unreleased for the quarantine.
 * A room asked for just as the stage closes an idle connection (its bye ahead of the unread
   request) is asked for again on a new connection.
 """
@@ -26,6 +28,7 @@ from test_pd_protocol import CorruptingBackend
 from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import Channel, b64, listen, unb64
+from sparsekv.srt.disaggregation.deadlines import Deadlines
 from sparsekv.srt.disaggregation.integrity import room_digests
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
@@ -61,8 +64,9 @@ class LyingStage:
         self.peer = self.backend.connect(unb64(self.hello["agent"]))
         self.channel.send(Welcome(b64(self.backend.descriptor()), Manifest.of(self.kv_args).to_dict()).encode())
 
-    def connected(self, decode, answer_cancels: bool = True) -> KVReceiver:
-        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [self.address], timeout_s=10,
+    def connected(self, decode, answer_cancels: bool = True, quarantine_s: float = 10) -> KVReceiver:
+        deadlines = Deadlines(**{**Deadlines.uniform(10).__dict__, "quarantine_s": quarantine_s, "close_s": 2})
+        receiver = KVReceiver(decode, NixlBackend(net_devices="lo"), [self.address], deadlines=deadlines,
                               completion=self.completion)
         self._accepted.join(10)
         if answer_cancels:
@@ -248,6 +252,32 @@ def test_a_room_asked_for_as_the_stage_closes_an_idle_connection_is_asked_for_ag
             stage.notify(1, 0, 1)
             stage.channel.send(Status(1, True, batches=1, digests=honest_digests(decode, 1)).encode())
             receiver.wait(1)
+        finally:
+            receiver.close()
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("quarantine_s", [60, 0.2])
+def test_a_failure_with_writes_in_flight_releases_the_room_only_after_the_quarantine(quarantine_s):
+    stage = LyingStage()
+    stage.completion = "status"
+    decode = kv_args_of(dsv4_pool())
+    try:
+        receiver = stage.connected(decode, answer_cancels=False, quarantine_s=quarantine_s)
+        try:
+            receiver.request(1, *room_indices(1)[2:])
+            stage.channel.send(Status(1, False, error="writes did not stop", inflight=True).encode())
+            with pytest.raises(TransferError, match="writes did not stop"):
+                receiver.wait(1)
+            assert not receiver.released(1)  # its writes may still land, and the stage is still there
+            stage.channel.close()  # it goes away without confirming the cancel
+            with receiver._cond:
+                assert receiver._cond.wait_for(lambda: receiver._stages[0].closed, 10)
+            if quarantine_s > 10:
+                assert not receiver.wait_released(1, timeout_s=0.2)
+            else:
+                assert receiver.wait_released(1, timeout_s=10)
         finally:
             receiver.close()
     finally:
