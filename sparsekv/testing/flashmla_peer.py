@@ -169,7 +169,7 @@ class FlashMLAPeer:
     """
 
     def __init__(self, path: str | Path) -> None:
-        path = Path(path)
+        path = Path(path).resolve()  # dlopen searches the library path for a bare file name
         self.path = path / LIBRARY if path.is_dir() else path
         self._lib = ctypes.CDLL(str(self.path))
         layout = (ctypes.c_int64 * 128)()

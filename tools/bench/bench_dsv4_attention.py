@@ -28,6 +28,9 @@ DSV4-Flash at 1M context (CSA/C4: indexer + top-k + attention over 512 + 128 ent
 attention over all 8,192 compressed + 128 window entries), the H200 roofline time of each, and what
 a GPU top-k must do to beat sglang's ~15 us at 256k candidates.
 
+* ``prefill`` (cuda): the same kernels serving 4k prefill tokens as rows (128 heads, top-k 2048 of a
+  64k-entry C4 cache), header and Triton, with the roofline; on paper on every backend
+  (``notes.paper_prefill``).
 * ``peer`` (``--peer flashmla=PATH``, cuda only): FlashMLA's sparse decode, built by
   ``tools/peers/build_flashmla.sh`` (PATH: the library or its folder), and ours (header and Triton)
   on identical inputs: bf16 ``q``, a C4 cache of distinct rows with ``top_k`` slots per row and
@@ -93,7 +96,7 @@ def paper_per_impl(batch: int = 64, top_k: int = 512, heads: int = 64, c4_entrie
                              "kv_row_round_trips": heads // 8, "design": "8 heads per 256-thread block, CUDA cores"},
         "attention_triton": {"bytes": kv + q_out, "flops": attn_flops, "math": "bf16_flops",
                              "kv_row_round_trips": -(-heads // 64),
-                             "design": "64 heads per program, BLOCK_N=16 rows per tile, 8 warps, tl.dot (wgmma / "
+                             "design": "64 heads per program, BLOCK_N=32 rows per tile, 8 warps, tl.dot (wgmma / "
                                        "tcgen05), no split at batch 64 (64 programs, one per SM)"},
         "indexer_scores_header": {"bytes": index_bytes, "flops": index_flops, "math": "fp32_flops",
                                   "kv_row_round_trips": 1, "design": "one warp per entry, CUDA cores"},
@@ -278,6 +281,44 @@ def op_overhead(backend: str, time_it) -> dict:
     return row
 
 
+#: Prefill served by the decode kernel, each query token a row: 4k tokens, 128 heads, top-k 2048 of a
+#: 64k-entry C4 cache (a 256k-token context).
+PREFILL = {"tokens": 4096, "heads": 128, "top_k": 2048, "c4_entries": 1 << 16}
+
+
+def prefill_paper() -> dict:
+    """The prefill case's roofline: every token gathers its own 2048 rows (the bytes as read, an upper
+    bound; the 64k distinct rows are 38 MB, so most gathers can hit L2) and does 4 * 128 * 512 FLOPs per
+    row: math-bound on bf16 tensor cores."""
+    p = PREFILL
+    return {**p, **roofline.fields(roofline.attention(p["tokens"], p["top_k"], p["heads"])),
+            "distinct_kv_bytes": p["c4_entries"] * V4.bytes_per_token}
+
+
+def prefill_row(time_it, device: str) -> dict:
+    """The prefill case on the GPU: header and Triton, timed, the Triton output checked on two tokens."""
+    p = PREFILL
+    g = torch.Generator().manual_seed(2)
+    cache = v4_cache(random_rows(p["c4_entries"], g), PAGE).cuda()
+    indices = torch.randint(0, p["c4_entries"], (p["tokens"], p["top_k"]), generator=g, dtype=torch.int32).cuda()
+    q = torch.randn(p["tokens"], p["heads"], 512, generator=g).bfloat16().cuda()
+    sink = torch.randn(p["heads"], generator=g).cuda()
+    out = torch.empty(p["tokens"], p["heads"], 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(p["tokens"], p["heads"], device="cuda")
+    row = {"case": f"prefill T{p['tokens']} H{p['heads']} K{p['top_k']}", **p}
+    for impl in ("header", "triton"):
+        call = functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE, out=out, lse=lse, impl=impl)
+        call()
+        ref_out, _ = sparse_decode_attention_reference(q[:2].cpu(), cache.cpu(), indices[:2].cpu(), sink.cpu(), PAGE)
+        torch.testing.assert_close(out[:2].cpu().double(), ref_out, rtol=2.0**-7,
+                                   atol=1e-2 * max(1.0, float(ref_out.abs().max())))
+        timing = time_it(call)
+        row.update(timing_fields("kernel" if impl == "header" else "triton", timing))
+    row.update(roofline.fields(roofline.attention(p["tokens"], p["top_k"], p["heads"]),
+                               min(row["kernel_us"], row["triton_us"]) / 1e6, device))
+    return row
+
+
 #: The SWA window DSV4 attends beside the top-k (the peer cases' extra cache).
 WINDOW = 128
 PEER_CASES = [(b, k, h) for h in (64, 128) for k in (512, 1024, 2048) for b in (1, 8, 64, 128)]
@@ -413,12 +454,13 @@ def main() -> None:
                                            "indexer scores take minutes per call there); run --backend cuda "
                                            "for GPU figures") if interpreted else
                          "GPU, as notes.timer says", "paper": paper(), "paper_per_impl": paper_per_impl(),
+                         "paper_prefill": prefill_paper(),
                          "roofline": "bytes, flops, *_roofline_us and measured_over_roofline (the kernel's device "
                                      "time over the roofline of the GPU it ran on): sparsekv.testing.roofline"})
     cases = serving_cases(args.backend, args.quick)
     peer_cases = (PEER_QUICK if args.quick else PEER_CASES) if peers else []
-    bar = tqdm(total=sum(len(v) for v in cases.values()) + len(peer_cases) + 1, desc="bench_dsv4_attention",
-               unit="case", disable=None)
+    bar = tqdm(total=sum(len(v) for v in cases.values()) + len(peer_cases) + 1 + (args.backend == "cuda"),
+               desc="bench_dsv4_attention", unit="case", disable=None)
     bar.update()
     # Microsecond calls: each sample loops for 20 ms, so the op layer's cost is not lost in timer noise.
     result.rows.append(op_overhead(args.backend, functools.partial(time_it, min_time_s=0.02)))
@@ -485,6 +527,9 @@ def main() -> None:
         row["speedup_vs_torch_topk"] = row["torch_topk_us"] / row["kernel_us"]
         row.update(roofline.fields(roofline.indexer_topk(batch, entries, k), kernel.median_s, device))
         result.rows.append(row)
+    if args.backend == "cuda":
+        bar.update()
+        result.rows.append(prefill_row(time_it, device))
     if peers:
         result.rows.extend(peer_rows(peers["flashmla"], peer_cases, time_it, bar, device))
     bar.close()
