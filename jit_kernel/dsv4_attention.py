@@ -286,6 +286,8 @@ def sparse_decode_attention(
     splits = splits if type(splits) is int else -1  # noqa: E721 - the op body names a bad count
     if out is None:
         out = torch.empty((batch, heads, HEAD_DIM), dtype=out_dtype, device=q.device)
+    elif isinstance(out, torch.Tensor) and out.dtype != out_dtype:  # the dtype asked for is the one written
+        raise TypeError(f"sparsekv: argument `out` has dtype {out.dtype}, but `out_dtype` is {out_dtype}")
     if lse is None:
         lse = torch.empty((batch, heads), dtype=torch.float32, device=q.device)
     floats = workspace_floats(batch, heads, splits, out_dtype) if 1 <= splits <= max(1, entries) else 0

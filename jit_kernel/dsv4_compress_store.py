@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.checks import as_int
+from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
 from sparsekv.jit_kernel.torch_op import kernel_op
-from sparsekv.jit_kernel.triton import resolve_impl
+from sparsekv.jit_kernel.triton import IMPLS, resolve_impl
 
 DSV4_COMPRESS_STORE = register(
     KernelFamily(
@@ -156,6 +156,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
     """
     ratio = as_int(ratio, "ratio")
+    one_of(impl, "impl", IMPLS)  # also where the header runs regardless (no store)
     out, emitted = decode_outputs(kv, ratio, out, emitted)
     if store is None and entry_slots is None:
         return compress_decode(kv, score, ape, ratio, state, state_rows, positions, out=out, emitted=emitted)

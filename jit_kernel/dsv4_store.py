@@ -140,6 +140,23 @@ class RopeParams:
         return RopeTable(torch.cos(angle).to(device).contiguous(), torch.sin(angle).to(device).contiguous())
 
 
+def _positive_eps(value: object, name: str) -> float:
+    """An RMSNorm epsilon: a finite real number above 0 (``inf`` made every output 0, a NaN every
+    output NaN, and 0 divides by zero on an all-zero row).
+
+    Raises
+    ------
+    TypeError
+        Not a real number.
+    ValueError
+        Not finite, or not above 0.
+    """
+    eps = as_float(value, name, finite=True)
+    if not eps > 0:
+        raise ValueError(f"sparsekv: argument `{name}` must be a finite number above 0, got {eps}")
+    return eps
+
+
 def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                     cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeTable,
                     cache_kind: str = "V4", *, impl: str = "auto") -> None:
@@ -152,7 +169,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
     weight : torch.Tensor
         float32 ``[D]`` RMSNorm weight.
     eps : float
-        RMSNorm epsilon.
+        RMSNorm epsilon: finite, above 0.
     positions : torch.Tensor
         int64 ``[N]`` RoPE positions (a compressed entry's anchor ``m * i``), in
         ``[0, rope.max_position)`` (an entry outside is not stored on the device; host-readable
@@ -184,7 +201,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         A slot outside the cache, a position outside the RoPE table. Nothing is written when
         anything is raised.
     """
-    eps, page_size = as_float(eps, "eps"), as_int(page_size, "page_size")
+    eps, page_size = _positive_eps(eps, "eps"), as_int(page_size, "page_size")
     if not isinstance(rope, RopeTable):
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
@@ -222,7 +239,7 @@ class StoreTarget:
     weight : torch.Tensor
         float32 ``[D]`` RMSNorm weight.
     eps : float
-        RMSNorm epsilon.
+        RMSNorm epsilon: finite, above 0.
     page_size : int
         Slots per page of ``cache``.
     rope : RopeTable
@@ -239,7 +256,7 @@ class StoreTarget:
     cache_kind: str = "V4"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", as_float(self.eps, "store.eps"))
+        object.__setattr__(self, "eps", _positive_eps(self.eps, "store.eps"))
         object.__setattr__(self, "page_size", as_int(self.page_size, "store.page_size"))
         if not isinstance(self.rope, RopeTable):
             raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(n)), "

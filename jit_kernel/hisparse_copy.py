@@ -6,7 +6,11 @@
 * :func:`transfer_pages_dsv4_mla` moves whole pages as opaque rows (37,440 B for 64 slots).
 
 Both take per-layer base-address tables (uint64 ``[L]``) on the device the ids live on, so one call
-covers every layer and any pair of memory spaces (device, pinned host, plain host). Host-resident
+covers every layer and any pair of memory spaces (device, pinned host, plain host). A table made by
+:func:`pointer_table` (or :func:`table_layers` of one) holds references to its layers, so they live
+as long as the table, and records the bytes reachable from each base address: a copy derives its
+slot or page counts from them when none are given, and refuses counts and page strides that reach
+past them. A table made any other way must come with its counts. Host-resident
 ids are validated in full (in C++) before any byte moves. CUDA ids are validated with torch on the
 device only with ``SPARSEKV_CHECK_INDICES=1`` (a host sync); otherwise the kernel skips an id outside
 its table, so the copies neither synchronize nor allocate and can be captured in a CUDA graph. The
@@ -72,14 +76,25 @@ def pointer_table(layers: Sequence[torch.Tensor], device: torch.device | str | N
         Where the table lives, which picks the backend (default: the first layer's device; pass the
         GPU for pinned host layers copied by the cuda backend).
 
+    Returns
+    -------
+    torch.Tensor
+        The table, holding references to ``layers`` (they are not freed while it lives) and the
+        bytes of each layer's storage from its base address on, which the copies check against.
+
     Raises
     ------
+    TypeError
+        A layer that is not a tensor.
     ValueError
         No layer; for a GPU table, a host layer that is not pinned (the GPU would read an illegal
         address). The table is built once per pool, so this check stays off the copy path.
     """
     if not layers:
         raise ValueError("sparsekv: argument `layers` must name at least one layer")
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sparsekv: argument `layers`[{i}] must be a tensor, got {type(t).__name__}")
     device = torch.device(device) if device is not None else layers[0].device
     if device.type == "cuda":
         for i, t in enumerate(layers):
@@ -87,7 +102,57 @@ def pointer_table(layers: Sequence[torch.Tensor], device: torch.device | str | N
                 raise ValueError(f"sparsekv: argument `layers`[{i}] is pageable host memory, which the GPU cannot "
                                  f"read; pin it (tensor.pin_memory(), or allocate it with pin_memory=True)")
     addresses = [t.data_ptr() for t in layers]
-    return torch.tensor(addresses, dtype=torch.uint64, device=device)
+    reachable = [t.untyped_storage().nbytes() - (t.data_ptr() - t.untyped_storage().data_ptr()) for t in layers]
+    return _recorded(torch.tensor(addresses, dtype=torch.uint64, device=device), tuple(layers), tuple(reachable))
+
+
+def table_layers(table: torch.Tensor, layers: slice) -> torch.Tensor:
+    """``table[layers]``, keeping what :func:`pointer_table` recorded (a plain slice would drop it).
+
+    Raises
+    ------
+    TypeError
+        ``layers`` is not a slice.
+    """
+    if not isinstance(layers, slice):
+        raise TypeError(f"sparsekv: argument `layers` must be a slice, got {type(layers).__name__}")
+    held, reachable = getattr(table, _HELD, None), getattr(table, _REACHABLE, None)
+    part = table[layers]
+    return part if reachable is None else _recorded(part, held[layers], reachable[layers])
+
+
+#: Attributes of a pointer_table: the layers it points at, and the bytes reachable from each address.
+_HELD, _REACHABLE = "_sparsekv_layers", "_sparsekv_reachable_bytes"
+
+
+def _recorded(table: torch.Tensor, held: tuple, reachable: tuple) -> torch.Tensor:
+    setattr(table, _HELD, held)
+    setattr(table, _REACHABLE, reachable)
+    return table
+
+
+def _bounded_count(count: int, table: torch.Tensor, stride: object, page_bytes: int, unit: int,
+                   names: tuple[str, str, str]) -> int:
+    """The slot or page count of one side: ``count`` (-1: not given), derived from or checked against
+    the bytes ``table`` recorded (``unit`` ids per page)."""
+    count_name, ptrs_name, stride_name = names
+    reachable = getattr(table, _REACHABLE, None)
+    if reachable is None or len(reachable) != table.numel():
+        if count < 0:
+            raise ValueError(f"sparsekv: argument `{count_name}` is required: `{ptrs_name}` is not a table from "
+                             "pointer_table, so the copy cannot tell how far its buffers reach")
+        return count
+    if type(stride) is not int or stride < page_bytes:  # noqa: E721 - the entry refuses it, naming the stride
+        return count
+    pages = min((n - page_bytes) // stride + 1 if n >= page_bytes else 0 for n in reachable)
+    if count < 0:
+        return pages * unit
+    if -(-count // unit) > pages:
+        layer = min(range(len(reachable)), key=lambda i: reachable[i])
+        raise ValueError(f"sparsekv: argument `{count_name}` = {count} with `{stride_name}` = {stride} reaches past "
+                         f"layer {layer} of `{ptrs_name}` ({reachable[layer]} bytes hold {pages * unit} at that "
+                         "stride)")
+    return count
 
 
 def _count(value: int | None, name: str) -> int:
@@ -153,6 +218,12 @@ def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, ds
          page_slots, src_page_stride, dst_page_stride) -> None:
     src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
     src_n, dst_n = _count(src_count, count_names[0]), _count(dst_count, count_names[1])
+    unit = page_slots if export == "transfer_tokens" else 1
+    src_n = _bounded_count(src_n, src_ptrs, src_stride, _PAGE_BYTES[page_slots], unit,
+                           (count_names[0], "src_ptrs", "src_page_stride"))
+    dst_n = _bounded_count(dst_n, dst_ptrs, dst_stride, _PAGE_BYTES[page_slots], unit,
+                           (count_names[1], "dst_ptrs", "dst_page_stride"))
+    src_count, dst_count = src_n, dst_n  # the device check bounds the ids by the same counts
     backend = backend_of(src_ptrs)
     if index_checks_on_device(src_ptrs):
         # Only the dtype must be right for the comparisons; shapes and devices are checked in C++.
@@ -193,8 +264,9 @@ def transfer_cache_dsv4_mla(
     src_indices, dst_indices : torch.Tensor
         int64 ``[N]``, contiguous, on the pointer tables' device: token slots.
     src_num_slots, dst_num_slots : int, optional
-        Slots of each side (pages * page_slots); ids at or beyond them are rejected. Pools always
-        pass them; without them only negative ids are rejected.
+        Slots of each side (pages * page_slots); ids at or beyond them are rejected. Default: as
+        many as the recorded bytes of a :func:`pointer_table` hold at the page stride (required
+        for a table made otherwise); given, they must fit those bytes.
     page_slots : {32, 64, 128}
         Slots per page (64: the C4 page of full-token page size 256).
     src_page_stride, dst_page_stride : int, optional
@@ -206,8 +278,10 @@ def transfer_cache_dsv4_mla(
     TypeError
         An argument has the wrong dtype.
     ValueError
-        Wrong shape, stride, device or length (including pointer tables of different lengths), or
-        a destination slot named twice with different sources.
+        Wrong shape, stride, device or length (including pointer tables of different lengths); a
+        destination slot named twice with different sources; a slot count missing for a table
+        not made by :func:`pointer_table`, or a count and page stride that reach past the bytes
+        its layers hold.
     IndexError
         A negative id, or one at or beyond its slot count (CUDA ids: with ``SPARSEKV_CHECK_INDICES=1``;
         otherwise the kernel skips such a pair, and repeated or chained CUDA ids are the caller's duty).

@@ -6,10 +6,12 @@ FakeTensor / meta tensors give every output's shape without running a kernel.
 
 The ops are out-variants: each output is an argument listed in ``mutates_args`` and the op returns
 nothing. The public wrapper allocates what the caller did not pass (with torch, which traces and
-runs on meta tensors) and returns it, so the fake implementation has no shape of its own to compute
-and every op shares :func:`_writes_only`. Given its outputs, a call allocates nothing, which is what
-CUDA-graph capture needs. A plain eager call skips the dispatcher and runs the op's body directly
-(:func:`_through_dispatcher`); anything that traces sees the op.
+runs on meta tensors) and returns it, so the fake implementation has no shape of its own to compute:
+it only runs :func:`_check_arguments`, as the body does first (an ``impl`` that is not one, a meta
+tensor in a call that writes a real one: refused naming the argument, never a silent no-op). Given its outputs,
+a call allocates nothing, which is what CUDA-graph capture needs. A plain eager call skips the
+dispatcher and runs the op's body directly (:func:`_through_dispatcher`); anything that traces sees
+the op.
 
 Where the checks run: the op body runs only on real tensors (eager, or when a compiled graph runs),
 and holds every check, the C++ entry's shape / dtype / device checks and the value-reading ones
@@ -21,6 +23,8 @@ before anything is written.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,9 +34,29 @@ from sparsekv import env
 NAMESPACE = "sparsekv"
 
 
-def _writes_only(*args, **kwargs) -> None:
-    """The fake implementation of every out-variant op: outputs are arguments, so there is nothing to make."""
-    return None
+#: What an op's ``impl`` argument may be (the wrappers resolve ``"auto"``; a direct op call may pass it).
+_OP_IMPLS = ("auto", "header", "triton")
+
+
+def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Sequence[str]) -> bool:
+    """What every op refuses before its body (or its fake) runs, naming the argument: an ``impl`` that
+    is not one of ``_OP_IMPLS``, and a meta tensor in a call that writes a real one (the fake would
+    run for the whole call and write nothing). A call whose written tensors are all on meta is a shape
+    call: it goes to the fake (whatever else is real). Returns whether a meta tensor is present."""
+    meta = real_written = None
+    for param, value in zip(params, args):
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "meta":
+                meta = meta or param
+            elif param in written:
+                real_written = real_written or param
+        elif param == "impl" and value not in _OP_IMPLS:
+            raise ValueError(f"sparsekv: {name}: argument `impl` must be one of {list(_OP_IMPLS)}, got {value!r}")
+    if meta is not None and real_written is not None:
+        raise ValueError(f"sparsekv: {name}: argument `{meta}` is a meta tensor but `{real_written}`, which the "
+                         "call writes, is not; a call runs with every tensor real, or gives shapes with the "
+                         "tensors it writes on meta")
+    return meta is not None
 
 
 def _through_dispatcher(args: tuple) -> bool:
@@ -65,11 +89,28 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
     """
 
     def register(body: Callable[..., None]) -> Callable[..., None]:
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", body, mutates_args=tuple(mutates_args))
-        op.register_fake(_writes_only)
+        params = tuple(inspect.signature(body).parameters)
+
+        written = tuple(mutates_args)
+
+        @functools.wraps(body)
+        def checked(*args) -> None:  # what a direct call of the op runs too (torch.ops.sparsekv.<name>)
+            _check_arguments(name, params, args, written)
+            body(*args)
+
+        def fake(*args, **kwargs) -> None:  # outputs are arguments: nothing to make, only the checks
+            bound = inspect.signature(body).bind(*args, **kwargs)
+            _check_arguments(name, tuple(bound.arguments), tuple(bound.arguments.values()), written)
+
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", checked, mutates_args=tuple(mutates_args))
+        op.register_fake(fake)
 
         def call(*args) -> None:
-            (op if _through_dispatcher(args) else body)(*args)
+            # A meta tensor anywhere sends the call to the fake (checked first): never to the entry.
+            if _check_arguments(name, params, args, written) or _through_dispatcher(args):
+                op(*args)
+            else:
+                body(*args)
 
         call.op = op
         return call

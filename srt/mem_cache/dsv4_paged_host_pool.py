@@ -31,6 +31,7 @@ from sparsekv.checks import as_int, index_in, int_in
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.hisparse_copy import (
     pointer_table,
+    table_layers,
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
@@ -205,8 +206,8 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def _copy(self, host: HostSlots, device: DeviceSlots, *, to_host: bool, layers: slice) -> None:
         p = self.page_slots
-        host_side = (self.data_ptrs[layers], host, self.num_pages, self.host_page_stride)
-        device_side = (self.device_ptrs[layers], device, self.device_num_pages, self.device_page_stride)
+        host_side = (table_layers(self.data_ptrs, layers), host, self.num_pages, self.host_page_stride)
+        device_side = (table_layers(self.device_ptrs, layers), device, self.device_num_pages, self.device_page_stride)
         (src_ptrs, src, src_pages, src_stride), (dst_ptrs, dst, dst_pages, dst_stride) = \
             (device_side, host_side) if to_host else (host_side, device_side)
         # The side on the CPU is read first; device ids (a host sync) are read only when it is whole pages,

@@ -5,6 +5,9 @@ device values, under full index validation: the ``index_checks`` fixture)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import given
@@ -14,6 +17,7 @@ from sparsekv.jit_kernel.hisparse_copy import (
     PAGE_SLOTS,
     check_copy_on_device,
     pointer_table,
+    table_layers,
     transfer_cache_dsv4_mla,
     transfer_pages_dsv4_mla,
 )
@@ -324,3 +328,78 @@ def test_a_gpu_pointer_table_refuses_pageable_host_layers():
     pageable = torch.zeros(2, V4.page_bytes(64), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"`layers`\[0\] is pageable host memory.*pin it"):
         pointer_table([pageable], device="cuda")
+
+
+# --- raw addresses: the table keeps its layers alive and bounds every id and stride by their bytes ----
+
+@pytest.mark.parametrize("fn, counts, ids, name", [
+    (transfer_cache_dsv4_mla, ("src_num_slots", "dst_num_slots"), ([0, 5], [1, 10**6]), "dst_indices"),
+    (transfer_cache_dsv4_mla, ("src_num_slots", "dst_num_slots"), ([2**40, 5], [1, 2]), "src_indices"),
+    (transfer_pages_dsv4_mla, ("src_num_pages", "dst_num_pages"), ([0, 1], [1, 2]), "dst_pages"),
+], ids=["token dst beyond", "token src far beyond", "page dst beyond"])
+def test_without_counts_the_ids_are_bounded_by_the_table_s_bytes(backend, index_checks, fn, counts, ids, name):
+    # Without slot counts only negative ids were refused: an id past the buffer was copied (SIGSEGV).
+    device = device_of(backend)
+    src = paged_side(2, 2, 64, page_first=False, seed=31).to(device)
+    dst = paged_side(2, 2, 64, page_first=True, seed=32).to(device)
+    before = dst.owner.clone()
+    with pytest.raises(IndexError, match=f"`{name}`"):
+        fn(pointer_table(src.layers), pointer_table(dst.layers), torch.tensor(ids[0], device=device),
+           torch.tensor(ids[1], device=device), dst_page_stride=dst.page_stride)
+    assert torch.equal(dst.owner, before)
+    # In range, the derived counts are the whole buffers: the last slot of each side copies.
+    last = 2 * 64 - 1 if fn is transfer_cache_dsv4_mla else 1
+    expected = dst.owner.clone()
+    (transfer_tokens_ if fn is transfer_cache_dsv4_mla else transfer_pages_)(
+        src.layers_of(src.owner.cpu()), dst.layers_of(expected.cpu()), torch.tensor([last]), torch.tensor([last]))
+    fn(pointer_table(src.layers), pointer_table(dst.layers), torch.tensor([last], device=device),
+       torch.tensor([last], device=device), dst_page_stride=dst.page_stride)
+    assert torch.equal(dst.owner.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+@pytest.mark.parametrize("counts", [True, False], ids=["with counts", "derived counts"])
+def test_a_page_stride_past_the_buffer_is_refused(backend, index_checks, side, counts):
+    # A 10^9-byte page stride read (or wrote) far past the buffer: SIGSEGV.
+    device = device_of(backend)
+    src = paged_side(2, 2, 64, page_first=False, seed=33).to(device)
+    dst = paged_side(2, 2, 64, page_first=False, seed=34).to(device)
+    before = dst.owner.clone()
+    kw = {f"{side}_page_stride": 10**9}
+    if counts:
+        kw |= {"src_num_slots": 128, "dst_num_slots": 128}
+    error, match = (ValueError, f"`{side}_num_slots` = 128 with `{side}_page_stride` = 1000000000 reaches past") \
+        if counts else (IndexError, f"`{side}_indices`")
+    with pytest.raises(error, match=match):
+        transfer_cache_dsv4_mla(pointer_table(src.layers), pointer_table(dst.layers),
+                                torch.tensor([0, 70], device=device), torch.tensor([1, 71], device=device), **kw)
+    assert torch.equal(dst.owner, before)
+
+
+def test_a_table_not_from_pointer_table_needs_its_counts(backend, index_checks):
+    device = device_of(backend)
+    src = paged_side(2, 2, 64, page_first=False, seed=35).to(device)
+    dst = paged_side(2, 2, 64, page_first=False, seed=36).to(device)
+    raw = pointer_table(src.layers).clone()  # the same addresses, none of the records
+    before = dst.owner.clone()
+    with pytest.raises(ValueError, match="`src_num_slots` is required"):
+        transfer_cache_dsv4_mla(raw, pointer_table(dst.layers), torch.tensor([0], device=device),
+                                torch.tensor([1], device=device))
+    assert torch.equal(dst.owner, before)
+
+
+def test_a_pointer_table_keeps_its_layers_alive_and_a_slice_keeps_the_records(backend):
+    # With the layers dropped, ASan saw the copy read freed memory, and it wrote into live tensors.
+    device = device_of(backend)
+    layers = [torch.zeros(2, PAGE, dtype=torch.uint8, device=device) for _ in range(3)]
+    refs = [weakref.ref(t) for t in layers]
+    table = pointer_table(layers)
+    del layers
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    one = table_layers(table, slice(1, 2))
+    with pytest.raises(IndexError, match="`dst_indices`"):  # its counts still come from layer 1's bytes
+        transfer_cache_dsv4_mla(one, one, torch.tensor([0], device=device), torch.tensor([128], device=device))
+    del table, one
+    gc.collect()
+    assert all(r() is None for r in refs)

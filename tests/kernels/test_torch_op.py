@@ -525,3 +525,125 @@ def test_device_index_checks_switch_on_for_cuda_tensors_only_and_name_the_first_
     mask = torch.tensor([[False, False, False], [False, True, True]])
     assert first_true(mask) == (1, 1) and first_true(mask[0]) is None and first_true(mask[1]) == (1,)
 
+
+
+# ---- what every op refuses before its body or its fake runs --------------------------------------
+
+def _tensor_arguments(func, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each tensor argument of a recorded call, by the op's schema."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    return [(name, value) for name, value in bound.items() if isinstance(value, torch.Tensor)]
+
+
+def _with(func, args, kwargs, name, value):
+    """The call's arguments with ``name`` replaced by ``value``."""
+    names = [a.name for a in func._schema.arguments]
+    if name in kwargs:
+        return args, kwargs | {name: value}
+    args = list(args)
+    args[names.index(name)] = value
+    return tuple(args), kwargs
+
+
+def test_a_meta_tensor_among_real_ones_is_refused_by_every_op_naming_it(backend):
+    # The sweep: with a meta tensor first, 13 calls took the fake and returned having written nothing
+    # (quantize_fp8_ds_mla(meta_x, cache, slots, 4)); with one later, 48 failed in the entry with
+    # "Cannot pack tensors on meta", naming no argument.
+    calls = every_op_call(device_of(backend), worlds := [])
+    assert len({func for func, _ in calls}) >= len(WRITES)
+    for func, (args, kwargs) in calls:
+        written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        for name, tensor in _tensor_arguments(func, args, kwargs):
+            meta_args, meta_kwargs = _with(func, args, kwargs, name, torch.empty_like(tensor, device="meta"))
+            before = [t.clone() for _, t in _tensor_arguments(func, args, kwargs)]
+            if written - {name}:  # a real tensor the call writes: refused, naming the meta one
+                with pytest.raises(ValueError, match=f"argument `{name}` is a meta tensor but `.*`, which the call "
+                                                     "writes, is not"):
+                    func(*meta_args, **meta_kwargs)
+            else:  # it wrote only what is now on meta: a shape call, through the fake
+                func(*meta_args, **meta_kwargs)
+            after = [t for _, t in _tensor_arguments(func, args, kwargs)]
+            assert all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(before, after)), (func, name)
+    del worlds
+
+
+@pytest.mark.no_backend("meta tensors only: the fakes run, no kernel")
+def test_a_public_call_with_a_meta_tensor_among_real_ones_names_it():
+    w, meta = world(torch.device("cpu")), world(torch.device("meta"))
+    slots = torch.tensor([7, 0, 33], dtype=torch.int64)
+    before = w["kv_cache"].clone()
+    with pytest.raises(ValueError, match="argument `x` is a meta tensor but `cache`, which the call writes, is not"):
+        quantize_fp8_ds_mla(meta["rows"][:3], w["kv_cache"], slots, P)
+    with pytest.raises(ValueError, match="argument `kv_cache` is a meta tensor but `out`, which the call writes"):
+        sparse_decode_attention(w["q"], meta["kv_cache"], w["indices"], w["sink"], P)
+    assert torch.equal(w["kv_cache"], before)
+    # Writing only meta tensors is a shape call, whatever else is real: the fake, never the entry.
+    quantize_fp8_ds_mla(w["rows"][:3], meta["kv_cache"], slots, P)
+
+
+def test_every_op_with_an_impl_refuses_a_bogus_one(backend):
+    # Direct ops (torch.ops.sparsekv.*) took impl='bogus' and ran the header.
+    calls = every_op_call(device_of(backend), worlds := [])
+    with_impl = [(func, a) for func, a in calls if "impl" in [x.name for x in func._schema.arguments]]
+    assert len({func for func, _ in with_impl}) >= 8
+    for func, (args, kwargs) in with_impl:
+        bad_args, bad_kwargs = _with(func, args, kwargs, "impl", "bogus")
+        before = [t.clone() for _, t in _tensor_arguments(func, args, kwargs)]
+        with pytest.raises(ValueError, match="argument `impl` must be one of"):
+            func(*bad_args, **bad_kwargs)
+        after = [t for _, t in _tensor_arguments(func, args, kwargs)]
+        assert all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(before, after)), func
+    del worlds
+
+
+def test_compress_decode_step_refuses_a_bogus_impl_without_a_store_too(backend):
+    t = step_tensors(device_of(backend))
+    state = t["main_state"].clone()
+    with pytest.raises(ValueError, match="argument `impl` must be one of"):
+        compress_decode_step(t["main_kv"], t["main_score"], t["main_ape"], 4, t["main_state"], t["state_rows"],
+                             t["positions"], impl="bogus")
+    assert torch.equal(t["main_state"], state)
+
+
+def test_out_must_have_the_dtype_out_dtype_names(backend):
+    # out_dtype=bf16 with a float32 out wrote float32.
+    device = device_of(backend)
+    w = world(device)
+    out = torch.full((2, 3, 512), 7.0, device=device)
+    with pytest.raises(TypeError, match="argument `out` has dtype torch.float32, but `out_dtype` is torch.bfloat16"):
+        sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, out=out, out_dtype=torch.bfloat16)
+    assert bool((out == 7.0).all())
+    expected = sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, out_dtype=torch.bfloat16)[0]
+    out = torch.empty(2, 3, 512, dtype=torch.bfloat16, device=device)
+    assert torch.equal(sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, out=out,
+                                               out_dtype=torch.bfloat16)[0], expected)
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), 0.0, -1e-6])
+def test_eps_must_be_finite_and_above_zero(backend, eps):
+    # eps=inf was stored (every output 0).
+    device = device_of(backend)
+    w = world(device)
+    before = w["kv_cache"].clone()
+    rope = RopeParams(10000).table(301, device)
+    with pytest.raises(ValueError, match="argument `eps` must be a finite number"):
+        norm_rope_store(w["rows"], torch.ones(512, device=device), eps, torch.tensor([0, 9, 4, 300, 7], device=device),
+                        w["kv_cache"], torch.tensor([1, 2, 40, 3, 63], device=device), P, rope)
+    with pytest.raises(ValueError, match="argument `store.eps` must be a finite number"):
+        StoreTarget(w["kv_cache"], torch.ones(512, device=device), eps, P, rope)
+    assert torch.equal(w["kv_cache"], before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_slots_must_be_integers(backend, dtype):
+    # Slots are never rounded: 2.5 once became slot 2.
+    device = device_of(backend)
+    w = world(device)
+    before = w["kv_cache"].clone()
+    slots = torch.tensor([7.0, 2.5, 33.0], dtype=dtype, device=device)
+    with pytest.raises(TypeError, match="`slots`"):
+        quantize_fp8_ds_mla(w["rows"][:3], w["kv_cache"], slots, P)
+    with pytest.raises(TypeError, match="`slots`"):
+        norm_rope_store(w["rows"][:3], torch.ones(512, device=device), 1e-6, torch.tensor([0, 9, 4], device=device),
+                        w["kv_cache"], slots, P, RopeParams(10000).table(301, device))
+    assert torch.equal(w["kv_cache"], before)
