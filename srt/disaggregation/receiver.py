@@ -84,6 +84,9 @@ class _Stage:
     manifest: Manifest
     #: ``component/label`` of every host region the stage sends (the digests a room's status must name).
     host_regions: frozenset[str]
+    #: Per region the stage sends: its component, its KV group (label prefix) and the memory kinds
+    #: of its writes (source, destination): what a room's plan on this stage is made of.
+    sends: tuple[tuple[int, str, tuple[str, str]], ...]
     closed: bool = False
     closed_at: float = 0.0  # monotonic() when the connection ended
     idle: bool = False  # the stage closed it after a bye (it held none of this decode's rooms)
@@ -220,7 +223,9 @@ class KVReceiver:
         # other at once, the engine's two simultaneous connects can reset one another.
         host = frozenset(f"{name}/{r.label}" for name, regions in remote.components for r in regions
                          if r.mem_kind == "DRAM")
-        return _Stage(ch, address, remote, host)
+        sends = tuple((c, r.label.split(":", 1)[0], (r.mem_kind, self.manifest.region_map(c)[r.label].mem_kind))
+                      for c, (_, regions) in enumerate(remote.components) for r in regions)
+        return _Stage(ch, address, remote, host, sends)
 
     def _start_reading(self, index: int) -> None:
         stage = self._stages[index]
@@ -469,16 +474,14 @@ class KVReceiver:
         """The fewest and most batches room ``request`` can take on stage ``i``: one per memory-kind
         pair it writes, one per item it writes (each item of each region one write, uncoalesced)."""
         kinds, items = set(), 0
-        for c, (_, regions) in enumerate(self._stages[i].manifest.components):
-            local = self.manifest.region_map(c)
-            for region in regions:
-                if c == 0:
-                    n = len(request.kv_group_indices.get(region.label.split(":", 1)[0], request.kv_indices))
-                else:
-                    n = len(request.state_indices[c - 1]) if c - 1 < len(request.state_indices) else 0
-                if n:
-                    kinds.add((region.mem_kind, local[region.label].mem_kind))
-                    items += n
+        for c, group, kind in self._stages[i].sends:
+            if c == 0:
+                n = len(request.kv_group_indices.get(group, request.kv_indices))
+            else:
+                n = len(request.state_indices[c - 1]) if c - 1 < len(request.state_indices) else 0
+            if n:
+                kinds.add(kind)
+                items += n
         return len(kinds), items
 
     def _claim_error(self, i: int, request: Transfer, batches: int, digests: dict[str, str]) -> str:
