@@ -1,7 +1,8 @@
 """The instruction budget of each hot kernel, before any GPU runs it: inner-loop SASS instructions x
 trip count at the benchmark's shape / the GPU's issue rate, next to the roofline.
 
-For each kernel of the SASS table (``tests/jit/test_sass.py``) built for sm_90a (or ``--arch``):
+For the hot header kernels and the Triton attention and indexer twins (``tests/jit/test_sass.py``
+builds the same), for sm_90a and sm_100a (or ``--arch``):
 the instructions of its main inner loop (:func:`sparsekv.testing.sass.inner_loop`: of the loops
 holding no other loop, the longest), the warp-level trips of that loop at the serving shape (the
 model below: how many times some warp runs the loop body over the whole launch), and
@@ -51,6 +52,14 @@ TRIPS = {
                                       roofline.store(4096), 4096, 4096 // 8, "one warp per entry"),
     "cuda dsv4_quant QuantizeRows<V4, bf16>": (("cuda", "dsv4_quant", {}, "QuantizeRowsINS_9kv_layout2V4EtE"),
                                                roofline.quantize(4096), 4096, 4096 // 8, "one warp per row"),
+    "triton dsv4_attention.partial[bf16]": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
+                                            roofline.attention(64, 512 + 128), 64 * 2 * ((512 + 128) // 2 // 16) * 8,
+                                            64 * 2, "64 heads per program, 2 splits per row (128 programs), "
+                                                    "each looping over its 320 rows in tiles of 16, with 8 warps"),
+    "triton dsv4_indexer.scores[fp8,bf16]": (("triton", "dsv4_indexer.scores[fp8,bf16]", {}, ""),
+                                             roofline.indexer_scores(1, 65536), (65536 // 512) * (512 // 64) * 4,
+                                             65536 // 512, "512 entries per program (128 programs), looping over "
+                                                           "8 tiles of 64 keys, with 4 warps"),
     "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
                                     roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
                                     "one warp per row, 8 B per lane: 3 trips per 584 B row"),
@@ -64,11 +73,27 @@ def _values(values: dict) -> dict:
             for k, v in values.items()}
 
 
+def _triton_cubin(name: str, arch: str):
+    """The cubin of a Triton kernel (its AOT build, as ``sparsekv jit build --triton`` makes it)."""
+    from sparsekv.jit_kernel.build import cache
+    from sparsekv.jit_kernel.triton import aot, interpreting
+
+    if interpreting():
+        raise SystemExit("bench_sass_budget: TRITON_INTERPRET=1 is set, under which Triton kernels do not compile; "
+                         "run it without")
+    root = cache.open_roots().write
+    (kernel,) = [k for k in aot.aot_kernels() if k.name == name]
+    return root / ".triton" / aot.build(kernel, arch, root)["key"] / "kernel.cubin"
+
+
 def budget(name: str, arch: str) -> dict:
-    (_, family, values, kernel), cost, trips, ctas, model = TRIPS[name]
+    (build, module, values, kernel), cost, trips, ctas, model = TRIPS[name]
     sm = "sm_" + arch.replace(".", "")
-    (sass,) = [k for (a, n), k in disassemble(cuda_artifact(family, _values(values), ("9.0a", "10.0a"))).items()
-               if a == sm and kernel in n]
+    if build == "triton":
+        (sass,) = disassemble(_triton_cubin(module, arch)).values()
+    else:
+        (sass,) = [k for (a, n), k in disassemble(cuda_artifact(module, _values(values), ("9.0a", "10.0a"))).items()
+                   if a == sm and kernel in n]
     gpu, sms, clock = ISSUE[arch]
     loop = inner_loop(sass)
     issue_s = len(loop) * trips / (min(ctas, sms) * 4 * clock)
