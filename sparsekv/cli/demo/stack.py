@@ -187,17 +187,19 @@ class Stack:
 
     # ---- addressing (the scheduler's part) -----------------------------------------------------
 
-    def _grow(self, req: Request, length: int) -> None:
-        """Give ``req`` full-token locations and SWA pages up to ``length`` tokens."""
+    def _grow(self, req: Request, length: int, *, decode: bool = False) -> None:
+        """Give ``req`` full-token locations and SWA pages up to ``length`` tokens (a prefill chunk,
+        or with ``decode`` the decode token: under HiSparse its C4 entry's device slot is the hot
+        buffer's, which the backend routes)."""
         have = len(req.locs)
         if self.hisparse is None:
             while len(req.locs) < length:
                 if len(req.locs) % PAGE_SIZE == 0:
                     req.page = int(self.full_alloc.alloc(1)[0])
                 req.locs.append(req.page * PAGE_SIZE + len(req.locs) % PAGE_SIZE)
-        elif have == 0:
-            full = self.allocator.alloc_extend(self.req_to_token, req.req_pool_idx, 0, length)
-            req.locs = full.tolist()
+        elif not decode:
+            full = self.allocator.alloc_extend(self.req_to_token, req.req_pool_idx, have, length)
+            req.locs += full.tolist()
         else:
             for n in range(have + 1, length + 1):
                 req.locs.append(self.allocator.alloc_decode(self.req_to_token, req.req_pool_idx, n))
@@ -246,17 +248,19 @@ class Stack:
         bound = STORE_REL_TOL * exact.abs() + STORE_ABS_TOL * exact.abs().amax(dim=1, keepdim=True)
         errors.store = max(errors.store, float(((stored.double() - exact.double()).abs() / bound).max()))
 
-    def prefill(self, req: Request, length: int) -> Errors:
-        """Prefill ``length`` tokens of ``req`` through the backend: per layer the SWA KV, the
-        compressors (then the norm + RoPE + quantize + store of their entries) and the indexer keys.
-        With HiSparse the C4 entries land in device slots (backed up later by :meth:`back_up`)."""
+    def prefill(self, req: Request, length: int, start: int = 0) -> Errors:
+        """Prefill tokens ``start .. length - 1`` of ``req`` (a chunk: ``start`` is where the previous
+        one ended) through the backend: per layer the SWA KV, the compressors (then the norm + RoPE +
+        quantize + store of their entries) and the indexer keys. With HiSparse the C4 entries land in
+        device slots (backed up by :meth:`back_up` once the prompt is in)."""
         errors = Errors()
         self._grow(req, length)
         backend = self.backend
-        backend.init_forward_metadata(ForwardBatch(torch.tensor([req.req_pool_idx]), [length], [0]))
-        x = self.model.hidden(req.req_pool_idx, 0, length).to(self.device)
-        positions = torch.arange(length, dtype=torch.int64, device=self.device)
-        swa = self.req_to_swa_loc[req.req_pool_idx, :length]
+        backend.init_forward_metadata(ForwardBatch(torch.tensor([req.req_pool_idx]), [length], [start]))
+        whole = self.model.hidden(req.req_pool_idx, 0, length).to(self.device)  # the references need the prefix
+        x = whole[start:]
+        positions = torch.arange(start, length, dtype=torch.int64, device=self.device)
+        swa = self.req_to_swa_loc[req.req_pool_idx, start:length]
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
             kv = x @ w.w_kv
             done = backend.forward_extend(layer, kv, *((x @ w.w_ckv, x @ w.w_cscore) if ratio else (None, None)),
@@ -269,7 +273,8 @@ class Stack:
             entries, anchors = done["entries"][0], done["anchors"][0]
             if self.check:
                 errors.compress = max(errors.compress, _rel(entries, compress_pool_reference(
-                    (x @ w.w_ckv).cpu(), (x @ w.w_cscore).cpu(), w.ape, ratio), COMPRESS_TOL))
+                    (whole @ w.w_ckv).cpu(), (whole @ w.w_cscore).cpu(), w.ape, ratio)[anchors // ratio],
+                    COMPRESS_TOL))
             hot = ratio == 4 and self.hisparse is not None
             slots = backend.entry_slots(req.req_pool_idx, anchors, ratio, hot=hot)
             self._check_store(entries, w.c_norm, anchors.to(self.device), self._c4_cache(layer) if ratio == 4 else
@@ -279,12 +284,27 @@ class Stack:
                 keys, anchors = done["index_entries"][0], done["index_anchors"][0]
                 if self.check:
                     errors.compress = max(errors.compress, _rel(keys, compress_pool_reference(
-                        (x @ w.w_ikv).cpu(), (x @ w.w_iscore).cpu(), w.i_ape, 4), COMPRESS_TOL))
+                        (whole @ w.w_ikv).cpu(), (whole @ w.w_iscore).cpu(), w.i_ape, 4)[anchors // 4],
+                        COMPRESS_TOL))
                 islots = backend.entry_slots(req.req_pool_idx, anchors, 4, hot=False)
                 self._check_store(keys, w.i_norm, anchors.to(self.device), self.pool.get_indexer_buffer(layer),
                                   islots, C4_PAGE, rope, "INDEXER_FP8", errors)
         self.errors.merge(errors)
         return errors
+
+    def finish(self, req: Request) -> None:
+        """Release a finished request: the backend's state (with HiSparse the coordinator's), then
+        its full-token and SWA pages; its row can take a new request."""
+        self.backend.finish(req)
+        rid = req.req_pool_idx
+        if self.hisparse is None:
+            self.full_alloc.free(torch.tensor(sorted({loc // PAGE_SIZE for loc in req.locs})))
+        else:
+            self.allocator.free_logical(self.req_to_token[rid, : len(req.locs)].clone(), rid=rid)
+        self.swa_alloc.free(torch.tensor(req.swa_pages))
+        self.req_to_token[rid] = 0
+        self.req_to_swa_loc[rid] = 0
+        req.locs, req.swa_pages, req.kv_allocated_len = [], [], 0
 
     def back_up(self, reqs: list[Request]) -> None:
         """HiSparse: back the prefilled C4 KV up to the host pool, keep only the hot buffers."""
@@ -304,7 +324,7 @@ class Stack:
         errors = Errors()
         n_before = [r.kv_allocated_len for r in reqs]
         for req, n in zip(reqs, n_before):
-            self._grow(req, n + 1)
+            self._grow(req, n + 1, decode=True)
         rids = [r.req_pool_idx for r in reqs]
         backend = self.backend
         backend.init_forward_metadata(ForwardBatch(torch.tensor(rids), [n + 1 for n in n_before]))
