@@ -49,8 +49,9 @@ from sparsekv.jit_kernel.hisparse_copy import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.kv_layout import V4
+from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.bench import BenchResult, Timing, bar_plot, bench_args, report, timer
+from sparsekv.testing.bench import BenchResult, Timing, bar_plot, bench_args, device_name, report, timer
 from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
 
 PAGE_SLOTS = 64
@@ -145,6 +146,8 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, b
         "h200_hbm_us": round(2 * payload / H200_HBM_BYTES_PER_S * 1e6, 2),
         "h100_hbm_us": round(2 * payload / H100_HBM_BYTES_PER_S * 1e6, 2),
         "h200_pcie_us": round(payload / H200_PCIE_BYTES_PER_S * 1e6, 1),
+        # The roofline columns of every kernel benchmark: the device -> device move (read + write HBM).
+        **roofline.fields(roofline.Cost(2 * payload), timings["kernel"].median_s, device_name(backend)),
     }
 
 

@@ -36,7 +36,8 @@ from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks ru
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla, load_cache_to_device_buffer_mla
 from sparsekv.jit_kernel.hisparse_index import ResidentIndex
-from sparsekv.testing.bench import Sweep, bar_plot, open_sweep, timer
+from sparsekv.testing import roofline
+from sparsekv.testing.bench import Sweep, bar_plot, device_name, open_sweep, timer
 
 
 class IndexedCase(Case):
@@ -135,6 +136,8 @@ def hot_sweep(run: Sweep) -> None:
             # and its re-append (2 + 4 B); per miss the head's queue entry and position (2 + 4 B), the
             # evicted token (4 B), two index entries and the slot's token written (2 + 2 + 4 B).
             "scan_table_bytes": 8 * h, "indexed_table_bytes": 16 * HOT_SWEEP_K + 18 * case.misses,
+            **roofline.fields(roofline.swap_in(HOT_SWEEP_BATCH, HOT_SWEEP_K, HOT_SWEEP_BATCH * case.misses),
+                              indexed_s, device_name(args.backend)),
         })
     growth = {}
     for rate in rates:
