@@ -38,8 +38,10 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_che
     assert names[-1] == "kernel tests cuda"
     assert [n for n in names if n.startswith(("memcheck", "racecheck"))] == [
         f"{tool} (one case per family)" for tool in gpu_check.SANITIZER_TOOLS]
+    # FlashMLA beside our attention only where this checkout holds the built peer library.
     assert [n for n in names if n.startswith("bench ")] == [
-        "bench " + b[len("bench_"):-len(".py")] for b in gpu_check.KERNEL_BENCHMARKS]
+        "bench " + b[len("bench_"):-len(".py")] for b in gpu_check.KERNEL_BENCHMARKS] + (
+        ["bench dsv4_attention vs flashmla"] if gpu_check.PEER_LIBRARY.is_file() else [])
     assert {s["status"] for s in summary["steps"]} == {"planned"}
     assert (tmp_path / "summary.md").read_text().startswith("# sparsekv gpu-check on dry run")
     # Every kernel family with a test file has its sanitizer case, and every kernel benchmark is run.
@@ -98,3 +100,15 @@ def test_failures_now_prints_a_traceback_before_the_run_ends(pytester):
     out = result.stdout.str()
     assert "--- FAILED test_planted.py::test_planted (call)" in out
     assert out.index("planted failure") < out.index("= FAILURES =")
+
+
+def test_the_flashmla_peer_step_runs_exactly_where_its_library_is(gpu_check, tmp_path):
+    library = tmp_path / "libsparsekv_flashmla.so"
+    without = gpu_check.plan("python3", tmp_path, tmp_path, 2, peer_library=library)
+    library.write_bytes(b"")
+    with_peer = gpu_check.plan("python3", tmp_path, tmp_path, 2, peer_library=library)
+    added = [s for s in with_peer if s.name not in {t.name for t in without}]
+    assert [s.name for s in added] == ["bench dsv4_attention vs flashmla"]
+    command = added[0].command
+    assert command[command.index("--peer") + 1] == f"flashmla={library}"
+    assert command[command.index("--backend") + 1] == "cuda"

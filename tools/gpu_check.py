@@ -99,7 +99,7 @@ class Step:
     detail: str = ""
 
 
-def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
+def plan(python: str, wheels: Path, work: Path, jobs: int, peer_library: Path = PEER_LIBRARY) -> list[Step]:
     """The steps, in order: the short, telling ones first, the whole kernel suite last (it takes what
     is left of the budget, and its log says how far it got)."""
     # The cuda tests run the cpu build of each header as their reference; the cpu-only tests ran in CI.
@@ -126,10 +126,10 @@ def plan(python: str, wheels: Path, work: Path, jobs: int) -> list[Step]:
     benches = [Step(f"bench {bench[len('bench_'):-len('.py')]}",
                     [python, str(BENCH_DIR / bench), "--backend", "cuda", "--quick", "--json",
                      str(work / (bench[:-len(".py")] + ".json"))], 60) for bench in KERNEL_BENCHMARKS]
-    if PEER_LIBRARY.is_file():
+    if peer_library.is_file():
         benches.append(Step("bench dsv4_attention vs flashmla",
                             [python, str(BENCH_DIR / "bench_dsv4_attention.py"), "--backend", "cuda", "--quick",
-                             "--peer", f"flashmla={PEER_LIBRARY}", "--json",
+                             "--peer", f"flashmla={peer_library}", "--json",
                              str(work / "bench_dsv4_attention_flashmla.json")], 120))
     # -v and --failures-now: each outcome and each failure's traceback is in the log as it happens, so
     # a suite stopped by the budget still says why its tests failed.
