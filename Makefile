@@ -8,7 +8,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install install-pd demo docs lint test test-gpu test-slow test-sanitize test-sim clean-venv
+.PHONY: install install-pd demo docs lint test test-demos test-gpu test-slow test-sanitize test-sim clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +53,11 @@ test: lint $(PD_STAMP)
 
 test-slow: $(PD_STAMP)
 	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS)
+
+# The demo at its smallest size with the kernels' CUDA path on the simulator, and with the Triton twins
+# under the interpreter (slow tests of tests/test_demo.py that CI runs; make test leaves them out).
+test-demos: $(STAMP)
+	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS) tests/test_demo.py -k "on_sim or triton_indexer"
 
 # Runs the kernel tests on the cuda backend too, and fails if no GPU is visible.
 test-gpu: $(STAMP)

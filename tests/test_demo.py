@@ -104,7 +104,8 @@ def test_demo_refuses_what_this_build_lacks_naming_the_flag(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_demo_on_sim_checks_hold(tmp_path):
-    """--backend sim: the kernels' CUDA path under the simulator (slow: a few minutes cold)."""
+    """--backend sim: the kernels' CUDA path under the simulator (slow: a few minutes cold; CI: make
+    test-demos)."""
     done = subprocess.run([sys.executable, "-m", "sparsekv", "demo", "--tokens", "64", "--steps", "1",
                            "--backend", "sim", "--json", str(tmp_path / "demo.json")],
                           capture_output=True, text=True, timeout=1800)
@@ -139,8 +140,10 @@ def test_tiny_demo_over_pd_equals_the_single_process_run(tmp_path):
     assert pd["bytes_sent"] >= (640 // 4 + 403 // 4) * 2 * 584
 
 
-@pytest.mark.slow  # the Triton interpreter: about a minute even at this size
+@pytest.mark.slow  # the Triton interpreter: about a minute even at this size (CI: make test-demos)
 def test_tiny_demo_with_the_triton_indexer_and_attention(tmp_path):
-    code, report = run_demo(tmp_path, "--impl", "triton", "--steps", "2")
+    out = tmp_path / "demo.json"
+    code = main(["demo", "--tokens", "64", "--steps", "1", "--impl", "triton", "--json", str(out)])
+    report = json.loads(out.read_text())
     assert code == 0 and report["spec"]["impl"] == "triton"
     assert report["checks"]["kernels_vs_fp64"]["ok"] and report["checks"]["hisparse_equals_resident"]["ok"]

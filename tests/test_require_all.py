@@ -44,7 +44,9 @@ def test_a_missing_component_skips_and_fails_under_require_all(pytester, monkeyp
 
 def test_ci_requires_every_component():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "export SPARSEKV_REQUIRE_ALL=1" in ci and "make test" in ci
+    assert "export SPARSEKV_REQUIRE_ALL=1" in ci and "make test\n" in ci
+    # and the demos the default profile leaves out: on sim, and with the Triton twins
+    assert "make test-demos\n" in ci
 
 
 SKIPS = """
