@@ -51,6 +51,8 @@
 // Launch shape: the host runs the per-request logic sequentially; on the GPU one block of BlockSize
 // threads serves one request, with the top-k hash table and the LRU compaction in shared memory and
 // block-wide ballot scans keeping every compaction in index order (so both backends agree bit for bit).
+// Given a plan, the GPU defers the copies to a second launch over all misses of the batch
+// (MissCopies, below); without one, each block copies its own misses, a warp per miss.
 //
 // CopyPlanned replays a plan into another layer's buffers: for b < num_real_reqs[0] and
 // m < miss_count[b], device_buffer[miss_dst[b, m]] = host_cache[miss_src[b, m]], one warp per entry.
@@ -118,10 +120,14 @@ struct TokenCaches {
   int64_t device_slots;
   int64_t item_bytes;
 
+  SPARSEKV_HOST_DEVICE bool in_range(int64_t src, int64_t dst) const {
+    return src >= 0 && src < host_slots && dst >= 0 && dst < device_slots;
+  }
+
   // Host slot src -> device slot dst, skipped (false) when either is outside its cache.
   template <class Layout>
   SPARSEKV_HOST_DEVICE bool copy_token(int64_t src, int64_t dst, Lanes lanes) const {
-    if (src < 0 || src >= host_slots || dst < 0 || dst >= device_slots) return false;
+    if (!in_range(src, dst)) return false;
     Layout::copy(device_buffer, device_stride, dst, host_cache, host_stride, src, item_bytes, lanes);
     return true;
   }
@@ -155,6 +161,7 @@ struct SwapInParams : TokenCaches {
   int64_t miss_dst_stride;
   int64_t* counters;  // nullptr: no counters; else {hits, misses, bytes}
   bool speculative;   // rows of one request are served together, in batch order (else refused)
+  bool defer_copies = false;  // the GPU with a plan: the misses are recorded here, copied by MissCopies
 };
 
 // The protected LRU's per-request scratch (empty for LRU): the victim order (unprotected non-hits,
@@ -601,7 +608,8 @@ struct SwapIn {
         p.miss_src[b * p.miss_src_stride + m] = src;
         store_index(p.miss_dst, p.miss_dst_is64, b * p.miss_dst_stride + m, dst);
       }
-      if (p.template copy_token<Layout>(src, dst, t.warp_lanes()) && t.lane == 0) Team::fetch_add(&s.copies, 1);
+      const bool copied = p.defer_copies ? p.in_range(src, dst) : p.template copy_token<Layout>(src, dst, t.warp_lanes());
+      if (copied && t.lane == 0) Team::fetch_add(&s.copies, 1);
     }
     t.sync();
     if (t.tid == 0) {
@@ -645,9 +653,65 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
   return launch_kernel<swap_in_kernel<Kernel>>(static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, stream, p);
 }
 
+// The copies of a swap-in step given a plan, as a second launch: one warp per plan entry over the
+// whole grid, so every miss of the batch is in flight at once (in the per-request launch a block's
+// 16 warps took its misses 16 at a time, one PCIe round trip each). Bytes equal the sequential
+// model's: the rows of one request (speculative) are served in batch order, so a device slot two of
+// its rows load in one step ends with the later row's bytes; here the earlier row's copy is
+// dropped when a later row copies into the same slot (every other destination is named once: a
+// row's misses take distinct slots and the requests' slots are distinct).
+// Design: latency-bound. At batch 64, K 512 and 0.1% misses: 32k warps, each one load of its
+// row's miss count (~10 instructions), ~33 of them also one 584-byte host -> device copy (one
+// PCIe round trip, ~2 us, all concurrent) and a scan of the later rows of their request (batch
+// reads of the request ids, the misses of the same-request rows). Budget: 32k x 10 warp
+// instructions over 528 schedulers, ~600 cycles; the step is the swap-in block (~3-5 us) plus one
+// round trip, within the 10 us target.
+template <class Layout>
+struct MissCopies {
+  struct Params {
+    SwapInParams swap;
+    int64_t width;  // plan columns (K)
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.swap.batch * p.width; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const SwapInParams& q = p.swap;
+    const int64_t b = i / p.width;
+    const int64_t m = i % p.width;
+    if (m >= q.miss_count[b]) return;
+    const int64_t src = q.miss_src[b * q.miss_src_stride + m];
+    const int64_t dst = load_index(q.miss_dst, q.miss_dst_is64, b * q.miss_dst_stride + m);
+    const int64_t rid = load_index(q.req_pool_indices, q.req_is64, b);
+    for (int64_t later = b + 1; later < q.batch; ++later) {
+      if (load_index(q.req_pool_indices, q.req_is64, later) != rid) continue;
+      for (int32_t k = 0; k < q.miss_count[later]; ++k) {
+        // A later copy the swap-in skipped (outside a cache) writes nothing: it supersedes nothing.
+        if (load_index(q.miss_dst, q.miss_dst_is64, later * q.miss_dst_stride + k) == dst &&
+            q.in_range(q.miss_src[later * q.miss_src_stride + k], dst)) {
+          return;
+        }
+      }
+    }
+    q.template copy_token<Layout>(src, dst, lanes);
+  }
+};
+
+// A per-request swap-in launch (SwapIn, IndexedSwapIn); given a plan, its copies deferred to
+// MissCopies.
+template <class Kernel, class Layout, class P>
+int launch_swap_in(const P& p, SwapInParams& swap, int64_t width, void* stream) {
+  if (swap.miss_count == nullptr) return launch_per_request<Kernel>(p, swap.batch, stream);
+  swap.defer_copies = true;
+  const int err = launch_per_request<Kernel>(p, swap.batch, stream);
+  if (err != 0) return err;
+  return run_on_cuda<MissCopies<Layout>>(typename MissCopies<Layout>::Params{swap, width}, stream);
+}
+
 template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
 int SwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>::run_on_cuda(const Params& p, void* stream) {
-  return launch_per_request<SwapIn>(p, p.batch, stream);
+  Params deferred = p;
+  return launch_swap_in<SwapIn, Layout>(deferred, deferred, K, stream);
 }
 #endif
 

@@ -345,7 +345,8 @@ struct IndexedSwapIn {
 #ifdef __CUDACC__
 template <int K, int H, int BlockSize, class Layout, int ProtectRecent, int ProtectNear>
 int IndexedSwapIn<K, H, BlockSize, Layout, ProtectRecent, ProtectNear>::run_on_cuda(const Params& p, void* stream) {
-  return launch_per_request<IndexedSwapIn>(p, p.base.batch, stream);
+  Params deferred = p;
+  return launch_swap_in<IndexedSwapIn, Layout>(deferred, deferred.base, K, stream);
 }
 #endif
 

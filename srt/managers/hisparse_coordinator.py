@@ -222,6 +222,12 @@ class HiSparseCoordinator:
                                                        device=device)
         self.lru_slots = torch.arange(hot, dtype=torch.int16, device=device).repeat(layers, num_reqs, 1)
         self.top_k_device_locs_buffer = torch.full((num_reqs, num_top_k), -1, dtype=torch.int32, device=device)
+        # The swap-in's miss plan (host slot, device slot, count per row): given one, the GPU copies
+        # every miss of the batch in a second launch, all in flight at once, instead of each request's
+        # block copying its own misses a few at a time.
+        self.miss_src_buffer = torch.empty((num_reqs, num_top_k), dtype=torch.int64, device=device)
+        self.miss_dst_buffer = torch.empty((num_reqs, num_top_k), dtype=torch.int32, device=device)
+        self.miss_count_buffer = torch.empty(num_reqs, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device) if collect_counters else None
         # Columns of req_to_host_pool: the C4 positions a request can reach.
@@ -670,7 +676,8 @@ class HiSparseCoordinator:
             self.req_device_buffer_token_locs[layer_id], self.mem_pool_host.kv_buffer[layer_id],
             self.device_pool.kv_buffer[layer_id], out, req_pool_indices, compressed_seq_lens,
             self.lru_slots[layer_id], self.item_size_bytes, self.num_top_k, self.hot_buffer_size,
-            num_real_reqs=num_real_reqs, counters=self.counters, block_size=self.swap_in_block_size,
+            num_real_reqs=num_real_reqs, miss_src=self.miss_src_buffer[:bs], miss_dst=self.miss_dst_buffer[:bs],
+            miss_count=self.miss_count_buffer[:bs], counters=self.counters, block_size=self.swap_in_block_size,
             page_slots=self.page_slots, speculative=True, policy=self.swap_in_policy,
             resident_index=self.resident_indexes[layer_id] if self.resident_indexes else None)
         return out
