@@ -194,6 +194,7 @@ WRITES = {
     "compress_store": ["cache", "state"], "compress_decode": ["emitted", "out", "state"],
     "compress_decode_store": ["cache", "emitted", "out", "state"], "indexer_scores": ["out"],
     "indexer_topk": ["out", "out_slots", "workspace"], "sparse_decode_attention": ["lse", "out", "workspace"],
+    "plan_raw_step": ["plan"],
 }
 
 
@@ -381,7 +382,7 @@ def every_op_call(device: torch.device, worlds: list) -> list:
 
 
 def test_opcheck_passes_on_a_call_of_every_op(backend):
-    """Not only the decode step's six: a call of each of the 18 ops, each checked by opcheck (declared
+    """Not only the decode step's six: a call of each of the 19 ops, each checked by opcheck (declared
     writes are exactly what the kernel changes, the fake agrees with the real op)."""
     calls = every_op_call(device_of(backend), worlds := [])
     assert {func._schema.name.removeprefix("sparsekv::") for func, _ in calls} == set(WRITES)
