@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from sparsekv.jit_kernel.build import toolchain
+from sparsekv.testing.components import needs
 from sparsekv.testing.sass import PROPERTIES, Launch, cuda_artifact, disassemble, find_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +179,7 @@ def _sass(key: tuple, arch: str):
 NO_TOOLS = _no_tools()
 
 
-@pytest.mark.skipif(NO_TOOLS is not None, reason=str(NO_TOOLS))
+@needs("nvcc or cuobjdump", NO_TOOLS)
 @pytest.mark.parametrize(("key", "prop", "arch"), list(_cases()))
 def test_sass(key, prop, arch):
     holds, detail = PROPERTIES[prop](_sass(key, arch), SASS_TABLE[key]["launch"])
