@@ -12,6 +12,7 @@ from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device, compr
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, torch_threads
+from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_compress import (
     compress_pool_reference,
@@ -454,11 +455,12 @@ def test_a_step_plan_reads_nothing_back_and_costs_the_same_at_any_length(ratio, 
         assert logs[0].host_to_device == logs[1].host_to_device
 
 
+@pytest.mark.gpu
 def test_a_step_on_the_gpu_never_synchronizes(backend):
     """On a GPU: extend (raw ring with and without the fused store, and the online fold) under
     set_sync_debug_mode("error"): no read-back and no copy from pageable memory (which synchronizes)."""
     if backend != "cuda":
-        pytest.skip("set_sync_debug_mode is CUDA's; on the host the meta-tensor test above shows the same")
+        skip_for_gpu("set_sync_debug_mode is CUDA's; on the host the meta-tensor test above shows the same")
     from sparsekv.jit_kernel.dsv4 import RopeParams, StoreTarget
     from sparsekv.kv_layout import V4
 
