@@ -256,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the whole run's time budget, in seconds (at least 10)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and check the plumbing, no GPU")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot create the folder ({exc.strerror})")
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # logs and benchmark JSON; tarred into --out
     steps = plan(args.python, args.wheels, work, args.jobs)
     print(f"{len(steps)} steps, at most {sum(s.limit_s for s in steps)} s by their limits:")

@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in trace_files(args.trace or []):  # read now: a missing or malformed file is a usage error
         try:
             args.loaded_traces.append((str(path), Trace.load(path)))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+            # RecursionError: JSON nested deeper than the parser's recursion limit.
             p.error(f"--trace {path}: not a readable trace file ({type(e).__name__}: {e})")
     if args.trace and not args.loaded_traces:
         p.error(f"--trace {' '.join(args.trace)}: no *.json trace in it")

@@ -58,15 +58,16 @@ class CacheUnwritableError(PermissionError):
     """The cache root (configured, or the default and then the private fallback) accepts no new modules."""
 
 
-def check_private(path: Path, what: str) -> None:
-    """Refuse ``path`` unless it is owned by us (or root) and not writable by group or others.
+def check_private(path: Path, what: str, st: os.stat_result | None = None) -> None:
+    """Refuse ``path`` unless it is owned by us (or root) and not writable by group or others
+    (``st``: its stat, when the caller has it).
 
     Raises
     ------
     CacheSecurityError
         With the path, its owner and mode, and how to fix it.
     """
-    st = os.stat(path)
+    st = os.stat(path) if st is None else st
     if st.st_uid not in (os.getuid(), 0):
         raise CacheSecurityError(
             f"sparsekv: refusing JIT {what} {path}: owned by uid {st.st_uid}, not by this user "
@@ -236,20 +237,29 @@ def valid_artifact(entry_dir: Path) -> Path | None:
     Size and mtime equal to the recorded ones prove the file untouched since it was published
     (cheap: a stat). A file with the recorded size but another mtime (a cache copied without
     preserving times, e.g. a prebuilt cache shipped to another machine) is checked by its sha256.
+    That the artifact is the module of this entry (not another one copied into its place with its
+    size and mtime) is checked after loading, by the entry name the module embeds.
     """
+    found = read_entry(entry_dir)
+    return None if found is None else found[0]
+
+
+def read_entry(entry_dir: Path) -> tuple[Path, dict] | None:
+    """:func:`valid_artifact`'s artifact and the entry's key document; None when not valid."""
     so = entry_dir / ARTIFACT
     try:
-        recorded = json.loads((entry_dir / KEY_FILE).read_text())["artifact"]
+        doc = json.loads((entry_dir / KEY_FILE).read_text())
+        recorded = doc["artifact"]
         check_private(entry_dir, "cache entry")
-        check_private(so, "artifact")
-        st = so.stat()
+        st = os.stat(so)
+        check_private(so, "artifact", st)
         if st.st_size != recorded["size"]:
             return None
         if st.st_mtime_ns != recorded["mtime_ns"] and _sha256(so) != recorded["sha256"]:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return so
+    return so, doc
 
 
 def _lock_path(root: Path, entry: str) -> Path:

@@ -43,7 +43,10 @@ BACKENDS = ("cpu", "cuda", "sim")
 #: The emulation header every sim module is built against (part of a sim module's include closure).
 SIM_HEADER = "include/sparsekv/sim.h"
 # Bump when the glue or the build recipe changes in a way the other key inputs cannot see.
-LOADER_FORMAT = 1
+# 2: module.cpp exports the entry name it was built as (MODULE_KEY_EXPORT).
+LOADER_FORMAT = 2
+#: The export of every module that returns the cache entry name it was built as.
+MODULE_KEY_EXPORT = "sparsekv_module_key"
 CXX_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wall", "-Wno-unused-function")
 NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler=-fPIC", "--expt-relaxed-constexpr")
 
@@ -210,6 +213,13 @@ def generate_sources(
             ]
         lines.append("")
     lines += [f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({name}, ({_instance(fn, args)}));" for name, fn in exports.items()]
+    lines += [
+        "",
+        "// The cache entry this module was built as (its compile defines SPARSEKV_MODULE_KEY): the loader",
+        "// reads it after loading, so a module swapped into another entry's place is refused.",
+        "static tvm::ffi::String sparsekv_module_key_value() { return SPARSEKV_MODULE_KEY; }",
+        f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({MODULE_KEY_EXPORT}, sparsekv_module_key_value);",
+    ]
     sources = {"module.cpp": "\n".join(lines) + "\n"}
     if is_cuda:
         cu = [
@@ -324,8 +334,13 @@ def entry_name(key_doc: Mapping) -> str:
     (an ``artifact`` field, added at publish, is not part of the key)."""
     doc = {k: v for k, v in key_doc.items() if k != "artifact"}
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
-    readable = "_".join(re.sub(r"[^A-Za-z0-9]+", "", a) for a in doc["template_args"]) or "noargs"
-    return f"{doc['name']}__{readable}__{doc['backend']}__{digest}"
+    return entry_prefix(doc["name"], doc["template_args"], doc["backend"]) + digest
+
+
+def entry_prefix(name: str, template_args: Sequence[str], backend: str) -> str:
+    """The readable part of an entry name: ``<name>__<readable args>__<backend>__``."""
+    readable = "_".join(re.sub(r"[^A-Za-z0-9]+", "", a) for a in template_args) or "noargs"
+    return f"{name}__{readable}__{backend}__"
 
 
 def _compiler_env() -> dict[str, str]:
@@ -471,6 +486,8 @@ def build_module(plan: BuildPlan, staging: Path, reason: str = "not in cache") -
     ffi_includes = [f"-I{p}" for p in dict.fromkeys(ffi_include_dirs)]
     ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
     link = [f"-L{ffi_lib.parent}", "-ltvm_ffi"]
+    # The key is defined on the command line, not in module.cpp: the key hashes module.cpp.
+    includes = [f"-DSPARSEKV_MODULE_KEY=\"{plan.entry_name()}\"", *includes]
     what = plan.describe()
     start = time.perf_counter()
     _announce_compile(what, reason)
@@ -614,8 +631,36 @@ def _find_compatible(plan: BuildPlan, roots: cache.CacheRoots) -> Path | None:
 _failed: dict[str, JitCompileError] = {}
 
 
-def _load(path: Path) -> tvm_ffi.Module:
-    module = tvm_ffi.load_module(str(path))
+class JitModuleMismatchError(RuntimeError):
+    """A loaded artifact is not the module of its cache entry (another instance's module copied or
+    swapped into its place, or an index or path redirected elsewhere); the loader rebuilds it."""
+
+
+# Paths whose loaded library was refused: the dynamic loader hands back the library it already
+# loaded from a path, even after the file there was replaced, so their rebuilt files are loaded
+# through another spelling of the path (path -> refusals so far).
+_refused: dict[str, int] = {}
+
+
+def _load(path: Path, entry: str) -> tvm_ffi.Module:
+    """Load the artifact ``path`` of cache entry ``entry``, checking the entry name the module embeds.
+
+    Raises
+    ------
+    JitModuleMismatchError
+        The module was built as another entry, or embeds none.
+    """
+    refusals = _refused.get(str(path), 0)
+    spelled = os.path.join(path.parent, *(["."] * refusals), path.name)
+    module = tvm_ffi.load_module(spelled)
+    try:
+        embedded = module.get_function(MODULE_KEY_EXPORT)()
+    except AttributeError:
+        embedded = None
+    if embedded != entry:
+        _refused[str(path)] = refusals + 1
+        raise JitModuleMismatchError(f"sparsekv: {path} is not the module of cache entry {entry} (it "
+                                     + (f"was built as {embedded})" if embedded else "embeds no entry name)"))
     cache.mark_used(path.parent)
     return module
 
@@ -636,11 +681,11 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots, reason: str = "not i
         if so is None:
             continue
         try:
-            module = _load(so)
+            module = _load(so, entry)
             logger.debug("JIT: cache hit %s (%s)", entry, root)
             return module
-        except Exception:  # noqa: BLE001 - unloadable artifact: a miss, rebuilt below
-            logger.warning("JIT artifact %s does not load; rebuilding", so)
+        except Exception as exc:  # noqa: BLE001 - unloadable or another module: a miss, rebuilt below
+            logger.warning("JIT artifact %s does not load (%s); rebuilding", so, exc)
     if _capturing_cuda_graph():
         raise JitCacheMissError(
             f"sparsekv: JIT module {plan.describe()} is not in the cache and the current CUDA stream is capturing "
@@ -651,7 +696,7 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots, reason: str = "not i
         so = _find_compatible(plan, roots)
         if so is not None:
             logger.info("JIT: strict mode loads %s built by another compiler version", so.parent.name)
-            return _load(so)
+            return _load(so, so.parent.name)
         raise JitCacheMissError(
             f"sparsekv: JIT module {plan.describe()} is not in the cache "
             f"({', '.join(map(str, roots.read)) or 'none exists'}; entry {entry}) and SPARSEKV_JIT_STRICT=1 "
@@ -672,7 +717,7 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots, reason: str = "not i
     env.jit_lock_timeout()
     try:
         return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging, reason),
-                                       _load)
+                                       lambda so: _load(so, entry))
     except JitCompileTimeoutError:
         raise
     except JitCompileError as exc:
@@ -718,23 +763,51 @@ def _stat_signature(paths: Sequence[str]) -> dict[str, list[int]]:
 
 
 def _load_indexed(request: ModuleRequest, roots: cache.CacheRoots) -> tvm_ffi.Module | None:
-    """The module the index names, if every recorded file is unchanged and the artifact is valid."""
+    """The module the index names, if every recorded file is unchanged and the artifact is valid.
+
+    The index is a shortcut, not an authority: the entry it names must be a plain entry name whose
+    key.json hashes to it and records this request's inputs (and the index exactly that key's
+    headers and this request's compilers), and the module must embed that name.
+    """
     _check_sanitizer_runtime(request.sanitize)
+    prefix = entry_prefix(request.name, request.template_args, request.backend)
     for root in roots.read:
         try:
             index = json.loads((root / INDEX_DIR / f"{request.name}__{request.digest()}.json").read_text())
+            entry = index["entry"]
             if index["tvm_ffi"] != tvm_ffi.__version__ or _stat_signature(index["files"]) != index["files"]:
                 continue
-            so = cache.valid_artifact(root / index["entry"])
-            if so is not None:
-                module = _load(so)
-                logger.debug("JIT: cache hit %s (%s)", index["entry"], root)
-                return module
-        except (OSError, ValueError, KeyError, TypeError):
+            if not entry.startswith(prefix) or os.path.basename(entry) != entry:
+                continue
+            found = cache.read_entry(root / entry)
+            if found is None or not _entry_answers(request, found[1], entry, index["files"]):
+                continue
+            module = _load(found[0], entry)
+            logger.debug("JIT: cache hit %s (%s)", entry, root)
+            return module
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        except Exception:  # noqa: BLE001 - an unloadable artifact: take the full path
+        except Exception:  # noqa: BLE001 - an unloadable or mismatched artifact: take the full path
             continue
     return None
+
+
+def _entry_answers(request: ModuleRequest, doc: Mapping, entry: str, files: Mapping[str, list[int]]) -> bool:
+    """Whether the key document ``doc`` of ``entry`` is one ``request`` resolves to, given the index's
+    stat signature ``files`` (the headers' bytes are what the index's stat signature vouches for)."""
+    if entry_name(doc) != entry:
+        return False
+    sources = generate_sources(request.header, dict(request.exports), request.kernels, request.template_args,
+                               request.backend)
+    want = {"name": request.name, "template_args": list(request.template_args), "backend": request.backend,
+            "archs": list(request.archs), "extra_cflags": list(request.extra_cflags),
+            "sanitize": sanitizer_flags(request.sanitize), "tvm_ffi": tvm_ffi.__version__,
+            "loader_format": LOADER_FORMAT,
+            "sources": {k: hashlib.sha256(v.encode()).hexdigest() for k, v in sources.items()}}
+    if any(doc.get(k) != v for k, v in want.items()):
+        return False
+    headers = [os.path.join(request.csrc, rel) for rel in doc["include_closure"]]
+    return sorted(files) == sorted(headers + [c for c in request.compilers if c])
 
 
 def _closure_changed(closure: Mapping[str, bytes], root: Path) -> bool:

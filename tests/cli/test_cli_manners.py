@@ -130,6 +130,7 @@ BAD_TOOL_ARGUMENTS = [
     ("tools/bench/bench_dsv4_compress.py", ["--backend", "gpu"], "--backend"),
     ("tools/gpu_check.py", ["--budget-s", "nan"], "--budget-s"),
     ("tools/gpu_check.py", ["--jobs", "0"], "--jobs"),
+    ("tools/gpu_check.py", ["--out", "/proc/x", "--dry-run"], "--out /proc/x: cannot create the folder"),
 ]
 
 
@@ -140,6 +141,16 @@ def test_bad_tool_arguments_give_one_line_and_exit_2(tool, argv, needle):
     assert_no_traceback(done)
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr, done.stderr
+
+
+def test_a_trace_nested_past_the_parser_is_a_usage_error(tmp_path):
+    trace = tmp_path / "nested.json"
+    trace.write_text("[" * 100_000 + "]" * 100_000)
+    done = subprocess.run([sys.executable, "tools/hisparse_sim.py", "--trace", str(trace)], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert_no_traceback(done)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert f"--trace {trace}: not a readable trace file (RecursionError" in done.stderr
 
 
 def test_a_cuda_backend_without_a_gpu_is_a_usage_error():

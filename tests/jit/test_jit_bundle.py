@@ -156,9 +156,66 @@ def test_json_that_is_not_an_object_is_refused_naming_it(tmp_path, members, reas
         bundle.read_bundle(_tar(tmp_path / "b.tar", members))
 
 
-def test_a_compressed_bomb_is_refused_before_it_is_inflated(tmp_path, monkeypatch):
-    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1 << 20)
-    path = _tar(tmp_path / "bomb.tar.gz", {"big": bytes(4 << 20)}, mode="w:gz")  # 4 MiB of zeros, a few KiB on disk
-    assert path.stat().st_size < 64 << 10
-    with pytest.raises(bundle.BundleError, match="more than 1 MiB"):
-        bundle.read_bundle(path)
+def _manifest(entries: dict) -> bytes:
+    return json.dumps({"format": bundle.BUNDLE_FORMAT, "platform": bundle.platform_tag(), "entries": entries}).encode()
+
+
+def test_a_compressed_bomb_is_refused_before_it_is_inflated(tmp_path):
+    # A member that declares 64 MiB of zeros, a few KiB on disk: refused by its declared size, unread.
+    members = {bundle.MANIFEST: _manifest({"e": {"sha256": "0" * 64, "size": 64 << 20}}),
+               f"e/{cache.ARTIFACT}": bytes(64 << 20)}
+    path = _tar(tmp_path / "bomb.tar.gz", members, mode="w:gz")
+    assert path.stat().st_size < 256 << 10
+    with pytest.raises(bundle.BundleError, match="more than 1 MiB or 20000 members"):
+        bundle.import_bundle(path, tmp_path / "cache", max_bytes=1 << 20)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_header_bomb_is_refused_by_the_decompressed_bound(tmp_path):
+    # tarfile reads a pax header whole, whatever its size: the stream itself stops at the bound.
+    path = tmp_path / "pax-bomb.tar.xz"
+    with tarfile.open(path, "w:xz", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(bundle.MANIFEST)
+        info.pax_headers = {"comment": "x" * (16 << 20)}
+        tar.addfile(info, io.BytesIO(b""))
+    assert path.stat().st_size < 256 << 10
+    with pytest.raises(bundle.BundleError, match=r"holds more than 1 MiB \(decompressed\)"):
+        bundle.import_bundle(path, tmp_path / "cache", max_bytes=1 << 20)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_large_member_is_streamed_not_read_whole(tmp_path):
+    """A 64 MiB artifact whose bytes do not match the manifest is read through a small buffer
+    and refused (a 1 GiB one was once read whole: 2.35 GB of RSS)."""
+    import tracemalloc
+
+    members = {bundle.MANIFEST: _manifest({"e": {"sha256": "0" * 64, "size": 64 << 20}}),
+               f"e/{cache.KEY_FILE}": b'{"artifact": {}}', f"e/{cache.ARTIFACT}": bytes(64 << 20)}
+    path = _tar(tmp_path / "big.tar.gz", members, mode="w:gz")
+    tracemalloc.start()
+    try:
+        with pytest.raises(bundle.BundleError, match="entry e's key.json does not hash to its name"):
+            bundle.import_bundle(path, tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # a few blocks of 1 MiB, not the member
+    assert cache.entries(tmp_path / "cache") == [] and list((tmp_path / "cache" / ".staging").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["a character device", "a FIFO", "a directory"])
+def test_what_is_not_a_regular_file_is_refused_unread(tmp_path, kind):
+    path = {"a character device": Path("/dev/zero"), "a FIFO": tmp_path / "fifo", "a directory": tmp_path}[kind]
+    if kind == "a FIFO":
+        os.mkfifo(path)  # no writer: an open that waited for one would never return
+    with pytest.raises(bundle.BundleError, match=f"refusing bundle {path}: it is {kind}, not a regular file"):
+        bundle.import_bundle(path, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_import_of_dev_zero_in_the_cli_is_one_line(tmp_path):
+    done = jit("import", "/dev/zero", cache_dir=tmp_path / "cache")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "sparsekv jit import: error: BundleError: refusing bundle /dev/zero: it is a character device, not a regular "
+        "file (a tar file as `sparsekv jit export` writes) (--debug shows the traceback)"]
