@@ -22,6 +22,7 @@ from sparsekv.jit_kernel.flashmla import dsv4_attention as flashmla
 from sparsekv.kv_layout import V4
 from sparsekv.testing import flashmla_peer
 from sparsekv.testing.backends import device_of
+from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
@@ -202,7 +203,7 @@ GPU_CASES = [(64, 128, 0), (64, 64, 64), (128, 128, 64)]
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_flashmla_impl_matches_the_reference_within_flashmla_tolerance(backend, heads, k, k2, out_dtype):
     if backend != "cuda":
-        pytest.skip("impl='flashmla' runs on CUDA tensors")
+        skip_for_gpu("impl='flashmla' runs on CUDA tensors")
     reason = flashmla.unavailable_reason(torch.device("cuda"))
     if reason:
         pytest.skip(reason)
@@ -218,7 +219,7 @@ def test_flashmla_impl_matches_the_reference_within_flashmla_tolerance(backend, 
 @pytest.mark.parametrize("heads, k, k2", GPU_CASES)
 def test_the_flashmla_peer_and_our_kernels_agree_within_flashmla_tolerance(backend, heads, k, k2):
     if backend != "cuda":
-        pytest.skip("the peer runs on CUDA tensors")
+        skip_for_gpu("the peer runs on CUDA tensors")
     if not (os.path.isdir(PEER_DIR) or os.path.isfile(PEER_DIR)):
         pytest.skip(f"no built peer library at {PEER_DIR} (tools/peers/build_flashmla.sh)")
     peer = flashmla_peer.FlashMLAPeer(PEER_DIR)
