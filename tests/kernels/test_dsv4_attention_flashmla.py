@@ -12,7 +12,7 @@ kernels, within FlashMLA's own tolerances (its test: out ``1e-3 + 2.01/128 |ref|
 from __future__ import annotations
 
 import math
-import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +30,8 @@ from sparsekv.testing.strategies.dsv4_attention import random_rows, v4_cache
 #: FlashMLA's tolerances (tests/test_flash_mla_sparse_decoding.py at the pinned commit), as assert_close's.
 FLASHMLA_OUT_TOL = {"atol": 1e-3, "rtol": 2.01 / 128}
 FLASHMLA_LSE_TOL = {"atol": 1e-6, "rtol": 8.01 / 65536}
-#: Where ``make gpu-check`` (and a user) keeps the built peer library.
-PEER_DIR = os.environ.get("SPARSEKV_FLASHMLA_PEER", "peers/flashmla")
+#: Where ``tools/peers/build_flashmla.sh`` puts the peer library by default, and ``make gpu-check`` looks for it.
+PEER_DIR = Path(__file__).resolve().parents[2] / "peers" / "flashmla"
 
 
 def case(heads: int, k: int, *, batch: int = 3, page_size: int = 64, k2: int = 0, seed: int = 0, device="cpu"):
@@ -220,7 +220,7 @@ def test_flashmla_impl_matches_the_reference_within_flashmla_tolerance(backend, 
 def test_the_flashmla_peer_and_our_kernels_agree_within_flashmla_tolerance(backend, heads, k, k2):
     if backend != "cuda":
         skip_for_gpu("the peer runs on CUDA tensors")
-    if not (os.path.isdir(PEER_DIR) or os.path.isfile(PEER_DIR)):
+    if not (PEER_DIR / flashmla_peer.LIBRARY).is_file():
         pytest.skip(f"no built peer library at {PEER_DIR} (tools/peers/build_flashmla.sh)")
     peer = flashmla_peer.FlashMLAPeer(PEER_DIR)
     args = case(heads, k, k2=k2, device=device_of(backend))
