@@ -26,8 +26,6 @@ and raw time per call.
 from __future__ import annotations
 
 import functools
-import statistics
-import timeit
 
 import torch
 from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
@@ -41,7 +39,7 @@ from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
 from sparsekv.kv_layout import INDEXER_FP8, V4
-from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
+from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 
 BATCH, HEADS, PAGE, TOPK, ENTRIES = 8, 64, 64, 512, 1 << 16
 TARGET = 3.0
@@ -62,9 +60,8 @@ class _Stub:
         return export
 
 
-def _median_us(fn, number: int) -> float:
-    fn()
-    return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+def _median_us(fn) -> float:
+    return time_call(fn).median_s * 1e6
 
 
 def calls() -> dict:
@@ -134,10 +131,10 @@ def measure(name: str, call, nop) -> dict:
         events = prof.events()
         torch_ops = sum(1 for e in events if "::" in e.name)  # aten:: and sparsekv:: operators
         allocations = sum(1 for e in events if e.name == "[memory]" and e.cpu_memory_usage > 0)
-        host_us = _median_us(call, 200)
+        host_us = _median_us(call)
     finally:
         KernelFamily.module = real
-    raw_us = _median_us(lambda: nop(*raw_args), 2000)
+    raw_us = _median_us(lambda: nop(*raw_args))
     return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
             "within_target": host_us / raw_us <= TARGET, "torch_ops": torch_ops, "allocations": allocations,
             "module_calls": module_calls}
@@ -159,7 +156,7 @@ def main() -> None:
         result.rows.append(measure(name, call, nop))
     checks = triton_attention_checks()
     if checks is not None:
-        result.rows.append({"case": "triton attention checks", "host_us": _median_us(checks, 200)})
+        result.rows.append({"case": "triton attention checks", "host_us": _median_us(checks)})
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("host_us", "raw_us"),
                                                   ylabel="us per call (log)", log=True))
 
