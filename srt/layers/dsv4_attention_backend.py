@@ -258,17 +258,21 @@ class Dsv4AttentionBackend:
         b["rows"][:bs].copy_(rows)
         b["positions"][:bs].copy_(positions)
         b["num_real"].fill_(num_real)
-        rows, pos = b["rows"][:bs], b["positions"][:bs]
+        for name, value in self._derive(b["rows"][:bs], b["positions"][:bs]).items():
+            b[name][:bs].copy_(value)
+
+    def _derive(self, rows: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the kernels read for rows ``(rows[i], pos[i])`` (a request row and a token position each)."""
+        out: dict[str, torch.Tensor] = {}
         ctx = self.max_context
-        tok = self.req_to_token[rows]  # [bs, ctx]
+        tok = self.req_to_token[rows]  # [n, ctx]
         swa = self.req_to_swa_loc[rows]
-        b["swa_slots"][:bs].copy_(swa.gather(1, pos[:, None])[:, 0])
+        out["swa_slots"] = swa.gather(1, pos[:, None])[:, 0]
         # The window: positions lo..pos first (oldest first), then -1.
         offs = torch.arange(self.window, device=self.device)
         span = torch.clamp(pos, max=self.window - 1)
-        p = (pos - span)[:, None] + offs
-        window = swa.gather(1, p.clamp(max=ctx - 1))
-        b["window"][:bs].copy_(torch.where(offs <= span[:, None], window, -1))
+        window = swa.gather(1, ((pos - span)[:, None] + offs).clamp(max=ctx - 1))
+        out["window"] = torch.where(offs <= span[:, None], window, -1).to(torch.int32)
         # Compressor ring rows of the last 8 (C4) / 128 (C128) positions; positions before 0 are not read.
         for ratio, name in ((4, "c4_state_rows"), (128, "c128_state_rows")):
             ring = self.rings.get(ratio, 0)
@@ -277,22 +281,26 @@ class Dsv4AttentionBackend:
             w = 8 if ratio == 4 else 128
             q = (pos[:, None] - (w - 1) + torch.arange(w, device=self.device)).clamp(min=0)
             ring_id = swa.gather(1, q) // self.page_size if ratio == 4 else rows[:, None].expand(-1, w)
-            b[name][:bs].copy_(ring_id * ring + q % ring)
+            out[name] = ring_id * ring + q % ring
         loc = tok.gather(1, pos[:, None])[:, 0]
-        b["index_slots"][:bs].copy_(loc // 4)
-        b["c128_slots"][:bs].copy_(loc // 128)
-        if self.coordinator is not None:
-            mapping = self.coordinator.allocator.full_to_hisparse_device_index_mapping
-            b["c4_slots"][:bs].copy_(mapping[loc // 4])
-        else:
-            b["c4_slots"][:bs].copy_(loc // 4)
-        pages = b["page_table"].shape[1]
-        b["page_table"][:bs].copy_(tok[:, :: self.page_size][:, :pages] // self.page_size)
-        n128 = b["c128_indices"].shape[1]
+        out["index_slots"] = loc // 4
+        out["c128_slots"] = loc // 128
+        out["c4_slots"] = self._hot(loc // 4)
+        pages = -(-ctx // self.page_size)
+        out["page_table"] = (tok[:, :: self.page_size][:, :pages] // self.page_size).to(torch.int32)
+        n128 = max(1, ctx // 128)
         last = 128 * torch.arange(n128, device=self.device) + 127
-        c128 = tok.gather(1, last.clamp(max=ctx - 1)[None].expand(bs, -1)) // 128
-        b["c128_indices"][:bs].copy_(torch.where(last[None] <= pos[:, None], c128, -1))
-        b["c4_lens"][:bs].copy_((pos + 1) // 4)
+        c128 = tok.gather(1, last.clamp(max=ctx - 1)[None].expand(rows.shape[0], -1)) // 128
+        out["c128_indices"] = torch.where(last[None] <= pos[:, None], c128, -1).to(torch.int32)
+        out["c4_lens"] = ((pos + 1) // 4).to(torch.int32)
+        return out
+
+    def _hot(self, c4_locs: torch.Tensor) -> torch.Tensor:
+        """C4 KV slots of logical C4 locations: under HiSparse the device slots they are mapped to."""
+        if self.coordinator is None:
+            return c4_locs
+        mapping = self.coordinator.allocator.full_to_hisparse_device_index_mapping
+        return mapping[c4_locs]
 
     # ---- per layer --------------------------------------------------------------------------------
 
@@ -372,18 +380,23 @@ class Dsv4AttentionBackend:
 
     def forward_extend(self, layer_id: int, kv: torch.Tensor, c_kv: torch.Tensor | None = None,
                        c_score: torch.Tensor | None = None, i_kv: torch.Tensor | None = None,
-                       i_score: torch.Tensor | None = None) -> dict:
-        """Store one prefill chunk of every request of the batch through layer ``layer_id``.
+                       i_score: torch.Tensor | None = None, *, q: torch.Tensor | None = None,
+                       index_q: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> dict:
+        """One prefill chunk of every request of the batch through layer ``layer_id``.
 
         The rows of each input are the batch's extend tokens, request after request (the lengths of
         :meth:`init_forward_metadata`). Writes the SWA KV, runs the compressors over the chunk
-        (continuing each request's rings) and stores their entries and the indexer keys.
+        (continuing each request's rings) and stores their entries and the indexer keys; with ``q``
+        each token then attends causally: its window, and the C128 entries complete at its position
+        or the indexer's top-k of the C4 entries complete at its position (``index_q``, ``weights``).
 
         Returns
         -------
         dict
             ``entries`` / ``anchors`` (the compressor's new entries and their first positions) and
-            ``index_entries`` / ``index_anchors`` (C4), each per request, for checks.
+            ``index_entries`` / ``index_anchors`` (C4), each per request, for checks; with ``q``,
+            ``out`` and ``lse`` (float32 ``[T, heads, 512]`` and ``[T, heads]``) and ``attention_inputs``
+            (the caches and indices each token attended).
         """
         layer = self.layers[layer_id]
         rows, starts, lens = self.extend_rows, self.extend_starts, self.extend_lens
@@ -392,8 +405,15 @@ class Dsv4AttentionBackend:
         norm_rope_store(kv, layer.kv_norm, layer.eps, positions, self.pool.get_swa_kv_buffer(layer_id),
                         swa_slots.to(self.device), self.page_size, layer.rope, "V4")
         done: dict = {}
-        if not layer.ratio:
-            return done
+        if layer.ratio:
+            self._extend_compressors(layer_id, c_kv, c_score, i_kv, i_score, done)
+        if q is not None:
+            done |= self._extend_attention(layer_id, q, index_q, weights, positions)
+        return done
+
+    def _extend_compressors(self, layer_id: int, c_kv, c_score, i_kv, i_score, done: dict) -> None:
+        layer = self.layers[layer_id]
+        rows, starts, lens = self.extend_rows, self.extend_starts, self.extend_lens
         splits = torch.tensor(lens).cumsum(0).tolist()
         bounds = list(zip([0, *splits[:-1]], splits))
         for name, state, target, x, score, ratio in (
@@ -414,7 +434,25 @@ class Dsv4AttentionBackend:
                 entries_all.append(entries)
                 anchors_all.append(anchors)
             done[f"{name}entries"], done[f"{name}anchors"] = entries_all, anchors_all
-        return done
+
+    def _extend_attention(self, layer_id: int, q, index_q, weights, positions: torch.Tensor) -> dict:
+        layer = self.layers[layer_id]
+        rows = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in zip(self.extend_rows, self.extend_lens)])
+        meta = self._derive(rows.to(self.device), positions)
+        inputs = dict(kv_cache=self.pool.get_swa_kv_buffer(layer_id), indices=meta["window"], page_size=self.page_size)
+        if layer.ratio == 128:
+            inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=meta["c128_indices"],
+                           extra_page_size=self.c128_page)
+        elif layer.ratio == 4:
+            _, slots = lightning_indexer(index_q, weights, self.pool.get_indexer_buffer(layer_id), meta["page_table"],
+                                         positions, self.top_k, page_size=self.c4_page, impl=self.impl)
+            # Indexer slots are logical C4 locations; every entry of a prefill is on the device.
+            hot = torch.where(slots >= 0, self._hot(slots.clamp(min=0).long()), -1).to(torch.int32)
+            inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=hot,
+                           extra_page_size=self.c4_page)
+        out, lse = sparse_decode_attention(q, inputs["kv_cache"], inputs["indices"], layer.sink, self.page_size,
+                                           impl=self.impl, **{k: v for k, v in inputs.items() if k.startswith("extra")})
+        return {"out": out, "lse": lse, "attention_inputs": inputs}
 
     def _ring(self, row: int, ratio: int) -> tuple[list[int], int | None]:
         if ratio == 128:

@@ -263,8 +263,14 @@ class Stack:
         swa = self.req_to_swa_loc[req.req_pool_idx, start:length]
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
             kv = x @ w.w_kv
+            q = (x @ w.wq).reshape(len(x), -1, HEAD_DIM)
+            index = dict(index_q=(x @ w.w_iq).reshape(len(x), -1, 128), weights=torch.sigmoid(x @ w.w_iw)) \
+                if ratio == 4 else {}
             done = backend.forward_extend(layer, kv, *((x @ w.w_ckv, x @ w.w_cscore) if ratio else (None, None)),
-                                          *((x @ w.w_ikv, x @ w.w_iscore) if ratio == 4 else (None, None)))
+                                          *((x @ w.w_ikv, x @ w.w_iscore) if ratio == 4 else (None, None)), q=q,
+                                          **index)
+            if self.check:
+                self._check_attention(q, w, done["out"], done["lse"], dict(done["attention_inputs"]), errors)
             rope = backend.layers[layer].rope
             self._check_store(kv, w.kv_norm, positions, self.pool.get_swa_kv_buffer(layer), swa, PAGE_SIZE, rope,
                               "V4", errors)
@@ -354,13 +360,7 @@ class Stack:
                         recorder.record(rids, c4_lens, tokens, (after["hits"] - before["hits"],
                                                                 after["misses"] - before["misses"]))
             if self.check:
-                inputs = backend.attention_inputs(layer)
-                ref_out, ref_lse = sparse_decode_attention_reference(q, inputs.pop("kv_cache"), inputs.pop("indices"),
-                                                                     w.sink, inputs.pop("page_size"), **inputs)
-                lse = backend.metadata("lse")
-                errors.attention = max(errors.attention, _rel(out, ref_out, ATTENTION_TOL),
-                                       _rel(lse, ref_lse, ATTENTION_TOL))
-                errors.attention_abs = max(errors.attention_abs, float((out.cpu().double() - ref_out).abs().max()))
+                self._check_attention(q, w, out, backend.metadata("lse"), backend.attention_inputs(layer), errors)
             outputs.append(out)
         stats = StepStats()
         if self.coordinator is not None:
@@ -369,6 +369,13 @@ class Stack:
         stats.seconds = time.perf_counter() - t0
         self.errors.merge(errors)
         return outputs, stats
+
+    def _check_attention(self, q, w, out, lse, inputs: dict, errors: Errors) -> None:
+        """Attention output and lse against the fp64 attention over the same cache bytes and indices."""
+        ref_out, ref_lse = sparse_decode_attention_reference(q, inputs.pop("kv_cache"), inputs.pop("indices"), w.sink,
+                                                             inputs.pop("page_size"), **inputs)
+        errors.attention = max(errors.attention, _rel(out, ref_out, ATTENTION_TOL), _rel(lse, ref_lse, ATTENTION_TOL))
+        errors.attention_abs = max(errors.attention_abs, float((out.cpu().double() - ref_out).abs().max()))
 
     def _check_indexer(self, layer, iq, weights, positions, errors: Errors) -> None:
         """The backend's indexer scores of a C4 layer against the fp64 indexer."""
