@@ -38,6 +38,7 @@ from sparsekv.jit_kernel.dsv4 import (
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
 from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
+from sparsekv.srt.checks import index_table
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 
 HEAD_DIM = 512
@@ -247,12 +248,28 @@ class Dsv4AttentionBackend:
     def init_forward_metadata_replay_cuda_graph(self, bs: int, num_real: int, req_pool_indices: torch.Tensor,
                                                 positions: torch.Tensor) -> None:
         """Refill the graph state in place before a replay: ``num_real`` real rows of the ``bs``
-        captured (the rest are padding: they write nothing the real rows read, and swap in nothing)."""
+        captured (the rest are padding: they write nothing the real rows read, and swap in nothing).
+
+        Raises
+        ------
+        TypeError
+            ``req_pool_indices`` or ``positions`` is not an integer tensor.
+        ValueError
+            ``bs`` above the graph state's, a table that is not 1-D of ``bs`` entries, or ``num_real``
+            outside ``[0, bs]``; the graph state is left as it was.
+        """
         self._fill_decode(req_pool_indices, positions, bs, num_real)
 
     def _fill_decode(self, rows: torch.Tensor, positions: torch.Tensor, bs: int, num_real: int) -> None:
+        # Every argument is checked before the first buffer is written: a tensor of another length would
+        # broadcast (one row) or fail between two copies, leaving the graph state half refilled.
         if self._bufs is None or bs > self._capacity:
             raise ValueError(f"sparsekv: batch of {bs} rows, the graph state holds {self._capacity}")
+        for name, value in (("req_pool_indices", rows), ("positions", positions)):
+            if index_table(value, name, ndim=1).shape[0] != bs:
+                raise ValueError(f"sparsekv: argument `{name}` must have bs = {bs} entries, got {value.shape[0]}")
+        if not 0 <= num_real <= bs:
+            raise ValueError(f"sparsekv: argument `num_real` must be in [0, bs = {bs}], got {num_real}")
         self.bs = bs
         b = self._bufs
         b["rows"][:bs].copy_(rows)

@@ -137,6 +137,29 @@ def test_replay_metadata_with_a_padding_row_leaves_the_real_rows_alone(hisparse)
         assert all(torch.equal(want, have[: len(reqs)]) for want, have in zip(expected, got))
 
 
+REPLAY_BAD = {  # (bs, num_real, rows, positions) -> error, argument named
+    "one row for three": (lambda r, p: (3, 2, r[:1], p), ValueError, "`req_pool_indices`"),
+    "short positions": (lambda r, p: (3, 2, r, p[:2]), ValueError, "`positions`"),
+    "float rows": (lambda r, p: (3, 2, r.double(), p), TypeError, "`req_pool_indices`"),
+    "2-D positions": (lambda r, p: (3, 2, r, p[:, None]), ValueError, "`positions`"),
+    "num_real past bs": (lambda r, p: (3, 4, r, p), ValueError, "`num_real`"),
+    "negative num_real": (lambda r, p: (3, -1, r, p), ValueError, "`num_real`"),
+    "bs past the state": (lambda r, p: (4, 2, torch.cat([r, r[:1]]), torch.cat([p, p[:1]])), ValueError, "holds 3"),
+}
+
+
+@pytest.mark.parametrize("bad", REPLAY_BAD)
+def test_bad_replay_metadata_is_refused_before_the_graph_state_changes(bad):
+    stack, reqs = prefilled(None)
+    stack.backend.init_cuda_graph_state(3)
+    _, rows, positions = padded_step(stack, reqs, 3)
+    before = {k: v.clone() for k, v in stack.backend._bufs.items()}
+    make, error, match = REPLAY_BAD[bad]
+    with pytest.raises(error, match=match):
+        stack.backend.init_forward_metadata_replay_cuda_graph(*make(rows, positions))
+    assert [k for k, v in stack.backend._bufs.items() if not torch.equal(v, before[k])] == []
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
 def test_a_captured_decode_step_replays_with_padding_rows(hisparse):
