@@ -42,7 +42,7 @@ from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
-from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift
+from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift, visible_entries
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
 
 __all__ = [
@@ -112,13 +112,6 @@ def indexer_template_args(layout: str, q_dtype: torch.dtype) -> tuple[str, str]:
     if q_dtype not in _Q_TYPES:
         raise TypeError(f"sparsekv: argument `q` must have dtype float32 or bfloat16, got {q_dtype}")
     return INDEXER.template_args({"layout": layout, "q_dtype": q_dtype})
-
-
-def visible_entries(positions: torch.Tensor) -> torch.Tensor:
-    """Compressed (C4) entries visible from raw positions: ``(t + 1) // 4`` (0 for t < 0), without
-    computing ``t + 1`` (which wraps at ``t = 2**63 - 1``)."""
-    t = positions.clamp_min(-1)
-    return torch.div(t, COMPRESS_RATIO, rounding_mode="floor") + (t.remainder(COMPRESS_RATIO) == COMPRESS_RATIO - 1)
 
 
 def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int,

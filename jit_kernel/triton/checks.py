@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.kv_layout import C4_RATIO
+
 __all__ = ["Arg", "check", "check_disjoint", "check_no_overlap", "dtype_name", "optional_arg",
-           "page_shift", "read", "row_stride", "written"]
+           "page_shift", "read", "row_stride", "visible_entries", "written"]
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -86,6 +88,12 @@ def page_shift(page_size: int, name: str) -> int:
         raise ValueError(f"sparsekv: argument `{name}` must be a power of two in [1, 2^20], got {page_size}")
     return page_size.bit_length() - 1
 
+
+def visible_entries(positions: torch.Tensor) -> torch.Tensor:
+    """Compressed (C4) entries visible from raw positions: ``(t + 1) // 4`` (0 for t < 0), without
+    computing ``t + 1`` (which wraps at ``t = 2**63 - 1``)."""
+    t = positions.clamp_min(-1)
+    return torch.div(t, C4_RATIO, rounding_mode="floor") + (t.remainder(C4_RATIO) == C4_RATIO - 1)
 
 
 def row_stride(t: torch.Tensor) -> int:

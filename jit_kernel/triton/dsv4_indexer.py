@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import (
     check,
@@ -41,6 +40,7 @@ from sparsekv.jit_kernel.triton.checks import (
     page_shift,
     read,
     row_stride,
+    visible_entries,
     written,
 )
 from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
