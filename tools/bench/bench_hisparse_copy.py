@@ -24,8 +24,9 @@ Bytes per token: 584 per layer (576 value + 8 scale) are read and 584 written; G
 device -> device in ``2 * 584 * L / 4.8 TB/s`` (read + write HBM: 0.24 ns per token-layer, so 1M
 tokens of 1 layer in 0.24 ms) and host <-> device in ``584 * L / 55 GB/s`` over PCIe (10.6 ns per
 token-layer, 1M tokens in 11 ms): the PCIe copy is ~44x slower, which is why HiSparse moves only the
-misses of each step. Each row carries both numbers (``h200_hbm_us``, ``h200_pcie_us``), and the
-H100's HBM time at 3.35 TB/s (``h100_hbm_us``).
+misses of each step. Each row carries both numbers: the HBM move as the roofline columns of every
+kernel benchmark (``h100_roofline_us``, ``h200_roofline_us``, ``b200_roofline_us``) and the H200's
+PCIe time (``h200_pcie_us``), from the GPUs of :mod:`sparsekv.testing.roofline`.
 
 Targets (issue 4): kernel >= 60% of memcpy bandwidth and >= 3x torch. Prints JSON; ``--plot PNG``
 draws GB/s per case.
@@ -55,9 +56,6 @@ from sparsekv.testing.bench import BenchResult, Timing, bar_plot, bench_args, de
 from sparsekv.testing.reference.hisparse_copy import transfer_tokens_
 
 PAGE_SLOTS = 64
-H200_HBM_BYTES_PER_S = 4.8e12
-H200_PCIE_BYTES_PER_S = 55e9
-H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM; its PCIe Gen5 x16 link is the H200's
 CASES = ((1 << 10, 1), (1 << 16, 1), (1 << 16, 21), (1 << 20, 1))
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -143,9 +141,7 @@ def run_case(n: int, layers: int, repeats: int, torch_repeats: int, thp: bool, b
         "kernel_vs_memcpy": round(gbps["kernel"] / gbps["memcpy"], 3),
         "kernel_vs_torch": round(timings["torch"].median_s / timings["kernel"].median_s, 1),
         "raw_vs_memcpy": round(gbps["raw"] / gbps["memcpy"], 3),
-        "h200_hbm_us": round(2 * payload / H200_HBM_BYTES_PER_S * 1e6, 2),
-        "h100_hbm_us": round(2 * payload / H100_HBM_BYTES_PER_S * 1e6, 2),
-        "h200_pcie_us": round(payload / H200_PCIE_BYTES_PER_S * 1e6, 1),
+        "h200_pcie_us": round(payload / roofline.GPUS["H200"].pcie_bytes_per_s * 1e6, 1),
         # The roofline columns of every kernel benchmark: the device -> device move (read + write HBM).
         **roofline.fields(roofline.Cost(2 * payload), timings["kernel"].median_s, device_name(backend)),
     }
