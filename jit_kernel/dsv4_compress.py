@@ -99,7 +99,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
     impl = resolve_impl(impl, kv.device)
     if out is None:
         coff = 2 if ratio == 4 else 1
-        out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, kv.shape[-1] // coff,
+        out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, rows_of(kv, 2, 1) // coff,
                           dtype=torch.float32, device=kv.device)
     _compress_pool(kv, score, ape, ratio, out, impl)
     return out
@@ -269,7 +269,7 @@ def decode_outputs(kv: torch.Tensor, ratio: int, out: torch.Tensor | None,
     coff = 2 if ratio == 4 else 1
     batch = rows_of(kv, 2)
     if out is None:
-        out = torch.empty(batch, kv.shape[-1] // coff, dtype=torch.float32, device=kv.device)
+        out = torch.empty(batch, rows_of(kv, 2, 1) // coff, dtype=torch.float32, device=kv.device)
     if emitted is None:
         emitted = torch.empty(batch, dtype=torch.bool, device=kv.device)
     return out, emitted

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.checks import as_int, one_of
+from sparsekv.checks import as_int, named_as, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -215,7 +215,8 @@ def indexer_scores(
         width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     impl = resolve_impl(impl, q.device)
-    _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out, impl)
+    with named_as(scores="out"):  # the entries' name for the output
+        _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out, impl)
     return out
 
 
@@ -415,8 +416,9 @@ def lightning_indexer(
     out, out_slots = _topk_outputs(scores, top_k, page_table, out, out_slots)
     if not _through_dispatcher((scores, positions, out)):
         _check_topk_arguments(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, topk_impl)
-    scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout, out=scores,
-                            impl=impl)
+    with named_as(out="scores"):  # the scores' `out` is this call's `scores`
+        scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout,
+                                out=scores, impl=impl)
     tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
                                  out_slots=out_slots, workspace=workspace, impl=impl)
     return tokens, slots

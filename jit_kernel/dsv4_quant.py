@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.checks import as_int
+from sparsekv.checks import as_int, named_as
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -109,7 +109,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
 def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, impl: str) -> None:
-    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_quant as triton_quant
 
@@ -152,7 +152,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
 
 @kernel_op("dequantize_fp8_ds_mla", mutates_args=("out",))
 def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
-    check_device_slots(slots, cache.shape[0] * page_size, unique=False)
+    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=False)
     DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_size, out)
 
 
@@ -203,11 +203,12 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
                         f"{type(fmt).__name__}")
     if fmt not in INDEXER_QUANTIZERS:
         raise ValueError(f"sparsekv: argument `fmt` must be one of {sorted(INDEXER_QUANTIZERS)}, got {fmt!r}")
-    _quantize_indexer(keys, cache, slots, as_int(page_size, "page_size"), fmt)
+    with named_as(x="keys"):  # the entry's name for the keys
+        _quantize_indexer(keys, cache, slots, as_int(page_size, "page_size"), fmt)
 
 
 @kernel_op("quantize_indexer_keys", mutates_args=("cache",))
 def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, fmt: str) -> None:
-    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
     module = DSV4_QUANT.module(backend=backend_of(cache))
     getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_size)

@@ -24,7 +24,7 @@ import torch
 from sparsekv.checks import as_float, as_int
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
-from sparsekv.jit_kernel.torch_op import kernel_op
+from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 
 #: Rotated dims at the tail of every stored entry (32 pairs).
@@ -215,14 +215,14 @@ def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, position
                      cache_kind: str, impl: str) -> None:
     if impl == "triton":
         dsv4_store_instance(cache_kind)  # the kind is named first, as the header path's module lookup does
-        check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+        check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
         from sparsekv.jit_kernel.triton import dsv4_store as triton_store
 
         triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
                                      cache_kind)
         return
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
-    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
     module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)
 
 

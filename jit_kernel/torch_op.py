@@ -30,19 +30,27 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sparsekv import env
+from sparsekv.checks import as_bool, as_float, as_int
 
 NAMESPACE = "sparsekv"
 
 
+#: The check of each scalar kind an op's signature annotates (``X | None`` too: None passes).
+_SCALAR_CHECKS = {"int": as_int, "float": as_float, "bool": as_bool}
+
 #: What an op's ``impl`` argument may be (the wrappers resolve ``"auto"``; a direct op call may pass it).
-_OP_IMPLS = ("auto", "header", "triton")
+#: ``"flashmla"``: the attention's third implementation; the other families' wrappers never pass it.
+_OP_IMPLS = ("auto", "header", "triton", "flashmla")
 
 
-def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Sequence[str]) -> bool:
+def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Sequence[str],
+                     kinds: dict[str, Callable]) -> bool:
     """What every op refuses before its body (or its fake) runs, naming the argument: an ``impl`` that
-    is not one of ``_OP_IMPLS``, and a meta tensor in a call that writes a real one (the fake would
-    run for the whole call and write nothing). A call whose written tensors are all on meta is a shape
-    call: it goes to the fake (whatever else is real). Returns whether a meta tensor is present."""
+    is not one of ``_OP_IMPLS``; a scalar not of its annotated kind (a float or a bool for an int, which
+    the entry would refuse as "Mismatched type on argument #N"); and a meta tensor in a call that writes
+    a real one (the fake would run for the whole call and write nothing). A call whose written tensors
+    are all on meta is a shape call: it goes to the fake (whatever else is real). Returns whether a
+    meta tensor is present."""
     meta = real_written = None
     for param, value in zip(params, args):
         if isinstance(value, torch.Tensor):
@@ -52,6 +60,8 @@ def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Seq
                 real_written = real_written or param
         elif param == "impl" and value not in _OP_IMPLS:
             raise ValueError(f"sparsekv: {name}: argument `impl` must be one of {list(_OP_IMPLS)}, got {value!r}")
+        elif value is not None and param in kinds:
+            kinds[param](value, param)
     if meta is not None and real_written is not None:
         raise ValueError(f"sparsekv: {name}: argument `{meta}` is a meta tensor but `{real_written}`, which the "
                          "call writes, is not; a call runs with every tensor real, or gives shapes with the "
@@ -89,25 +99,27 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
     """
 
     def register(body: Callable[..., None]) -> Callable[..., None]:
-        params = tuple(inspect.signature(body).parameters)
-
+        signature = inspect.signature(body)
+        params = tuple(signature.parameters)
         written = tuple(mutates_args)
+        kinds = {p: _SCALAR_CHECKS[kind] for p, a in signature.parameters.items()
+                 if (kind := str(a.annotation).removesuffix(" | None")) in _SCALAR_CHECKS}
 
         @functools.wraps(body)
         def checked(*args) -> None:  # what a direct call of the op runs too (torch.ops.sparsekv.<name>)
-            _check_arguments(name, params, args, written)
+            _check_arguments(name, params, args, written, kinds)
             body(*args)
 
         def fake(*args, **kwargs) -> None:  # outputs are arguments: nothing to make, only the checks
             bound = inspect.signature(body).bind(*args, **kwargs)
-            _check_arguments(name, tuple(bound.arguments), tuple(bound.arguments.values()), written)
+            _check_arguments(name, tuple(bound.arguments), tuple(bound.arguments.values()), written, kinds)
 
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", checked, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
 
         def call(*args) -> None:
             # A meta tensor anywhere sends the call to the fake (checked first): never to the entry.
-            if _check_arguments(name, params, args, written) or _through_dispatcher(args):
+            if _check_arguments(name, params, args, written, kinds) or _through_dispatcher(args):
                 op(*args)
             else:
                 body(*args)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["as_bool", "as_float", "as_int", "describe_range", "index_in", "int_in", "one_of"]
+__all__ = ["as_bool", "as_float", "as_int", "describe_range", "index_in", "int_in", "named_as", "one_of"]
 
 
 def _subject(name: str, owner: str) -> str:
@@ -126,3 +127,22 @@ def one_of(value: object, name: str, choices: Iterable, *, owner: str = "") -> o
     if _is_bool(value) or value not in choices:
         raise ValueError(f"{_subject(name, owner)} must be one of {choices}, got {value!r}")
     return value
+
+
+@contextmanager
+def named_as(**inner_to_public: str) -> Iterator[None]:
+    """Inside the block, refusals name arguments as the public function calls them: a ``TypeError``,
+    ``ValueError`` or ``IndexError`` whose message names ``inner`` (as `` `inner` ``) is re-raised,
+    the same exception, naming ``public`` instead. For an entry whose argument names differ from its
+    wrapper's (``quantize_indexer_keys`` takes ``keys``, its entry calls them ``x``)."""
+    try:
+        yield
+    except (TypeError, ValueError, IndexError) as e:
+        e.args = tuple(_renamed(a, inner_to_public) if isinstance(a, str) else a for a in e.args)
+        raise
+
+
+def _renamed(message: str, inner_to_public: dict[str, str]) -> str:
+    for inner, public in inner_to_public.items():
+        message = message.replace(f"`{inner}`", f"`{public}`")
+    return message

@@ -74,7 +74,11 @@ def test_fused_store_with_a_bad_slot_changes_nothing(backend, index_checks):
     with pytest.raises(IndexError, match="`slots`"):
         comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: 8 + anchor)
     assert torch.equal(cache, before_cache) and torch.equal(state, before_state)
-    # The failed step did not count: the request still starts at 0.
+    # Slots are never rounded: a callback giving 2.5 (once stored at slot 2) is refused, naming them.
+    with pytest.raises(TypeError, match="`slots`"):
+        comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor / 4 + 0.5)
+    assert torch.equal(cache, before_cache) and torch.equal(state, before_state)
+    # The failed steps did not count: the request still starts at 0.
     comp.extend([0], [[1]], [0], kv, score, store=target, entry_slots=lambda _b, anchor: anchor // 4)
     assert not torch.equal(cache, before_cache)
 

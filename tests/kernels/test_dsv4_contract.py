@@ -36,7 +36,7 @@ from sparsekv.jit_kernel.dsv4 import (
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION
 from sparsekv.jit_kernel.dsv4_compress import DSV4_COMPRESS
 from sparsekv.jit_kernel.dsv4_compress_store import DSV4_COMPRESS_STORE
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER, INDEXER_TOPK, visible_entries
+from sparsekv.jit_kernel.dsv4_indexer import INDEXER, INDEXER_TOPK, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import DSV4_QUANT
 from sparsekv.jit_kernel.dsv4_store import DSV4_STORE
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS, V4
@@ -459,3 +459,35 @@ def test_compressor_extend_refuses_float_ids_duplicates_and_aliasing(backend):
     assert not state.any()
     entries, _ = comp.extend([7], [[0]], [0], kv, score)  # the refusals left the request where it was
     assert entries.shape[0] == 2
+
+
+@pytest.mark.parametrize("wrapper, arg, bad, name", [
+    ("quantize_indexer_keys", "keys", lambda t: t.double(), "keys"),      # the entry calls them `x`
+    ("quantize_indexer_keys", "keys", lambda t: t[:, :64], "keys"),
+    ("indexer_scores", "out", lambda t: t.double(), "out"),               # the entry calls it `scores`
+    ("quantize", "cache", lambda t: t[0, 0], "cache"),                    # 0-dim: an IndexError, naming nothing
+    ("dequantize", "cache", lambda t: t[0, 0], "cache"),
+    ("quantize_indexer_keys", "cache", lambda t: t[0, 0], "cache"),
+    ("norm_rope_store", "cache", lambda t: t[0, 0], "cache"),
+    ("indexer_scores", "k_cache", lambda t: t[0, 0], "k_cache"),
+    ("attention", "kv_cache", lambda t: t[0, 0], "kv_cache"),
+])
+def test_a_refusal_names_the_argument_the_caller_passed(backend, wrapper, arg, bad, name):
+    fn, args = _wrapper_calls(device_of(backend))[wrapper]
+    if arg == "out":
+        args = dict(args, out=torch.zeros(args["page_table"].shape[0], 64, device=args["q"].device))
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises((TypeError, ValueError), match=f"argument `{name}`"):
+        fn(**dict(args, **{arg: bad(args[arg])}))
+    for k, v in before.items():
+        assert torch.equal(args[k], v), k
+
+
+def test_lightning_indexer_names_its_scores_buffer_scores(backend):
+    fn, args = _wrapper_calls(device_of(backend))["indexer_scores"]
+    scores = torch.zeros(args["page_table"].shape[0], 64, dtype=torch.float64, device=args["q"].device)
+    with pytest.raises(TypeError, match="argument `scores` must have dtype float32"):
+        lightning_indexer(args["q"], args["weights"], args["k_cache"], args["page_table"], args["positions"], 2,
+                          page_size=args["page_size"], scores=scores)
+    assert bool((scores == 0).all())
+

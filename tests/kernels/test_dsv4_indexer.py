@@ -234,7 +234,7 @@ SCORE_BAD_INPUTS = [
     (lambda a: a.update(page_table=a["page_table"].long()), TypeError, "page_table"),
     (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions"),
     (lambda a: a.update(positions=a["positions"][:1]), ValueError, "positions"),
-    (lambda a: a.update(out=a["out"].double()), TypeError, "scores"),
+    (lambda a: a.update(out=a["out"].double()), TypeError, "out"),  # the entry's `scores`, named as passed
 ]
 
 

@@ -257,12 +257,13 @@ def _indexer_args(fmt: str = "fp8"):
     return torch.randn(3, 128), cache, torch.tensor([0, 3, 1]), 2, fmt
 
 
+# The keys are named `keys`, as the caller passes them (the entry once named them `x`).
 INDEXER_BAD = [
-    (lambda x, c, s, p, f: (x.double(), c, s, p, f), TypeError, "x"),
-    (lambda x, c, s, p, f: (x.half(), c, s, p, f), TypeError, "x"),
-    (lambda x, c, s, p, f: (x[:, :64], c, s, p, f), ValueError, "x"),
-    (lambda x, c, s, p, f: (torch.randn(3, 512), c, s, p, f), ValueError, "x"),
-    (lambda x, c, s, p, f: (x.t().contiguous().t(), c, s, p, f), ValueError, "x"),
+    (lambda x, c, s, p, f: (x.double(), c, s, p, f), TypeError, "keys"),
+    (lambda x, c, s, p, f: (x.half(), c, s, p, f), TypeError, "keys"),
+    (lambda x, c, s, p, f: (x[:, :64], c, s, p, f), ValueError, "keys"),
+    (lambda x, c, s, p, f: (torch.randn(3, 512), c, s, p, f), ValueError, "keys"),
+    (lambda x, c, s, p, f: (x.t().contiguous().t(), c, s, p, f), ValueError, "keys"),
     (lambda x, c, s, p, f: (x, c, s[:2], p, f), ValueError, "slots"),
     (lambda x, c, s, p, f: (x, c, s.to(torch.int32), p, f), TypeError, "slots"),
     (lambda x, c, s, p, f: (x, c, torch.tensor([0, 4, 1]), p, f), IndexError, "slots"),

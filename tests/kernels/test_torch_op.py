@@ -40,7 +40,7 @@ from sparsekv.jit_kernel.hisparse import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
-from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device
+from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op
 from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.allocations import allocations
@@ -648,3 +648,24 @@ def test_slots_must_be_integers(backend, dtype):
         norm_rope_store(w["rows"][:3], torch.ones(512, device=device), 1e-6, torch.tensor([0, 9, 4], device=device),
                         w["kv_cache"], slots, P, RopeParams(10000).table(301, device))
     assert torch.equal(w["kv_cache"], before)
+
+
+@kernel_op("test_scalar_kinds", mutates_args=("out",))
+def _scalar_kinds(out: torch.Tensor, count: int, scale: float, flag: bool, limit: int | None) -> None:
+    out.fill_(count)
+
+
+@pytest.mark.no_backend("the op layer's scalar checks, on a test op that only fills its output")
+@pytest.mark.parametrize("arg, value", [("count", 2.5), ("count", True), ("scale", True), ("scale", "0.5"),
+                                        ("flag", 1), ("limit", 3.0)])
+def test_an_op_refuses_a_scalar_of_the_wrong_kind_naming_it(arg, value):
+    # A float where the entry takes an int reached tvm-ffi: "Mismatched type on argument #N".
+    out = torch.zeros(3)
+    args = {"out": out, "count": 4, "scale": 0.5, "flag": False, "limit": None}
+    with pytest.raises(TypeError, match=f"argument `{arg}` must be"):
+        _scalar_kinds(*dict(args, **{arg: value}).values())
+    with pytest.raises(TypeError, match=f"argument `{arg}` must be"):
+        _scalar_kinds(*dict(args, out=torch.zeros(3, device="meta"), **{arg: value}).values())
+    assert bool((out == 0).all())
+    _scalar_kinds(*dict(args, limit=7, scale=1).values())  # an int is a float; None or an int for int | None
+    assert bool((out == 4).all())
