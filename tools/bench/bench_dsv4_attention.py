@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
@@ -71,10 +72,9 @@ HOST_ROWS = 8192
 # DSV4-Flash (reference §1.1) and an H200 (dense tensor-core peaks, HBM3e bandwidth).
 FLASH = {"heads": 64, "head_dim": 512, "indexer_heads": 64, "indexer_dim": 128, "index_topk": 512, "window": 128,
          "csa_layers": 21, "hca_layers": 20}
-H200 = {"hbm_bytes_per_s": 4.8e12, "fp8_flops": 1979e12, "bf16_flops": 989e12}
+H200 = roofline.GPUS["H200"]
 # Dense peaks: bf16 tensor cores, float32 FMA on CUDA cores (what the header's cuda kernels use).
-GPUS = {"H100": {"hbm_bytes_per_s": 3.35e12, "bf16_flops": 989e12, "fp32_flops": 67e12},
-        "H200": {"hbm_bytes_per_s": 4.8e12, "bf16_flops": 989e12, "fp32_flops": 67e12}}
+GPUS = {name: roofline.GPUS[name] for name in ("H100", "H200")}
 
 
 def paper_per_impl(batch: int = 64, top_k: int = 512, heads: int = 64, c4_entries: int = 1 << 16) -> dict:
@@ -111,10 +111,11 @@ def paper_per_impl(batch: int = 64, top_k: int = 512, heads: int = 64, c4_entrie
     }
     for impl in impls.values():
         for gpu, peak in GPUS.items():
-            t_mem, t_math = impl["bytes"] / peak["hbm_bytes_per_s"], impl["flops"] / peak[impl["math"]]
+            t_mem, t_math = impl["bytes"] / peak.hbm_bytes_per_s, impl["flops"] / getattr(peak, impl["math"])
             impl[f"{gpu}_roofline_us"] = max(t_mem, t_math) * 1e6
             impl[f"{gpu}_bound"] = "memory" if t_mem >= t_math else "math"
-    return {"batch": batch, "top_k": top_k, "heads": heads, "indexer_entries_per_row": c4_entries, "gpus": GPUS,
+    return {"batch": batch, "top_k": top_k, "heads": heads, "indexer_entries_per_row": c4_entries,
+            "gpus": {name: asdict(gpu) for name, gpu in GPUS.items()},
             "impls": impls,
             "target": "attention within 2x of roofline on the GPU: one gather of each row per 64 heads (the header "
                       "repeats it 8 times) and tensor-core products take it from math-bound on CUDA cores to "
@@ -130,7 +131,7 @@ def paper(context: int = 1 << 20) -> dict:
     q_bytes = f["heads"] * f["head_dim"] * 2
 
     def roofline(nbytes: float, flops: float, peak: float) -> dict:
-        t_mem, t_math = nbytes / H200["hbm_bytes_per_s"], flops / peak
+        t_mem, t_math = nbytes / H200.hbm_bytes_per_s, flops / peak
         return {"bytes": nbytes, "flops": flops, "memory_us": t_mem * 1e6, "math_us": t_math * 1e6,
                 "roofline_us": max(t_mem, t_math) * 1e6, "bound": "memory" if t_mem >= t_math else "math"}
 
@@ -138,17 +139,17 @@ def paper(context: int = 1 << 20) -> dict:
     csa_entries = f["index_topk"] + f["window"]
     hca_entries = c128 + f["window"]
     layers = {
-        "csa_indexer_fp8": roofline(c4 * INDEXER_FP8.bytes_per_token + c4 * 4, indexer_flops, H200["fp8_flops"]),
-        "csa_indexer_fp4": roofline(c4 * 68 + c4 * 4, indexer_flops, H200["fp8_flops"]),
-        "csa_topk_256k_scores": roofline(4 * c4 * 2, 0.0, H200["fp8_flops"]),
+        "csa_indexer_fp8": roofline(c4 * INDEXER_FP8.bytes_per_token + c4 * 4, indexer_flops, H200.fp8_flops),
+        "csa_indexer_fp4": roofline(c4 * 68 + c4 * 4, indexer_flops, H200.fp8_flops),
+        "csa_topk_256k_scores": roofline(4 * c4 * 2, 0.0, H200.fp8_flops),
         "csa_attention": roofline(csa_entries * V4.bytes_per_token + q_bytes, attn_flops(csa_entries),
-                                  H200["bf16_flops"]),
+                                  H200.bf16_flops),
         "hca_attention": roofline(hca_entries * V4.bytes_per_token + q_bytes, attn_flops(hca_entries),
-                                  H200["bf16_flops"]),
+                                  H200.bf16_flops),
     }
     csa_total = sum(layers[k]["roofline_us"] for k in ("csa_indexer_fp8", "csa_topk_256k_scores", "csa_attention"))
     return {
-        "context": context, "c4_entries": c4, "c128_entries": c128, "h200": H200, "per_layer": layers,
+        "context": context, "c4_entries": c4, "c128_entries": c128, "h200": asdict(H200), "per_layer": layers,
         "per_step_all_layers_us": (csa_total * f["csa_layers"]
                                    + layers["hca_attention"]["roofline_us"] * f["hca_layers"]),
         "note": ("Per CSA layer the indexer dominates: it must read every visible key (34.6 MB FP8) while attention "
