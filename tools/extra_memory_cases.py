@@ -23,11 +23,11 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from sparsekv.cli import CliParser
 from sparsekv.srt.model_executor.memory_case import parse_case, rank_answer
 
 GIB = 1 << 30
@@ -240,7 +240,7 @@ def render(entries: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CliParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with the checked-in JSON, write nothing")
     args = parser.parse_args(argv)
     text = render(regenerate())
