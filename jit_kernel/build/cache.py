@@ -353,7 +353,9 @@ def _wait_for_lock(path: Path, entry: str):
         else:
             stalled_since = None
         waited = now - start
-        if stalled_since is not None and now - stalled_since >= min(STALLED_HOLDER_S, timeout):
+        # At the overall bound, a holder seen stopped or gone is named as such however briefly it was seen:
+        # the stall's own clock starts after ours, so it could never win against a shorter timeout.
+        if stalled_since is not None and (now - stalled_since >= min(STALLED_HOLDER_S, timeout) or waited >= timeout):
             why = (f"is stopped (state {state}: SIGSTOP, ^Z or a debugger); resume it (`kill -CONT {pid}`) or end it"
                    if state in ("T", "t") else
                    "has exited, but the lock is still held (by a process it started?); end that process")
