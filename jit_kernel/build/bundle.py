@@ -5,8 +5,8 @@ size of every artifact) followed by ``<entry>/key.json`` and ``<entry>/module.so
 ``sparsekv jit import FILE.tar`` refuses, with the reason, a bundle whose platform or tvm-ffi
 version differs from this machine's, a member it does not expect, an entry whose name is not the
 hash of its key.json, and an artifact whose bytes do not match the recorded sha256, reading the
-bundle as a bounded stream (see :func:`read_bundle`); the rest is published atomically into the cache, where a ``SPARSEKV_JIT_STRICT=1`` process loads it without
-any compiler installed.
+bundle as a bounded stream (see :func:`read_bundle`); the rest is published atomically into the
+cache, where a ``SPARSEKV_JIT_STRICT=1`` process loads it without any compiler installed.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _open_regular(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait for a writer
     except OSError as exc:
-        raise BundleError(f"sparsekv: cannot read bundle {path}: {exc.strerror}") from exc
+        raise BundleError(f"sparsekv: {path} is not a readable bundle ({exc.strerror})") from exc
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
