@@ -352,8 +352,8 @@ def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module
     header = csrc / "include" / "sparsekv" / "portability.h"
     build = loader.find_or_build
 
-    def build_then_edit(plan, roots):
-        module = build(plan, roots)
+    def build_then_edit(plan, roots, reason="not in cache"):
+        module = build(plan, roots, reason)
         with open(header, "a") as f:
             f.write("\n// edited during the compile\n")
         return module
