@@ -250,7 +250,7 @@ def run_demo(spec: DemoSpec, progress=None, *, traces_dir: str | None = None) ->
         "ok": errors.ok, "compress": errors.compress, "store": errors.store, "indexer": errors.indexer,
         "attention": errors.attention, "attention_abs": errors.attention_abs,
         "tolerances": {"compress": COMPRESS_TOL, "store_rel": STORE_REL_TOL, "indexer": INDEXER_TOL,
-                       "attention": ATTENTION_TOL}}
+                       "attention": ATTENTION_TOL[spec.impl]}}
     steps = None
     if spec.hisparse is not None:
         hot, hot_out, steps, prefill_s = run_single(spec, progress, hisparse=spec.hisparse, check=False,
