@@ -29,6 +29,7 @@ with the header's bytes where the pooled entries agree).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -269,14 +270,19 @@ def _check_extend(kv, score, ape, ratio, state, sources, writes):
     check(sources, "sources").size(1, 8 if ratio == 4 else ratio, "window slots")
     check(writes, "writes").dtype(torch.int64).ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs")
     ring_rows = state.shape[0]
-    if kv.device.type != "cuda":
-        for k, v in enumerate(sources.flatten().tolist()):
-            if v >= kv.shape[0] or (v <= -2 and -v - 2 >= ring_rows):
-                raise IndexError(f"sparsekv: argument `sources` entry {k} = {v} names a row outside kv "
-                                 f"({kv.shape[0]}) or state ({ring_rows})")
-        for k, (a, b) in enumerate(writes.tolist()):
-            if a < 0 or a >= kv.shape[0] or b < 0 or b >= ring_rows:
-                raise IndexError(f"sparsekv: argument `writes` pair {k} = ({a}, {b}) is outside kv or state")
+    if kv.device.type != "cuda":  # host-readable: the interpreter would read outside the tensors
+        # One vectorized pass over each table (numpy views, no copy), then the first bad entry in
+        # row-major order, the one the header's loop names.
+        src = sources.numpy().ravel()
+        bad = np.flatnonzero((src >= kv.shape[0]) | ((src <= -2) & (-src - 2 >= ring_rows)))
+        if bad.size:
+            raise IndexError(f"sparsekv: argument `sources` entry {bad[0]} = {src[bad[0]]} names a row outside kv "
+                             f"({kv.shape[0]}) or state ({ring_rows})")
+        pairs = writes.numpy()
+        bad = np.flatnonzero(((pairs < 0) | (pairs >= (kv.shape[0], ring_rows))).any(axis=1))
+        if bad.size:
+            a, b = pairs[bad[0]]
+            raise IndexError(f"sparsekv: argument `writes` pair {bad[0]} = ({a}, {b}) is outside kv or state")
     return d, ring_bf16
 
 
@@ -346,22 +352,24 @@ def _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted):
     check(positions, "positions").size(0, batch, "rows of kv")
     check(emitted, "emitted").dtype(torch.bool).ndim(1).contiguous().same_device(kv, "kv").size(0, batch, "rows of kv")
     ring_rows = state.shape[0]
-    if kv.device.type != "cuda":
-        rows = state_rows.tolist()
-        written_rows = []
-        for b, pos in enumerate(positions.tolist()):
-            if pos < 0:
-                raise IndexError(f"sparsekv: argument `positions`[{b}] = {pos} is negative")
-            for j in range(max(window - 1 - pos, 0), window):
-                if not 0 <= rows[b][j] < ring_rows:
-                    raise IndexError(f"sparsekv: argument `state_rows`[{b}, {j}] = {rows[b][j]} is outside state "
-                                     f"[0, {ring_rows})")
-            written_rows.append(rows[b][window - 1])
-        written_rows.sort()
-        for a, b in zip(written_rows, written_rows[1:]):
-            if a == b:
-                raise ValueError(f"sparsekv: argument `state_rows` gives ring row {a} to the new token of two batch "
-                                 f"rows")
+    if kv.device.type != "cuda":  # host-readable: one vectorized pass, then the header's first refusal
+        rows, pos = state_rows.numpy(), positions.numpy()
+        # Column 0: a negative position; column 1 + j: slot j is read (its position pos - (W - 1) + j
+        # is not before 0) and its row lies outside the ring.
+        bad = np.concatenate([(pos < 0)[:, None], (np.arange(window) >= window - 1 - pos[:, None])
+                              & ((rows < 0) | (rows >= ring_rows)) & (pos >= 0)[:, None]], axis=1)
+        first = np.flatnonzero(bad)
+        if first.size:
+            b, j = divmod(int(first[0]), window + 1)
+            if j == 0:
+                raise IndexError(f"sparsekv: argument `positions`[{b}] = {pos[b]} is negative")
+            raise IndexError(f"sparsekv: argument `state_rows`[{b}, {j - 1}] = {rows[b, j - 1]} is outside state "
+                             f"[0, {ring_rows})")
+        written_rows = np.sort(rows[:, window - 1])
+        twice = np.flatnonzero(written_rows[1:] == written_rows[:-1])
+        if twice.size:
+            raise ValueError(f"sparsekv: argument `state_rows` gives ring row {written_rows[twice[0]]} to the new "
+                             f"token of two batch rows")
     return d, ring_bf16
 
 
@@ -382,13 +390,14 @@ def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_ro
     check(cache, "cache").same_device(kv, "kv")
     shift, num_slots = check_store(kv.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size,
                                    rope_cos, rope_sin, read_slots=False)
-    if cache.device.type != "cuda":
-        stored = []
-        for b, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
-            if pos >= 0 and (pos + 1) % ratio == 0:
-                stored.append(slot)
-                _check_rope_position(pos - (ratio - 1), b, rope_cos.shape[0])
-        check_unique_slots(stored, num_slots)
+    if cache.device.type != "cuda":  # host-readable: the rows that complete an entry store it
+        pos = positions.numpy()
+        emits = (pos >= 0) & ((pos + 1) % ratio == 0)
+        anchors = pos - (ratio - 1)
+        bad = np.flatnonzero(emits & ((anchors < 0) | (anchors >= rope_cos.shape[0])))
+        if bad.size:
+            _check_rope_position(int(anchors[bad[0]]), int(bad[0]), rope_cos.shape[0])
+        check_unique_slots(slots.numpy()[emits], num_slots)
     return ring_bf16, shift, num_slots
 
 

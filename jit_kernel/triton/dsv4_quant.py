@@ -21,6 +21,7 @@ Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -155,16 +156,18 @@ def quantize_v4_kernel(x_ptr, x_stride, slots_ptr, cache_ptr, page_stride, page_
 def check_unique_slots(slots, num_slots: int) -> None:
     """Host-readable slots (a tensor or a list): every one in range, then none twice, the header's order and
     messages (``check_unique_slots``)."""
-    values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    for i, slot in enumerate(values):
-        if slot < 0 or slot >= num_slots:
-            raise IndexError(f"sparsekv: argument `slots`[{i}] = {slot} is out of range [0, {num_slots})")
-    seen = set()
-    for i, slot in enumerate(values):
-        if slot in seen:
-            raise ValueError(f"sparsekv: argument `slots` names slot {slot} twice (second time at position {i}); "
-                             f"slots must be unique")
-        seen.add(slot)
+    values = (slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots, dtype=np.int64)).ravel()
+    bad = np.flatnonzero((values < 0) | (values >= num_slots))
+    if bad.size:
+        raise IndexError(f"sparsekv: argument `slots`[{bad[0]}] = {values[bad[0]]} is out of range [0, {num_slots})")
+    # The second time of a repeat: sorted stably, a slot's later positions follow its first; the
+    # smallest of them is the one a left-to-right scan meets first.
+    order = np.argsort(values, kind="stable")
+    repeats = order[1:][values[order[1:]] == values[order[:-1]]]
+    if repeats.size:
+        i = int(repeats.min())
+        raise ValueError(f"sparsekv: argument `slots` names slot {values[i]} twice (second time at position {i}); "
+                         f"slots must be unique")
 
 
 def check_quantize_arguments(x, cache, slots, page_size, layout=V4, dim=DIM):

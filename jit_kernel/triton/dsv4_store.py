@@ -26,6 +26,7 @@ Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -231,10 +232,11 @@ def check_store(entries, cache_kind, weight, eps, positions, cache, slots, page_
         check(t, table).same_device(cache, "cache")
     check(rope_sin, "rope_sin").size(0, rope_cos.shape[0], "max positions of rope_cos")
     if read_slots and positions.device.type != "cuda":
-        for n, pos in enumerate(positions.tolist()):
-            if not 0 <= pos < rope_cos.shape[0]:
-                raise IndexError(f"sparsekv: argument `positions`[{n}] gives RoPE position {pos}, outside the RoPE "
-                                 f"table [0, {rope_cos.shape[0]})")
+        pos = positions.numpy()
+        bad = np.flatnonzero((pos < 0) | (pos >= rope_cos.shape[0]))
+        if bad.size:
+            raise IndexError(f"sparsekv: argument `positions`[{bad[0]}] gives RoPE position {pos[bad[0]]}, outside "
+                             f"the RoPE table [0, {rope_cos.shape[0]})")
     if not eps >= 0.0:
         raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")
     return check_paged_cache(cache, slots, page_size, layout, read_slots)

@@ -184,10 +184,17 @@ DECODE_BAD = [
     lambda a: a.update(positions=a["positions"].int()),
     lambda a: a["state_rows"].__setitem__((0, 7), 40),
     lambda a: a["state_rows"].__setitem__((1, 7), int(a["state_rows"][0, 7])),
+    # The first bad slot in row-major order is named (row 0's slot 5, not row 1's slot 0); row 0
+    # (position 3) does not read its slots 0-3, so a bad row there is no refusal.
+    lambda a: (a["state_rows"].__setitem__((1, 0), 99), a["state_rows"].__setitem__((0, 5), -3),
+               a["state_rows"].__setitem__((0, 1), 99)),
     lambda a: a.update(emitted=torch.zeros(2, dtype=torch.int32)),
     lambda a: a.update(out=torch.zeros(2, 128)),
     lambda a: a.update(entry_slots=torch.tensor([5, 8])),
     lambda a: a.update(entry_slots=torch.tensor([3, 3])),
+    lambda a: a.update(positions=torch.tensor([3, 7, 11, 15]), entry_slots=torch.tensor([4, 1, 4, 1]),
+                       kv=a["kv"].repeat(2, 1), score=a["score"].repeat(2, 1), out=a["out"].repeat(2, 1),
+                       emitted=a["emitted"].repeat(2), state_rows=torch.cat([a["state_rows"], a["state_rows"] + 1])),
     lambda a: a.update(positions=torch.tensor([3, 4 * 64 + 3])),
     lambda a: a.update(kv=a["kv"][:, :256], score=a["score"][:, :256], ape=a["ape"][:, :256].contiguous(),
                        state=a["state"][:, :512].contiguous()),

@@ -17,7 +17,10 @@ measured in the same run:
   ``module_calls``: exports of compiled modules called (kernel launches on a GPU).
 
 Also ``triton attention checks``: the Triton launcher's argument checks alone (the issue measured
-472 us for them before their memory-sharing check became one sweep).
+472 us for them before their memory-sharing check became one sweep); and the Triton fused compress
++ store launchers' checks for a 4096-token C4 chunk and a 64-row decode step, whose index checks of
+host-readable tables are one numpy pass each (a Python loop per event, write and row before: 4.5-5.7
+ms for the 4096-token chunk on the 2-core VM, 0.38-0.42 ms after).
 
 A timed figure, not a test: host times depend on the machine. Prints JSON; ``--plot`` draws host
 and raw time per call.
@@ -116,6 +119,39 @@ def triton_attention_checks():
     return functools.partial(check_arguments, *args)
 
 
+def triton_compress_store_checks() -> dict:
+    """The Triton fused compress + store launchers' argument checks (host-readable tables are read:
+    the index checks the interpreter needs), for a 4096-token C4 prefill chunk and a decode step of
+    64 rows; empty without triton."""
+    try:
+        from sparsekv.jit_kernel.triton.dsv4_compress_store import (
+            check_compress_decode_store_arguments,
+            check_compress_store_arguments,
+        )
+    except ImportError:
+        return {}
+    from sparsekv.srt.mem_cache.compressor_state import CompressorState
+
+    g = torch.Generator().manual_seed(0)
+    tokens, ring, rows = 4096, 16, 64
+    kv, score = torch.randn(tokens, 1024, generator=g), torch.randn(tokens, 1024, generator=g)
+    ape, state = torch.zeros(4, 1024), torch.zeros(rows * ring, 2048)
+    plan = CompressorState(state, ape, 4, ring).plan_raw([[0]], [0], [tokens], None, torch.device("cpu"))
+    events = plan.sources.shape[0]
+    cache = torch.zeros(-(-events // PAGE) + 1, V4.page_bytes(PAGE), dtype=torch.uint8)
+    rope = RopeParams(160000, 16, 65536, 32, 1).table(tokens, torch.device("cpu"))
+    store = (torch.ones(512), 1e-6)
+    prefill = functools.partial(check_compress_store_arguments, kv, score, ape, 4, state, plan.sources, plan.writes,
+                                *store, plan.anchors, cache, torch.arange(events), PAGE, rope.cos, rope.sin, "V4")
+    positions = torch.arange(rows) * 4 + 3  # every row completes an entry
+    state_rows = torch.arange(rows)[:, None] * ring + (positions[:, None] - 7 + torch.arange(8)) % ring
+    decode = functools.partial(check_compress_decode_store_arguments, kv[:rows], score[:rows], ape, 4, state,
+                               state_rows, positions, torch.empty(rows, 512), torch.empty(rows, dtype=torch.bool),
+                               *store, cache, torch.arange(rows), PAGE, rope.cos, rope.sin, "V4")
+    return {"triton compress_store checks (4096 tokens)": prefill,
+            "triton compress_decode_store checks (64 rows)": decode}
+
+
 def measure(name: str, call, nop) -> dict:
     stub = _Stub()
     real = KernelFamily.module
@@ -157,6 +193,8 @@ def main() -> None:
     checks = triton_attention_checks()
     if checks is not None:
         result.rows.append({"case": "triton attention checks", "host_us": _median_us(checks)})
+    for name, checks in triton_compress_store_checks().items():
+        result.rows.append({"case": name, "host_us": _median_us(checks)})
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("host_us", "raw_us"),
                                                   ylabel="us per call (log)", log=True))
 
