@@ -27,8 +27,10 @@ import ctypes
 import json
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import secrets
+import select
 import signal
 import threading
 import time
@@ -42,7 +44,6 @@ from sparsekv.argtypes import int_list, int_range, number_range
 from sparsekv.cli import UsageError
 from sparsekv.srt.disaggregation.engines import ENGINES, load_engine
 
-ROLE_TIMEOUT_S = 120.0
 #: The largest --budget-mib: the demo's pools live in this machine's memory (1 TiB at most).
 _MAX_BUDGET_MIB = 1 << 20
 
@@ -170,15 +171,54 @@ class _Free:
         return [int(i) for i in choice]
 
 
-def _capacity(kv_args_list, component: int) -> int:
-    """Items every region of a component holds on every side (0: the component has no regions)."""
-    items = []
-    for a in kv_args_list:
-        if component == 0:
-            items += [n // i for n, i in zip(a.kv_data_lens, a.kv_item_lens)]
-        else:
-            items += [n // i for n, i in zip(a.state_data_lens[component - 1], a.state_item_lens[component - 1])]
-    return min(items) if items else 1 << 30
+def _region_items(kv_args, component: int) -> list[int]:
+    """Items each region of a component holds (component 0: the KV, then each state type)."""
+    if component == 0:
+        return [n // i for n, i in zip(kv_args.kv_data_lens, kv_args.kv_item_lens)]
+    return [n // i for n, i in zip(kv_args.state_data_lens[component - 1], kv_args.state_item_lens[component - 1])]
+
+
+def item_counts(seq_len: int, n_states: int) -> list[int]:
+    """Items a request of ``seq_len`` tokens moves per component: its KV pages, the SWA pages of
+    its last window (at most two 256-token pages), one request slot."""
+    pages = math.ceil(seq_len / 256)
+    return [pages, min(pages, 2), 1][: n_states + 1]
+
+
+def index_spaces(sides: list, seq_lens) -> list[int]:
+    """Per component, how many indices the plan draws its items from: the items every region of
+    the component holds on every side (``sides``: each side's kv args), or, where no side has a
+    region of it (no layer of its kind), one more than the requests ask for: no byte moves, the
+    indices only need to be distinct. So the plan's free lists never outgrow the pools."""
+    n_states = len(sides[-1].state_types)
+    demand = np.sum([item_counts(n, n_states) for n in seq_lens], axis=0)
+    spaces = []
+    for c in range(n_states + 1):
+        items = [n for a in sides for n in _region_items(a, c)]
+        spaces.append(min(items) if items else int(demand[c]) + 1)
+    return spaces
+
+
+def plan_sides(spec: DemoSpec) -> list:
+    """The kv args of every prefill stage, then the decode's (of a decode that matches the prefill).
+
+    Raises
+    ------
+    ValueError
+        ``spec.hisparse`` with no C4 layer among the model's layers (HiSparse holds C4 KV only).
+    """
+    from sparsekv.srt.disaggregation.state_routing import kv_args_of
+
+    if spec.hisparse and spec.num_layers <= first_c4_layer(spec):
+        raise ValueError(f"sparsekv: pd-demo: a HiSparse decode needs a C4 layer, and the model's first is layer "
+                         f"{first_c4_layer(spec)}: argument `num_layers` ({spec.num_layers}) holds none")
+    dec_pool, _ = decode_pool(replace(spec, decode_state_dtype=None))
+    return [kv_args_of(p) for p in prefill_pools(spec)] + [kv_args_of(dec_pool)]
+
+
+def first_c4_layer(spec: DemoSpec) -> int:
+    """The model's first C4 layer: a HiSparse decode (C4 KV only) needs more layers than this."""
+    return _model(spec).compress_ratios.index(4)
 
 
 def make_plan(spec: DemoSpec) -> list[dict]:
@@ -186,24 +226,21 @@ def make_plan(spec: DemoSpec) -> list[dict]:
 
     Sources are runs of pages (a prefill allocator's pages); destinations alternate between runs
     and scattered indices, so both the coalesced and the one-item writes happen.
-    """
-    from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
-    prefill = [kv_args_of(p) for p in prefill_pools(spec)]
-    dec_pool, _ = decode_pool(replace(spec, decode_state_dtype=None))  # the plan is for a matching decode
-    decode = [kv_args_of(dec_pool)]
-    sides = prefill + decode
-    n_states = len(decode[0].state_types)
+    Raises
+    ------
+    ValueError
+        From :func:`plan_sides`.
+    """
+    sides = plan_sides(spec)
+    n_states = len(sides[-1].state_types)
     rng = np.random.default_rng(spec.seed)
-    src = [_Free(_capacity(sides, c)) for c in range(n_states + 1)]
-    dst = [_Free(_capacity(sides, c)) for c in range(n_states + 1)]
+    spaces = index_spaces(sides, spec.seq_lens)
+    src, dst = [_Free(n) for n in spaces], [_Free(n) for n in spaces]
     rooms = []
     for r, seq_len in enumerate(spec.seq_lens):
-        pages = math.ceil(seq_len / 256)
-        # KV pages, the SWA pages of the last window (at most two 256-token pages), one request slot.
-        counts = [pages, min(pages, 2), 1][: n_states + 1]
         room = {"room": r + 1, "seq_len": seq_len, "src": [], "dst": []}
-        for c, n in enumerate(counts):
+        for c, n in enumerate(item_counts(seq_len, n_states)):
             room["src"].append(src[c].run(n))
             room["dst"].append(dst[c].run(n) if r % 2 == 0 else dst[c].scattered(n, rng))
         rooms.append(room)
@@ -213,27 +250,77 @@ def make_plan(spec: DemoSpec) -> list[dict]:
 # ---- the two roles -------------------------------------------------------------------------------
 
 
-def _recv(conn, timeout_s: float):
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"sparsekv: pd-demo: no message from the parent within {timeout_s} s")
-    return conn.recv()
+class Waits:
+    """Every wait of one pd-demo process, each bounded by ``--timeout`` (``DemoSpec.timeout_s``).
 
+    A role's work that takes longer than one wait (the decode: start, transfer, check) is a
+    sequence of steps, each announced by a message, so no wait encloses another. ``log`` holds
+    ``(what, seconds)`` of each wait as it was given to the operating system (every report carries
+    it: tests check that none exceeds the timeout).
+    """
 
-def _process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.log: list[tuple[str, float]] = []
+
+    def bound(self, what: str, deadline: float | None = None) -> float:
+        """Seconds the wait for ``what`` may last: the timeout, or less to reach ``deadline``
+        (``time.monotonic()``); logged."""
+        seconds = self.timeout_s if deadline is None else min(self.timeout_s, max(0.0, deadline - time.monotonic()))
+        self.log.append((what, seconds))
+        return seconds
+
+    def recv(self, conn, what: str, proc=None):
+        """The next message on ``conn``, or ``None`` if process ``proc`` (its sender) ended first.
+
+        Raises
+        ------
+        TimeoutError
+            Neither within the timeout.
+        """
+        seconds = self.bound(what)
+        ready = mp_connection.wait([conn] + ([proc.sentinel] if proc is not None else []), seconds)
+        if conn.poll(0):
+            try:
+                return conn.recv()
+            except EOFError:
+                return None
+        if ready:
+            return None
+        raise TimeoutError(f"sparsekv: pd-demo: no {what} within {seconds} s")
+
+    def process_end(self, pid: int, what: str) -> bool:
+        """Wait for process ``pid`` (not a child of this one) to end; whether it did."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return True
+        try:
+            return bool(select.select([fd], [], [], self.bound(what))[0])
+        finally:
+            os.close(fd)
+
+    def join(self, proc, what: str) -> None:
+        """Join child process ``proc``, killing it if it has not ended within the timeout."""
+        proc.join(self.bound(what))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(self.bound(f"{what} (killed)"))
 
 
 def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
-    """The prefill process: one sender per PP stage, every room declared, statuses reported."""
+    """The prefill process: one sender per PP stage, every room declared, statuses reported.
+
+    After its addresses it waits for the parent's messages, each within the timeout: the decode's
+    pid, then the decode's steps as the parent relays them (``requested``, then ``arrived`` or
+    ``gone``); then it gives each room a last moment to finish, closes and reports.
+    """
     from sparsekv.srt.disaggregation.engines import open_backend
     from sparsekv.srt.disaggregation.room import RoomStatus
     from sparsekv.srt.disaggregation.sender import KVSender
     from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
+    waits = Waits(spec.timeout_s)
     decode_pid: dict[str, int] = {}
     batches_done = [0]
     events: dict[str, float] = {}
@@ -243,9 +330,7 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
         if spec.kill_decode_after and batches_done[0] == spec.kill_decode_after and decode_pid:
             os.kill(decode_pid["pid"], signal.SIGKILL)
             events["killed"] = time.monotonic()
-            deadline = time.monotonic() + 10
-            while not _process_gone(decode_pid["pid"]) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            waits.process_end(decode_pid["pid"], "the killed decode's end")
 
     senders, held = [], {}
     held_lock = threading.Lock()
@@ -271,23 +356,21 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
                                     max_inflight=spec.max_inflight, progress=progress, close_backend=False,
                                     secret=spec.secret or None))
         conn.send({"addresses": [s.address for s in senders]})
-        decode_pid["pid"] = _recv(conn, ROLE_TIMEOUT_S)["decode_pid"]
+        decode_pid["pid"] = waits.recv(conn, "decode pid from the parent")["decode_pid"]
         for room in plan:
             with held_lock:
                 held[room["room"]] = len(senders)
             for s in senders:
                 s.add_request(room["room"], room["src"][0], room["src"][1:], on_done=on_done)
         t0 = time.perf_counter()
-        # Wait until every room is done, or the decode has finished (then the rest were never asked for).
-        deadline, decode_done = time.monotonic() + ROLE_TIMEOUT_S, None
-        while time.monotonic() < deadline:
-            if all(s.status(room["room"]) != RoomStatus.PENDING for s in senders for room in plan):
-                break
-            if decode_done is None and conn.poll(0.01):
-                conn.recv()
-                decode_done = time.monotonic()
-            if decode_done is not None and time.monotonic() - decode_done > 1.0:
-                break
+        step = None
+        while step not in ("arrived", "done"):
+            step = waits.recv(conn, f"decode step after {step or 'its start'} from the parent")["step"]
+        # The decode is done: a room it received is finished here a moment later; the rest were never asked for.
+        grace = time.monotonic() + min(1.0, spec.timeout_s)
+        for s in senders:
+            for room in plan:
+                s.wait(room["room"], timeout_s=waits.bound(f"room {room['room']}'s end", grace))
         elapsed = time.perf_counter() - t0
         for s in senders:
             for room in plan:
@@ -302,14 +385,12 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
                         "bytes": sum(s.stats(r)[0] for s in senders), "seconds": max(s.stats(r)[1] for s in senders)}
         open_handles = backend.open_handles
         refusals = [r for s in senders for r in s.refusals]
-        if decode_done is None and conn.poll(ROLE_TIMEOUT_S):  # the decode may still drain notifications
-            conn.recv()
         for s in senders:
             s.close()
         backend.close()
         report = {"rooms": rooms, "elapsed": elapsed, "refusals": refusals, "open_handles": open_handles,
                   "registered_after_close": len(backend.registered),
-                  "rooms_still_held": sorted(held)}
+                  "rooms_still_held": sorted(held), "waits": waits.log}
         if "killed" in events:
             report["failure_detected_after_kill_s"] = events.get("first_failure", float("inf")) - events["killed"]
         conn.send(report)
@@ -322,11 +403,12 @@ def prefill_main(spec: DemoSpec, plan: list[dict], conn) -> None:
         raise
 
 
-def _expected_regions(receiver, kv_args, snapshot: dict, requested: list[dict], seed: int) -> dict:
-    """What every decode region must hold: its snapshot with each arrived room's items replaced."""
+def _expected_regions(manifests, snapshot: dict, requested: list[dict], seed: int) -> dict:
+    """What every decode region must hold: its snapshot with each arrived room's items replaced
+    (``manifests``: every prefill stage's)."""
     expected = {k: v.copy() for k, v in snapshot.items()}
     cache: dict[str, np.ndarray] = {}
-    for manifest in receiver.stage_manifests:
+    for manifest in manifests:
         for c, (_, regions) in enumerate(manifest.components):
             for region in regions:
                 key = f"{'kv' if c == 0 else c}/{region.label}"
@@ -354,6 +436,7 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     from sparsekv.srt.disaggregation.receiver import KVReceiver
     from sparsekv.srt.disaggregation.state_routing import kv_args_of
 
+    waits = Waits(spec.timeout_s)
     pool, _ = decode_pool(spec)
     coord = allocator = req_table = None
     if spec.hisparse:
@@ -382,6 +465,7 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
     except ManifestMismatchError as e:
         result["refused"] = str(e)
         result["unchanged"] = all(np.array_equal(region_array(p, n), snapshot[lb]) for lb, p, n in _regions(args))
+        result["waits"] = waits.log
         conn.send(result)
         return
     requested, reqs = [], {}
@@ -398,11 +482,13 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
             room["dst"][1] = room["dst"][1] + [room["dst"][1][-1] + 1]
         receiver.request(room["room"], room["dst"][0], room["dst"][1:], room.get("groups"))
         requested.append(room)
+    conn.send({"step": "requested"})
     arrived = []
+    deadline = time.monotonic() + spec.timeout_s  # every room within the timeout of the requests
     for room in requested:
         r = room["room"]
         try:
-            receiver.wait(r)
+            receiver.wait(r, timeout_s=waits.bound(f"room {r}'s arrival", deadline))
             result["rooms"][r] = {"status": "success", "error": ""}
             arrived.append(room)
             if spec.hisparse:
@@ -410,7 +496,10 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
         except TransferError as e:
             result["rooms"][r] = {"status": "failed", "error": str(e)}
     result["elapsed"] = time.perf_counter() - t0
-    expected = _expected_regions(receiver, args, snapshot, arrived, spec.seed)
+    manifests = receiver.stage_manifests
+    receiver.close()
+    conn.send({"step": "arrived"})
+    expected = _expected_regions(manifests, snapshot, arrived, spec.seed)
     mismatched = {}
     for label, ptr, nbytes in _regions(args):
         bad = int(np.count_nonzero(region_array(ptr, nbytes) != expected[label]))
@@ -423,7 +512,7 @@ def decode_main(spec: DemoSpec, plan: list[dict], conn, addresses: list) -> None
         result["admitted"] = sorted(r for r in reqs if result["rooms"][r]["status"] == "success")
         result["hot_entries_checked"], result["hot_entries_wrong"] = _check_hot_buffers(
             coord, [reqs[r] for r in result["admitted"]])
-    receiver.close()
+    result["waits"] = waits.log
     conn.send(result)
 
 
@@ -461,65 +550,74 @@ def _role(target, spec, plan, conn, *extra) -> None:
         conn.close()
 
 
-def reap(*procs) -> None:
-    """Join each started process (``None`` skipped), killing one that has not ended within 10 s."""
+def reap(*procs, timeout_s: float = 10.0) -> None:
+    """Join each started process (``None`` skipped), killing one that has not ended within ``timeout_s``."""
+    waits = Waits(timeout_s)
     for proc in procs:
         if proc is not None:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+            waits.join(proc, f"process {proc.name}")
 
 
 def run_session(spec: DemoSpec) -> dict:
     """Run one prefill process and one decode process; the two sides' reports.
 
+    Every wait of the three processes is bounded by ``spec.timeout_s``: this one relays the
+    decode's steps (``requested``, ``arrived``; ``done`` when it reported or ended without
+    ``arrived``) to the prefill, so neither waits for the other's whole run at once.
+
     Returns
     -------
     dict
-        ``{"spec", "plan", "prefill", "decode"}``; ``decode`` is ``{"killed": True}`` when the
-        decode process was killed.
+        ``{"spec", "plan", "prefill", "decode", "waits"}``; ``decode`` is ``{"killed": True}`` when
+        the decode process was killed; ``waits`` is this process's :attr:`Waits.log`.
 
     Raises
     ------
+    RuntimeError
+        The prefill failed before it listened.
     TimeoutError
-        A role did not report within its bound.
+        A role did not send its next message within the timeout.
     """
     if not spec.secret:  # one per session: another deployment on this host cannot claim its rooms
         spec = replace(spec, secret=secrets.token_hex(16))
     plan = make_plan(spec)
+    waits = Waits(spec.timeout_s)
     ctx = mp.get_context("spawn")
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
-    prefill = ctx.Process(target=_role, args=(prefill_main, spec, plan, p_child), daemon=True)
+    prefill = ctx.Process(target=_role, args=(prefill_main, spec, plan, p_child), name="prefill", daemon=True)
     prefill.start()
     decode = None
     try:
-        addresses = _recv(p_parent, ROLE_TIMEOUT_S)
-        if "error" in addresses:
-            raise RuntimeError(f"sparsekv: pd-demo prefill failed: {addresses['error']}")
+        addresses = waits.recv(p_parent, "prefill addresses", prefill)
+        if addresses is None or "error" in addresses:
+            raise RuntimeError(f"sparsekv: pd-demo prefill failed: {(addresses or {}).get('error', 'it ended')}")
         decode = ctx.Process(target=_role, args=(decode_main, spec, plan, d_child, addresses["addresses"]),
-                             daemon=True)
+                             name="decode", daemon=True)
         decode.start()
         p_parent.send({"decode_pid": decode.pid})
-        decode_report = None
-        deadline = time.monotonic() + ROLE_TIMEOUT_S
-        while decode_report is None and time.monotonic() < deadline:
-            if d_parent.poll(0.1):
-                try:
-                    decode_report = d_parent.recv()
-                except EOFError:
-                    decode_report = {"killed": True}
-            elif not decode.is_alive():
+        decode_report, step = None, None
+        while decode_report is None:
+            message = waits.recv(d_parent, f"decode message after {step or 'its start'}", decode)
+            if message is None:
+                decode.join(waits.bound("the ended decode's exit code"))
                 decode_report = {"killed": decode.exitcode == -signal.SIGKILL, "exitcode": decode.exitcode}
-        if decode_report is None:
-            raise TimeoutError(f"sparsekv: pd-demo decode did not report within {ROLE_TIMEOUT_S} s")
-        p_parent.send({"decode_done": True})
-        prefill_report = _recv(p_parent, ROLE_TIMEOUT_S)
+            elif "step" in message:
+                step = message["step"]
+                p_parent.send({"step": step})
+            else:
+                decode_report = message
+        if step != "arrived":
+            p_parent.send({"step": "done"})
+        prefill_report = waits.recv(p_parent, "prefill report", prefill)
+        if prefill_report is None:
+            raise RuntimeError("sparsekv: pd-demo prefill ended without a report")
     finally:
-        reap(prefill, decode)
+        for proc in (prefill, decode):
+            if proc is not None:
+                waits.join(proc, f"the {proc.name} process's end")
     return {"spec": {**asdict(spec), "secret": "<set>"}, "plan": plan, "prefill": prefill_report,
-            "decode": decode_report}
+            "decode": decode_report, "waits": waits.log}
 
 
 def verdict(report: dict) -> bool:
@@ -549,7 +647,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-decode-after", type=int_range(0), default=0, metavar="N",
                         help="kill the decode after N completed batches, to show the failure path")
     parser.add_argument("--timeout", type=number_range(0, 3600, lo_open=True), default=30.0,
-                        help="bound of every wait in seconds, in (0, 3600]")
+                        help="bound of every wait in seconds (a process's start, each step of the transfer, "
+                             "a process's end), in (0, 3600]")
     parser.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0)
     parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                         help="transfer engine of both sides (default: %(default)s; mooncake: the `mooncake` extra)")
@@ -562,8 +661,8 @@ def run(args: argparse.Namespace) -> int:
     Raises
     ------
     UsageError
-        ``--pp-size`` above ``--layers`` (every stage holds at least one layer), or ``--engine``'s
-        package is not installed.
+        ``--pp-size`` above ``--layers`` (every stage holds at least one layer), ``--hisparse on``
+        or ``both`` with no C4 layer among ``--layers``, or ``--engine``'s package is not installed.
     """
     if args.pp_size > args.layers:
         raise UsageError(f"--pp-size {args.pp_size}: more prefill stages than --layers {args.layers}")
@@ -580,6 +679,9 @@ def run(args: argparse.Namespace) -> int:
                     max_inflight=1 if args.kill_decode_after else 4,
                     max_batch_rows=4 if args.kill_decode_after else 16384, engine=args.engine)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.hisparse]
+    if True in modes and args.layers <= first_c4_layer(base):
+        raise UsageError(f"--hisparse {args.hisparse}: HiSparse holds C4 KV, and --layers {args.layers} holds no "
+                         f"C4 layer (the first is layer {first_c4_layer(base)}); use --hisparse off or more --layers")
     reports, ok = [], True
     for hisparse in modes:
         report = run_session(replace(base, hisparse=hisparse))

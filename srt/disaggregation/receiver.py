@@ -590,8 +590,9 @@ class KVReceiver:
 
     def close(self) -> None:
         """Give up on every room still in flight and wait (at most ``deadlines.close_s``) until no
-        stage can write into it, then say goodbye to every stage, close the connections and
-        release the backend, deregistering its memory (idempotent)."""
+        stage can write into it, then say goodbye to every stage, close the connections (their
+        threads' ends: at most ``deadlines.close_s`` more, all together) and release the backend,
+        deregistering its memory (idempotent)."""
         with self._cond:
             live = [room for room, _ in self._rooms.live_items()]
             live += [room for room, arrival in self._rooms.finished_items() if not self._released(arrival)]
@@ -610,7 +611,7 @@ class KVReceiver:
                 pass
             stage.channel.close()
             if stage.thread is not None:
-                stage.thread.join(self.deadlines.close_s)
+                stage.thread.join(max(0.0, deadline + self.deadlines.close_s - time.monotonic()))
         self._stages = []
         self._wakeup.close()
         self.backend.close()

@@ -295,7 +295,8 @@ class KVSender:
             return len(self._connections)
 
     def close(self) -> None:
-        """Stop listening, drop every connection, release every handle and registration (idempotent)."""
+        """Stop listening, drop every connection (its threads end within ``deadlines.close_s``, all
+        together), release every handle and registration (idempotent)."""
         with self._cond:
             if self._wakeup.is_set:
                 return
@@ -305,8 +306,9 @@ class KVSender:
         self._listener.close()
         for ch in connections:
             ch.close()
+        deadline = time.monotonic() + self.deadlines.close_s  # one bound for all of them
         for t in [self._accept_thread, *(c.thread for c in connections.values())]:
-            t.join(self.deadlines.close_s)
+            t.join(max(0.0, deadline - time.monotonic()))
         self._wakeup.close()
         if self.close_backend:
             self.backend.close()

@@ -112,6 +112,9 @@ BAD_ARGUMENTS = [
     (["pd-demo", "--timeout", "-1"], 2, "--timeout"),
     (["pd-demo", "--timeout", "nan"], 2, "--timeout"),
     (["pd-demo", "--budget-mib", str(10**9)], 2, "--budget-mib"),
+    # no C4 layer in 2 layers: once a 19.6 GB plan, now refused before any process starts
+    (["pd-demo", "--layers", "2", "--pp-size", "1", "--hisparse", "on"], 2, "--hisparse on"),
+    (["pd-demo", "--layers", "2"], 2, "--hisparse both"),
 ]
 
 #: Every tool script's flags, held to the same manners (exit 2, one line naming the flag, no traceback).

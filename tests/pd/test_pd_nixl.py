@@ -80,6 +80,12 @@ def test_decode_killed_mid_transfer_fails_the_transfer_on_prefill():
     assert prefill["failure_detected_after_kill_s"] < spec.timeout_s
     assert prefill["rooms"][2]["status"] == "failed"
     assert_prefill_released(prefill)
+    # Every wait of the parent and the prefill (the decode is dead) was given at most the timeout,
+    # each step's wait its own (pd-demo --kill-decode-after 1 once ran 197 s past --timeout 20).
+    waits = report["waits"] + prefill["waits"]
+    assert all(0 <= seconds <= spec.timeout_s for _, seconds in waits), waits
+    assert {"prefill addresses", "prefill report", "the prefill process's end", "the decode process's end",
+            "decode pid from the parent", "the killed decode's end"} <= {what for what, _ in waits}
 
 
 def test_negative_progress_delay_is_refused():
