@@ -27,7 +27,7 @@ for prefix, folder in FOLDER_OF.items():
     packages += packages_under(prefix, folder)
 # Header folders hold no Python; they are listed as (namespace) packages so setuptools ships them
 # as data without warning that an importable folder is missing from `packages`.
-packages += ["sparsekv.csrc.include", "sparsekv.csrc.include.sparsekv"]
+packages += ["sparsekv.csrc.include", "sparsekv.csrc.include.sparsekv", "sparsekv.csrc.sim"]
 # The benchmark scripts ship as data, so `sparsekv bench` runs them from a wheel too (they stay
 # scripts in tools/bench; the command runs them as files, never imports them).
 packages += ["sparsekv.benchmarks"]
@@ -39,6 +39,7 @@ setup(
         "sparsekv": ["py.typed"],
         "sparsekv.csrc": ["*.cuh", "*.h"],
         "sparsekv.csrc.include.sparsekv": ["*.h", "*.cuh"],
+        "sparsekv.csrc.sim": ["*.h"],
         "sparsekv.srt.model_executor.cases": ["*.json"],
         "sparsekv.benchmarks": ["bench_*.py"],
     },

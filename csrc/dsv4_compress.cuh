@@ -49,8 +49,6 @@ namespace sparsekv::dsv4_compress {
 
 inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lane
 
-SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
-
 // A decode step: one new token per batch row b, at positions[b]. rows[b, j] is the ring row of
 // position positions[b] - (W - 1) + j (W = window_of(ratio)); j = W - 1 is the new token's own row.
 // The row's token completes an entry iff (positions[b] + 1) % ratio == 0, and that entry's window
@@ -116,12 +114,12 @@ struct CompressEvents {
   // Value (kv) and score of channel c of a slot; a bf16 ring (kBf16) rounds input rows alike.
   template <bool kBf16>
   SPARSEKV_HOST_DEVICE static float kv_at(const SlotRows& r, int64_t c) {
-    if constexpr (kBf16) return r.kv ? round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
+    if constexpr (kBf16) return r.kv ? fp8::round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
     return r.kv[c];
   }
   template <bool kBf16>
   SPARSEKV_HOST_DEVICE static float score_at(const SlotRows& r, int64_t c) {
-    if constexpr (kBf16) return r.score ? round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
+    if constexpr (kBf16) return r.score ? fp8::round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
     return r.score[c];
   }
   SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {

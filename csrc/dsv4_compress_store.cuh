@@ -136,10 +136,10 @@ void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int6
     for (int64_t b = 0; b < kv.size(0); ++b) {
       if (!plan.events.decode.emits(b)) continue;
       stored.push_back(store.slots[b]);
-      dsv4_store::check_rope_position(plan.events.decode.positions[b] - (ratio - 1), b, store.rope_positions,
+      rope::check_position(plan.events.decode.positions[b] - (ratio - 1), b, store.rope_positions,
                                       "positions");
     }
-    dsv4_quant::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
+    row_store::check_unique_slots(stored.data(), static_cast<int64_t>(stored.size()), store.num_slots, "slots");
   }
 
   // 2. Pool + store every row (reading ring rows as they were), then store the new ring rows.

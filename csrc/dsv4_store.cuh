@@ -4,22 +4,23 @@
 //
 // Its own stem rather than part of dsv4_compress: the same step stores the SWA key path and any
 // entry pooled elsewhere, and its instances are per cache layout while the compressor's are not.
-// The compressor fused with this store is the dsv4_compress_store stem, which builds on both.
+// The compressor fused with this store is the dsv4_compress_store stem.
 //
 // Contract, per entry n (row x of D floats, anchor position pos[n], token slot slots[n]):
 //   x_c   = bf16(x_c)                                  (the compressor's bf16 cast)
 //   ms    = (sum_c x_c^2) / D                          (team order, see team.h), inv = 1 / sqrt(ms + eps)
 //   y_c   = bf16((x_c * inv) * weight_c)
-//   RoPE on the trailing 64 dims, interleaved pairs (2i, 2i + 1) of that tail, i < 32, from the
-//   model's float32 table (rope_cos, rope_sin: [max_position, 32] each, what the model applies to
-//   its queries, so keys and queries rotate by the same float32 angles):
+//   RoPE on the trailing 64 dims (csrc/include/sparsekv/rope.h) from the model's float32 table
+//   (rope_cos, rope_sin: [max_position, 32] each, what the model applies to its queries, so keys
+//   and queries rotate by the same float32 angles):
 //     c = rope_cos[pos, i], s = rope_sin[pos, i]
 //     (y_2i, y_2i+1) <- (bf16(y_2i c - y_2i+1 s), bf16(y_2i s + y_2i+1 c))
 //   An entry whose position is outside [0, max_position) is not stored (the host entries reject it
 //   when the positions are host-readable).
-//   main: store_v4(y) (dsv4_quant.cuh). Indexer: z = H y / sqrt(128) (H the 128-point Walsh-Hadamard
-//   matrix; butterflies of stride 1, 2, ..., 64, each (a, b) -> (a + b, a - b), then one multiply
-//   by 1/sqrt(128) rounded to float), then store_indexer_fp8(z) or store_indexer_fp4(z).
+//   main: store_v4(y) (csrc/include/sparsekv/row_store.h, the encoder dsv4_quant stores with).
+//   Indexer: z = H y / sqrt(128) (H the 128-point Walsh-Hadamard matrix; butterflies of stride 1,
+//   2, ..., 64, each (a, b) -> (a + b, a - b), then one multiply by 1/sqrt(128) rounded to float),
+//   then store_indexer_fp8(z) or store_indexer_fp4(z).
 // Every float operation is rounded as written on both backends (no FMA contraction; divide and
 // sqrt correctly rounded IEEE float32 through team::div_rn / team::sqrt_rn, so inv is
 // div_rn(1, sqrt_rn(ms + eps)), not an rsqrt), so the stored bytes are identical across backends
@@ -31,30 +32,32 @@
 // and duplicated slots before any byte is written when the slots are host-readable.
 #pragma once
 
-#include "dsv4_quant.cuh"
+#include "sparsekv/fp8.h"
+#include "sparsekv/kv_layout.h"
 #include "sparsekv/lane_reduce.h"
+#include "sparsekv/portability.h"
+#include "sparsekv/rope.h"
+#include "sparsekv/row_store.h"
 
 namespace sparsekv::dsv4_store {
 
-inline constexpr int kRopeDims = 64;
-inline constexpr int kRopePairs = kRopeDims / 2;
 inline constexpr float kInvSqrt128 = 0.08838834764831845f;
 
 enum class Cache { kV4, kIndexerFp8, kIndexerFp4 };
 
 struct V4 {
   static constexpr Cache kCache = Cache::kV4;
-  static constexpr int kDim = dsv4_quant::kDim;
+  static constexpr int kDim = row_store::kDim;
   using Layout = kv_layout::V4;
 };
 struct IndexerFp8 {
   static constexpr Cache kCache = Cache::kIndexerFp8;
-  static constexpr int kDim = dsv4_quant::kIndexerDim;
+  static constexpr int kDim = row_store::kIndexerDim;
   using Layout = kv_layout::IndexerFp8;
 };
 struct IndexerFp4 {
   static constexpr Cache kCache = Cache::kIndexerFp4;
-  static constexpr int kDim = dsv4_quant::kIndexerDim;
+  static constexpr int kDim = row_store::kIndexerDim;
   using Layout = kv_layout::IndexerFp4;
 };
 
@@ -70,19 +73,16 @@ struct StoreParams {
   int64_t page_stride;
   int64_t num_slots;
   float eps;
-  const float* rope_cos;  // [rope_positions, kRopePairs]
+  const float* rope_cos;  // [rope_positions, rope::kPairs]
   const float* rope_sin;
   int64_t rope_positions;
 };
-
-SPARSEKV_HOST_DEVICE float round_bf16(float x) { return fp8::bf16_to_float(fp8::float_to_bf16(x)); }
 
 template <class Kind>
 struct NormRopeStore {
   static constexpr int kDim = Kind::kDim;
   using Row = team::Row<kDim>;
   using Params = StoreParams;
-  static_assert(kDim % 64 == 0 && kDim >= 128, "dsv4_store: the rope tail is 64 of at least 128 dims");
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const StoreParams& p) { return p.num_entries; }
 
@@ -96,24 +96,8 @@ struct NormRopeStore {
     const float inv = team::div_rn(1.0f, team::sqrt_rn(team::add_rn(ms, p.eps)));
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
       for (int k = 0; k < Row::kPerLane; ++k) {
-        x.v[j][k] = round_bf16(team::mul_rn(team::mul_rn(x.v[j][k], inv), p.weight[Row::channel(lanes, j, k)]));
-      }
-    }
-  }
-
-  // The rope tail is k >= (kDim - 64) / 32; the pair partner of channel c is c ^ 1 (virtual lane ^ 1).
-  SPARSEKV_HOST_DEVICE static void rope(Row& x, const StoreParams& p, int64_t pos, Lanes lanes) {
-    for (int k = (kDim - kRopeDims) / team::kTeamLanes; k < Row::kPerLane; ++k) {
-      team::Share own;
-      for (int j = 0; j < team::kVirtualPerThread; ++j) own.v[j] = x.v[j][k];
-      const team::Share partner = team::exchange(own, 1);
-      for (int j = 0; j < team::kVirtualPerThread; ++j) {
-        const int t = Row::channel(lanes, j, k) - (kDim - kRopeDims);
-        const float c = p.rope_cos[pos * kRopePairs + t / 2];
-        const float s = p.rope_sin[pos * kRopePairs + t / 2];
-        const float v = (t & 1) == 0 ? team::sub_rn(team::mul_rn(own.v[j], c), team::mul_rn(partner.v[j], s))
-                                     : team::add_rn(team::mul_rn(partner.v[j], s), team::mul_rn(own.v[j], c));
-        x.v[j][k] = round_bf16(v);
+        const float y = team::mul_rn(team::mul_rn(x.v[j][k], inv), p.weight[Row::channel(lanes, j, k)]);
+        x.v[j][k] = fp8::round_bf16(y);
       }
     }
   }
@@ -152,19 +136,19 @@ struct NormRopeStore {
   SPARSEKV_HOST_DEVICE static void finish(Row& x, const StoreParams& p, int64_t pos, int64_t slot, Lanes lanes) {
     if (pos < 0 || pos >= p.rope_positions) return;  // no angle for it in the table: not stored
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
-      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = round_bf16(x.v[j][k]);
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = fp8::round_bf16(x.v[j][k]);
     }
     norm(x, p, lanes);
-    rope(x, p, pos, lanes);
-    const auto token = dsv4_quant::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_size, p.page_stride);
+    rope::rotate_tail<kDim>(x, p.rope_cos, p.rope_sin, pos, lanes);
+    const auto token = row_store::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_size, p.page_stride);
     if constexpr (Kind::kCache == Cache::kV4) {
-      dsv4_quant::store_v4(x, token, lanes);
+      row_store::store_v4(x, token, lanes);
     } else {
       hadamard(x, lanes);
       if constexpr (Kind::kCache == Cache::kIndexerFp8) {
-        dsv4_quant::store_indexer_fp8(x, token, lanes);
+        row_store::store_indexer_fp8(x, token, lanes);
       } else {
-        dsv4_quant::store_indexer_fp4(x, token, lanes);
+        row_store::store_indexer_fp4(x, token, lanes);
       }
     }
   }
@@ -184,15 +168,9 @@ struct NormRopeStore {
 }  // namespace sparsekv::dsv4_store
 
 #ifdef SPARSEKV_HOST_ENTRY
-namespace sparsekv::dsv4_store {
+#include "sparsekv/ffi.h"
 
-// A host-readable RoPE position of entry n must be a row of the table.
-inline void check_rope_position(int64_t pos, int64_t n, int64_t rope_positions, const char* name) {
-  if (pos < 0 || pos >= rope_positions) {
-    TVM_FFI_THROW(IndexError) << "sparsekv: argument `" << name << "`[" << n << "] gives RoPE position " << pos
-                              << ", outside the RoPE table [0, " << rope_positions << ")";
-  }
-}
+namespace sparsekv::dsv4_store {
 
 // Validates the store arguments for `entries` rows and returns the store parameters (x unset).
 template <class Kind>
@@ -204,17 +182,14 @@ StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorVi
   check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().size(0, entries, "entries");
   check(positions, "positions").same_device(cache, "cache");
   check(slots, "slots").ndim(1).size(0, entries, "entries");
-  check(rope_cos, "rope_cos").dtype<float>().ndim(2).contiguous().size(1, kRopePairs, "rope pairs (64 / 2)");
-  check(rope_cos, "rope_cos").same_device(cache, "cache");
-  check(rope_sin, "rope_sin").dtype<float>().ndim(2).contiguous().size(1, kRopePairs, "rope pairs (64 / 2)");
-  check(rope_sin, "rope_sin").same_device(cache, "cache").size(0, rope_cos.size(0), "max positions of rope_cos");
+  rope::check_tables(rope_cos, rope_sin, cache, "cache");
   if (read_slots && positions.device().device_type != kDLCUDA) {  // positions are the entries' own
     const auto* pos = static_cast<const int64_t*>(positions.data_ptr());
-    for (int64_t n = 0; n < entries; ++n) check_rope_position(pos[n], n, rope_cos.size(0), "positions");
+    for (int64_t n = 0; n < entries; ++n) rope::check_position(pos[n], n, rope_cos.size(0), "positions");
   }
   if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
   const auto [page_stride, num_slots] =
-      dsv4_quant::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true, read_slots);
+      row_store::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true, read_slots);
   StoreParams params{nullptr,
                      0,
                      static_cast<const float*>(weight.data_ptr()),

@@ -3,7 +3,7 @@
 Each function reads the environment when called (never at import), so tests and tools can change a
 variable between calls. docs/configuration.md lists the same variables and defaults.
 One is read outside Python: ``SPARSEKV_SIM_SEED`` (the sim backend's thread and block order, default
-0), by the simulator itself (``csrc/include/sparsekv/sim.h``) at every launch.
+0), by the simulator itself (``csrc/sim/sim.h``) at every launch.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ CPU_BACKENDS = ("cpu", "sim")
 
 def cpu_backend() -> str:
     """``SPARSEKV_CPU_BACKEND``: the build that runs kernels on CPU tensors: ``cpu`` (default, the
-    headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``sparsekv/sim.h``)."""
+    headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``csrc/sim/sim.h``)."""
     name = os.environ.get("SPARSEKV_CPU_BACKEND", "").strip() or "cpu"
     if name not in CPU_BACKENDS:
         raise ValueError(f"sparsekv: SPARSEKV_CPU_BACKEND must be one of {CPU_BACKENDS}, got {name!r}")

@@ -226,12 +226,10 @@ def test_the_rules_see_the_chains_they_forbid():
         _graph()["sparsekv.cli.demo.stack"]  # `from sparsekv.srt.model_executor import DSV4ModelSpec, plan_pipeline`
 
 
-# The exceptions: the store ends in the quantizer's row stores, so it builds on that family's header;
-# the fused compress-store runs the compressor's window pooling and the store's finish in a single
-# pass over the window, so it builds on those two; the indexed swap-in is the swap-in with other
-# tables, so it builds on its layouts, checks and hash table.
-FUSED_FAMILY_INCLUDES = {"dsv4_store.cuh": {"dsv4_quant.cuh"},
-                         "dsv4_compress_store.cuh": {"dsv4_compress.cuh", "dsv4_store.cuh"},
+# The exceptions: the fused compress-store runs the compressor's window pooling and the store's finish
+# in a single pass over the window, so it builds on those two; the indexed swap-in is the swap-in with
+# other tables, so it builds on its layouts, checks and hash table.
+FUSED_FAMILY_INCLUDES = {"dsv4_compress_store.cuh": {"dsv4_compress.cuh", "dsv4_store.cuh"},
                          "hisparse_index.cuh": {"hisparse.cuh"}}
 
 

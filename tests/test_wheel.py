@@ -22,6 +22,7 @@ def test_wheel_installs_and_runs_a_kernel_from_its_own_csrc(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "sparsekv/csrc/gather_rows.cuh" in names
     assert "sparsekv/csrc/include/sparsekv/portability.h" in names
+    assert "sparsekv/csrc/sim/sim.h" in names  # the sim backend's emulation header
     assert "sparsekv/jit_kernel/build/loader.py" in names and "sparsekv/srt/__init__.py" in names
 
     venv = tmp_path / "venv"

@@ -38,10 +38,10 @@ logger = logging.getLogger("sparsekv.jit")
 COMPILED: list[tuple[str, float]] = []
 
 #: cpu: the headers' host implementations; cuda: their CUDA path under nvcc; sim: the same CUDA path
-#: under the host compiler, run on the CPU by the simulator in ``csrc/include/sparsekv/sim.h``.
+#: under the host compiler, run on the CPU by the simulator in ``csrc/sim/sim.h``.
 BACKENDS = ("cpu", "cuda", "sim")
 #: The emulation header every sim module is built against (part of a sim module's include closure).
-SIM_HEADER = "include/sparsekv/sim.h"
+SIM_HEADER = "sim/sim.h"
 # Bump when the glue or the build recipe changes in a way the other key inputs cannot see.
 # 2: module.cpp exports the entry name it was built as (MODULE_KEY_EXPORT).
 LOADER_FORMAT = 2
@@ -256,7 +256,7 @@ def generate_sources(
             "// The header's namespace is renamed and its symbols stay inside this module: its CUDA-path",
             "// inline functions must not be merged with the host-path ones of module.cpp, nor its shared",
             "// memory with another module's. (sim.h has included every system header by then.)",
-            '#include "sparsekv/sim.h"',
+            f'#include "{SIM_HEADER}"',
             "#pragma GCC visibility push(hidden)",
             "#define sparsekv sparsekv_sim",
             f'#include "{header}"',
@@ -936,7 +936,7 @@ def load_jit(
         Kernel structs (instantiated with ``template_args``) whose CUDA launchers the cuda and sim
         backends need; unused by the cpu backend.
     backend : {"cpu", "cuda", "sim"}
-        Compiler and device the module targets (sim: the CUDA path on the CPU, see ``sparsekv/sim.h``).
+        Compiler and device the module targets (sim: the CUDA path on the CPU, see ``csrc/sim/sim.h``).
     arch : str or tuple of str, optional
         CUDA archs (cuda backend); default from ``SPARSEKV_CUDA_ARCH`` and friends.
 

@@ -50,6 +50,9 @@ SPARSEKV_HOST_DEVICE uint16_t float_to_bf16(float x) {
 
 SPARSEKV_HOST_DEVICE float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
+// x rounded to the nearest bf16 (ties to even), as a float.
+SPARSEKV_HOST_DEVICE float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
 // ---------------------------------------------------------------------------------------------
 // ue8m0 power-of-two scales
 

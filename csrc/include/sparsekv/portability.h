@@ -10,7 +10,7 @@
 // per item on the GPU. Nothing here includes tvm-ffi, so a .cu that includes a kernel header stays
 // cheap to compile.
 //
-// The CUDA path is also built by the host compiler for the sim backend (sparsekv/sim.h, which
+// The CUDA path is also built by the host compiler for the sim backend (csrc/sim/sim.h, which
 // defines SPARSEKV_SIM, __CUDACC__ and __CUDA_ARCH__ first). So a kernel launches through
 // launch_kernel (never `<<<...>>>`, which only nvcc parses) and takes dynamic shared memory from
 // dynamic_shared<T>() (never a block-scope `extern __shared__`, which the host compiler cannot give

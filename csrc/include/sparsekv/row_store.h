@@ -1,0 +1,199 @@
+// row_store: one team row (lane_reduce.h) quantized into one token of a paged DSV4 cache, the
+// building block of every kernel that writes those caches (the quantizer, the fused store, the
+// fused compress-store).
+//
+// Encoders, x held by a team, written into token slot s of a paged [pages, page_bytes] cache:
+//   store_v4 (512 wide, 584 B fp8_ds_mla V4):
+//     dims 0-447, 7 blocks of 64: a = max(amax over the block (float32), 1e-4); e = the smallest
+//       integer with 448 * 2^e >= a; value byte = e4m3 round-to-nearest-even of x / 2^e (saturating
+//       at +-448); scale byte = e + 127.
+//     dims 448-511: bf16 (round to nearest even), little-endian.
+//     scale record: the 7 scale bytes, then one zero pad byte.
+//   store_indexer_fp8 (128 wide, 132 B): one fp32 scale s = max(amax, 1e-4f) / 448 (not rounded to
+//     a power of two); value byte i = e4m3(x_i / s). Both are IEEE float32 divisions rounded to
+//     nearest even (team::div_rn), never a multiply by a rounded reciprocal: amax * float(1 / 448)
+//     differs from amax / 448 in the last bit for about half of all amax, and x * (1 / s) from x / s
+//     likewise.
+//   store_indexer_fp4 (128 wide, 68 B): 4 blocks of 32: a = max(amax, 6 * 2^-126), e the smallest
+//     integer with 6 * 2^e >= a; code = e2m1 round-to-nearest-even of x / 2^e, two codes per byte
+//     (even element in the low nibble); scale byte = e + 127.
+// token_bytes addresses a slot's value and scale records (kv_layout.h). The host section checks a
+// paged cache and its slots (every slot in the cache, optionally no slot twice).
+#pragma once
+
+#include <cstdint>
+
+#include "sparsekv/fp8.h"
+#include "sparsekv/kv_layout.h"
+#include "sparsekv/lane_reduce.h"
+#include "sparsekv/portability.h"
+
+namespace sparsekv::row_store {
+
+inline constexpr int kDim = 512;
+inline constexpr int kNopeDims = 448;
+inline constexpr int kBlock = 64;
+inline constexpr int kBlocks = kNopeDims / kBlock;
+inline constexpr float kFp8AmaxFloor = 1e-4f;
+inline constexpr int kIndexerDim = 128;
+inline constexpr int kFp4Block = 32;
+
+using V4 = kv_layout::V4;
+using IndexerFp8 = kv_layout::IndexerFp8;
+using IndexerFp4 = kv_layout::IndexerFp4;
+static_assert(V4::kValueBytes == kNopeDims + 2 * (kDim - kNopeDims), "row_store: V4 value record is 448 + 128 B");
+static_assert(V4::kScaleBytes == kBlocks + 1, "row_store: V4 scale record is 7 scales + 1 pad");
+static_assert(IndexerFp8::kValueBytes == kIndexerDim && IndexerFp8::kScaleBytes == 4, "row_store: 132 B indexer");
+static_assert(IndexerFp4::kValueBytes == kIndexerDim / 2 && IndexerFp4::kScaleBytes == kIndexerDim / kFp4Block,
+              "row_store: 68 B indexer");
+
+// Byte address of a slot's value and scale records in a paged buffer (page_size a power of two
+// checked by the host entry; page_stride in bytes).
+template <class L>
+SPARSEKV_HOST_DEVICE kv_layout::TokenBytes<uint8_t> token_bytes(uint8_t* cache, int64_t slot, int64_t page_size,
+                                                                int64_t page_stride) {
+  const int64_t page = slot / page_size;
+  const int64_t in_page = slot - page * page_size;
+  uint8_t* base = cache + page * page_stride;
+  return {base + L::value_offset(in_page), base + L::scale_offset(in_page, page_size)};
+}
+
+SPARSEKV_HOST_DEVICE void store_bf16(uint8_t* dst, float x) {
+  const uint16_t b = fp8::float_to_bf16(x);
+  dst[0] = static_cast<uint8_t>(b & 0xffu);
+  dst[1] = static_cast<uint8_t>(b >> 8);
+}
+
+SPARSEKV_HOST_DEVICE float load_bf16(const uint8_t* src) {
+  return fp8::bf16_to_float(static_cast<uint16_t>(src[0] | (src[1] << 8)));
+}
+
+// Writes a 512-wide row held by a team into one V4 token.
+SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, kv_layout::TokenBytes<uint8_t> token, Lanes lanes) {
+  using Row = team::Row<kDim>;
+  for (int b = 0; b < kBlocks; ++b) {
+    team::Share partial;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      const float a0 = x.v[j][2 * b] < 0 ? -x.v[j][2 * b] : x.v[j][2 * b];
+      const float a1 = x.v[j][2 * b + 1] < 0 ? -x.v[j][2 * b + 1] : x.v[j][2 * b + 1];
+      partial.v[j] = a0 > a1 ? a0 : a1;
+    }
+    float amax = team::max(partial);
+    amax = amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor;
+    const int e = fp8::ceil_scale_exponent(amax, fp8::kE4m3Max);
+    const float inv_scale = fp8::exp2_int(-e);  // exact: x * 2^-e rounds like x / 2^e
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 2 * b; k < 2 * b + 2; ++k) {
+        token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::mul_rn(x.v[j][k], inv_scale));
+      }
+      if (lanes.lane + j == 0) token.scale[b] = static_cast<uint8_t>(e + 127);
+    }
+  }
+  for (int j = 0; j < team::kVirtualPerThread; ++j) {
+    for (int k = kNopeDims / team::kTeamLanes; k < Row::kPerLane; ++k) {
+      const int c = Row::channel(lanes, j, k);
+      store_bf16(token.value + kNopeDims + 2 * (c - kNopeDims), x.v[j][k]);
+    }
+    if (lanes.lane + j == 0) token.scale[kBlocks] = 0;
+  }
+}
+
+// Writes a 128-wide row held by a team into one IndexerFp8 token.
+SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, kv_layout::TokenBytes<uint8_t> token,
+                                            Lanes lanes) {
+  using Row = team::Row<kIndexerDim>;
+  team::Share partial;
+  for (int j = 0; j < team::kVirtualPerThread; ++j) {
+    partial.v[j] = 0.0f;
+    for (int k = 0; k < Row::kPerLane; ++k) {
+      const float a = x.v[j][k] < 0 ? -x.v[j][k] : x.v[j][k];
+      partial.v[j] = partial.v[j] > a ? partial.v[j] : a;
+    }
+  }
+  float amax = team::max(partial);
+  amax = amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor;
+  const float scale = team::div_rn(amax, fp8::kE4m3Max);  // a true division, not amax * (1 / 448)
+  for (int j = 0; j < team::kVirtualPerThread; ++j) {
+    for (int k = 0; k < Row::kPerLane; ++k) {
+      token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::div_rn(x.v[j][k], scale));
+    }
+    if (lanes.lane + j == 0) {
+      const uint32_t bits = fp8::float_bits(scale);
+      for (int byte = 0; byte < 4; ++byte) token.scale[byte] = static_cast<uint8_t>(bits >> (8 * byte));
+    }
+  }
+}
+
+// Writes a 128-wide row held by a team into one IndexerFp4 token. Block b is k == b (32 channels,
+// one per virtual lane); the even channel's lane packs its odd neighbour's code into the high nibble.
+SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, kv_layout::TokenBytes<uint8_t> token,
+                                            Lanes lanes) {
+  using Row = team::Row<kIndexerDim>;
+  constexpr float kFloor = 6.0f * 1.1754943508222875e-38f;  // 6 * 2^-126
+  for (int k = 0; k < Row::kPerLane; ++k) {
+    team::Share partial;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) partial.v[j] = x.v[j][k] < 0 ? -x.v[j][k] : x.v[j][k];
+    float amax = team::max(partial);
+    amax = amax > kFloor ? amax : kFloor;
+    const int e = fp8::ceil_scale_exponent(amax, fp8::kE2m1Max);
+    const float inv_scale = fp8::exp2_int(-e);
+    team::Share code;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      code.v[j] = static_cast<float>(fp8::float_to_e2m1(team::mul_rn(x.v[j][k], inv_scale)));
+    }
+    const team::Share neighbour = team::exchange(code, 1);
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      const int c = Row::channel(lanes, j, k);
+      if ((c & 1) == 0) {
+        token.value[c / 2] = static_cast<uint8_t>(static_cast<int>(code.v[j]) | (static_cast<int>(neighbour.v[j]) << 4));
+      }
+      if (lanes.lane + j == 0) token.scale[k] = static_cast<uint8_t>(e + 127);
+    }
+  }
+}
+
+}  // namespace sparsekv::row_store
+
+#ifdef SPARSEKV_HOST_ENTRY
+#include <utility>
+#include <vector>
+
+#include "sparsekv/ffi.h"
+
+namespace sparsekv::row_store {
+
+// Every slot in [0, num_slots) and no slot twice (a bitmap: one pass, no sort).
+inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slots, const char* name) {
+  check_indices_in_range(slots, n, num_slots, name);
+  std::vector<bool> seen(static_cast<size_t>(num_slots), false);
+  for (int64_t i = 0; i < n; ++i) {
+    if (seen[static_cast<size_t>(slots[i])]) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` names slot " << slots[i]
+                                << " twice (second time at position " << i << "); slots must be unique";
+    }
+    seen[static_cast<size_t>(slots[i])] = true;
+  }
+}
+
+// Validates a paged cache of layout L and its slots; returns (page_stride, num_slots).
+template <class L>
+std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_size,
+                                              bool unique_slots, bool read_slots = true) {
+  check_page_size(page_size, "page_size");
+  check(cache, "cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device();
+  check(cache, "cache").size(1, L::page_bytes(page_size), "page bytes for page_size");
+  check(slots, "slots").dtype<int64_t>().ndim(1).contiguous().same_device(cache, "cache");
+  const int64_t num_slots = checked_product(cache.size(0), page_size, "argument `cache`: pages x page_size");
+  if (cache.device().device_type != kDLCUDA && read_slots) {
+    const auto* s = static_cast<const int64_t*>(slots.data_ptr());
+    if (unique_slots) {
+      check_unique_slots(s, slots.size(0), num_slots, "slots");
+    } else {
+      check_indices_in_range(s, slots.size(0), num_slots, "slots");
+    }
+  }
+  return {cache.stride(0), num_slots};
+}
+
+}  // namespace sparsekv::row_store
+#endif
