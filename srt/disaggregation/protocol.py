@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -50,17 +51,35 @@ from sparsekv.srt.disaggregation.messages import (
     text,
 )
 
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform as _dataclass_transform
+else:  # the same classes at run time; only type checkers miss the hint
+
+    def _dataclass_transform(**_):
+        return lambda cls: cls
+
+
+#: Every message kind by its ``op`` (each :class:`Message` subclass adds itself).
+KINDS: dict[str, type[Message]] = {}
+
 
 def _wire(check: Callable[[object, str], Any], **default) -> Any:
     """A message field whose wire value must pass ``check`` (``default=`` / ``default_factory=``: optional)."""
     return field(metadata={"check": check}, **default)
 
 
-@dataclass(frozen=True)
+@_dataclass_transform(frozen_default=True, field_specifiers=(field,))
 class Message:
-    """A bootstrap message; subclasses set :attr:`OP` and declare their fields with their checks."""
+    """A bootstrap message. A kind is a subclass that names its ``op`` and declares its fields with
+    their checks (``class Bye(Message, op="bye")``): it becomes a frozen dataclass, added to :data:`KINDS`."""
 
     OP: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, op: str, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.OP = op
+        dataclass(frozen=True)(cls)
+        KINDS[op] = cls
 
     def encode(self) -> dict:
         """The JSON object to send (an optional field that is None is left out)."""
@@ -93,11 +112,9 @@ class Message:
         return cls(**values)
 
 
-@dataclass(frozen=True)
-class Hello(Message):
+class Hello(Message, op="hello"):
     """The decode's first message to a prefill stage."""
 
-    OP: ClassVar[str] = "hello"
     agent: str = _wire(text)  # the decode's engine descriptor (:func:`~.bootstrap.b64`)
     manifest: dict = _wire(mapping)  # :meth:`~.manifest.Manifest.to_dict`
     session: str = _wire(text, default="")  # echoed in every notification to this decode
@@ -108,46 +125,36 @@ class Hello(Message):
     notified: bool = _wire(boolean, default=False)
 
 
-@dataclass(frozen=True)
-class Challenge(Message):
+class Challenge(Message, op="challenge"):
     """A prefill stage with a secret answers a hello with its own nonce and its proof of the secret."""
 
-    OP: ClassVar[str] = "challenge"
     nonce: str = _wire(nonce)
     proof: str = _wire(proof)
 
 
-@dataclass(frozen=True)
-class Proof(Message):
+class Proof(Message, op="proof"):
     """The decode's proof of the secret, over both nonces (:func:`~.messages.secret_proof`)."""
 
-    OP: ClassVar[str] = "proof"
     proof: str = _wire(proof)
 
 
-@dataclass(frozen=True)
-class Welcome(Message):
+class Welcome(Message, op="welcome"):
     """The prefill stage accepted the decode's hello."""
 
-    OP: ClassVar[str] = "welcome"
     agent: str = _wire(text)
     manifest: dict = _wire(mapping)
 
 
-@dataclass(frozen=True)
-class Refused(Message):
+class Refused(Message, op="refused"):
     """A hello or a message that was refused, and why."""
 
-    OP: ClassVar[str] = "refused"
     error: str = _wire(text)
 
 
-@dataclass(frozen=True)
-class Transfer(Message):
+class Transfer(Message, op="transfer"):
     """The decode asks for a room into these destinations (``room`` is checked first, so a refusal
     can name a valid room)."""
 
-    OP: ClassVar[str] = "transfer"
     room: int = _wire(integer)
     kv_indices: list[int] = _wire(indices)
     #: One destination list per state component.
@@ -161,11 +168,9 @@ class Transfer(Message):
                 "kv_group_indices": self.kv_group_indices}
 
 
-@dataclass(frozen=True)
-class Status(Message):
+class Status(Message, op="status"):
     """A room's outcome on one prefill stage."""
 
-    OP: ClassVar[str] = "status"
     room: int = _wire(integer)
     ok: bool = _wire(boolean)
     error: str = _wire(text, default="")
@@ -178,33 +183,23 @@ class Status(Message):
     inflight: bool = _wire(boolean, default=False)
 
 
-@dataclass(frozen=True)
-class Cancel(Message):
+class Cancel(Message, op="cancel"):
     """The decode gave up on a room (timeout, abort, close): write nothing more of it."""
 
-    OP: ClassVar[str] = "cancel"
     room: int = _wire(integer)
 
 
-@dataclass(frozen=True)
-class Cancelled(Message):
+class Cancelled(Message, op="cancelled"):
     """The answer to a :class:`Cancel`: no write of the room is in flight on this connection and
     none will be posted (the room's destinations may be reused as far as this stage goes)."""
 
-    OP: ClassVar[str] = "cancelled"
     room: int = _wire(integer)
 
 
-@dataclass(frozen=True)
-class Bye(Message):
+class Bye(Message, op="bye"):
     """The sender waits for nothing more on this connection (from the decode: it asks for nothing
     more; from the prefill: the connection held no room for its idle bound, and closes)."""
 
-    OP: ClassVar[str] = "bye"
-
-
-KINDS: dict[str, type[Message]] = {kind.OP: kind for kind in (Hello, Challenge, Proof, Welcome, Refused, Transfer,
-                                                              Cancel, Cancelled, Status, Bye)}
 
 
 def decode(message: dict, *expected: type[Message]) -> Message:
@@ -215,6 +210,7 @@ def decode(message: dict, *expected: type[Message]) -> Message:
     ProtocolError
         An unknown or unexpected ``op``, or a field that fails its check.
     """
+
     op = message.get("op")
     kind = KINDS.get(op) if type(op) is str else None  # noqa: E721
     if kind is None:

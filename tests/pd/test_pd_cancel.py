@@ -20,6 +20,7 @@ Short deadlines keep each test's wall time small; nothing here asserts a duratio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -61,6 +62,20 @@ def _receiver(sender, decode) -> KVReceiver:
     return KVReceiver(decode, NixlBackend(net_devices="lo"), [sender.address], deadlines=DEADLINES)
 
 
+@contextlib.contextmanager
+def _connected(**sender_kwargs):
+    """``(sender, receiver, decode kv args)`` of a connected pair (:func:`_pair`); both closed after."""
+    sender, decode = _pair(**sender_kwargs)
+    try:
+        receiver = _receiver(sender, decode)
+        try:
+            yield sender, receiver, decode
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
 def _mark(decode, room: int) -> dict[str, np.ndarray]:
     """Write the marker into every destination item of ``room`` (the decode reused them); a copy of
     every region as it then is."""
@@ -96,9 +111,7 @@ def _another_room_arrives(sender, receiver, room: int, like: int | None = None) 
 
 
 def test_a_room_given_up_before_it_is_declared_is_never_written():
-    sender, decode = _pair()
-    receiver = _receiver(sender, decode)
-    try:
+    with _connected() as (sender, receiver, decode):
         src_kv, src_states, dst_kv, dst_states = room_indices(1)
         receiver.request(1, dst_kv, dst_states)
         with pytest.raises(TransferError, match="did not arrive within"):
@@ -109,9 +122,6 @@ def test_a_room_given_up_before_it_is_declared_is_never_written():
         _another_room_arrives(sender, receiver, 2)
         assert _unchanged(decode, snapshot, but_room=2) == []  # the marker survives
         assert sender.status(1) == RoomStatus.PENDING  # nobody asks for it any more
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_room_pending_when_the_decode_closes_is_never_written():
@@ -156,34 +166,29 @@ class _GatedNixl(NixlBackend):
 def test_a_room_given_up_mid_transfer_posts_no_further_batch():
     gated = _GatedNixl(room=1, batch=1, net_devices="lo")
     # One row per batch, one batch in flight: room 1 takes many batches, posted one by one.
-    sender, decode = _pair(backend=gated, max_batch_rows=1, max_inflight=1)
-    receiver = _receiver(sender, decode)
-    try:
-        src_kv, src_states, dst_kv, dst_states = room_indices(1)
-        sender.add_request(1, src_kv, src_states)
-        receiver.request(1, dst_kv, dst_states)
-        assert gated.reached.wait(20)  # batch 0 landed, batch 1 is about to be posted
-        receiver.cancel(1, "the request was aborted")
-        with sender._cond:  # the prefill read the cancel before batch 1 goes out
-            assert sender._cond.wait_for(lambda: any(1 in c.cancels for c in sender._connections.values()), 20)
-        gated.go.set()
-        assert receiver.wait_released(1)
-        snapshot = _mark(decode, 1)
-        _another_room_arrives(sender, receiver, 2)
-        assert _unchanged(decode, snapshot, but_room=2) == []
-        assert gated.posted == [0, 1]  # batch 1 was past the check; no batch after it
-        assert sender.status(1) == RoomStatus.FAILED and "gave the room up" in sender.error(1)
-        assert receiver.poll(1) == (RoomStatus.FAILED, "gave up: the request was aborted")
-    finally:
-        gated.go.set()
-        receiver.close()
-        sender.close()
+    with _connected(backend=gated, max_batch_rows=1, max_inflight=1) as (sender, receiver, decode):
+        try:
+            src_kv, src_states, dst_kv, dst_states = room_indices(1)
+            sender.add_request(1, src_kv, src_states)
+            receiver.request(1, dst_kv, dst_states)
+            assert gated.reached.wait(20)  # batch 0 landed, batch 1 is about to be posted
+            receiver.cancel(1, "the request was aborted")
+            with sender._cond:  # the prefill read the cancel before batch 1 goes out
+                assert sender._cond.wait_for(lambda: any(1 in c.cancels for c in sender._connections.values()), 20)
+            gated.go.set()
+            assert receiver.wait_released(1)
+            snapshot = _mark(decode, 1)
+            _another_room_arrives(sender, receiver, 2)
+            assert _unchanged(decode, snapshot, but_room=2) == []
+            assert gated.posted == [0, 1]  # batch 1 was past the check; no batch after it
+            assert sender.status(1) == RoomStatus.FAILED and "gave the room up" in sender.error(1)
+            assert receiver.poll(1) == (RoomStatus.FAILED, "gave up: the request was aborted")
+        finally:
+            gated.go.set()
 
 
 def test_a_given_up_room_cannot_be_asked_for_again_until_released():
-    sender, decode = _pair()
-    receiver = _receiver(sender, decode)
-    try:
+    with _connected() as (sender, receiver, _):
         src_kv, src_states, dst_kv, dst_states = room_indices(1)
         receiver.request(1, dst_kv, dst_states)
         with pytest.raises(ValueError, match="room 1 is still in transfer"):
@@ -193,22 +198,14 @@ def test_a_given_up_room_cannot_be_asked_for_again_until_released():
         sender.add_request(1, src_kv, src_states)
         receiver.request(1, dst_kv, dst_states)  # released: a new transfer of room 1
         receiver.wait(1)
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_room_asked_for_before_it_is_declared_does_not_delay_the_rooms_behind_it():
-    sender, decode = _pair()
-    receiver = _receiver(sender, decode)
-    try:
+    with _connected() as (sender, receiver, _):
         receiver.request(1, *room_indices(1)[2:])  # never declared
         for room in (2, 3):
             _another_room_arrives(sender, receiver, room)
         assert receiver.poll(1) == (RoomStatus.PENDING, "")  # still waiting aside, not failed first
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def _hello(decode, agent: NixlBackend) -> dict:

@@ -17,6 +17,7 @@ lies (a stage driven by the test: real bootstrap socket, real NIXL agent over UC
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -100,6 +101,24 @@ class LyingStage:
         self.backend.close()
 
 
+@contextlib.contextmanager
+def lying_connection(completion: str, **connected):
+    """``(stage, receiver, decode kv args)``: a decode (completing rooms by ``completion``, its
+    regions seeded) connected to a :class:`LyingStage` (``connected``: its options); both closed after."""
+    stage = LyingStage()
+    stage.completion = completion
+    decode = kv_args_of(dsv4_pool())
+    fill_regions(decode, seed=2)
+    try:
+        receiver = stage.connected(decode, **connected)
+        try:
+            yield stage, receiver, decode
+        finally:
+            receiver.close()
+    finally:
+        stage.close()
+
+
 def honest_digests(decode, room: int) -> dict[str, str]:
     """The digests of what the decode's destinations of ``room`` hold: nothing is written, so these
     are the digests an honest stage would report for bytes equal to them."""
@@ -130,42 +149,25 @@ NOTIFIED_CLAIMS = {
 
 
 def _claimed(completion: str, claim) -> tuple[RoomStatus, str]:
-    stage = LyingStage()
-    stage.completion = completion
-    decode = kv_args_of(dsv4_pool())
-    fill_regions(decode, seed=2)
-    try:
-        receiver = stage.connected(decode)
+    with lying_connection(completion) as (stage, receiver, decode):
+        receiver.request(1, *room_indices(1)[2:])
+        status, notifs = claim(honest_digests(decode, 1))
+        for batch, batches, digests in notifs:
+            stage.notify(1, batch, batches, digests)
+        if status is not None:
+            stage.channel.send(status.encode())
         try:
-            receiver.request(1, *room_indices(1)[2:])
-            status, notifs = claim(honest_digests(decode, 1))
-            for batch, batches, digests in notifs:
-                stage.notify(1, batch, batches, digests)
-            if status is not None:
-                stage.channel.send(status.encode())
-            try:
-                receiver.wait(1)
-            except TransferError as e:
-                return RoomStatus.FAILED, str(e)
-            return RoomStatus.SUCCESS, ""
-        finally:
-            receiver.close()
-    finally:
-        stage.close()
+            receiver.wait(1)
+        except TransferError as e:
+            return RoomStatus.FAILED, str(e)
+        return RoomStatus.SUCCESS, ""
 
 
-@pytest.mark.parametrize("claim", CLAIMS)
-def test_a_status_that_claims_less_than_the_plan_fails_the_room(claim):
-    outcome, error = _claimed("status", CLAIMS[claim])
-    if claim == "honest":
-        assert outcome == RoomStatus.SUCCESS
-    else:
-        assert outcome == RoomStatus.FAILED and "prefill stage 0" in error, error
-
-
-@pytest.mark.parametrize("claim", NOTIFIED_CLAIMS)
-def test_notifications_that_claim_less_than_the_plan_fail_the_room(claim):
-    outcome, error = _claimed("notifications", NOTIFIED_CLAIMS[claim])
+@pytest.mark.parametrize(("completion", "claim"), [("status", claim) for claim in CLAIMS]
+                         + [("notifications", claim) for claim in NOTIFIED_CLAIMS])
+def test_a_claim_of_less_than_the_plan_fails_the_room(completion, claim):
+    # In a Status, or in the notifications of a decode that completes rooms from them alone.
+    outcome, error = _claimed(completion, (CLAIMS if completion == "status" else NOTIFIED_CLAIMS)[claim])
     if claim == "honest":
         assert outcome == RoomStatus.SUCCESS
     else:
@@ -173,24 +175,14 @@ def test_notifications_that_claim_less_than_the_plan_fail_the_room(claim):
 
 
 def test_a_notification_of_another_session_is_not_counted():
-    stage = LyingStage()
-    stage.completion = "notifications"
-    decode = kv_args_of(dsv4_pool())
-    fill_regions(decode, seed=2)
-    try:
-        receiver = stage.connected(decode)
-        try:
-            receiver.request(1, *room_indices(1)[2:])
-            receiver.request(2, *room_indices(2)[2:])
-            # Room 1's claim is complete and honest, but from another deployment's session.
-            stage.notify(1, 0, 1, honest_digests(decode, 1), session="another-deployment")
-            stage.notify(2, 0, 1, honest_digests(decode, 2))  # delivered after it, from the same agent
-            receiver.wait(2)
-            assert receiver.poll(1) == (RoomStatus.PENDING, "")
-        finally:
-            receiver.close()
-    finally:
-        stage.close()
+    with lying_connection("notifications") as (stage, receiver, decode):
+        receiver.request(1, *room_indices(1)[2:])
+        receiver.request(2, *room_indices(2)[2:])
+        # Room 1's claim is complete and honest, but from another deployment's session.
+        stage.notify(1, 0, 1, honest_digests(decode, 1), session="another-deployment")
+        stage.notify(2, 0, 1, honest_digests(decode, 2))  # delivered after it, from the same agent
+        receiver.wait(2)
+        assert receiver.poll(1) == (RoomStatus.PENDING, "")
 
 
 def _pp_pools(pp_size: int) -> tuple[list[DeepSeekV4TokenToKVPool], DeepSeekV4TokenToKVPool]:
@@ -231,54 +223,35 @@ def test_each_prefill_stage_s_bytes_are_checked(corrupted):
 
 
 def test_a_room_asked_for_as_the_stage_closes_an_idle_connection_is_asked_for_again():
-    stage = LyingStage()
-    stage.completion = "status"
-    decode = kv_args_of(dsv4_pool())
-    fill_regions(decode, seed=2)
-    try:
-        receiver = stage.connected(decode, answer_cancels=False)
-        try:
-            receiver.request(1, *room_indices(1)[2:])
-            first = stage.channel
-            assert select.select([first.sock], [], [], 10)[0]  # the request is there, unread
-            again = stage.accept_again()
-            first.send(Bye().encode())  # the stage had decided it was idle: bye, then close
-            first.sock.shutdown(socket.SHUT_WR)
-            while first.sock.recv(1 << 16):  # until the decode closes its end
-                pass
-            first.close()
-            again.join(10)
-            assert stage.channel is not first and stage.channel.recv(10)["op"] == "transfer"  # asked again
-            stage.notify(1, 0, 1)
-            stage.channel.send(Status(1, True, batches=1, digests=honest_digests(decode, 1)).encode())
-            receiver.wait(1)
-        finally:
-            receiver.close()
-    finally:
-        stage.close()
+    with lying_connection("status", answer_cancels=False) as (stage, receiver, decode):
+        receiver.request(1, *room_indices(1)[2:])
+        first = stage.channel
+        assert select.select([first.sock], [], [], 10)[0]  # the request is there, unread
+        again = stage.accept_again()
+        first.send(Bye().encode())  # the stage had decided it was idle: bye, then close
+        first.sock.shutdown(socket.SHUT_WR)
+        while first.sock.recv(1 << 16):  # until the decode closes its end
+            pass
+        first.close()
+        again.join(10)
+        assert stage.channel is not first and stage.channel.recv(10)["op"] == "transfer"  # asked again
+        stage.notify(1, 0, 1)
+        stage.channel.send(Status(1, True, batches=1, digests=honest_digests(decode, 1)).encode())
+        receiver.wait(1)
 
 
 @pytest.mark.parametrize("quarantine_s", [60, 0.2])
 def test_a_failure_with_writes_in_flight_releases_the_room_only_after_the_quarantine(quarantine_s):
-    stage = LyingStage()
-    stage.completion = "status"
-    decode = kv_args_of(dsv4_pool())
-    try:
-        receiver = stage.connected(decode, answer_cancels=False, quarantine_s=quarantine_s)
-        try:
-            receiver.request(1, *room_indices(1)[2:])
-            stage.channel.send(Status(1, False, error="writes did not stop", inflight=True).encode())
-            with pytest.raises(TransferError, match="writes did not stop"):
-                receiver.wait(1)
-            assert not receiver.released(1)  # its writes may still land, and the stage is still there
-            stage.channel.close()  # it goes away without confirming the cancel
-            with receiver._cond:
-                assert receiver._cond.wait_for(lambda: receiver._stages[0].closed, 10)
-            if quarantine_s > 10:
-                assert not receiver.wait_released(1, timeout_s=0.2)
-            else:
-                assert receiver.wait_released(1, timeout_s=10)
-        finally:
-            receiver.close()
-    finally:
-        stage.close()
+    with lying_connection("status", answer_cancels=False, quarantine_s=quarantine_s) as (stage, receiver, _):
+        receiver.request(1, *room_indices(1)[2:])
+        stage.channel.send(Status(1, False, error="writes did not stop", inflight=True).encode())
+        with pytest.raises(TransferError, match="writes did not stop"):
+            receiver.wait(1)
+        assert not receiver.released(1)  # its writes may still land, and the stage is still there
+        stage.channel.close()  # it goes away without confirming the cancel
+        with receiver._cond:
+            assert receiver._cond.wait_for(lambda: receiver._stages[0].closed, 10)
+        if quarantine_s > 10:
+            assert not receiver.wait_released(1, timeout_s=0.2)
+        else:
+            assert receiver.wait_released(1, timeout_s=10)
