@@ -10,8 +10,9 @@ swap-in, finish). Its shape is the attention-backend shape of sglang and vLLM en
   SWA slot and window, compressor ring rows, C4 / C128 / indexer entry slots (C4: the hot-buffer
   slot under HiSparse), the C4 page table and the C128 entry list;
 * per layer, :meth:`forward_extend` (prefill chunks: SWA store, compressors, stores) and
-  :meth:`forward_decode` (one token per request: SWA store, compressor + fused store, indexer
-  top-k, HiSparse swap-in, sparse attention with the sink) for C4, C128 and window-only layers;
+  :meth:`forward_decode` (one token per request, or an MTP block of several: SWA store, compressor
+  + fused store, indexer top-k, HiSparse swap-in, sparse attention with the sink) for C4, C128 and
+  window-only layers;
 * CUDA graphs: :meth:`init_cuda_graph_state` allocates every buffer once for ``max_bs`` rows;
   :meth:`init_forward_metadata_capture_cuda_graph` and :meth:`init_forward_metadata_replay_cuda_graph`
   refill them in place. Given that state, :meth:`forward_decode` allocates nothing and reads nothing
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.checks import int_in
 from sparsekv.jit_kernel.dsv4 import (
     compress_decode_step,
     lightning_indexer,
@@ -43,6 +45,9 @@ from sparsekv.srt.mem_cache.compressor_state import CompressorState
 
 HEAD_DIM = 512
 INDEXER_DIM = 128
+#: The compressor's per-row tables, which an MTP block also keeps token after token (name, row shape).
+COLUMN_TABLES = (("positions", ()), ("c4_state_rows", (8,)), ("c128_state_rows", (128,)), ("c4_slots", ()),
+                 ("c128_slots", ()), ("index_slots", ()))
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,18 @@ class ForwardBatch:
         Host lengths of each request after this batch (decode: including the new token).
     extend_prefix_lens : sequence of int, optional
         Extend only: tokens each request already had (its chunk starts there). Decode: ``None``.
+    tokens_per_request : int
+        Decode only: the tokens each request brings in this step, its last ``tokens_per_request``
+        positions (1: a plain decode; more: an MTP / speculative verify block, the accepted token
+        and its drafts). The step's rows are request after request, each request's tokens in
+        position order. A rejected draft is undone by the next batch's ``seq_lens`` (the accepted
+        length): its rows are written again when the request gets there.
     """
 
     req_pool_indices: torch.Tensor
     seq_lens: Sequence[int]
     extend_prefix_lens: Sequence[int] | None = None
+    tokens_per_request: int = 1
 
     @property
     def is_decode(self) -> bool:
@@ -161,6 +173,7 @@ class Dsv4AttentionBackend:
         self._bufs: dict[str, torch.Tensor] | None = None
         self._capacity = 0
         self.bs = 0
+        self.tokens_per_request = 1
 
     # ---- caches -----------------------------------------------------------------------------------
 
@@ -173,7 +186,8 @@ class Dsv4AttentionBackend:
     # ---- buffers ----------------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Allocate every per-batch buffer once for up to ``max_bs`` rows (metadata and outputs)."""
+        """Allocate every per-batch buffer once for up to ``max_bs`` rows (metadata and outputs; an
+        MTP block of ``n`` tokens per request takes ``n`` rows per request)."""
         dev, w, n128 = self.device, self.window, max(1, self.max_context // 128)
         pages = -(-self.max_context // self.page_size)
         i64, i32, f32 = torch.int64, torch.int32, torch.float32
@@ -190,6 +204,9 @@ class Dsv4AttentionBackend:
             "page_table": torch.zeros(max_bs, pages, dtype=i32, device=dev),
             "c128_indices": torch.full((max_bs, n128), -1, dtype=i32, device=dev),
             "c4_lens": torch.zeros(max_bs, dtype=i32, device=dev),
+            # MTP blocks: the compressor's tables again, token after token (column j of every request
+            # is one contiguous slice), for its steps in position order.
+            **{f"column_{name}": torch.zeros(max_bs, *shape, dtype=i64, device=dev) for name, shape in COLUMN_TABLES},
             "num_real": torch.zeros(1, dtype=i32, device=dev),
             "entries": torch.zeros(max_bs, HEAD_DIM, dtype=f32, device=dev),
             "emitted": torch.zeros(max_bs, dtype=torch.bool, device=dev),
@@ -219,48 +236,64 @@ class Dsv4AttentionBackend:
 
         Decode: with HiSparse, first routes each new C4 entry into its request's hot buffer and
         backs up the previous step's (``map_last_loc_to_buffer``, the scheduler's host step).
+
+        Raises
+        ------
+        ValueError
+            ``tokens_per_request`` below 1, or above 1 with HiSparse (its MTP rows are not supported
+            yet: the coordinator backs up one new C4 entry per request and step).
         """
         rows = batch.req_pool_indices
         if batch.is_decode:
-            bs = rows.shape[0]
+            n = int_in(batch.tokens_per_request, "tokens_per_request", 1)
+            if n > 1 and self.coordinator is not None:
+                raise ValueError(f"sparsekv: argument `tokens_per_request` = {n}: MTP rows with HiSparse are not "
+                                 f"supported yet (the coordinator backs up one new C4 entry per request and step)")
+            bs = rows.shape[0] * n
             if self._bufs is None or bs > self._capacity:
                 self.init_cuda_graph_state(max(bs, self._capacity))
             if self.coordinator is not None:
                 host_rows = rows.tolist()
-                locs = [int(self.req_to_token[r, n - 1]) for r, n in zip(host_rows, batch.seq_lens)]
+                locs = [int(self.req_to_token[r, length - 1]) for r, length in zip(host_rows, batch.seq_lens)]
                 self.coordinator.map_last_loc_to_buffer(host_rows, list(batch.seq_lens), locs)
-            for r, n in zip(rows.tolist(), batch.seq_lens):
+            for r, length in zip(rows.tolist(), batch.seq_lens):
                 for state in (*self.kv_state.values(), *self.index_state.values()):
                     state.release(r)  # the device step moves the request on: the next chunk starts after it
-                    state.resume(r, n)
-            positions = torch.as_tensor(list(batch.seq_lens), dtype=torch.int64, device=self.device) - 1
-            self._fill_decode(rows.to(self.device), positions, bs, bs)
+                    state.resume(r, length)
+            ends = torch.as_tensor(list(batch.seq_lens), dtype=torch.int64, device=self.device)
+            positions = (ends[:, None] - n + torch.arange(n, device=self.device)).reshape(-1)
+            self._fill_decode(rows.to(self.device).repeat_interleave(n), positions, bs, bs, n)
         else:
             self.extend_rows = rows.tolist()
             self.extend_starts = list(batch.extend_prefix_lens)
             self.extend_lens = [n - s for n, s in zip(batch.seq_lens, batch.extend_prefix_lens)]
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 positions: torch.Tensor) -> None:
-        """Fill the graph state for a capture of ``bs`` rows (the buffers the captured step reads)."""
-        self._fill_decode(req_pool_indices, positions, bs, bs)
+                                                 positions: torch.Tensor, tokens_per_request: int = 1) -> None:
+        """Fill the graph state for a capture of ``bs`` rows (the buffers the captured step reads);
+        ``tokens_per_request`` as :class:`ForwardBatch`'s (``bs`` rows are ``bs / n`` requests)."""
+        self._fill_decode(req_pool_indices, positions, bs, bs, tokens_per_request)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, num_real: int, req_pool_indices: torch.Tensor,
-                                                positions: torch.Tensor) -> None:
+                                                positions: torch.Tensor, tokens_per_request: int = 1) -> None:
         """Refill the graph state in place before a replay: ``num_real`` real rows of the ``bs``
         captured (the rest are padding: they write nothing the real rows read, and swap in nothing).
+        With MTP blocks (``tokens_per_request`` rows per request, request after request) ``bs`` and
+        ``num_real`` count rows.
 
         Raises
         ------
         TypeError
             ``req_pool_indices`` or ``positions`` is not an integer tensor.
         ValueError
-            ``bs`` above the graph state's, a table that is not 1-D of ``bs`` entries, or ``num_real``
-            outside ``[0, bs]``; the graph state is left as it was.
+            ``bs`` above the graph state's, a table that is not 1-D of ``bs`` entries, ``num_real``
+            outside ``[0, bs]``, or ``bs`` not a multiple of ``tokens_per_request``; the graph state
+            is left as it was.
         """
-        self._fill_decode(req_pool_indices, positions, bs, num_real)
+        self._fill_decode(req_pool_indices, positions, bs, num_real, tokens_per_request)
 
-    def _fill_decode(self, rows: torch.Tensor, positions: torch.Tensor, bs: int, num_real: int) -> None:
+    def _fill_decode(self, rows: torch.Tensor, positions: torch.Tensor, bs: int, num_real: int,
+                     tokens_per_request: int) -> None:
         # Every argument is checked before the first buffer is written: a tensor of another length would
         # broadcast (one row) or fail between two copies, leaving the graph state half refilled.
         if self._bufs is None or bs > self._capacity:
@@ -270,13 +303,20 @@ class Dsv4AttentionBackend:
                 raise ValueError(f"sparsekv: argument `{name}` must have bs = {bs} entries, got {value.shape[0]}")
         if not 0 <= num_real <= bs:
             raise ValueError(f"sparsekv: argument `num_real` must be in [0, bs = {bs}], got {num_real}")
-        self.bs = bs
+        n = int_in(tokens_per_request, "tokens_per_request", 1)
+        if bs % n:
+            raise ValueError(f"sparsekv: argument `tokens_per_request` = {n} does not divide bs = {bs} rows")
+        self.bs, self.tokens_per_request = bs, n
         b = self._bufs
         b["rows"][:bs].copy_(rows)
         b["positions"][:bs].copy_(positions)
         b["num_real"].fill_(num_real)
         for name, value in self._derive(b["rows"][:bs], b["positions"][:bs]).items():
             b[name][:bs].copy_(value)
+        if n > 1:  # request-major rows -> token-major columns
+            for name, _ in COLUMN_TABLES:
+                rm = b[name][:bs]
+                b[f"column_{name}"][:bs].copy_(rm.unflatten(0, (bs // n, n)).transpose(0, 1).reshape(rm.shape))
 
     def _derive(self, rows: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the kernels read for rows ``(rows[i], pos[i])`` (a request row and a token position each)."""
@@ -330,7 +370,8 @@ class Dsv4AttentionBackend:
         Parameters
         ----------
         q : torch.Tensor
-            float32 ``[B, heads, 512]``.
+            float32 ``[B, heads, 512]``: ``B`` rows, one per token (an MTP block: ``tokens_per_request``
+            rows per request, request after request).
         kv : torch.Tensor
             float32 ``[B, 512]``: the new token's SWA KV before its norm (stored normalized, rotated, FP8).
         c_kv, c_score : torch.Tensor, optional
@@ -352,19 +393,15 @@ class Dsv4AttentionBackend:
                         layer.rope, "V4")
         extra = {}
         if layer.ratio:
-            slots = self._buf("c4_slots" if layer.ratio == 4 else "c128_slots")
-            rows = self._buf("c4_state_rows" if layer.ratio == 4 else "c128_state_rows")
-            compress_decode_step(c_kv, c_score, layer.ape, layer.ratio, self.pool.get_compress_state(layer_id), rows,
-                                 pos, store=self.kv_target[layer_id], entry_slots=slots, out=self._buf("entries"),
-                                 emitted=self._buf("emitted"))
+            rows = "c4_state_rows" if layer.ratio == 4 else "c128_state_rows"
+            self._compress(c_kv, c_score, layer.ape, layer.ratio, self.pool.get_compress_state(layer_id), rows,
+                           self.kv_target[layer_id], "c4_slots" if layer.ratio == 4 else "c128_slots", "")
         if layer.ratio == 128:
             extra = dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=self._buf("c128_indices"),
                          extra_page_size=self.c128_page)
         elif layer.ratio == 4:
-            compress_decode_step(i_kv, i_score, layer.i_ape, 4, self.pool.get_indexer_state(layer_id),
-                                 self._buf("c4_state_rows"), pos, store=self.index_target[layer_id],
-                                 entry_slots=self._buf("index_slots"), out=self._buf("index_entries"),
-                                 emitted=self._buf("index_emitted"))
+            self._compress(i_kv, i_score, layer.i_ape, 4, self.pool.get_indexer_state(layer_id), "c4_state_rows",
+                           self.index_target[layer_id], "index_slots", "index_")
             tokens, slots = lightning_indexer(
                 index_q, weights, self.pool.get_indexer_buffer(layer_id), self._buf("page_table"), pos, self.top_k,
                 page_size=self.c4_page, scores=self._buf("scores"), out=self._buf("tokens"),
@@ -378,6 +415,24 @@ class Dsv4AttentionBackend:
         out, _ = sparse_decode_attention(q, swa_cache, self._buf("window"), layer.sink, self.page_size,
                                          out=self._buf("out"), lse=self._buf("lse"), impl=self.impl, **extra)
         return out
+
+    def _compress(self, x, score, ape, ratio, state, rows: str, target: StoreTarget, slots: str, out: str) -> None:
+        """The decode step's compressor (+ fused store) over every row. An MTP block runs it once per
+        token of the block, in position order (column ``j``: every request's ``j``-th token), so a
+        token's window reads the ring rows its request's earlier tokens just wrote."""
+        n = self.tokens_per_request
+        if n == 1:
+            compress_decode_step(x, score, ape, ratio, state, self._buf(rows), self._buf("positions"), store=target,
+                                 entry_slots=self._buf(slots), out=self._buf(f"{out}entries"),
+                                 emitted=self._buf(f"{out}emitted"))
+            return
+        reqs = self.bs // n
+        for j in range(n):
+            col = slice(j * reqs, (j + 1) * reqs)
+            compress_decode_step(x.unflatten(0, (reqs, n))[:, j], score.unflatten(0, (reqs, n))[:, j], ape, ratio,
+                                 state, self._bufs[f"column_{rows}"][col], self._bufs["column_positions"][col],
+                                 store=target, entry_slots=self._bufs[f"column_{slots}"][col],
+                                 out=self._bufs[f"{out}entries"][col], emitted=self._bufs[f"{out}emitted"][col])
 
     def attention_inputs(self, layer_id: int) -> dict:
         """The last decode step's attention inputs of ``layer_id`` besides the query (a check reads

@@ -2,6 +2,8 @@
 backend, compiled whole under ``torch.compile(fullgraph=True)`` with the HiSparse swap-in, equals
 eager byte for byte (outputs and every cache, ring and hot-buffer table it writes); given the graph
 state it allocates nothing; on a GPU it is captured in a CUDA graph and replayed with padding rows.
+MTP verify blocks (several tokens per request, drafts rejected and rewritten) equal decoding one
+token at a time, bit for bit.
 
 The stack around the backend is the demo's (``sparsekv.cli.demo.stack``: plan, pools, the
 scheduler's tables, the model's projections), which ``tests/test_demo.py`` checks against fp64.
@@ -24,33 +26,37 @@ from sparsekv.testing.profiles import scaled_examples
 PROMPTS = (300, 131)  # one request with C128 entries, one with a partial C4 page
 
 
-def prefilled(hisparse: int | None, device: str = "cpu") -> tuple[Stack, list[Request]]:
+def prefilled(hisparse: int | None, device: str = "cpu", draft_tokens: int | None = None,
+              prompts: tuple[int, ...] = PROMPTS) -> tuple[Stack, list[Request]]:
     model = DemoModel(ModelShape())
-    stack = Stack(model, tokens=max(PROMPTS) + 8, requests=len(PROMPTS), hisparse=hisparse, hot_buffer=64,
-                  device=device, check=False)
-    reqs = [Request(i, 0) for i in range(len(PROMPTS))]
-    for req, n in zip(reqs, PROMPTS):
+    stack = Stack(model, tokens=max(prompts) + 16, requests=len(prompts), hisparse=hisparse, hot_buffer=64,
+                  device=device, check=False, draft_tokens=draft_tokens)
+    reqs = [Request(i, 0) for i in range(len(prompts))]
+    for req, n in zip(reqs, prompts):
         stack.prefill(req, n)
     if hisparse is not None:
         stack.back_up(reqs)
     return stack, reqs
 
 
-def step_inputs(stack: Stack, reqs: list[Request]) -> list[tuple]:
-    """Start the next decode step (tables, metadata) and return each layer's inputs."""
+def step_inputs(stack: Stack, reqs: list[Request], tokens: int = 1) -> list[tuple]:
+    """Start the next decode step (tables, metadata) of ``tokens`` per request (an MTP block when
+    more than 1) and return each layer's inputs."""
     n_before = [r.kv_allocated_len for r in reqs]
     for req, n in zip(reqs, n_before):
-        stack._grow(req, n + 1, decode=True)
+        stack._grow(req, n + tokens, decode=True)
     stack.backend.init_forward_metadata(ForwardBatch(torch.tensor([r.req_pool_idx for r in reqs]),
-                                                     [n + 1 for n in n_before]))
-    x = torch.cat([stack.model.hidden(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, n_before)]).to(stack.device)
+                                                     [n + tokens for n in n_before], tokens_per_request=tokens))
+    x = torch.cat([stack.model.hidden(r.req_pool_idx, n, n + tokens)
+                   for r, n in zip(reqs, n_before)]).to(stack.device)
+    rows = len(x)
     inputs = []
     for w in stack.model.layers:
-        args = [(x @ w.wq).reshape(len(reqs), -1, HEAD_DIM), x @ w.w_kv]
+        args = [(x @ w.wq).reshape(rows, -1, HEAD_DIM), x @ w.w_kv]
         if w.ratio:
             args += [x @ w.w_ckv, x @ w.w_cscore]
         if w.ratio == 4:
-            args += [x @ w.w_ikv, x @ w.w_iscore, (x @ w.w_iq).reshape(len(reqs), -1, 128), torch.sigmoid(x @ w.w_iw)]
+            args += [x @ w.w_ikv, x @ w.w_iscore, (x @ w.w_iq).reshape(rows, -1, 128), torch.sigmoid(x @ w.w_iw)]
         inputs.append(tuple(args))
     return inputs
 
@@ -77,27 +83,27 @@ def written_state(stack: Stack) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
-def test_a_compiled_decode_step_equals_eager_byte_for_byte(hisparse):
-    eager_stack, eager_reqs = prefilled(hisparse)
-    compiled_stack, compiled_reqs = prefilled(hisparse)
+@pytest.mark.parametrize("hisparse,tokens", [(None, 1), (2, 1), (None, 3)], ids=["resident", "hisparse", "mtp"])
+def test_a_compiled_decode_step_equals_eager_byte_for_byte(hisparse, tokens):
+    eager_stack, eager_reqs = prefilled(hisparse, draft_tokens=4)
+    compiled_stack, compiled_reqs = prefilled(hisparse, draft_tokens=4)
     compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")  # aot_eager runs the ops' fakes
     for _ in range(3):  # the third step completes a C4 entry of the second request (131 + 1 = 132)
-        expected = decode(eager_stack.backend, step_inputs(eager_stack, eager_reqs))
-        got = compiled(compiled_stack.backend, step_inputs(compiled_stack, compiled_reqs))
+        expected = decode(eager_stack.backend, step_inputs(eager_stack, eager_reqs, tokens))
+        got = compiled(compiled_stack.backend, step_inputs(compiled_stack, compiled_reqs, tokens))
         for a, b in zip(expected, got):
             assert torch.equal(a, b)
         want, have = written_state(eager_stack), written_state(compiled_stack)
         assert [k for k in want if not torch.equal(want[k], have[k])] == []
 
 
-@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
-def test_a_decode_step_given_its_graph_state_allocates_nothing(hisparse):
-    stack, reqs = prefilled(hisparse)
-    stack.backend.init_cuda_graph_state(4)
-    inputs = step_inputs(stack, reqs)
+@pytest.mark.parametrize("hisparse,tokens", [(None, 1), (2, 1), (None, 3)], ids=["resident", "hisparse", "mtp"])
+def test_a_decode_step_given_its_graph_state_allocates_nothing(hisparse, tokens):
+    stack, reqs = prefilled(hisparse, draft_tokens=4)
+    stack.backend.init_cuda_graph_state(6)
+    inputs = step_inputs(stack, reqs, tokens)
     decode(stack.backend, inputs)  # first call: loads the kernels
-    inputs = step_inputs(stack, reqs)
+    inputs = step_inputs(stack, reqs, tokens)
     assert allocations(lambda: [stack.backend.forward_decode(layer, *args) for layer, args in enumerate(inputs)]) \
         == []
 
@@ -109,6 +115,33 @@ def test_hisparse_decode_through_the_backend_equals_all_resident():
         a = decode(resident.backend, step_inputs(resident, resident_reqs))
         b = decode(hot.backend, step_inputs(hot, hot_reqs))
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_mtp_blocks_with_rejected_drafts_equal_one_token_at_a_time():
+    """Verify blocks of 2-4 tokens per request, some drafts rejected (the next block starts at the
+    accepted length and rewrites them), across a C128 entry (position 127) and C4 entries, equal a
+    twin stack decoding the accepted tokens one at a time, bit for bit, every layer."""
+    prompts = (126, 129)
+    mtp, mtp_reqs = prefilled(None, draft_tokens=4, prompts=prompts)
+    single, single_reqs = prefilled(None, draft_tokens=4, prompts=prompts)
+    for tokens, accepted in ((3, [1, 3]), (4, [2, 4]), (2, [2, 1]), (4, [4, 3]), (3, [3, 2])):
+        block, _ = mtp.decode_step(mtp_reqs, tokens, accepted)
+        for k in range(max(accepted)):
+            live = [i for i in range(len(prompts)) if accepted[i] > k]
+            one, _ = single.decode_step([single_reqs[i] for i in live])
+            for row, i in enumerate(live):
+                assert all(torch.equal(b[i * tokens + k], o[row]) for b, o in zip(block, one)), (tokens, k, i)
+    assert [r.kv_allocated_len for r in mtp_reqs] == [r.kv_allocated_len for r in single_reqs] == [138, 142]
+
+
+def test_mtp_rows_with_hisparse_are_refused_before_anything_changes():
+    stack, reqs = prefilled(2, draft_tokens=4)
+    before = written_state(stack)
+    with pytest.raises(ValueError, match="`tokens_per_request` = 2: MTP rows with HiSparse"):
+        stack.backend.init_forward_metadata(ForwardBatch(torch.tensor([0, 1]), [r.kv_allocated_len + 2 for r in reqs],
+                                                         tokens_per_request=2))
+    after = written_state(stack)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
 
 
 def padded_step(stack: Stack, reqs: list[Request], bs: int):
@@ -198,16 +231,18 @@ ROWS, CONTEXT = 3, 400
 
 class BackendMachine(RuleBasedStateMachine):
     """Requests of the demo model (window, C4, C128, C4 layers) come and go through two stacks, one
-    all-resident and one with HiSparse (a hot buffer smaller than the longer requests' C4 entries):
-    admitted with prompts prefilled in random chunks, decoded together, finished and their rows
-    reused. Every prefill and decode output is checked against the fp64 references within each
-    kernel's tolerance (the stack's checks), and the HiSparse outputs equal the resident ones bit
-    for bit."""
+    all-resident and one with HiSparse (a hot buffer smaller than the longer requests' C4 entries),
+    both planned for MTP blocks of up to 4 tokens: admitted with prompts prefilled in random chunks,
+    decoded together, verified in MTP blocks with drafts rejected, finished and their rows reused.
+    Every prefill, decode and MTP output is checked against the fp64 references within each
+    kernel's tolerance (the stack's checks), the HiSparse outputs equal the resident ones bit for
+    bit, and an MTP block's accepted rows equal the HiSparse stack decoding them one at a time."""
 
     def __init__(self):
         super().__init__()
         model = DemoModel(ModelShape())
-        self.stacks = [Stack(model, tokens=CONTEXT, requests=ROWS, hisparse=h, hot_buffer=64) for h in (None, 2)]
+        self.stacks = [Stack(model, tokens=CONTEXT, requests=ROWS, hisparse=h, hot_buffer=64, draft_tokens=4)
+                       for h in (None, 2)]
         self.reqs: dict[int, list[Request]] = {}  # row -> its request in each stack
 
     @rule(data=st.data())
@@ -232,6 +267,23 @@ class BackendMachine(RuleBasedStateMachine):
         resident, hot = (stack.decode_step([self.reqs[r][i] for r in rows])[0] for i, stack in enumerate(self.stacks))
         for a, b in zip(resident, hot):
             assert torch.equal(a, b)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.reqs and all(r[0].kv_allocated_len < CONTEXT - 8 for r in self.reqs.values()))
+    def verify(self, data):
+        """An MTP verify block on the resident stack (HiSparse refuses MTP rows), some drafts rejected:
+        the next step starts at the accepted length and rewrites them. The HiSparse stack decodes the
+        accepted tokens one at a time; each equals its row of the block bit for bit."""
+        rows = sorted(self.reqs)
+        tokens = data.draw(st.integers(2, 4), label="tokens per request")
+        accepted = [data.draw(st.integers(1, tokens), label=f"accepted of row {r}") for r in rows]
+        resident, hot = self.stacks
+        block, _ = resident.decode_step([self.reqs[r][0] for r in rows], tokens, accepted)
+        for k in range(max(accepted)):
+            live = [i for i, m in enumerate(accepted) if m > k]
+            one, _ = hot.decode_step([self.reqs[rows[i]][1] for i in live])
+            for row, i in enumerate(live):
+                assert all(torch.equal(b[i * tokens + k], o[row]) for b, o in zip(block, one))
 
     @rule(data=st.data())
     @precondition(lambda self: self.reqs)

@@ -33,7 +33,7 @@ from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.srt.layers.dsv4_attention_backend import Dsv4AttentionBackend, Dsv4LayerParams, ForwardBatch
 from sparsekv.srt.mem_cache.allocators import PagedAllocator
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
-from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
+from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, SpeculativeSpec, plan_pipeline
 from sparsekv.testing.hisparse_traces import TraceRecorder
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_compress import compress_pool_reference
@@ -99,13 +99,16 @@ def _rel(x: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
     return float(((x.double().cpu() - ref.double()).abs() / (tol + tol * ref.double().abs())).max())
 
 
-def plan(model: DemoModel, *, tokens: int, hisparse: int | None, requests: int):
+def plan(model: DemoModel, *, tokens: int, hisparse: int | None, requests: int, draft_tokens: int | None = None):
     """The plan of one PP rank for the smallest power-of-two budget (from 16 MiB) that holds
-    ``requests`` requests of ``tokens`` tokens: ``(budget_bytes, rank_plan, server)``."""
+    ``requests`` requests of ``tokens`` tokens (with ``draft_tokens``: MTP verify blocks of that many
+    tokens, the speculative plan's rings): ``(budget_bytes, rank_plan, server)``."""
     spec = DSV4ModelSpec(num_hidden_layers=len(model.shape.compress_ratios),
                          compress_ratios=model.shape.compress_ratios, context_len=max(4096, 2 * tokens))
+    speculative = None if draft_tokens is None else SpeculativeSpec(num_draft_tokens=draft_tokens)
     server = ServerSpec(page_size=PAGE_SIZE, max_running_requests=requests, swa_full_tokens_ratio=0.5,
-                        enable_hisparse=hisparse is not None, hisparse_host_to_device_ratio=hisparse or 2)
+                        enable_hisparse=hisparse is not None, hisparse_host_to_device_ratio=hisparse or 2,
+                        speculative=speculative)
     need = requests * (-(-tokens // PAGE_SIZE) + 1) * PAGE_SIZE
     budget = 16 << 20
     while True:
@@ -141,15 +144,21 @@ class Stack:
         Record every C4 layer's top-k (``recorders``, by model layer); each trace's ``source`` is
         this plus the layer, and with HiSparse the hot buffer, the policy and the swap-in's counts.
         Recording reads the top-k (and the counters) back each step: it waits for the device.
+    draft_tokens : int, optional
+        MTP: plan for verify blocks of up to this many tokens per request (:meth:`decode_step`'s
+        ``tokens``): the speculative plan's compressor rings, which keep a rejected draft's rows
+        from overwriting what the accepted length still reads.
     """
 
     def __init__(self, model: DemoModel, *, tokens: int, requests: int, hisparse: int | None, hot_buffer: int,
-                 device: str = "cpu", check: bool = True, impl: str = "header", trace_source: dict | None = None):
+                 device: str = "cpu", check: bool = True, impl: str = "header", trace_source: dict | None = None,
+                 draft_tokens: int | None = None):
         self.model = model
         self.device = torch.device(device)
         self.check = check
         self.hisparse = hisparse
-        self.budget, rank, self.server = plan(model, tokens=tokens, hisparse=hisparse, requests=requests)
+        self.budget, rank, self.server = plan(model, tokens=tokens, hisparse=hisparse, requests=requests,
+                                              draft_tokens=draft_tokens)
         self.config = rank.config
         self.pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device=self.device)
         self.ratios = model.shape.compress_ratios
@@ -323,31 +332,48 @@ class Stack:
 
     # ---- decode --------------------------------------------------------------------------------
 
-    def decode_step(self, reqs: list[Request]) -> tuple[list[torch.Tensor], StepStats]:
-        """One decode token for every request through the backend: store its SWA KV, compress
-        (fused store), select the top-k C4 entries with the indexer, swap them in (HiSparse) and
-        attend with the sink.
+    def decode_step(self, reqs: list[Request], tokens: int = 1,
+                    accepted: list[int] | None = None) -> tuple[list[torch.Tensor], StepStats]:
+        """One decode token (or an MTP verify block of ``tokens``) for every request through the
+        backend: store its SWA KV, compress (fused store), select the top-k C4 entries with the
+        indexer, swap them in (HiSparse) and attend with the sink.
 
-        Returns the attention output of every layer (float32 ``[B, heads, 512]``) and the step's stats.
+        ``accepted`` (MTP): how many of each request's ``tokens`` the verify accepts (default all);
+        the request's length then ends there, and its next step rewrites the rejected positions
+        (their locations are kept for them).
+
+        Returns the attention output of every layer (float32 ``[B * tokens, heads, 512]``, request
+        after request) and the step's stats.
         """
         t0 = time.perf_counter()
         errors = Errors()
+        if tokens > 1 and self.recorders:
+            raise ValueError("sparsekv: argument `tokens`: traces record one decode token per request and step")
         n_before = [r.kv_allocated_len for r in reqs]
         for req, n in zip(reqs, n_before):
-            self._grow(req, n + 1, decode=True)
+            self._grow(req, n + tokens, decode=True)
         rids = [r.req_pool_idx for r in reqs]
         backend = self.backend
-        backend.init_forward_metadata(ForwardBatch(torch.tensor(rids), [n + 1 for n in n_before]))
-        x = torch.cat([self.model.hidden(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, n_before)]).to(self.device)
+        backend.init_forward_metadata(ForwardBatch(torch.tensor(rids), [n + tokens for n in n_before],
+                                                   tokens_per_request=tokens))
+        x = torch.cat([self.model.hidden(r.req_pool_idx, n, n + tokens)
+                       for r, n in zip(reqs, n_before)]).to(self.device)
+        rows = len(reqs) * tokens
+
+        def project(weight: torch.Tensor) -> torch.Tensor:
+            # Row by row: BLAS picks its blocking by the row count, so a batched product's bits depend
+            # on the batch; this way a token's inputs are the same alone, in a batch or in an MTP block.
+            return torch.cat([x[i : i + 1] @ weight for i in range(rows)])
+
         positions = backend.metadata("positions")
         outputs = []
         for layer, (w, ratio) in enumerate(zip(self.model.layers, self.ratios)):
-            q = (x @ w.wq).reshape(len(reqs), -1, HEAD_DIM)
-            args = [x @ w.w_kv, *((x @ w.w_ckv, x @ w.w_cscore) if ratio else (None, None))]
+            q = project(w.wq).reshape(rows, -1, HEAD_DIM)
+            args = [project(w.w_kv), *((project(w.w_ckv), project(w.w_cscore)) if ratio else (None, None))]
             if ratio == 4:
-                iq = (x @ w.w_iq).reshape(len(reqs), -1, 128)
-                weights = torch.sigmoid(x @ w.w_iw)
-                args += [x @ w.w_ikv, x @ w.w_iscore, iq, weights]
+                iq = project(w.w_iq).reshape(rows, -1, 128)
+                weights = torch.sigmoid(project(w.w_iw))
+                args += [project(w.w_ikv), project(w.w_iscore), iq, weights]
             recorder = self.recorders.get(layer)
             before = self.coordinator.read_counters() if recorder is not None and self.coordinator else None
             out = backend.forward_decode(layer, q, *args).clone()
@@ -356,16 +382,18 @@ class Stack:
                     self._check_indexer(layer, iq, weights, positions, errors)
                 if recorder is not None:
                     c4_lens = [(n + 1) // 4 for n in n_before]
-                    tokens = backend.metadata("tokens").tolist()
+                    selected = backend.metadata("tokens").tolist()
                     if before is None:
-                        recorder.record(rids, c4_lens, tokens)
+                        recorder.record(rids, c4_lens, selected)
                     else:
                         after = self.coordinator.read_counters()
-                        recorder.record(rids, c4_lens, tokens, (after["hits"] - before["hits"],
+                        recorder.record(rids, c4_lens, selected, (after["hits"] - before["hits"],
                                                                 after["misses"] - before["misses"]))
             if self.check:
                 self._check_attention(q, w, out, backend.metadata("lse"), backend.attention_inputs(layer), errors)
             outputs.append(out)
+        for req, n, m in zip(reqs, n_before, accepted or [tokens] * len(reqs)):
+            req.kv_allocated_len = n + m
         stats = StepStats()
         if self.coordinator is not None:
             counters = self.coordinator.read_counters(reset=True)
