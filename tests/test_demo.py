@@ -16,7 +16,7 @@ import pytest
 from sparsekv.cli import main
 from sparsekv.kv_layout import V4
 from sparsekv.srt.managers import HiSparseCoordinator
-from sparsekv.testing.components import needs_nixl
+from sparsekv.testing.components import needs_engine
 from sparsekv.testing.hisparse_traces import Trace, replay
 
 TINY = ["--tokens", "640", "--steps", "6"]
@@ -127,7 +127,7 @@ def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model():
     assert "0 built" in strict.stdout and "HiSparse (small hot buffer) outputs == all-resident outputs" in strict.stdout
 
 
-@needs_nixl()
+@needs_engine("nixl")
 def test_tiny_demo_over_pd_equals_the_single_process_run(tmp_path):
     """Prefill and decode in two processes, the KV over NIXL on 127.0.0.1 (C4 KV straight into the
     decode's host pool): bit for bit the single-process outputs. NIXL is the `pd` extra (make test

@@ -112,12 +112,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.mark.parametrize("component, modules, nodes", [
-    ("NIXL", ["nixl", "nixl_cu12", "nixl_cu13"],
-     ["test_pd_protocol.py::", "test_pd_stress.py::test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load_nixl",
-      "test_demo.py::test_tiny_demo_over_pd_equals_the_single_process_run", "test_pd_conn.py::", "test_pd_nixl.py::"]),
-    ("Mooncake", ["mooncake"],
-     ["test_pd_stress.py::test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load_mooncake",
-      "test_pd_mooncake.py::"]),
+    ("NIXL/UCX", ["nixl", "nixl_cu12", "nixl_cu13"],
+     ["test_pd_protocol.py::", "test_pd_stress.py::test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load[nixl]",
+      "test_demo.py::test_tiny_demo_over_pd_equals_the_single_process_run", "test_pd_sender_receiver.py::",
+      "test_pd_nixl.py::", "test_pd_engines.py::test_decode_killed_mid_transfer_fails_the_transfer_on_prefill[nixl]"]),
+    ("Mooncake TE/TCP", ["mooncake"],
+     ["test_pd_stress.py::test_pp_and_hisparse_sessions_arrive_byte_for_byte_under_load[mooncake]",
+      "test_pd_mooncake.py::",
+      "test_pd_engines.py::test_decode_killed_mid_transfer_fails_the_transfer_on_prefill[mooncake]"]),
 ])
 def test_ci_fails_where_a_transfer_engine_is_hidden(component, modules, nodes, tmp_path):
     """With ``component`` made unimportable, every test that needs it fails under SPARSEKV_REQUIRE_ALL=1 (CI)

@@ -38,26 +38,17 @@ def needs(component: str, missing: str | None) -> pytest.MarkDecorator:
     return pytest.mark.needs_component(component, missing)
 
 
-def needs_nixl() -> pytest.MarkDecorator:
-    """:func:`needs` for NIXL (the ``pd`` extra), whether it imports decided now."""
-    from sparsekv.srt.disaggregation.nixl_backend import load_nixl_api
+def needs_engine(engine: str) -> pytest.MarkDecorator:
+    """:func:`needs` for a PD transfer engine of :data:`~sparsekv.srt.disaggregation.engines.ENGINES`
+    (its extra and any system library it links), whether it imports decided now."""
+    from sparsekv.srt.disaggregation.engines import find_engine
 
+    row = find_engine(engine)
     try:
-        load_nixl_api()
+        row.load()
     except ImportError as e:
-        return needs("NIXL", f"NIXL cannot be imported: {e}")
-    return needs("NIXL", None)
-
-
-def needs_mooncake() -> pytest.MarkDecorator:
-    """:func:`needs` for Mooncake's engine (the ``mooncake`` extra and its system libraries)."""
-    from sparsekv.srt.disaggregation.mooncake_backend import load_mooncake_engine
-
-    try:
-        load_mooncake_engine()
-    except ImportError as e:
-        return needs("Mooncake", f"Mooncake cannot be imported: {e}")
-    return needs("Mooncake", None)
+        return needs(row.label, f"{row.label} cannot be imported: {e}")
+    return needs(row.label, None)
 
 
 def gpu_only(reason: str) -> str:

@@ -11,7 +11,7 @@ the pieces, each in its own module:
 * :mod:`.planning` -- every write of one room, per region pair and state sender, checked first;
 * :mod:`.manifest` -- the state manifest both sides agree on before any write;
 * :mod:`.backend` -- the transfer-engine interface; :mod:`.nixl_backend` and :mod:`.mooncake_backend`
-  its engines; :mod:`.engines` -- opening one by name (:func:`open_backend`);
+  its engines; :mod:`.engines` -- the table of them (:data:`ENGINES`) and opening one by name (:func:`open_backend`);
 * :mod:`.bootstrap` -- the rendezvous over a socket and the message framing;
 * :mod:`.messages` / :mod:`.protocol` -- the checked fields, and the typed messages made of them;
 * :mod:`.room` -- a room's states and their transitions; :mod:`.deadlines` -- the bound of each wait;
@@ -19,7 +19,7 @@ the pieces, each in its own module:
 * :mod:`.hisparse_direct` -- the decode side with HiSparse: C4 KV straight into host memory;
 * :mod:`.admission` -- the prefill admission bound (the full pool, never the SWA pool).
 
-``sparsekv pd-demo`` (:mod:`sparsekv.cli.pd_demo`) runs a prefill and a decode process over them.
+``sparsekv pd-demo`` runs a prefill and a decode process over them (:mod:`sparsekv.testing.pd_session`).
 """
 
 from sparsekv._lazy import lazy_getattr
@@ -38,6 +38,8 @@ _LAZY = {
     "TransferError": "backend",
     "open_backend": "engines",
     "NixlBackend": "nixl_backend",
+    "MooncakeBackend": "mooncake_backend",
+    "ENGINES": "engines",
     "Deadlines": "deadlines",
     "RoomStatus": "room",
     "KVSender": "sender",

@@ -233,6 +233,11 @@ class MooncakeBackend(TransferBackend):
         The engine did not initialise.
     """
 
+    @classmethod
+    def loopback(cls, name: str | None = None, *, timeout_s: float = 30.0) -> MooncakeBackend:
+        """An endpoint on 127.0.0.1 (every endpoint is; the engine table's factory, :data:`~.engines.ENGINES`)."""
+        return cls(name, timeout_s=timeout_s)
+
     def __init__(self, name: str | None = None, *, timeout_s: float = 30.0) -> None:
         if not timeout_s > 0:
             raise ValueError(f"sparsekv: argument `timeout_s` must be > 0, got {timeout_s}")

@@ -133,6 +133,12 @@ class NixlBackend(TransferBackend):
         NIXL is not installed (see the module docstring).
     """
 
+    @classmethod
+    def loopback(cls, name: str | None = None, *, timeout_s: float = 30.0) -> NixlBackend:
+        """An agent on UCX's loopback device (``lo``) only. ``timeout_s`` is taken for the engine
+        table's sake (:data:`~.engines.ENGINES`): NIXL itself does not wait, its callers bound their waits."""
+        return cls(name, net_devices="lo")
+
     def __init__(self, name: str | None = None, *, net_devices: str | None = None, tls: str | None = None,
                  progress_delay_us: int = 100) -> None:
         if progress_delay_us < 0:

@@ -17,15 +17,15 @@ import struct
 import threading
 
 import pytest
-from test_pd_conn import dsv4_pool, needs_nixl, room_indices
+from test_pd_sender_receiver import dsv4_pool, needs_nixl, room_indices
 
-from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.bootstrap import Channel, listen
 from sparsekv.srt.disaggregation.manifest import ManifestMismatchError
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
 from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.sender import KVSender
 from sparsekv.srt.disaggregation.state_routing import kv_args_of
+from sparsekv.testing.pd_session import fill_regions
 
 pytestmark = needs_nixl
 SECRET = "the-deployment-secret-0f3a9c"

@@ -27,9 +27,8 @@ import threading
 
 import numpy as np
 import pytest
-from test_pd_conn import dsv4_pool, needs_nixl, regions, room_indices
+from test_pd_sender_receiver import dsv4_pool, needs_nixl, regions, room_indices
 
-from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import Channel, b64
 from sparsekv.srt.disaggregation.deadlines import Deadlines
@@ -39,6 +38,7 @@ from sparsekv.srt.disaggregation.protocol import Notification
 from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.room import RoomStatus
 from sparsekv.srt.disaggregation.state_routing import kv_args_of
+from sparsekv.testing.pd_session import fill_regions
 
 pytestmark = needs_nixl
 MARKER = 0xA5

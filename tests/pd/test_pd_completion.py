@@ -23,10 +23,9 @@ import socket
 import threading
 
 import pytest
-from test_pd_conn import dsv4_pool, needs_nixl, room_indices
 from test_pd_protocol import CorruptingBackend
+from test_pd_sender_receiver import dsv4_pool, needs_nixl, room_indices
 
-from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import Channel, b64, listen, unb64
 from sparsekv.srt.disaggregation.deadlines import Deadlines
@@ -41,6 +40,7 @@ from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPool
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
+from sparsekv.testing.pd_session import fill_regions
 
 pytestmark = needs_nixl
 

@@ -1,87 +1,37 @@
-"""The Mooncake transfer backend: two real processes over Mooncake TE/TCP on 127.0.0.1 (the
-``sparsekv pd-demo`` roles) move DSV4 pools byte for byte (PP stages, with and without HiSparse
-decode); a decode killed mid-transfer fails the transfer on the prefill side, which frees what it
-registered and held; a row outside the registered regions of either side is refused before anything
-is posted (Mooncake itself sends from any mapped source address); notifications arrive in order,
-each after its write's data. The range check itself is compared with a brute-force reference.
+"""What only the Mooncake backend does (the engine contract, every engine's sessions, is
+``test_pd_engines.py``): a row outside the registered regions of either side is refused before
+anything is posted (Mooncake itself sends from any mapped source address); notifications arrive in
+order, each after its write's data; missing system libraries are named. The range check itself is
+compared with a brute-force reference.
 
-Mooncake's handshake and data listeners bind ``0.0.0.0`` whatever host the engine is given. So
-every test that starts an engine runs in a child process inside a private network namespace that
-holds only ``lo`` (``unshare -n``, or ``unshare -rn`` without root) where the machine allows one,
-and directly otherwise (all its traffic still goes to 127.0.0.1 either way). The child runs one of
-the ``scenario_*`` functions of this file and prints its result as JSON; the tests check it.
-
-The engine tests skip, with the reason, only where Mooncake cannot be imported.
+Every test that starts an engine runs it in a child process in a private network namespace where
+the machine allows one (:mod:`pd_isolation`: Mooncake's listeners bind every interface); the child
+runs one of the ``scenario_*`` functions of this file and prints its result as JSON; the tests
+check it. The engine tests skip, with the reason, only where Mooncake cannot be imported.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pd_isolation import run_isolated
 
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.mooncake_backend import RegionTable, check_rows
 from sparsekv.testing import components
 
-needs_mooncake = components.needs_mooncake()  # the only reason the engine tests may skip (CI: fail)
-
-SMALL = {"num_layers": 6, "budget_mib": 16, "seq_lens": [1000, 3000, 700, 200], "timeout_s": 30.0,
-         "engine": "mooncake"}
-CHILD_TIMEOUT_S = 150
-
-
-@functools.cache
-def _netns_prefix() -> list[str]:
-    """A command prefix that runs its command in a new network namespace with ``lo`` up; [] if none works."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return []
-    for unshare in (["unshare", "-n"], ["unshare", "-rn"]):
-        try:
-            probe = subprocess.run([*unshare, "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return [*unshare, "sh", "-c", 'ip link set lo up && exec "$@"', "netns"]
-    return []  # no namespace here: run directly (the engines still talk over 127.0.0.1 only)
-
-
-_RUNNER = ("import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
-           "print(json.dumps(m[sys.argv[2]](*json.loads(sys.argv[3])), default=str))")
-
-
-def run_isolated(scenario: str, *args, engine_wait_s: int = 30) -> dict:
-    """``scenario(*args)`` of this file, run in a child process (in a private network namespace
-    where possible); its JSON result. The engine bounds its wait for a batch by
-    ``MC_TRANSFER_TIMEOUT`` from the environment (no API sets it): ``engine_wait_s`` in the child."""
-    argv = [sys.executable, "-c", _RUNNER, str(Path(__file__).resolve()), scenario, json.dumps(args)]
-    done = subprocess.run([*_netns_prefix(), *argv], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                          env={**os.environ, "MC_TRANSFER_TIMEOUT": str(engine_wait_s)})
-    assert done.returncode == 0, f"{scenario} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
+needs_mooncake = components.needs_engine("mooncake")  # the only reason the engine tests may skip (CI: fail)
 
 # ---- what the child processes run ----------------------------------------------------------------
-
-
-def scenario_session(spec: dict) -> dict:
-    """One pd-demo session (two more processes) and its verdict."""
-    from sparsekv.cli.pd_demo import DemoSpec, run_session, verdict
-
-    report = run_session(DemoSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}))
-    report["verdict"] = verdict(report)
-    return report
 
 
 def _pair():
@@ -210,55 +160,9 @@ def scenario_notif_order() -> dict:
 # ---- the tests -------------------------------------------------------------------------------------
 
 
-def assert_prefill_released(prefill: dict) -> None:
-    assert prefill["open_handles"] == 0
-    assert prefill["registered_after_close"] == 0
-    assert prefill["rooms_still_held"] == []
-
-
-@needs_mooncake
-@pytest.mark.parametrize("hisparse", [False, True],
-                         ids=["device-decode", "hisparse-decode"])
-def test_pp_stages_arrive_byte_for_byte(hisparse):
-    # Room 3 asks for one SWA destination too many: both sides refuse it before any write.
-    report = run_isolated("scenario_session", {**SMALL, "pp_size": 2, "hisparse": hisparse, "bad_rooms": [3]})
-    prefill, decode = report["prefill"], report["decode"]
-    assert report["spec"]["engine"] == "mooncake"
-    # A room that fails still may have received part of its bytes: name the rooms' outcomes with any mismatch.
-    assert decode["mismatched"] == {}, (decode["mismatched"], decode["rooms"])
-    assert decode["bytes_checked"] > 0
-    statuses = {int(r): v["status"] for r, v in decode["rooms"].items()}
-    assert statuses == {1: "success", 2: "success", 3: "failed", 4: "success"}
-    assert "index length mismatch" in decode["rooms"]["3"]["error"]
-    assert {int(r): v["status"] for r, v in prefill["rooms"].items()} == statuses
-    assert "refused before any write" in prefill["rooms"]["3"]["error"]
-    assert all(prefill["rooms"][r]["bytes"] > 0 for r in ("1", "2", "4"))
-    if hisparse:
-        assert decode["admitted"] == [1, 2, 4]
-        assert decode["hot_entries_checked"] > 0 and decode["hot_entries_wrong"] == 0
-    assert_prefill_released(prefill)
-    assert report["verdict"] is False  # room 3 failed, so the demo's verdict must say so
-
-
-@needs_mooncake
-def test_decode_killed_mid_transfer_fails_the_transfer_on_prefill():
-    spec = {**SMALL, "pp_size": 1, "budget_mib": 32, "seq_lens": [5000, 700], "kill_decode_after": 2,
-            "max_inflight": 1, "max_batch_rows": 4}
-    report = run_isolated("scenario_session", spec)
-    prefill, decode = report["prefill"], report["decode"]
-    assert decode.get("killed") is True
-    room = prefill["rooms"]["1"]
-    assert room["status"] == "failed"
-    # One batch in flight at a time: the decode died after the second, so the third fails.
-    assert "room 1: transfer failed after 2/" in room["error"], room["error"]
-    assert prefill["failure_detected_after_kill_s"] < spec["timeout_s"]
-    assert prefill["rooms"]["2"]["status"] == "failed"
-    assert_prefill_released(prefill)
-
-
 @needs_mooncake
 def test_bad_rows_are_refused_before_anything_is_posted():
-    result = run_isolated("scenario_refusals", engine_wait_s=10)
+    result = run_isolated(__file__, "scenario_refusals", engine_wait_s=10)
     cases = result["cases"]
     assert "row 2 (source" in cases["src_past_end"] and "registered on this side" in cases["src_past_end"]
     assert "row 3 (source" in cases["src_unregistered"]
@@ -277,7 +181,7 @@ def test_bad_rows_are_refused_before_anything_is_posted():
 
 @needs_mooncake
 def test_notifications_arrive_in_order_after_their_data():
-    result = run_isolated("scenario_notif_order", engine_wait_s=10)
+    result = run_isolated(__file__, "scenario_notif_order", engine_wait_s=10)
     assert result["statuses"] == ["DONE", "DONE"]
     assert result["seen"] == ["a:w1", "a:w2", "a:after", "a:end"]
     assert result["complete_when_seen"] == {"w1": True, "w2": True}
@@ -310,15 +214,6 @@ def test_check_rows_names_the_first_bad_row_and_side():
         check_rows(past, local, remote, "peer0")
     with pytest.raises(TransferError, match="row 0"):
         check_rows(ok, RegionTable([]), remote, "peer0")  # nothing registered: every row is outside
-
-
-def test_open_backend_refuses_an_unknown_engine():
-    from sparsekv.srt.disaggregation.engines import load_engine, open_backend
-
-    with pytest.raises(ValueError, match=r"argument `engine` must be one of \('nixl', 'mooncake'\), got 'ucx'"):
-        open_backend("ucx")
-    with pytest.raises(ValueError, match="argument `engine`"):
-        load_engine("ucx")
 
 
 def test_missing_system_libraries_are_named(tmp_path):

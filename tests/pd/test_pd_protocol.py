@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_pd_conn import dsv4_pool, room_indices  # the same pools and rooms as the transfer tests
+from test_pd_sender_receiver import dsv4_pool, room_indices  # the same pools and rooms as the transfer tests
 
-from sparsekv.cli.pd_demo import fill_regions
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.bootstrap import MAX_MESSAGE_BYTES, Channel, b64
 from sparsekv.srt.disaggregation.integrity import region_digest
@@ -36,9 +35,10 @@ from sparsekv.srt.disaggregation.receiver import KVReceiver
 from sparsekv.srt.disaggregation.sender import KVSender
 from sparsekv.srt.disaggregation.state_routing import kv_args_of
 from sparsekv.testing import components
+from sparsekv.testing.pd_session import fill_regions
 from sparsekv.testing.profiles import scaled_examples
 
-needs_nixl = components.needs_nixl()
+needs_nixl = components.needs_engine("nixl")
 SECRET = "s3cret-of-this-deployment"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsekv.cli.pd_demo import DemoSpec, index_spaces, item_counts, make_plan, plan_sides
+from sparsekv.testing.pd_session import DemoSpec, index_spaces, item_counts, make_plan, plan_sides
 
 
 def _region_sizes(kv_args, component: int) -> list[tuple[int, int]]:

@@ -63,7 +63,7 @@ from tqdm import tqdm
 from sparsekv.argtypes import int_range
 from sparsekv.cli import CliParser
 from sparsekv.srt.disaggregation.backend import TransferBackend, poll_pause
-from sparsekv.srt.disaggregation.engines import ENGINES, load_engine, open_backend
+from sparsekv.srt.disaggregation.engines import DEFAULT_ENGINE, ENGINES, load_engine, open_backend
 from sparsekv.srt.disaggregation.integrity import region_digest
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.planning import plan_batches, plan_room
@@ -242,7 +242,8 @@ def main() -> None:
                              "layers at PP 4)")
     parser.add_argument("--repeats", type=int_range(1), default=9,
                         help="runs per figure, the median reported (default: %(default)s; fewer move by 10-20%% here)")
-    parser.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="transfer engine (default: %(default)s)")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default=DEFAULT_ENGINE,
+                        help="transfer engine (default: %(default)s)")
     parser.add_argument("--stream", type=int_range(1), default=8, help="rooms in flight for the throughput figures "
                         "(default: %(default)s)")
     add_common_args(parser)

@@ -124,7 +124,7 @@ def run_pd(spec) -> dict:
     """
     import torch
 
-    from sparsekv.cli.pd_demo import reap
+    from sparsekv.testing.pd_session import reap
 
     ctx = mp.get_context("spawn")
     p_parent, p_child = ctx.Pipe()

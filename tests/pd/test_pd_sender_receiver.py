@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.cli.pd_demo import fill_regions, region_array
 from sparsekv.srt.disaggregation.backend import TransferError
 from sparsekv.srt.disaggregation.manifest import Manifest
 from sparsekv.srt.disaggregation.nixl_backend import NixlBackend
@@ -27,9 +26,10 @@ from sparsekv.srt.mem_cache.deepseekv4_memory_pool import DeepSeekV4TokenToKVPoo
 from sparsekv.srt.model_executor.model_spec import ServerSpec, dsv4_preset
 from sparsekv.srt.model_executor.pool_planner import plan_pipeline
 from sparsekv.testing import components
+from sparsekv.testing.pd_session import fill_regions, region_array
 from sparsekv.testing.profiles import scaled_examples
 
-needs_nixl = components.needs_nixl()  # the only reason the transfer tests may skip (CI: fail)
+needs_nixl = components.needs_engine("nixl")  # the only reason the transfer tests may skip (CI: fail)
 ROOMS = 6
 
 
