@@ -12,6 +12,7 @@ _LAZY = {
     "CompressorState": "compressor_state",
     "DeepSeekV4TokenToKVPool": "deepseekv4_memory_pool",
     "HostKVCache": "host_kv_cache",
+    "HostStaging": "host_staging",
     "HiSparseHostPoolMixin": "hisparse_host_pool",
     "DeepSeekV4PagedHostPool": "dsv4_paged_host_pool",
     "HiSparseC4DevicePool": "hisparse_device_pool",

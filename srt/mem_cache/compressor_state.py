@@ -5,7 +5,8 @@ the furthest a draft wrote), whether a rollback to an earlier position is still 
 plan of each step that the compressor kernels (:mod:`sparsekv.jit_kernel.dsv4_compress`) and the
 fused compress-store (:mod:`sparsekv.jit_kernel.dsv4_compress_store`) run on: the raw ring's event
 sources and ring writes, planned on the device from a few numbers per request (no loop over events
-or tokens, no copy from pageable memory), and the online C128 fold's segments.
+or tokens, no copy from pageable memory: they go through a pinned buffer the state owns, which a
+step captured in a CUDA graph reads at every replay), and the online C128 fold's segments.
 """
 
 from __future__ import annotations
@@ -26,23 +27,13 @@ from sparsekv.jit_kernel.dsv4_compress import (
 )
 from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
 from sparsekv.jit_kernel.dsv4_store import StoreTarget
+from sparsekv.srt.mem_cache.host_staging import HostStaging
 
 
 def first_needed(length: int, ratio: int) -> int:
     """The first position the next entry of a sequence of ``length`` tokens still needs."""
     return max(0, (length // ratio) * ratio - (4 if ratio == 4 else 0))
 
-
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``: to a GPU through pinned memory, asynchronously (no copy from pageable
-    memory, no host sync; the pinned block is held until the copy is done)."""
-    if device.type == "cpu":
-        return host
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -154,6 +145,9 @@ class CompressorState:
         self.snapshots = ring_size // 2
         self.coff = 2 if ratio == 4 else 1
         self._progress: dict[int, _Progress] = {}
+        #: The pinned buffer each step's per-request numbers go to the device through, owned here so
+        #: that a step captured in a CUDA graph reads it at every replay (:class:`HostStaging`).
+        self.staging = HostStaging(state.device)
 
     def resume(self, request_id: int, length: int) -> None:
         """Continue a request whose rings already hold its first ``length`` tokens, written by another
@@ -331,7 +325,7 @@ class CompressorState:
             first_entries.append(s // m)
             counts.append(count)
             row0, events, writes = row0 + n, events + count, writes + e - write_from
-        meta = _to_device(torch.tensor(requests + ring_table, dtype=torch.int64), device)
+        meta = self._staging(device).upload(torch.tensor(requests + ring_table, dtype=torch.int64))
         plan = torch.empty(events * (win + 2) + 2 * writes, dtype=torch.int64, device=device)
         plan_raw_step(meta, len(counts), m, rs, ring_span or 0, events, writes, plan)
         sources, anchors, event_requests, writes_flat = plan.split([events * win, events, events, 2 * writes])
@@ -341,6 +335,13 @@ class CompressorState:
         host_anchors = torch.from_numpy(m * (offsets + np.arange(events, dtype=np.int64)))
         return RawStepPlan(sources=sources.view(events, win), anchors=anchors, event_requests=event_requests,
                            writes=writes_flat.view(writes, 2), host_anchors=host_anchors)
+
+    def _staging(self, device: torch.device) -> HostStaging:
+        """The owned staging buffer, for ``device`` (the ring's, unless a caller plans elsewhere)."""
+        device, own = torch.device(device), self.staging.device
+        if device.type != own.type or None not in (device.index, own.index) and device.index != own.index:
+            self.staging = HostStaging(device)
+        return self.staging
 
     def _run_raw(self, plan: RawStepPlan, kv, score, store, entry_slots, impl):
         if store is not None:
@@ -372,7 +373,8 @@ class CompressorState:
         segs = np.stack([row0[req] + pos - first, pos, end - pos, read, out_row, base[req], keep_from], axis=1)
         # Segments that read a snapshot run first: a later segment may store into the same slot.
         readers = int((read >= 0).sum())
-        table = _to_device(torch.from_numpy(segs[np.argsort(read < 0, kind="stable")].reshape(-1, 7)), kv.device)
+        table = self._staging(kv.device).upload(torch.from_numpy(segs[np.argsort(read < 0, kind="stable")]
+                                                                 .reshape(-1, 7)))
         anchors = torch.from_numpy(end[closes] - 128)
         out = torch.empty(anchors.shape[0], kv.shape[-1], dtype=torch.float32, device=kv.device)
         for group in (table[:readers], table[readers:]):
