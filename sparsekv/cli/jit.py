@@ -47,11 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add("list", "every registered module instance and where it is cached")
     build = add("build", "prebuild modules ahead of time (for strict-mode serving, images, air-gapped sites)")
-    build.add_argument("names", nargs="*", help="kernel families whose whole instance table to build")
+    build.add_argument("names", nargs="*", help="kernel families whose whole instance table to build (with --triton: "
+                                                "the Triton kernels to compile, by name; default all)")
     build.add_argument("--all", action="store_true", help="every registered family's instance table")
     build.add_argument("--triton", action="store_true",
-                       help="compile every Triton kernel ahead of time for --arch (no GPU needed); report registers "
-                            "and shared memory per kernel")
+                       help="compile every Triton kernel (or those named) ahead of time for --arch (no GPU needed); "
+                            "report registers and shared memory per kernel")
     _instance_args(build)
     build.add_argument("--jobs", "-j", type=int_range(1), metavar="N",
                        help="parallel compiles (default: SPARSEKV_MAX_JOBS, else by free cores and memory)")
@@ -305,7 +306,7 @@ def _build(args) -> int:
     from sparsekv.jit_kernel.build.registry import discover
 
     if args.triton:
-        if args.all or args.names or args.instance or args.model:
+        if args.all or args.instance or args.model:
             raise UsageError("--triton builds the Triton kernels only; build the header families in another call")
         return _build_triton(args)
     loader.building_on_purpose()
@@ -349,15 +350,22 @@ def _build_triton(args) -> int:
     except ImportError as exc:
         raise UsageError(f"--triton needs triton installed ({exc})") from exc
     archs = resolve_arch_list(args.arch)
+    kernels = aot.aot_kernels()
+    unknown = sorted(set(args.names) - {k.name for k in kernels})
+    if unknown:
+        raise UsageError(f"--triton: no Triton kernel is named {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(k.name for k in kernels)}")
+    if args.names:
+        kernels = [k for k in kernels if k.name in args.names]
     if interpreting():
         # Under the interpreter @triton.jit gives functions that cannot compile: build in a child without it.
         import subprocess
 
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        command = ["jit", "build", "--triton", "--arch", ",".join(archs)] + (["--json"] if args.json else [])
+        command = ["jit", "build", "--triton", "--arch", ",".join(archs), *args.names] + (["--json"] if args.json
+                                                                                          else [])
         return subprocess.run([sys.executable, "-m", "sparsekv", *command], env=env).returncode
     root = cache.open_roots().write
-    kernels = aot.aot_kernels()
     start = time.perf_counter()
     reports = []
     with _bar(len(kernels) * len(archs), "compiling triton kernels") as bar:

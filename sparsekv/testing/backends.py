@@ -43,14 +43,18 @@ def kernel_backends() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def core_backends() -> list[str]:
-    """Backends for each kernel family's core property test: :func:`kernel_backends`, plus ``sim`` in a
-    session that did not choose its backends (``make test``), so a plain ``make test`` runs every
-    family's CUDA path at the test's small count too (``make test-sim`` runs every test there)."""
+def core_backends() -> list:
+    """Backends for each kernel family's core property test, as ``pytest.param`` values marked ``core``:
+    :func:`kernel_backends`, plus ``sim`` in a session that did not choose its backends (``make test``),
+    so a plain ``make test`` runs every family's CUDA path at the test's small count too (``make
+    test-sim`` runs every test there). The mark lets CI's ``make test-sim``, which runs after ``make
+    test``, leave out (``-m "not core"``) the sim runs ``make test`` already made."""
+    import pytest
+
     backends = kernel_backends()
-    if os.environ.get("SPARSEKV_TEST_BACKENDS") or "sim" in backends:
-        return backends
-    return [*backends, "sim"]
+    if not (os.environ.get("SPARSEKV_TEST_BACKENDS") or "sim" in backends):
+        backends = [*backends, "sim"]
+    return [pytest.param(backend, marks=pytest.mark.core) for backend in backends]
 
 
 def unavailable_reason(backend: str) -> str | None:
