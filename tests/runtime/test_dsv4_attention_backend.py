@@ -21,6 +21,7 @@ from sparsekv.cli.demo.model import HEAD_DIM, DemoModel, ModelShape
 from sparsekv.cli.demo.stack import Request, Stack
 from sparsekv.srt.layers import ForwardBatch
 from sparsekv.testing.allocations import allocations
+from sparsekv.testing.backends import cpu_backend
 from sparsekv.testing.profiles import scaled_examples
 
 PROMPTS = (300, 131)  # one request with C128 entries, one with a partial C4 page
@@ -158,15 +159,46 @@ def padded_step(stack: Stack, reqs: list[Request], bs: int):
 
 
 @pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
-def test_replay_metadata_with_a_padding_row_leaves_the_real_rows_alone(hisparse):
-    stack, reqs = prefilled(hisparse)
-    twin, twin_reqs = prefilled(hisparse)
-    stack.backend.init_cuda_graph_state(3)
+@pytest.mark.parametrize("backend", ["cpu", "sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_replay_with_a_padding_row_equals_eager_for_its_real_rows(backend, hisparse):
+    """bs = 3 graph rows, 2 real and one padding row, over 3 steps (the last completes a C4 entry):
+    the real rows' outputs equal an eager step of the same two requests in a twin stack. On cuda the
+    step is captured once in a CUDA graph (on padding only: num_real = 0 writes and swaps in nothing
+    real) and each step replays it after refilling the graph state and the static inputs; on cpu
+    and sim the padded step runs on the refilled graph state, which is what a replay runs (sim: the
+    CUDA code path, blocks in random order; the prefills run on the cpu build, the twin's steps on
+    the same build as the padded ones)."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    stack, reqs = prefilled(hisparse, device)  # on the host: the cpu build (sim's bytes are the same)
+    twin, twin_reqs = prefilled(hisparse, device)
+    backend_, bs = stack.backend, 3
+    backend_.init_cuda_graph_state(bs)
+    graph = static = outs = None
     for _ in range(3):
-        padded, rows, positions = padded_step(stack, reqs, 3)
-        stack.backend.init_forward_metadata_replay_cuda_graph(3, len(reqs), rows, positions)
-        got = decode(stack.backend, padded)
-        expected = decode(twin.backend, step_inputs(twin, twin_reqs))
+        padded, rows, positions = padded_step(stack, reqs, bs)
+        if backend == "cuda" and graph is None:
+            static = [tuple(t.clone() for t in args) for args in padded]
+            spare = torch.full_like(rows, len(PROMPTS))
+            backend_.init_forward_metadata_capture_cuda_graph(bs, spare, torch.zeros_like(positions))
+            backend_.init_forward_metadata_replay_cuda_graph(bs, 0, spare, torch.zeros_like(positions))
+            decode(backend_, static)  # warm-up on padding: loads every kernel before the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [backend_.forward_decode(layer, *args).clone() for layer, args in enumerate(static)]
+        backend_.init_forward_metadata_replay_cuda_graph(bs, len(reqs), rows, positions)
+        if graph is None:
+            with cpu_backend(backend):  # the decode kernels on this backend's build
+                got = decode(backend_, padded)
+        else:
+            for dst, src in zip(static, padded):
+                for d, t in zip(dst, src):
+                    d.copy_(t)
+            graph.replay()
+            torch.cuda.synchronize()
+            got = outs
+        with cpu_backend("sim" if backend == "sim" else "cpu"):
+            expected = decode(twin.backend, step_inputs(twin, twin_reqs))
         assert all(torch.equal(want, have[: len(reqs)]) for want, have in zip(expected, got))
 
 
@@ -191,37 +223,6 @@ def test_bad_replay_metadata_is_refused_before_the_graph_state_changes(bad):
     with pytest.raises(error, match=match):
         stack.backend.init_forward_metadata_replay_cuda_graph(*make(rows, positions))
     assert [k for k, v in stack.backend._bufs.items() if not torch.equal(v, before[k])] == []
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
-def test_a_captured_decode_step_replays_with_padding_rows(hisparse):
-    """Capture a step for bs = 4 rows, replay it with 2 real rows: the real rows' outputs equal an
-    eager step of the same two requests in a twin stack."""
-    stack, reqs = prefilled(hisparse, "cuda")
-    twin, twin_reqs = prefilled(hisparse, "cuda")
-    backend, bs = stack.backend, 4
-    backend.init_cuda_graph_state(bs)
-    padded, rows, positions = padded_step(stack, reqs, bs)
-    static = [tuple(t.clone() for t in args) for args in padded]
-    # Warm up and capture on padding only (num_real = 0: nothing real is written or swapped in).
-    dummy_rows, dummy_pos = torch.full_like(rows, len(PROMPTS)), torch.zeros_like(positions)
-    backend.init_forward_metadata_capture_cuda_graph(bs, dummy_rows[:1].expand(bs).clone(), dummy_pos)
-    backend.init_forward_metadata_replay_cuda_graph(bs, 0, dummy_rows, dummy_pos)
-    decode(backend, static)  # warm-up on the padding row: loads every kernel before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [backend.forward_decode(layer, *args).clone() for layer, args in enumerate(static)]
-    expected = decode(twin.backend, step_inputs(twin, twin_reqs))
-    backend.init_forward_metadata_replay_cuda_graph(bs, len(reqs), rows, positions)
-    for dst, src in zip(static, padded):
-        for d, s in zip(dst, src):
-            d.copy_(s)
-    graph.replay()
-    torch.cuda.synchronize()
-    for want, have in zip(expected, outs):
-        assert torch.equal(want, have[: len(reqs)])
 
 
 # ---- the state machine --------------------------------------------------------------------------
