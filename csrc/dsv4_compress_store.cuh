@@ -1,8 +1,9 @@
 // dsv4_compress_store: the DSV4 compressor fused with the store. Each event pools its window
-// (dsv4_compress.cuh, CompressEvents::pool_tile) straight into a team row, then the row goes through
-// the store's RMSNorm + RoPE (+ Walsh-Hadamard) + quantize into its paged cache slot
-// (dsv4_store.cuh, NormRopeStore::finish); no float entry is written to memory. The bytes are those
-// of compress then norm_rope_store: both steps are the same per-item functions.
+// (csrc/include/sparsekv/window_pool.h, WindowPool::pool_tile, as dsv4_compress does) straight into
+// a team row, then the row goes through the store's RMSNorm + RoPE (+ Walsh-Hadamard) + quantize
+// into its paged cache slot (csrc/include/sparsekv/entry_store.h, EntryStore::finish, as dsv4_store
+// does); no float entry is written to memory. The bytes are those of compress then norm_rope_store:
+// both steps are the same per-item functions.
 //
 // Entries:
 //   compress_store: a streaming step of the raw ring (the event and ring-write tables that
@@ -12,13 +13,16 @@
 //     entry's anchor positions[row] - ratio + 1) and writes the pooled floats to `out`.
 // Both pool every event first (reading ring rows as they were), then write the new ring rows.
 //
-// Its own stem because it builds on two families (the compressor's pooling and the store's
-// per-layout finish) that do not depend on each other; its instances are per cache layout, like
-// the store's.
+// Its own stem because it fuses two families (the compressor's pooling and the store's per-layout
+// finish) that do not depend on each other; its instances are per cache layout, like the store's.
 #pragma once
 
-#include "dsv4_compress.cuh"
-#include "dsv4_store.cuh"
+#include "sparsekv/entry_store.h"
+#include "sparsekv/lane_reduce.h"
+#include "sparsekv/portability.h"
+#include "sparsekv/rope.h"
+#include "sparsekv/row_store.h"
+#include "sparsekv/window_pool.h"
 
 namespace sparsekv::dsv4_compress_store {
 
@@ -31,7 +35,7 @@ struct CompressStoreParams {
 template <class Kind>
 struct CompressStore {
   using Params = CompressStoreParams;
-  using Store = dsv4_store::NormRopeStore<Kind>;
+  using Store = dsv4_store::EntryStore<Kind>;
   using Row = typename Store::Row;
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
@@ -49,7 +53,7 @@ struct CompressStore {
     for (int k = 0; k < Row::kPerLane; ++k) {
       float tile[team::kVirtualPerThread];
       if (emits) {
-        dsv4_compress::CompressEvents::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
+        dsv4_compress::WindowPool::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
       } else {
         for (int j = 0; j < team::kVirtualPerThread; ++j) tile[j] = 0.0f;
       }
@@ -71,6 +75,10 @@ struct StoreRingWrite : dsv4_compress::RingWrite {};
 }  // namespace sparsekv::dsv4_compress_store
 
 #ifdef SPARSEKV_HOST_ENTRY
+#include <vector>
+
+#include "sparsekv/ffi.h"
+
 namespace sparsekv::dsv4_compress_store {
 
 // One streaming step of the raw ring fused with the store: pool + norm + RoPE + quantize + store

@@ -1,7 +1,7 @@
 // hisparse_index: the HiSparse swap-in with a resident-token index (IndexedSwapIn), whose work per
 // step follows the top-k width K and the misses, not the hot-buffer size H.
 //
-// Same contract as SwapIn (csrc/hisparse.cuh): same outputs, same device_buffer_tokens, same bytes,
+// Same contract as SwapIn (csrc/include/sparsekv/swap_in.h): same outputs, same device_buffer_tokens, same bytes,
 // same miss plan and counters, and the same policy (LRU, or the protected LRU of the template
 // arguments ProtectRecent = W, ProtectNear = S), for the same inputs. What differs is where
 // the residency and the LRU order live. Per request row rid, three tables (the "resident index"):
@@ -39,7 +39,12 @@
 // checks and also checks that the index agrees with device_buffer_tokens.
 #pragma once
 
-#include "hisparse.cuh"
+#include <cstdint>
+
+#include "sparsekv/indices.h"
+#include "sparsekv/portability.h"
+#include "sparsekv/swap_in.h"
+#include "sparsekv/team.h"
 
 namespace sparsekv::hisparse {
 

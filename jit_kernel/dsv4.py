@@ -48,7 +48,8 @@ from sparsekv.jit_kernel.dsv4_compress import compress_pool
 from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer, visible_entries
 from sparsekv.jit_kernel.dsv4_quant import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, quantize_indexer_keys
-from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable, StoreTarget, norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import StoreTarget, norm_rope_store
+from sparsekv.rope import RopeParams, RopeTable
 
 __all__ = [
     "RopeParams",

@@ -43,7 +43,7 @@ from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, registe
 from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift, visible_entries
-from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8, MAX_PAGE_SLOTS
+from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, MAX_PAGE_SLOTS
 
 __all__ = [
     "INDEXER",
@@ -60,7 +60,6 @@ __all__ = [
     "visible_entries",
 ]
 
-INDEXER_HEAD_DIM = 128
 MAX_INDEXER_HEADS = 64
 COMPRESS_RATIO = 4
 #: Entry positions and cache slots are int32: a top-k longer than that names nothing more.
@@ -69,8 +68,6 @@ _MAX_TOP_K = 2**31 - 1
 #: top-k) are taken whatever the row length, so a short batch keeps the model's fixed top-k; beyond
 #: it, top_k must not exceed the row length (``top_k=2**28`` once allocated and wrote 1 GiB of -1).
 TOP_K_PAST_ROW_LENGTH = 2**16
-#: Indexer K cache layouts by name.
-INDEXER_LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
 
 INDEXER = register(

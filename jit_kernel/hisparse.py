@@ -342,7 +342,7 @@ def check_swap_in_on_device(top_k_tokens: torch.Tensor, device_buffer_tokens: to
                             speculative: bool = False) -> torch.Tensor:
     """Validate every index the swap-in would follow, with torch on the tables' own device (the CUDA
     path with ``SPARSEKV_CHECK_INDICES=1``; a few host syncs). The C++ entry checks host-readable
-    tables the same way (``validate_swap_in`` in ``csrc/hisparse.cuh``), with the same exception types
+    tables the same way (``validate_swap_in`` in ``csrc/include/sparsekv/swap_in.h``), with the same exception types
     and messages; where several entries are bad, each rule is checked over the whole batch in the
     order below, so the one named may differ from the entry's row-by-row walk.
 

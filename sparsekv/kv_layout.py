@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["C4_PAGE_SLOTS", "C4_RATIO", "DSV4_PAGE_SIZES", "INDEXER_FP4", "INDEXER_FP8", "LAYOUTS", "MAX_PAGE_SLOTS",
-           "V4", "V41", "V41_FP4", "KVLayout", "c4_page_slots", "resident_index_bytes"]
+__all__ = ["C4_PAGE_SLOTS", "C4_RATIO", "DSV4_PAGE_SIZES", "INDEXER_FP4", "INDEXER_FP8", "INDEXER_HEAD_DIM",
+           "INDEXER_LAYOUTS", "LAYOUTS", "MAX_PAGE_SLOTS", "V4", "V41", "V41_FP4", "KVLayout", "c4_page_slots",
+           "resident_index_bytes"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ INDEXER_FP8 = KVLayout("INDEXER_FP8", "IndexerFp8", value_bytes=128, scale_bytes
 INDEXER_FP4 = KVLayout("INDEXER_FP4", "IndexerFp4", value_bytes=64, scale_bytes=4, page_align=1)
 
 LAYOUTS: dict[str, KVLayout] = {layout.name: layout for layout in (V4, V41, V41_FP4, INDEXER_FP8, INDEXER_FP4)}
+#: The indexer K cache layouts by the name the indexer and its quantizers take (``layout="fp8"``).
+INDEXER_LAYOUTS: dict[str, KVLayout] = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
+#: Width of an indexer key (and query head): what INDEXER_FP8 / INDEXER_FP4 store per token.
+INDEXER_HEAD_DIM = 128
 
 #: Full-token page sizes a DSV4 deployment may use (tokens per page of the uncompressed KV).
 DSV4_PAGE_SIZES = (128, 256, 512)

@@ -32,6 +32,9 @@ UNREACHABLE = [
     ("sparsekv.srt", ("sparsekv.testing",), "runtime code does not depend on the test harness"),
     ("sparsekv.srt.model_executor", ("sparsekv.jit_kernel",),
      "memory planning never loads the kernel package (layouts: sparsekv.kv_layout)"),
+    ("sparsekv.testing.reference", ("sparsekv.jit_kernel",),
+     "a torch reference is the wrappers' oracle, never built on one (layouts: sparsekv.kv_layout, "
+     "RoPE: sparsekv.rope)"),
 ]
 # (folder or file, prefixes never imported at module level, why)
 NOT_AT_IMPORT = [
@@ -226,24 +229,18 @@ def test_the_rules_see_the_chains_they_forbid():
         _graph()["sparsekv.cli.demo.stack"]  # `from sparsekv.srt.model_executor import DSV4ModelSpec, plan_pipeline`
 
 
-# The exceptions: the fused compress-store runs the compressor's window pooling and the store's finish
-# in a single pass over the window, so it builds on those two; the indexed swap-in is the swap-in with
-# other tables, so it builds on its layouts, checks and hash table.
-FUSED_FAMILY_INCLUDES = {"dsv4_compress_store.cuh": {"dsv4_compress.cuh", "dsv4_store.cuh"},
-                         "hisparse_index.cuh": {"hisparse.cuh"}}
-
-
 def test_kernel_headers_include_only_the_shared_headers():
-    """A family's header includes the shared headers of csrc/include/sparsekv/, never another family's
-    (except the listed fused families)."""
+    """A family's header includes the shared headers of csrc/include/sparsekv/, never another family's:
+    what two families share (RoPE, the row stores, the store's finish, the window pooling, the swap-in)
+    is a building block there. The shared headers include only each other; the simulator
+    (csrc/sim/, test infrastructure) is none of them."""
     include = re.compile(r'#\s*include\s*"([^"]+)"')
-    for header in sorted((REPO / "csrc").glob("*.cuh")):
-        allowed = FUSED_FAMILY_INCLUDES.get(header.name, set())
-        for name in include.findall(header.read_text()):
-            assert name.startswith("sparsekv/") or name in allowed, f"{header.name} includes {name}"
-    for header in sorted((REPO / "csrc" / "include" / "sparsekv").iterdir()):
-        for name in include.findall(header.read_text()):
-            assert name.startswith("sparsekv/"), f"{header.name} includes {name}"
+    shared = {f"sparsekv/{p.name}" for p in (REPO / "csrc" / "include" / "sparsekv").iterdir()}
+    assert "sparsekv/sim.h" not in shared and (REPO / "csrc" / "sim" / "sim.h").is_file()
+    headers = sorted((REPO / "csrc").glob("*.cuh")) + sorted((REPO / "csrc" / "include" / "sparsekv").iterdir())
+    bad = [f"{header.relative_to(REPO)} includes {name}" for header in headers
+           for name in include.findall(header.read_text()) if name not in shared]
+    assert not bad, "\n".join(bad)
 
 
 def test_planning_imports_neither_the_kernel_package_nor_torch():

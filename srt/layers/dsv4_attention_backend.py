@@ -39,7 +39,8 @@ from sparsekv.jit_kernel.dsv4 import (
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
-from sparsekv.jit_kernel.dsv4_store import RopeTable, StoreTarget
+from sparsekv.jit_kernel.dsv4_store import StoreTarget
+from sparsekv.rope import RopeTable
 from sparsekv.srt.checks import index_table
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 

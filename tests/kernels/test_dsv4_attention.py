@@ -135,6 +135,7 @@ def test_an_extra_cache_is_the_same_as_one_longer_index_list(backend, case, data
     assert_same(run(split, backend), whole, ORDER_TOL)
 
 
+@pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_slot_listed_twice_counts_twice(backend):
     g = torch.Generator().manual_seed(1)

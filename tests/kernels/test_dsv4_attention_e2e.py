@@ -14,9 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import lightning_indexer, sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
-from sparsekv.kv_layout import V4, c4_page_slots
+from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, V4, c4_page_slots
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference

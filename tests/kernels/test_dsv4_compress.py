@@ -71,6 +71,7 @@ def test_gauge_invariance_and_convexity(backend, ratio, data, shift):
         assert bool((base[i] >= window.amin(0) - slack).all()) and bool((base[i] <= window.amax(0) + slack).all())
 
 
+@pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_c4_entry_zero_uses_only_the_b_halves(backend):
     kv, score, ape = torch.randn(8, 64), torch.randn(8, 64), torch.randn(4, 64)
@@ -426,7 +427,7 @@ def test_a_step_plan_reads_nothing_back_and_costs_the_same_at_any_length(ratio, 
     raises there. The ops it runs, and its one host-to-device copy (the raw ring: of its per-request
     numbers, the same size), are the same for 256 tokens and 32k: no work per token or event."""
     from sparsekv.jit_kernel.dsv4 import StoreTarget
-    from sparsekv.jit_kernel.dsv4_store import RopeTable
+    from sparsekv.rope import RopeTable
 
     meta, d = torch.device("meta"), 512
     coff = 2 if ratio == 4 else 1

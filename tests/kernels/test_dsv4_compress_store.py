@@ -62,6 +62,7 @@ def test_fused_compress_store_equals_compress_then_store(backend, ratio, kind, d
     assert torch.equal(a.state.cpu(), b.state.cpu())
 
 
+@pytest.mark.sanitizer_case
 def test_fused_store_with_a_bad_slot_changes_nothing(backend, index_checks):
     gen = torch.Generator().manual_seed(2)
     kv, score, ape = torch.randn(9, 1024, generator=gen), torch.randn(9, 1024, generator=gen), torch.randn(4, 1024)

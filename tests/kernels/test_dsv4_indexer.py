@@ -137,6 +137,7 @@ def test_topk_is_the_defined_selection_in_ascending_order(backend, rows, top_k):
     check_topk(tokens.cpu(), scores, positions, top_k)
 
 
+@pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ties_at_the_threshold_go_to_the_lower_positions(backend):
     # Row 0: all equal, so the first k positions. Row 1: two above the threshold at the end, then the

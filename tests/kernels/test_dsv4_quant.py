@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import dequantize_fp8_ds_mla, indexer_scores, quantize_fp8_ds_mla, quantize_indexer_keys
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
-from sparsekv.kv_layout import V4
+from sparsekv.kv_layout import INDEXER_LAYOUTS, V4
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.profiles import scaled_examples
 from sparsekv.testing.reference import dsv4_quant as ref
@@ -73,6 +72,7 @@ def test_dequantize_is_within_half_an_ulp_and_scales_are_powers_of_two(backend, 
     assert torch.equal(got[:, 448:], rope.to(torch.bfloat16).double())
 
 
+@pytest.mark.sanitizer_case
 def test_edge_blocks_hit_exact_scales(backend):
     x = torch.zeros(3, 512)
     x[1, :64] = 448.0 * 2.0**-3  # amax exactly at the boundary: e = -3, code 448

@@ -216,6 +216,7 @@ def test_a_position_outside_the_table_is_refused_before_writing(backend, index_c
         assert torch.equal(cache, only_first)
 
 
+@pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_streamed_entries_store_the_one_shot_cache_bytes(backend):
     device = device_of(backend)

@@ -16,6 +16,7 @@ from sparsekv.testing.strategies.gather_rows import gather_case
 INDEX_DTYPES = [values["index_dtype"] for values in GATHER_ROWS.instances]
 
 
+@pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
 @given(data=st.data())

@@ -73,6 +73,7 @@ def test_fast_path_maps_position_to_slot_and_changes_nothing(backend, index_dtyp
         assert torch.equal(now, then)
 
 
+@pytest.mark.sanitizer_case
 def test_hits_newest_and_lru_then_misses_take_lru_slots(backend):
     w = world(backend)
     hold(w, 0, [10, 3, 7, -1, 12, 5, 1])

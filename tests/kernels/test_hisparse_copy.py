@@ -129,6 +129,7 @@ def test_large_copies_stream_on_two_threads(backend, two_threads):
     assert torch.equal(dst.owner, expected)
 
 
+@pytest.mark.sanitizer_case
 def test_transfer_cache_dsv4_mla_copies_paged_token(backend):
     """A token at slot 70 (page 1, offset 6) lands in slot 65 (page 1, offset 1), all 584 bytes,
     and nothing else of the destination changes."""

@@ -146,6 +146,7 @@ def test_a_protected_slot_passed_over_moves_up_to_where_the_walk_stopped(backend
     assert index.lru_order(0) == order
 
 
+@pytest.mark.sanitizer_case
 def test_a_step_that_evicts_updates_the_index_in_the_same_launch(backend):
     _, w = twin_worlds(backend, False, 3)
     # Row 0 holds positions 0..6 (LRU 0..6); 20 and 21 miss and take slots 0 and 1 (20 first: top-k order).

@@ -31,7 +31,7 @@ from sparsekv.jit_kernel.dsv4 import (
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, visible_entries
+from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.jit_kernel.hisparse import (
     copy_cache_planned_mla,
@@ -41,7 +41,7 @@ from sparsekv.jit_kernel.hisparse import (
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op
-from sparsekv.kv_layout import V4
+from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of

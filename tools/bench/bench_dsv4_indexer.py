@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from sparsekv.cli import CliParser
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS, lightning_indexer
+from sparsekv.jit_kernel.dsv4_indexer import lightning_indexer
+from sparsekv.kv_layout import INDEXER_LAYOUTS
 from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import device_name, kernel_sweep, timer, timing_fields

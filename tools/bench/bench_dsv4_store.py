@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from sparsekv.cli import CliParser
-from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import norm_rope_store
 from sparsekv.kv_layout import LAYOUTS
+from sparsekv.rope import RopeParams
 from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import (

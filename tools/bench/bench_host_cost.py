@@ -38,10 +38,11 @@ from sparsekv.jit_kernel.build.registry import KernelFamily
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
-from sparsekv.jit_kernel.dsv4_store import RopeParams, norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import norm_rope_store
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
 from sparsekv.kv_layout import INDEXER_FP8, V4
+from sparsekv.rope import RopeParams
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
 
 BATCH, HEADS, PAGE, TOPK, ENTRIES = 8, 64, 64, 512, 1 << 16

@@ -1,5 +1,5 @@
 // paged_copy: moving one token of a block-split paged layout (kv_layout.h), the copy that the
-// HiSparse swap-in (hisparse.cuh) and the token transfer (hisparse_copy.cuh) both do.
+// HiSparse swap-in (swap_in.h) and the token transfer (hisparse_copy.cuh) both do.
 //
 // A token is two byte ranges of its page (all value records first, then all scale records), so
 // copy_paged_token moves the value record and the scale record separately. The value record goes

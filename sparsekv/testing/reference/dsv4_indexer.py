@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
+from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.testing.reference.dsv4_quant import decode_fp4_blocks
 
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_LAYOUTS
-from sparsekv.kv_layout import V4, KVLayout
+from sparsekv.kv_layout import INDEXER_LAYOUTS, V4, KVLayout
 
 NOPE_DIMS = 448
 ROPE_DIMS = 64

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
+from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.testing.reference.dsv4_indexer import visible_entry_count
 from sparsekv.testing.reference.dsv4_quant import quantize_indexer_keys
 

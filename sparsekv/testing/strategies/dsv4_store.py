@@ -7,7 +7,7 @@ import functools
 import torch
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_store import RopeParams, RopeTable
+from sparsekv.rope import RopeParams, RopeTable
 from sparsekv.testing.backends import device_of
 
 #: Positions the tests' RoPE tables cover (0 .. 2^16 inclusive: the C4 anchors of a 64k context and more).

@@ -1,0 +1,384 @@
+// window_pool: the DSV4 compressors' window pooling and ring writes, the building blocks of the
+// compressor (dsv4_compress) and of the compressor fused with the store (dsv4_compress_store). In
+// namespace dsv4_compress, whose kernels (CompressEvents, RingWrite) are these.
+//
+// Contract. Token t brings kv_t and score_t (float32, coff * d wide, coff = 2 for ratio 4, 1 for
+// ratio 128) and ape is float32 [ratio, coff * d]. Entry i is, independently per channel c < d,
+//   out[i, c] = sum_j softmax_j(logit_j) * value_j
+// over the slots j of its window:
+//   ratio 128: slot j < 128 is token 128 i + j: value kv[., c], logit score[., c] + ape[j, c].
+//   ratio 4:   slot j < 4 is token 4 (i - 1) + j with the A half: value kv[., c], logit
+//              score[., c] + ape[j, c] (masked out for i = 0); slot 4 + j is token 4 i + j with the
+//              B half: value kv[., d + c], logit score[., d + c] + ape[j, d + c].
+// The softmax subtracts the slot maximum first; masked slots take no part. With a bf16 state ring
+// (the pool's bf16 compress-state option) every kv and score is rounded to bf16 before pooling,
+// input rows as well as ring rows, so entries still do not depend on how a sequence was chunked.
+//
+// Kernels:
+//   CompressEvents: one entry per event. A slot's token row comes from the ragged input or from
+//     a ring row of the state buffer, as the event's source table says (source >= 0: input row;
+//     -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
+//     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
+//   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
+//   Decode step (DecodeRows): both of the above for one new token per batch row, with the sources
+//     and ring rows read on the device from the caller's state rows and positions (no host plan).
+//
+// Building blocks:
+//   WindowPool: the pooled channels of one event. A slot's token row comes from the ragged input or
+//     from a ring row of the state buffer, as the event's source table says (source >= 0: input
+//     row; -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
+//     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
+//   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
+//   Decode step (DecodeRows): both of the above for one new token per batch row, with the sources
+//     and ring rows read on the device from the caller's state rows and positions (no host plan).
+// The host section checks a streaming step's or a decode step's inputs, state and tables
+// (check_extend, check_decode) and returns their launch parameters.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "sparsekv/fp8.h"
+#include "sparsekv/lane_reduce.h"
+#include "sparsekv/portability.h"
+
+namespace sparsekv::dsv4_compress {
+
+inline constexpr int kTile = team::kTeamLanes;  // one channel per (virtual) lane
+
+// A decode step: one new token per batch row b, at positions[b]. rows[b, j] is the ring row of
+// position positions[b] - (W - 1) + j (W = window_of(ratio)); j = W - 1 is the new token's own row.
+// The row's token completes an entry iff (positions[b] + 1) % ratio == 0, and that entry's window
+// is exactly those W positions. Planned on the device: nothing is read on the host.
+struct DecodeRows {
+  const void* rows = nullptr;  // int32 or int64 [batch, W], row stride `stride`; null: not a decode step
+  bool rows_int64 = false;
+  int64_t stride = 0;
+  const int64_t* positions = nullptr;  // [batch]
+  int64_t ratio = 0;
+
+  SPARSEKV_HOST_DEVICE int64_t row(int64_t b, int64_t j) const {
+    return rows_int64 ? static_cast<const int64_t*>(rows)[b * stride + j]
+                      : static_cast<int64_t>(static_cast<const int32_t*>(rows)[b * stride + j]);
+  }
+  SPARSEKV_HOST_DEVICE bool emits(int64_t b) const { return positions[b] >= 0 && (positions[b] + 1) % ratio == 0; }
+};
+
+struct EventParams {
+  const float* kv;
+  const float* score;
+  int64_t kv_stride;  // floats between input rows
+  int64_t score_stride;
+  int64_t num_inputs;
+  const float* ape;      // [ratio, coff * d], contiguous
+  const void* ring;      // [ring_rows, 2 * coff * d] float or bf16, contiguous (null without sources)
+  int64_t num_ring_rows;
+  bool ring_bf16;  // a bf16 ring: every pooled kv and score (input rows too) is rounded to bf16 first
+  const int64_t* sources;  // [num_events, window] or null (one-shot)
+  float* out;              // [num_events, d]
+  int64_t num_events;
+  int64_t d;
+  int64_t ratio;
+  DecodeRows decode{};      // a decode step: event e is batch row e (sources unused)
+  bool* emitted = nullptr;  // decode: [batch], whether row e completed an entry
+};
+
+// Window slots of an entry: 8 for ratio 4 (two halves of 4), 128 for ratio 128.
+SPARSEKV_HOST_DEVICE int64_t window_of(int64_t ratio) { return ratio == 4 ? 8 : ratio; }
+
+// The bytes an event reads per pooled channel (kv and score of every window slot): the work measure
+// by which the threaded host driver splits events over threads.
+inline int64_t event_bytes_per_channel(int64_t ratio) {
+  return window_of(ratio) * 2 * static_cast<int64_t>(sizeof(float));
+}
+
+struct WindowPool {
+  using Params = EventParams;
+
+  // The rows of slot j of event e: value row (kv), logit rows (score, ape), already offset to the
+  // slot's half; false if the slot is masked or names a row outside its table.
+  struct SlotRows {
+    const float* kv;  // input rows (float32), or null when the slot is in a bf16 ring
+    const float* score;
+    const uint16_t* kv16;  // bf16 ring rows
+    const uint16_t* score16;
+    const float* ape;
+  };
+
+  // Value (kv) and score of channel c of a slot; a bf16 ring (kBf16) rounds input rows alike.
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float kv_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.kv ? fp8::round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
+    return r.kv[c];
+  }
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static float score_at(const SlotRows& r, int64_t c) {
+    if constexpr (kBf16) return r.score ? fp8::round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
+    return r.score[c];
+  }
+  SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
+    const int64_t coff = p.ratio == 4 ? 2 : 1;
+    const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
+    const int64_t ape_row = p.ratio == 4 ? (j & 3) : j;
+    int64_t src;
+    if (p.decode.rows != nullptr) {
+      const int64_t last = window_of(p.ratio) - 1;
+      if (p.decode.positions[e] - last + j < 0) return false;  // before the sequence (C4's entry 0)
+      if (j == last) {
+        src = e;  // the new token: input row e
+      } else {
+        const int64_t r = p.decode.row(e, j);
+        if (r < 0) return false;
+        src = -2 - r;
+      }
+    } else if (p.sources != nullptr) {
+      src = p.sources[e * window_of(p.ratio) + j];
+    } else {
+      src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
+      if (src < 0) src = -1;
+    }
+    rows = SlotRows{nullptr, nullptr, nullptr, nullptr, nullptr};
+    if (src >= 0) {
+      if (src >= p.num_inputs) return false;
+      rows.kv = p.kv + src * p.kv_stride + half;
+      rows.score = p.score + src * p.score_stride + half;
+    } else if (src <= -2) {
+      const int64_t r = -src - 2;
+      if (r >= p.num_ring_rows) return false;
+      const int64_t offset = r * 2 * coff * p.d + half;
+      if (p.ring_bf16) {
+        rows.kv16 = static_cast<const uint16_t*>(p.ring) + offset;
+        rows.score16 = rows.kv16 + coff * p.d;
+      } else {
+        rows.kv = static_cast<const float*>(p.ring) + offset;
+        rows.score = rows.kv + coff * p.d;
+      }
+    } else {
+      return false;
+    }
+    rows.ape = p.ape + ape_row * coff * p.d + half;
+    return true;
+  }
+
+  // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: two passes
+  // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
+  // so the compressor and the fused store produce the same floats. On the host one call covers a
+  // whole 32-channel tile with the channel loop innermost.
+  template <bool kBf16>
+  SPARSEKV_HOST_DEVICE static void pool_tile_as(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                                float (&out)[team::kVirtualPerThread]) {
+    constexpr int kV = team::kVirtualPerThread;
+    const int64_t window = window_of(p.ratio);
+    const int64_t c0 = first + lanes.lane;
+    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
+    float m[kV], sum[kV], acc[kV];
+    for (int v = 0; v < kV; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
+    SlotRows rows;
+    for (int64_t j = 0; j < window; ++j) {
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float logit = team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]);
+        m[v] = logit > m[v] ? logit : m[v];
+      }
+    }
+    for (int64_t j = 0; j < window; ++j) {
+      if (!slot_rows(p, e, j, rows)) continue;
+      for (int v = 0; v < count; ++v) {
+        const float w = expf(team::sub_rn(team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]), m[v]));
+        sum[v] = team::add_rn(sum[v], w);
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, kv_at<kBf16>(rows, c0 + v)));
+      }
+    }
+    for (int v = 0; v < kV; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+  }
+
+  SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
+                                             float (&out)[team::kVirtualPerThread]) {
+    if (p.ring_bf16) {
+      pool_tile_as<true>(p, e, first, lanes, out);
+    } else {
+      pool_tile_as<false>(p, e, first, lanes, out);
+    }
+  }
+};
+
+struct WriteParams {
+  const float* kv;
+  const float* score;
+  int64_t kv_stride;
+  int64_t score_stride;
+  int64_t num_inputs;
+  void* ring;  // float or bf16 (ring_bf16)
+  int64_t num_ring_rows;
+  bool ring_bf16;
+  const int64_t* writes;  // [num_writes, 2]: (input row, ring row)
+  int64_t num_writes;
+  int64_t width;      // coff * d
+  DecodeRows decode{};  // a decode step: write i is input row i into its own ring row (writes unused)
+};
+
+struct RingWrite {
+  using Params = WriteParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_writes; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    const bool decode = p.decode.rows != nullptr;
+    const int64_t src = decode ? i : p.writes[2 * i];
+    const int64_t dst = decode ? p.decode.row(i, window_of(p.decode.ratio) - 1) : p.writes[2 * i + 1];
+    if (src < 0 || src >= p.num_inputs || dst < 0 || dst >= p.num_ring_rows) return;
+    const float* kv = p.kv + src * p.kv_stride;
+    const float* score = p.score + src * p.score_stride;
+    if (p.ring_bf16) {
+      uint16_t* row = static_cast<uint16_t*>(p.ring) + dst * 2 * p.width;
+      for (int64_t c = lanes.lane; c < p.width; c += lanes.count) {
+        row[c] = fp8::float_to_bf16(kv[c]);
+        row[p.width + c] = fp8::float_to_bf16(score[c]);
+      }
+      return;
+    }
+    float* row = static_cast<float*>(p.ring) + dst * 2 * p.width;
+    copy_bytes(row, kv, p.width * 4, lanes);
+    copy_bytes(row + p.width, score, p.width * 4, lanes);
+  }
+};
+
+}  // namespace sparsekv::dsv4_compress
+
+#ifdef SPARSEKV_HOST_ENTRY
+#include <algorithm>
+#include <vector>
+
+#include "sparsekv/ffi.h"
+
+namespace sparsekv::dsv4_compress {
+
+inline int64_t coff_of(int64_t ratio) {
+  if (ratio != 4 && ratio != 128) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `ratio` must be 4 or 128, got " << ratio;
+  }
+  return ratio == 4 ? 2 : 1;
+}
+
+// kv and score: float32 [N, coff * d] (unit last stride); returns d.
+inline int64_t check_inputs(TensorView kv, TensorView score, TensorView ape, int64_t ratio) {
+  const int64_t coff = coff_of(ratio);
+  check(kv, "kv").dtype<float>().ndim(2).rows_dense().on_backend_device();
+  check(score, "score").dtype<float>().ndim(2).rows_dense().same_device(kv, "kv");
+  check(score, "score").size(0, kv.size(0), "rows of kv").size(1, kv.size(1), "width of kv");
+  if (kv.size(1) == 0 || kv.size(1) % coff != 0) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `kv` must have a positive width divisible by " << coff
+                              << " for ratio " << ratio << ", got shape " << shape_string(kv);
+  }
+  check(ape, "ape").dtype<float>().ndim(2).contiguous().same_device(kv, "kv");
+  check(ape, "ape").size(0, ratio, "ratio").size(1, kv.size(1), "width of kv");
+  return kv.size(1) / coff;
+}
+
+// The state ring: float32, or bfloat16 when allow_bf16; returns true for bf16.
+inline bool check_state(TensorView state, TensorView kv, int64_t width, bool allow_bf16) {
+  const bool bf16 = allow_bf16 && state.dtype() == DLDataType{kDLBfloat, 16, 1};
+  if (!bf16) check(state, "state").dtype<float>();
+  check(state, "state").ndim(2).contiguous().same_device(kv, "kv");
+  check(state, "state").size(1, 2 * width, "2 x width of kv");
+  return bf16;
+}
+
+struct ExtendPlan {
+  EventParams events;
+  WriteParams ring;
+};
+
+// Validates one streaming step of the raw ring (inputs, state, the event sources and ring writes)
+// and returns its launch parameters; events write to `out` (null for the fused store).
+inline ExtendPlan check_extend(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                               TensorView sources, TensorView writes, float* out) {
+  const int64_t d = check_inputs(kv, score, ape, ratio);
+  const int64_t width = kv.size(1);
+  const bool ring_bf16 = check_state(state, kv, width, true);
+  check(sources, "sources").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv");
+  check(sources, "sources").size(1, window_of(ratio), "window slots");
+  check(writes, "writes").dtype<int64_t>().ndim(2).contiguous().same_device(kv, "kv").size(1, 2, "pairs");
+  const int64_t ring_rows = state.size(0);
+  if (kv.device().device_type != kDLCUDA) {
+    const auto* src = static_cast<const int64_t*>(sources.data_ptr());
+    for (int64_t k = 0; k < sources.numel(); ++k) {
+      const int64_t v = src[k];
+      if (v >= kv.size(0) || (v <= -2 && -v - 2 >= ring_rows)) {
+        TVM_FFI_THROW(IndexError) << "sparsekv: argument `sources` entry " << k << " = " << v
+                                  << " names a row outside kv (" << kv.size(0) << ") or state (" << ring_rows << ")";
+      }
+    }
+    const auto* w = static_cast<const int64_t*>(writes.data_ptr());
+    for (int64_t k = 0; k < writes.size(0); ++k) {
+      if (w[2 * k] < 0 || w[2 * k] >= kv.size(0) || w[2 * k + 1] < 0 || w[2 * k + 1] >= ring_rows) {
+        TVM_FFI_THROW(IndexError) << "sparsekv: argument `writes` pair " << k << " = (" << w[2 * k] << ", "
+                                  << w[2 * k + 1] << ") is outside kv or state";
+      }
+    }
+  }
+  return {EventParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
+                      state.data_ptr(), ring_rows, ring_bf16, static_cast<const int64_t*>(sources.data_ptr()), out,
+                      sources.size(0), d, ratio},
+          WriteParams{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                      kv.stride(0), score.stride(0), kv.size(0), state.data_ptr(), ring_rows, ring_bf16,
+                      static_cast<const int64_t*>(writes.data_ptr()), writes.size(0), width}};
+}
+
+// Validates a decode step (inputs, state, the state rows and positions of each batch row) and returns
+// its launch parameters; events write to `out` (null for the fused store). Host-readable tables are
+// checked in full: every ring row the step reads or writes is in `state`, no two rows write one ring row.
+inline ExtendPlan check_decode(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
+                               TensorView state_rows, TensorView positions, TensorView emitted, float* out) {
+  const int64_t d = check_inputs(kv, score, ape, ratio);
+  const int64_t width = kv.size(1), batch = kv.size(0), window = window_of(ratio);
+  const bool ring_bf16 = check_state(state, kv, width, true);
+  const bool rows64 = state_rows.dtype() == dtype_of<int64_t>();
+  if (!rows64 && !(state_rows.dtype() == dtype_of<int32_t>())) {
+    TVM_FFI_THROW(TypeError) << "sparsekv: argument `state_rows` must have dtype int32 or int64, got "
+                             << dtype_name(state_rows.dtype());
+  }
+  check(state_rows, "state_rows").ndim(2).rows_dense().same_device(kv, "kv").size(0, batch, "rows of kv");
+  check(state_rows, "state_rows").size(1, window, "the window (8 for ratio 4, 128 for ratio 128)");
+  check(positions, "positions").dtype<int64_t>().ndim(1).contiguous().same_device(kv, "kv");
+  check(positions, "positions").size(0, batch, "rows of kv");
+  check(emitted, "emitted").dtype<bool>().ndim(1).contiguous().same_device(kv, "kv").size(0, batch, "rows of kv");
+  const int64_t ring_rows = state.size(0);
+  const DecodeRows decode{state_rows.data_ptr(), rows64, state_rows.stride(0),
+                          static_cast<const int64_t*>(positions.data_ptr()), ratio};
+  if (kv.device().device_type != kDLCUDA) {
+    std::vector<int64_t> written(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t pos = decode.positions[b];
+      if (pos < 0) TVM_FFI_THROW(IndexError) << "sparsekv: argument `positions`[" << b << "] = " << pos << " is negative";
+      for (int64_t j = pos < window - 1 ? window - 1 - pos : 0; j < window; ++j) {
+        const int64_t r = decode.row(b, j);
+        if (r < 0 || r >= ring_rows) {
+          TVM_FFI_THROW(IndexError) << "sparsekv: argument `state_rows`[" << b << ", " << j << "] = " << r
+                                    << " is outside state [0, " << ring_rows << ")";
+        }
+      }
+      written[b] = decode.row(b, window - 1);
+    }
+    std::sort(written.begin(), written.end());
+    for (int64_t b = 1; b < batch; ++b) {
+      if (written[b] == written[b - 1]) {
+        TVM_FFI_THROW(ValueError) << "sparsekv: argument `state_rows` gives ring row " << written[b]
+                                  << " to the new token of two batch rows";
+      }
+    }
+  }
+  EventParams events{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                     kv.stride(0), score.stride(0), batch, static_cast<const float*>(ape.data_ptr()),
+                     state.data_ptr(), ring_rows, ring_bf16, nullptr, out, batch, d, ratio};
+  events.decode = decode;
+  events.emitted = static_cast<bool*>(emitted.data_ptr());
+  WriteParams ring{static_cast<const float*>(kv.data_ptr()), static_cast<const float*>(score.data_ptr()),
+                   kv.stride(0), score.stride(0), batch, state.data_ptr(), ring_rows, ring_bf16, nullptr, batch, width};
+  ring.decode = decode;
+  return {events, ring};
+}
+
+}  // namespace sparsekv::dsv4_compress
+#endif
