@@ -65,7 +65,16 @@ KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench
                      "bench_dsv4_compress_store.py", "bench_dsv4_indexer.py", "bench_dsv4_quant.py",
                      "bench_dsv4_store.py", "bench_gather_rows.py", "bench_hisparse.py", "bench_hisparse_copy.py",
                      "bench_hisparse_index.py")
-GRAPH_CAPTURE_TEST = "tests/kernels/test_torch_op.py::test_a_captured_decode_step_replays_without_a_host_sync"
+#: CUDA-graph captures: one C4 layer's step without a host sync, the attention backend's whole decode
+#: step replayed with a padding row, and a compressor step replayed from its owned pinned staging.
+GRAPH_CAPTURE_TESTS = (
+    "tests/kernels/test_torch_op.py::test_a_captured_decode_step_replays_without_a_host_sync",
+    "tests/runtime/test_dsv4_attention_backend.py::test_a_replay_with_a_padding_row_equals_eager_for_its_real_rows"
+    "[cuda-resident]",
+    "tests/runtime/test_dsv4_attention_backend.py::test_a_replay_with_a_padding_row_equals_eager_for_its_real_rows"
+    "[cuda-hisparse]",
+    "tests/runtime/test_host_staging.py::test_a_captured_compressor_step_replays_after_its_pinned_neighbours_are_reused",
+)
 #: One small test per kernel family, run under compute-sanitizer (cuda backend only).
 SANITIZER_CASES = {
     "gather_rows": "tests/kernels/test_gather_rows.py::test_gather_matches_torch_indexing",
@@ -114,7 +123,7 @@ def plan(python: str, wheels: Path, work: Path, jobs: int, peer_library: Path = 
                                   str(REPO)], 60),
         *(Step(f"build {backend} modules", [python, "-m", "sparsekv", "jit", "build", "--backend", backend, "--all",
                                             "--jobs", str(jobs)], 180) for backend in ("cuda", "cpu")),
-        Step("graph capture", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", GRAPH_CAPTURE_TEST], 60,
+        Step("graph capture", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GRAPH_CAPTURE_TESTS], 120,
              cuda_tests),
     ]
     # One process per tool (the sanitizer's start-up dominates a small case): every family's case in it.
@@ -170,9 +179,10 @@ def run_step(step: Step, log_dir: Path, left_s: float) -> None:
 def check_plumbing(steps: list[Step], wheels: Path) -> list[str]:
     """What a dry run can check without a GPU: named files, tests and flags exist. Returns the problems."""
     problems = []
-    names = [GRAPH_CAPTURE_TEST, *SANITIZER_CASES.values()]
+    names = [*GRAPH_CAPTURE_TESTS, *SANITIZER_CASES.values()]
     for node in names:
         path, _, test = node.partition("::")
+        test = test.partition("[")[0]  # a parametrized case: its function
         if not (REPO / path).is_file():
             problems.append(f"{path} does not exist")
         elif f"def {test}(" not in (REPO / path).read_text():
