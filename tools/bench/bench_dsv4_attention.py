@@ -54,8 +54,8 @@ from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_indexer import INDEXER_FP8, indexer_scores, indexer_topk
-from sparsekv.kv_layout import V4
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
+from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
 from sparsekv.testing.bench import bar_plot, device_name, open_sweep, time_call, timer, timing_fields
