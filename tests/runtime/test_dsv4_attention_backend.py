@@ -202,7 +202,7 @@ def test_a_replay_with_a_padding_row_equals_eager_for_its_real_rows(backend, his
         assert all(torch.equal(want, have[: len(reqs)]) for want, have in zip(expected, got))
 
 
-REPLAY_BAD = {  # (bs, num_real, rows, positions) -> error, argument named
+REPLAY_BAD = {  # (bs, num_real, rows, positions[, tokens_per_request]) -> error, argument named
     "one row for three": (lambda r, p: (3, 2, r[:1], p), ValueError, "`req_pool_indices`"),
     "short positions": (lambda r, p: (3, 2, r, p[:2]), ValueError, "`positions`"),
     "float rows": (lambda r, p: (3, 2, r.double(), p), TypeError, "`req_pool_indices`"),
@@ -210,6 +210,8 @@ REPLAY_BAD = {  # (bs, num_real, rows, positions) -> error, argument named
     "num_real past bs": (lambda r, p: (3, 4, r, p), ValueError, "`num_real`"),
     "negative num_real": (lambda r, p: (3, -1, r, p), ValueError, "`num_real`"),
     "bs past the state": (lambda r, p: (4, 2, torch.cat([r, r[:1]]), torch.cat([p, p[:1]])), ValueError, "holds 3"),
+    "MTP blocks not dividing bs": (lambda r, p: (3, 2, r, p, 2), ValueError, "`tokens_per_request` = 2 does not"),
+    "no token per request": (lambda r, p: (3, 2, r, p, 0), ValueError, "`tokens_per_request`"),
 }
 
 
