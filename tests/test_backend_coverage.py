@@ -52,7 +52,7 @@ def test_forcing_cpu_and_another_backend_collects_every_kernel_test_twice(other)
 
 def test_every_registered_family_has_a_backend_parametrized_test_file():
     collected = _collect("cpu")
-    stems = {Path(family.header).stem for family in discover().values()}
+    stems = {family.stem for family in discover().values()}
     for stem in sorted(stems):
         path = f"tests/kernels/test_{stem}.py::"
         ids = [t for t in collected if t.startswith(path)]
@@ -61,7 +61,7 @@ def test_every_registered_family_has_a_backend_parametrized_test_file():
 
 def test_every_kernel_stem_has_its_benchmark():
     """A kernel family's header, wrapper, tests and benchmark share its stem (CONTRIBUTING.md, "Layout")."""
-    stems = {Path(family.header).stem for family in discover().values()}
+    stems = {family.stem for family in discover().values()}
     missing = sorted(f"tools/bench/bench_{stem}.py" for stem in stems
                      if not (REPO / "tools" / "bench" / f"bench_{stem}.py").is_file())
     assert not missing, f"kernel stems without a benchmark: {missing}"
@@ -72,7 +72,7 @@ def test_every_family_is_named_under_its_stem():
     and ``hisparse_planned`` select their instances by other template values than their header's first
     family), so a family name always says which header, wrapper, tests and benchmark are its own."""
     for name, family in sorted(discover().items()):
-        stem = Path(family.header).stem
+        stem = family.stem
         assert name == stem or name.startswith(stem + "_"), f"family {name} lives in {family.header}"
         assert f'name="{name}"' in (REPO / "jit_kernel" / f"{stem}.py").read_text(), \
             f"family {name} is not registered by its stem's wrapper jit_kernel/{stem}.py"
@@ -122,7 +122,7 @@ NOT_KERNEL_BENCHMARKS = {"bench_jit_loader.py": "times builds and loads (cpu and
 def test_every_kernel_benchmark_takes_a_backend():
     # A benchmark that times a kernel family's module (it imports a family wrapper) must be able
     # to run it on the GPU too: `--backend cuda`, timed with CUDA events.
-    wrappers = {Path(family.header).stem for family in discover().values()} | {"dsv4"}  # dsv4: the re-exports
+    wrappers = {family.stem for family in discover().values()} | {"dsv4"}  # dsv4: the re-exports
     for bench in sorted((REPO / "tools" / "bench").glob("bench_*.py")):
         text = bench.read_text()
         used = sorted(w for w in wrappers if re.search(rf"from sparsekv\.jit_kernel\.{w} import", text))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.testing.bench import takes_backend
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,9 +45,10 @@ def test_the_dry_run_plans_every_step_and_finds_its_tests_and_benchmarks(gpu_che
         ["bench dsv4_attention vs flashmla"] if gpu_check.PEER_LIBRARY.is_file() else [])
     assert {s["status"] for s in summary["steps"]} == {"planned"}
     assert (tmp_path / "summary.md").read_text().startswith("# sparsekv gpu-check on dry run")
-    # Every kernel family with a test file has its sanitizer case, and every kernel benchmark is run.
-    families = {p.stem[len("test_"):] for p in (REPO / "tests" / "kernels").glob("test_*.py")}
-    assert set(gpu_check.SANITIZER_CASES) <= families
+    # The lists come from the families: the stems it reads from csrc/ are the registered ones, every
+    # family has its sanitizer case, and every benchmark that takes a backend is run.
+    assert gpu_check.KERNEL_STEMS == sorted({family.stem for family in discover().values()})
+    assert sorted(gpu_check.SANITIZER_CASES) == gpu_check.KERNEL_STEMS
     timed = {p.name for p in (REPO / "tools" / "bench").glob("bench_*.py") if takes_backend(p.read_text())}
     assert timed == set(gpu_check.KERNEL_BENCHMARKS)
 
@@ -55,6 +57,13 @@ def test_the_dry_run_reports_a_missing_test(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setitem(gpu_check.SANITIZER_CASES, "gather_rows", "tests/kernels/test_gather_rows.py::test_gone")
     monkeypatch.setattr(gpu_check, "KERNEL_BENCHMARKS", ())
     assert gpu_check.check_plumbing([], tmp_path) == ["tests/kernels/test_gather_rows.py has no test test_gone"]
+
+
+def test_the_dry_run_reports_a_family_without_its_sanitizer_case(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "KERNEL_STEMS", [*gpu_check.KERNEL_STEMS, "new_family"])
+    monkeypatch.setattr(gpu_check, "KERNEL_BENCHMARKS", ())
+    assert gpu_check.check_plumbing([], tmp_path) == [
+        "tests/kernels/test_new_family.py marks 0 tests @pytest.mark.sanitizer_case; one per family"]
 
 
 def test_the_summary_puts_each_kernel_time_beside_its_roofline(gpu_check, tmp_path):

@@ -243,6 +243,64 @@ def test_kernel_headers_include_only_the_shared_headers():
     assert not bad, "\n".join(bad)
 
 
+def _families() -> dict:
+    from sparsekv.jit_kernel.build.registry import discover
+
+    return discover()
+
+
+def test_no_hand_kept_list_of_families():
+    """Every list of kernel families is derived from the registry (``discover()``, ``KernelFamily.stem``)
+    or from the stems' files, never written out: no tuple, list, set or dict literal anywhere in the
+    code or the tests names three families (or their ``bench_<stem>.py`` / ``test_<stem>.py``), so a
+    new family needs no edit outside its own files (docs/kernel-development.md, "To add a kernel family")."""
+    families = _families()
+    names = set(families) | {family.stem for family in families.values()}
+    bad = []
+    for folder in ("sparsekv", "jit_kernel", "srt", "tools", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+                if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or elements is None:
+                    continue
+                named = {e.value.removeprefix("bench_").removeprefix("test_").removesuffix(".py") for e in elements
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)} & names
+                if len(named) >= 3:
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno} lists {sorted(named)}")
+    assert not bad, "derive these from the registry:\n" + "\n".join(bad)
+
+
+def _imports_of_testing(path: Path, kind: str) -> set[str]:
+    """The ``sparsekv.testing.<kind>.<stem>`` modules a test file imports (``kind``: reference, strategies)."""
+    prefix = f"sparsekv.testing.{kind}."
+    return {module[len(prefix):].split(".")[0] for _, _, module in _imports(path) if module.startswith(prefix)}
+
+
+def test_a_family_is_its_stems_files():
+    """Adding a family is its header, wrapper, reference, strategies, tests and benchmark, by stem
+    (docs/kernel-development.md): every registered family's stem has each, where a family that fuses
+    others (the fused compress-store, the indexed swap-in) may take its reference and strategies from
+    the families it fuses (its tests import theirs: their strategies bring their references); and every
+    reference and strategies module is a family's."""
+    stems = sorted({family.stem for family in _families().values()})
+    missing = []
+    for stem in stems:
+        test = REPO / "tests" / "kernels" / f"test_{stem}.py"
+        for path in (f"csrc/{stem}.cuh", f"jit_kernel/{stem}.py", f"tests/kernels/test_{stem}.py",
+                     f"tools/bench/bench_{stem}.py"):
+            if not (REPO / path).is_file():
+                missing.append(path)
+        borrowed = test.is_file() and (_imports_of_testing(test, "reference") | _imports_of_testing(test, "strategies")
+                                       ) & set(stems)
+        for kind in ("reference", "strategies"):
+            if not (REPO / "sparsekv" / "testing" / kind / f"{stem}.py").is_file() and not borrowed:
+                missing.append(f"sparsekv/testing/{kind}/{stem}.py (or the fused families', imported by its tests)")
+    assert not missing, "\n".join(missing)
+    for kind in ("reference", "strategies"):
+        modules = {p.stem for p in (REPO / "sparsekv" / "testing" / kind).glob("*.py")} - {"__init__"}
+        assert modules and modules <= set(stems), f"{kind} modules of no family: {sorted(modules - set(stems))}"
+
+
 def test_planning_imports_neither_the_kernel_package_nor_torch():
     code = ("import sys; import sparsekv.cli.plan_memory, sparsekv.srt.model_executor.plan_breakdown, "
             "sparsekv.srt.model_executor.pool_planner; "

@@ -42,6 +42,7 @@ The wheel folder, prepared on a machine with network (cp312 manylinux, the versi
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -60,11 +61,36 @@ from sparsekv.argtypes import int_range, number_range  # noqa: E402
 from sparsekv.cli import CliParser  # noqa: E402
 
 BENCH_DIR = REPO / "tools" / "bench"
-#: Benchmarks that time a kernel family (the others time the loader, planning or PD transfer).
-KERNEL_BENCHMARKS = ("bench_dsv4_attention.py", "bench_dsv4_compress.py", "bench_dsv4_compress_plan.py",
-                     "bench_dsv4_compress_store.py", "bench_dsv4_indexer.py", "bench_dsv4_quant.py",
-                     "bench_dsv4_store.py", "bench_gather_rows.py", "bench_hisparse.py", "bench_hisparse_copy.py",
-                     "bench_hisparse_index.py")
+KERNEL_TESTS = REPO / "tests" / "kernels"
+#: The mark of each family's one small test that runs under compute-sanitizer (cuda backend only).
+SANITIZER_MARK = "pytest.mark.sanitizer_case"
+
+
+def kernel_stems() -> list[str]:
+    """The kernel families' stems, one header ``csrc/<stem>.cuh`` each. Read from the checkout, not from
+    the registry: a bare image runs this before sparsekv and tvm-ffi are installed
+    (tests/test_gpu_check.py holds the two equal)."""
+    return sorted(p.stem for p in (REPO / "csrc").glob("*.cuh"))
+
+
+def kernel_benchmarks(stems: list[str]) -> tuple[str, ...]:
+    """The families' benchmarks: ``bench_<stem>.py``, and ``bench_<stem>_<what>.py`` where a family's
+    benchmarks split by function (the other benchmarks time the loader, planning or PD transfer)."""
+    return tuple(sorted(p.name for p in BENCH_DIR.glob("bench_*.py")
+                        if any(p.stem == f"bench_{stem}" or p.stem.startswith(f"bench_{stem}_") for stem in stems)))
+
+
+def sanitizer_marked(stem: str) -> list[str]:
+    """The tests of ``tests/kernels/test_<stem>.py`` marked ``@pytest.mark.sanitizer_case``, as node ids."""
+    path = KERNEL_TESTS / f"test_{stem}.py"
+    if not path.is_file():
+        return []
+    return [f"{path.relative_to(REPO)}::{node.name}" for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == SANITIZER_MARK for d in node.decorator_list)]
+
+
+KERNEL_STEMS = kernel_stems()
+KERNEL_BENCHMARKS = kernel_benchmarks(KERNEL_STEMS)
 #: CUDA-graph captures: one C4 layer's step without a host sync, the attention backend's whole decode
 #: step replayed with a padding row, and a compressor step replayed from its owned pinned staging.
 GRAPH_CAPTURE_TESTS = (
@@ -75,19 +101,8 @@ GRAPH_CAPTURE_TESTS = (
     "[cuda-hisparse]",
     "tests/runtime/test_host_staging.py::test_a_captured_compressor_step_replays_after_its_pinned_neighbours_are_reused",
 )
-#: One small test per kernel family, run under compute-sanitizer (cuda backend only).
-SANITIZER_CASES = {
-    "gather_rows": "tests/kernels/test_gather_rows.py::test_gather_matches_torch_indexing",
-    "hisparse_copy": "tests/kernels/test_hisparse_copy.py::test_transfer_cache_dsv4_mla_copies_paged_token",
-    "dsv4_quant": "tests/kernels/test_dsv4_quant.py::test_edge_blocks_hit_exact_scales",
-    "dsv4_compress": "tests/kernels/test_dsv4_compress.py::test_c4_entry_zero_uses_only_the_b_halves",
-    "dsv4_store": "tests/kernels/test_dsv4_store.py::test_streamed_entries_store_the_one_shot_cache_bytes",
-    "dsv4_compress_store":
-        "tests/kernels/test_dsv4_compress_store.py::test_fused_store_with_a_bad_slot_changes_nothing",
-    "dsv4_indexer": "tests/kernels/test_dsv4_indexer.py::test_ties_at_the_threshold_go_to_the_lower_positions",
-    "dsv4_attention": "tests/kernels/test_dsv4_attention.py::test_a_slot_listed_twice_counts_twice",
-    "hisparse": "tests/kernels/test_hisparse.py::test_hits_newest_and_lru_then_misses_take_lru_slots",
-}
+#: Each family's sanitizer case, by stem (a family marking none, or several, is a plumbing problem).
+SANITIZER_CASES = {stem: marked[0] for stem in KERNEL_STEMS if len(marked := sanitizer_marked(stem)) == 1}
 SANITIZER_TOOLS = ("memcheck", "racecheck")
 #: FlashMLA's kernels as a peer of our attention (docs/flashmla.md): built by tools/peers/build_flashmla.sh
 #: into this ignored folder, carried with the tree; its step runs only where the library is present.
@@ -178,7 +193,8 @@ def run_step(step: Step, log_dir: Path, left_s: float) -> None:
 
 def check_plumbing(steps: list[Step], wheels: Path) -> list[str]:
     """What a dry run can check without a GPU: named files, tests and flags exist. Returns the problems."""
-    problems = []
+    problems = [f"tests/kernels/test_{stem}.py marks {len(marked)} tests @{SANITIZER_MARK}; one per family"
+                for stem in KERNEL_STEMS if len(marked := sanitizer_marked(stem)) != 1]
     names = [*GRAPH_CAPTURE_TESTS, *SANITIZER_CASES.values()]
     for node in names:
         path, _, test = node.partition("::")

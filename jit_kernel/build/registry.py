@@ -95,6 +95,12 @@ class KernelFamily:
     # module's first load in a process.
     _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
+    @property
+    def stem(self) -> str:
+        """The stem of the family's header (``dsv4_indexer`` for ``dsv4_indexer.cuh``): the name its wrapper,
+        reference, strategies, tests, benchmarks and Triton twin share (several families may share one)."""
+        return self.header.removesuffix(".cuh")
+
     def template_args(self, values: Mapping[str, object]) -> tuple:
         """Validate ``values`` and return the C++ template arguments (compiles nothing).
 

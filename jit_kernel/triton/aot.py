@@ -1,8 +1,9 @@
 """Ahead-of-time compile of every Triton kernel for CUDA archs, without a GPU (``sparsekv jit build --triton``).
 
-Each Triton module lists its kernels' launch shapes in ``AOT_KERNELS`` (:class:`AotKernel`: the
-argument types, the values of the integer arguments at the benchmark's serving shape, the
-constexprs and the warps of the configurations the launcher uses). Each is compiled as the JIT
+Each Triton twin (:func:`triton_modules`: ``jit_kernel/triton/<stem>.py`` of a registered family)
+lists its kernels' launch shapes in ``AOT_KERNELS`` (:class:`AotKernel`: one typed value per argument,
+:class:`Pointer`, :class:`Int` at the benchmark's serving shape, :class:`Float` or :class:`Constexpr`,
+and the warps of the configurations the launcher uses). Each is compiled as the JIT
 compiles a launch with those arguments (:func:`specialization`): an integer argument equal to 1
 becomes a constant, one divisible by 16 carries ``tt.divisibility = 16``, one past int32 is i64,
 16-byte aligned pointers carry the divisibility too, and the stages and warps are the JIT's
@@ -27,21 +28,57 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["AotKernel", "TRITON_MODULES", "aot_kernels", "build", "compile_inputs", "cubin_registers",
-           "specialization"]
+__all__ = ["AotKernel", "Constexpr", "Float", "Int", "Pointer", "aot_kernels", "build", "compile_inputs",
+           "cubin_registers", "specialization", "triton_modules"]
 
-#: Modules (under ``sparsekv.jit_kernel.triton``) whose ``AOT_KERNELS`` are compiled.
-TRITON_MODULES = ("dsv4_attention", "dsv4_compress", "dsv4_compress_store", "dsv4_indexer", "dsv4_quant",
-                  "dsv4_store")
 _SUBDIR = ".triton"
 
 
 @dataclass(frozen=True)
+class Pointer:
+    """A tensor argument: its element type (triton's name: ``"fp32"``, ``"bf16"``, ``"u8"``, ``"i64"``,
+    ``"u1"`` for bool) and whether the launcher's tensor is 16-byte aligned, which the JIT specializes on
+    (a fresh torch allocation is; a table the launcher may get as a view at an offset is not assumed to be)."""
+
+    dtype: str
+    aligned: bool = True
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer argument and its value at the benchmark's serving shape, which the JIT specializes on
+    (:func:`specialization`)."""
+
+    value: int
+
+
+@dataclass(frozen=True)
+class Float:
+    """A float32 scalar argument (not specialized)."""
+
+
+@dataclass(frozen=True)
+class Constexpr:
+    """A ``tl.constexpr`` argument and its value."""
+
+    value: object
+
+
+_ARGUMENT_TYPES = (Pointer, Int, Float, Constexpr)
+
+
+def _int_type(value: int) -> str:
+    """The type the JIT gives an integer argument: i32 when it fits, else i64 (u64 past that)."""
+    return "i32" if -2**31 <= value < 2**31 else "i64" if -2**63 <= value < 2**63 else "u64"
+
+
+@dataclass(frozen=True)
 class AotKernel:
-    """One launch configuration of a ``@triton.jit`` kernel.
+    """One launch configuration of a ``@triton.jit`` kernel, described by one typed value per argument.
 
     Attributes
     ----------
@@ -49,34 +86,76 @@ class AotKernel:
         ``<stem>.<kernel>[config]``, unique.
     fn : object
         The ``triton.runtime.JITFunction``.
-    signature : dict
-        Argument name -> triton type (``"*u8"``, ``"i64"``, ``"fp32"``, ``"constexpr"``).
-    constexprs : dict
-        Values of the constexpr arguments.
+    arguments : Mapping[str, Pointer | Int | Float | Constexpr]
+        Every argument of ``fn``, by name (no other): what the launcher passes at the benchmark's
+        serving shape. The triton signature, the constexprs, the aligned pointers and the integer
+        values are derived from it.
     num_warps : int
-    aligned : tuple
-        Pointer arguments assumed 16-byte aligned (what the JIT specializes on for torch allocations).
     options : dict
         Further compile options the launcher passes (e.g. ``enable_fp_fusion=False``).
-    args : dict
-        Value of every integer argument at the benchmark's serving shape (strides, counts, shifts):
-        what the JIT specializes on.
+
+    Raises
+    ------
+    ValueError
+        ``arguments`` misses an argument of ``fn`` or names one it does not have.
+    TypeError
+        An argument is not described by one of the four types.
     """
 
     name: str
     fn: object
-    signature: dict
-    constexprs: dict
+    arguments: Mapping[str, Pointer | Int | Float | Constexpr]
     num_warps: int = 4
-    aligned: tuple = field(default=())
-    options: dict = field(default_factory=dict)
-    args: dict = field(default_factory=dict)
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = list(self.fn.arg_names)
+        missing = [n for n in names if n not in self.arguments]
+        unknown = [n for n in self.arguments if n not in names]
+        if missing or unknown:
+            raise ValueError(f"sparsekv: AOT kernel {self.name}: `arguments` must describe exactly the kernel's "
+                             f"arguments {names}; missing {missing}, unknown {unknown}")
+        untyped = [n for n, a in self.arguments.items() if not isinstance(a, _ARGUMENT_TYPES)]
+        if untyped:
+            raise TypeError(f"sparsekv: AOT kernel {self.name}: arguments {untyped} must be a Pointer, Int, Float or "
+                            f"Constexpr")
+
+    @property
+    def signature(self) -> dict[str, str]:
+        """Argument name -> triton type (``"*u8"``, ``"i32"``, ``"fp32"``, ``"constexpr"``), in argument order."""
+        kinds = {Pointer: lambda a: f"*{a.dtype}", Int: lambda a: _int_type(a.value), Float: lambda a: "fp32",
+                 Constexpr: lambda a: "constexpr"}
+        return {n: kinds[type(self.arguments[n])](self.arguments[n]) for n in self.fn.arg_names}
+
+    @property
+    def constexprs(self) -> dict[str, object]:
+        """Values of the constexpr arguments."""
+        return {n: a.value for n, a in self.arguments.items() if isinstance(a, Constexpr)}
+
+    @property
+    def aligned(self) -> tuple[str, ...]:
+        """Pointer arguments assumed 16-byte aligned."""
+        return tuple(n for n, a in self.arguments.items() if isinstance(a, Pointer) and a.aligned)
+
+    @property
+    def args(self) -> dict[str, int]:
+        """Value of every integer argument at the serving shape: what the JIT specializes on."""
+        return {n: a.value for n, a in self.arguments.items() if isinstance(a, Int)}
+
+
+def triton_modules() -> list[str]:
+    """The Triton twins of the registered kernel families: ``jit_kernel/triton/<stem>.py`` of every
+    family stem that has one (each defines ``AOT_KERNELS``)."""
+    from sparsekv.jit_kernel.build.registry import discover
+
+    here = Path(__file__).resolve().parent
+    return sorted({family.stem for family in discover().values() if (here / f"{family.stem}.py").is_file()})
 
 
 def aot_kernels() -> list[AotKernel]:
-    """Every kernel configuration of :data:`TRITON_MODULES`."""
+    """Every kernel configuration of :func:`triton_modules`."""
     found = []
-    for stem in TRITON_MODULES:
+    for stem in triton_modules():
         found += importlib.import_module(f"sparsekv.jit_kernel.triton.{stem}").AOT_KERNELS
     return found
 
@@ -132,42 +211,29 @@ def cubin_registers(cubin: bytes) -> int:
     return registers
 
 
-_INT_TYPES = ("i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
 _DIVISIBLE = [["tt.divisibility", 16]]
 
 
 def specialization(kernel: AotKernel) -> tuple[dict, dict, dict]:
     """``(signature, constexprs, attrs)`` of ``kernel`` as the JIT specializes a launch with its
-    :attr:`AotKernel.args`: an integer of 1 is a constant, an integer's type is i32 when it fits,
-    else i64 (u64 past that), an integer divisible by 16 and a pointer in ``aligned`` carry
-    ``tt.divisibility = 16``; floats and bools are not specialized. ``attrs`` hold, in argument
-    order and keyed by argument path, what the JIT records: the divisibility, or no attribute
-    (``[]``) for every other pointer, integer and constant argument.
-
-    Raises
-    ------
-    ValueError
-        An integer argument of the signature has no value in ``args``.
-    """
-    signature, constexprs, attrs = {}, dict(kernel.constexprs), {}
+    arguments: an integer of 1 is a constant, an integer's type is i32 when it fits, else i64 (u64
+    past that), an integer divisible by 16 and an aligned pointer carry ``tt.divisibility = 16``;
+    floats are not specialized. ``attrs`` hold, in argument order and keyed by argument path, what
+    the JIT records: the divisibility, or no attribute (``[]``) for every other pointer, integer and
+    constant argument."""
+    signature, constexprs, attrs = kernel.signature, kernel.constexprs, {}
     for position, name in enumerate(kernel.fn.arg_names):
-        kind = kernel.signature[name]
-        signature[name] = kind
+        argument = kernel.arguments[name]
+        if isinstance(argument, Float):
+            continue  # not specialized, no attribute
         divisible = False
-        if kind.startswith("*"):
-            divisible = name in kernel.aligned
-        elif kind in _INT_TYPES:
-            if name not in kernel.args:
-                raise ValueError(f"sparsekv: AOT kernel {kernel.name}: integer argument `{name}` has no value in "
-                                 f"`args` (the benchmark's value, which the JIT specializes on)")
-            value = kernel.args[name]
-            if value == 1:
+        if isinstance(argument, Pointer):
+            divisible = argument.aligned
+        elif isinstance(argument, Int):
+            if argument.value == 1:
                 signature[name], constexprs[name] = "constexpr", 1
             else:
-                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64" if -2**63 <= value < 2**63 else "u64"
-                divisible = value % 16 == 0
-        elif kind != "constexpr":
-            continue  # floats and bools: not specialized, no attribute
+                divisible = argument.value % 16 == 0
         attrs[(position,)] = _DIVISIBLE if divisible else []
     return signature, constexprs, attrs
 

@@ -387,42 +387,35 @@ def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Float, Int, Pointer
 
-    source = {"cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32", "num_slots": "i64", "idx_ptr": "*i32",
-              "idx_stride": "i64", "count": "i32"}
-    extra = {"x_" + k: v for k, v in source.items()}
-    pointers = ("q_ptr", "cache_ptr", "idx_ptr", "x_cache_ptr", "x_idx_ptr", "sink_ptr", "lengths_ptr", "out_ptr",
-                "lse_ptr",
-                "part_out_ptr", "part_lse_ptr")
+    def source(prefix: str, num_slots: int, count: int) -> dict:
+        """A paged V4 cache of 64-slot pages and its index table of ``count`` entries per row."""
+        return {f"{prefix}cache_ptr": Pointer("u8"), f"{prefix}page_stride": Int(V4.page_bytes(64)),
+                f"{prefix}page_shift": Int(6), f"{prefix}num_slots": Int(num_slots), f"{prefix}idx_ptr": Pointer("i32"),
+                f"{prefix}idx_stride": Int(count), f"{prefix}count": Int(count)}
+
     kernels = []
     # The model's bf16 q and bf16 output, and the float32 q (rounded to bf16 once) with float32 output. The
     # integer arguments at the benchmark's serving shapes: 64 heads, top-k 512 over 64-slot C4 pages
     # plus a 128-entry window (the extra cache), batch 64 for bf16 q and batch 1 for float32 q, with
     # the GPU's default splits.
-    for q_type in ("*bf16", "*fp32"):
-        batch = 64 if q_type == "*bf16" else 1
+    for q_type in ("bf16", "fp32"):
+        batch = 64 if q_type == "bf16" else 1
         splits = default_splits(torch.device("cuda"), batch, 64, 512 + 128)
-        args = {"q_stride_b": 64 * 512, "q_stride_h": 512, "page_stride": V4.page_bytes(64), "page_shift": 6,
-                "num_slots": batch * 512, "idx_stride": 512, "count": 512, "x_page_stride": V4.page_bytes(64),
-                "x_page_shift": 6, "x_num_slots": batch * 128, "x_idx_stride": 128, "x_count": 128, "heads": 64,
-                "num_splits": splits, "split_len": -(-(512 + 128) // splits)}
-        constexprs = {"BLOCK_H": MAX_BLOCK_H, "BLOCK_N": BLOCK_N, "HAS_EXTRA": True,
-                      "HAS_LENGTHS": True, "NATIVE_BF16": True}
-        signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", **source, **extra,
-                     "sink_ptr": "*fp32", "scale_log2": "fp32", "heads": "i32", "num_splits": "i32",
-                     "split_len": "i32", "lengths_ptr": "*i32", "out_ptr": q_type, "lse_ptr": "*fp32",
-                     "part_out_ptr": "*fp32",
-                     "part_lse_ptr": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
-        kernels.append(AotKernel(f"dsv4_attention.partial[{q_type[1:]}]", attention_partial_kernel, signature,
-                                 constexprs, NUM_WARPS, pointers, args=args))
-        signature = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": q_type,
-                     "lse_ptr": "*fp32", "heads": "i32", "num_splits": "i32", "BLOCK_S": "constexpr",
-                     "NATIVE_BF16": "constexpr"}
-        kernels.append(AotKernel(f"dsv4_attention.combine[{q_type[1:]}]", attention_combine_kernel, signature,
-                                 {"BLOCK_S": triton.next_power_of_2(splits), "NATIVE_BF16": True}, 4,
-                                 ("part_out_ptr", "part_lse_ptr", "sink_ptr", "out_ptr", "lse_ptr"),
-                                 args={"heads": 64, "num_splits": splits}))
+        partials = {"part_out_ptr": Pointer("fp32"), "part_lse_ptr": Pointer("fp32"), "sink_ptr": Pointer("fp32"),
+                    "out_ptr": Pointer(q_type), "lse_ptr": Pointer("fp32"), "heads": Int(64),
+                    "num_splits": Int(splits), "NATIVE_BF16": Constexpr(True)}
+        kernels.append(AotKernel(f"dsv4_attention.partial[{q_type}]", attention_partial_kernel,
+                                 {"q_ptr": Pointer(q_type), "q_stride_b": Int(64 * 512), "q_stride_h": Int(512),
+                                  **source("", batch * 512, 512), **source("x_", batch * 128, 128),
+                                  "scale_log2": Float(), "split_len": Int(-(-(512 + 128) // splits)),
+                                  "lengths_ptr": Pointer("i32"), **partials, "BLOCK_H": Constexpr(MAX_BLOCK_H),
+                                  "BLOCK_N": Constexpr(BLOCK_N), "HAS_EXTRA": Constexpr(True),
+                                  "HAS_LENGTHS": Constexpr(True)},
+                                 NUM_WARPS))
+        kernels.append(AotKernel(f"dsv4_attention.combine[{q_type}]", attention_combine_kernel,
+                                 {**partials, "BLOCK_S": Constexpr(triton.next_power_of_2(splits))}, 4))
     return kernels
 
 

@@ -152,19 +152,19 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Int, Pointer
 
     kernels = []
     for ratio in (4, 128):
         for d in (512, 128):  # the main compressor and the indexer's
             block, warps = compress_pool_launch(d)
-            constexprs = {"RATIO": ratio, "BLOCK_D": block, "NATIVE": True}
-            signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64",
-                         "ape_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32", **dict.fromkeys(constexprs, "constexpr")}
             width = (2 if ratio == 4 else 1) * d  # contiguous [T, coff * d] kv and score, as the benchmark's
-            kernels.append(AotKernel(f"dsv4_compress.pool[C{ratio},d{d}]", compress_pool_kernel, signature,
-                                     constexprs, warps, ("kv_ptr", "score_ptr", "ape_ptr", "out_ptr"),
-                                     LAUNCH_OPTIONS, args={"kv_stride": width, "score_stride": width, "d": d}))
+            kernels.append(AotKernel(f"dsv4_compress.pool[C{ratio},d{d}]", compress_pool_kernel,
+                                     {"kv_ptr": Pointer("fp32"), "score_ptr": Pointer("fp32"), "kv_stride": Int(width),
+                                      "score_stride": Int(width), "ape_ptr": Pointer("fp32"),
+                                      "out_ptr": Pointer("fp32"), "d": Int(d), "RATIO": Constexpr(ratio),
+                                      "BLOCK_D": Constexpr(block), "NATIVE": Constexpr(True)},
+                                     warps, LAUNCH_OPTIONS))
     return kernels
 
 

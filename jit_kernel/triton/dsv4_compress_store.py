@@ -436,57 +436,56 @@ def _write_ring(kv, score, ring, ring_rows, writes, rows_stride, count, ring_bf1
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Float, Int, Pointer
 
-    common = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "kv_stride": "i64", "score_stride": "i64"}
-    store = {"weight_ptr": "*fp32", "eps": "fp32"}
-    rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64", "slots_ptr": "*i64", "cache_ptr": "*u8",
-            "page_stride": "i64", "page_shift": "i32", "num_slots": "i64"}
+    def rows(kv_width: int, ring_bf16: bool, ring_rows: int) -> dict:
+        """Contiguous fp32 [T, coff * d] kv and score, and a float32 or bf16 ring of ``ring_rows`` rows."""
+        return {"kv_ptr": Pointer("fp32"), "score_ptr": Pointer("fp32"), "kv_stride": Int(kv_width),
+                "score_stride": Int(kv_width), "ring_ptr": Pointer("i16" if ring_bf16 else "fp32"),
+                "num_ring_rows": Int(ring_rows)}
+
+    def store(kind: str) -> dict:
+        """The store's arguments: a 64k-position RoPE table, 64-slot pages of 1024 pages."""
+        return {"weight_ptr": Pointer("fp32"), "eps": Float(), "cos_ptr": Pointer("fp32", aligned=False),
+                "sin_ptr": Pointer("fp32", aligned=False), "rope_positions": Int(65536),
+                "slots_ptr": Pointer("i64", aligned=False), "cache_ptr": Pointer("u8"),
+                "page_stride": Int(KINDS[kind][2].page_bytes(64)), "page_shift": Int(6), "num_slots": Int(65536),
+                "positions_ptr": Pointer("i64", aligned=False)}
+
     # V4 at both ratios, float32 and bf16 rings (the decode's state rows int64 and int32 alike); the
     # indexer caches at C4 with a float32 ring.
     configs = [("V4", ratio, ring_bf16) for ratio in (4, 128) for ring_bf16 in (False, True)]
     configs += [(kind, 4, False) for kind in ("INDEXER_FP8", "INDEXER_FP4")]
     # The integer arguments at the benchmark's serving shape: a 4k-token prefill chunk (a decode step of
-    # batch 64), contiguous fp32 [T, coff * d] kv and score, a ring of 2 * window rows per request, a
-    # 64k-position RoPE table, 64-slot pages of 1024 pages.
+    # batch 64), a ring of 2 * window rows per request.
     kernels = []
     for kind, ratio, ring_bf16 in configs:
-        constexprs = {"RATIO": ratio, "RING_BF16": ring_bf16, "KIND": KINDS[kind][0], "PACKED": True,
-                      "NATIVE": True}
-        d = 512 if kind == "V4" else 128
-        width = (2 if ratio == 4 else 1) * d
+        constexprs = {"RATIO": Constexpr(ratio), "RING_BF16": Constexpr(ring_bf16), "KIND": Constexpr(KINDS[kind][0]),
+                      "PACKED": Constexpr(True), "NATIVE": Constexpr(True)}
+        width = (2 if ratio == 4 else 1) * (512 if kind == "V4" else 128)
         ring_rows = 2 * (8 if ratio == 4 else 128)
-        serving = {"kv_stride": width, "score_stride": width, "rope_positions": 65536,
-                   "page_stride": KINDS[kind][2].page_bytes(64), "page_shift": 6, "num_slots": 65536}
-        ring = "*i16" if ring_bf16 else "*fp32"
         what = f"{kind},C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring"
-        signature = {**common, "num_inputs": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
-                     "sources_ptr": "*i64", **store, "positions_ptr": "*i64", **rope,
-                     **dict.fromkeys(constexprs, "constexpr")}
-        kernels.append(AotKernel(f"dsv4_compress_store.prefill[{what}]", compress_store_kernel, signature,
-                                 constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "sources_ptr",
-                                                         "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS,
-                                 args={**serving, "num_inputs": 4096, "num_ring_rows": ring_rows}))
-        signature = {**common, "batch": "i64", "ape_ptr": "*fp32", "ring_ptr": ring, "num_ring_rows": "i64",
-                     "rows_ptr": "*i32" if ring_bf16 else "*i64", "rows_stride": "i64", "positions_ptr": "*i64",
-                     "out_ptr": "*fp32", "emitted_ptr": "*u1", **store, **rope,
-                     **dict.fromkeys(constexprs, "constexpr")}
-        kernels.append(AotKernel(f"dsv4_compress_store.decode[{what}]", compress_decode_store_kernel, signature,
-                                 constexprs, NUM_WARPS, ("kv_ptr", "score_ptr", "ape_ptr", "ring_ptr", "rows_ptr",
-                                                         "out_ptr", "weight_ptr", "cache_ptr"), LAUNCH_OPTIONS,
-                                 args={**serving, "batch": 64, "num_ring_rows": 64 * ring_rows,
-                                       "rows_stride": 2 * ring_rows}))
+        kernels.append(AotKernel(f"dsv4_compress_store.prefill[{what}]", compress_store_kernel,
+                                 {**rows(width, ring_bf16, ring_rows), "num_inputs": Int(4096),
+                                  "ape_ptr": Pointer("fp32"), "sources_ptr": Pointer("i64"), **store(kind),
+                                  **constexprs},
+                                 NUM_WARPS, LAUNCH_OPTIONS))
+        kernels.append(AotKernel(f"dsv4_compress_store.decode[{what}]", compress_decode_store_kernel,
+                                 {**rows(width, ring_bf16, 64 * ring_rows), "batch": Int(64),
+                                  "ape_ptr": Pointer("fp32"), "rows_ptr": Pointer("i32" if ring_bf16 else "i64"),
+                                  "rows_stride": Int(2 * ring_rows), "out_ptr": Pointer("fp32"),
+                                  "emitted_ptr": Pointer("u1", aligned=False), **store(kind), **constexprs},
+                                 NUM_WARPS, LAUNCH_OPTIONS))
     for ring_bf16 in (False, True):
         for decode in (False, True):
-            constexprs = {"RING_BF16": ring_bf16, "BLOCK": 1024, "WINDOW": 8 if decode else 0, "DECODE": decode}
-            signature = {**common, "num_inputs": "i64", "ring_ptr": "*i16" if ring_bf16 else "*fp32",
-                         "num_ring_rows": "i64", "writes_ptr": "*i32" if decode and ring_bf16 else "*i64",
-                         "rows_stride": "i64", "width": "i64", **dict.fromkeys(constexprs, "constexpr")}
             name = f"dsv4_compress_store.ring_write[{'bf16' if ring_bf16 else 'fp32'}{',decode' if decode else ''}]"
-            args = {"kv_stride": 1024, "score_stride": 1024, "num_inputs": 64 if decode else 4096,
-                    "num_ring_rows": 64 * 16, "rows_stride": 2 * 16 if decode else 16, "width": 2048}
-            kernels.append(AotKernel(name, ring_write_kernel, signature, constexprs, NUM_WARPS,
-                                     ("kv_ptr", "score_ptr", "ring_ptr", "writes_ptr"), LAUNCH_OPTIONS, args=args))
+            kernels.append(AotKernel(name, ring_write_kernel,
+                                     {**rows(1024, ring_bf16, 64 * 16), "num_inputs": Int(64 if decode else 4096),
+                                      "writes_ptr": Pointer("i32" if decode and ring_bf16 else "i64"),
+                                      "rows_stride": Int(2 * 16 if decode else 16), "width": Int(2048),
+                                      "RING_BF16": Constexpr(ring_bf16), "BLOCK": Constexpr(1024),
+                                      "WINDOW": Constexpr(8 if decode else 0), "DECODE": Constexpr(decode)},
+                                     NUM_WARPS, LAUNCH_OPTIONS))
     return kernels
 
 

@@ -460,53 +460,55 @@ def indexer_topk(scores, positions, out, page_table, out_slots, page_size, works
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Int, Pointer
 
     kernels = []
     for layout in ("fp8", "fp4"):
-        for q_type, split in (("*bf16", False), ("*fp32", True)):
-            constexprs = {"FP4": layout == "fp4", "SPLIT": split, "BLOCK_HI": MAX_HEADS, "BLOCK_E": BLOCK_E,
-                          "ENTRIES": ENTRIES, "NATIVE_BF16": True}
-            signature = {"q_ptr": q_type, "q_stride_b": "i64", "q_stride_h": "i64", "w_ptr": "*fp32",
-                         "w_stride": "i64", "cache_ptr": "*u8", "page_stride": "i64", "num_pages": "i64",
-                         "page_shift": "i32", "table_ptr": "*i32", "table_stride": "i64", "max_pages": "i64",
-                         "positions_ptr": "*i64", "out_ptr": "*fp32", "out_stride": "i64", "width": "i64",
-                         "heads": "i32", **dict.fromkeys(constexprs, "constexpr")}
+        for q_type, split in (("bf16", False), ("fp32", True)):
             # The benchmark's serving shape: one row of 64 heads over 64k entries in 1024 pages of 64.
-            args = {"q_stride_b": 64 * 128, "q_stride_h": 128, "w_stride": 64,
-                    "page_stride": _LAYOUTS[layout].page_bytes(64), "num_pages": 1024, "page_shift": 6,
-                    "table_stride": 1024, "max_pages": 1024, "out_stride": 65536, "width": 65536, "heads": 64}
-            kernels.append(AotKernel(f"dsv4_indexer.scores[{layout},{q_type[1:]}]", indexer_scores_kernel, signature,
-                                     constexprs, NUM_WARPS, ("q_ptr", "w_ptr", "cache_ptr", "table_ptr", "out_ptr"),
-                                     args=args))
-    slots = {"tokens_stride": "i64", "slots_ptr": "*i32", "slots_stride": "i64", "table_ptr": "*i32",
-             "table_stride": "i64", "max_pages": "i64", "page_shift": "i32"}
-    constexprs = {"HAS_SLOTS": True, "BLOCK": TOPK_BLOCK}
-    signature = {"scores_ptr": "*fp32", "scores_stride": "i64", "width": "i64", "positions_ptr": "*i64", "k": "i32",
-                 "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
+            kernels.append(AotKernel(
+                f"dsv4_indexer.scores[{layout},{q_type}]", indexer_scores_kernel,
+                {"q_ptr": Pointer(q_type), "q_stride_b": Int(64 * 128), "q_stride_h": Int(128),
+                 "w_ptr": Pointer("fp32"), "w_stride": Int(64), "cache_ptr": Pointer("u8"),
+                 "page_stride": Int(_LAYOUTS[layout].page_bytes(64)), "num_pages": Int(1024), "page_shift": Int(6),
+                 "table_ptr": Pointer("i32"), "table_stride": Int(1024), "max_pages": Int(1024),
+                 "positions_ptr": Pointer("i64", aligned=False), "out_ptr": Pointer("fp32"), "out_stride": Int(65536),
+                 "width": Int(65536), "heads": Int(64), "FP4": Constexpr(layout == "fp4"), "SPLIT": Constexpr(split),
+                 "BLOCK_HI": Constexpr(MAX_HEADS), "BLOCK_E": Constexpr(BLOCK_E), "ENTRIES": Constexpr(ENTRIES),
+                 "NATIVE_BF16": Constexpr(True)},
+                NUM_WARPS))
+
+    def slots(k: int) -> dict:
+        """The top-k's outputs for k columns: tokens and, through a 1024-page table of 64, slots."""
+        return {"k": Int(k), "tokens_ptr": Pointer("i32"), "tokens_stride": Int(k), "slots_ptr": Pointer("i32"),
+                "slots_stride": Int(k), "table_ptr": Pointer("i32"), "table_stride": Int(1024),
+                "max_pages": Int(1024), "page_shift": Int(6), "HAS_SLOTS": Constexpr(True)}
+
     # Top-k of one 64k-score row (1024 pages of 64), k = 2048 for the radix kernel, k = 512 for the levels.
-    paged = {"table_stride": 1024, "max_pages": 1024, "page_shift": 6}
-    kernels.append(AotKernel("dsv4_indexer.topk_radix", topk_radix_kernel, signature, constexprs, NUM_WARPS,
-                             ("scores_ptr", "tokens_ptr", "slots_ptr", "table_ptr"),
-                             args={"scores_stride": 65536, "width": 65536, "k": 2048, "tokens_stride": 2048,
-                                   "slots_stride": 2048, **paged}))
+    kernels.append(AotKernel("dsv4_indexer.topk_radix", topk_radix_kernel,
+                             {"scores_ptr": Pointer("fp32"), "scores_stride": Int(65536), "width": Int(65536),
+                              "positions_ptr": Pointer("i64", aligned=False), **slots(2048),
+                              "BLOCK": Constexpr(TOPK_BLOCK)},
+                             NUM_WARPS))
+
     # The plan of a 64k-entry row, k = 512: one level of 4096-item chunks from the scores, the finish of 8192.
-    lists = {"scores_ptr": "*fp32", "keys_ptr": "*i32", "index_ptr": "*i32", "src_stride": "i64", "length": "i64",
-             "positions_ptr": "*i64", "width": "i64"}
-    constexprs = {"FIRST": True, "CHUNK": TOPK_CHUNK}
-    signature = {**lists, "keep": "i32", "chunks": "i64", "out_keys_ptr": "*i32", "out_index_ptr": "*i32",
-                 "out_stride": "i64", **dict.fromkeys(constexprs, "constexpr")}
-    kernels.append(AotKernel("dsv4_indexer.topk_chunk", topk_chunk_kernel, signature, constexprs, _warps(TOPK_CHUNK),
-                             ("scores_ptr", "keys_ptr", "index_ptr", "out_keys_ptr", "out_index_ptr"),
-                             args={"src_stride": 65536, "length": 65536, "width": 65536, "keep": 512,
-                                   "chunks": 65536 // TOPK_CHUNK, "out_stride": 65536 // TOPK_CHUNK * 512}))
-    constexprs = {"FIRST": False, "HAS_SLOTS": True, "BLOCK": TOPK_FINAL}
-    signature = {**lists, "k": "i32", "tokens_ptr": "*i32", **slots, **dict.fromkeys(constexprs, "constexpr")}
-    listed = 65536 // TOPK_CHUNK * 512
-    kernels.append(AotKernel("dsv4_indexer.topk_finish", topk_finish_kernel, signature, constexprs,
-                             _warps(TOPK_FINAL), ("keys_ptr", "index_ptr", "tokens_ptr", "slots_ptr", "table_ptr"),
-                             args={"src_stride": listed, "length": listed, "width": 65536, "k": 512,
-                                   "tokens_stride": 512, "slots_stride": 512, **paged}))
+    def lists(length: int, scores_aligned: bool) -> dict:
+        """A level's input: the scores (or the previous level's keys and indices), rows of ``length``."""
+        return {"scores_ptr": Pointer("fp32", aligned=scores_aligned), "keys_ptr": Pointer("i32"),
+                "index_ptr": Pointer("i32"), "src_stride": Int(length), "length": Int(length),
+                "positions_ptr": Pointer("i64", aligned=False), "width": Int(65536)}
+
+    chunks = 65536 // TOPK_CHUNK
+    kernels.append(AotKernel("dsv4_indexer.topk_chunk", topk_chunk_kernel,
+                             {**lists(65536, True), "keep": Int(512), "chunks": Int(chunks),
+                              "out_keys_ptr": Pointer("i32"), "out_index_ptr": Pointer("i32"),
+                              "out_stride": Int(chunks * 512), "FIRST": Constexpr(True),
+                              "CHUNK": Constexpr(TOPK_CHUNK)},
+                             _warps(TOPK_CHUNK)))
+    kernels.append(AotKernel("dsv4_indexer.topk_finish", topk_finish_kernel,
+                             {**lists(chunks * 512, False), **slots(512), "FIRST": Constexpr(False),
+                              "BLOCK": Constexpr(TOPK_FINAL)},
+                             _warps(TOPK_FINAL)))
     return kernels
 
 

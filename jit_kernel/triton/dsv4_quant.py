@@ -210,17 +210,14 @@ def quantize_fp8_ds_mla(x, cache, slots, page_size):
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Int, Pointer
 
-    kernels = []
-    for x_type in ("*bf16", "*fp32"):
-        signature = {"x_ptr": x_type, "x_stride": "i64", "slots_ptr": "*i64", "cache_ptr": "*u8",
-                     "page_stride": "i64", "page_shift": "i32", "num_slots": "i64", "PACKED": "constexpr"}
-        # The benchmark's serving shape: contiguous [N, 512] rows into 64-slot pages of 1024 pages.
-        args = {"x_stride": 512, "page_stride": V4.page_bytes(64), "page_shift": 6, "num_slots": 65536}
-        kernels.append(AotKernel(f"dsv4_quant.fp8_ds_mla[{x_type[1:]}]", quantize_v4_kernel, signature,
-                                 {"PACKED": True}, NUM_WARPS, ("x_ptr", "slots_ptr", "cache_ptr"), args=args))
-    return kernels
+    # The benchmark's serving shape: contiguous [N, 512] rows into 64-slot pages of 1024 pages.
+    return [AotKernel(f"dsv4_quant.fp8_ds_mla[{x_type}]", quantize_v4_kernel,
+                      {"x_ptr": Pointer(x_type), "x_stride": Int(512), "slots_ptr": Pointer("i64"),
+                       "cache_ptr": Pointer("u8"), "page_stride": Int(V4.page_bytes(64)), "page_shift": Int(6),
+                       "num_slots": Int(65536), "PACKED": Constexpr(True)}, NUM_WARPS)
+            for x_type in ("bf16", "fp32")]
 
 
 #: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.

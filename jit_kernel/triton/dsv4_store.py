@@ -258,21 +258,18 @@ def norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos
 
 
 def _aot_kernels():
-    from sparsekv.jit_kernel.triton.aot import AotKernel
+    from sparsekv.jit_kernel.triton.aot import AotKernel, Constexpr, Float, Int, Pointer
 
-    signature = {"x_ptr": "*fp32", "x_stride": "i64", "weight_ptr": "*fp32", "positions_ptr": "*i64",
-                 "slots_ptr": "*i64", "cache_ptr": "*u8", "page_stride": "i64", "page_shift": "i32",
-                 "num_slots": "i64", "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_positions": "i64",
-                 "KIND": "constexpr", "PACKED": "constexpr"}
-    return [AotKernel(f"dsv4_store.norm_rope_store[{kind}]", norm_rope_store_kernel, signature,
-                      {"KIND": code, "PACKED": True}, NUM_WARPS,
-                      ("x_ptr", "weight_ptr", "positions_ptr", "slots_ptr", "cache_ptr", "cos_ptr", "sin_ptr"),
-                      LAUNCH_OPTIONS,
-                      # The benchmark's serving shape: contiguous [N, d] entries, 64-slot pages of 1024
-                      # pages, a 64k-position RoPE table.
-                      args={"x_stride": 512 if kind == "V4" else 128, "page_stride": layout.page_bytes(64),
-                            "page_shift": 6, "num_slots": 65536, "rope_positions": 65536})
-            for kind, (code, _, layout) in KINDS.items()]
+    # The benchmark's serving shape: contiguous [N, d] entries, 64-slot pages of 1024 pages, a
+    # 64k-position RoPE table.
+    return [AotKernel(f"dsv4_store.norm_rope_store[{kind}]", norm_rope_store_kernel,
+                      {"x_ptr": Pointer("fp32"), "x_stride": Int(d), "weight_ptr": Pointer("fp32"),
+                       "positions_ptr": Pointer("i64"), "slots_ptr": Pointer("i64"), "cache_ptr": Pointer("u8"),
+                       "page_stride": Int(layout.page_bytes(64)), "page_shift": Int(6), "num_slots": Int(65536),
+                       "eps": Float(), "cos_ptr": Pointer("fp32"), "sin_ptr": Pointer("fp32"),
+                       "rope_positions": Int(65536), "KIND": Constexpr(code), "PACKED": Constexpr(True)},
+                      NUM_WARPS, LAUNCH_OPTIONS)
+            for kind, (code, d, layout) in KINDS.items()]
 
 
 #: The launch configurations :mod:`sparsekv.jit_kernel.triton.aot` compiles ahead of time.

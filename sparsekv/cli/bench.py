@@ -48,7 +48,7 @@ def kernel_family_stems() -> set[str]:
     """The stems of the registered kernel families' headers."""
     from sparsekv.jit_kernel.build.registry import discover
 
-    return {Path(family.header).stem for family in discover().values()}
+    return {family.stem for family in discover().values()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
