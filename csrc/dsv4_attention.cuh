@@ -2,7 +2,7 @@
 // per-head sink logit and an optional second ("extra") cache, split-KV with a separate combine.
 //
 // Contract. For batch row b and head h, let J(b) be the valid entries of indices[b, :] (slots in
-// [0, pages * page_size) of kv_cache) followed by those of extra_indices[b, :] (slots of
+// [0, pages * page_slots) of kv_cache) followed by those of extra_indices[b, :] (slots of
 // extra_kv_cache); -1 and any other out-of-range entry is skipped (a slot listed twice counts
 // twice). With topk_length (int32 [batch], as FlashMLA's argument of that name), only the first
 // topk_length[b] entries of indices[b, :] are candidates (a length outside [0, K] is clamped to it;
@@ -49,8 +49,8 @@ inline constexpr int kScaleBlock = 64;
 struct Source {
   const uint8_t* cache;
   int64_t page_stride;  // bytes between pages
-  int page_shift;       // log2(page_size)
-  int64_t num_slots;    // pages * page_size: valid slots are [0, num_slots)
+  int page_shift;       // log2(page_slots)
+  int64_t num_slots;    // pages * page_slots: valid slots are [0, num_slots)
   const int32_t* indices;
   int64_t index_row_stride;
   int64_t count;  // entries per batch row (0: no such cache)
@@ -399,14 +399,14 @@ inline void check_slots(const TensorView& indices, int64_t num_slots, const char
 }
 
 inline Source make_source(const TensorView& cache, const char* cache_name, const TensorView& indices,
-                          const char* indices_name, int64_t page_size, const char* page_size_name, int64_t batch,
+                          const char* indices_name, int64_t page_slots, const char* page_slots_name, int64_t batch,
                           const TensorView& device_of) {
-  const int shift = check_page_size(page_size, page_size_name);
+  const int shift = check_page_slots(page_slots, page_slots_name);
   check(cache, cache_name).dtype<uint8_t>().ndim(2).rows_dense().same_device(device_of, "q");
-  check(cache, cache_name).size(1, Layout::page_bytes(page_size), "page_bytes(page_size) of the 584 B V4 layout");
+  check(cache, cache_name).size(1, Layout::page_bytes(page_slots), "page_bytes(page_slots) of the 584 B V4 layout");
   check(indices, indices_name).dtype<int32_t>().ndim(2).rows_dense().same_device(device_of, "q");
   check(indices, indices_name).size(0, batch, "batch of q");
-  const int64_t num_slots = checked_product(cache.size(0), page_size, "pages x page_size of the cache");
+  const int64_t num_slots = checked_product(cache.size(0), page_slots, "pages x page_slots of the cache");
   if (num_slots > INT32_MAX) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << cache_name << "` holds " << num_slots
                               << " slots, more than int32 indices can name";
@@ -422,12 +422,14 @@ inline Source make_source(const TensorView& cache, const char* cache_name, const
 }
 
 template <class QT>
-void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indices, TensorView sink, int64_t page_size,
+void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indices, TensorView sink, int64_t page_slots,
                              double softmax_scale, Optional<TensorView> extra_kv_cache,
-                             Optional<TensorView> extra_indices, int64_t extra_page_size, TensorView out,
+                             Optional<TensorView> extra_indices, int64_t extra_page_slots, TensorView out,
                              TensorView lse, Optional<TensorView> part_out, Optional<TensorView> part_lse,
                              int64_t num_splits, Optional<TensorView> topk_length) {
   // 1. Validate: memory, q, sink, outputs, both caches and their indices (host-readable indices in full).
+  //    The op runs the same checks, in this order and these words, as one Python contract for every
+  //    implementation (check_attention_arguments, jit_kernel/dsv4_attention.py); these serve direct callers.
   check_disjoint({read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
                   read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
@@ -451,11 +453,11 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     TVM_FFI_THROW(ValueError) << "sparsekv: arguments `extra_kv_cache` and `extra_indices` go together: pass both "
                               << "or neither";
   }
-  if (extra_kv_cache.has_value() != (extra_page_size >= 0)) {
-    TVM_FFI_THROW(ValueError) << "sparsekv: argument `extra_page_size` is required exactly when `extra_kv_cache` is "
+  if (extra_kv_cache.has_value() != (extra_page_slots >= 0)) {
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `extra_page_slots` is required exactly when `extra_kv_cache` is "
                               << "given";
   }
-  Source main = make_source(kv_cache, "kv_cache", indices, "indices", page_size, "page_size", batch, q);
+  Source main = make_source(kv_cache, "kv_cache", indices, "indices", page_slots, "page_slots", batch, q);
   if (topk_length.has_value()) {
     const TensorView lengths = topk_length.value();
     check(lengths, "topk_length").dtype<int32_t>().ndim(1).contiguous().same_device(q, "q");
@@ -468,7 +470,7 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
   Source extra{nullptr, 0, 0, 0, nullptr, 0, 0};
   if (extra_kv_cache.has_value()) {
     extra = make_source(extra_kv_cache.value(), "extra_kv_cache", extra_indices.value(), "extra_indices",
-                        extra_page_size, "extra_page_size", batch, q);
+                        extra_page_slots, "extra_page_slots", batch, q);
   }
 
   // 2. Derive the split: num_splits ranges of split_len entries of [indices | extra_indices].

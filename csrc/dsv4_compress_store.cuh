@@ -86,7 +86,7 @@ namespace sparsekv::dsv4_compress_store {
 template <class Kind>
 void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                     TensorView sources, TensorView writes, TensorView weight, double eps, TensorView positions,
-                    TensorView cache, TensorView slots, int64_t page_size, TensorView rope_cos,
+                    TensorView cache, TensorView slots, int64_t page_slots, TensorView rope_cos,
                     TensorView rope_sin, int64_t num_threads) {
   // 1. Validate (memory first: the plan checks read `sources` and `writes`).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
@@ -100,7 +100,7 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
                               << ", but this cache stores " << Kind::kDim;
   }
   const dsv4_store::StoreParams store =
-      dsv4_store::check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_size, rope_cos,
+      dsv4_store::check_store<Kind>(sources.size(0), weight, eps, positions, cache, slots, page_slots, rope_cos,
                                     rope_sin);
   check(cache, "cache").same_device(kv, "kv");
 
@@ -119,7 +119,7 @@ void compress_store(TensorView kv, TensorView score, TensorView ape, int64_t rat
 template <class Kind>
 void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView state,
                            TensorView state_rows, TensorView positions, TensorView out, TensorView emitted,
-                           TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_size,
+                           TensorView weight, double eps, TensorView cache, TensorView slots, int64_t page_slots,
                            TensorView rope_cos, TensorView rope_sin) {
   // 1. Validate (memory first; slots are read for the rows that store: host-readable ones are checked here).
   check_disjoint({read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
@@ -137,7 +137,7 @@ void compress_decode_store(TensorView kv, TensorView score, TensorView ape, int6
   check(out, "out").size(0, kv.size(0), "rows of kv").size(1, Kind::kDim, "d");
   check(cache, "cache").same_device(kv, "kv");
   const dsv4_store::StoreParams store =
-      dsv4_store::check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_size, rope_cos,
+      dsv4_store::check_store<Kind>(kv.size(0), weight, eps, positions, cache, slots, page_slots, rope_cos,
                                     rope_sin, false);
   if (cache.device().device_type != kDLCUDA) {
     std::vector<int64_t> stored;

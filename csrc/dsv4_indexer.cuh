@@ -476,7 +476,7 @@ inline void check_pages_in_use(const TensorView& page_table, const TensorView& p
 
 template <class Layout, class QT>
 void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, TensorView page_table, TensorView positions,
-                    int64_t page_size, TensorView scores) {
+                    int64_t page_slots, TensorView scores) {
   // 1. Validate (memory first: the table checks read `page_table` and `positions`).
   check_disjoint({read(q, "q"), read(weights, "weights"), read(k_cache, "k_cache"), read(page_table, "page_table"),
                   read(positions, "positions"), written(scores, "out")});
@@ -493,9 +493,9 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
   }
   check(weights, "weights").dtype<float>().ndim(2).rows_dense().same_device(scores, "scores");
   check(weights, "weights").size(0, batch, "batch").size(1, heads, "heads of q");
-  const int shift = check_page_size(page_size, "page_size");
+  const int shift = check_page_slots(page_slots, "page_slots");
   check(k_cache, "k_cache").dtype<uint8_t>().ndim(2).rows_dense().same_device(scores, "scores");
-  check(k_cache, "k_cache").size(1, Layout::page_bytes(page_size), "page_bytes(page_size) of the indexer layout");
+  check(k_cache, "k_cache").size(1, Layout::page_bytes(page_slots), "page_bytes(page_slots) of the indexer layout");
   check_page_table(page_table, batch, scores);
   const bool is64 = check_positions(positions, batch, scores);
   if (width > INT32_MAX) TVM_FFI_THROW(ValueError) << "sparsekv: argument `scores` is wider than 2^31 - 1 entries";
@@ -531,7 +531,7 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
 
 inline void indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
                          tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
-                         int64_t page_size) {
+                         int64_t page_slots) {
   // 1. Validate (memory first: the table checks read `page_table` and `positions`).
   check_disjoint({read(scores, "scores"), read(positions, "positions"), written(tokens, "out"),
                   read(optional_arg(page_table, "page_table"), "page_table"),
@@ -543,7 +543,7 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
   check(tokens, "out").dtype<int32_t>().ndim(2).rows_dense().same_device(scores, "scores");
   check(tokens, "out").size(0, batch, "batch");
   const int64_t k = tokens.size(1);
-  if (k < 1) TVM_FFI_THROW(ValueError) << "sparsekv: argument `top_k` must be at least 1, got " << k;
+  if (k < 1) TVM_FFI_THROW(ValueError) << "sparsekv: argument `num_top_k` must be at least 1, got " << k;
   if (page_table.has_value() != slots.has_value()) {
     TVM_FFI_THROW(ValueError) << "sparsekv: arguments `page_table` and `out_slots` go together";
   }
@@ -564,10 +564,10 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
                       0};
   if (page_table.has_value()) {
     const TensorView table = page_table.value(), out_slots = slots.value();
-    params.page_shift = check_page_size(page_size, "page_size");
+    params.page_shift = check_page_slots(page_slots, "page_slots");
     check_page_table(table, batch, scores);
     check(out_slots, "out_slots").dtype<int32_t>().ndim(2).rows_dense().same_device(scores, "scores");
-    check(out_slots, "out_slots").size(0, batch, "batch").size(1, k, "top_k");
+    check(out_slots, "out_slots").size(0, batch, "batch").size(1, k, "num_top_k");
     if (scores.device().device_type != kDLCUDA) {
       check_pages_in_use(table, positions, is64, width, params.page_shift, int64_t{1} << (31 - params.page_shift),
                          "pages whose slots fit int32");

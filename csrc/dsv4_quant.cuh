@@ -36,9 +36,9 @@ struct QuantizeParams {
   const int64_t* slots;
   uint8_t* cache;
   int64_t num_tokens;
-  int64_t page_size;
+  int64_t page_slots;
   int64_t page_stride;  // bytes
-  int64_t num_slots;    // pages * page_size
+  int64_t num_slots;    // pages * page_slots
 };
 
 // Row i of the quantizer input, held by a team. InT: float or uint16_t (bf16 bits, widened exactly).
@@ -74,7 +74,7 @@ struct QuantizeRows {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t slot = p.slots[i];
     if (slot < 0 || slot >= p.num_slots) return;
-    const auto token = row_store::token_bytes<L>(p.cache, slot, p.page_size, p.page_stride);
+    const auto token = row_store::token_bytes<L>(p.cache, slot, p.page_slots, p.page_stride);
     if constexpr (std::is_same_v<L, V4>) {
       row_store::store_v4(load_row<kDim, InT>(p, i, lanes), token, lanes);
     } else if constexpr (std::is_same_v<L, IndexerFp8>) {
@@ -93,7 +93,7 @@ struct DequantizeParams {
   const int64_t* slots;
   float* out;
   int64_t num_tokens;
-  int64_t page_size;
+  int64_t page_slots;
   int64_t page_stride;
   int64_t num_slots;
 };
@@ -107,7 +107,7 @@ struct DequantizeFp8DsMla {
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const int64_t slot = p.slots[i];
     if (slot < 0 || slot >= p.num_slots) return;
-    const auto token = row_store::token_bytes<V4>(const_cast<uint8_t*>(p.cache), slot, p.page_size, p.page_stride);
+    const auto token = row_store::token_bytes<V4>(const_cast<uint8_t*>(p.cache), slot, p.page_slots, p.page_stride);
     float* row = p.out + i * kDim;
     for (int c = lanes.lane; c < kNopeDims; c += lanes.count) {
       row[c] = fp8::e4m3_to_float(token.value[c]) * fp8::ue8m0_to_float(token.scale[c / kBlock]);
@@ -130,7 +130,7 @@ namespace sparsekv::dsv4_quant {
 // Validates a quantizer call (float32 or bf16 rows of width D into unique slots of a paged cache of
 // layout L); returns its parameters and whether the rows are float32.
 template <class L, int D>
-std::pair<QuantizeParams, bool> check_quantize(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+std::pair<QuantizeParams, bool> check_quantize(TensorView x, TensorView cache, TensorView slots, int64_t page_slots) {
   check_disjoint({read(x, "x"), written(cache, "cache"), read(slots, "slots")});
   const bool is_float = x.dtype() == dtype_of<float>();
   if (!is_float && !(x.dtype() == DLDataType{kDLBfloat, 16, 1})) {
@@ -139,15 +139,15 @@ std::pair<QuantizeParams, bool> check_quantize(TensorView x, TensorView cache, T
   }
   check(x, "x").ndim(2).size(1, D, "head dim").rows_dense().same_device(cache, "cache");
   check(slots, "slots").ndim(1).size(0, x.size(0), "rows of x");
-  const auto [page_stride, num_slots] = row_store::check_paged_cache<L>(cache, slots, page_size, true);
+  const auto [page_stride, num_slots] = row_store::check_paged_cache<L>(cache, slots, page_slots, true);
   return {QuantizeParams{x.data_ptr(), x.stride(0), static_cast<const int64_t*>(slots.data_ptr()),
-                         static_cast<uint8_t*>(cache.data_ptr()), x.size(0), page_size, page_stride, num_slots},
+                         static_cast<uint8_t*>(cache.data_ptr()), x.size(0), page_slots, page_stride, num_slots},
           is_float};
 }
 
-inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots, int64_t page_slots) {
   // 1. Validate (memory first: the slot checks read `slots`) and derive sizes.
-  const auto [params, is_float] = check_quantize<V4, kDim>(x, cache, slots, page_size);
+  const auto [params, is_float] = check_quantize<V4, kDim>(x, cache, slots, page_slots);
   if (params.num_tokens == 0) return;
 
   // 2. Launch.
@@ -160,9 +160,9 @@ inline void quantize_fp8_ds_mla(TensorView x, TensorView cache, TensorView slots
 
 // Plain indexer keys (no norm, no RoPE) into an IndexerFp8 or IndexerFp4 cache.
 template <class L>
-void quantize_indexer(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
+void quantize_indexer(TensorView x, TensorView cache, TensorView slots, int64_t page_slots) {
   // 1. Validate (memory first: the slot checks read `slots`) and derive sizes.
-  const auto [params, is_float] = check_quantize<L, kIndexerDim>(x, cache, slots, page_size);
+  const auto [params, is_float] = check_quantize<L, kIndexerDim>(x, cache, slots, page_slots);
   if (params.num_tokens == 0) return;
 
   // 2. Launch.
@@ -173,18 +173,18 @@ void quantize_indexer(TensorView x, TensorView cache, TensorView slots, int64_t 
   }
 }
 
-inline void quantize_indexer_fp8(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
-  quantize_indexer<IndexerFp8>(x, cache, slots, page_size);
+inline void quantize_indexer_fp8(TensorView x, TensorView cache, TensorView slots, int64_t page_slots) {
+  quantize_indexer<IndexerFp8>(x, cache, slots, page_slots);
 }
 
-inline void quantize_indexer_fp4(TensorView x, TensorView cache, TensorView slots, int64_t page_size) {
-  quantize_indexer<IndexerFp4>(x, cache, slots, page_size);
+inline void quantize_indexer_fp4(TensorView x, TensorView cache, TensorView slots, int64_t page_slots) {
+  quantize_indexer<IndexerFp4>(x, cache, slots, page_slots);
 }
 
-inline void dequantize_fp8_ds_mla(TensorView cache, TensorView slots, int64_t page_size, TensorView out) {
+inline void dequantize_fp8_ds_mla(TensorView cache, TensorView slots, int64_t page_slots, TensorView out) {
   // 1. Validate.
   check_disjoint({read(cache, "cache"), read(slots, "slots"), written(out, "out")});
-  const auto [page_stride, num_slots] = row_store::check_paged_cache<V4>(cache, slots, page_size, false);
+  const auto [page_stride, num_slots] = row_store::check_paged_cache<V4>(cache, slots, page_slots, false);
   check(out, "out").dtype<float>().ndim(2).contiguous().same_device(cache, "cache");
   check(out, "out").size(0, slots.size(0), "length of slots").size(1, kDim, "head dim");
 
@@ -193,7 +193,7 @@ inline void dequantize_fp8_ds_mla(TensorView cache, TensorView slots, int64_t pa
                                 static_cast<const int64_t*>(slots.data_ptr()),
                                 static_cast<float*>(out.data_ptr()),
                                 slots.size(0),
-                                page_size,
+                                page_slots,
                                 page_stride,
                                 num_slots};
   if (params.num_tokens == 0) return;

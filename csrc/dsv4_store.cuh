@@ -51,13 +51,13 @@ namespace sparsekv::dsv4_store {
 
 template <class Kind>
 void norm_rope_store(TensorView x, TensorView weight, double eps, TensorView positions, TensorView cache,
-                     TensorView slots, int64_t page_size, TensorView rope_cos, TensorView rope_sin) {
+                     TensorView slots, int64_t page_slots, TensorView rope_cos, TensorView rope_sin) {
   // 1. Validate (memory first: the slot checks read `slots`).
   check_disjoint({read(x, "x"), read(weight, "weight"), read(positions, "positions"), written(cache, "cache"),
                   read(slots, "slots"), read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin")});
   check(x, "x").dtype<float>().ndim(2).size(1, Kind::kDim, "head dim").rows_dense().same_device(cache, "cache");
   StoreParams params =
-      check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin);
+      check_store<Kind>(x.size(0), weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin);
 
   // 2. Derive sizes and launch.
   params.x = static_cast<const float*>(x.data_ptr());

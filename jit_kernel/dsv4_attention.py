@@ -10,8 +10,8 @@ For batch row ``b`` and head ``h``, with ``J`` the valid entries of ``indices[b]
 
 A slot listed twice counts twice; a row without a valid entry gives ``out = 0`` and ``lse = +inf``.
 Equivalently ``out = softmax(l) @ kv * sigmoid(lse - sink)``. The caches are uint8 page rows of the
-584-byte ``V4`` layout (:mod:`sparsekv.kv_layout`): slot ``s`` is page ``s // page_size``,
-offset ``s % page_size``; dims 0-447 are e4m3 times a UE8M0 scale per 64 dims, dims 448-511 bf16.
+584-byte ``V4`` layout (:mod:`sparsekv.kv_layout`): slot ``s`` is page ``s // page_slots``,
+offset ``s % page_slots``; dims 0-447 are e4m3 times a UE8M0 scale per 64 dims, dims 448-511 bf16.
 
 Split-KV: the list ``[indices[b] | extra_indices[b]]`` is cut into ``num_splits`` ranges whose
 partial (lse, normalized output) pairs are merged by a combine pass; the cuda backend picks the
@@ -26,22 +26,34 @@ of order 10 and values of order 1.
 Example
 -------
 >>> out, lse = sparse_decode_attention(q, swa_cache, swa_indices, sink, 128,
-...                                     extra_kv_cache=c4_cache, extra_indices=c4_topk, extra_page_size=64)
+...                                     extra_kv_cache=c4_cache, extra_indices=c4_topk, extra_page_slots=64)
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparsekv.checks import as_float, as_int, one_of
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.flashmla import dsv4_attention as flashmla
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
-from sparsekv.jit_kernel.triton.checks import page_shift
+from sparsekv.jit_kernel.triton.checks import (
+    check,
+    check_disjoint,
+    optional_arg,
+    page_shift,
+    read,
+    row_stride,
+    written,
+)
+from sparsekv.kv_layout import V4
 
-__all__ = ["ATTENTION", "HEAD_DIM", "IMPLS", "attention_impl", "attention_template_args", "sparse_decode_attention",
-           "workspace_floats"]
+__all__ = ["ATTENTION", "HEAD_DIM", "IMPLS", "attention_impl", "attention_template_args", "check_attention_arguments",
+           "reads_values", "sparse_decode_attention", "workspace_floats"]
 
 HEAD_DIM = 512
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
@@ -101,9 +113,13 @@ def attention_template_args(q_dtype: torch.dtype) -> tuple[str]:
     TypeError
         ``q_dtype`` is neither float32 nor bfloat16 (the message names ``q``).
     """
+    _check_q_dtype(q_dtype)
+    return ATTENTION.template_args({"q_dtype": q_dtype})
+
+
+def _check_q_dtype(q_dtype: torch.dtype) -> None:
     if q_dtype not in _Q_TYPES:
         raise TypeError(f"sparsekv: argument `q` must have dtype float32 or bfloat16, got {q_dtype}")
-    return ATTENTION.template_args({"q_dtype": q_dtype})
 
 
 def _default_splits(backend: str, batch: int, heads: int, entries: int) -> int:
@@ -118,18 +134,25 @@ def _entries(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> int:
     return rows_of(indices, 2, 1) + (0 if extra_indices is None else rows_of(extra_indices, 2, 1))
 
 
-def _check_slots_on_device(indices: torch.Tensor, cache: torch.Tensor, page_size: int, name: str) -> None:
-    # SPARSEKV_CHECK_INDICES=1 on the GPU: the full check costs a host sync, so it is opt-in there.
-    bad = first_true((indices < -1) | (indices >= cache.shape[0] * page_size))
+def reads_values(q: torch.Tensor, impl: str) -> bool:
+    """Whether the input contract (:func:`check_attention_arguments`) reads the values of the index tables
+    (slots, ``topk_length``) for a call of ``impl``: on the GPU only with ``SPARSEKV_CHECK_INDICES=1`` (a
+    host sync); on host tables for the Triton twin (the interpreter). Host tables of the header are read
+    by its C++ entry, with the same messages and without allocating, so the contract leaves them to it.
+    Otherwise the checks stay O(1) and never read the device: the kernels skip a slot outside its cache
+    and clamp ``topk_length`` to ``[0, K]``."""
+    return index_checks_on_device(q) or (q.device.type == "cpu" and impl != "header")
+
+
+def _check_slots(indices: torch.Tensor, num_slots: int, name: str) -> None:
+    bad = first_true((indices < -1) | (indices >= num_slots))
     if bad is not None:
         b, j = bad
         raise IndexError(f"sparsekv: argument `{name}`[{b}, {j}] = {int(indices[b, j])} is neither -1 nor a slot "
-                         f"of its cache [0, {cache.shape[0] * page_size})")
+                         f"of its cache [0, {num_slots})")
 
 
 def _check_topk_length(topk_length: torch.Tensor, q: torch.Tensor, width: int, *, values: bool) -> None:
-    # Shape, dtype and device always (both implementations); values when host-readable, or on the
-    # GPU with SPARSEKV_CHECK_INDICES=1 (a sync); otherwise the kernel clamps them to [0, K].
     if topk_length.dtype != torch.int32:
         raise TypeError(f"sparsekv: argument `topk_length` must have dtype int32, got {topk_length.dtype}")
     if topk_length.dim() != 1 or topk_length.shape[0] != q.shape[0] or not topk_length.is_contiguous():
@@ -137,8 +160,136 @@ def _check_topk_length(topk_length: torch.Tensor, q: torch.Tensor, width: int, *
                          f"{list(topk_length.shape)}")
     if topk_length.device != q.device:
         raise ValueError(f"sparsekv: argument `topk_length` must be on {q.device} (with `q`), got {topk_length.device}")
-    if values and bool(((topk_length < 0) | (topk_length > width)).any()):
+    if values and first_true((topk_length < 0) | (topk_length > width)) is not None:
         raise ValueError(f"sparsekv: argument `topk_length` must be in [0, K={width}], got {topk_length.tolist()}")
+
+
+def _source(cache: torch.Tensor, cache_name: str, indices: torch.Tensor, indices_name: str, page_slots: int,
+            page_slots_name: str, batch: int, q: torch.Tensor, read_values: bool) -> tuple:
+    """One cache and its slot table, checked as the header's ``make_source``; the Triton kernel's
+    arguments of it: ``(cache, page_stride, page_shift, num_slots, indices, index_stride, count)``."""
+    shift = page_shift(page_slots, page_slots_name)
+    check(cache, cache_name).dtype(torch.uint8).ndim(2).rows_dense().same_device(q, "q")
+    check(cache, cache_name).size(1, V4.page_bytes(page_slots), "page_bytes(page_slots) of the 584 B V4 layout")
+    check(indices, indices_name).dtype(torch.int32).ndim(2).rows_dense().same_device(q, "q")
+    check(indices, indices_name).size(0, batch, "batch of q")
+    num_slots = cache.shape[0] * page_slots
+    if num_slots > 2**31 - 1:
+        raise ValueError(f"sparsekv: argument `{cache_name}` holds {num_slots} slots, more than int32 indices can name")
+    if read_values:
+        _check_slots(indices, num_slots, indices_name)
+    return cache, row_stride(cache), shift, num_slots, indices, indices.stride(0), indices.shape[1]
+
+
+def check_attention_arguments(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                              page_slots: int, softmax_scale: float, extra_kv_cache: torch.Tensor | None,
+                              extra_indices: torch.Tensor | None, extra_page_slots: int, num_splits: int,
+                              out: torch.Tensor, lse: torch.Tensor, workspace: torch.Tensor | None,
+                              topk_length: torch.Tensor | None, *, impl: str,
+                              read_values: bool) -> tuple[tuple, tuple | None, int]:
+    """The input contract of sparse decode attention: the one statement of its checks, which the op runs
+    before it dispatches to any implementation (header, Triton, FlashMLA).
+
+    The checks and their words are the header entry's (``sparse_decode_attention`` in
+    ``csrc/dsv4_attention.cuh``, which keeps them for direct callers of the compiled module), after
+    those of the op's own arguments (``workspace``, ``topk_length``). Without ``read_values`` they are
+    O(1) in the tables' sizes and read nothing from the device; with it (see :func:`reads_values`) every
+    slot and ``topk_length`` value is checked too.
+
+    Parameters
+    ----------
+    q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, num_splits, out, lse, \
+workspace, topk_length
+        As :func:`sparse_decode_attention` takes them (``softmax_scale`` a float, ``num_splits`` an int).
+    extra_page_slots : int
+        -1 without an extra cache (the header entry's convention).
+    impl : {"header", "triton", "flashmla"}
+        FlashMLA takes no workspace.
+    read_values : bool
+        Whether to read the index tables' values.
+
+    Returns
+    -------
+    main, extra, split_len
+        The Triton kernel's arguments of each cache (``extra`` None without one) and the entries per split.
+
+    Raises
+    ------
+    TypeError, ValueError, IndexError
+        As :func:`sparse_decode_attention` documents, naming the argument, before anything is written.
+    """
+    _check_q_dtype(q.dtype)
+    if sink.dtype != torch.float32:
+        raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
+                        f"bf16 corrupts heads), got {sink.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"sparsekv: argument `q` must be [B, H, {HEAD_DIM}], got shape {list(q.shape)}")
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"sparsekv: argument `out` must have dtype float32 or bfloat16 (`out_dtype`), got {out.dtype}")
+    batch, heads = q.shape[0], q.shape[1]
+    most = max(1, _entries(indices, extra_indices))
+    if not 1 <= num_splits <= most:  # before any workspace is sized for it
+        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
+    floats = 0 if impl == "flashmla" else workspace_floats(batch, heads, num_splits, out.dtype)
+    if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
+                   or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):
+        got = "None" if workspace is None else f"{workspace.dtype} {list(workspace.shape)} on {workspace.device}"
+        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
+                         f"at least {floats} elements (workspace_floats), got {got}")
+    if topk_length is not None:
+        _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=read_values)
+    _, part_out, part_lse = _workspace_views(workspace, out, batch, heads, num_splits, impl)
+    # The header entry's checks, in its order.
+    check_disjoint(read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
+                   read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
+                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
+                   read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
+                   written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
+                   written(optional_arg(part_lse, "part_lse"), "part_lse"))
+    check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
+    check(q, "q").size(2, HEAD_DIM, "head dim")
+    check(sink, "sink").dtype(torch.float32).ndim(1).contiguous().same_device(q, "q")
+    check(sink, "sink").size(0, heads, "heads of q")
+    check(out, "out").ndim(3).contiguous().same_device(q, "q")
+    check(out, "out").size(0, batch, "batch").size(1, heads, "heads").size(2, HEAD_DIM, "head dim")
+    check(lse, "lse").dtype(torch.float32).ndim(2).contiguous().same_device(q, "q")
+    check(lse, "lse").size(0, batch, "batch").size(1, heads, "heads")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"sparsekv: argument `softmax_scale` must be finite, got {softmax_scale}")
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("sparsekv: arguments `extra_kv_cache` and `extra_indices` go together: pass both or neither")
+    if (extra_kv_cache is None) != (extra_page_slots < 0):
+        raise ValueError("sparsekv: argument `extra_page_slots` is required exactly when `extra_kv_cache` is given")
+    main = _source(kv_cache, "kv_cache", indices, "indices", page_slots, "page_slots", batch, q, read_values)
+    extra = None
+    if extra_kv_cache is not None:
+        extra = _source(extra_kv_cache, "extra_kv_cache", extra_indices, "extra_indices", extra_page_slots,
+                        "extra_page_slots", batch, q, read_values)
+    total = main[-1] + (extra[-1] if extra is not None else 0)
+    if not 1 <= num_splits <= max(1, total):
+        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {max(1, total)}], "
+                         f"got {num_splits}")
+    return main, extra, -(-total // num_splits)
+
+
+def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: int, heads: int, num_splits: int,
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(staged, part_out, part_lse)``: where the header writes its float32 output (``out`` itself unless
+    bf16: the workspace's first ``[B, H, 512]``, which the Triton twin does not use) and the split partials
+    that follow it (None for one split)."""
+    if impl == "flashmla":  # no workspace: FlashMLA plans its own splits
+        return out, None, None
+    staged, used = out, 0
+    if out.dtype == torch.bfloat16:  # the layout workspace_floats sizes, whichever implementation runs
+        used = batch * heads * HEAD_DIM
+        if impl == "header":
+            staged = workspace[:used].view(batch, heads, HEAD_DIM)
+    part_out = part_lse = None
+    if num_splits > 1:
+        part_out = workspace[used:used + batch * num_splits * heads * HEAD_DIM].view(batch, num_splits, heads, HEAD_DIM)
+        used += part_out.numel()
+        part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
+    return staged, part_out, part_lse
 
 
 def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.dtype = torch.float32) -> int:
@@ -165,17 +316,18 @@ def _cached_workspace(device: torch.device, floats: int) -> torch.Tensor:
     return buffer
 
 
+@renamed_keywords(page_size="page_slots", extra_page_size="extra_page_slots")
 def sparse_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     indices: torch.Tensor,
     sink: torch.Tensor,
-    page_size: int,
+    page_slots: int,
     *,
     softmax_scale: float = 512**-0.5,
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
-    extra_page_size: int | None = None,
+    extra_page_slots: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -191,20 +343,20 @@ def sparse_decode_attention(
     q : torch.Tensor
         float32 or bfloat16 ``[B, H, 512]``, unit last stride.
     kv_cache : torch.Tensor
-        uint8 ``[pages, V4.page_bytes(page_size)]`` (584-byte fp8_ds_mla tokens), unit last stride.
+        uint8 ``[pages, V4.page_bytes(page_slots)]`` (584-byte fp8_ds_mla tokens), unit last stride.
     indices : torch.Tensor
-        int32 ``[B, K]``, unit last stride: flat slots ``page * page_size + offset``, -1 = none.
+        int32 ``[B, K]``, unit last stride: flat slots ``page * page_slots + offset``, -1 = none.
     sink : torch.Tensor
         float32 ``[H]`` sink logits. A bfloat16 sink is rejected rather than converted: a caller
         that keeps its sinks in bf16 has usually lost precision already, and a silent cast would hide it.
-    page_size : int
+    page_slots : int
         Slots per page of ``kv_cache``, a power of two.
     softmax_scale : float
         Logit scale, default ``512 ** -0.5``.
     extra_kv_cache, extra_indices : torch.Tensor, optional
         A second cache and its int32 ``[B, K2]`` slots (e.g. the C4 or C128 entries beside the SWA
         window), both or neither.
-    extra_page_size : int, optional
+    extra_page_slots : int, optional
         Slots per page of ``extra_kv_cache``; required exactly when it is given.
     num_splits : int, optional
         Split-KV ranges per row, in ``[1, max(1, K + K2)]``; default: the backend's choice (1 on cpu).
@@ -256,9 +408,9 @@ def sparse_decode_attention(
     ------
     TypeError
         Wrong dtype (the message names the argument), including a bf16 ``sink``; a scalar of the
-        wrong type (``page_size`` 64.0, ``softmax_scale`` '0.1', ``num_splits`` True).
+        wrong type (``page_slots`` 64.0, ``softmax_scale`` '0.1', ``num_splits`` True).
     ValueError
-        Wrong shape, stride or device; ``page_size`` not a power of two in ``[1, 2^20]``; ``extra_*``
+        Wrong shape, stride or device; ``page_slots`` not a power of two in ``[1, 2^20]``; ``extra_*``
         given partly; ``num_splits`` out of range (before anything is allocated); a ``workspace``
         smaller than :func:`workspace_floats`; an output sharing memory with another argument.
     IndexError
@@ -266,9 +418,9 @@ def sparse_decode_attention(
         backend) or with ``SPARSEKV_CHECK_INDICES=1``; otherwise the kernel skips such entries.
     """
     impl = attention_impl(impl, q, indices, extra_indices)
-    page_size = as_int(page_size, "page_size")
+    page_slots = as_int(page_slots, "page_slots")
     softmax_scale = as_float(softmax_scale, "softmax_scale")
-    extra_page_size = -1 if extra_page_size is None else as_int(extra_page_size, "extra_page_size")
+    extra_page_slots = -1 if extra_page_slots is None else as_int(extra_page_slots, "extra_page_slots")
     if num_splits is not None:
         num_splits = as_int(num_splits, "num_splits")
     batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
@@ -295,81 +447,34 @@ def sparse_decode_attention(
     if workspace is None and floats:
         workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
-    _attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices, extra_page_size,
+    _attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots,
                splits, out, lse, workspace, impl, topk_length)
     return out, lse
 
 
 @kernel_op("sparse_decode_attention", mutates_args=("out", "lse", "workspace"))
-def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_size: int,
+def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_slots: int,
                softmax_scale: float, extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
-               extra_page_size: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
+               extra_page_slots: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
                workspace: torch.Tensor | None, impl: str,
                topk_length: torch.Tensor | None) -> None:
-    attention_template_args(q.dtype)
-    if sink.dtype != torch.float32:
-        raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
-                        f"bf16 corrupts heads), got {sink.dtype}")
-    if q.dim() != 3:
-        raise ValueError(f"sparsekv: argument `q` must be [B, H, {HEAD_DIM}], got shape {list(q.shape)}")
-    if out.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"sparsekv: argument `out` must have dtype float32 or bfloat16 (`out_dtype`), got {out.dtype}")
-    batch, heads = q.shape[0], q.shape[1]
-    most = max(1, _entries(indices, extra_indices))
-    if not 1 <= num_splits <= most:  # before any workspace is sized for it
-        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
-    if impl == "flashmla":  # the checks of the Triton launcher (the header's, in Python), then FlashMLA
-        from sparsekv.jit_kernel.triton.dsv4_attention import check_arguments
-
-        if topk_length is not None:
-            _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=index_checks_on_device(q))
-        check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                        extra_page_size, num_splits, out, lse, None, None, topk_length)
-        if index_checks_on_device(q):
-            _check_slots_on_device(indices, kv_cache, page_size, "indices")
-            if extra_indices is not None:
-                _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
-        flashmla.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
-                                         extra_indices, extra_page_size, out, lse, topk_length)
+    # One contract for the three implementations, checked before any of them runs.
+    main, extra, split_len = check_attention_arguments(
+        q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots,
+        num_splits, out, lse, workspace, topk_length, impl=impl, read_values=reads_values(q, impl))
+    if impl == "flashmla":
+        flashmla.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache,
+                                         extra_indices, extra_page_slots, out, lse, topk_length)
         return
-    floats = workspace_floats(batch, heads, num_splits, out.dtype)
-    if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
-                   or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):
-        got = "None" if workspace is None else f"{workspace.dtype} {list(workspace.shape)} on {workspace.device}"
-        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
-                         f"at least {floats} elements (workspace_floats), got {got}")
-    backend = backend_of(q)
-    if topk_length is not None:
-        _check_topk_length(topk_length, q, rows_of(indices, 2, 1),
-                           values=backend != "cuda" or index_checks_on_device(q))
-    if index_checks_on_device(q):
-        # The O(1) page-size checks first, as on the host: a bad page_size is named as such, not as
-        # the out-of-range slots it makes of good indices.
-        page_shift(page_size, "page_size")
-        _check_slots_on_device(indices, kv_cache, page_size, "indices")
-        if extra_indices is not None and extra_kv_cache is not None and extra_page_size >= 0:
-            page_shift(extra_page_size, "extra_page_size")
-            _check_slots_on_device(extra_indices, extra_kv_cache, extra_page_size, "extra_indices")
-    # Workspace order: the bf16 output's float32 staging, then the split partials.
-    staged = out
-    used = 0
-    if out.dtype == torch.bfloat16:
-        staged = workspace[:batch * heads * HEAD_DIM].view(batch, heads, HEAD_DIM)
-        used = staged.numel()
-    part_out = part_lse = None
-    if num_splits > 1:
-        part_out = workspace[used:used + batch * num_splits * heads * HEAD_DIM].view(batch, num_splits, heads, HEAD_DIM)
-        used += part_out.numel()
-        part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
+    staged, part_out, part_lse = _workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits, impl)
     if impl == "triton":  # writes bf16 output directly: the staging is the header's
         from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 
-        triton_attention.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
-                                                 extra_indices, extra_page_size, num_splits, out, lse, part_out,
-                                                 part_lse, topk_length)
+        triton_attention.sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse,
+                                                 part_out, part_lse, topk_length)
         return
-    module = ATTENTION.module(q_dtype=q.dtype, backend=backend)
-    module.sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                                   extra_page_size, staged, lse, part_out, part_lse, num_splits, topk_length)
+    module = ATTENTION.module(q_dtype=q.dtype, backend=backend_of(q))
+    module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,
+                                   extra_page_slots, staged, lse, part_out, part_lse, num_splits, topk_length)
     if staged is not out:
         out.copy_(staged)

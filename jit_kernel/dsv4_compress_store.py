@@ -74,25 +74,25 @@ def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
     """
     impl = resolve_impl(impl, kv.device)
     _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
-                    target.cache, slots, target.page_size, target.rope.cos, target.rope.sin, target.cache_kind, impl)
+                    target.cache, slots, target.page_slots, target.rope.cos, target.rope.sin, target.cache_kind, impl)
 
 
 @kernel_op("compress_store", mutates_args=("state", "cache"))
 def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                     sources: torch.Tensor, writes: torch.Tensor, weight: torch.Tensor, eps: float,
-                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
+                    positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int,
                     rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str, impl: str) -> None:
     dsv4_store_instance(cache_kind)
-    check_device_slots(slots, cache.shape[0] * page_size, unique=True)
+    check_device_slots(slots, cache.shape[0] * page_slots, unique=True)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_compress_store as triton_compress_store
 
         triton_compress_store.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions,
-                                             cache, slots, page_size, rope_cos, rope_sin, cache_kind)
+                                             cache, slots, page_slots, rope_cos, rope_sin, cache_kind)
         return
     module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
-                          page_size, rope_cos, rope_sin, torch.get_num_threads())
+                          page_slots, rope_cos, rope_sin, torch.get_num_threads())
 
 
 def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
@@ -165,7 +165,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
     impl = resolve_impl(impl, kv.device)
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, store.weight, store.eps,
-                           store.cache, entry_slots, store.page_size, store.rope.cos, store.rope.sin,
+                           store.cache, entry_slots, store.page_slots, store.rope.cos, store.rope.sin,
                            store.cache_kind, impl)
     return out, emitted
 
@@ -174,7 +174,7 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
 def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                            state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
                            emitted: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                           slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                           slots: torch.Tensor, page_slots: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                            cache_kind: str, impl: str) -> None:
     dsv4_store_instance(cache_kind)
     check_decode_on_cuda(state_rows, positions, state)
@@ -182,9 +182,9 @@ def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
         from sparsekv.jit_kernel.triton import dsv4_compress_store as triton_compress_store
 
         triton_compress_store.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted,
-                                                    weight, eps, cache, slots, page_size, rope_cos, rope_sin,
+                                                    weight, eps, cache, slots, page_slots, rope_cos, rope_sin,
                                                     cache_kind)
         return
     module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
     module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
-                                 slots, page_size, rope_cos, rope_sin)
+                                 slots, page_slots, rope_cos, rope_sin)

@@ -9,7 +9,7 @@ page table: slot ``page_table[b, i // P] * P + i % P``)::
 
 Because relu is positively homogeneous, a positive per-(row, head) query scale can be moved into
 ``weights`` (the FP8 / FP4 query scales of a quantized indexer query are folded this way).
-:func:`indexer_topk` then keeps ``min(top_k, visible)`` entries with the largest scores, in ascending
+:func:`indexer_topk` then keeps ``min(num_top_k, visible)`` entries with the largest scores, in ascending
 position (of equal scores at the threshold, the lower positions), -1 after them, as logical entry
 positions (what the HiSparse swap-in takes as ``top_k_tokens``) and, with a
 page table, as cache slots (what :func:`sparsekv.jit_kernel.dsv4.sparse_decode_attention` takes as
@@ -19,7 +19,7 @@ Cache layouts (:mod:`sparsekv.kv_layout`), ``P`` slots per page, values then sca
 ``"fp8"`` = ``INDEXER_FP8`` (128 e4m3 + one fp32 scale, 132 B); ``"fp4"`` = ``INDEXER_FP4`` (64 bytes
 of e2m1 pairs, even element in the low nibble, + 4 UE8M0 scales per 32 dims, 68 B).
 
-Limits: 1 to 64 heads of dim 128, ``page_size`` a power of two, ``top_k >= 1`` (any value: the
+Limits: 1 to 64 heads of dim 128, ``page_slots`` a power of two, ``num_top_k >= 1`` (any value: the
 selection is a radix select with no per-k instantiation), score rows up to 2^31 - 1 entries.
 
 Tolerance of the scores against the fp64 reference (:mod:`sparsekv.testing.reference.dsv4_indexer`,
@@ -29,8 +29,8 @@ is exact and deterministic: on the same scores every backend writes the same tok
 
 Example
 -------
->>> scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=64, layout="fp8")
->>> tokens, slots = indexer_topk(scores, positions, 512, page_table=page_table, page_size=64)
+>>> scores = indexer_scores(q, weights, k_cache, page_table, positions, page_slots=64, layout="fp8")
+>>> tokens, slots = indexer_topk(scores, positions, 512, page_table=page_table, page_slots=64)
 >>> out, lse = sparse_decode_attention(q_main, c4_cache, slots, sink, 64)
 """
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import as_int, named_as, one_of
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -66,7 +67,7 @@ COMPRESS_RATIO = 4
 _MAX_TOP_K = 2**31 - 1
 #: A top-k past the row length only adds columns of -1: up to this many (above every DSV4 / V3.2
 #: top-k) are taken whatever the row length, so a short batch keeps the model's fixed top-k; beyond
-#: it, top_k must not exceed the row length (``top_k=2**28`` once allocated and wrote 1 GiB of -1).
+#: it, num_top_k must not exceed the row length (``num_top_k=2**28`` once allocated and wrote 1 GiB of -1).
 TOP_K_PAST_ROW_LENGTH = 2**16
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
 
@@ -111,7 +112,7 @@ def indexer_template_args(layout: str, q_dtype: torch.dtype) -> tuple[str, str]:
     return INDEXER.template_args({"layout": layout, "q_dtype": q_dtype})
 
 
-def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int,
+def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_slots: int, num_pages: int,
                        pages_are: str = "the pages of `k_cache`") -> None:
     """Torch check, on the tables' own device, that every page holding a visible entry is in ``[0, num_pages)``
     and that every row's visible entries fit its table row (the kernel's host entry does the same for
@@ -123,19 +124,19 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
     TypeError
         ``positions`` is not int32 or int64.
     ValueError
-        ``page_size`` is not a power of two in ``[1, 2^20]``; ``positions`` is not one per table row; a
+        ``page_slots`` is not a power of two in ``[1, 2^20]``; ``positions`` is not one per table row; a
         row sees more entries than its page-table row holds.
     IndexError
         A page holding visible entries is outside the cache.
     """
     # The O(1) checks the kernel's entry makes first come first here too, so bad input is named the same.
-    page_shift(page_size, "page_size")
+    page_shift(page_slots, "page_slots")
     if positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"sparsekv: argument `positions` must be int32 or int64, got {positions.dtype}")
     if positions.dim() != 1 or positions.shape[0] != page_table.shape[0]:
         raise ValueError(f"sparsekv: argument `positions` must be [B={page_table.shape[0]}] (one per page-table row), "
                          f"got shape {list(positions.shape)}")
-    pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_size)
+    pages_seen = -(-visible_entries(positions.to(torch.int64)) // page_slots)
     too_long = first_true(pages_seen > page_table.shape[1])
     if too_long is not None:
         (b,) = too_long
@@ -149,6 +150,7 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
                          f"[0, {num_pages}) ({pages_are}) but holds visible entries")
 
 
+@renamed_keywords(page_size="page_slots")
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -156,7 +158,7 @@ def indexer_scores(
     page_table: torch.Tensor,
     positions: torch.Tensor,
     *,
-    page_size: int = 64,
+    page_slots: int = 64,
     layout: str = "fp8",
     out: torch.Tensor | None = None,
     impl: str = "auto",
@@ -171,17 +173,17 @@ def indexer_scores(
     weights : torch.Tensor
         float32 ``[B, Hi]`` head weights, unit last stride.
     k_cache : torch.Tensor
-        uint8 ``[pages, layout.page_bytes(page_size)]`` indexer keys, unit last stride.
+        uint8 ``[pages, layout.page_bytes(page_slots)]`` indexer keys, unit last stride.
     page_table : torch.Tensor
-        int32 ``[B, max_pages]``: cache page of each row's logical page ``i // page_size``.
+        int32 ``[B, max_pages]``: cache page of each row's logical page ``i // page_slots``.
     positions : torch.Tensor
         int32 or int64 ``[B]``, contiguous: raw position ``t`` of each query (sees ``(t + 1) // 4`` entries).
-    page_size : int
+    page_slots : int
         Entries per page, a power of two (64 for DSV4).
     layout : str
         ``"fp8"`` (132 B entries) or ``"fp4"`` (68 B).
     out : torch.Tensor, optional
-        float32 ``[B, L]`` to write (unit last stride); default a new ``[B, max_pages * page_size]``.
+        float32 ``[B, L]`` to write (unit last stride); default a new ``[B, max_pages * page_slots]``.
         Entries of a row past its visible count (or past ``L``) are -inf.
     impl : {"auto", "header", "triton"}
         ``"header"``: the ``csrc/dsv4_indexer.cuh`` kernel on the cpu or cuda backend by device;
@@ -198,56 +200,57 @@ def indexer_scores(
     Raises
     ------
     TypeError
-        Wrong dtype, or a ``page_size`` that is not an int (the message names the argument).
+        Wrong dtype, or a ``page_slots`` that is not an int (the message names the argument).
     ValueError
-        Wrong shape, stride or device; more than 64 heads; ``page_size`` not a power of two in
+        Wrong shape, stride or device; more than 64 heads; ``page_slots`` not a power of two in
         ``[1, 2^20]``; a row that sees more entries than its page-table row holds (host-readable
         tables); ``out`` sharing memory with another argument or with itself.
     IndexError
         A page holding visible entries outside the cache (host-readable tables; the kernel scores
         such entries -inf otherwise).
     """
-    page_size = as_int(page_size, "page_size")
+    page_slots = as_int(page_slots, "page_slots")
     if out is None:  # a page size out of range gives no columns; the op body refuses it
-        width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
+        width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     impl = resolve_impl(impl, q.device)
     with named_as(scores="out"):  # the entries' name for the output
-        _indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out, impl)
+        _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out, impl)
     return out
 
 
 @kernel_op("indexer_scores", mutates_args=("out",))
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
-                    positions: torch.Tensor, page_size: int, layout: str, out: torch.Tensor, impl: str) -> None:
+                    positions: torch.Tensor, page_slots: int, layout: str, out: torch.Tensor, impl: str) -> None:
     indexer_template_args(layout, q.dtype)
     if page_table.dim() != 2:
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
     backend = backend_of(out)
     if index_checks_on_device(out):
-        check_pages_in_use(page_table, positions, page_size, k_cache.shape[0])
+        check_pages_in_use(page_table, positions, page_slots, k_cache.shape[0])
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-        triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out)
+        triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out)
         return
     module = INDEXER.module(layout=layout, q_dtype=q.dtype, backend=backend)
-    module.indexer_scores(q, weights, k_cache, page_table, positions, page_size, out)
+    module.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
 
 
+@renamed_keywords(top_k="num_top_k", page_size="page_slots")
 def indexer_topk(
     scores: torch.Tensor,
     positions: torch.Tensor,
-    top_k: int,
+    num_top_k: int,
     *,
     page_table: torch.Tensor | None = None,
-    page_size: int = 64,
+    page_slots: int = 64,
     out: torch.Tensor | None = None,
     out_slots: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``min(top_k, visible)`` highest-scoring visible entries of each row, -1 padded.
+    """The ``min(num_top_k, visible)`` highest-scoring visible entries of each row, -1 padded.
 
     Parameters
     ----------
@@ -256,15 +259,15 @@ def indexer_topk(
         ``min((t + 1) // 4, L)`` entries of a row are candidates, whatever the rest holds.
     positions : torch.Tensor
         int32 or int64 ``[B]``, contiguous: raw query positions ``t``.
-    top_k : int
+    num_top_k : int
         ``1 <= k < 2^31`` (an int or a numpy integer), at most ``max(L, 65536)`` for rows of ``L``
         entries (:data:`TOP_K_PAST_ROW_LENGTH`: columns past ``L`` only hold -1).
     page_table : torch.Tensor, optional
         int32 ``[B, max_pages]``; when given, the cache slots of the selected entries are returned too.
-    page_size : int
+    page_slots : int
         Entries per page of the table, a power of two.
     out, out_slots : torch.Tensor, optional
-        int32 ``[B, top_k]`` (unit last stride) to write; default new tensors.
+        int32 ``[B, num_top_k]`` (unit last stride) to write; default new tensors.
     workspace : torch.Tensor, optional
         int32, 1-D, contiguous, on the scores' device: the scratch lists of the Triton top-k, at least
         :func:`topk_workspace_ints` elements (the header needs none); default: allocated per call
@@ -279,16 +282,16 @@ def indexer_topk(
     Returns
     -------
     tokens : torch.Tensor
-        int32 ``[B, top_k]``: logical entry positions, distinct and ascending (equal scores at the
+        int32 ``[B, num_top_k]``: logical entry positions, distinct and ascending (equal scores at the
         threshold: the lower positions are taken), then -1; the HiSparse swap-in's ``top_k_tokens``.
     slots : torch.Tensor or None
-        int32 ``[B, top_k]``: ``page_table[b, tok // P] * P + tok % P`` per token, -1 for -1 (None
+        int32 ``[B, num_top_k]``: ``page_table[b, tok // P] * P + tok % P`` per token, -1 for -1 (None
         without ``page_table``).
 
     Raises
     ------
     TypeError, ValueError
-        Wrong dtype, shape, stride or device; ``top_k`` not an int or out of range (above the row
+        Wrong dtype, shape, stride or device; ``num_top_k`` not an int or out of range (above the row
         length and 65,536 included; refused before anything is allocated); ``out_slots`` without
         ``page_table``; an output sharing memory with
         another argument or with itself; a ``workspace`` of the wrong dtype, shape or device, or too small.
@@ -296,29 +299,29 @@ def indexer_topk(
         A page holding visible entries that is negative or whose slots overflow int32 (host-readable
         tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
     """
-    top_k, page_size = as_int(top_k, "top_k"), as_int(page_size, "page_size")
+    num_top_k, page_slots = as_int(num_top_k, "num_top_k"), as_int(page_slots, "page_slots")
     impl = resolve_impl(impl, scores.device)
-    out, out_slots = _topk_outputs(scores, top_k, page_table, out, out_slots)
-    _indexer_topk(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
+    out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
+    _indexer_topk(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     return out, out_slots
 
 
-def _check_top_k(scores: torch.Tensor, top_k: int) -> None:
-    if not 1 <= top_k <= _MAX_TOP_K:
-        raise ValueError(f"sparsekv: argument `top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
-                         f"{top_k}")
+def _check_top_k(scores: torch.Tensor, num_top_k: int) -> None:
+    if not 1 <= num_top_k <= _MAX_TOP_K:
+        raise ValueError(f"sparsekv: argument `num_top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
+                         f"{num_top_k}")
     width = rows_of(scores, 2, 1)
-    if top_k > max(width, TOP_K_PAST_ROW_LENGTH):
-        raise ValueError(f"sparsekv: argument `top_k` = {top_k} is more than the {width} entries of a `scores` row "
-                         f"(and than {TOP_K_PAST_ROW_LENGTH}, the columns of -1 taken past a row's length)")
+    if num_top_k > max(width, TOP_K_PAST_ROW_LENGTH):
+        raise ValueError(f"sparsekv: argument `num_top_k` = {num_top_k} is more than the {width} entries of a `scores` "
+                         f"row (and than {TOP_K_PAST_ROW_LENGTH}, the columns of -1 taken past a row's length)")
 
 
-def _topk_outputs(scores: torch.Tensor, top_k: int, page_table: torch.Tensor | None, out: torch.Tensor | None,
+def _topk_outputs(scores: torch.Tensor, num_top_k: int, page_table: torch.Tensor | None, out: torch.Tensor | None,
                   out_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``out`` and ``out_slots`` of a top-k call, allocated when not given (``[B, top_k]`` int32), after
-    the ``top_k`` check (:func:`_check_top_k`), so an absurd ``top_k`` allocates nothing."""
-    _check_top_k(scores, top_k)
-    k, batch = top_k, rows_of(scores, 2)
+    """``out`` and ``out_slots`` of a top-k call, allocated when not given (``[B, num_top_k]`` int32), after
+    the ``num_top_k`` check (:func:`_check_top_k`), so an absurd ``num_top_k`` allocates nothing."""
+    _check_top_k(scores, num_top_k)
+    k, batch = num_top_k, rows_of(scores, 2)
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     if page_table is not None and out_slots is None:
@@ -326,18 +329,18 @@ def _topk_outputs(scores: torch.Tensor, top_k: int, page_table: torch.Tensor | N
     return out, out_slots
 
 
-def topk_workspace_ints(batch: int, width: int, top_k: int) -> int:
+def topk_workspace_ints(batch: int, width: int, num_top_k: int) -> int:
     """int32 elements of the ``workspace`` of an :func:`indexer_topk` call on ``[batch, width]`` scores
     with ``impl="triton"`` (the scratch lists of its on-chip levels; 0 when a row is selected in one
     program). The header needs none."""
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-    return triton_indexer.topk_workspace_ints(batch, width, top_k)
+    return triton_indexer.topk_workspace_ints(batch, width, num_top_k)
 
 
-def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, top_k: int, impl: str, out: torch.Tensor,
+def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, num_top_k: int, impl: str, out: torch.Tensor,
                      out_slots: torch.Tensor | None) -> None:
-    need = topk_workspace_ints(scores.shape[0], scores.shape[1], top_k) if impl == "triton" else 0
+    need = topk_workspace_ints(scores.shape[0], scores.shape[1], num_top_k) if impl == "triton" else 0
     if workspace.dtype != torch.int32 or workspace.dim() != 1 or not workspace.is_contiguous() \
             or workspace.device != scores.device or workspace.numel() < need:
         raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D int32 tensor on {scores.device} "
@@ -348,45 +351,46 @@ def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, top_k: int, 
             check_no_overlap(workspace, "workspace", other, name)
 
 
-def _check_topk_options(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                        page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None,
+def _check_topk_options(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int, page_table: torch.Tensor | None,
+                        page_slots: int, out: torch.Tensor, out_slots: torch.Tensor | None,
                         workspace: torch.Tensor | None, impl: str) -> None:
     """The top-k op body's own checks (the entry's follow in the kernel call)."""
-    _check_top_k(scores, top_k)
+    _check_top_k(scores, num_top_k)
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
-    if out.dim() != 2 or out.shape[1] != top_k:
-        raise ValueError(f"sparsekv: argument `out` must be [B, top_k={top_k}], got shape {list(out.shape)}")
-    if page_table is not None and index_checks_on_device(scores) and page_size > 0:
+    if out.dim() != 2 or out.shape[1] != num_top_k:
+        raise ValueError(f"sparsekv: argument `out` must be [B, num_top_k={num_top_k}], got shape {list(out.shape)}")
+    if page_table is not None and index_checks_on_device(scores) and page_slots > 0:
         # The host entry's check of host tables, on the device (a sync): no page whose slots wrap int32.
-        check_pages_in_use(page_table, positions, page_size, 2**31 // page_size, "pages whose slots fit int32")
+        check_pages_in_use(page_table, positions, page_slots, 2**31 // page_slots, "pages whose slots fit int32")
     if workspace is not None and scores.dim() == 2:
-        _check_workspace(workspace, scores, top_k, impl, out, out_slots)
+        _check_workspace(workspace, scores, num_top_k, impl, out, out_slots)
 
 
 @kernel_op("indexer_topk", mutates_args=("out", "out_slots", "workspace"))
-def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                  page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
+def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int, page_table: torch.Tensor | None,
+                  page_slots: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
                   impl: str) -> None:
-    _check_topk_options(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
+    _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_size, workspace)
+        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace)
         return
     INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
-                                                                 page_size)
+                                                                 page_slots)
 
 
+@renamed_keywords(top_k="num_top_k", page_size="page_slots")
 def lightning_indexer(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
     page_table: torch.Tensor,
     positions: torch.Tensor,
-    top_k: int,
+    num_top_k: int,
     *,
-    page_size: int = 64,
+    page_slots: int = 64,
     layout: str = "fp8",
     scores: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -396,39 +400,40 @@ def lightning_indexer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_scores` then :func:`indexer_topk` through the page table (``impl`` passed to both).
 
-    Returns ``(tokens, slots)``, both int32 ``[B, top_k]`` (``out`` and ``out_slots`` when given).
-    ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_size``).
+    Returns ``(tokens, slots)``, both int32 ``[B, num_top_k]`` (``out`` and ``out_slots`` when given).
+    ``scores`` is the float32 ``[B, L]`` score buffer (default: new rows of ``max_pages * page_slots``).
     ``workspace`` is the top-k's (:func:`topk_workspace_ints`). Same parameters and errors as the two;
     given the four buffers, a call allocates nothing.
 
-    Every argument of the top-k (``top_k``, ``out``, ``out_slots``, ``workspace``, and ``scores`` as
+    Every argument of the top-k (``num_top_k``, ``out``, ``out_slots``, ``workspace``, and ``scores`` as
     the top-k reads it) is checked before the scores are computed: a refusal leaves ``scores`` as
     it was (in eager calls; a traced graph checks each op as it runs).
     """
-    top_k, page_size = as_int(top_k, "top_k"), as_int(page_size, "page_size")
+    num_top_k, page_slots = as_int(num_top_k, "num_top_k"), as_int(page_slots, "page_slots")
     if scores is None:
-        width = rows_of(page_table, 2, 1) * page_size if 1 <= page_size <= MAX_PAGE_SLOTS else 0
+        width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         scores = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     topk_impl = resolve_impl(impl, scores.device)
-    out, out_slots = _topk_outputs(scores, top_k, page_table, out, out_slots)
+    out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
     if not _through_dispatcher((scores, positions, out)):
-        _check_topk_arguments(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, topk_impl)
+        _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace,
+                              topk_impl)
     with named_as(out="scores"):  # the scores' `out` is this call's `scores`
-        scores = indexer_scores(q, weights, k_cache, page_table, positions, page_size=page_size, layout=layout,
+        scores = indexer_scores(q, weights, k_cache, page_table, positions, page_slots=page_slots, layout=layout,
                                 out=scores, impl=impl)
-    tokens, slots = indexer_topk(scores, positions, top_k, page_table=page_table, page_size=page_size, out=out,
+    tokens, slots = indexer_topk(scores, positions, num_top_k, page_table=page_table, page_slots=page_slots, out=out,
                                  out_slots=out_slots, workspace=workspace, impl=impl)
     return tokens, slots
 
 
-def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, top_k: int, page_table: torch.Tensor | None,
-                          page_size: int, out: torch.Tensor, out_slots: torch.Tensor | None,
-                          workspace: torch.Tensor | None, impl: str) -> None:
+def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
+                          page_table: torch.Tensor | None, page_slots: int, out: torch.Tensor,
+                          out_slots: torch.Tensor | None, workspace: torch.Tensor | None, impl: str) -> None:
     """The checks of a top-k call (the op body's, then the entry's: the header's and the Triton
     twin's are one contract, which the twin's Python checks mirror), without running it. The table
     pages are left to the call itself: that check reads values, and allocates (the decode path
     must not); a page whose slots overflow int32 is outside any cache, which the scores refuse first."""
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-    _check_topk_options(scores, positions, top_k, page_table, page_size, out, out_slots, workspace, impl)
-    triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_size, read_tables=False)
+    _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+    triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, read_tables=False)

@@ -4,7 +4,7 @@ Layout and rounding (also the contract of the torch oracle
 :mod:`sparsekv.testing.reference.dsv4_quant`): dims 0-447 in 7 blocks of 64, each with the
 power-of-two scale ``2^e``, ``e`` the smallest integer with ``448 * 2^e >= max(amax, 1e-4)``; value
 bytes are the e4m3 round-to-nearest-even codes of ``x / 2^e``, scale bytes ``e + 127``; dims 448-511
-are bf16. A page of ``page_size`` slots stores all value records (576 B) first, then all scale
+are bf16. A page of ``page_slots`` slots stores all value records (576 B) first, then all scale
 records (8 B), padded to a multiple of 576 B.
 
 :func:`quantize_indexer_keys` writes 128-wide indexer keys as given (no norm, no RoPE, no
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import as_int, named_as
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -68,7 +69,8 @@ def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> Non
         raise ValueError("sparsekv: argument `slots` names a slot twice; slots must be unique")
 
 
-def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, *,
+@renamed_keywords(page_size="page_slots")
+def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, *,
                         impl: str = "auto") -> None:
     """Quantize 512-wide rows into token slots of a paged ``fp8_ds_mla`` (V4, 584 B) cache, in place.
 
@@ -78,10 +80,10 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
         float32 or bfloat16 ``[N, 512]``, unit last stride. A float32 row is quantized from its own
         values (not rounded to bf16 first).
     cache : torch.Tensor
-        uint8 ``[pages, V4.page_bytes(page_size)]``, unit last stride, same device as ``x``.
+        uint8 ``[pages, V4.page_bytes(page_slots)]``, unit last stride, same device as ``x``.
     slots : torch.Tensor
-        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
-    page_size : int
+        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_slots)``.
+    page_slots : int
         Slots per page, a power of two in ``[1, 2^20]``.
     impl : {"auto", "header", "triton"}
         ``"header"``: the ``csrc/dsv4_quant.cuh`` kernel on the cpu or cuda backend by device;
@@ -93,7 +95,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     Raises
     ------
     TypeError
-        A wrong dtype, or a ``page_size`` that is not an int (the message names the argument).
+        A wrong dtype, or a ``page_slots`` that is not an int (the message names the argument).
     ValueError
         A wrong shape, stride, device or page size, a duplicated slot, or two arguments sharing
         memory (or a ``cache`` whose elements overlap, e.g. an ``expand``); an unknown ``impl``.
@@ -103,32 +105,33 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     Nothing is written when an exception is raised (slots on a CUDA device are not read by the
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
-    page_size = as_int(page_size, "page_size")
-    _quantize(x, cache, slots, page_size, resolve_impl(impl, cache.device))
+    page_slots = as_int(page_slots, "page_slots")
+    _quantize(x, cache, slots, page_slots, resolve_impl(impl, cache.device))
 
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
-def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, impl: str) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
+def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, impl: str) -> None:
+    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_quant as triton_quant
 
-        triton_quant.quantize_fp8_ds_mla(x, cache, slots, page_size)
+        triton_quant.quantize_fp8_ds_mla(x, cache, slots, page_slots)
         return
-    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, page_size)
+    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, page_slots)
 
 
-def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: int, *,
+@renamed_keywords(page_size="page_slots")
+def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_slots: int, *,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """The values stored in token slots of a paged ``fp8_ds_mla`` cache.
 
     Parameters
     ----------
     cache : torch.Tensor
-        uint8 ``[pages, V4.page_bytes(page_size)]``.
+        uint8 ``[pages, V4.page_bytes(page_slots)]``.
     slots : torch.Tensor
-        int64 ``[N]`` in ``[0, pages * page_size)`` (repeats allowed).
-    page_size : int
+        int64 ``[N]`` in ``[0, pages * page_slots)`` (repeats allowed).
+    page_slots : int
         Slots per page, a power of two.
     out : torch.Tensor, optional
         float32 ``[N, 512]``, contiguous, to write (default: a new tensor).
@@ -146,21 +149,22 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: i
     """
     if out is None:
         out = torch.empty(rows_of(slots, 1), 512, dtype=torch.float32, device=cache.device)
-    _dequantize(cache, slots, as_int(page_size, "page_size"), out)
+    _dequantize(cache, slots, as_int(page_slots, "page_slots"), out)
     return out
 
 
 @kernel_op("dequantize_fp8_ds_mla", mutates_args=("out",))
-def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=False)
-    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_size, out)
+def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_slots: int, out: torch.Tensor) -> None:
+    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=False)
+    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_slots, out)
 
 
 #: Export of the indexer-key quantizer per indexer cache format (``indexer_scores``'s ``layout``).
 INDEXER_QUANTIZERS = {"fp8": "quantize_indexer_fp8", "fp4": "quantize_indexer_fp4"}
 
 
-def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, page_size: int,
+@renamed_keywords(page_size="page_slots")
+def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, page_slots: int,
                           fmt: str = "fp8") -> None:
     """Quantize plain 128-wide indexer keys into token slots of a paged indexer cache, in place.
 
@@ -175,11 +179,11 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
         float32 or bfloat16 ``[N, 128]``, unit last stride. float32 keys are quantized from their
         own values (not rounded to bf16 first).
     cache : torch.Tensor
-        uint8 ``[pages, layout.page_bytes(page_size)]`` (``INDEXER_FP8`` or ``INDEXER_FP4`` of
+        uint8 ``[pages, layout.page_bytes(page_slots)]`` (``INDEXER_FP8`` or ``INDEXER_FP4`` of
         :mod:`sparsekv.kv_layout`), unit last stride, same device as ``keys``.
     slots : torch.Tensor
-        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_size)``.
-    page_size : int
+        int64 ``[N]``, contiguous, unique, in ``[0, pages * page_slots)``.
+    page_slots : int
         Slots per page, a power of two the kernels serve.
     fmt : {"fp8", "fp4"}
         ``"fp8"``: 132 B per key (128 e4m3 + one fp32 scale ``max(amax, 1e-4) / 448``); ``"fp4"``:
@@ -188,7 +192,7 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
     Raises
     ------
     TypeError
-        A wrong dtype, or a ``page_size`` / ``fmt`` of the wrong type (the message names the argument).
+        A wrong dtype, or a ``page_slots`` / ``fmt`` of the wrong type (the message names the argument).
     ValueError
         A wrong shape, stride, device, page size or ``fmt``, a duplicated slot, or two arguments
         sharing memory.
@@ -204,11 +208,11 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
     if fmt not in INDEXER_QUANTIZERS:
         raise ValueError(f"sparsekv: argument `fmt` must be one of {sorted(INDEXER_QUANTIZERS)}, got {fmt!r}")
     with named_as(x="keys"):  # the entry's name for the keys
-        _quantize_indexer(keys, cache, slots, as_int(page_size, "page_size"), fmt)
+        _quantize_indexer(keys, cache, slots, as_int(page_slots, "page_slots"), fmt)
 
 
 @kernel_op("quantize_indexer_keys", mutates_args=("cache",))
-def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int, fmt: str) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
+def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, fmt: str) -> None:
+    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
     module = DSV4_QUANT.module(backend=backend_of(cache))
-    getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_size)
+    getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_slots)

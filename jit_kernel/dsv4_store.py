@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.checks import as_float, as_int
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
@@ -80,8 +81,9 @@ def _positive_eps(value: object, name: str) -> float:
     return eps
 
 
+@renamed_keywords(page_size="page_slots")
 def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                    cache: torch.Tensor, slots: torch.Tensor, page_size: int, rope: RopeTable,
+                    cache: torch.Tensor, slots: torch.Tensor, page_slots: int, rope: RopeTable,
                     cache_kind: str = "V4", *, impl: str = "auto") -> None:
     """Normalize, rotate and quantize entries straight into a paged cache, in place.
 
@@ -98,10 +100,10 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         ``[0, rope.max_position)`` (an entry outside is not stored on the device; host-readable
         positions are checked).
     cache : torch.Tensor
-        uint8 ``[pages, layout.page_bytes(page_size)]`` (a pool's page buffer).
+        uint8 ``[pages, layout.page_bytes(page_slots)]`` (a pool's page buffer).
     slots : torch.Tensor
         int64 ``[N]``, unique token slots.
-    page_size : int
+    page_slots : int
         Slots per page, a power of two.
     rope : RopeTable
         The model's float32 cos/sin table (``RopeParams(...).table(max_position, device)``).
@@ -124,29 +126,29 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         A slot outside the cache, a position outside the RoPE table. Nothing is written when
         anything is raised.
     """
-    eps, page_size = _positive_eps(eps, "eps"), as_int(page_size, "page_size")
+    eps, page_slots = _positive_eps(eps, "eps"), as_int(page_slots, "page_slots")
     if not isinstance(rope, RopeTable):
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
-    _norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope.cos, rope.sin, cache_kind,
+    _norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope.cos, rope.sin, cache_kind,
                      resolve_impl(impl, cache.device))
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))
 def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cache: torch.Tensor,
-                     slots: torch.Tensor, page_size: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                     slots: torch.Tensor, page_slots: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                      cache_kind: str, impl: str) -> None:
     if impl == "triton":
         dsv4_store_instance(cache_kind)  # the kind is named first, as the header path's module lookup does
-        check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
+        check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
         from sparsekv.jit_kernel.triton import dsv4_store as triton_store
 
-        triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+        triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                                      cache_kind)
         return
     module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
-    check_device_slots(slots, rows_of(cache, 2) * page_size, unique=True)
-    module.norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)
+    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
+    module.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin)
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,9 @@ class StoreTarget:
         float32 ``[D]`` RMSNorm weight.
     eps : float
         RMSNorm epsilon: finite, above 0.
-    page_size : int
-        Slots per page of ``cache``.
+    page_slots : int
+        Slots per page of ``cache``; formerly ``page_size=``, which still works for one release (with a
+        ``DeprecationWarning``).
     rope : RopeTable
         The model's float32 cos/sin table.
     cache_kind : str
@@ -174,13 +177,18 @@ class StoreTarget:
     cache: torch.Tensor
     weight: torch.Tensor
     eps: float
-    page_size: int
+    page_slots: int
     rope: RopeTable
     cache_kind: str = "V4"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eps", _positive_eps(self.eps, "store.eps"))
-        object.__setattr__(self, "page_size", as_int(self.page_size, "store.page_size"))
+        object.__setattr__(self, "page_slots", as_int(self.page_slots, "store.page_slots"))
         if not isinstance(self.rope, RopeTable):
             raise TypeError(f"sparsekv: argument `store.rope` must be a RopeTable (RopeParams(...).table(n)), "
                             f"got {type(self.rope).__name__}")
+
+
+# ``page_size=`` was the field's name before ``page_slots`` (slots per page, as every kernel calls it):
+# the dataclass's generated __init__ takes the old keyword for one release.
+StoreTarget.__init__ = renamed_keywords(page_size="page_slots")(StoreTarget.__init__)

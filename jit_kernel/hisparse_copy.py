@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sparsekv.checks import one_of
+from sparsekv.checks import as_int, int_in, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.torch_op import (
     check_no_conflicting_destinations,
@@ -157,16 +157,12 @@ def _bounded_count(count: int, table: torch.Tensor, stride: object, page_bytes: 
 
 def _count(value: int | None, name: str) -> int:
     """A slot or page count for the C++ entry: -1 for "not given"."""
-    if value is None:
-        return -1
-    if type(value) is not int or value < 0:  # noqa: E721 - bool is not a count
-        raise ValueError(f"sparsekv: argument `{name}` must be None or a non-negative int, got {value!r}")
-    return value
+    return -1 if value is None else int_in(value, name, 0)
 
 
 def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int | None):
     """The two page strides in bytes (default: one page), after checking ``page_slots``."""
-    page_bytes = _PAGE_BYTES.get(page_slots) if type(page_slots) is int else None  # noqa: E721
+    page_bytes = _PAGE_BYTES.get(as_int(page_slots, "page_slots"))
     if page_bytes is None:
         raise ValueError(f"sparsekv: argument `page_slots` must be one of {PAGE_SLOTS}, got {page_slots!r}")
     return (page_bytes if src_page_stride is None else src_page_stride,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sparsekv.checks import int_in, one_of
+from sparsekv.checks import as_int, int_in, one_of
 from sparsekv.kv_layout import C4_PAGE_SLOTS
 
 __all__ = [
@@ -65,10 +65,11 @@ def near_bucket_bytes(num_top_k: int, protect_near: int) -> int:
 
 
 def check_block_size(family: str, block_size: int | None, num_top_k: int) -> int:
-    """``block_size``, or :func:`default_block_size` when None; else ``ValueError`` unless it is a
-    multiple of 32 in [32, 1024]."""
+    """``block_size``, or :func:`default_block_size` when None; ``TypeError`` unless an int, ``ValueError``
+    unless a multiple of 32 in [32, 1024]."""
     block = default_block_size(num_top_k) if block_size is None else block_size
-    if isinstance(block, bool) or not isinstance(block, int) or block % WARP or not WARP <= block <= 1024:
+    block = as_int(block, "block_size", owner=family)
+    if block % WARP or not WARP <= block <= 1024:
         raise ValueError(f"sparsekv: {family} argument `block_size` must be a multiple of 32 in [32, 1024], "
                          f"got {block_size!r}")
     return block

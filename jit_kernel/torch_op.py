@@ -142,11 +142,20 @@ def index_checks_on_device(tensor: torch.Tensor) -> bool:
 
 
 def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
-    """The index of the first ``True`` of ``mask`` in row-major order (one host sync), or None when there is
-    none: how an index check finds the entry its message names."""
-    if not bool(mask.any()):
+    """The index of the first ``True`` of ``mask`` in row-major order, or None when there is none: how an
+    index check finds the entry its message names. One host read (one sync on a GPU), found or not."""
+    flat = mask.reshape(-1)
+    if flat.numel() == 0:
         return None
-    return tuple(int(x) for x in mask.nonzero()[0])
+    # argmax returns the first of equal maxima; -1 when nothing is set, so one int comes back either way.
+    k = int(torch.where(flat.any(), flat.to(torch.uint8).argmax(), -1))
+    if k < 0:
+        return None
+    index = []
+    for size in reversed(mask.shape):
+        index.append(k % size)
+        k //= size
+    return tuple(reversed(index))
 
 
 def check_no_conflicting_destinations(dst_ids: torch.Tensor, src_ids: torch.Tensor, dst_name: str,

@@ -56,6 +56,8 @@ def as_int(value: object, name: str, *, owner: str = "") -> int:
     TypeError
         Anything else; the message names ``name``.
     """
+    if type(value) is int:  # the common case, first: a bool's type is bool
+        return value
     if not _is_bool(value):
         try:
             return operator.index(value)

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sparsekv.checks import as_int, int_in, one_of
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,10 +80,12 @@ class KVLayout:
 
         Raises
         ------
+        TypeError
+            ``page_slots`` is not an int (a float, a bool).
         ValueError
-            ``page_slots`` is not an int in ``[1, MAX_PAGE_SLOTS]``.
+            ``page_slots`` is outside ``[1, MAX_PAGE_SLOTS]``.
         """
-        _check_page_slots(page_slots)
+        page_slots = int_in(page_slots, "page_slots", 1, MAX_PAGE_SLOTS)
         tokens = self.bytes_per_token * page_slots
         return -(-tokens // self.page_align) * self.page_align
 
@@ -146,11 +150,6 @@ class KVLayout:
             raise ValueError("sparsekv: argument `pages` must have a unit stride in its last dim")
 
 
-def _check_page_slots(page_slots: int) -> None:
-    if isinstance(page_slots, bool) or not isinstance(page_slots, int) or not 0 < page_slots <= MAX_PAGE_SLOTS:
-        raise ValueError(f"sparsekv: argument `page_slots` must be an int in [1, 2^20], got {page_slots!r}")
-
-
 #: The largest page any kernel takes, in slots (``kv_layout::kMaxPageSlots``): every size product
 #: of a page then fits int64 with room to spare.
 MAX_PAGE_SLOTS = 2**20
@@ -181,12 +180,12 @@ def c4_page_slots(page_size: int) -> int:
 
     Raises
     ------
+    TypeError
+        ``page_size`` is not an int (``256.0`` too).
     ValueError
         ``page_size`` is not one of :data:`DSV4_PAGE_SIZES`.
     """
-    if isinstance(page_size, bool) or page_size not in DSV4_PAGE_SIZES:
-        raise ValueError(f"sparsekv: argument `page_size` must be one of {DSV4_PAGE_SIZES}, got {page_size!r}")
-    return page_size // C4_RATIO
+    return one_of(as_int(page_size, "page_size"), "page_size", DSV4_PAGE_SIZES) // C4_RATIO
 
 
 def resident_index_bytes(max_len: int, hot_buffer_size: int) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.checks import as_float, as_int
+from sparsekv.checks import as_float, as_int, int_in
 
 __all__ = ["ROPE_DIMS", "RopeParams", "RopeTable"]
 
@@ -85,10 +85,11 @@ class RopeParams:
 
         Raises
         ------
+        TypeError
+            ``max_position`` is not an int.
         ValueError
             ``max_position < 1`` or invalid parameters (named).
         """
-        if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
-            raise ValueError(f"sparsekv: argument `max_position` must be an int >= 1, got {max_position!r}")
+        max_position = int_in(max_position, "max_position", 1)
         angle = torch.outer(torch.arange(max_position, dtype=torch.float32), self.inv_freq())
         return RopeTable(torch.cos(angle).to(device).contiguous(), torch.sin(angle).to(device).contiguous())

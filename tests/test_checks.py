@@ -87,3 +87,50 @@ def test_flags_floats_and_choices():
     assert as_float(float("inf"), "scale") == float("inf")
     with pytest.raises(ValueError, match="`layout` must be one of"):
         one_of(True, "layout", (True, 1))  # a bool is never a choice, even where it compares equal
+
+
+def _library_int_checks():
+    """Library checks of one int argument each, as (name, check(value), a good value, its result, a bad int)."""
+    from sparsekv.jit_kernel.hisparse_params import check_block_size
+    from sparsekv.jit_kernel.triton.checks import page_shift
+    from sparsekv.kv_layout import V4, c4_page_slots
+    from sparsekv.rope import RopeParams
+    from sparsekv.srt.model_executor import DSV4PoolConfigurator, ParallelSpec, ServerSpec, dsv4_preset
+    from sparsekv.srt.model_executor.deployment import serving_instances
+
+    return {
+        "page_shift": ("page_slots", lambda v: page_shift(v, "page_slots"), 64, 6, 48),
+        "rope_table": ("max_position", lambda v: RopeParams(1e4).table(v).max_position, 8, 8, 0),
+        "block_size": ("block_size", lambda v: check_block_size("hisparse", v, 8), 64, 64, 48),
+        "page_bytes": ("page_slots", V4.page_bytes, 64, 37_440, 0),
+        "c4_page_slots": ("page_size", c4_page_slots, 256, 64, 64),
+        "serving_instances": ("page_size", lambda v: serving_instances(num_top_k=8, hot_buffer_size=8,
+                                                                        page_size=v)[-1][1]["page_slots"], 256, 64, 64),
+        "pool_page_size": ("page_size", lambda v: DSV4PoolConfigurator(
+            dsv4_preset("dsv4-flash"), ParallelSpec(), ServerSpec()).calculate_pool_sizes_from_max_tokens(
+                1 << 20, v).c4_max_total_num_tokens, 256, 1 << 18, 64),
+    }
+
+
+@pytest.mark.parametrize("check", ["page_shift", "rope_table", "block_size", "page_bytes", "c4_page_slots",
+                                   "serving_instances", "pool_page_size"])
+def test_every_library_int_check_follows_the_one_rule(check):
+    # A float (even a whole one) or a bool is the wrong kind of value: TypeError; a bad int: ValueError.
+    name, fn, good, result, bad = _library_int_checks()[check]
+    assert fn(good) == result and fn(np.int64(good)) == result
+    for wrong in (float(good), True, str(good)):
+        with pytest.raises(TypeError, match=f"`{name}` must be an int"):
+            fn(wrong)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        fn(bad)
+
+
+def test_library_messages_name_arguments_and_the_cli_names_its_flags():
+    from sparsekv.srt.model_executor.deployment import model_instances
+
+    with pytest.raises(ValueError, match=re.escape("argument `hot_buffer_size` must be >= the model's index top-k "
+                                                   "(512), got 8")) as hot:
+        model_instances("dsv4-flash", hot_buffer_size=8)
+    with pytest.raises(ValueError, match=re.escape("`page_size` must be one of (128, 256, 512), got 3")) as page:
+        model_instances("dsv4-flash", page_size=3)
+    assert "--" not in str(hot.value) + str(page.value)

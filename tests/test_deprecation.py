@@ -73,3 +73,34 @@ def test_the_runtime_takes_its_old_keywords_for_one_release():
     assert flash == model_instances("dsv4-flash", hot_buffer_size=2048)
     assert old == serving_instances(num_top_k=512, hot_buffer_size=1024)
     assert ("hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64}) in old
+
+
+def test_the_store_target_takes_page_size_for_one_release():
+    from sparsekv.jit_kernel.dsv4_store import StoreTarget
+    from sparsekv.rope import RopeParams
+
+    cache, rope = torch.zeros(1, V4.page_bytes(4), dtype=torch.uint8), RopeParams(1e4).table(8)
+    with pytest.warns(DeprecationWarning) as caught:
+        target = StoreTarget(cache, torch.ones(512), 1e-6, rope=rope, page_size=4)
+    assert _renames(caught) == [("page_size", "page_slots")]
+    assert caught[0].filename == __file__
+    assert target.page_slots == 4 and target.cache is cache and target.rope is rope
+
+
+def test_the_attention_backend_takes_top_k_for_one_release():
+    # The README's one-rank stack with one window-only layer; the old keyword's value arrives as `num_top_k`.
+    from sparsekv.jit_kernel.dsv4 import RopeParams
+    from sparsekv.srt.layers import Dsv4AttentionBackend, Dsv4LayerParams
+    from sparsekv.srt.mem_cache import DeepSeekV4TokenToKVPool
+    from sparsekv.srt.model_executor import DSV4ModelSpec, ServerSpec, plan_pipeline
+
+    spec = DSV4ModelSpec(num_hidden_layers=1, compress_ratios=(0,), context_len=1024)
+    rank = plan_pipeline(spec, ServerSpec(page_size=256, max_running_requests=1), 16 << 20).ranks[0]
+    pool = DeepSeekV4TokenToKVPool(rank.config, rank.configurator, device="cpu")
+    layers = [Dsv4LayerParams(0, torch.zeros(8), torch.ones(512), RopeParams(1e4).table(1024))]
+    tables = (256 + torch.arange(1024)).repeat(1, 1)
+    with pytest.warns(DeprecationWarning) as caught:
+        backend = Dsv4AttentionBackend(pool, layers, tables, tables, top_k=16, window=8)
+    assert _renames(caught) == [("top_k", "num_top_k")]
+    assert caught[0].filename == __file__
+    assert backend.num_top_k == 16

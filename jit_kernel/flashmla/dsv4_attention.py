@@ -2,12 +2,12 @@
 decode kernel (the ``flash_mla`` package) run on our caches as they are.
 
 Why it fits without a copy: FlashMLA's DeepSeek-V4 cache ("MODEL1", ``d_qk = 512``) stores a page of
-``page_size`` tokens as their 576-byte value records (448 e4m3 bytes, 64 bf16 rope values), then their
+``page_slots`` tokens as their 576-byte value records (448 e4m3 bytes, 64 bf16 rope values), then their
 8-byte UE8M0 scale records (7 scales, one pad byte), the page padded to a multiple of 576 bytes: byte
 for byte our ``V4`` page (:mod:`sparsekv.kv_layout`). FlashMLA takes it as a
-``[pages, page_size, 1, 584]`` tensor whose page stride is the padded page and whose row stride is 584;
-only the page stride and ``page_size`` are read, so the view below is exact. Its slots are ours
-(``page * page_size + offset``, -1 = none), its ``attn_sink`` scales the output by
+``[pages, page_slots, 1, 584]`` tensor whose page stride is the padded page and whose row stride is 584;
+only the page stride and ``page_slots`` are read, so the view below is exact. Its slots are ours
+(``page * page_slots + offset``, -1 = none), its ``attn_sink`` scales the output by
 ``sigmoid(lse - sink)`` and is left out of ``lse``, its ``topk_length`` bounds the entries of ``indices``
 (not the extra ones), and a row without a valid entry gives ``out = 0``, ``lse = +inf``: our contract.
 
@@ -87,20 +87,20 @@ def misfit_reason(q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.T
     return None
 
 
-def paged_view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Our uint8 ``[pages, V4.page_bytes(page_size)]`` cache as FlashMLA's ``[pages, page_size, 1, 584]``."""
-    return cache.as_strided((cache.shape[0], page_size, 1, V4.bytes_per_token),
+def paged_view(cache: torch.Tensor, page_slots: int) -> torch.Tensor:
+    """Our uint8 ``[pages, V4.page_bytes(page_slots)]`` cache as FlashMLA's ``[pages, page_slots, 1, 584]``."""
+    return cache.as_strided((cache.shape[0], page_slots, 1, V4.bytes_per_token),
                             (cache.stride(0), V4.bytes_per_token, V4.bytes_per_token, 1))
 
 
-def _valid_slots(indices: torch.Tensor, cache: torch.Tensor, page_size: int) -> torch.Tensor:
+def _valid_slots(indices: torch.Tensor, cache: torch.Tensor, page_slots: int) -> torch.Tensor:
     # FlashMLA skips only -1: every other out-of-range entry becomes -1, as our kernels skip it.
-    slots = cache.shape[0] * page_size
+    slots = cache.shape[0] * page_slots
     return indices.masked_fill((indices < -1) | (indices >= slots), -1)
 
 
-def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                            extra_page_size, out, lse, topk_length) -> None:
+def sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,
+                            extra_page_slots, out, lse, topk_length) -> None:
     """Run FlashMLA on arguments :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` has
     checked; write ``out`` (bfloat16 or float32) and ``lse``.
 
@@ -120,13 +120,13 @@ def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale
     width = indices.shape[1]
     kwargs = {}
     if extra_kv_cache is not None:
-        kwargs = {"extra_k_cache": paged_view(extra_kv_cache, extra_page_size),
-                  "extra_indices_in_kvcache": _valid_slots(extra_indices, extra_kv_cache, extra_page_size)[:, None]}
+        kwargs = {"extra_k_cache": paged_view(extra_kv_cache, extra_page_slots),
+                  "extra_indices_in_kvcache": _valid_slots(extra_indices, extra_kv_cache, extra_page_slots)[:, None]}
     if topk_length is not None:
         kwargs["topk_length"] = topk_length.clamp(0, width)
     schedule, _ = flash_mla.get_mla_metadata()
     result, result_lse = flash_mla.flash_mla_with_kvcache(
-        q[:, None], paged_view(kv_cache, page_size), None, None, HEAD_DIM, schedule, softmax_scale=softmax_scale,
-        is_fp8_kvcache=True, indices=_valid_slots(indices, kv_cache, page_size)[:, None], attn_sink=sink, **kwargs)
+        q[:, None], paged_view(kv_cache, page_slots), None, None, HEAD_DIM, schedule, softmax_scale=softmax_scale,
+        is_fp8_kvcache=True, indices=_valid_slots(indices, kv_cache, page_slots)[:, None], attn_sink=sink, **kwargs)
     out.copy_(result.view(batch, heads, HEAD_DIM))
     lse.copy_(result_lse.view(batch, heads))

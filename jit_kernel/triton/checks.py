@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.kv_layout import C4_RATIO
+from sparsekv.checks import as_int
+from sparsekv.kv_layout import C4_RATIO, MAX_PAGE_SLOTS
 
 __all__ = ["Arg", "check", "check_disjoint", "check_no_overlap", "dtype_name", "optional_arg",
            "page_shift", "read", "row_stride", "visible_entries", "written"]
@@ -81,12 +82,13 @@ def check(tensor: torch.Tensor, name: str) -> Arg:
     return Arg(tensor, name)
 
 
-def page_shift(page_size: int, name: str) -> int:
-    """log2 of a power-of-two page size in ``[1, 2^20]``, else ``ValueError`` naming ``name``."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1 << 20 \
-            or page_size & (page_size - 1):
-        raise ValueError(f"sparsekv: argument `{name}` must be a power of two in [1, 2^20], got {page_size}")
-    return page_size.bit_length() - 1
+def page_shift(page_slots: int, name: str) -> int:
+    """log2 of a power-of-two slots-per-page count in ``[1, 2^20]`` (``check_page_slots`` of ffi.h):
+    ``TypeError`` for what is not an int (:func:`sparsekv.checks.as_int`), else ``ValueError``, naming ``name``."""
+    page_slots = as_int(page_slots, name)
+    if not 1 <= page_slots <= MAX_PAGE_SLOTS or page_slots & (page_slots - 1):
+        raise ValueError(f"sparsekv: argument `{name}` must be a power of two in [1, 2^20], got {page_slots}")
+    return page_slots.bit_length() - 1
 
 
 def visible_entries(positions: torch.Tensor) -> torch.Tensor:

@@ -56,14 +56,11 @@ instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from sparsekv.jit_kernel.triton import interpreting
-from sparsekv.jit_kernel.triton.checks import check, check_disjoint, optional_arg, page_shift, read, row_stride, written
 from sparsekv.kv_layout import V4
 
 __all__ = ["AOT_KERNELS", "sparse_decode_attention"]
@@ -295,79 +292,17 @@ def default_splits(device: torch.device, batch: int, heads: int, entries: int) -
     return max(1, min(_GPU_SMS // programs, entries // _MIN_SPLIT_LEN))
 
 
-def _check_slots(indices: torch.Tensor, num_slots: int, name: str) -> None:
-    bad = (indices < -1) | (indices >= num_slots)
-    if bool(bad.any()):
-        b, j = (int(x) for x in bad.nonzero()[0])
-        raise IndexError(f"sparsekv: argument `{name}`[{b}, {j}] = {int(indices[b, j])} is neither -1 nor a slot of "
-                         f"its cache [0, {num_slots})")
-
-
-def _source(cache, cache_name, indices, indices_name, page_size, page_size_name, batch, q):
-    shift = page_shift(page_size, page_size_name)
-    check(cache, cache_name).dtype(torch.uint8).ndim(2).rows_dense().same_device(q, "q")
-    check(cache, cache_name).size(1, V4.page_bytes(page_size), "page_bytes(page_size) of the 584 B V4 layout")
-    check(indices, indices_name).dtype(torch.int32).ndim(2).rows_dense().same_device(q, "q")
-    check(indices, indices_name).size(0, batch, "batch of q")
-    num_slots = cache.shape[0] * page_size
-    if num_slots > 2**31 - 1:
-        raise ValueError(f"sparsekv: argument `{cache_name}` holds {num_slots} slots, more than int32 indices can name")
-    if q.device.type != "cuda":
-        _check_slots(indices, num_slots, indices_name)
-    return cache, row_stride(cache), shift, num_slots, indices, indices.stride(0), indices.shape[1]
-
-
-def check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                    extra_page_size, num_splits, out, lse, part_out=None, part_lse=None, topk_length=None):
-    """The header entry's checks, in its order; returns the two sources and the split length.
-
-    ``extra_page_size`` is -1 without an extra cache (the header entry's convention).
-    """
-    check_disjoint(read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
-                   read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
-                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
-                   read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
-                   written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
-                   written(optional_arg(part_lse, "part_lse"), "part_lse"))
-    check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
-    check(q, "q").size(2, HEAD_DIM, "head dim")
-    batch, heads = q.shape[0], q.shape[1]
-    check(sink, "sink").dtype(torch.float32).ndim(1).contiguous().same_device(q, "q")
-    check(sink, "sink").size(0, heads, "heads of q")
-    check(out, "out").ndim(3).contiguous().same_device(q, "q")
-    check(out, "out").size(0, batch, "batch").size(1, heads, "heads").size(2, HEAD_DIM, "head dim")
-    check(lse, "lse").dtype(torch.float32).ndim(2).contiguous().same_device(q, "q")
-    check(lse, "lse").size(0, batch, "batch").size(1, heads, "heads")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"sparsekv: argument `softmax_scale` must be finite, got {softmax_scale}")
-    if (extra_kv_cache is None) != (extra_indices is None):
-        raise ValueError("sparsekv: arguments `extra_kv_cache` and `extra_indices` go together: pass both or neither")
-    if (extra_kv_cache is None) != (extra_page_size < 0):
-        raise ValueError("sparsekv: argument `extra_page_size` is required exactly when `extra_kv_cache` is given")
-    main = _source(kv_cache, "kv_cache", indices, "indices", page_size, "page_size", batch, q)
-    extra = None
-    if extra_kv_cache is not None:
-        extra = _source(extra_kv_cache, "extra_kv_cache", extra_indices, "extra_indices", extra_page_size,
-                        "extra_page_size", batch, q)
-    total = main[-1] + (extra[-1] if extra is not None else 0)
-    if not 1 <= num_splits <= max(1, total):
-        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {max(1, total)}], "
-                         f"got {num_splits}")
-    return main, extra, -(-total // num_splits)
-
-
-def sparse_decode_attention(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache, extra_indices,
-                            extra_page_size, num_splits, out, lse, part_out, part_lse, topk_length=None):
-    """Check the arguments (:func:`check_arguments`), then launch: ``out`` (float32 or bfloat16) and ``lse``
-    are written, ``part_out`` / ``part_lse`` are the split partials (None for one split); ``topk_length``
-    (int32 ``[B]`` or None, checked by the caller) bounds the entries of ``indices`` taken per row.
+def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse, part_out, part_lse,
+                            topk_length=None):
+    """Launch on arguments the op has checked: ``main`` / ``extra`` are each cache's kernel arguments and
+    ``split_len`` the entries per split (what :func:`sparsekv.jit_kernel.dsv4_attention.check_attention_arguments`
+    returns, ``extra`` None without an extra cache); ``out`` (float32 or bfloat16) and ``lse`` are written,
+    ``part_out`` / ``part_lse`` are the split partials (None for one split); ``topk_length`` (int32 ``[B]``
+    or None) bounds the entries of ``indices`` taken per row.
 
     The body of the ``sparsekv::sparse_decode_attention`` op for ``impl="triton"``; see the public
     :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
     """
-    main, extra, split_len = check_arguments(q, kv_cache, indices, sink, page_size, softmax_scale, extra_kv_cache,
-                                             extra_indices, extra_page_size, num_splits, out, lse, part_out,
-                                             part_lse, topk_length)
     batch, heads = q.shape[0], q.shape[1]
     if batch == 0 or heads == 0:
         return

@@ -293,7 +293,7 @@ def _check_rope_position(pos, n, rope_positions):
 
 
 def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache,
-                                   slots, page_size, rope_cos, rope_sin, cache_kind):
+                                   slots, page_slots, rope_cos, rope_sin, cache_kind):
     """The header entry ``compress_store<Kind>``'s checks, in its order (same exceptions and messages);
     returns ``(d, ring_bf16, page_shift, num_slots)``."""
     check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
@@ -304,13 +304,13 @@ def check_compress_store_arguments(kv, score, ape, ratio, state, sources, writes
     _, dim, _ = KINDS[cache_kind]
     if d != dim:
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
-    shift, num_slots = check_store(sources.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size,
+    shift, num_slots = check_store(sources.shape[0], cache_kind, weight, eps, positions, cache, slots, page_slots,
                                    rope_cos, rope_sin)
     check(cache, "cache").same_device(kv, "kv")
     return d, ring_bf16, shift, num_slots
 
 
-def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size,
+def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_slots,
                    rope_cos, rope_sin, cache_kind):
     """Check (:func:`check_compress_store_arguments`), pool + store every event, then write the ring rows.
 
@@ -322,7 +322,7 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
         The header's refusals, same types and messages; nothing is written.
     """
     d, ring_bf16, shift, num_slots = check_compress_store_arguments(
-        kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_size, rope_cos,
+        kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots, page_slots, rope_cos,
         rope_sin, cache_kind)
     ring = state.view(torch.int16) if ring_bf16 else state
     stride = row_stride(cache)
@@ -374,7 +374,7 @@ def _check_decode(kv, score, ape, ratio, state, state_rows, positions, emitted):
 
 
 def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight,
-                                          eps, cache, slots, page_size, rope_cos, rope_sin, cache_kind):
+                                          eps, cache, slots, page_slots, rope_cos, rope_sin, cache_kind):
     """The header entry ``compress_decode_store<Kind>``'s checks, in its order (same exceptions and
     messages); returns ``(ring_bf16, page_shift, num_slots)``."""
     check_disjoint(read(kv, "kv"), read(score, "score"), read(ape, "ape"), written(state, "state"),
@@ -388,7 +388,7 @@ def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_ro
         raise ValueError(f"sparsekv: argument `kv` gives entries of width {d}, but this cache stores {dim}")
     check(out, "out").size(0, kv.shape[0], "rows of kv").size(1, dim, "d")
     check(cache, "cache").same_device(kv, "kv")
-    shift, num_slots = check_store(kv.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size,
+    shift, num_slots = check_store(kv.shape[0], cache_kind, weight, eps, positions, cache, slots, page_slots,
                                    rope_cos, rope_sin, read_slots=False)
     if cache.device.type != "cuda":  # host-readable: the rows that complete an entry store it
         pos = positions.numpy()
@@ -402,14 +402,14 @@ def check_compress_decode_store_arguments(kv, score, ape, ratio, state, state_ro
 
 
 def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
-                          slots, page_size, rope_cos, rope_sin, cache_kind):
+                          slots, page_slots, rope_cos, rope_sin, cache_kind):
     """Check (:func:`check_compress_decode_store_arguments`), pool every row's window (and store the
     entries that complete), then write each row's new token into its ring row.
 
     The body of the ``sparsekv::compress_decode_store`` op for ``impl="triton"``.
     """
     ring_bf16, shift, num_slots = check_compress_decode_store_arguments(
-        kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache, slots, page_size,
+        kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache, slots, page_slots,
         rope_cos, rope_sin, cache_kind)
     batch = kv.shape[0]
     if batch == 0:

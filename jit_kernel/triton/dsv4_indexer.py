@@ -296,15 +296,15 @@ def _check_page_table(page_table, batch, like):
     check(page_table, "page_table").size(0, batch, "batch")
 
 
-def _check_pages_in_use(page_table, positions, width, page_size, num_pages, pages_are):
+def _check_pages_in_use(page_table, positions, width, page_slots, num_pages, pages_are):
     """The header entry's host-table check (``check_pages_in_use`` of ``dsv4_indexer.cuh``), same messages."""
     n_all = visible_entries(positions.to(torch.int64))  # the header's visible(): no wrap at t = 2**63 - 1
-    pages_seen = -(-n_all // page_size)
+    pages_seen = -(-n_all // page_slots)
     for b in range(page_table.shape[0]):
         if int(pages_seen[b]) > page_table.shape[1]:
             raise ValueError(f"sparsekv: argument `page_table` has {page_table.shape[1]} pages per row, but row {b} "
                              f"sees {int(n_all[b])} entries ({int(pages_seen[b])} pages)")
-        pages = page_table[b, :-(-min(int(n_all[b]), width) // page_size)].to(torch.int64)
+        pages = page_table[b, :-(-min(int(n_all[b]), width) // page_slots)].to(torch.int64)
         bad = (pages < 0) | (pages >= num_pages)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -312,7 +312,7 @@ def _check_pages_in_use(page_table, positions, width, page_size, num_pages, page
                              f"({pages_are}) but holds visible entries")
 
 
-def check_scores_arguments(q, weights, k_cache, page_table, positions, page_size, layout, scores):
+def check_scores_arguments(q, weights, k_cache, page_table, positions, page_slots, layout, scores):
     """The header entry ``indexer_scores``'s checks, in its order."""
     check_disjoint(read(q, "q"), read(weights, "weights"), read(k_cache, "k_cache"), read(page_table, "page_table"),
                    read(positions, "positions"), written(scores, "out"))
@@ -325,25 +325,25 @@ def check_scores_arguments(q, weights, k_cache, page_table, positions, page_size
         raise ValueError(f"sparsekv: argument `q` has {heads} heads; the indexer supports 1 to {MAX_HEADS}")
     check(weights, "weights").dtype(torch.float32).ndim(2).rows_dense().same_device(scores, "scores")
     check(weights, "weights").size(0, batch, "batch").size(1, heads, "heads of q")
-    shift = page_shift(page_size, "page_size")
+    shift = page_shift(page_slots, "page_slots")
     check(k_cache, "k_cache").dtype(torch.uint8).ndim(2).rows_dense().same_device(scores, "scores")
-    check(k_cache, "k_cache").size(1, _LAYOUTS[layout].page_bytes(page_size),
-                                   "page_bytes(page_size) of the indexer layout")
+    check(k_cache, "k_cache").size(1, _LAYOUTS[layout].page_bytes(page_slots),
+                                   "page_bytes(page_slots) of the indexer layout")
     _check_page_table(page_table, batch, scores)
     _check_positions(positions, batch, scores)
     if width > 2**31 - 1:
         raise ValueError("sparsekv: argument `scores` is wider than 2^31 - 1 entries")
     if scores.device.type != "cuda":
-        _check_pages_in_use(page_table, positions, width, page_size, k_cache.shape[0], "the pages of `k_cache`")
+        _check_pages_in_use(page_table, positions, width, page_slots, k_cache.shape[0], "the pages of `k_cache`")
     return shift
 
 
-def indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout, out):
+def indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out):
     """Check (:func:`check_scores_arguments`), then write the scores of every row into ``out``.
 
     The body of the ``sparsekv::indexer_scores`` op for ``impl="triton"``.
     """
-    shift = check_scores_arguments(q, weights, k_cache, page_table, positions, page_size, layout, out)
+    shift = check_scores_arguments(q, weights, k_cache, page_table, positions, page_slots, layout, out)
     batch, width = out.shape
     if batch == 0 or width == 0:
         return
@@ -355,7 +355,7 @@ def indexer_scores(q, weights, k_cache, page_table, positions, page_size, layout
         BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
 
 
-def check_topk_arguments(scores, positions, out, page_table, out_slots, page_size, *, read_tables=True):
+def check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, *, read_tables=True):
     """The header entry ``indexer_topk``'s checks, in its order; the page shift (0 without a table).
 
     ``read_tables=False`` leaves out the one check that reads values (the host tables' pages), which
@@ -371,17 +371,17 @@ def check_topk_arguments(scores, positions, out, page_table, out_slots, page_siz
     check(out, "out").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
     check(out, "out").size(0, batch, "batch")
     if out.shape[1] < 1:
-        raise ValueError(f"sparsekv: argument `top_k` must be at least 1, got {out.shape[1]}")
+        raise ValueError(f"sparsekv: argument `num_top_k` must be at least 1, got {out.shape[1]}")
     if (page_table is None) != (out_slots is None):
         raise ValueError("sparsekv: arguments `page_table` and `out_slots` go together")
     if page_table is None:
         return 0
-    shift = page_shift(page_size, "page_size")
+    shift = page_shift(page_slots, "page_slots")
     _check_page_table(page_table, batch, scores)
     check(out_slots, "out_slots").dtype(torch.int32).ndim(2).rows_dense().same_device(scores, "scores")
-    check(out_slots, "out_slots").size(0, batch, "batch").size(1, out.shape[1], "top_k")
+    check(out_slots, "out_slots").size(0, batch, "batch").size(1, out.shape[1], "num_top_k")
     if scores.device.type != "cuda" and read_tables:
-        _check_pages_in_use(page_table, positions, width, page_size, 1 << (31 - shift), "pages whose slots fit int32")
+        _check_pages_in_use(page_table, positions, width, page_slots, 1 << (31 - shift), "pages whose slots fit int32")
     return shift
 
 
@@ -417,7 +417,7 @@ def topk_workspace_ints(batch: int, width: int, k: int, chunk: int = TOPK_CHUNK,
     return sum(2 * batch * triton.cdiv(length, level_chunk) * k for length, level_chunk in levels)
 
 
-def indexer_topk(scores, positions, out, page_table, out_slots, page_size, workspace=None, *, chunk=TOPK_CHUNK,
+def indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace=None, *, chunk=TOPK_CHUNK,
                  final=TOPK_FINAL):
     """Check (:func:`check_topk_arguments`), then write each row's top ``out.shape[1]`` into ``out`` (and slots).
 
@@ -428,7 +428,7 @@ def indexer_topk(scores, positions, out, page_table, out_slots, page_size, works
     the caller) when given, else allocated (the caching allocator's, a graph pool's under capture).
     ``chunk`` and ``final`` are the plan's sizes (tests shrink them to reach several levels at small widths).
     """
-    shift = check_topk_arguments(scores, positions, out, page_table, out_slots, page_size)
+    shift = check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots)
     batch, width = scores.shape
     k = out.shape[1]
     if batch == 0:

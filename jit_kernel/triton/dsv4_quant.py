@@ -170,23 +170,23 @@ def check_unique_slots(slots, num_slots: int) -> None:
                          f"slots must be unique")
 
 
-def check_quantize_arguments(x, cache, slots, page_size, layout=V4, dim=DIM):
+def check_quantize_arguments(x, cache, slots, page_slots, layout=V4, dim=DIM):
     """The header entry's ``check_quantize<L, D>``, in its order; returns (page_shift, num_slots)."""
     check_disjoint(read(x, "x"), written(cache, "cache"), read(slots, "slots"))
     check(x, "x").dtype(torch.float32, torch.bfloat16)
     check(x, "x").ndim(2).size(1, dim, "head dim").rows_dense().same_device(cache, "cache")
     check(slots, "slots").ndim(1).size(0, x.shape[0], "rows of x")
-    return check_paged_cache(cache, slots, page_size, layout)
+    return check_paged_cache(cache, slots, page_slots, layout)
 
 
-def check_paged_cache(cache, slots, page_size, layout, read_slots=True):
+def check_paged_cache(cache, slots, page_slots, layout, read_slots=True):
     """The header's ``check_paged_cache<L>`` with unique slots (checked when ``read_slots``), in its order;
     returns (page_shift, num_slots)."""
-    shift = page_shift(page_size, "page_size")
+    shift = page_shift(page_slots, "page_slots")
     check(cache, "cache").dtype(torch.uint8).ndim(2).rows_dense()
-    check(cache, "cache").size(1, layout.page_bytes(page_size), "page bytes for page_size")
+    check(cache, "cache").size(1, layout.page_bytes(page_slots), "page bytes for page_slots")
     check(slots, "slots").dtype(torch.int64).ndim(1).contiguous().same_device(cache, "cache")
-    num_slots = cache.shape[0] * page_size
+    num_slots = cache.shape[0] * page_slots
     if cache.device.type != "cuda" and read_slots:
         check_unique_slots(slots, num_slots)
     return shift, num_slots
@@ -197,12 +197,12 @@ def word_aligned(cache) -> bool:
     return cache.data_ptr() % 4 == 0 and row_stride(cache) % 4 == 0
 
 
-def quantize_fp8_ds_mla(x, cache, slots, page_size):
+def quantize_fp8_ds_mla(x, cache, slots, page_slots):
     """Check (:func:`check_quantize_arguments`), then quantize each row of ``x`` into its slot.
 
     The body of the ``sparsekv::quantize_fp8_ds_mla`` op for ``impl="triton"``.
     """
-    shift, num_slots = check_quantize_arguments(x, cache, slots, page_size)
+    shift, num_slots = check_quantize_arguments(x, cache, slots, page_slots)
     if x.shape[0] == 0:
         return
     quantize_v4_kernel[(x.shape[0],)](x, row_stride(x), slots, cache, row_stride(cache), shift, num_slots,

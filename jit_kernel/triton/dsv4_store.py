@@ -207,16 +207,16 @@ def norm_rope_store_kernel(x_ptr, x_stride, weight_ptr, positions_ptr, slots_ptr
                                     page * page_stride + (1 << page_shift) * 64 + in_page * 4, z, valid, PACKED)
 
 
-def check_store_arguments(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, cache_kind):
+def check_store_arguments(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin, cache_kind):
     """The header entry ``norm_rope_store<Kind>``'s checks, in its order; returns (page_shift, num_slots)."""
     _, dim, layout = KINDS[cache_kind]
     check_disjoint(read(x, "x"), read(weight, "weight"), read(positions, "positions"), written(cache, "cache"),
                    read(slots, "slots"), read(rope_cos, "rope_cos"), read(rope_sin, "rope_sin"))
     check(x, "x").dtype(torch.float32).ndim(2).size(1, dim, "head dim").rows_dense().same_device(cache, "cache")
-    return check_store(x.shape[0], cache_kind, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin)
+    return check_store(x.shape[0], cache_kind, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin)
 
 
-def check_store(entries, cache_kind, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+def check_store(entries, cache_kind, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                 read_slots=True):
     """The header's ``check_store<Kind>`` for ``entries`` rows, in its order (the positions and slots are
     read when ``read_slots`` and host-readable); returns (page_shift, num_slots)."""
@@ -239,15 +239,15 @@ def check_store(entries, cache_kind, weight, eps, positions, cache, slots, page_
                              f"the RoPE table [0, {rope_cos.shape[0]})")
     if not eps >= 0.0:
         raise ValueError(f"sparsekv: argument `eps` must be >= 0, got {eps:g}")
-    return check_paged_cache(cache, slots, page_size, layout, read_slots)
+    return check_paged_cache(cache, slots, page_slots, layout, read_slots)
 
 
-def norm_rope_store(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin, cache_kind):
+def norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin, cache_kind):
     """Check (:func:`check_store_arguments`), then store every entry.
 
     The body of the ``sparsekv::norm_rope_store`` op for ``impl="triton"``.
     """
-    shift, num_slots = check_store_arguments(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+    shift, num_slots = check_store_arguments(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                                              cache_kind)
     if x.shape[0] == 0:
         return

@@ -164,9 +164,14 @@ def _family(families: dict, name: str):
     return families[name]
 
 
+#: ``model_instances``' arguments -> the ``--model`` flags that set them (for its messages).
+FLAG_OF = {"`hot_buffer_size`": "--hot-buffer", "`page_size`": "--page-size"}
+
+
 def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
     """``(family, instance)`` pairs named by ``names``/``--all``/``--instance``/``--model``, de-duplicated."""
     from sparsekv.srt.model_executor.deployment import model_instances
+    from sparsekv.srt.model_executor.plan_breakdown import name_flags
 
     chosen = []
     if getattr(args, "all", False):
@@ -180,7 +185,11 @@ def _selected(args: argparse.Namespace, families: dict) -> list[tuple]:
         values = parse_values([p for p in rest.split(",") if p.strip()], f"--instance {spec!r}") if sep else {}
         chosen.append((family, resolve_instance(family, values)))
     if args.model:
-        for name, values in model_instances(args.model, hot_buffer_size=args.hot_buffer, page_size=args.page_size):
+        try:
+            instances = model_instances(args.model, hot_buffer_size=args.hot_buffer, page_size=args.page_size)
+        except ValueError as exc:  # the library names its arguments; the user gave flags
+            raise UsageError(name_flags(str(exc), FLAG_OF)) from exc
+        for name, values in instances:
             family = _family(families, name)
             chosen.append((family, resolve_instance(family, values)))
     elif args.hot_buffer is not None or args.page_size is not None:

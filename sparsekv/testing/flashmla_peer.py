@@ -7,7 +7,7 @@ The library's entry (``tools/peers/flashmla_shim.cu``) takes FlashMLA's own para
 ``sparse_attn_decode_interface`` fills it from the tensors its Python API takes:
 
 * ``q`` ``[B, H, 512]`` bf16 is FlashMLA's ``[b, s_q = 1, h_q, d_qk = 512]``;
-* our cache, uint8 ``[pages, V4.page_bytes(page_size)]``, is its MODEL1 ``[num_blocks, page_block_size,
+* our cache, uint8 ``[pages, V4.page_bytes(page_slots)]``, is its MODEL1 ``[num_blocks, page_block_size,
   h_kv = 1, 584]``: block stride = our page stride, row stride 584 (FlashMLA finds a token's 576-byte
   value record at ``block * stride_kv_block + row * 576`` and its 8 scale bytes at
   ``block * stride_kv_block + page_block_size * 576 + row * 8``: our ``V4`` page);
@@ -116,18 +116,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _paged(cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    return cache.as_strided((cache.shape[0], page_size, 1, V4.bytes_per_token),
+def _paged(cache: torch.Tensor, page_slots: int) -> torch.Tensor:
+    return cache.as_strided((cache.shape[0], page_slots, 1, V4.bytes_per_token),
                             (cache.stride(0), V4.bytes_per_token, V4.bytes_per_token, 1))
 
 
-def decode_params(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_size: int,
+def decode_params(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, page_slots: int,
                   softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, scratch: Scratch, *,
                   extra_kv_cache: torch.Tensor | None = None, extra_indices: torch.Tensor | None = None,
-                  extra_page_size: int | None = None, topk_length: torch.Tensor | None = None,
+                  extra_page_slots: int | None = None, topk_length: torch.Tensor | None = None,
                   stream: int = 0) -> DecodeParams:
     """FlashMLA's parameter struct for our arguments (see the module docstring for the mapping)."""
-    q4, kv4, idx3 = q[:, None], _paged(kv_cache, page_size), indices[:, None]
+    q4, kv4, idx3 = q[:, None], _paged(kv_cache, page_slots), indices[:, None]
     out4, lse3 = out[:, None], lse[:, None]
     p = DecodeParams(
         b=q4.shape[0], s_q=1, h_q=q4.shape[2], h_kv=1, d_qk=q4.shape[3], d_v=HEAD_DIM,
@@ -148,7 +148,7 @@ def decode_params(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
         tile_scheduler_metadata_ptr=_ptr(scratch.tile_scheduler_metadata), num_splits_ptr=_ptr(scratch.num_splits),
         num_sm_parts=scratch.parts)
     if extra_kv_cache is not None:
-        xkv4, xidx3 = _paged(extra_kv_cache, extra_page_size), extra_indices[:, None]
+        xkv4, xidx3 = _paged(extra_kv_cache, extra_page_slots), extra_indices[:, None]
         p.extra_num_blocks, p.extra_page_block_size, p.extra_topk = xkv4.shape[0], xkv4.shape[1], xidx3.shape[2]
         p.extra_kv, p.extra_indices = _ptr(xkv4), _ptr(xidx3)
         p.stride_extra_kv_block, p.stride_extra_kv_row = xkv4.stride(0), xkv4.stride(1)
@@ -185,8 +185,8 @@ class FlashMLAPeer:
         self._entry.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self._scratch: dict[tuple, Scratch] = {}
 
-    def __call__(self, q, kv_cache, indices, sink, page_size, out, lse, *, softmax_scale: float = 512**-0.5,
-                 extra_kv_cache=None, extra_indices=None, extra_page_size=None, topk_length=None) -> None:
+    def __call__(self, q, kv_cache, indices, sink, page_slots, out, lse, *, softmax_scale: float = 512**-0.5,
+                 extra_kv_cache=None, extra_indices=None, extra_page_slots=None, topk_length=None) -> None:
         """Write FlashMLA's ``out`` (bf16 ``[B, H, 512]``) and ``lse`` (``[B, H]``) for our arguments."""
         if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or q.shape[1] not in (64, 128):
             raise ValueError("FlashMLA takes bf16 q and out with 64 or 128 heads")
@@ -200,9 +200,9 @@ class FlashMLAPeer:
                                        q.shape[1])
             self._scratch[key] = Scratch.allocate(q.shape[0], q.shape[1], parts, device)
         _, overhead = scheduler_parts(major, 1, q.shape[1])
-        params = decode_params(q, kv_cache, indices, sink, page_size, softmax_scale, out, lse, self._scratch[key],
+        params = decode_params(q, kv_cache, indices, sink, page_slots, softmax_scale, out, lse, self._scratch[key],
                                extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                               extra_page_size=extra_page_size, topk_length=topk_length,
+                               extra_page_slots=extra_page_slots, topk_length=topk_length,
                                stream=torch.cuda.current_stream(device).cuda_stream)
         error = ctypes.create_string_buffer(512)
         if self._entry(ctypes.byref(params), major, overhead, error, len(error)) != 0:

@@ -125,15 +125,15 @@ def attention(batch: int, top_k: int, heads: int = 64, q_bytes: int = 2, out_byt
     return Cost(nbytes, 4 * batch * heads * HEAD_DIM * top_k, "bf16")
 
 
-def indexer_scores(batch: int, entries: int, heads: int = 64, page_size: int = 64, q_bytes: int = 2,
+def indexer_scores(batch: int, entries: int, heads: int = 64, page_slots: int = 64, q_bytes: int = 2,
                    key_bytes: int = INDEXER_FP8.bytes_per_token) -> Cost:
     """Lightning-indexer scores of ``entries`` keys per row (FP8: 132 B records; FP4: ``key_bytes=68``).
 
     bytes = ``batch * entries * (key_bytes + 4)`` (each key record once, one fp32 score written) +
-    ``batch * (entries / page_size) * 4`` (page table) + ``batch * heads * (128 * q_bytes + 4)``
+    ``batch * (entries / page_slots) * 4`` (page table) + ``batch * heads * (128 * q_bytes + 4)``
     (query, weights); FLOPs = ``2 * batch * heads * 128 * entries``, fp8.
     """
-    nbytes = (batch * entries * (key_bytes + 4) + batch * (entries // page_size) * 4
+    nbytes = (batch * entries * (key_bytes + 4) + batch * (entries // page_slots) * 4
               + batch * heads * (INDEXER_DIM * q_bytes + 4))
     return Cost(nbytes, 2 * batch * heads * INDEXER_DIM * entries, "fp8")
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.checks import int_in
+from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.dsv4 import (
     compress_decode_step,
     lightning_indexer,
@@ -126,8 +127,9 @@ class Dsv4AttentionBackend:
     req_to_token, req_to_swa_loc : torch.Tensor
         int64 ``[rows, max_context]`` on the pool's device: the full-token and SWA location of
         every position of every request row (the engine's tables; the backend only reads them).
-    top_k : int
-        The indexer's top-k (C4 entries each token attends).
+    num_top_k : int
+        The indexer's top-k (C4 entries each token attends); formerly ``top_k=``, which still works for
+        one release (with a ``DeprecationWarning``).
     window : int
         Sliding-window length of the SWA attention.
     coordinator : HiSparseCoordinator, optional
@@ -137,8 +139,9 @@ class Dsv4AttentionBackend:
         ``"header"``, ``"triton"`` or ``"auto"``: the indexer's and the attention's implementation.
     """
 
+    @renamed_keywords(top_k="num_top_k")
     def __init__(self, pool, layers: Sequence[Dsv4LayerParams], req_to_token: torch.Tensor,
-                 req_to_swa_loc: torch.Tensor, *, top_k: int, window: int, coordinator=None, impl: str = "auto"):
+                 req_to_swa_loc: torch.Tensor, *, num_top_k: int, window: int, coordinator=None, impl: str = "auto"):
         if len(layers) != len(pool.layer_mapping):
             raise ValueError(f"sparsekv: argument `layers` has {len(layers)} layers, the pool "
                              f"{len(pool.layer_mapping)}")
@@ -148,7 +151,7 @@ class Dsv4AttentionBackend:
         self.pool, self.layers, self.impl = pool, list(layers), impl
         self.req_to_token, self.req_to_swa_loc = req_to_token, req_to_swa_loc
         self.device = pool.device
-        self.top_k, self.window, self.coordinator = top_k, window, coordinator
+        self.num_top_k, self.window, self.coordinator = num_top_k, window, coordinator
         self.page_size = pool.page_size
         self.c4_page, self.c128_page = self.page_size // 4, self.page_size // 128
         self.rings = pool.ring_sizes
@@ -214,8 +217,8 @@ class Dsv4AttentionBackend:
             "index_entries": torch.zeros(max_bs, INDEXER_DIM, dtype=f32, device=dev),
             "index_emitted": torch.zeros(max_bs, dtype=torch.bool, device=dev),
             "scores": torch.zeros(max_bs, pages * self.c4_page, dtype=f32, device=dev),
-            "tokens": torch.zeros(max_bs, self.top_k, dtype=i32, device=dev),
-            "top_slots": torch.zeros(max_bs, self.top_k, dtype=i32, device=dev),
+            "tokens": torch.zeros(max_bs, self.num_top_k, dtype=i32, device=dev),
+            "top_slots": torch.zeros(max_bs, self.num_top_k, dtype=i32, device=dev),
             "out": torch.zeros(max_bs, self.heads, HEAD_DIM, dtype=f32, device=dev),
             "lse": torch.zeros(max_bs, self.heads, dtype=f32, device=dev),
             "workspace": torch.zeros(max(1, workspace_floats(max_bs, self.heads, 1)), dtype=f32, device=dev),
@@ -399,20 +402,20 @@ class Dsv4AttentionBackend:
                            self.kv_target[layer_id], "c4_slots" if layer.ratio == 4 else "c128_slots", "")
         if layer.ratio == 128:
             extra = dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=self._buf("c128_indices"),
-                         extra_page_size=self.c128_page)
+                         extra_page_slots=self.c128_page)
         elif layer.ratio == 4:
             self._compress(i_kv, i_score, layer.i_ape, 4, self.pool.get_indexer_state(layer_id), "c4_state_rows",
                            self.index_target[layer_id], "index_slots", "index_")
             tokens, slots = lightning_indexer(
-                index_q, weights, self.pool.get_indexer_buffer(layer_id), self._buf("page_table"), pos, self.top_k,
-                page_size=self.c4_page, scores=self._buf("scores"), out=self._buf("tokens"),
+                index_q, weights, self.pool.get_indexer_buffer(layer_id), self._buf("page_table"), pos, self.num_top_k,
+                page_slots=self.c4_page, scores=self._buf("scores"), out=self._buf("tokens"),
                 out_slots=self._buf("top_slots"), impl=self.impl)
             if self.coordinator is not None:
                 slots = self.coordinator.swap_in_selected_pages(self._buf("rows"), self._buf("c4_lens"), tokens,
                                                                 self.c4_index[layer_id],
                                                                 num_real_reqs=self._bufs["num_real"])
             extra = dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=slots,
-                         extra_page_size=self.c4_page)
+                         extra_page_slots=self.c4_page)
         out, _ = sparse_decode_attention(q, swa_cache, self._buf("window"), layer.sink, self.page_size,
                                          out=self._buf("out"), lse=self._buf("lse"), impl=self.impl, **extra)
         return out
@@ -440,15 +443,15 @@ class Dsv4AttentionBackend:
         them): the SWA cache, the window, and the extra cache, indices and page size."""
         layer = self.layers[layer_id]
         inputs = dict(kv_cache=self.pool.get_swa_kv_buffer(layer_id), indices=self._buf("window"),
-                      page_size=self.page_size)
+                      page_slots=self.page_size)
         if layer.ratio == 128:
             inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=self._buf("c128_indices"),
-                           extra_page_size=self.c128_page)
+                           extra_page_slots=self.c128_page)
         elif layer.ratio == 4:
             slots = (self._buf("top_slots") if self.coordinator is None
                      else self.coordinator.top_k_device_locs_buffer[: self.bs])
             inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=slots,
-                           extra_page_size=self.c4_page)
+                           extra_page_slots=self.c4_page)
         return inputs
 
     def forward_extend(self, layer_id: int, kv: torch.Tensor, c_kv: torch.Tensor | None = None,
@@ -503,7 +506,7 @@ class Dsv4AttentionBackend:
                 hot = ratio == 4 and self.coordinator is not None and not name
                 slot_of = self.entry_slots(r, anchors, ratio, hot=hot)
                 norm_rope_store(entries, target.weight, target.eps, anchors.to(self.device), target.cache,
-                                slot_of, target.page_size, target.rope, target.cache_kind)
+                                slot_of, target.page_slots, target.rope, target.cache_kind)
                 entries_all.append(entries)
                 anchors_all.append(anchors)
             done[f"{name}entries"], done[f"{name}anchors"] = entries_all, anchors_all
@@ -512,17 +515,17 @@ class Dsv4AttentionBackend:
         layer = self.layers[layer_id]
         rows = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in zip(self.extend_rows, self.extend_lens)])
         meta = self._derive(rows.to(self.device), positions)
-        inputs = dict(kv_cache=self.pool.get_swa_kv_buffer(layer_id), indices=meta["window"], page_size=self.page_size)
+        inputs = dict(kv_cache=self.pool.get_swa_kv_buffer(layer_id), indices=meta["window"], page_slots=self.page_size)
         if layer.ratio == 128:
             inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=meta["c128_indices"],
-                           extra_page_size=self.c128_page)
+                           extra_page_slots=self.c128_page)
         elif layer.ratio == 4:
             _, slots = lightning_indexer(index_q, weights, self.pool.get_indexer_buffer(layer_id), meta["page_table"],
-                                         positions, self.top_k, page_size=self.c4_page, impl=self.impl)
+                                         positions, self.num_top_k, page_slots=self.c4_page, impl=self.impl)
             # Indexer slots are logical C4 locations; every entry of a prefill is on the device.
             hot = torch.where(slots >= 0, self._hot(slots.clamp(min=0).long()), -1).to(torch.int32)
             inputs |= dict(extra_kv_cache=self.compressed_cache(layer_id), extra_indices=hot,
-                           extra_page_size=self.c4_page)
+                           extra_page_slots=self.c4_page)
         out, lse = sparse_decode_attention(q, inputs["kv_cache"], inputs["indices"], layer.sink, self.page_size,
                                            impl=self.impl, **{k: v for k, v in inputs.items() if k.startswith("extra")})
         return {"out": out, "lse": lse, "attention_inputs": inputs}

@@ -8,8 +8,9 @@ It lives next to the model specs it reads and names the kernel families by strin
 
 from __future__ import annotations
 
+from sparsekv.checks import as_int
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.kv_layout import C4_RATIO, DSV4_PAGE_SIZES, c4_page_slots
+from sparsekv.kv_layout import C4_RATIO, c4_page_slots
 from sparsekv.srt.model_executor.model_spec import DSV4_PRESETS, ServerSpec, dsv4_preset
 
 #: ``index_topk`` of each preset's model config: the CSA indexer's top-k, which the swap-in is built for.
@@ -37,8 +38,11 @@ def model_instances(model: str, *, hot_buffer_size: int | None = None,
 
     Raises
     ------
+    TypeError
+        ``hot_buffer_size`` or ``page_size`` is not an int.
     ValueError
-        Unknown model, or a hot buffer smaller than the top-k.
+        Unknown model, a hot buffer smaller than the top-k, or a ``page_size`` not one of
+        :data:`~sparsekv.kv_layout.DSV4_PAGE_SIZES` (the page sizes the DSV4 kernels serve).
     """
     if model == DEMO:
         import torch
@@ -61,8 +65,9 @@ def model_instances(model: str, *, hot_buffer_size: int | None = None,
 
 
 def _check_hot_buffer(hot: int, num_top_k: int) -> None:
-    if hot < num_top_k:
-        raise ValueError(f"sparsekv: --hot-buffer ({hot}) must be >= the model's index top-k ({num_top_k})")
+    if as_int(hot, "hot_buffer_size") < num_top_k:
+        raise ValueError(f"sparsekv: argument `hot_buffer_size` must be >= the model's index top-k ({num_top_k}), "
+                         f"got {hot}")
 
 
 @renamed_keywords(top_k="num_top_k", hot_buffer="hot_buffer_size")
@@ -86,12 +91,16 @@ def serving_instances(*, num_top_k: int, hot_buffer_size: int, page_size: int = 
         Query dtypes of the attention and indexer (default bfloat16 and float32).
     indexer_layouts : tuple of str
         Indexer key layouts (``"fp8"``, ``"fp4"``).
+
+    Raises
+    ------
+    TypeError
+        ``page_size`` is not an int.
+    ValueError
+        ``page_size`` is not one of :data:`~sparsekv.kv_layout.DSV4_PAGE_SIZES`.
     """
     import torch
 
-    if isinstance(page_size, bool) or page_size not in DSV4_PAGE_SIZES:
-        raise ValueError(f"sparsekv: --page-size must be one of {', '.join(map(str, DSV4_PAGE_SIZES))} (the page "
-                         f"sizes the DSV4 kernels serve), got {page_size}")
     q_dtypes = (torch.bfloat16, torch.float32) if q_dtypes is None else tuple(q_dtypes)
     page_slots = c4_page_slots(page_size)
     store_kinds = ["V4"] + [f"INDEXER_{layout.upper()}" for layout in indexer_layouts]

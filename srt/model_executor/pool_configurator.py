@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from sparsekv.checks import int_in
+
 from . import dsv4_geometry as geo
 from .model_spec import (
     DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO,
@@ -565,8 +567,9 @@ class DSV4PoolConfigurator(MemoryPoolConfigurator):
 
     @staticmethod
     def _check_page_size(page_size: int) -> None:
-        if page_size % 128 != 0:
-            raise ValueError(f"page_size must be a multiple of 128 for DSV4 compressed attention, got {page_size}")
+        if int_in(page_size, "page_size", 1) % 128 != 0:
+            raise ValueError(f"sparsekv: argument `page_size` must be a multiple of 128 for DSV4 compressed attention, "
+                             f"got {page_size}")
 
 
 def create_memory_pool_configurator(

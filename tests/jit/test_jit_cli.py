@@ -55,7 +55,7 @@ BAD_ARGUMENTS = [
     (("build", "--instance", "gather_rows:index_type"), 2, "expected k=v"),
     (("build", "--hot-buffer", "8", "gather_rows"), 2, "go with --model"),
     (("build", "--model", "dsv4-pro", "--hot-buffer", "8"), 2, "must be >="),
-    (("build", "--model", "dsv4-flash", "--page-size", "3"), 2, "--page-size must be one of 128, 256, 512"),
+    (("build", "--model", "dsv4-flash", "--page-size", "3"), 2, "--page-size must be one of (128, 256, 512)"),
     (("build", "--jobs", "0", "gather_rows"), 2, "an integer >= 1"),
     (("build", "--triton", "--arch", "9.0a", "dsv4_quant.nosuch"), 2, "no Triton kernel is named 'dsv4_quant.nosuch'"),
     (("build", "--triton", "--all"), 2, "--triton builds the Triton kernels only"),

@@ -5,14 +5,22 @@ bad-input contract."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_attention import ATTENTION, attention_template_args, sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_attention import (
+    ATTENTION,
+    attention_template_args,
+    check_attention_arguments,
+    reads_values,
+    sparse_decode_attention,
+)
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, skip_unless_triton_runs, to_backend
+from sparsekv.testing.components import skip_for_gpu
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.reference.dsv4_quant import dequantize_fp8_ds_mla
 from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
@@ -26,7 +34,7 @@ ORDER_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 def run(case: AttentionCase, backend: str, **kwargs):
     c = case.to(device_of(backend))
-    out, lse = sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, c.page_size, **c.kwargs(), **kwargs)
+    out, lse = sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, c.page_slots, **c.kwargs(), **kwargs)
     return out.cpu(), lse.cpu()
 
 
@@ -39,7 +47,7 @@ def assert_same(a, b, tol):
 @pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @given(case=attention_case())
 def test_matches_the_fp64_reference(backend, case):
-    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size,
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
                                                  **case.kwargs())
     assert_same(run(case, backend), expected, TOL)
 
@@ -76,7 +84,7 @@ def test_topk_length_equals_padding_the_rest_with_minus_one(backend, case, data)
     expected = run(dataclasses.replace(case, indices=padded), backend)
     # The same valid entries in the same order: the same float32 operations, bit for bit.
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    reference = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size,
+    reference = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
                                                   **case.kwargs(), topk_length=lengths)
     assert_same(got, reference, TOL)
 
@@ -89,10 +97,10 @@ def test_sink_minus_inf_is_plain_softmax_and_a_sink_scales_by_sigmoid(backend, c
     case.sink = torch.full_like(case.sink, float("-inf"))
     out, lse = run(case, backend)
     for b in range(case.q.shape[0]):
-        kv = dequantize_fp8_ds_mla(case.kv_cache, case.indices[b][case.indices[b] >= 0].long(), case.page_size)
+        kv = dequantize_fp8_ds_mla(case.kv_cache, case.indices[b][case.indices[b] >= 0].long(), case.page_slots)
         if case.extra_kv_cache is not None:
             extra = case.extra_indices[b][case.extra_indices[b] >= 0].long()
-            kv = torch.cat([kv, dequantize_fp8_ds_mla(case.extra_kv_cache, extra, case.extra_page_size)])
+            kv = torch.cat([kv, dequantize_fp8_ds_mla(case.extra_kv_cache, extra, case.extra_page_slots)])
         if kv.shape[0] == 0:
             continue
         logits = 512**-0.5 * case.q[b].to(torch.float64) @ kv.T
@@ -130,8 +138,8 @@ def test_an_extra_cache_is_the_same_as_one_longer_index_list(backend, case, data
     # The extra cache is an independent source: splitting one list over (cache, cache) changes nothing.
     cut = data.draw(st.integers(0, case.indices.shape[1]))
     whole = run(case, backend)
-    split = AttentionCase(case.q, case.kv_cache, case.indices[:, :cut].contiguous(), case.sink, case.page_size,
-                          case.kv_cache, case.indices[:, cut:].contiguous(), case.page_size)
+    split = AttentionCase(case.q, case.kv_cache, case.indices[:, :cut].contiguous(), case.sink, case.page_slots,
+                          case.kv_cache, case.indices[:, cut:].contiguous(), case.page_slots)
     assert_same(run(split, backend), whole, ORDER_TOL)
 
 
@@ -153,7 +161,7 @@ def _fresh():
     g = torch.Generator().manual_seed(2)
     cache = v4_cache(random_rows(8, g), 4)
     return dict(q=torch.randn(2, 3, 512, generator=g), kv_cache=cache,
-                indices=torch.tensor([[0, 7, -1], [3, 3, 1]], dtype=torch.int32), sink=torch.zeros(3), page_size=4)
+                indices=torch.tensor([[0, 7, -1], [3, 3, 1]], dtype=torch.int32), sink=torch.zeros(3), page_slots=4)
 
 
 BAD_INPUTS = [
@@ -166,13 +174,13 @@ BAD_INPUTS = [
     (lambda a: a.update(indices=a["indices"][:1]), ValueError, "indices"),
     (lambda a: a.update(indices=torch.tensor([[0, 8, -1], [0, 0, 0]], dtype=torch.int32)), IndexError, "indices"),
     (lambda a: a.update(indices=torch.tensor([[0, -2, -1], [0, 0, 0]], dtype=torch.int32)), IndexError, "indices"),
-    (lambda a: a.update(page_size=3), ValueError, "page_size"),
-    (lambda a: a.update(page_size=8), ValueError, "kv_cache"),
+    (lambda a: a.update(page_slots=3), ValueError, "page_slots"),
+    (lambda a: a.update(page_slots=8), ValueError, "kv_cache"),
     (lambda a: a.update(kv_cache=a["kv_cache"].view(torch.int8)), TypeError, "kv_cache"),
-    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_indices=a["indices"]), ValueError, "extra_page_size"),
-    (lambda a: a.update(extra_page_size=4), ValueError, "extra_page_size"),
-    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_page_size=4), ValueError, "extra_indices"),
-    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_indices=a["indices"] + 6, extra_page_size=4), IndexError,
+    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_indices=a["indices"]), ValueError, "extra_page_slots"),
+    (lambda a: a.update(extra_page_slots=4), ValueError, "extra_page_slots"),
+    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_page_slots=4), ValueError, "extra_indices"),
+    (lambda a: a.update(extra_kv_cache=a["kv_cache"], extra_indices=a["indices"] + 6, extra_page_slots=4), IndexError,
      "extra_indices"),
     (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
     (lambda a: a.update(num_splits=0), ValueError, "num_splits"),
@@ -197,6 +205,62 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(backend, index_
         sparse_decode_attention(**args, impl=impl)
     for k, v in before.items():
         assert torch.equal(args[k], v), k
+
+
+def _contract_call(backend, indices, topk_length):
+    """The attention's input contract on valid arguments but ``indices`` and ``topk_length``."""
+    args = to_backend(backend, _fresh())
+    q = args["q"]
+    out, lse = torch.empty(2, 3, 512, device=q.device), torch.empty(2, 3, device=q.device)
+    indices, topk_length = indices.to(q.device), topk_length.to(q.device)
+    return lambda read_values: check_attention_arguments(
+        q, args["kv_cache"], indices, args["sink"], 4, 0.1, None, None, -1, 1, out, lse, None, topk_length,
+        impl="header", read_values=read_values)
+
+
+def test_the_contract_reads_the_tables_values_only_when_asked(backend):
+    # 2 pages of 4 slots: slot 8 is outside; a length of 4 is above K = 3. Without reading values the
+    # checks are O(1) (what a GPU call without SPARSEKV_CHECK_INDICES runs, and never syncs): shapes,
+    # dtypes, page sizes and memory pass, and the kernels skip the slot and clamp the length.
+    bad_slot = torch.tensor([[0, 8, -1], [0, 0, 0]], dtype=torch.int32)
+    check = _contract_call(backend, bad_slot, torch.tensor([1, 4], dtype=torch.int32))
+    main, extra, split_len = check(False)
+    assert (main[2], main[3], main[5], main[6], extra, split_len) == (2, 8, 3, 3, None, 3)
+    with pytest.raises(ValueError, match=re.escape("`topk_length` must be in [0, K=3], got [1, 4]")):
+        check(True)
+    check = _contract_call(backend, bad_slot, torch.tensor([1, 3], dtype=torch.int32))
+    with pytest.raises(IndexError, match=re.escape("`indices`[0, 1] = 8 is neither -1 nor a slot of its cache [0, 8)")):
+        check(True)
+
+
+@pytest.mark.no_backend("the switch reads the tensor's device and the environment")
+def test_host_tables_are_read_by_the_contract_or_the_entry_and_gpu_tables_only_with_the_flag(monkeypatch):
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SPARSEKV_CHECK_INDICES", flag)
+        # Host tables cost no sync: the contract reads them for the twin, the header's C++ entry for
+        # itself (allocation-free, so a decode step given its buffers allocates nothing).
+        assert reads_values(torch.zeros(1), "triton") and not reads_values(torch.zeros(1), "header")
+        assert not reads_values(torch.zeros(1, device="meta"), "triton")  # nothing to read: shapes only
+
+
+def test_a_gpu_call_reads_nothing_without_the_flag_and_refuses_with_it(backend, monkeypatch):
+    if backend != "cuda":
+        skip_for_gpu("the no-sync mode is the GPU's")
+    args = to_backend(backend, _fresh())
+    args["indices"] = torch.tensor([[0, 8, -1], [0, 0, 0]], dtype=torch.int32, device=args["q"].device)
+    out, lse = torch.empty(2, 3, 512, device=args["q"].device), torch.empty(2, 3, device=args["q"].device)
+    monkeypatch.delenv("SPARSEKV_CHECK_INDICES", raising=False)
+    assert not reads_values(args["q"], "header")
+    sparse_decode_attention(**args, num_splits=1, out=out, lse=lse, impl="header")  # warm: compiled, loaded
+    torch.cuda.set_sync_debug_mode("error")  # any host read of the device raises
+    try:
+        sparse_decode_attention(**args, num_splits=1, out=out, lse=lse, impl="header")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setenv("SPARSEKV_CHECK_INDICES", "1")
+    assert reads_values(args["q"], "header")
+    with pytest.raises(IndexError, match=re.escape("`indices`[0, 1] = 8")):
+        sparse_decode_attention(**args, num_splits=1, out=out, lse=lse, impl="header")
 
 
 @pytest.mark.no_backend("template arguments are computed in Python")

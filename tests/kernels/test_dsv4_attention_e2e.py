@@ -74,7 +74,7 @@ def test_indexer_swap_in_attention_equals_the_fully_resident_cache(backend, layo
         on = {name: t.to(device) for name, t in dict(q=q, q_index=q_index, weights=weights, positions=positions,
                                                      page_table=page_table, sink=sink).items()}
         tokens, slots = lightning_indexer(on["q_index"], on["weights"], index_cache.to(device), on["page_table"],
-                                          on["positions"], TOP_K, page_size=P, layout=layout)
+                                          on["positions"], TOP_K, page_slots=P, layout=layout)
         resident = sparse_decode_attention(on["q"], kv_cache.to(device), slots, on["sink"], P)
 
         hot_buffer = device_buffer.to(device)

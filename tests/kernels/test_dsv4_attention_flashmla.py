@@ -34,27 +34,27 @@ FLASHMLA_LSE_TOL = {"atol": 1e-6, "rtol": 8.01 / 65536}
 PEER_DIR = Path(__file__).resolve().parents[2] / "peers" / "flashmla"
 
 
-def case(heads: int, k: int, *, batch: int = 3, page_size: int = 64, k2: int = 0, seed: int = 0, device="cpu"):
+def case(heads: int, k: int, *, batch: int = 3, page_slots: int = 64, k2: int = 0, seed: int = 0, device="cpu"):
     """Arguments with -1 holes, an extra cache when ``k2``, a sink and ``topk_length``."""
     g = torch.Generator().manual_seed(seed)
-    slots = 3 * page_size
+    slots = 3 * page_slots
     args = {"q": torch.randn(batch, heads, 512, generator=g).bfloat16(),
-            "kv_cache": v4_cache(random_rows(slots, g), page_size),
+            "kv_cache": v4_cache(random_rows(slots, g), page_slots),
             "indices": torch.randint(0, slots, (batch, k), generator=g, dtype=torch.int32),
-            "sink": torch.randn(heads, generator=g), "page_size": page_size,
+            "sink": torch.randn(heads, generator=g), "page_slots": page_slots,
             "topk_length": torch.randint(0, k + 1, (batch,), generator=g, dtype=torch.int32)}
     args["indices"][torch.rand(batch, k, generator=g) < 0.25] = -1
     if k2:
-        args.update(extra_kv_cache=v4_cache(random_rows(2 * page_size, g), page_size), extra_page_size=page_size,
-                    extra_indices=torch.randint(-1, 2 * page_size, (batch, k2), generator=g, dtype=torch.int32))
+        args.update(extra_kv_cache=v4_cache(random_rows(2 * page_slots, g), page_slots), extra_page_slots=page_slots,
+                    extra_indices=torch.randint(-1, 2 * page_slots, (batch, k2), generator=g, dtype=torch.int32))
     return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in args.items()}
 
 
 def reference(args):
     return sparse_decode_attention_reference(
-        args["q"].cpu(), args["kv_cache"].cpu(), args["indices"].cpu(), args["sink"].cpu(), args["page_size"],
+        args["q"].cpu(), args["kv_cache"].cpu(), args["indices"].cpu(), args["sink"].cpu(), args["page_slots"],
         extra_kv_cache=args.get("extra_kv_cache"), extra_indices=args.get("extra_indices"),
-        extra_page_size=args.get("extra_page_size"), topk_length=args["topk_length"].cpu())
+        extra_page_slots=args.get("extra_page_slots"), topk_length=args["topk_length"].cpu())
 
 
 # impl="flashmla": refusals and the choice of "auto" --------------------------------------------------------
@@ -121,34 +121,34 @@ def _flashmla_token(raw: torch.Tensor, base: int, kv_ptr: int, block_stride: int
 @pytest.mark.no_backend("the mapping is computed on the host; the kernels it feeds need a GPU")
 @pytest.mark.parametrize("heads", [64, 128])
 def test_peer_mapping_follows_flashmla_parameter_structure(heads):
-    batch, k, k2, page_size = 3, 128, 64, 4
-    args = case(heads, k, batch=batch, page_size=page_size, k2=k2)
+    batch, k, k2, page_slots = 3, 128, 64, 4
+    args = case(heads, k, batch=batch, page_slots=page_slots, k2=k2)
     # The cache is a slice of a larger buffer: FlashMLA's base pointer and block stride must follow it.
-    buffer = torch.zeros(5, V4.page_bytes(page_size) + 40, dtype=torch.uint8)
-    cache = buffer[1:4, :V4.page_bytes(page_size)]
+    buffer = torch.zeros(5, V4.page_bytes(page_slots) + 40, dtype=torch.uint8)
+    cache = buffer[1:4, :V4.page_bytes(page_slots)]
     cache.copy_(args["kv_cache"][:3])
     out = torch.empty(batch, heads, 512, dtype=torch.bfloat16)
     lse = torch.empty(batch, heads)
     scratch = flashmla_peer.Scratch.allocate(batch, heads, 7, torch.device("cpu"))
-    p = flashmla_peer.decode_params(args["q"], cache, args["indices"], args["sink"], page_size, 0.125, out, lse,
+    p = flashmla_peer.decode_params(args["q"], cache, args["indices"], args["sink"], page_slots, 0.125, out, lse,
                                     scratch, extra_kv_cache=args["extra_kv_cache"],
-                                    extra_indices=args["extra_indices"], extra_page_size=page_size,
+                                    extra_indices=args["extra_indices"], extra_page_slots=page_slots,
                                     topk_length=args["topk_length"], stream=1234)
     # FlashMLA's interface on q [b, 1, h, 512], kv [blocks, page, 1, 584], indices [b, 1, topk], out
     # [b, 1, h, 512], lse [b, 1, h] and accumulators [b + parts, 1, h(, 512)], all contiguous here.
     expected = {
         "b": batch, "s_q": 1, "h_q": heads, "h_kv": 1, "d_qk": 512, "d_v": 512, "num_blocks": 3,
-        "page_block_size": page_size, "topk": k, "model_type": 1, "extra_num_blocks": 2,
-        "extra_page_block_size": page_size, "extra_topk": k2,
+        "page_block_size": page_slots, "topk": k, "model_type": 1, "extra_num_blocks": 2,
+        "extra_page_block_size": page_slots, "extra_topk": k2,
         "q": args["q"].data_ptr(), "kv": cache.data_ptr(), "indices": args["indices"].data_ptr(),
         "topk_length": args["topk_length"].data_ptr(), "attn_sink": args["sink"].data_ptr(),
         "lse": lse.data_ptr(), "out": out.data_ptr(), "extra_kv": args["extra_kv_cache"].data_ptr(),
         "extra_indices": args["extra_indices"].data_ptr(), "extra_topk_length": None,
         "stride_q_b": heads * 512, "stride_q_s_q": heads * 512, "stride_q_h_q": 512,
-        "stride_kv_block": V4.page_bytes(page_size) + 40, "stride_kv_row": 584,
+        "stride_kv_block": V4.page_bytes(page_slots) + 40, "stride_kv_row": 584,
         "stride_indices_b": k, "stride_indices_s_q": k, "stride_lse_b": heads, "stride_lse_s_q": heads,
         "stride_o_b": heads * 512, "stride_o_s_q": heads * 512, "stride_o_h_q": 512,
-        "stride_extra_kv_block": V4.page_bytes(page_size), "stride_extra_kv_row": 584,
+        "stride_extra_kv_block": V4.page_bytes(page_slots), "stride_extra_kv_row": 584,
         "stride_extra_indices_b": k2, "stride_extra_indices_s_q": k2, "stream": 1234,
         "lse_accum": scratch.lse_accum.data_ptr(), "o_accum": scratch.o_accum.data_ptr(),
         "stride_lse_accum_split": heads, "stride_lse_accum_s_q": heads, "stride_o_accum_split": heads * 512,
@@ -162,13 +162,13 @@ def test_peer_mapping_follows_flashmla_parameter_structure(heads):
     assert tuple(scratch.tile_scheduler_metadata.shape) == (7, 8) and tuple(scratch.num_splits.shape) == (batch + 1,)
     # Read every slot through FlashMLA's addressing from the params alone: our dequantized rows.
     raw = buffer.view(-1)
-    slots = torch.arange(3 * page_size)
-    ours = dequantize_fp8_ds_mla(cache, slots, page_size)
+    slots = torch.arange(3 * page_slots)
+    ours = dequantize_fp8_ds_mla(cache, slots, page_slots)
     theirs = torch.stack([_flashmla_token(raw, buffer.data_ptr(), p.kv, p.stride_kv_block, p.page_block_size,
                                           int(s)) for s in slots])
     assert torch.equal(theirs, ours)
-    # The check can fail: a block stride of page_size * 584 (no page padding) reads other bytes.
-    unpadded = torch.stack([_flashmla_token(raw, buffer.data_ptr(), p.kv, page_size * 584, p.page_block_size,
+    # The check can fail: a block stride of page_slots * 584 (no page padding) reads other bytes.
+    unpadded = torch.stack([_flashmla_token(raw, buffer.data_ptr(), p.kv, page_slots * 584, p.page_block_size,
                                             int(s)) for s in slots])
     assert not torch.equal(unpadded.nan_to_num(), ours)
 
@@ -226,9 +226,9 @@ def test_the_flashmla_peer_and_our_kernels_agree_within_flashmla_tolerance(backe
     args = case(heads, k, k2=k2, device=device_of(backend))
     out = torch.empty(args["q"].shape, dtype=torch.bfloat16, device=args["q"].device)
     lse = torch.empty(args["q"].shape[:2], device=args["q"].device)
-    peer(args["q"], args["kv_cache"], args["indices"], args["sink"], args["page_size"], out, lse,
+    peer(args["q"], args["kv_cache"], args["indices"], args["sink"], args["page_slots"], out, lse,
          extra_kv_cache=args.get("extra_kv_cache"), extra_indices=args.get("extra_indices"),
-         extra_page_size=args.get("extra_page_size"), topk_length=args["topk_length"])
+         extra_page_slots=args.get("extra_page_slots"), topk_length=args["topk_length"])
     ref_out, ref_lse = reference(args)
     torch.testing.assert_close(out.cpu().double(), ref_out, **FLASHMLA_OUT_TOL)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, **FLASHMLA_LSE_TOL)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 def run(case: AttentionCase, backend: str, impl: str, **kwargs):
     c = case.to(device_of(backend))
-    out, lse = sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, c.page_size, **c.kwargs(), impl=impl,
+    out, lse = sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, c.page_slots, **c.kwargs(), impl=impl,
                                        **kwargs)
     return out.cpu().double(), lse.cpu().double()
 
@@ -55,7 +55,7 @@ def test_triton_matches_the_fp64_reference_and_the_header(backend, case, data):
     got = run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)
     case = as_the_twin_reads_it(case)
     assert torch.equal(run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)[0], got[0])
-    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size,
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
                                                  **case.kwargs())
     # A bf16 output is the float32 result rounded to nearest: half a bf16 step (2^-8 relative) from the
     # exact value, one step (2^-7) from the header's bf16 output, which may round the other way.
@@ -73,7 +73,7 @@ def test_dsv4_head_counts_one_program_per_64_heads(backend, heads):
     indices = torch.randint(-1, 40, (2, 24), generator=g, dtype=torch.int32)
     case = AttentionCase((torch.randn(2, heads, 512, generator=g) * 2).bfloat16(), cache, indices,
                          torch.randn(heads, generator=g), 64)
-    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_size)
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots)
     assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
 
 
@@ -129,7 +129,7 @@ def test_a_decode_step_with_triton_attention_traces_under_torch_compile(backend)
 
     def step(w):
         _, slots = lightning_indexer(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"],
-                                     12, page_size=page)
+                                     12, page_slots=page)
         return sparse_decode_attention(w["q"], w["kv_cache"], slots, w["sink"], page, num_splits=2,
                                        out_dtype=torch.bfloat16, impl="triton")
 
@@ -164,7 +164,7 @@ def _aliased_attention_calls(device):
     cache = v4_cache(random_rows(8, g), 4).to(device)
     q = torch.randn(2, 3, 512, generator=g).to(device)
     base = dict(q=q, kv_cache=cache, indices=torch.tensor([[0, 7, -1], [3, 3, 1]], dtype=torch.int32, device=device),
-                sink=torch.zeros(3, device=device), page_size=4)
+                sink=torch.zeros(3, device=device), page_slots=4)
     return [dict(base, out=q),  # out over q
             dict(base, lse=q[:, :, 0]),  # lse inside q
             dict(base, out=torch.zeros(1, 1, 512, device=device).expand(2, 3, 512))]  # out over itself

@@ -79,7 +79,7 @@ def _args():
                 sources=torch.tensor([[-1, -1, -1, -1, 0, 1, 2, 3]]), writes=torch.tensor([[0, 0], [1, 1]]),
                 positions=torch.tensor([0]), slots=torch.tensor([2]),
                 target=dict(cache=torch.full((2, V4.page_bytes(PAGE)), 7, dtype=torch.uint8),
-                            weight=torch.ones(D), eps=1e-6, page_size=PAGE))
+                            weight=torch.ones(D), eps=1e-6, page_slots=PAGE))
 
 
 BAD = [
@@ -104,7 +104,7 @@ BAD = [
     lambda a: a.update(slots=torch.tensor([2, 2]), positions=torch.tensor([0, 4]),
                        sources=torch.tensor([[-1, -1, -1, -1, 0, 1, 2, 3]] * 2)),
     lambda a: a["target"].update(eps=-1.0),
-    lambda a: a["target"].update(page_size=3),
+    lambda a: a["target"].update(page_slots=3),
     lambda a: a["target"].update(cache=a["target"]["cache"][:, :100]),
     lambda a: a["target"].update(weight=a["target"]["cache"].view(torch.float32).flatten()[:D]),
 ]

@@ -6,7 +6,7 @@ directly on its module, so the caller-owned outputs the wrappers allocate are co
 * aliasing: a property test draws, for every entry, a written argument and any other tensor
   argument and lays the two over one buffer; the call must refuse naming both and write nothing;
   a written argument that overlaps itself (``expand``) is refused;
-* page sizes: every entry bounds ``page_size`` (2^20) before any size product;
+* page sizes: every entry bounds ``page_slots`` (2^20) before any size product;
 * scalars at the public wrappers (meta tensors through the ops' fake implementations), the int32
   slot wrap, the int64 position edge, allocation only after validation, NaN carried through attention.
 """
@@ -83,38 +83,38 @@ def _entries(device: torch.device) -> dict[str, Entry]:
     table = RopeParams(1e4).table(16)
     entries = {
         "quantize_fp8_ds_mla": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_fp8_ds_mla,
-                                     dict(x=rand(2, 512), cache=v4_cache.clone(), slots=_i64(0, 5), page_size=PAGE),
+                                     dict(x=rand(2, 512), cache=v4_cache.clone(), slots=_i64(0, 5), page_slots=PAGE),
                                      ("cache",)),
         "dequantize_fp8_ds_mla": Entry(lambda: DSV4_QUANT.module(backend=backend).dequantize_fp8_ds_mla,
-                                       dict(cache=v4_cache.clone(), slots=_i64(0, 5), page_size=PAGE,
+                                       dict(cache=v4_cache.clone(), slots=_i64(0, 5), page_slots=PAGE,
                                             out=torch.zeros(2, 512)), ("out",)),
         "quantize_indexer_fp8": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_indexer_fp8,
-                                      dict(x=rand(2, 128), cache=idx_cache.clone(), slots=_i64(0, 5), page_size=PAGE),
+                                      dict(x=rand(2, 128), cache=idx_cache.clone(), slots=_i64(0, 5), page_slots=PAGE),
                                       ("cache",)),
         "quantize_indexer_fp4": Entry(lambda: DSV4_QUANT.module(backend=backend).quantize_indexer_fp4,
                                       dict(x=rand(2, 128), cache=torch.zeros(2, INDEXER_FP4.page_bytes(PAGE),
                                                                              dtype=torch.uint8),
-                                           slots=_i64(0, 5), page_size=PAGE), ("cache",)),
+                                           slots=_i64(0, 5), page_slots=PAGE), ("cache",)),
         "indexer_scores": Entry(lambda: INDEXER.module(layout="fp8", q_dtype=torch.float32,
                                                        backend=backend).indexer_scores,
                                 dict(q=rand(2, 2, 128), weights=rand(2, 2), k_cache=idx_cache.clone(),
-                                     page_table=_i32([[0, 1], [1, 0]]), positions=_i64(31, 15), page_size=PAGE,
+                                     page_table=_i32([[0, 1], [1, 0]]), positions=_i64(31, 15), page_slots=PAGE,
                                      out=torch.zeros(2, 8)), ("out",)),
         "indexer_topk": Entry(lambda: INDEXER_TOPK.module(backend=backend).indexer_topk,
                               dict(scores=rand(2, 8), positions=_i64(31, 15), out=torch.zeros(2, 3, dtype=torch.int32),
                                    page_table=_i32([[0, 1], [1, 0]]), out_slots=torch.zeros(2, 3, dtype=torch.int32),
-                                   page_size=PAGE), ("out", "out_slots")),
+                                   page_slots=PAGE), ("out", "out_slots")),
         "sparse_decode_attention": Entry(
             lambda: ATTENTION.module(q_dtype=torch.float32, backend=backend).sparse_decode_attention,
             dict(q=rand(2, 2, 512), kv_cache=v4_cache.clone(), indices=_i32([[0, 5, -1], [1, 1, 2]]),
-                 sink=torch.zeros(2), page_size=PAGE, softmax_scale=0.05, extra_kv_cache=v4_cache[:1].clone(),
-                 extra_indices=_i32([[0, -1], [3, 2]]), extra_page_size=PAGE, out=torch.zeros(2, 2, 512),
+                 sink=torch.zeros(2), page_slots=PAGE, softmax_scale=0.05, extra_kv_cache=v4_cache[:1].clone(),
+                 extra_indices=_i32([[0, -1], [3, 2]]), extra_page_slots=PAGE, out=torch.zeros(2, 2, 512),
                  lse=torch.zeros(2, 2), part_out=torch.zeros(2, 2, 2, 512), part_lse=torch.zeros(2, 2, 2),
                  num_splits=2, topk_length=_i32([3, 2])),
             ("out", "lse", "part_out", "part_lse")),
         "norm_rope_store": Entry(lambda: DSV4_STORE.module(cache_kind="V4", backend=backend).norm_rope_store,
                                  dict(x=rand(2, 512), weight=torch.ones(512), eps=1e-6, positions=_i64(0, 4),
-                                      cache=v4_cache.clone(), slots=_i64(1, 6), page_size=PAGE,
+                                      cache=v4_cache.clone(), slots=_i64(1, 6), page_slots=PAGE,
                                       rope_cos=table.cos.clone(), rope_sin=table.sin.clone()), ("cache",)),
         # C4 over d = 128 (the indexer cache): one entry from kv rows 0-3, two ring writes.
         "compress_store": Entry(lambda: DSV4_COMPRESS_STORE.module(cache_kind="INDEXER_FP8",
@@ -122,7 +122,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
                                 dict(kv=rand(4, 256), score=rand(4, 256), ape=rand(4, 256), ratio=4,
                                      state=torch.zeros(8, 512), sources=_i64(-1, -1, -1, -1, 0, 1, 2, 3)[None],
                                      writes=_i64(0, 0, 1, 1).reshape(2, 2), weight=torch.ones(128), eps=1e-6,
-                                     positions=_i64(0), cache=idx_cache.clone(), slots=_i64(2), page_size=PAGE,
+                                     positions=_i64(0), cache=idx_cache.clone(), slots=_i64(2), page_slots=PAGE,
                                      rope_cos=table.cos.clone(), rope_sin=table.sin.clone(), num_threads=2),
                                 ("state", "cache")),
         "compress_pool": Entry(lambda: DSV4_COMPRESS.module(backend=backend).compress_pool,
@@ -143,7 +143,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
             dict(kv=rand(2, 256), score=rand(2, 256), ape=rand(4, 256), ratio=4, state=torch.zeros(16, 512),
                  state_rows=torch.arange(16).reshape(2, 8), positions=_i64(3, 9), out=torch.zeros(2, 128),
                  emitted=torch.zeros(2, dtype=torch.bool), weight=torch.ones(128), eps=1e-6, cache=idx_cache.clone(),
-                 slots=_i64(2, 5), page_size=PAGE, rope_cos=table.cos.clone(), rope_sin=table.sin.clone()),
+                 slots=_i64(2, 5), page_slots=PAGE, rope_cos=table.cos.clone(), rope_sin=table.sin.clone()),
             ("state", "out", "emitted", "cache")),
         "compress_online_c128": Entry(lambda: DSV4_COMPRESS.module(backend=backend).compress_online_c128,
                                       dict(kv=rand(4, 16), score=rand(4, 16), ape=rand(128, 16),
@@ -229,21 +229,21 @@ def test_wrapper_outputs_made_with_expand_are_refused(backend):
     out = torch.zeros(1, 8, device=device)
     with pytest.raises(ValueError, match="`out` is written"):
         indexer_scores(entries["q"], entries["weights"], entries["k_cache"], entries["page_table"],
-                       entries["positions"], page_size=PAGE, out=out.expand(2, 8))
+                       entries["positions"], page_slots=PAGE, out=out.expand(2, 8))
     assert not out.any()
 
 
 PAGE_SIZE_ARGS = [(name, arg) for name, e in _entries(torch.device("cpu")).items()
-                  for arg in ("page_size", "extra_page_size") if arg in e.args]
+                  for arg in ("page_slots", "extra_page_slots") if arg in e.args]
 
 
 @pytest.mark.parametrize("name, arg", PAGE_SIZE_ARGS)
-@pytest.mark.parametrize("page_size", [2**62, 2**21, MAX_PAGE_SLOTS * 2, 0, 3])
-def test_every_entry_bounds_its_page_size(backend, name, arg, page_size):
+@pytest.mark.parametrize("page_slots", [2**62, 2**21, MAX_PAGE_SLOTS * 2, 0, 3])
+def test_every_entry_bounds_its_page_slots(backend, name, arg, page_slots):
     entry = _entries(device_of(backend))[name]
     before = {k: v.clone() for k, v in entry.args.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(ValueError, match=f"`{arg}` must be a power of two in \\[1, 2\\^20\\]"):
-        entry.run(dict(entry.args, **{arg: page_size}))
+        entry.run(dict(entry.args, **{arg: page_slots}))
     for k, v in before.items():
         assert torch.equal(entry.args[k], v), k
 
@@ -257,8 +257,8 @@ def test_every_entry_bounds_its_page_size(backend, name, arg, page_size):
                               torch.zeros(1, 0, dtype=torch.uint8, device=d), _i64(5).to(d), 2**62,
                               RopeParams(1e4).table(1, d)),
 ], ids=["dequantize", "quantize", "norm_rope_store"])
-def test_a_page_size_whose_page_bytes_overflow_is_refused(backend, call):
-    with pytest.raises(ValueError, match="`page_size`"):
+def test_a_page_slots_whose_page_bytes_overflow_is_refused(backend, call):
+    with pytest.raises(ValueError, match="`page_slots`"):
         call(device_of(backend))
 
 
@@ -269,12 +269,12 @@ def test_topk_refuses_a_page_whose_slots_overflow_int32(backend, index_checks):
         table = _i32([[page, 1]]).to(device)
         out = torch.full((1, 2), 7, dtype=torch.int32, device=device)
         with pytest.raises(IndexError, match="`page_table`\\[0, 0\\].*slots fit int32"):
-            indexer_topk(scores, _i64(31).to(device), 2, page_table=table, page_size=64, out=out)
+            indexer_topk(scores, _i64(31).to(device), 2, page_table=table, page_slots=64, out=out)
         assert bool((out == 7).all())
     # The last page whose slots all fit still works, and its slots are exact.
     last = 2**31 // 64 - 1
     tokens, slots = indexer_topk(scores, _i64(31).to(device), 2, page_table=_i32([[last, 1]]).to(device),
-                                 page_size=64)
+                                 page_slots=64)
     assert sorted(slots.cpu().tolist()[0]) == [last * 64 + 6, last * 64 + 7]
 
 
@@ -291,9 +291,9 @@ def test_topk_slots_are_exact_or_refused(backend, index_checks, page, page_shift
     table = _i32([[page]]).to(device)
     if (page + 1) * p > 2**31:
         with pytest.raises(IndexError, match="`page_table`"):
-            indexer_topk(scores, positions, 1, page_table=table, page_size=p)
+            indexer_topk(scores, positions, 1, page_table=table, page_slots=p)
     else:
-        _, slots = indexer_topk(scores, positions, 1, page_table=table, page_size=p)
+        _, slots = indexer_topk(scores, positions, 1, page_table=table, page_slots=p)
         assert int(slots[0, 0]) == page * p + offset
 
 
@@ -305,11 +305,11 @@ def test_the_largest_int64_position_is_not_an_overflow(backend, index_checks):
     args = _entries(device)["indexer_topk"].args
     with pytest.raises(ValueError, match="`page_table`.*sees 2305843009213693952 entries"):
         indexer_topk(args["scores"], _i64(2**63 - 1, 15).to(device), 3, page_table=args["page_table"],
-                     page_size=PAGE)
+                     page_slots=PAGE)
     with pytest.raises(ValueError, match="`page_table`.*sees 2305843009213693952 entries"):
         e = _entries(device)["indexer_scores"].args
         indexer_scores(e["q"], e["weights"], e["k_cache"], e["page_table"], _i64(2**63 - 1, 15).to(device),
-                       page_size=PAGE)
+                       page_slots=PAGE)
 
 
 def _wrapper_calls(device):
@@ -319,31 +319,31 @@ def _wrapper_calls(device):
     qi = e["quantize_indexer_fp8"].args
     ix, tk, st_ = e["indexer_scores"].args, e["indexer_topk"].args, e["norm_rope_store"].args
     return {
-        "quantize": (quantize_fp8_ds_mla, dict(x=q["x"], cache=q["cache"], slots=q["slots"], page_size=PAGE)),
-        "dequantize": (dequantize_fp8_ds_mla, dict(cache=q["cache"], slots=q["slots"], page_size=PAGE)),
+        "quantize": (quantize_fp8_ds_mla, dict(x=q["x"], cache=q["cache"], slots=q["slots"], page_slots=PAGE)),
+        "dequantize": (dequantize_fp8_ds_mla, dict(cache=q["cache"], slots=q["slots"], page_slots=PAGE)),
         "quantize_indexer_keys": (quantize_indexer_keys, dict(keys=qi["x"], cache=qi["cache"], slots=qi["slots"],
-                                                              page_size=PAGE, fmt="fp8")),
+                                                              page_slots=PAGE, fmt="fp8")),
         "attention": (sparse_decode_attention, dict(q=kv["q"], kv_cache=kv["kv_cache"], indices=kv["indices"],
-                                                    sink=kv["sink"], page_size=PAGE)),
+                                                    sink=kv["sink"], page_slots=PAGE)),
         "indexer_scores": (indexer_scores, dict(q=ix["q"], weights=ix["weights"], k_cache=ix["k_cache"],
                                                 page_table=ix["page_table"], positions=ix["positions"],
-                                                page_size=PAGE)),
-        "indexer_topk": (indexer_topk, dict(scores=tk["scores"], positions=tk["positions"], top_k=3,
-                                            page_table=tk["page_table"], page_size=PAGE)),
+                                                page_slots=PAGE)),
+        "indexer_topk": (indexer_topk, dict(scores=tk["scores"], positions=tk["positions"], num_top_k=3,
+                                            page_table=tk["page_table"], page_slots=PAGE)),
         "norm_rope_store": (norm_rope_store, dict(x=st_["x"], weight=st_["weight"], eps=1e-6,
                                                   positions=st_["positions"], cache=st_["cache"], slots=st_["slots"],
-                                                  page_size=PAGE, rope=RopeParams(1e4).table(64, device))),
+                                                  page_slots=PAGE, rope=RopeParams(1e4).table(64, device))),
     }
 
 
 BAD_SCALARS = [
-    ("quantize", "page_size", 64.7), ("quantize", "page_size", "4"), ("quantize", "page_size", True),
-    ("dequantize", "page_size", 4.0), ("attention", "page_size", "4"), ("attention", "page_size", True),
+    ("quantize", "page_slots", 64.7), ("quantize", "page_slots", "4"), ("quantize", "page_slots", True),
+    ("dequantize", "page_slots", 4.0), ("attention", "page_slots", "4"), ("attention", "page_slots", True),
     ("attention", "softmax_scale", "0.1"), ("attention", "softmax_scale", True), ("attention", "num_splits", True),
-    ("attention", "num_splits", 1.0), ("indexer_scores", "page_size", 4.5), ("indexer_topk", "page_size", "4"),
-    ("indexer_topk", "top_k", 3.0), ("indexer_topk", "top_k", True), ("norm_rope_store", "eps", "1e-6"),
-    ("norm_rope_store", "page_size", True), ("norm_rope_store", "eps", True),
-    ("quantize_indexer_keys", "page_size", 4.0), ("quantize_indexer_keys", "page_size", True),
+    ("attention", "num_splits", 1.0), ("indexer_scores", "page_slots", 4.5), ("indexer_topk", "page_slots", "4"),
+    ("indexer_topk", "num_top_k", 3.0), ("indexer_topk", "num_top_k", True), ("norm_rope_store", "eps", "1e-6"),
+    ("norm_rope_store", "page_slots", True), ("norm_rope_store", "eps", True),
+    ("quantize_indexer_keys", "page_slots", 4.0), ("quantize_indexer_keys", "page_slots", True),
     ("quantize_indexer_keys", "fmt", 8),
 ]
 
@@ -361,9 +361,58 @@ def test_a_scalar_of_the_wrong_type_is_refused_naming_it(backend, wrapper, arg, 
 @pytest.mark.parametrize("value", [np.int64(3), np.int32(3)])
 def test_numpy_ints_are_ints(backend, value):
     fn, args = _wrapper_calls(device_of(backend))["indexer_topk"]
-    tokens, slots = fn(**dict(args, top_k=value, page_size=np.int64(PAGE)))
+    tokens, slots = fn(**dict(args, num_top_k=value, page_slots=np.int64(PAGE)))
     expected = fn(**args)
     assert torch.equal(tokens, expected[0]) and torch.equal(slots, expected[1])
+
+
+#: Each renamed keyword of the kernel wrappers (``sparsekv.deprecation``): ``page_size`` was slots per
+#: page (now ``page_slots``; ``page_size`` is tokens per full page only), ``top_k`` the indexer's top-k.
+RENAMED = [("quantize", "page_size"), ("dequantize", "page_size"), ("quantize_indexer_keys", "page_size"),
+           ("attention", "page_size"), ("attention", "extra_page_size"), ("indexer_scores", "page_size"),
+           ("indexer_topk", "page_size"), ("indexer_topk", "top_k"), ("lightning_indexer", "page_size"),
+           ("lightning_indexer", "top_k"), ("norm_rope_store", "page_size")]
+NEW_NAMES = {"page_size": "page_slots", "extra_page_size": "extra_page_slots", "top_k": "num_top_k"}
+
+
+def _tensors(returned) -> list[torch.Tensor]:
+    """The tensors a wrapper returned: one, a tuple of them, or none."""
+    if isinstance(returned, torch.Tensor):
+        return [returned]
+    return [t for t in returned or () if t is not None]
+
+
+def _renamed_calls(device):
+    calls = _wrapper_calls(device)
+    fn, args = calls["attention"]
+    extra = _entries(device)["sparse_decode_attention"].args
+    calls["attention"] = fn, dict(args, extra_kv_cache=extra["extra_kv_cache"], extra_indices=extra["extra_indices"],
+                                  extra_page_slots=PAGE)
+    ix, tk = calls["indexer_scores"][1], calls["indexer_topk"][1]
+    calls["lightning_indexer"] = lightning_indexer, dict(ix, num_top_k=tk["num_top_k"])
+    return calls
+
+
+@pytest.mark.parametrize("wrapper, old", RENAMED)
+def test_an_old_kernel_keyword_warns_and_computes_what_the_new_one_does(backend, wrapper, old):
+    new = NEW_NAMES[old]
+    fn, args = _renamed_calls(device_of(backend))[wrapper]
+
+    def run(**kwargs):  # on fresh copies of the tensors, returning what the call returned and wrote
+        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        returned = fn(**kwargs)
+        return returned, [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+
+    expected = run(**args)
+    old_args = {(old if k == new else k): v for k, v in args.items()}
+    with pytest.warns(DeprecationWarning, match=f"argument `{old}` of {fn.__name__}\\(\\) is renamed `{new}`"):
+        got = run(**old_args)
+    flat = [_tensors(returned) + written for returned, written in (got, expected)]
+    assert len(flat[0]) == len(flat[1]) > 0
+    for a, b in zip(*flat):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=f"both `{old}` and its new name `{new}`"):
+        fn(**args, **{old: args[new]})
 
 
 @pytest.mark.no_backend("dataclass field checks in Python; no kernel runs")
@@ -373,7 +422,7 @@ def test_rope_and_store_target_fields_are_typed():
     with pytest.raises(TypeError, match="`rope.original_max_positions`"):
         RopeParams(1e4, 2.0, 4096.5)
     cache = torch.zeros(1, V4.page_bytes(PAGE), dtype=torch.uint8)
-    with pytest.raises(TypeError, match="`store.page_size`"):
+    with pytest.raises(TypeError, match="`store.page_slots`"):
         StoreTarget(cache, torch.ones(512), 1e-6, 4.0, RopeParams(1e4).table(8))
     with pytest.raises(TypeError, match="`store.rope`"):
         StoreTarget(cache, torch.ones(512), 1e-6, 4, RopeParams(1e4))  # the parameters, not the table
@@ -400,8 +449,8 @@ def test_huge_splits_and_top_k_are_refused_before_anything_is_allocated(backend)
         with pytest.raises(ValueError, match="`num_splits` must be in \\[1, max\\(1, K \\+ K2\\) = 3\\]"):
             fn(**args, num_splits=splits)
     fn, args = calls["indexer_topk"]
-    with pytest.raises(ValueError, match="`top_k`"):
-        fn(**dict(args, top_k=2**40))
+    with pytest.raises(ValueError, match="`num_top_k`"):
+        fn(**dict(args, num_top_k=2**40))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -488,6 +537,6 @@ def test_lightning_indexer_names_its_scores_buffer_scores(backend):
     scores = torch.zeros(args["page_table"].shape[0], 64, dtype=torch.float64, device=args["q"].device)
     with pytest.raises(TypeError, match="argument `scores` must have dtype float32"):
         lightning_indexer(args["q"], args["weights"], args["k_cache"], args["page_table"], args["positions"], 2,
-                          page_size=args["page_size"], scores=scores)
+                          page_slots=args["page_slots"], scores=scores)
     assert bool((scores == 0).all())
 

@@ -35,13 +35,13 @@ LAYOUTS = sorted(INDEXER_LAYOUTS)
 
 def scores_of(case: IndexerCase, backend: str) -> torch.Tensor:
     c = case.to(device_of(backend))
-    return indexer_scores(c.q, c.weights, c.k_cache, c.page_table, c.positions, page_size=c.page_size,
+    return indexer_scores(c.q, c.weights, c.k_cache, c.page_table, c.positions, page_slots=c.page_slots,
                           layout=c.layout).cpu()
 
 
 def score_bound(case: IndexerCase) -> torch.Tensor:
     """Per-row ``sum_h |w_h| |q_h|`` times the largest key norm: the scale of float32 rounding."""
-    keys = decode_indexer_keys(case.k_cache, torch.arange(case.k_cache.shape[0] * case.page_size), case.page_size,
+    keys = decode_indexer_keys(case.k_cache, torch.arange(case.k_cache.shape[0] * case.page_slots), case.page_slots,
                                case.layout)
     return (case.weights.abs().double() * case.q.double().norm(dim=2)).sum(dim=1) * keys.norm(dim=1).max()
 
@@ -53,7 +53,7 @@ def test_scores_match_the_fp64_reference(backend, layout, data):
     case = data.draw(indexer_case(layout=layout))
     got = scores_of(case, backend)
     expected = indexer_scores_reference(case.q, case.weights, case.k_cache, case.page_table, case.positions,
-                                        page_size=case.page_size, layout=layout, width=got.shape[1])
+                                        page_slots=case.page_slots, layout=layout, width=got.shape[1])
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(got), finite) and bool((got[~finite] == float("-inf")).all())
     # Documented tolerance: 1e-5 of sum_h |w_h| |q_h| |k|.
@@ -70,15 +70,15 @@ def test_positive_query_scales_fold_into_the_weights(backend, case, data):
     scale = torch.exp2(exponents.double())[None, :].expand(case.q.shape[0], heads)
     q = case.q
     base = IndexerCase(q, case.weights * scale.float(), case.k_cache, case.page_table, case.positions,
-                       case.page_size, case.layout)
+                       case.page_slots, case.layout)
     scaled = IndexerCase((q.double() * scale[..., None]).to(q.dtype), case.weights, case.k_cache, case.page_table,
-                         case.positions, case.page_size, case.layout)
+                         case.positions, case.page_slots, case.layout)
     assert torch.equal(scores_of(base, backend), scores_of(scaled, backend))
     ratio = torch.rand(case.q.shape[0], heads, dtype=torch.float64) * 4 + 0.05
     folded = IndexerCase(q.float(), case.weights * ratio.float(), case.k_cache, case.page_table, case.positions,
-                         case.page_size, case.layout)
+                         case.page_slots, case.layout)
     unfolded = IndexerCase((q.double() * ratio[..., None]).float(), case.weights, case.k_cache, case.page_table,
-                           case.positions, case.page_size, case.layout)
+                           case.positions, case.page_slots, case.layout)
     a, b = scores_of(folded, backend), scores_of(unfolded, backend)
     finite = torch.isfinite(a)
     assert torch.equal(finite, torch.isfinite(b))
@@ -86,40 +86,40 @@ def test_positive_query_scales_fold_into_the_weights(backend, case, data):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(case=indexer_case(), seed=st.integers(0, 2**16), top_k=st.integers(1, 40))
-def test_permuting_cache_pages_with_the_page_table_changes_nothing(backend, case, seed, top_k):
+@given(case=indexer_case(), seed=st.integers(0, 2**16), num_top_k=st.integers(1, 40))
+def test_permuting_cache_pages_with_the_page_table_changes_nothing(backend, case, seed, num_top_k):
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(case.k_cache.shape[0], generator=g)  # new page p holds old page perm[p]
     where = torch.argsort(perm).int()  # old page -> new page
     table = torch.where(case.page_table >= 0, where[case.page_table.clamp_min(0).long()], case.page_table)
-    moved = IndexerCase(case.q, case.weights, case.k_cache[perm].contiguous(), table, case.positions, case.page_size,
+    moved = IndexerCase(case.q, case.weights, case.k_cache[perm].contiguous(), table, case.positions, case.page_slots,
                         case.layout)
     scores, moved_scores = scores_of(case, backend), scores_of(moved, backend)
     assert torch.equal(scores, moved_scores)
     device = device_of(backend)
-    tokens, slots = indexer_topk(scores.to(device), case.positions.to(device), top_k,
-                                 page_table=case.page_table.to(device), page_size=case.page_size)
-    tokens2, slots2 = indexer_topk(moved_scores.to(device), case.positions.to(device), top_k,
-                                   page_table=table.to(device), page_size=case.page_size)
+    tokens, slots = indexer_topk(scores.to(device), case.positions.to(device), num_top_k,
+                                 page_table=case.page_table.to(device), page_slots=case.page_slots)
+    tokens2, slots2 = indexer_topk(moved_scores.to(device), case.positions.to(device), num_top_k,
+                                   page_table=table.to(device), page_slots=case.page_slots)
     assert torch.equal(tokens.cpu().sort(dim=1).values, tokens2.cpu().sort(dim=1).values)
     # The slots differ, the keys they hold do not.
     for b in range(tokens.shape[0]):
         ours, theirs = slots[b][slots[b] >= 0].cpu(), slots2[b][slots2[b] >= 0].cpu()
-        keys = decode_indexer_keys(case.k_cache, ours, case.page_size, case.layout)
-        keys2 = decode_indexer_keys(moved.k_cache, theirs, case.page_size, case.layout)
+        keys = decode_indexer_keys(case.k_cache, ours, case.page_slots, case.layout)
+        keys2 = decode_indexer_keys(moved.k_cache, theirs, case.page_slots, case.layout)
         assert torch.equal(keys[tokens[b][tokens[b] >= 0].cpu().argsort()],
                            keys2[tokens2[b][tokens2[b] >= 0].cpu().argsort()])
 
 
-def check_topk(tokens: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> None:
+def check_topk(tokens: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, num_top_k: int) -> None:
     """The one defined answer (ascending positions, ties at the threshold toward the lower position),
     token for token; and, independently of that reference, the same multiset of scores as torch.topk."""
-    expected = indexer_topk_reference(scores, positions, top_k)
+    expected = indexer_topk_reference(scores, positions, num_top_k)
     assert torch.equal(tokens.to(torch.int64), expected)
     visible = visible_entry_count(positions).clamp(max=scores.shape[1])
     for b in range(tokens.shape[0]):
         n = int(visible[b])
-        count = min(top_k, n)
+        count = min(num_top_k, n)
         picked = tokens[b, :count].to(torch.int64)
         assert bool((picked[1:] > picked[:-1]).all()) and bool((tokens[b, count:] == -1).all())
         theirs = torch.topk(scores[b, :n], count).values.sort().values
@@ -128,13 +128,13 @@ def check_topk(tokens: torch.Tensor, scores: torch.Tensor, positions: torch.Tens
 
 
 @pytest.mark.parametrize("backend", core_backends())  # sim too in make test
-@given(rows=score_rows(), top_k=st.sampled_from([1, 2, 7, 64, 512, 1024, 2048, 2500]))
-def test_topk_is_the_defined_selection_in_ascending_order(backend, rows, top_k):
+@given(rows=score_rows(), num_top_k=st.sampled_from([1, 2, 7, 64, 512, 1024, 2048, 2500]))
+def test_topk_is_the_defined_selection_in_ascending_order(backend, rows, num_top_k):
     scores, positions = rows
     device = device_of(backend)
-    tokens, slots = indexer_topk(scores.to(device), positions.to(device), top_k)
+    tokens, slots = indexer_topk(scores.to(device), positions.to(device), num_top_k)
     assert slots is None
-    check_topk(tokens.cpu(), scores, positions, top_k)
+    check_topk(tokens.cpu(), scores, positions, num_top_k)
 
 
 @pytest.mark.sanitizer_case
@@ -142,13 +142,13 @@ def test_topk_is_the_defined_selection_in_ascending_order(backend, rows, top_k):
 def test_ties_at_the_threshold_go_to_the_lower_positions(backend):
     # Row 0: all equal, so the first k positions. Row 1: two above the threshold at the end, then the
     # lowest positions of the tied rest. Past 1024 entries the GPU's last pass spans several tiles.
-    width, top_k = 3000, 600
+    width, num_top_k = 3000, 600
     scores = torch.zeros(2, width)
     scores[1, -2:] = 1.0
     positions = torch.full((2,), 4 * width - 1)
     device = device_of(backend)
-    tokens, _ = indexer_topk(scores.to(device), positions.to(device), top_k)
-    expected = torch.stack([torch.arange(top_k), torch.cat([torch.arange(top_k - 2), torch.tensor([width - 2,
+    tokens, _ = indexer_topk(scores.to(device), positions.to(device), num_top_k)
+    expected = torch.stack([torch.arange(num_top_k), torch.cat([torch.arange(num_top_k - 2), torch.tensor([width - 2,
                                                                                                    width - 1])])])
     assert torch.equal(tokens.cpu().to(torch.int64), expected)
 
@@ -156,22 +156,22 @@ def test_ties_at_the_threshold_go_to_the_lower_positions(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scores_of_more_rows_than_a_grid_dimension_holds(backend):
     # 70,000 query rows (a prefill chunk): the cuda launch may not put one row per gridDim.y block.
-    rows, page_size = 70_000, 4
+    rows, page_slots = 70_000, 4
     g = torch.Generator().manual_seed(5)
     layout = INDEXER_LAYOUTS["fp8"]
-    cache = torch.randint(0, 0x70, (2, layout.page_bytes(page_size)), dtype=torch.uint8, generator=g)  # no NaN code
-    layout.scale_view(cache, page_size).view(torch.float32)[:] = 0.5
+    cache = torch.randint(0, 0x70, (2, layout.page_bytes(page_slots)), dtype=torch.uint8, generator=g)  # no NaN code
+    layout.scale_view(cache, page_slots).view(torch.float32)[:] = 0.5
     case = IndexerCase(torch.randn(rows, 1, 128, generator=g), torch.rand(rows, 1, generator=g), cache,
                        torch.tensor([[0, 1]], dtype=torch.int32).expand(rows, 2).contiguous(),
-                       torch.randint(-1, 4 * 2 * page_size, (rows,), generator=g), page_size, "fp8")
+                       torch.randint(-1, 4 * 2 * page_slots, (rows,), generator=g), page_slots, "fp8")
     got = scores_of(case, backend)
     # Rows are independent: each row equals the same row scored alone, past the 65,535 mark too.
     picked = torch.tensor([0, 1, 65_534, 65_535, 65_536, rows - 1])
     sub = IndexerCase(case.q[picked], case.weights[picked], cache, case.page_table[picked], case.positions[picked],
-                      page_size, "fp8")
+                      page_slots, "fp8")
     assert torch.equal(got[picked], scores_of(sub, backend))
     expected = indexer_scores_reference(sub.q, sub.weights, cache, sub.page_table, sub.positions,
-                                        page_size=page_size, layout="fp8", width=got.shape[1])
+                                        page_slots=page_slots, layout="fp8", width=got.shape[1])
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(got[picked]), finite)
     error = (got[picked].double() - expected).where(finite, torch.zeros(()))
@@ -179,33 +179,33 @@ def test_scores_of_more_rows_than_a_grid_dimension_holds(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(rows=score_rows(), top_k=st.integers(1, 64))
-def test_no_invisible_entry_is_ever_selected(backend, rows, top_k):
+@given(rows=score_rows(), num_top_k=st.integers(1, 64))
+def test_no_invisible_entry_is_ever_selected(backend, rows, num_top_k):
     # Entries past the visible prefix score highest here: a kernel that looked at them would pick them.
     scores, positions = rows
     visible = visible_entry_count(positions).clamp(max=scores.shape[1])
     poisoned = torch.where(torch.arange(scores.shape[1])[None, :] >= visible[:, None], torch.full((), 1e30), scores)
     device = device_of(backend)
-    tokens, _ = indexer_topk(poisoned.to(device), positions.to(device), top_k)
+    tokens, _ = indexer_topk(poisoned.to(device), positions.to(device), num_top_k)
     tokens = tokens.cpu()
     assert bool((tokens < visible[:, None]).all())
-    assert torch.equal((tokens >= 0).sum(dim=1), visible.clamp(max=top_k).to(torch.int64))
+    assert torch.equal((tokens >= 0).sum(dim=1), visible.clamp(max=num_top_k).to(torch.int64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(case=indexer_case(), top_k=st.integers(1, 300))
-def test_fused_indexer_slots_are_the_page_transform_of_the_tokens(backend, case, top_k):
+@given(case=indexer_case(), num_top_k=st.integers(1, 300))
+def test_fused_indexer_slots_are_the_page_transform_of_the_tokens(backend, case, num_top_k):
     c = case.to(device_of(backend))
-    tokens, slots = lightning_indexer(c.q, c.weights, c.k_cache, c.page_table, c.positions, top_k,
-                                      page_size=c.page_size, layout=c.layout)
+    tokens, slots = lightning_indexer(c.q, c.weights, c.k_cache, c.page_table, c.positions, num_top_k,
+                                      page_slots=c.page_slots, layout=c.layout)
     tokens, slots = tokens.cpu(), slots.cpu()
     scores = scores_of(case, backend)
-    check_topk(tokens, scores, case.positions, top_k)
+    check_topk(tokens, scores, case.positions, num_top_k)
     for b in range(tokens.shape[0]):
         valid = tokens[b] >= 0
         assert bool((slots[b][~valid] == -1).all())
         n = int(tokens[b].max()) + 1 if bool(valid.any()) else 0
-        assert torch.equal(slots[b][valid].long(), entry_slots(case.page_table[b], n, case.page_size)[
+        assert torch.equal(slots[b][valid].long(), entry_slots(case.page_table[b], n, case.page_slots)[
             tokens[b][valid].long()])
 
 
@@ -215,7 +215,7 @@ def _fresh():
     cache = torch.zeros(4, layout.page_bytes(4), dtype=torch.uint8)
     return dict(q=torch.randn(2, 3, 128, generator=g), weights=torch.rand(2, 3, generator=g), k_cache=cache,
                 page_table=torch.tensor([[0, 1, 2], [3, 2, -1]], dtype=torch.int32), positions=torch.tensor([40, 20]),
-                page_size=4, layout="fp8", out=torch.full((2, 12), 7.0))
+                page_slots=4, layout="fp8", out=torch.full((2, 12), 7.0))
 
 
 SCORE_BAD_INPUTS = [
@@ -226,7 +226,7 @@ SCORE_BAD_INPUTS = [
     (lambda a: a.update(weights=a["weights"].double()), TypeError, "weights"),
     (lambda a: a.update(layout="fp16"), ValueError, "layout"),
     (lambda a: a.update(layout="fp4"), ValueError, "k_cache"),
-    (lambda a: a.update(page_size=3), ValueError, "page_size"),
+    (lambda a: a.update(page_slots=3), ValueError, "page_slots"),
     (lambda a: a.update(page_table=torch.tensor([[0, 1, 4], [3, 2, -1]], dtype=torch.int32)), IndexError,
      "page_table"),
     (lambda a: a.update(page_table=torch.tensor([[0, 1, 2], [3, -1, -1]], dtype=torch.int32)), IndexError,
@@ -256,14 +256,14 @@ def test_bad_score_input_raises_naming_the_argument_and_leaves_out_untouched(bac
 
 
 TOPK_BAD_INPUTS = [
-    (dict(top_k=0), ValueError, "top_k"),
-    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(num_top_k=0), ValueError, "num_top_k"),
+    (dict(num_top_k=2.5), TypeError, "num_top_k"),
     (dict(out=torch.zeros(2, 5, dtype=torch.int32)), ValueError, "out"),
     (dict(out=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "out"),
     (dict(out_slots=torch.zeros(2, 4, dtype=torch.int32), page_table=None), ValueError, "out_slots"),
     (dict(page_table=torch.tensor([[0, -1, 2], [1, 0, 0]], dtype=torch.int32)), IndexError, "page_table"),
     (dict(page_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)), ValueError, "page_table"),
-    (dict(page_size=6), ValueError, "page_size"),
+    (dict(page_slots=6), ValueError, "page_slots"),
     (dict(scores=torch.zeros(2, 12, dtype=torch.float64)), TypeError, "scores"),
     (dict(positions=torch.tensor([1, 2, 3])), ValueError, "positions"),
 ]
@@ -275,8 +275,8 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
                                                                                 name, impl):
     if impl == "triton":
         skip_unless_triton_runs(backend)
-    args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), top_k=4,
-                page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_size=4,
+    args = dict(scores=torch.randn(2, 12), positions=torch.tensor([40, 20]), num_top_k=4,
+                page_table=torch.tensor([[0, 1, 2], [1, 0, 0]], dtype=torch.int32), page_slots=4,
                 out=torch.full((2, 4), 7, dtype=torch.int32), out_slots=torch.full((2, 4), 7, dtype=torch.int32))
     args.update(change)
     args = to_backend(backend, args)
@@ -287,17 +287,17 @@ def test_bad_topk_input_raises_naming_the_argument_and_leaves_outputs_untouched(
 
 
 @pytest.mark.parametrize("mutate, exc, name", [m for m in SCORE_BAD_INPUTS if (m[2], m[1]) in (
-    ("page_table", ValueError), ("page_table", IndexError), ("page_size", ValueError), ("positions", ValueError),
+    ("page_table", ValueError), ("page_table", IndexError), ("page_slots", ValueError), ("positions", ValueError),
     ("positions", TypeError))])
 def test_the_device_side_page_check_agrees_with_the_host_entry(backend, mutate, exc, name):
     # SPARSEKV_CHECK_INDICES=1 runs this torch check on the GPU; it must refuse what the host entry refuses,
-    # naming the same argument (on an H200 a bad page_size or positions was named as a page_table error).
+    # naming the same argument (on an H200 a bad page_slots or positions was named as a page_table error).
     args = to_backend(backend, _fresh())
-    check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+    check_pages_in_use(args["page_table"], args["positions"], args["page_slots"], args["k_cache"].shape[0])
     mutate(args)
     args = to_backend(backend, args)
     with pytest.raises(exc, match=f"`{name}`"):
-        check_pages_in_use(args["page_table"], args["positions"], args["page_size"], args["k_cache"].shape[0])
+        check_pages_in_use(args["page_table"], args["positions"], args["page_slots"], args["k_cache"].shape[0])
 
 
 # Raw position -> visible C4 entries, by hand: entry i closes at raw position 4i + 3.
@@ -317,17 +317,17 @@ def test_visible_entry_counts_are_the_literal_values():
 def test_the_kernel_scores_exactly_the_literal_visible_entries(backend, positions_dtype):
     # One page table row long enough for every literal position: the kernel's own visibility
     # formula (csrc/dsv4_indexer.cuh) decides which entries get a finite score.
-    layout, page_size, width = "fp8", 64, 1100
-    pages = -(-width // page_size)
+    layout, page_slots, width = "fp8", 64, 1100
+    pages = -(-width // page_slots)
     g = torch.Generator().manual_seed(4)
-    cache = torch.zeros(pages, INDEXER_LAYOUTS[layout].page_bytes(page_size), dtype=torch.uint8)
-    write_indexer_keys(torch.randn(pages * page_size, 128, generator=g), cache, torch.arange(pages * page_size),
-                       page_size, layout)
+    cache = torch.zeros(pages, INDEXER_LAYOUTS[layout].page_bytes(page_slots), dtype=torch.uint8)
+    write_indexer_keys(torch.randn(pages * page_slots, 128, generator=g), cache, torch.arange(pages * page_slots),
+                       page_slots, layout)
     batch = len(VISIBLE)
     args = to_backend(backend, dict(
         q=torch.randn(batch, 2, 128, generator=g), weights=torch.rand(batch, 2, generator=g), k_cache=cache,
         page_table=torch.arange(pages, dtype=torch.int32).repeat(batch, 1),
-        positions=torch.tensor(list(VISIBLE), dtype=positions_dtype), page_size=page_size, layout=layout,
+        positions=torch.tensor(list(VISIBLE), dtype=positions_dtype), page_slots=page_slots, layout=layout,
         out=torch.zeros(batch, width)))
     indexer_scores(**args)
     finite = torch.isfinite(args["out"].cpu()).sum(dim=1)
@@ -346,25 +346,25 @@ def _fused_bad_topk(args: dict) -> dict[str, tuple[dict, type[Exception], str]]:
     """The sweep's top-k refusals of a lightning_indexer call, which once came after the scores were written."""
     scores = args["scores"]
     return {
-        "top_k 0": (dict(top_k=0), ValueError, "top_k"),
+        "num_top_k 0": (dict(num_top_k=0), ValueError, "num_top_k"),
         "out of width 4": (dict(out=torch.zeros(2, 4, dtype=torch.int32)), ValueError, "out"),
         "int64 out_slots": (dict(out_slots=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "out_slots"),
         "float32 workspace": (dict(workspace=torch.zeros(64, dtype=torch.float32)), ValueError, "workspace"),
         "scores overlapping out": (dict(out=scores.view(torch.int32)[:, :3]), ValueError, "out"),
-        "top_k above the row length": (dict(top_k=2**16 + 1), ValueError, "top_k"),
+        "num_top_k above the row length": (dict(num_top_k=2**16 + 1), ValueError, "num_top_k"),
     }
 
 
 @pytest.mark.parametrize("impl", ["header", "triton"])
-@pytest.mark.parametrize("case", ["top_k 0", "out of width 4", "int64 out_slots", "float32 workspace",
-                                  "scores overlapping out", "top_k above the row length"])
+@pytest.mark.parametrize("case", ["num_top_k 0", "out of width 4", "int64 out_slots", "float32 workspace",
+                                  "scores overlapping out", "num_top_k above the row length"])
 def test_lightning_indexer_checks_the_topk_before_it_writes_the_scores(backend, case, impl):
     # Validate, then write: these were refused by the top-k only after the scores had been written.
     if impl == "triton":
         skip_unless_triton_runs(backend)
     fresh = _fresh()
     args = {k: v for k, v in fresh.items() if k != "out"}
-    args.update(scores=torch.full((2, 12), 7.0), top_k=3)
+    args.update(scores=torch.full((2, 12), 7.0), num_top_k=3)
     change, exc, name = _fused_bad_topk(args)[case]
     args = to_backend(backend, {**args, **change})
     before = args["scores"].clone()
@@ -374,14 +374,14 @@ def test_lightning_indexer_checks_the_topk_before_it_writes_the_scores(backend, 
 
 
 def test_a_topk_is_bounded_by_the_row_length_past_the_columns_a_model_takes(backend):
-    # indexer_topk(top_k=2**28) once allocated (and wrote) 1 GiB of -1 for 12-entry rows.
+    # indexer_topk(num_top_k=2**28) once allocated (and wrote) 1 GiB of -1 for 12-entry rows.
     device = device_of(backend)
     scores, positions = torch.randn(2, 12, device=device), torch.tensor([40, 20], device=device)
-    for top_k, out in ((2**28, None), (2**16 + 1, torch.full((2, 2**16 + 1), 7, dtype=torch.int32, device=device))):
-        with pytest.raises(ValueError, match=f"`top_k` = {top_k} is more than the 12 entries"):
-            indexer_topk(scores, positions, top_k, out=out)
+    for num_top_k, out in ((2**28, None), (2**16 + 1, torch.full((2, 2**16 + 1), 7, dtype=torch.int32, device=device))):
+        with pytest.raises(ValueError, match=f"`num_top_k` = {num_top_k} is more than the 12 entries"):
+            indexer_topk(scores, positions, num_top_k, out=out)
         assert out is None or bool((out == 7).all())
-    wide = torch.randn(1, 2**16 + 8, device=device)  # a row that long takes a top_k that long
+    wide = torch.randn(1, 2**16 + 8, device=device)  # a row that long takes a num_top_k that long
     tokens, _ = indexer_topk(wide, torch.tensor([4 * (2**16 + 8)], device=device), 2**16 + 1)
     assert tokens.shape == (1, 2**16 + 1) and int((tokens >= 0).sum()) == 2**16 + 1
     # A short row keeps a model's fixed top-k: the columns past its length are -1.

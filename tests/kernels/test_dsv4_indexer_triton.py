@@ -22,13 +22,13 @@ pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 def scores_of(case: IndexerCase, backend: str, impl: str) -> torch.Tensor:
     c = case.to(device_of(backend))
-    return indexer_scores(c.q, c.weights, c.k_cache, c.page_table, c.positions, page_size=c.page_size,
+    return indexer_scores(c.q, c.weights, c.k_cache, c.page_table, c.positions, page_slots=c.page_slots,
                           layout=c.layout, impl=impl).cpu()
 
 
 def score_bound(case: IndexerCase) -> torch.Tensor:
     """Per-row ``sum_h |w_h| |q_h|`` times the largest key norm: the scale of float32 rounding."""
-    keys = decode_indexer_keys(case.k_cache, torch.arange(case.k_cache.shape[0] * case.page_size), case.page_size,
+    keys = decode_indexer_keys(case.k_cache, torch.arange(case.k_cache.shape[0] * case.page_slots), case.page_slots,
                                case.layout)
     return (case.weights.abs().double() * case.q.double().norm(dim=2)).sum(dim=1) * keys.norm(dim=1).max()
 
@@ -45,7 +45,7 @@ def assert_scores_close(case: IndexerCase, got: torch.Tensor, expected: torch.Te
 def test_triton_scores_and_topk_match_the_reference_and_the_header(backend, case, k):
     got = scores_of(case, backend, "triton")
     expected = indexer_scores_reference(case.q, case.weights, case.k_cache, case.page_table, case.positions,
-                                        page_size=case.page_size, layout=case.layout, width=got.shape[1])
+                                        page_slots=case.page_slots, layout=case.layout, width=got.shape[1])
     header = scores_of(case, backend, "header")
     # Documented tolerance (both implementations): 1e-5 of sum_h |w_h| |q_h| |k|; from each other, twice it.
     assert_scores_close(case, got, expected, 1e-5)
@@ -53,8 +53,8 @@ def test_triton_scores_and_topk_match_the_reference_and_the_header(backend, case
     # Top-k of the same scores: identical tokens and slots.
     c = case.to(device_of(backend))
     scores = header.to(c.q.device)
-    triton_out = indexer_topk(scores, c.positions, k, page_table=c.page_table, page_size=c.page_size, impl="triton")
-    header_out = indexer_topk(scores, c.positions, k, page_table=c.page_table, page_size=c.page_size, impl="header")
+    triton_out = indexer_topk(scores, c.positions, k, page_table=c.page_table, page_slots=c.page_slots, impl="triton")
+    header_out = indexer_topk(scores, c.positions, k, page_table=c.page_table, page_slots=c.page_slots, impl="header")
     for a, b in zip(triton_out, header_out):
         assert torch.equal(a.cpu(), b.cpu())
 
@@ -94,7 +94,7 @@ def test_triton_topk_levels_equal_the_header_and_torch_topk(backend, batch, widt
     table = torch.randint(0, 9, (batch, -(-width // 4) + 1), dtype=torch.int32, generator=g)
     device = device_of(backend)
     header, header_slots = indexer_topk(scores.to(device), positions.to(device), k, page_table=table.to(device),
-                                        page_size=4, impl="header")
+                                        page_slots=4, impl="header")
     out = torch.empty(batch, k, dtype=torch.int32, device=device)
     out_slots = torch.empty_like(out)
     triton_indexer.indexer_topk(scores.to(device), positions.to(device), out, table.to(device), out_slots, 4,
@@ -152,9 +152,9 @@ def test_memory_sharing_is_refused_with_the_headers_message(backend):
     positions = torch.tensor([30, 12], device=device)
     shared = torch.full((2, 4), 7, dtype=torch.int32, device=device)
     calls = [(indexer_scores, dict(q=q, weights=torch.rand(2, 4, device=device), k_cache=k_cache, page_table=table,
-                                   positions=positions, page_size=4, out=q.view(-1)[:16].view(2, 8))),
-             (indexer_topk, dict(scores=torch.randn(2, 8, device=device), positions=positions, top_k=4,
-                                 page_table=table, page_size=4, out=shared, out_slots=shared))]
+                                   positions=positions, page_slots=4, out=q.view(-1)[:16].view(2, 8))),
+             (indexer_topk, dict(scores=torch.randn(2, 8, device=device), positions=positions, num_top_k=4,
+                                 page_table=table, page_slots=4, out=shared, out_slots=shared))]
     for fn, args in calls:
         messages = []
         for impl in ("header", "triton"):

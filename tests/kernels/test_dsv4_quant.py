@@ -20,9 +20,9 @@ from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 BACKENDS = kernel_backends()
 
 
-def _noise_cache(pages: int, page_size: int, seed: int) -> torch.Tensor:
+def _noise_cache(pages: int, page_slots: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (pages, V4.page_bytes(page_size)), dtype=torch.uint8, generator=gen)
+    return torch.randint(0, 256, (pages, V4.page_bytes(page_slots)), dtype=torch.uint8, generator=gen)
 
 
 @pytest.mark.parametrize("backend", core_backends())  # sim too in make test
@@ -31,13 +31,13 @@ def _noise_cache(pages: int, page_size: int, seed: int) -> torch.Tensor:
 @given(data=st.data())
 def test_quantize_bytes_equal_the_reference(backend, dtype, data):
     x = data.draw(quant_rows()).to(dtype)
-    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
-    cache = _noise_cache(pages, page_size, data.draw(st.integers(0, 1000)))
+    page_slots, pages, slots = data.draw(slot_case(x.shape[0]))
+    cache = _noise_cache(pages, page_slots, data.draw(st.integers(0, 1000)))
     expected = cache.clone()
-    ref.quantize_fp8_ds_mla(x, expected, slots, page_size)
+    ref.quantize_fp8_ds_mla(x, expected, slots, page_slots)
     device = device_of(backend)
     got = cache.to(device)
-    quantize_fp8_ds_mla(x.to(device), got, slots.to(device), page_size)
+    quantize_fp8_ds_mla(x.to(device), got, slots.to(device), page_slots)
     # Bytes outside the written slots (other slots, page padding) keep their noise.
     assert torch.equal(got.cpu(), expected)
 
@@ -47,14 +47,14 @@ def test_quantize_bytes_equal_the_reference(backend, dtype, data):
 @given(data=st.data())
 def test_dequantize_is_within_half_an_ulp_and_scales_are_powers_of_two(backend, data):
     x = data.draw(quant_rows())
-    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    page_slots, pages, slots = data.draw(slot_case(x.shape[0]))
     device = device_of(backend)
-    cache = torch.zeros(pages, V4.page_bytes(page_size), dtype=torch.uint8, device=device)
-    quantize_fp8_ds_mla(x.to(device), cache, slots.to(device), page_size)
-    got = dequantize_fp8_ds_mla(cache, slots.to(device), page_size).cpu().double()
-    assert torch.equal(got, ref.dequantize_fp8_ds_mla(cache.cpu(), slots, page_size))
+    cache = torch.zeros(pages, V4.page_bytes(page_slots), dtype=torch.uint8, device=device)
+    quantize_fp8_ds_mla(x.to(device), cache, slots.to(device), page_slots)
+    got = dequantize_fp8_ds_mla(cache, slots.to(device), page_slots).cpu().double()
+    assert torch.equal(got, ref.dequantize_fp8_ds_mla(cache.cpu(), slots, page_slots))
 
-    scale_bytes = V4.scale_view(cache.cpu(), page_size)[slots // page_size, slots % page_size]
+    scale_bytes = V4.scale_view(cache.cpu(), page_slots)[slots // page_slots, slots % page_slots]
     e = scale_bytes[:, :7].to(torch.int64) - 127
     blocks = x[:, :448].double().reshape(-1, 7, 64)
     amax = blocks.abs().amax(2).clamp_min(1e-4)
@@ -110,7 +110,7 @@ BAD = [
     (lambda x, c, s, p: (x, c, torch.tensor([0, 4, 1]), p), IndexError, "slots"),
     (lambda x, c, s, p: (x, c, torch.tensor([0, -1, 1]), p), IndexError, "slots"),
     (lambda x, c, s, p: (x, c, torch.tensor([0, 1, 1]), p), ValueError, "slots"),
-    (lambda x, c, s, p: (x, c, s, 3), ValueError, "page_size"),
+    (lambda x, c, s, p: (x, c, s, 3), ValueError, "page_slots"),
     (lambda x, c, s, p: (x, c, s, 4), ValueError, "cache"),
     (lambda x, c, s, p: (x, c.to(torch.int8), s, p), TypeError, "cache"),
     (lambda x, c, s, p: (x, c[:, :-1], s, p), ValueError, "cache"),
@@ -123,9 +123,9 @@ def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, inde
     # Both implementations refuse the same inputs with the same exception and message.
     if impl == "triton":
         skip_unless_triton_runs(backend)
-    x, cache, slots, page_size = to_backend(backend, _args())
+    x, cache, slots, page_slots = to_backend(backend, _args())
     before = cache.clone()
-    args = to_backend(backend, mutate(x, cache, slots, page_size))
+    args = to_backend(backend, mutate(x, cache, slots, page_slots))
     with pytest.raises(exc, match=f"`{name}`") as error:
         quantize_fp8_ds_mla(*args, impl=impl)
     assert torch.equal(cache, before)
@@ -135,9 +135,9 @@ def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, inde
 
 
 def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
-    _, cache, _, page_size = to_backend(backend, _args())
+    _, cache, _, page_slots = to_backend(backend, _args())
     with pytest.raises(IndexError, match="`slots`"):
-        dequantize_fp8_ds_mla(cache, torch.tensor([4], device=cache.device), page_size)
+        dequantize_fp8_ds_mla(cache, torch.tensor([4], device=cache.device), page_slots)
 
 
 # ---- plain indexer keys (no norm, no RoPE) ----
@@ -145,9 +145,9 @@ def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
 FORMATS = sorted(INDEXER_LAYOUTS)
 
 
-def _indexer_noise_cache(fmt: str, pages: int, page_size: int, seed: int) -> torch.Tensor:
+def _indexer_noise_cache(fmt: str, pages: int, page_slots: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size)), dtype=torch.uint8,
+    return torch.randint(0, 256, (pages, INDEXER_LAYOUTS[fmt].page_bytes(page_slots)), dtype=torch.uint8,
                          generator=gen)
 
 
@@ -158,13 +158,13 @@ def _indexer_noise_cache(fmt: str, pages: int, page_size: int, seed: int) -> tor
 def test_indexer_keys_bytes_equal_the_reference(backend, fmt, dtype, data):
     # Blocks of 32 (the FP4 scale block) drawn at the rounding edges: zeros, amax below the floor, ties.
     keys = data.draw(quant_rows(width=128, block=32)).to(dtype)
-    page_size, pages, slots = data.draw(slot_case(keys.shape[0]))
-    cache = _indexer_noise_cache(fmt, pages, page_size, data.draw(st.integers(0, 1000)))
+    page_slots, pages, slots = data.draw(slot_case(keys.shape[0]))
+    cache = _indexer_noise_cache(fmt, pages, page_slots, data.draw(st.integers(0, 1000)))
     expected = cache.clone()
-    ref.quantize_indexer_keys(keys, expected, slots, page_size, fmt)
+    ref.quantize_indexer_keys(keys, expected, slots, page_slots, fmt)
     device = device_of(backend)
     got = cache.to(device)
-    quantize_indexer_keys(keys.to(device), got, slots.to(device), page_size=page_size, fmt=fmt)
+    quantize_indexer_keys(keys.to(device), got, slots.to(device), page_slots=page_slots, fmt=fmt)
     # Bytes outside the written slots keep their noise.
     assert torch.equal(got.cpu(), expected)
 
@@ -193,7 +193,7 @@ def test_fp8_indexer_scale_and_codes_are_ieee_divisions(backend, keys):
     n = keys.shape[0]
     device = device_of(backend)
     cache = torch.zeros(n, INDEXER_LAYOUTS["fp8"].page_bytes(1), dtype=torch.uint8, device=device)
-    quantize_indexer_keys(keys.to(device), cache, torch.arange(n, device=device), page_size=1, fmt="fp8")
+    quantize_indexer_keys(keys.to(device), cache, torch.arange(n, device=device), page_slots=1, fmt="fp8")
     records = cache.cpu()
     x = keys.numpy()
     scale = np.maximum(np.abs(x).max(axis=1), np.float32(ref.FP8_AMAX_FLOOR)) / np.float32(ref.E4M3_MAX)
@@ -219,28 +219,28 @@ def _quantization_bound(keys: torch.Tensor, fmt: str) -> torch.Tensor:
 @settings(max_examples=scaled_examples(8), deadline=None)
 @given(data=st.data())
 def test_indexer_keys_round_trip_through_the_indexer_scores(backend, fmt, data):
-    page_size = data.draw(st.sampled_from([1, 4, 16]))
+    page_slots = data.draw(st.sampled_from([1, 4, 16]))
     n = data.draw(st.integers(1, 40))
-    pages = -(-n // page_size) + data.draw(st.integers(0, 2))
+    pages = -(-n // page_slots) + data.draw(st.integers(0, 2))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     keys = torch.randn(n, 128, generator=gen) * 2.0 ** data.draw(st.integers(-8, 8))
     heads = data.draw(st.integers(1, 4))
     q, weights = torch.randn(2, heads, 128, generator=gen), torch.rand(2, heads, generator=gen)
     page_table = torch.randperm(pages, generator=gen).to(torch.int32)[None].repeat(2, 1)
-    slots = entry_slots(page_table[0], n, page_size)
+    slots = entry_slots(page_table[0], n, page_slots)
     # Row 0 sees every key, row 1 a drawn prefix (a raw position t sees (t + 1) // 4 entries).
     positions = torch.tensor([4 * n - 1, data.draw(st.integers(0, 4 * n - 1))])
 
     device = device_of(backend)
-    cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size), dtype=torch.uint8, device=device)
-    quantize_indexer_keys(keys.to(device), cache, slots.to(device), page_size=page_size, fmt=fmt)
-    got = indexer_scores(*(t.to(device) for t in (q, weights, cache, page_table, positions)), page_size=page_size,
+    cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_slots), dtype=torch.uint8, device=device)
+    quantize_indexer_keys(keys.to(device), cache, slots.to(device), page_slots=page_slots, fmt=fmt)
+    got = indexer_scores(*(t.to(device) for t in (q, weights, cache, page_table, positions)), page_slots=page_slots,
                          layout=fmt).cpu().double()
 
     # The reference's dequantized keys, within half a code step of the keys given.
-    reference_cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_size), dtype=torch.uint8)
-    ref.quantize_indexer_keys(keys, reference_cache, slots, page_size, fmt)
-    dequantized = decode_indexer_keys(reference_cache, slots, page_size, fmt)
+    reference_cache = torch.zeros(pages, INDEXER_LAYOUTS[fmt].page_bytes(page_slots), dtype=torch.uint8)
+    ref.quantize_indexer_keys(keys, reference_cache, slots, page_slots, fmt)
+    dequantized = decode_indexer_keys(reference_cache, slots, page_slots, fmt)
     assert bool(((dequantized - keys.double()).abs() <= _quantization_bound(keys, fmt)).all())
     # The scores of those keys in fp64, within the indexer's documented 1e-5 of sum_h |w_h| |q_h| |k|.
     for b in range(2):
@@ -269,9 +269,9 @@ INDEXER_BAD = [
     (lambda x, c, s, p, f: (x, c, torch.tensor([0, 4, 1]), p, f), IndexError, "slots"),
     (lambda x, c, s, p, f: (x, c, torch.tensor([0, -1, 1]), p, f), IndexError, "slots"),
     (lambda x, c, s, p, f: (x, c, torch.tensor([0, 1, 1]), p, f), ValueError, "slots"),
-    (lambda x, c, s, p, f: (x, c, s, 3, f), ValueError, "page_size"),
-    (lambda x, c, s, p, f: (x, c, s, 2**21, f), ValueError, "page_size"),
-    (lambda x, c, s, p, f: (x, c, s, 2.0, f), TypeError, "page_size"),
+    (lambda x, c, s, p, f: (x, c, s, 3, f), ValueError, "page_slots"),
+    (lambda x, c, s, p, f: (x, c, s, 2**21, f), ValueError, "page_slots"),
+    (lambda x, c, s, p, f: (x, c, s, 2.0, f), TypeError, "page_slots"),
     (lambda x, c, s, p, f: (x, c, s, 4, f), ValueError, "cache"),
     (lambda x, c, s, p, f: (x, c, s, p, "fp4" if f == "fp8" else "fp8"), ValueError, "cache"),
     (lambda x, c, s, p, f: (x, c.to(torch.int8), s, p, f), TypeError, "cache"),
@@ -287,9 +287,9 @@ INDEXER_BAD = [
 @pytest.mark.parametrize("mutate, exc, name", INDEXER_BAD)
 def test_indexer_keys_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, index_checks, fmt, mutate,
                                                                                 exc, name):
-    x, cache, slots, page_size, fmt = to_backend(backend, _indexer_args(fmt))
+    x, cache, slots, page_slots, fmt = to_backend(backend, _indexer_args(fmt))
     before = cache.clone()
-    keys, target, slots, page_size, fmt = to_backend(backend, mutate(x, cache, slots, page_size, fmt))
+    keys, target, slots, page_slots, fmt = to_backend(backend, mutate(x, cache, slots, page_slots, fmt))
     with pytest.raises(exc, match=f"`{name}`"):
-        quantize_indexer_keys(keys, target, slots, page_size=page_size, fmt=fmt)
+        quantize_indexer_keys(keys, target, slots, page_slots=page_slots, fmt=fmt)
     assert torch.equal(cache, before)

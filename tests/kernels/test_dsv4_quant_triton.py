@@ -20,10 +20,10 @@ from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
 
-def _noise_cache(pages: int, page_size: int, seed: int, offset: int) -> torch.Tensor:
+def _noise_cache(pages: int, page_slots: int, seed: int, offset: int) -> torch.Tensor:
     """A ``[pages, page_bytes]`` cache of random bytes, starting ``offset`` bytes into its buffer."""
     gen = torch.Generator().manual_seed(seed)
-    page_bytes = V4.page_bytes(page_size)
+    page_bytes = V4.page_bytes(page_slots)
     buffer = torch.randint(0, 256, (pages * page_bytes + offset,), dtype=torch.uint8, generator=gen)
     return buffer[offset:].view(pages, page_bytes)
 
@@ -33,13 +33,13 @@ def _noise_cache(pages: int, page_size: int, seed: int, offset: int) -> torch.Te
 def test_triton_bytes_equal_the_reference_and_the_header(backend, data, dtype, offset):
     # offset 0: the packed 32-bit stores; 1 and 2: a cache whose base is not word-aligned (byte stores).
     x = data.draw(quant_rows(max_rows=6)).to(dtype)
-    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
-    cache = _noise_cache(pages, page_size, data.draw(st.integers(0, 1000)), offset)
+    page_slots, pages, slots = data.draw(slot_case(x.shape[0]))
+    cache = _noise_cache(pages, page_slots, data.draw(st.integers(0, 1000)), offset)
     expected = cache.clone()
-    ref.quantize_fp8_ds_mla(x, expected, slots, page_size)
+    ref.quantize_fp8_ds_mla(x, expected, slots, page_slots)
     x, slots, got, header = to_backend(backend, [x, slots, cache, cache.clone()])
-    quantize_fp8_ds_mla(x, got, slots, page_size, impl="triton")
-    quantize_fp8_ds_mla(x, header, slots, page_size, impl="header")
+    quantize_fp8_ds_mla(x, got, slots, page_slots, impl="triton")
+    quantize_fp8_ds_mla(x, header, slots, page_slots, impl="header")
     # Bytes outside the written slots (other slots, page padding) keep their noise.
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(got.cpu(), header.cpu())

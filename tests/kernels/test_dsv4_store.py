@@ -49,15 +49,15 @@ BACKENDS = kernel_backends()
 @given(data=st.data())
 def test_stored_bytes_equal_the_reference(backend, kind, data):
     x, weight, eps, positions, rope = data.draw(store_case(ENTRY_DIMS[kind]))
-    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    page_slots, pages, slots = data.draw(slot_case(x.shape[0]))
     layout = LAYOUTS[kind]
-    cache = torch.randint(0, 256, (pages, layout.page_bytes(page_size)), dtype=torch.uint8)
+    cache = torch.randint(0, 256, (pages, layout.page_bytes(page_slots)), dtype=torch.uint8)
     expected = cache.clone()
     table = host_rope_table(rope)
-    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, table.cos, table.sin, kind)
+    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_slots, table.cos, table.sin, kind)
     device = device_of(backend)
     got = cache.to(device)
-    norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, slots.to(device), page_size,
+    norm_rope_store(x.to(device), weight.to(device), eps, positions.to(device), got, slots.to(device), page_slots,
                     rope_table_on(backend, rope), kind)
     # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
     assert torch.equal(got.cpu(), expected)
@@ -210,8 +210,8 @@ def test_a_position_outside_the_table_is_refused_before_writing(backend, index_c
         assert torch.equal(cache, before)
     else:  # device positions: that entry is skipped, the other one is stored
         only_first = before.clone()
-        x, weight, eps, positions, _, slots, page_size = args
-        norm_rope_store(x[:1], weight, eps, positions[:1], only_first, slots[:1], page_size, small)
+        x, weight, eps, positions, _, slots, page_slots = args
+        norm_rope_store(x[:1], weight, eps, positions[:1], only_first, slots[:1], page_slots, small)
         norm_rope_store(*args, small)
         assert torch.equal(cache, only_first)
 
@@ -253,7 +253,7 @@ BAD = [
     (lambda a: (*a[:3], a[3][:1], *a[4:]), {}, ValueError, "positions"),
     (lambda a: (*a[:5], torch.tensor([0, 4]), a[6]), {}, IndexError, "slots"),
     (lambda a: (*a[:5], torch.tensor([1, 1]), a[6]), {}, ValueError, "slots"),
-    (lambda a: (*a[:6], 3), {}, ValueError, "page_size"),
+    (lambda a: (*a[:6], 3), {}, ValueError, "page_slots"),
     (lambda a: a, {"rope": lambda t: RopeTable(t.cos.double(), t.sin)}, TypeError, "rope_cos"),
     (lambda a: a, {"rope": lambda t: RopeTable(t.cos, t.sin[:, :16].contiguous())}, ValueError, "rope_sin"),
     (lambda a: a, {"rope": lambda t: RopeTable(t.cos, t.sin[:8])}, ValueError, "rope_sin"),

@@ -29,20 +29,20 @@ pytestmark = pytest.mark.usefixtures("triton_runs_here")
 def test_triton_bytes_equal_the_reference_and_the_header(backend, kind, data, offset):
     # offset 0: the packed 32-bit stores; 1 and 2: a cache whose base is not word-aligned (byte stores).
     x, weight, eps, positions, rope = data.draw(store_case(KINDS[kind]))
-    page_size, pages, slots = data.draw(slot_case(x.shape[0]))
+    page_slots, pages, slots = data.draw(slot_case(x.shape[0]))
     layout = LAYOUTS[kind]
-    page_bytes = layout.page_bytes(page_size)
+    page_bytes = layout.page_bytes(page_slots)
     buffer = torch.randint(0, 256, (pages * page_bytes + offset,), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(data.draw(st.integers(0, 1000))))
     cache = buffer[offset:].view(pages, page_bytes)
     expected = cache.clone()
     table = host_rope_table(rope)
-    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_size, table.cos, table.sin, kind)
+    norm_rope_store_reference(x, weight, eps, positions, expected, slots, page_slots, table.cos, table.sin, kind)
     x, weight, positions, slots, got, header = to_backend(backend, [x, weight, positions, slots, cache,
                                                                     cache.clone()])
     table = rope_table_on(backend, rope)
-    norm_rope_store(x, weight, eps, positions, got, slots, page_size, table, kind, impl="triton")
-    norm_rope_store(x, weight, eps, positions, header, slots, page_size, table, kind, impl="header")
+    norm_rope_store(x, weight, eps, positions, got, slots, page_slots, table, kind, impl="triton")
+    norm_rope_store(x, weight, eps, positions, header, slots, page_slots, table, kind, impl="header")
     # Every byte, the bf16 RoPE dims included; untouched slots and padding keep their noise.
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(got.cpu(), header.cpu())

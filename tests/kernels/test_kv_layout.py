@@ -73,11 +73,21 @@ def test_cpp_header_agrees_with_python(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("page_slots", [0, kv_layout.MAX_PAGE_SLOTS + 1, 2**62, 64.0, True])
-def test_page_bytes_refuses_a_page_no_kernel_takes(page_slots):
+@pytest.mark.parametrize("page_slots, error", [(0, ValueError), (kv_layout.MAX_PAGE_SLOTS + 1, ValueError),
+                                               (2**62, ValueError), (64.0, TypeError), (True, TypeError)])
+def test_page_bytes_refuses_a_page_no_kernel_takes(page_slots, error):
+    # sparsekv.checks' rule: the wrong kind of value (a float, a bool) is a TypeError, a bad int a ValueError.
     assert kv_layout.V4.padding_offset(kv_layout.MAX_PAGE_SLOTS) == 584 * 2**20 <= kv_layout.V4.page_bytes(2**20)
-    with pytest.raises(ValueError, match="`page_slots`"):
+    with pytest.raises(error, match="`page_slots`"):
         kv_layout.V4.page_bytes(page_slots)
+
+
+@pytest.mark.parametrize("page_size, error", [(256.0, TypeError), (True, TypeError), ("256", TypeError),
+                                              (64, ValueError), (1024, ValueError)])
+def test_c4_page_slots_takes_a_dsv4_page_size_only(page_size, error):
+    assert [kv_layout.c4_page_slots(p) for p in kv_layout.DSV4_PAGE_SIZES] == [32, 64, 128]
+    with pytest.raises(error, match="`page_size`"):
+        kv_layout.c4_page_slots(page_size)
 
 
 @given(layout=st.sampled_from(list(kv_layout.LAYOUTS.values())), page_slots=st.sampled_from([1, 2, 8, 64]),

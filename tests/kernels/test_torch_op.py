@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -126,18 +128,18 @@ def op_cases(device: torch.device) -> dict[str, Callable[[dict], tuple[torch.Ten
         workspace = torch.empty(workspace_floats(batch, heads, 2, torch.bfloat16), device=device)
         sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, num_splits=2, out=out, lse=lse,
                                 out_dtype=torch.bfloat16, workspace=workspace, extra_kv_cache=w["kv_cache"],
-                                extra_indices=w["indices"].flip(1).contiguous(), extra_page_size=P)
+                                extra_indices=w["indices"].flip(1).contiguous(), extra_page_slots=P)
         return out, lse
 
     def indexer(w):
         scores = indexer_scores(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"],
-                                page_size=P)
-        tokens, slots = indexer_topk(scores, w["positions"], 6, page_table=w["page_table"], page_size=P)
+                                page_slots=P)
+        tokens, slots = indexer_topk(scores, w["positions"], 6, page_table=w["page_table"], page_slots=P)
         return scores, tokens, slots
 
     def lightning(w):
         return lightning_indexer(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"], 4,
-                                 page_size=P)
+                                 page_slots=P)
 
     def store(w):
         norm_rope_store(w["rows"], torch.linspace(0.5, 2, 512, device=device), 1e-6, torch.tensor([0, 9, 4, 300, 7],
@@ -215,7 +217,7 @@ def test_meta_tensors_give_output_shapes_without_running_a_kernel():
     out, lse = sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, out_dtype=torch.bfloat16)
     assert (out.shape, out.dtype, lse.shape) == ((2, 3, 512), torch.bfloat16, (2, 3))
     tokens, slots = lightning_indexer(w["q_index"], w["weights"], w["index_cache"], w["page_table"], w["positions"], 7,
-                                      page_size=P)
+                                      page_slots=P)
     assert tokens.shape == slots.shape == (2, 7) and tokens.device.type == "meta"
     assert dequantize_fp8_ds_mla(w["kv_cache"], torch.zeros(9, dtype=torch.int64, device="meta"), P).shape == (9, 512)
     t = step_tensors(torch.device("meta"))
@@ -301,7 +303,7 @@ def decode_step(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
                                                            "INDEXER_FP8"),
                          entry_slots=t["entry_slots"], out=t["index_entries"], emitted=t["index_emitted"])
     lightning_indexer(t["q_index"], t["weights"], t["index_cache"], t["page_table"], t["positions"], TOP_K,
-                      page_size=C4P, scores=t["scores"], out=t["tokens"], out_slots=t["slots"])
+                      page_slots=C4P, scores=t["scores"], out=t["tokens"], out_slots=t["slots"])
     load_cache_to_device_buffer_dsv4_mla(
         t["tokens"], t["device_buffer_tokens"], t["host_cache_locs"], t["device_buffer_locs"], t["kv_cache"],
         t["device_buffer"], t["top_k_device_locs"], t["req_pool_indices"], t["seq_lens"], t["lru_slots"],
@@ -364,7 +366,7 @@ def streaming_steps(device: torch.device) -> None:
                     ring_size=4, online=True).extend([0], [[0]], [0], kv, score)
     w = world(device)
     quantize_indexer_keys(torch.randn(3, INDEXER_HEAD_DIM, generator=g).to(device), w["index_cache"],
-                          torch.tensor([5, 0, 40], device=device), page_size=P)
+                          torch.tensor([5, 0, 40], device=device), page_slots=P)
 
 
 def every_op_call(device: torch.device, worlds: list) -> list:
@@ -525,6 +527,16 @@ def test_device_index_checks_switch_on_for_cuda_tensors_only_and_name_the_first_
     assert index_checks_on_device(torch.zeros(2, device="meta").new_empty(0)) is False
     mask = torch.tensor([[False, False, False], [False, True, True]])
     assert first_true(mask) == (1, 1) and first_true(mask[0]) is None and first_true(mask[1]) == (1,)
+
+
+@pytest.mark.no_backend("the index finder in Python; no kernel runs")
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), seed=st.integers(0, 2**16),
+       density=st.sampled_from([0.0, 0.05, 0.5, 1.0]))
+def test_first_true_is_the_first_set_entry_in_row_major_order(shape, seed, density):
+    # One host read, found or not: the entry nonzero() lists first.
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < density
+    listed = mask.nonzero()
+    assert first_true(mask) == (tuple(int(i) for i in listed[0]) if len(listed) else None)
 
 
 

@@ -243,7 +243,7 @@ class IndexerCase:
         self.entries, self.batch = entries, batch
 
     def kernel_scores(self, impl: str = "header"):
-        return indexer_scores(self.q, self.weights, self.cache, self.page_table, self.positions, page_size=PAGE,
+        return indexer_scores(self.q, self.weights, self.cache, self.page_table, self.positions, page_slots=PAGE,
                               out=self.scores, impl=impl)
 
     def torch_scores(self, row: int = 0):
@@ -340,8 +340,8 @@ class PeerCase:
         self.args = {
             "q": torch.randn(batch, heads, 512, generator=g).bfloat16().to(device), "kv_cache": cache,
             "indices": torch.randperm(slots, generator=g)[:batch * k].view(batch, k).int().to(device),
-            "sink": torch.randn(heads, generator=g).to(device), "page_size": PAGE,
-            "extra_kv_cache": window, "extra_page_size": PAGE,
+            "sink": torch.randn(heads, generator=g).to(device), "page_slots": PAGE,
+            "extra_kv_cache": window, "extra_page_slots": PAGE,
             "extra_indices": torch.randperm(window.shape[0] * PAGE, generator=g)[:batch * WINDOW].view(batch, WINDOW)
             .int().to(device),
             "topk_length": torch.full((batch,), k, dtype=torch.int32, device=device)}
@@ -354,7 +354,7 @@ class PeerCase:
     def peer(self, library):
         a = self.args
         library(a["q"], a["kv_cache"], a["indices"], a["sink"], PAGE, self.out, self.lse,
-                extra_kv_cache=a["extra_kv_cache"], extra_indices=a["extra_indices"], extra_page_size=PAGE,
+                extra_kv_cache=a["extra_kv_cache"], extra_indices=a["extra_indices"], extra_page_slots=PAGE,
                 topk_length=a["topk_length"])
         return self.out, self.lse
 
@@ -366,7 +366,7 @@ class PeerCase:
              for name, value in self.args.items()}
         return rows, *sparse_decode_attention_reference(
             a["q"], a["kv_cache"].cpu(), a["indices"], a["sink"].cpu(), PAGE, extra_kv_cache=a["extra_kv_cache"].cpu(),
-            extra_indices=a["extra_indices"], extra_page_size=PAGE, topk_length=a["topk_length"])
+            extra_indices=a["extra_indices"], extra_page_slots=PAGE, topk_length=a["topk_length"])
 
     def check(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """``out``/``lse`` against the fp64 reference on the first and last rows, within FlashMLA's tolerance."""
@@ -449,7 +449,7 @@ def main() -> None:
     time_triton = functools.partial(time_call, repeats=1, warmup=0, min_time_s=0.0) if interpreted else \
         functools.partial(timer(args.backend), repeats=repeats, warmup=1)
     time_it = functools.partial(timer(args.backend), repeats=repeats, warmup=1, min_time_s=0.0)
-    result.notes.update({"heads": HEADS, "page_size": PAGE, "q_dtype": "bfloat16", "device": device,
+    result.notes.update({"heads": HEADS, "page_slots": PAGE, "q_dtype": "bfloat16", "device": device,
                          "triton_timing": ("Triton interpreter on the CPU: NOT speed (numpy per program op), "
                                            "one sample, the first attention case and the top-k only (the "
                                            "indexer scores take minutes per call there); run --backend cuda "

@@ -84,7 +84,7 @@ def main() -> None:
     kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_indexer lightning_indexer",
                  baseline="torch: decode keys, fp32 matmul + relu + weighted sum, torch.topk (same run)",
                  cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
-                 notes=dict(heads=HEADS, page_size=PAGE, top_k=TOP_K),
+                 notes=dict(heads=HEADS, page_slots=PAGE, top_k=TOP_K),
                  one_thread=True,  # the cpu backend runs on one thread: compare like with like
                  plot=dict(label_key="case", value_keys=("kernel_us", "torch_us"), ylabel="latency (us, log)",
                            log=True))

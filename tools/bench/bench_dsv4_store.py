@@ -37,7 +37,7 @@ from sparsekv.testing.bench import (
 )
 from sparsekv.testing.reference.dsv4_store import norm_rope_store_reference
 
-PAGE_SIZE = 64
+PAGE_SLOTS = 64
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 MAX_POSITION = 1 << 16
 WIDTH = {"V4": 512, "INDEXER_FP8": 128, "INDEXER_FP4": 128}
@@ -52,20 +52,20 @@ def run_case(n: int, kind: str, repeats: int, backend: str) -> dict:
     x = torch.randn(n, WIDTH[kind], generator=gen).to(device)
     weight = (1 + 0.1 * torch.randn(WIDTH[kind], generator=gen)).to(device)
     positions = torch.randint(0, MAX_POSITION, (n,), generator=gen).to(device)
-    pages = max(1, 2 * n // PAGE_SIZE)
-    slots = torch.randperm(pages * PAGE_SIZE, generator=gen)[:n].to(device)
+    pages = max(1, 2 * n // PAGE_SLOTS)
+    slots = torch.randperm(pages * PAGE_SLOTS, generator=gen)[:n].to(device)
     rope = ROPE.table(MAX_POSITION, device)
-    cache = torch.zeros(pages, LAYOUTS[kind].page_bytes(PAGE_SIZE), dtype=torch.uint8, device=device)
+    cache = torch.zeros(pages, LAYOUTS[kind].page_bytes(PAGE_SLOTS), dtype=torch.uint8, device=device)
     expected = cache.clone()
-    norm_rope_store_reference(x, weight, 1e-6, positions, expected, slots, PAGE_SIZE, rope.cos, rope.sin, kind)
-    norm_rope_store(x, weight, 1e-6, positions, cache, slots, PAGE_SIZE, rope, kind)
+    norm_rope_store_reference(x, weight, 1e-6, positions, expected, slots, PAGE_SLOTS, rope.cos, rope.sin, kind)
+    norm_rope_store(x, weight, 1e-6, positions, cache, slots, PAGE_SLOTS, rope, kind)
     if not torch.equal(cache, expected):
         raise SystemExit(f"bench_dsv4_store: kernel bytes differ from the torch store at N={n} {kind}")
 
     time_it = timer(backend)
-    kernel = time_it(lambda: norm_rope_store(x, weight, 1e-6, positions, cache, slots, PAGE_SIZE, rope, kind),
+    kernel = time_it(lambda: norm_rope_store(x, weight, 1e-6, positions, cache, slots, PAGE_SLOTS, rope, kind),
                      repeats=repeats)
-    baseline = time_it(lambda: norm_rope_store_reference(x, weight, 1e-6, positions, expected, slots, PAGE_SIZE,
+    baseline = time_it(lambda: norm_rope_store_reference(x, weight, 1e-6, positions, expected, slots, PAGE_SLOTS,
                                                          rope.cos, rope.sin, kind), repeats=repeats)
     row = {"case": f"N={n} {kind}", "entries": n, "cache_kind": kind,
            "kernel_us": kernel.median_s * 1e6, "torch_us": baseline.median_s * 1e6,
@@ -76,10 +76,10 @@ def run_case(n: int, kind: str, repeats: int, backend: str) -> dict:
                              device_name(backend))}
     if backend == "cuda" or n <= INTERPRETED_ROWS:
         triton_cache = torch.zeros_like(cache)
-        norm_rope_store(x, weight, 1e-6, positions, triton_cache, slots, PAGE_SIZE, rope, kind, impl="triton")
+        norm_rope_store(x, weight, 1e-6, positions, triton_cache, slots, PAGE_SLOTS, rope, kind, impl="triton")
         if not torch.equal(triton_cache, expected):
             raise SystemExit(f"bench_dsv4_store: triton bytes differ from the torch store at N={n} {kind}")
-        triton = time_triton(lambda: norm_rope_store(x, weight, 1e-6, positions, triton_cache, slots, PAGE_SIZE,
+        triton = time_triton(lambda: norm_rope_store(x, weight, 1e-6, positions, triton_cache, slots, PAGE_SLOTS,
                                                      rope, kind, impl="triton"))
         row.update(triton_us=triton.median_s * 1e6, triton_entries_per_us=n / (triton.median_s * 1e6))
     return row
@@ -89,7 +89,7 @@ def main() -> None:
     kernel_sweep(CliParser(description=__doc__.splitlines()[0]), name="dsv4_store norm_rope_store",
                  baseline="torch reference store (same entries, same slots, same run)",
                  cases=CASES, quick_cases=QUICK_CASES, run_case=run_case,
-                 notes=dict(page_size=PAGE_SIZE, triton_timing=TRITON_TIMING),
+                 notes=dict(page_slots=PAGE_SLOTS, triton_timing=TRITON_TIMING),
                  plot=dict(label_key="case", value_keys=("kernel_entries_per_us", "torch_entries_per_us",
                                                          "triton_entries_per_us"),
                            ylabel="entries per microsecond", log=True))

@@ -16,8 +16,9 @@ measured in the same run:
   ``allocations``: tensors allocated per call (torch's profiler, ``profile_memory``);
   ``module_calls``: exports of compiled modules called (kernel launches on a GPU).
 
-Also ``triton attention checks``: the Triton launcher's argument checks alone (the issue measured
-472 us for them before their memory-sharing check became one sweep); and the Triton fused compress
+Also ``attention input checks``: the attention's input contract alone (``check_attention_arguments``,
+which every implementation runs before dispatch), in its O(1) mode (the Triton launcher's copy of
+it measured 472 us before its memory-sharing check became one sweep); and the Triton fused compress
 + store launchers' checks for a 4096-token C4 chunk and a 64-row decode step, whose index checks of
 host-readable tables are one numpy pass each (a Python loop per event, write and row before: 4.5-5.7
 ms for the 4096-token chunk on the 2-core VM, 0.38-0.42 ms after).
@@ -90,7 +91,7 @@ def calls() -> dict:
     return {
         "sparse_decode_attention": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE, out=out,
                                                      lse=lse, impl="header"),
-        "indexer_scores": functools.partial(indexer_scores, iq, weights, k_cache, table, positions, page_size=PAGE,
+        "indexer_scores": functools.partial(indexer_scores, iq, weights, k_cache, table, positions, page_slots=PAGE,
                                             out=scores, impl="header"),
         "indexer_topk": functools.partial(indexer_topk, scores, positions, TOPK, out=tokens, impl="header"),
         "norm_rope_store": functools.partial(norm_rope_store, x, torch.ones(512), 1e-6, positions, cache, slots, PAGE,
@@ -104,20 +105,18 @@ def calls() -> dict:
     }
 
 
-def triton_attention_checks():
-    """The Triton attention launcher's argument checks at the attention call's shape, or None
-    without triton."""
-    try:
-        from sparsekv.jit_kernel.triton.dsv4_attention import check_arguments
-    except ImportError:
-        return None
+def attention_checks():
+    """The attention's input contract (every implementation runs it before dispatch) at the attention
+    call's shape, in its O(1) mode: what a GPU call pays without ``SPARSEKV_CHECK_INDICES``."""
+    from sparsekv.jit_kernel.dsv4_attention import check_attention_arguments
+
     g = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, HEADS, 512, generator=g).to(torch.bfloat16)
     cache = torch.zeros(BATCH * TOPK // PAGE, V4.page_bytes(PAGE), dtype=torch.uint8)
     indices = torch.zeros(BATCH, TOPK, dtype=torch.int32)
     args = (q, cache, indices, torch.zeros(HEADS), PAGE, 512**-0.5, None, None, -1, 1,
-            torch.empty(BATCH, HEADS, 512), torch.empty(BATCH, HEADS))
-    return functools.partial(check_arguments, *args)
+            torch.empty(BATCH, HEADS, 512), torch.empty(BATCH, HEADS), None, None)
+    return functools.partial(check_attention_arguments, *args, impl="triton", read_values=False)
 
 
 def triton_compress_store_checks() -> dict:
@@ -191,9 +190,7 @@ def main() -> None:
                          notes={"target": f"host_us <= {TARGET} x raw_us with out= buffers given", "batch": BATCH})
     for name, call in calls().items():
         result.rows.append(measure(name, call, nop))
-    checks = triton_attention_checks()
-    if checks is not None:
-        result.rows.append({"case": "triton attention checks", "host_us": _median_us(checks)})
+    result.rows.append({"case": "attention input checks", "host_us": _median_us(attention_checks())})
     for name, checks in triton_compress_store_checks().items():
         result.rows.append({"case": name, "host_us": _median_us(checks)})
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("host_us", "raw_us"),

@@ -66,7 +66,7 @@ struct StoreParams {
   const int64_t* slots;
   uint8_t* cache;
   int64_t num_entries;
-  int64_t page_size;
+  int64_t page_slots;
   int64_t page_stride;
   int64_t num_slots;
   float eps;
@@ -134,7 +134,7 @@ struct EntryStore {
     }
     norm(x, p, lanes);
     rope::rotate_tail<kDim>(x, p.rope_cos, p.rope_sin, pos, lanes);
-    const auto token = row_store::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_size, p.page_stride);
+    const auto token = row_store::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_slots, p.page_stride);
     if constexpr (Kind::kCache == Cache::kV4) {
       row_store::store_v4(x, token, lanes);
     } else {
@@ -158,7 +158,7 @@ namespace sparsekv::dsv4_store {
 // Validates the store arguments for `entries` rows and returns the store parameters (x unset).
 template <class Kind>
 StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorView positions, TensorView cache,
-                        TensorView slots, int64_t page_size, TensorView rope_cos, TensorView rope_sin,
+                        TensorView slots, int64_t page_slots, TensorView rope_cos, TensorView rope_sin,
                         bool read_slots = true) {
   check(weight, "weight").dtype<float>().ndim(1).size(0, Kind::kDim, "head dim").contiguous();
   check(weight, "weight").same_device(cache, "cache");
@@ -172,7 +172,7 @@ StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorVi
   }
   if (!(eps >= 0.0)) TVM_FFI_THROW(ValueError) << "sparsekv: argument `eps` must be >= 0, got " << eps;
   const auto [page_stride, num_slots] =
-      row_store::check_paged_cache<typename Kind::Layout>(cache, slots, page_size, true, read_slots);
+      row_store::check_paged_cache<typename Kind::Layout>(cache, slots, page_slots, true, read_slots);
   StoreParams params{nullptr,
                      0,
                      static_cast<const float*>(weight.data_ptr()),
@@ -180,7 +180,7 @@ StoreParams check_store(int64_t entries, TensorView weight, double eps, TensorVi
                      static_cast<const int64_t*>(slots.data_ptr()),
                      static_cast<uint8_t*>(cache.data_ptr()),
                      entries,
-                     page_size,
+                     page_slots,
                      page_stride,
                      num_slots,
                      static_cast<float>(eps),

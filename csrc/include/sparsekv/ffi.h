@@ -253,15 +253,15 @@ inline int64_t checked_product(int64_t a, int64_t b, const char* what) {
   return product;
 }
 
-// A page size (slots per page) argument: a power of two in [1, kv_layout::kMaxPageSlots]; returns
-// its log2. Every entry that takes a page size checks it here first, so no size product overflows.
-inline int check_page_size(int64_t page_size, const char* name) {
-  if (page_size < 1 || page_size > kv_layout::kMaxPageSlots || (page_size & (page_size - 1)) != 0) {
+// A slots-per-page argument (page_slots): a power of two in [1, kv_layout::kMaxPageSlots]; returns
+// its log2. Every entry that takes one checks it here first, so no size product overflows.
+inline int check_page_slots(int64_t page_slots, const char* name) {
+  if (page_slots < 1 || page_slots > kv_layout::kMaxPageSlots || (page_slots & (page_slots - 1)) != 0) {
     TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << name << "` must be a power of two in [1, 2^20], got "
-                              << page_size;
+                              << page_slots;
   }
   int shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
+  while ((int64_t{1} << shift) < page_slots) ++shift;
   return shift;
 }
 

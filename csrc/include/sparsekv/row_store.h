@@ -47,15 +47,15 @@ static_assert(IndexerFp8::kValueBytes == kIndexerDim && IndexerFp8::kScaleBytes 
 static_assert(IndexerFp4::kValueBytes == kIndexerDim / 2 && IndexerFp4::kScaleBytes == kIndexerDim / kFp4Block,
               "row_store: 68 B indexer");
 
-// Byte address of a slot's value and scale records in a paged buffer (page_size a power of two
+// Byte address of a slot's value and scale records in a paged buffer (page_slots a power of two
 // checked by the host entry; page_stride in bytes).
 template <class L>
-SPARSEKV_HOST_DEVICE kv_layout::TokenBytes<uint8_t> token_bytes(uint8_t* cache, int64_t slot, int64_t page_size,
+SPARSEKV_HOST_DEVICE kv_layout::TokenBytes<uint8_t> token_bytes(uint8_t* cache, int64_t slot, int64_t page_slots,
                                                                 int64_t page_stride) {
-  const int64_t page = slot / page_size;
-  const int64_t in_page = slot - page * page_size;
+  const int64_t page = slot / page_slots;
+  const int64_t in_page = slot - page * page_slots;
   uint8_t* base = cache + page * page_stride;
-  return {base + L::value_offset(in_page), base + L::scale_offset(in_page, page_size)};
+  return {base + L::value_offset(in_page), base + L::scale_offset(in_page, page_slots)};
 }
 
 SPARSEKV_HOST_DEVICE void store_bf16(uint8_t* dst, float x) {
@@ -177,13 +177,13 @@ inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slot
 
 // Validates a paged cache of layout L and its slots; returns (page_stride, num_slots).
 template <class L>
-std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_size,
+std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_slots,
                                               bool unique_slots, bool read_slots = true) {
-  check_page_size(page_size, "page_size");
+  check_page_slots(page_slots, "page_slots");
   check(cache, "cache").dtype<uint8_t>().ndim(2).rows_dense().on_backend_device();
-  check(cache, "cache").size(1, L::page_bytes(page_size), "page bytes for page_size");
+  check(cache, "cache").size(1, L::page_bytes(page_slots), "page bytes for page_slots");
   check(slots, "slots").dtype<int64_t>().ndim(1).contiguous().same_device(cache, "cache");
-  const int64_t num_slots = checked_product(cache.size(0), page_size, "argument `cache`: pages x page_size");
+  const int64_t num_slots = checked_product(cache.size(0), page_slots, "argument `cache`: pages x page_slots");
   if (cache.device().device_type != kDLCUDA && read_slots) {
     const auto* s = static_cast<const int64_t*>(slots.data_ptr());
     if (unique_slots) {

@@ -186,7 +186,7 @@ class Stack:
                                   *((w.i_ape, w.i_norm) if w.ratio == 4 else (None, None)), eps=EPS)
                   for w in model.layers]
         self.backend = Dsv4AttentionBackend(self.pool, layers, self.req_to_token, self.req_to_swa_loc,
-                                            top_k=model.shape.top_k, window=WINDOW, coordinator=self.coordinator,
+                                            num_top_k=model.shape.top_k, window=WINDOW, coordinator=self.coordinator,
                                             impl=impl)
         self.c4_index = self.backend.c4_index
         self.recorders: dict[int, TraceRecorder] = {}
@@ -408,7 +408,7 @@ class Stack:
         if self.impl == "triton":  # its tensor cores take q rounded to bf16 once
             q = q.bfloat16().to(q.dtype)
         ref_out, ref_lse = sparse_decode_attention_reference(q, inputs.pop("kv_cache"), inputs.pop("indices"), w.sink,
-                                                             inputs.pop("page_size"), **inputs)
+                                                             inputs.pop("page_slots"), **inputs)
         if self.impl == "triton":
             out_error = float((out.cpu().double() - ref_out).abs().max()) / (tol * max(1.0, float(ref_out.abs().max())))
         else:
@@ -421,7 +421,7 @@ class Stack:
         page_table = self.backend.metadata("page_table")
         k_cache = self.pool.get_indexer_buffer(layer)
         scores = self.backend.metadata("scores")
-        ref = indexer_scores_reference(iq, weights, k_cache, page_table, positions, page_size=C4_PAGE,
+        ref = indexer_scores_reference(iq, weights, k_cache, page_table, positions, page_slots=C4_PAGE,
                                        layout="fp8", width=scores.shape[1])
         finite = torch.isfinite(ref)
         # sum_h |w_h| |q_h| |k| <= (sum_h |w_h| |q_h|) * max |k|: the bound per row, with the row's largest key.

@@ -6,7 +6,7 @@ baselines of the benchmarks.
 in the kernel's own order (quantizer, store, copies: compare bytes)::
 
     from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
-    ref_out, ref_lse = sparse_decode_attention_reference(q, kv_cache, indices, sink, page_size)
+    ref_out, ref_lse = sparse_decode_attention_reference(q, kv_cache, indices, sink, page_slots)
 
 They run on CPU tensors (inputs on another device are copied) and favour clarity over speed.
 """

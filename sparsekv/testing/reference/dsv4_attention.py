@@ -13,9 +13,9 @@ import torch
 from sparsekv.testing.reference.dsv4_quant import DIM, dequantize_fp8_ds_mla
 
 
-def _rows(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    valid = slots[(slots >= 0) & (slots < cache.shape[0] * page_size)].to(torch.int64)
-    return dequantize_fp8_ds_mla(cache, valid, page_size)
+def _rows(cache: torch.Tensor, slots: torch.Tensor, page_slots: int) -> torch.Tensor:
+    valid = slots[(slots >= 0) & (slots < cache.shape[0] * page_slots)].to(torch.int64)
+    return dequantize_fp8_ds_mla(cache, valid, page_slots)
 
 
 def sparse_decode_attention_reference(
@@ -23,12 +23,12 @@ def sparse_decode_attention_reference(
     kv_cache: torch.Tensor,
     indices: torch.Tensor,
     sink: torch.Tensor,
-    page_size: int,
+    page_slots: int,
     *,
     softmax_scale: float = 512**-0.5,
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
-    extra_page_size: int | None = None,
+    extra_page_slots: int | None = None,
     topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``(out [B, H, 512], lse [B, H])`` of the contract in :mod:`sparsekv.jit_kernel.dsv4_attention`."""
@@ -40,9 +40,9 @@ def sparse_decode_attention_reference(
     lse = torch.full((batch, heads), float("inf"), dtype=torch.float64)
     sink64 = sink.to(torch.float64).cpu()
     for b in range(batch):
-        kv = _rows(kv_cache.cpu(), indices[b].cpu(), page_size)
+        kv = _rows(kv_cache.cpu(), indices[b].cpu(), page_slots)
         if extra_kv_cache is not None:
-            kv = torch.cat([kv, _rows(extra_kv_cache.cpu(), extra_indices[b].cpu(), extra_page_size)])
+            kv = torch.cat([kv, _rows(extra_kv_cache.cpu(), extra_indices[b].cpu(), extra_page_slots)])
         if kv.shape[0] == 0:
             continue
         logits = softmax_scale * (q[b].cpu().to(torch.float64) @ kv.T)

@@ -84,23 +84,23 @@ def decode_fp8_ds_mla(records: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope.reshape(n, NOPE_DIMS), rope], dim=1)
 
 
-def _slot_views(cache: torch.Tensor, slots: torch.Tensor, page_size: int):
-    page = torch.div(slots, page_size, rounding_mode="floor")
-    offset = slots % page_size
-    return V4.value_view(cache, page_size), V4.scale_view(cache, page_size), page, offset
+def _slot_views(cache: torch.Tensor, slots: torch.Tensor, page_slots: int):
+    page = torch.div(slots, page_slots, rounding_mode="floor")
+    offset = slots % page_slots
+    return V4.value_view(cache, page_slots), V4.scale_view(cache, page_slots), page, offset
 
 
-def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
+def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int) -> None:
     """In place: the records of ``x`` into the token slots ``slots`` of a paged uint8 ``[pages, page_bytes]`` cache."""
-    values, scales, page, offset = _slot_views(cache, slots.to(torch.int64), page_size)
+    values, scales, page, offset = _slot_views(cache, slots.to(torch.int64), page_slots)
     records = encode_fp8_ds_mla(x)
     values[page, offset] = records[:, : V4.value_bytes]
     scales[page, offset] = records[:, V4.value_bytes :]
 
 
-def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_slots: int) -> torch.Tensor:
     """float64 ``[N, 512]``: the values stored in ``slots`` of a paged uint8 cache."""
-    values, scales, page, offset = _slot_views(cache, slots.to(torch.int64), page_size)
+    values, scales, page, offset = _slot_views(cache, slots.to(torch.int64), page_slots)
     return decode_fp8_ds_mla(torch.cat([values[page, offset], scales[page, offset]], dim=1))
 
 
@@ -169,15 +169,15 @@ def encode_indexer_keys(z: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def store_records(records: torch.Tensor, layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor,
-                  page_size: int) -> None:
+                  page_slots: int) -> None:
     """In place: ``[N, layout.token_bytes]`` records (value then scale) into ``slots`` of a paged cache."""
     slots = slots.to(torch.int64)
-    page, offset = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
-    layout.value_view(cache, page_size)[page, offset] = records[:, : layout.value_bytes]
-    layout.scale_view(cache, page_size)[page, offset] = records[:, layout.value_bytes :]
+    page, offset = torch.div(slots, page_slots, rounding_mode="floor"), slots % page_slots
+    layout.value_view(cache, page_slots)[page, offset] = records[:, : layout.value_bytes]
+    layout.scale_view(cache, page_slots)[page, offset] = records[:, layout.value_bytes :]
 
 
-def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_size: int,
+def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int,
                           fmt: str) -> None:
     """In place: the records of plain keys (float32 or bf16 ``[N, 128]``, no norm or RoPE) into ``slots``."""
-    store_records(encode_indexer_keys(keys, fmt), INDEXER_LAYOUTS[fmt], cache, slots, page_size)
+    store_records(encode_indexer_keys(keys, fmt), INDEXER_LAYOUTS[fmt], cache, slots, page_slots)

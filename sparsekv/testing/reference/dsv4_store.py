@@ -110,11 +110,11 @@ def normalize_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, position
     return y
 
 
-def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_size, rope_cos, rope_sin,
+def norm_rope_store_reference(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                               cache_kind="V4") -> None:
     """In place: the kernel's bytes for every entry into ``cache`` at ``slots`` (RoPE from the float32
     table ``rope_cos`` / ``rope_sin``, ``[max_position, 32]`` each)."""
     layout = LAYOUTS[cache_kind]
     z = normalize_rotate(x, weight, eps, positions, rope_cos, rope_sin, hadamard=cache_kind != "V4")
     records = encode_fp8_ds_mla(z) if cache_kind == "V4" else encode_indexer_keys(z, INDEXER_FORMATS[cache_kind])
-    store_records(records, layout, cache, slots, page_size)
+    store_records(records, layout, cache, slots, page_slots)

@@ -13,14 +13,14 @@ from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS
 from sparsekv.testing.reference.dsv4_indexer import visible_entry_count
 from sparsekv.testing.reference.dsv4_quant import quantize_indexer_keys
 
-PAGE_SIZES = (1, 4, 16, 64)
+PAGE_SLOTS = (1, 4, 16, 64)
 
 
-def write_indexer_keys(keys: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, page_size: int,
+def write_indexer_keys(keys: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, page_slots: int,
                        layout: str) -> None:
     """In place: float32 ``[N, 128]`` keys into ``slots``, the bytes of the reference indexer-key
     quantizer (:func:`sparsekv.testing.reference.dsv4_quant.quantize_indexer_keys`)."""
-    quantize_indexer_keys(keys, k_cache, slots, page_size, layout)
+    quantize_indexer_keys(keys, k_cache, slots, page_slots, layout)
 
 
 @dataclass
@@ -32,13 +32,13 @@ class IndexerCase:
     k_cache: torch.Tensor
     page_table: torch.Tensor
     positions: torch.Tensor
-    page_size: int
+    page_slots: int
     layout: str
 
     def to(self, device: torch.device) -> IndexerCase:
         """The same case with every tensor on ``device``."""
         return IndexerCase(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
-            self.q, self.weights, self.k_cache, self.page_table, self.positions, self.page_size, self.layout)))
+            self.q, self.weights, self.k_cache, self.page_table, self.positions, self.page_slots, self.layout)))
 
 
 @st.composite
@@ -49,24 +49,24 @@ def indexer_case(draw, *, layout: str | None = None, max_heads: int = 8, max_pag
     layout = layout or draw(st.sampled_from(sorted(INDEXER_LAYOUTS)))
     batch = draw(st.integers(1, 3))
     heads = draw(st.sampled_from([1, 3, max_heads, 64]))
-    page_size = draw(st.sampled_from(PAGE_SIZES))
+    page_slots = draw(st.sampled_from(PAGE_SLOTS))
     num_pages = draw(st.integers(1, max_pages))
     table_pages = draw(st.integers(1, num_pages))
-    k_cache = torch.zeros(num_pages, INDEXER_LAYOUTS[layout].page_bytes(page_size), dtype=torch.uint8)
-    keys = torch.randn(num_pages * page_size, INDEXER_HEAD_DIM, generator=g)
-    write_indexer_keys(keys, k_cache, torch.arange(num_pages * page_size), page_size, layout)
-    capacity = table_pages * page_size
+    k_cache = torch.zeros(num_pages, INDEXER_LAYOUTS[layout].page_bytes(page_slots), dtype=torch.uint8)
+    keys = torch.randn(num_pages * page_slots, INDEXER_HEAD_DIM, generator=g)
+    write_indexer_keys(keys, k_cache, torch.arange(num_pages * page_slots), page_slots, layout)
+    capacity = table_pages * page_slots
     # Positions around the edges: nothing visible, exactly a page boundary, the whole table.
-    positions = torch.tensor([draw(st.sampled_from([-1, 0, 3, 4 * page_size - 1, 4 * capacity - 1,
+    positions = torch.tensor([draw(st.sampled_from([-1, 0, 3, 4 * page_slots - 1, 4 * capacity - 1,
                                                     draw(st.integers(0, 4 * capacity - 1))]))
                               for _ in range(batch)], dtype=draw(st.sampled_from([torch.int32, torch.int64])))
     page_table = torch.stack([torch.randperm(num_pages, generator=g)[:table_pages] for _ in range(batch)]).int()
-    used = -(-visible_entry_count(positions) // page_size)
+    used = -(-visible_entry_count(positions) // page_slots)
     page_table[torch.arange(table_pages)[None, :] >= used[:, None]] = -1
     q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     q = torch.randn(batch, heads, INDEXER_HEAD_DIM, generator=g).to(q_dtype)
     weights = torch.randn(batch, heads, generator=g)
-    return IndexerCase(q, weights, k_cache, page_table, positions, page_size, layout)
+    return IndexerCase(q, weights, k_cache, page_table, positions, page_slots, layout)
 
 
 @st.composite

@@ -53,9 +53,9 @@ def quant_rows(draw, width: int = 512, max_rows: int = 12, block: int = 64) -> t
 
 
 @st.composite
-def slot_case(draw, n: int, page_size_choices=(1, 2, 16, 64)):
-    """``(page_size, pages, slots)``: ``n`` unique int64 slots of a cache with room to spare."""
-    page_size = draw(st.sampled_from(page_size_choices))
-    pages = -(-n // page_size) + draw(st.integers(0, 2))
-    perm = draw(st.permutations(range(pages * page_size)))
-    return page_size, pages, torch.tensor(perm[:n], dtype=torch.int64)
+def slot_case(draw, n: int, page_slots_choices=(1, 2, 16, 64)):
+    """``(page_slots, pages, slots)``: ``n`` unique int64 slots of a cache with room to spare."""
+    page_slots = draw(st.sampled_from(page_slots_choices))
+    pages = -(-n // page_slots) + draw(st.integers(0, 2))
+    perm = draw(st.permutations(range(pages * page_slots)))
+    return page_slots, pages, torch.tensor(perm[:n], dtype=torch.int64)
