@@ -15,8 +15,9 @@
 // Design: one warp per row, copy_bytes (portability.h) at the widest word the row allows. A copy
 // is bound by HBM bandwidth and the loads in flight: 16k rows of 584 B (19 MB) have a 4 us
 // roofline on an H200. 584-byte rows (584 % 16 = 8) move as 16-byte words with an 8-byte head and
-// tail when source and destination rows sit equally off a 16-byte boundary, else as 8-byte words
-// (LDG.E.64; the old path was 4-byte). Instruction budget at that shape: 16k warps x ~30
+// tail when source and destination rows sit equally off a 16-byte boundary, else as 8-byte words;
+// rows of any other width and alignment take the widest words their relative offset allows, and no
+// byte loads (LDG.U8). Instruction budget at that shape: 16k warps x ~30
 // instructions (2-3 load/store pairs per lane, the index loads, the address math) = 0.5M warp
 // instructions over 132 SMs x 4 schedulers: ~1,000 issue cycles, under 1 us at 1.7 GHz, so HBM
 // stays the bound.

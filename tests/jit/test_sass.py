@@ -88,12 +88,12 @@ SASS_TABLE = {
     ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(launch=Launch(64, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "gather_rows:index_dtype=int64", "GatherRows"): dict(
         launch=Launch(256, 4), no_local=PASS,
-        wide_gather="a byte path for rows that are not a multiple of 8 B (issue 36 item 6)",
+        wide_gather=PASS,
         occupancy=PASS),
     ("cuda", "hisparse:num_top_k=512,hot_buffer_size=1024,layout=dsv4,page_slots=64",
      "swap_in_kernel"): dict(
         launch=Launch(512, 1), no_local=PASS,
-        wide_gather="the miss copies have LDG.U8 byte loads (issue 36 item 6)",
+        wide_gather=PASS,
         occupancy=PASS),
     ("cuda", "hisparse_copy:page_slots=64", "TransferTokens"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),

@@ -61,6 +61,30 @@ def test_584_byte_rows_move_whole_in_every_alignment(backend, offset):
     assert bool((wide[:, :offset] == 7).all()) and bool((wide[:, offset + 584 :] == 7).all())
 
 
+@given(row_bytes=st.one_of(st.integers(1, 72), st.sampled_from([584, 585, 591])),
+       dst_offset=st.integers(0, 15), src_offset=st.integers(0, 15),
+       dst_stride_pad=st.integers(0, 17), src_stride_pad=st.integers(0, 17), seed=st.integers(0, 2**16))
+@example(row_bytes=584, dst_offset=8, src_offset=0, dst_stride_pad=0, src_stride_pad=0, seed=0)
+@example(row_bytes=13, dst_offset=1, src_offset=3, dst_stride_pad=3, src_stride_pad=1, seed=1)
+def test_rows_of_every_width_and_alignment_move_byte_exact(backend, row_bytes, dst_offset, src_offset,
+                                                           dst_stride_pad, src_stride_pad, seed):
+    # Column slices at every offset and row stride put source and destination rows at every
+    # alignment, equal or not (the GPU path picks 16-, 8-, 4-byte words or shifted 8-byte words
+    # and a head and tail in pieces by that): the rows move byte for byte and nothing around them.
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(seed)
+    rows = 5
+    src_wide = torch.randint(0, 256, (rows, src_offset + row_bytes + src_stride_pad), dtype=torch.uint8, generator=gen)
+    dst_wide = torch.full((rows, dst_offset + row_bytes + dst_stride_pad), 7, dtype=torch.uint8)
+    dst_idx, src_idx = torch.tensor([4, 0, 2, 1]), torch.tensor([1, 3, 0, 4])
+    expected = dst_wide.clone()
+    expected[dst_idx, dst_offset : dst_offset + row_bytes] = src_wide[src_idx, src_offset : src_offset + row_bytes]
+    src_wide, dst_wide = src_wide.to(device), dst_wide.to(device)
+    gather_rows(dst_wide[:, dst_offset : dst_offset + row_bytes], dst_idx.to(device),
+                src_wide[:, src_offset : src_offset + row_bytes], src_idx.to(device))
+    assert torch.equal(dst_wide.cpu(), expected)
+
+
 def _fresh(backend="cpu"):
     device = device_of(backend)
     src = torch.arange(60, dtype=torch.uint8, device=device).reshape(6, 10)

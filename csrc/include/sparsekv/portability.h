@@ -46,46 +46,123 @@ struct Lanes {
 
 inline constexpr int kWarpSize = 32;
 
-// Copies n bytes. On the GPU every lane of the group moves a strided share of the widest words
-// both pointers and n allow: 16 bytes; or, for 8-byte-aligned copies such as the 584-byte V4
-// token rows (584 = 36 x 16 + 8, so every other row of a dense array starts 8 bytes off a
-// 16-byte boundary), 16 bytes over the body when source and destination sit equally off that
-// boundary (an 8-byte head and tail, by the first and last lanes) and 8 bytes otherwise; then 4
-// bytes, then single bytes. On the host it is one memcpy.
+#ifdef __CUDA_ARCH__
+// Keeps a loop rolled under nvcc (the host compiler of the sim build does not know the pragma).
+#ifdef SPARSEKV_SIM
+#define SPARSEKV_ROLLED
+#else
+#define SPARSEKV_ROLLED _Pragma("unroll 1")
+#endif
+
+namespace copy_detail {
+
+// Bytes [lo, hi) of the naturally aligned 8-byte word at `word`, in their places (little-endian);
+// the word's other bytes are unspecified. The GPU loads the whole word: an aligned word never
+// crosses the end of an allocation (device and pinned host allocations come in whole 256-byte
+// granules at least), and the bytes outside [lo, hi) are discarded, so a neighbour written
+// concurrently changes nothing. The sim build reads only [lo, hi), so the host sanitizers see no
+// access outside the copy.
+SPARSEKV_HOST_DEVICE uint64_t load_word_bytes(const uint8_t* word, const uint8_t* lo, const uint8_t* hi) {
+#ifdef SPARSEKV_SIM
+  uint64_t value = 0;
+  const uint8_t* from = word < lo ? lo : word;
+  const uint8_t* to = word + 8 < hi ? word + 8 : hi;
+  if (from < to) std::memcpy(reinterpret_cast<uint8_t*>(&value) + (from - word), from, static_cast<size_t>(to - from));
+  return value;
+#else
+  (void)lo;
+  (void)hi;
+  return *reinterpret_cast<const uint64_t*>(word);
+#endif
+}
+
+// One byte without a byte load (LDG.U8): the aligned 8-byte word that holds it.
+SPARSEKV_HOST_DEVICE uint8_t load_byte(const uint8_t* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  const auto* word = reinterpret_cast<const uint8_t*>(at & ~uintptr_t{7});
+  return static_cast<uint8_t>(load_word_bytes(word, p, p + 1) >> (8 * (at & 7)));
+}
+
+// The bytes [0, head) and [tail, n) of a copy, one byte per lane (under 32 bytes: one warp
+// instruction, its lanes' loads of one or two aligned words served together).
+SPARSEKV_HOST_DEVICE void copy_edges(uint8_t* dst, const uint8_t* src, int64_t head, int64_t tail, int64_t n,
+                                     Lanes lanes) {
+  const int64_t edge = head + (n - tail);
+  for (int64_t k = lanes.lane; k < edge; k += lanes.count) {
+    const int64_t off = k < head ? k : tail + (k - head);
+    dst[off] = load_byte(src + off);
+  }
+}
+
+// A copy whose pointers sit equally off a Word-byte boundary (Word = 4, 8, 16): Word-byte words over
+// the body (LDG.E.128 / .64 / .32), the head up to the common boundary and the tail (under Word
+// bytes each) byte by byte.
+template <int Word>
+SPARSEKV_HOST_DEVICE void copy_aligned(uint8_t* dst, const uint8_t* src, int64_t n, Lanes lanes) {
+  using WordT = std::conditional_t<Word == 16, int4, std::conditional_t<Word == 8, uint2, uint32_t>>;
+  const auto misalign = static_cast<int64_t>((Word - (reinterpret_cast<uintptr_t>(dst) & (Word - 1))) & (Word - 1));
+  const int64_t head = misalign < n ? misalign : n;
+  const int64_t body = (n - head) / Word;
+  const auto* sw = reinterpret_cast<const WordT*>(src + head) + lanes.lane;
+  const auto* end = reinterpret_cast<const WordT*>(src + head) + body;
+  SPARSEKV_ROLLED  // a record is a word or two per lane: unrolled copies of the loop only add registers
+  for (auto* dw = reinterpret_cast<WordT*>(dst + head) + lanes.lane; sw < end; dw += lanes.count, sw += lanes.count) {
+    *dw = *sw;
+  }
+  copy_edges(dst, src, head, head + body * Word, n, lanes);
+}
+
+// A copy whose pointers sit at different offsets from a 4-byte boundary: every 8-byte word of the
+// destination is made of the two aligned 8-byte source words it straddles (LDG.E.64, shifted
+// together); the destination's unaligned head and tail (under 8 bytes each) byte by byte.
+SPARSEKV_HOST_DEVICE void copy_shifted(uint8_t* dst, const uint8_t* src, int64_t n, Lanes lanes) {
+  const auto misalign = static_cast<int64_t>((8 - (reinterpret_cast<uintptr_t>(dst) & 7)) & 7);
+  const int64_t head = misalign < n ? misalign : n;
+  const int64_t body = (n - head) / 8;
+  const int64_t tail = head + 8 * body;
+  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src + head) & 7) * 8;  // never 0 here
+  const auto* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src + head) & ~uintptr_t{7});
+  auto* dw = reinterpret_cast<uint64_t*>(dst + head);
+  SPARSEKV_ROLLED
+  for (int64_t k = lanes.lane; k < body; k += lanes.count) {
+    const uint64_t low = load_word_bytes(base + 8 * k, src, src + n);
+    const uint64_t high = load_word_bytes(base + 8 * k + 8, src, src + n);
+    dw[k] = (low >> shift) | (high << (64 - shift));
+  }
+  copy_edges(dst, src, head, tail, n, lanes);
+}
+
+}  // namespace copy_detail
+#endif
+
+// Copies n bytes, byte-exact for every length and alignment. On the GPU the lanes of the group
+// move strided shares of the widest words the pointers' relative offset allows, and no lane issues
+// a byte load (LDG.U8), which costs a whole transaction per byte:
+// - pointers equally off a 16-byte boundary (the 584-byte V4 token rows: 584 = 36 x 16 + 8, so
+//   every other row of a dense array starts 8 bytes off, source and destination alike): 16-byte
+//   words over the body, and a head and a tail of under 16 bytes each;
+// - equally off an 8-byte or a 4-byte boundary: 8- or 4-byte words, a head and a tail likewise;
+// - otherwise: 8-byte destination words, each shifted together from the two aligned source words
+//   it straddles, and a head and tail of under 8 bytes each.
+// A head or tail goes one byte per lane, in one warp instruction: each lane reads the aligned
+// 8-byte word that holds its byte (copy_detail::load_word_bytes says why that is safe) and stores
+// the byte. On the host it is one memcpy.
 // Design: a copy is bound by its loads in flight (latency x bandwidth); a warp moving a 584-byte
-// row issues 37 16-byte or 73 8-byte accesses where the old 4-byte path issued 146, so a warp has
-// 2-4x the bytes in flight per instruction (budget at 16k rows: gather_rows.cuh).
+// row issues 37 16-byte or 73 8-byte accesses where a 4-byte path issues 146, so a warp has 2-4x
+// the bytes in flight per instruction (budget at 16k rows: gather_rows.cuh).
 SPARSEKV_HOST_DEVICE void copy_bytes(void* dst, const void* src, int64_t n, Lanes lanes) {
 #ifdef __CUDA_ARCH__
-  const auto d = reinterpret_cast<uintptr_t>(dst);
-  const auto s = reinterpret_cast<uintptr_t>(src);
-  const auto all = d | s | static_cast<uintptr_t>(n);
-  if ((all & 15) == 0) {
-    auto* d16 = static_cast<int4*>(dst);
-    const auto* s16 = static_cast<const int4*>(src);
-    for (int64_t k = lanes.lane; k < n / 16; k += lanes.count) d16[k] = s16[k];
-  } else if ((all & 7) == 0 && ((d ^ s) & 15) == 0) {
-    const int64_t head = ((d & 15) != 0 && n > 0) ? 8 : 0;  // 8 bytes up to the common 16-byte boundary
-    const int64_t body = (n - head) / 16;
-    auto* d8 = static_cast<uint2*>(dst);
-    const auto* s8 = static_cast<const uint2*>(src);
-    if (head != 0 && lanes.lane == 0) d8[0] = s8[0];
-    auto* d16 = reinterpret_cast<int4*>(static_cast<uint8_t*>(dst) + head);
-    const auto* s16 = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(src) + head);
-    for (int64_t k = lanes.lane; k < body; k += lanes.count) d16[k] = s16[k];
-    if (head + 16 * body < n && lanes.lane == lanes.count - 1) d8[(n - 8) / 8] = s8[(n - 8) / 8];  // 8-byte tail
-  } else if ((all & 7) == 0) {
-    auto* d8 = static_cast<uint2*>(dst);
-    const auto* s8 = static_cast<const uint2*>(src);
-    for (int64_t k = lanes.lane; k < n / 8; k += lanes.count) d8[k] = s8[k];
-  } else if ((all & 3) == 0) {
-    auto* d4 = static_cast<uint32_t*>(dst);
-    const auto* s4 = static_cast<const uint32_t*>(src);
-    for (int64_t k = lanes.lane; k < n / 4; k += lanes.count) d4[k] = s4[k];
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  const auto relative = reinterpret_cast<uintptr_t>(d) - reinterpret_cast<uintptr_t>(s);
+  if ((relative & 15) == 0) {
+    copy_detail::copy_aligned<16>(d, s, n, lanes);
+  } else if ((relative & 7) == 0) {
+    copy_detail::copy_aligned<8>(d, s, n, lanes);
+  } else if ((relative & 3) == 0) {
+    copy_detail::copy_aligned<4>(d, s, n, lanes);
   } else {
-    auto* d1 = static_cast<uint8_t*>(dst);
-    const auto* s1 = static_cast<const uint8_t*>(src);
-    for (int64_t k = lanes.lane; k < n; k += lanes.count) d1[k] = s1[k];
+    copy_detail::copy_shifted(d, s, n, lanes);
   }
 #else
   (void)lanes;

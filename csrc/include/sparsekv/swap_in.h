@@ -628,8 +628,10 @@ struct SwapIn {
 };
 
 #ifdef __CUDACC__
+// One CTA per SM is the design (a CTA serves one request): the bound lets nvcc give each thread up
+// to 128 registers (sm_100a otherwise caps it at 64 and spills the miss copies to the stack).
 template <class K>
-__global__ void __launch_bounds__(K::kBlockSize) swap_in_kernel(const typename K::Params p) {
+__global__ void __launch_bounds__(K::kBlockSize, 1) swap_in_kernel(const typename K::Params p) {
   K::serve(p, blockIdx.x, Team::current(), *dynamic_shared<typename K::Shared>());
 }
 
