@@ -37,6 +37,9 @@ struct CompressStore {
   using Params = CompressStoreParams;
   using Store = dsv4_store::EntryStore<Kind>;
   using Row = typename Store::Row;
+  // Four CTAs of 256 threads per SM (64 registers): the row held in registers (16 of them) would
+  // otherwise take sm_100a to 79.
+  static constexpr int kCtasPerSm = 4;
 
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
 
@@ -45,11 +48,10 @@ struct CompressStore {
     const dsv4_compress::DecodeRows& decode = p.events.decode;
     const bool emits = decode.rows == nullptr || decode.emits(n);
     if (p.events.emitted != nullptr && lanes.lane == 0) p.events.emitted[n] = emits;
-    const int64_t slot = p.store.slots[n];
-    const bool stores = emits && slot >= 0 && slot < p.store.num_slots;
-    if (!stores && p.entries == nullptr) return;
+    const auto stores_at = [&p, emits](int64_t slot) { return emits && slot >= 0 && slot < p.store.num_slots; };
+    if (!stores_at(p.store.slots[n]) && p.entries == nullptr) return;
     // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
-    Row x;
+    Row x{};
     for (int k = 0; k < Row::kPerLane; ++k) {
       float tile[team::kVirtualPerThread];
       if (emits) {
@@ -58,11 +60,21 @@ struct CompressStore {
         for (int j = 0; j < team::kVirtualPerThread; ++j) tile[j] = 0.0f;
       }
       for (int j = 0; j < team::kVirtualPerThread; ++j) {
+#ifdef __CUDA_ARCH__
+        // This loop stays rolled (each column pools a whole window), so x.v[j][k] at a run-time k
+        // would put the row on the stack (64 B of LDL/STL); a select into every column, each at a
+        // constant index, keeps it in registers.
+        for (int c = 0; c < Row::kPerLane; ++c) x.v[j][c] = c == k ? tile[j] : x.v[j][c];
+#else
         x.v[j][k] = tile[j];
+#endif
         if (p.entries != nullptr) p.entries[n * Kind::kDim + team::kTeamLanes * k + lanes.lane + j] = tile[j];
       }
     }
-    if (!stores) return;
+    // The slot is read again, not kept: live across the pooling, it and its flag took registers that
+    // the 64 of four CTAs per SM lack on sm_100a (a 16 B stack).
+    const int64_t slot = p.store.slots[n];
+    if (!stores_at(slot)) return;
     const int64_t anchor = decode.rows != nullptr ? decode.positions[n] - (p.events.ratio - 1) : p.store.positions[n];
     Store::finish(x, p.store, anchor, slot, lanes);
   }

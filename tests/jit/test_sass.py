@@ -74,7 +74,7 @@ SASS_TABLE = {
         launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "CompressStore"): dict(
         launch=Launch(256, 4),
-        no_local="64 B stack with LDL/STL (issue 36 item 6)",
+        no_local=PASS,
         wide_gather=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(
         launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),

@@ -246,13 +246,33 @@ template <class K>
 struct HasOwnCudaLaunch<K, std::void_t<decltype(&K::run_on_cuda)>> : std::true_type {};
 
 template <class K>
-__global__ void warp_per_item_kernel(const typename K::Params params) {
+SPARSEKV_DEVICE void warp_per_item(const typename K::Params& params) {
   const int64_t n = K::num_items(params);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const Lanes lanes{static_cast<int>(threadIdx.x % kWarpSize), kWarpSize};
   for (int64_t i = first; i < n; i += warps) K::item(params, i, lanes);
 }
+
+inline constexpr int kWarpPerItemThreads = 256;
+
+template <class K>
+__global__ void warp_per_item_kernel(const typename K::Params params) {
+  warp_per_item<K>(params);
+}
+
+// The same, for a kernel K that names the CTAs per SM its design needs (K::kCtasPerSm): nvcc then
+// holds its registers to what that many CTAs of 256 threads allow, where it would otherwise use more.
+template <class K>
+__global__ void __launch_bounds__(kWarpPerItemThreads, K::kCtasPerSm) bounded_warp_per_item_kernel(
+    const typename K::Params params) {
+  warp_per_item<K>(params);
+}
+
+template <class K, class = void>
+struct HasCtasPerSm : std::false_type {};
+template <class K>
+struct HasCtasPerSm<K, std::void_t<decltype(K::kCtasPerSm)>> : std::true_type {};
 
 template <class K>
 int run_on_cuda(const typename K::Params& params, void* stream) {
@@ -261,11 +281,14 @@ int run_on_cuda(const typename K::Params& params, void* stream) {
   } else {
     const int64_t n = K::num_items(params);
     if (n == 0) return 0;
-    constexpr int kThreads = 256;
-    constexpr int64_t kItemsPerBlock = kThreads / kWarpSize;
+    constexpr int64_t kItemsPerBlock = kWarpPerItemThreads / kWarpSize;
     const int64_t blocks = (n + kItemsPerBlock - 1) / kItemsPerBlock;
     const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-    return launch_kernel<warp_per_item_kernel<K>>(grid, kThreads, 0, stream, params);
+    if constexpr (HasCtasPerSm<K>::value) {
+      return launch_kernel<bounded_warp_per_item_kernel<K>>(grid, kWarpPerItemThreads, 0, stream, params);
+    } else {
+      return launch_kernel<warp_per_item_kernel<K>>(grid, kWarpPerItemThreads, 0, stream, params);
+    }
   }
 }
 #endif
