@@ -217,7 +217,19 @@ __global__ void __launch_bounds__(K::kThreads) scores_kernel(const typename K::P
         if (lane == 0) p.scores[b * p.scores_stride + i] = -INFINITY;
         continue;
       }
-      for (int d = lane; d < kDim; d += kWarpSize) k_s[warp][d] = dequantize<typename K::LayoutT>(value, scale, d);
+      if constexpr (std::is_same_v<typename K::LayoutT, kv_layout::IndexerFp8>) {
+        // 8 e4m3 bytes per lane from aligned 8-byte words (LDG.E.64, no byte loads): the same
+        // products as dequantize.
+        const float key_scale = fp8::bits_float(static_cast<uint32_t>(copy_detail::load_bytes8(scale, scale, scale + 4)));
+        for (int g = lane; g < kDim / 8; g += kWarpSize) {
+          const uint64_t codes = copy_detail::load_bytes8(value + 8 * g, value, value + kDim);
+          for (int j = 0; j < 8; ++j) {
+            k_s[warp][8 * g + j] = fp8::e4m3_to_float(static_cast<uint8_t>(codes >> (8 * j))) * key_scale;
+          }
+        }
+      } else {
+        for (int d = lane; d < kDim; d += kWarpSize) k_s[warp][d] = dequantize<typename K::LayoutT>(value, scale, d);
+      }
       __syncwarp();
       float score = 0.0f;
       for (int h = lane; h < kMaxHeads; h += kWarpSize) {

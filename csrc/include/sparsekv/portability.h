@@ -46,7 +46,7 @@ struct Lanes {
 
 inline constexpr int kWarpSize = 32;
 
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 // Keeps a loop rolled under nvcc (the host compiler of the sim build does not know the pragma).
 #ifdef SPARSEKV_SIM
 #define SPARSEKV_ROLLED
@@ -74,6 +74,16 @@ SPARSEKV_HOST_DEVICE uint64_t load_word_bytes(const uint8_t* word, const uint8_t
   (void)hi;
   return *reinterpret_cast<const uint64_t*>(word);
 #endif
+}
+
+// The 8 bytes at p, at any alignment, from the one or two aligned 8-byte words they lie in (only
+// bytes in [lo, hi) are used: see load_word_bytes).
+SPARSEKV_HOST_DEVICE uint64_t load_bytes8(const uint8_t* p, const uint8_t* lo, const uint8_t* hi) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  const auto* word = reinterpret_cast<const uint8_t*>(at & ~uintptr_t{7});
+  const int shift = static_cast<int>(at & 7) * 8;
+  const uint64_t low = load_word_bytes(word, lo, hi);
+  return shift == 0 ? low : (low >> shift) | (load_word_bytes(word + 8, lo, hi) << (64 - shift));
 }
 
 // One byte without a byte load (LDG.U8): the aligned 8-byte word that holds it.
