@@ -113,7 +113,9 @@ def test_a_room_asked_for_twice_is_refused_the_second_time(linked):
     receiver.wait(7)
     arrived = {label: arr.copy() for label, arr, _ in regions(receiver.kv_args)}
     receiver.request(7, dst_kv, dst_states)
-    with pytest.raises(TransferError, match="room 7 is already success"):
+    # With notifications the decode can learn of the last write before the sender's poster has
+    # seen it land: the room is then still live on this connection, and refused as such.
+    with pytest.raises(TransferError, match="room 7 is already (success|asked for on this connection)"):
         receiver.wait(7)
     assert all(np.array_equal(arr, arrived[label]) for label, arr, _ in regions(receiver.kv_args))
 
