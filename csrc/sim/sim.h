@@ -10,8 +10,10 @@
 //   global and shared memory; static __shared__ variables (dynamic shared memory through
 //   sparsekv::dynamic_shared<T>()); the _rn arithmetic intrinsics and float/int bit casts; int4 and
 //   friends; the runtime calls the headers use (cudaFuncSetAttribute, cudaGetLastError).
-// Not provided: tensor-core instructions, TMA, clusters, inline PTX. A kernel that needs them
-// guards its code with `#ifdef SPARSEKV_SIM` / `#error "<kernel> uses <feature>: no sim build"`.
+// Not provided here: tensor-core instructions, TMA, clusters, inline PTX. The warp MMA
+// (mma.sync m16n8k16 bf16) is emulated by sparsekv/mma.h as a warp-collective operation with the
+// PTX fragment layout; a kernel that needs anything else guards its code with `#ifdef SPARSEKV_SIM` /
+// `#error "<kernel> uses <feature>: no sim build"`.
 //
 // Execution (cuda_sim::launch). A launch is first checked against Hopper's limits (block size,
 // grid dimensions, dynamic shared memory); a violation is a launch error naming the kernel and the

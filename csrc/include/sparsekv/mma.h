@@ -1,0 +1,130 @@
+// mma: the warp-level tensor-core product mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 and the
+// fp8 e4m3 -> bf16 convert that feeds it, for the cuda and sim backends (the convert on cpu too).
+//
+// Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type", .bf16).
+// Lane = 4 g + t: g = lane / 4 is the lane's group, t = lane % 4 its thread in the group. A 32-bit
+// register holds two bf16, the element of the lower column (rows, for B) in its low 16 bits.
+//   A, 16 x 16 (M x K), row:  a[0] = A[g][2t..2t+1]     a[1] = A[g+8][2t..2t+1]
+//                             a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
+//   B, 16 x 8 (K x N), col:   b[0] = B[2t..2t+1][g]     b[1] = B[2t+8..2t+9][g]
+//   C, D, 16 x 8 f32:         c[0], c[1] = C[g][2t], C[g][2t+1]    c[2], c[3] = C[g+8][2t], C[g+8][2t+1]
+// The *_row / *_col helpers below state it once for the kernels.
+//
+// mma_bf16(d, a, b) does d += a b for the warp: every lane of the warp calls it together
+// (warp-uniform control flow, as mma.sync.aligned requires). cuda: one HMMA.16816.F32.BF16. sim: a
+// warp-collective operation with the same layout: each lane publishes its registers, the warp
+// meets at __syncwarp, each lane computes its four elements of D from the registers of the lanes
+// the layout says hold them, and the warp meets again before the registers can be reused; so a
+// kernel that puts an element in the wrong register gets the wrong product on sim as it would on
+// the GPU. Rounding: sim adds the 16 exact products and C in double and rounds once to float; the
+// tensor core's internal order and rounding are not emulated (results agree to a few float ulps).
+//
+// e4m3x2_to_bf16x2(pair, scale): two e4m3 bytes times a power-of-two scale as bf16x2. cuda: the
+// hardware convert (F2FP.F16.E4M3.UNPACK_B: e4m3 values are exact in f16), f16 -> f32, one multiply
+// by the scale, one F2FP.BF16.F32.PACK_AB; cpu and sim: the software decode of fp8.h, the same
+// multiply and round. e4m3 values times a power of two are exact in bf16 while the product stays
+// normal, so both give the same bits for every non-NaN byte; NaN stays NaN (payloads may differ).
+#pragma once
+
+#include <cstdint>
+
+#include "sparsekv/fp8.h"
+#include "sparsekv/portability.h"
+
+#if defined(__CUDACC__) && !defined(SPARSEKV_SIM)
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#endif
+
+namespace sparsekv::mma {
+
+struct FragA {
+  uint32_t x[4];
+};
+struct FragB {
+  uint32_t x[2];
+};
+struct FragC {
+  float x[4];
+};
+
+// Where each register element sits in its matrix; `half` 0 is the low 16 bits.
+SPARSEKV_HOST_DEVICE int a_row(int lane, int reg) { return lane / 4 + 8 * (reg & 1); }
+SPARSEKV_HOST_DEVICE int a_col(int lane, int reg, int half) { return 2 * (lane % 4) + half + 8 * (reg >> 1); }
+SPARSEKV_HOST_DEVICE int b_row(int lane, int reg, int half) { return 2 * (lane % 4) + half + 8 * reg; }
+SPARSEKV_HOST_DEVICE int b_col(int lane) { return lane / 4; }
+SPARSEKV_HOST_DEVICE int c_row(int lane, int i) { return lane / 4 + 8 * (i >> 1); }
+SPARSEKV_HOST_DEVICE int c_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
+
+SPARSEKV_HOST_DEVICE uint32_t pack_bf16x2(uint16_t low, uint16_t high) {
+  return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16);
+}
+
+// Two floats rounded to bf16 (nearest, ties to even) and packed, the first in the low half.
+SPARSEKV_HOST_DEVICE uint32_t floats_to_bf16x2(float low, float high) {
+#if defined(__CUDA_ARCH__) && !defined(SPARSEKV_SIM)
+  const __nv_bfloat162 packed = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t*>(&packed);
+#else
+  return pack_bf16x2(fp8::float_to_bf16(low), fp8::float_to_bf16(high));
+#endif
+}
+
+SPARSEKV_HOST_DEVICE uint32_t e4m3x2_to_bf16x2(uint16_t pair, float scale) {
+#if defined(__CUDA_ARCH__) && !defined(SPARSEKV_SIM)
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  const float2 f = __half22float2(__half2(raw));
+  return floats_to_bf16x2(f.x * scale, f.y * scale);
+#else
+  return floats_to_bf16x2(fp8::e4m3_to_float(static_cast<uint8_t>(pair & 0xffu)) * scale,
+                          fp8::e4m3_to_float(static_cast<uint8_t>(pair >> 8)) * scale);
+#endif
+}
+
+#ifdef __CUDACC__
+#ifdef SPARSEKV_SIM
+namespace sim_detail {
+
+// The registers each lane published, per warp of the block (one launch at a time per OS thread:
+// the fibers of a block all run on the launching thread).
+struct Published {
+  FragA a;
+  FragB b;
+};
+inline thread_local Published registers[cuda_sim::kMaxThreadsPerBlock / kWarpSize][kWarpSize];
+
+inline float bf16_half(uint32_t reg, int half) { return fp8::bf16_to_float(static_cast<uint16_t>(reg >> (16 * half))); }
+
+}  // namespace sim_detail
+#endif
+
+SPARSEKV_DEVICE void mma_bf16(FragC& d, const FragA& a, const FragB& b) {
+#ifdef SPARSEKV_SIM
+  const int linear = cuda_sim::g.current->linear;
+  const int warp = linear / kWarpSize, lane = linear % kWarpSize;
+  sim_detail::Published* published = sim_detail::registers[warp];
+  published[lane] = sim_detail::Published{a, b};
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) {
+    const int row = c_row(lane, i), col = c_col(lane, i);
+    double sum = d.x[i];
+    for (int k = 0; k < 16; ++k) {
+      // The inverse of the layout: A[row][k] is in lane 4 (row % 8) + (k % 8) / 2, register
+      // (row / 8) + 2 (k / 8); B[k][col] in lane 4 col + (k % 8) / 2, register k / 8; half k % 2.
+      const float x = sim_detail::bf16_half(published[4 * (row % 8) + (k % 8) / 2].a.x[row / 8 + 2 * (k / 8)], k % 2);
+      const float y = sim_detail::bf16_half(published[4 * col + (k % 8) / 2].b.x[k / 8], k % 2);
+      sum += static_cast<double>(x) * static_cast<double>(y);
+    }
+    d.x[i] = static_cast<float>(sum);
+  }
+  __syncwarp();
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])
+      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+#endif
+}
+#endif
+
+}  // namespace sparsekv::mma
