@@ -1,7 +1,9 @@
 """Hypothesis profiles: a small ``ci`` one by default, a deep ``slow`` one (pytest ``--slow``).
 
 A test that pins its own example count (a costly kernel test) still goes deeper under ``--slow``:
-it asks :func:`scaled_examples` for its count, which scales with the active profile.
+it asks :func:`scaled_examples` for its count, which scales with the active profile. A test whose
+costly cases (a large constexpr shape under the Triton interpreter) run once each in a pinned test
+draws them only under ``--slow``: :func:`values_to_draw`.
 """
 
 from __future__ import annotations
@@ -26,3 +28,14 @@ def scaled_examples(ci_count: int) -> int:
     pinned 10 into 200.
     """
     return max(1, round(ci_count * settings.default.max_examples / CI_EXAMPLES))
+
+
+def values_to_draw(cheap: list, costly: list) -> list:
+    """The values a test draws from: ``cheap`` under the ``ci`` profile, ``cheap + costly`` under a deeper
+    one (``--slow``).
+
+    For a parameter whose costly values a pinned test of the same module runs once each, so the
+    default profile still reaches their paths every run. Read when a test module is imported, like
+    :func:`scaled_examples`.
+    """
+    return [*cheap, *costly] if settings.default.max_examples > CI_EXAMPLES else list(cheap)

@@ -20,6 +20,7 @@ from sparsekv.jit_kernel.dsv4_compress_store import compress_store_step
 from sparsekv.kv_layout import V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import device_of, to_backend, triton_examples
+from sparsekv.testing.profiles import values_to_draw
 from sparsekv.testing.reference.dsv4_store import ENTRY_DIMS, LAYOUTS, norm_rope_store_reference
 
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
@@ -29,16 +30,37 @@ KINDS = {kind: (LAYOUTS[kind], dim) for kind, dim in ENTRY_DIMS.items()}
 ROPE = RopeParams(160000, 16, 65536, 32, 1)
 
 
+# C128 pools a 128-row window: under the interpreter its event costs about ten C4 events (4 s). The
+# default profile draws C4 (every kind, ring dtype, alignment and chunking) and runs C128's own paths
+# (window 128, no overlap, one half per slot, a window carried in the ring) in the pinned C128 tests
+# below; --slow draws C128 too.
+RATIOS = values_to_draw([4], [128])
+
+
 @settings(max_examples=triton_examples(), deadline=None)
-@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from([4, 128]), ring_bf16=st.booleans(),
+@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from(RATIOS), ring_bf16=st.booleans(),
        aligned=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_triton_fused_store_writes_its_entries_bytes_and_the_header_ring(backend, kind, ratio, ring_bf16, aligned,
                                                                          seed, data):
+    t = data.draw(st.integers(ratio, 2 * ratio + 3))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), max_size=2)) + [0, t]))
+    check_fused_store(backend, kind, ratio, ring_bf16, aligned, seed, cuts)
+
+
+def test_triton_fused_store_at_c128_pools_a_window_half_read_back_from_the_ring(backend):
+    # One event (anchor 0) over two chunks: its first 64 rows come back from the ring, row 128 goes in.
+    # A float32 ring, an unaligned cache (a bf16 ring costs twice as much here; the C4 draws take it).
+    check_fused_store(backend, "V4", 128, ring_bf16=False, aligned=False, seed=128, cuts=[0, 64, 129])
+
+
+def check_fused_store(backend, kind, ratio, ring_bf16, aligned, seed, cuts):
+    """``cuts[-1]`` tokens streamed through both implementations in the chunks ``cuts`` bound: equal
+    rings, the twin's bytes those of its own entries through the store oracle, and the header's bytes
+    where the pooled entries agree."""
     device = device_of(backend)
     coff = 2 if ratio == 4 else 1
     layout, dim = KINDS[kind]
-    t = data.draw(st.integers(ratio, 2 * ratio + 3))
-    cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), max_size=2)) + [0, t]))
+    t = cuts[-1]
     g = torch.Generator().manual_seed(seed)
     kv, score = torch.randn(t, coff * dim, generator=g), torch.randn(t, coff * dim, generator=g) * 3
     ape, weight = torch.randn(ratio, coff * dim, generator=g), torch.rand(dim, generator=g) + 0.5
@@ -145,13 +167,25 @@ def _decode_step(ratio, seed, positions, ring_dtype, rows_dtype, dim=D):
 
 
 @settings(max_examples=triton_examples(), deadline=None)
-@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from([4, 128]),
+@given(kind=st.sampled_from(list(KINDS)), ratio=st.sampled_from(RATIOS),
        ring_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        rows_dtype=st.sampled_from([torch.int32, torch.int64]), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_triton_decode_step_matches_the_header_and_stores_its_entries_bytes(backend, kind, ratio, ring_dtype,
                                                                             rows_dtype, seed, data):
     near = [ratio - 1, 2 * ratio - 1, ratio, 3, 5 * ratio - 1]
     positions = data.draw(st.lists(st.sampled_from(near), min_size=1, max_size=3))
+    check_decode_step(backend, kind, ratio, ring_dtype, rows_dtype, seed, positions)
+
+
+def test_triton_decode_step_at_c128_emits_an_entry_from_127_ring_rows_and_its_token(backend):
+    # One row (a row costs 128 slots under the interpreter); the C4 draws mask slots before position 0.
+    check_decode_step(backend, "V4", 128, torch.float32, torch.int32, 128, [127])
+
+
+def check_decode_step(backend, kind, ratio, ring_dtype, rows_dtype, seed, positions):
+    """One decode step at ``positions`` through both implementations: equal flags, rings and entries,
+    the twin's bytes those of its own entries through the store oracle, the header's where the
+    entries agree."""
     device = device_of(backend)
     rope = ROPE.table(8 * ratio, device)
     layout, dim = KINDS[kind]
