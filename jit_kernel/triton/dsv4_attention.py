@@ -81,20 +81,6 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _e4m3_to_float(byte):
-    """e4m3fn byte (int32 0..255) -> float32 (exact; 0x7f/0xff NaN), as ``fp8::e4m3_to_float``: the
-    indexer's software decode (the attention converts with the hardware)."""
-    sign = (byte & 0x80) << 24
-    exponent = (byte >> 3) & 0xF
-    mantissa = byte & 0x7
-    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125
-    subnormal = tl.where(sign != 0, -subnormal, subnormal)
-    value = tl.where(exponent == 0, subnormal, normal)
-    return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
 def _ue8m0_to_float(byte):
     """UE8M0 scale byte (int32) -> 2^(byte - 127) (2^-127 is a float32 subnormal)."""
     return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)

@@ -3,14 +3,43 @@
 Same contracts as :func:`sparsekv.jit_kernel.dsv4_indexer.indexer_scores` and
 :func:`~sparsekv.jit_kernel.dsv4_indexer.indexer_topk` (which call these for ``impl="triton"``).
 
-Scores. One program per (row, ``ENTRIES`` consecutive entries): the row's query ``[heads, 128]``
-(padded to 16 heads for ``tl.dot``) and weights stay resident while it sweeps its entries in tiles of
-``BLOCK_E``; each key is one contiguous 128-byte (FP8) or 64-byte (FP4) record, loaded as whole rows
-(16-byte vector loads), and ``q . k^T`` is one ``tl.dot`` ``[heads, 128] x [128, BLOCK_E]`` with
-float32 accumulation; ``relu`` and the head weights are the epilogue. The operands are exact in bf16
-(FP8: the e4m3 codes, their fp32 scale applied to the dot's result; FP4: e2m1 times a power of two),
-so the products are exact and a float32 ``q`` is split into bf16 high and low parts: the scores keep
-the header's tolerance, ``|s - ref| <= 1e-5 sum_h |w_h| |q_h| |k|``.
+Scores. A persistent grid (two programs per SM) over chunks of ``ENTRIES`` consecutive entries of
+one row: a program loads the row's query ``[heads, 128]`` (padded to 16 heads for ``tl.dot``) and
+weights once per chunk and sweeps the chunk in tiles of ``BLOCK_E`` keys. Each key is one
+contiguous 128-byte (FP8) or 64-byte (FP4) record, streamed into shared memory by ``cp.async``
+(16-byte copies on sm_100a, 8-byte on sm_90a, where triton picks that width for the register
+operand). A tile's logits are one ``tl.dot`` ``[BLOCK_E, 128] x [128, heads]`` with float32
+accumulation, keys on the M side, so ``relu * weight`` and the sum over heads, the epilogue, run
+along each thread's own accumulator columns (a few shuffles, not a reduction across warps).
+FP8: the e4m3 codes go to float16 by the hardware convert (``F2FP``; e4m3 is exact in float16),
+and the query is scaled per head by a power of two putting its largest element in float16's top
+binade, so a bf16 query is exact in float16 (a float32 one is split into float16 high and low
+parts, 22 bits); ``1/s`` and the key's fp32 scale are applied to the dot's result. FP4: e2m1 times
+its power-of-two block scale is exact in bf16, and the query is bf16 (float32: high and low bf16
+parts). The products are exact, so the scores keep the header's tolerance,
+``|s - ref| <= 1e-5 sum_h |w_h| |q_h| |k|`` (2e-5 from the header's own scores; under the
+interpreter the property cases measure at most 5.2e-7).
+
+Why float16 operands and not ``tl.dot`` on e4m3 (``QGMMA``): an e4m3 dot needs the query in e4m3
+too. One e4m3 term rounds the query by up to 2^-4, moving the scores by about 1e-2 of the bound
+above and the top-k they feed away from the header's; two terms (high and low e4m3, which hold a
+bf16 query's 8 significant bits exactly) cost two QGMMA passes, the tensor time of one float16
+HGMMA pass, so nothing is gained; and Hopper's fp8 MMA accumulates at reduced precision, which
+would break the tolerance on the GPU. Both designs are bound by HBM (below), not the tensor cores:
+the float16 dot of 64k keys x 64 heads is 1.1 GFLOP, 1.1 us at an H200's 989 TFLOPS, under the
+1.9 us of its bytes; the keys' convert is 32 ``F2FP`` per thread per tile, 5% of the loop.
+
+Design note (bound, shape). HBM-bound: one row of 64 heads over 64k FP8 entries reads 8.9 MB (1.9 us
+at 4.8 TB/s, H200). Its 256 chunks of 256 entries are two programs on each of 128 SMs. Larger
+batches keep 2 programs per SM, each looping over its chunks; the query, 16 KB bf16, is read (from
+L2) once per 4 tiles, 1/2 of the keys' bytes, the price of spreading one row over the GPU.
+Instruction budget (triton 3.9, the AOT build, which is the JIT's): the tile loop is 606 SASS
+instructions per warp on sm_90a (8 ``HGMMA.64x64x16``, 32 ``F2FP.F16.E4M3``, 9 ``LDGSTS``, the rest
+addresses, masks and the epilogue) and 457 on sm_100a (8 ``UTCHMMA``); 1,024 tiles x 4 warps x 606
+over 132 SMs x 4 schedulers x 1.98 GHz = 2.4 us, 1.3x the H200 roofline (B200: 1.6 us against 1.1
+us, 1.4x; ``tools/bench/bench_sass_budget.py``), so the target of 3x the roofline is within reach of
+issue alone. Before (software
+e4m3 decode, heads summed across warps): 2,653 per tile, 10.7 us, 5.8x.
 
 Top-k, in one read of the scores with the selection on chip (:func:`indexer_topk`). A level splits
 each row into chunks of at least 4096 items (``4 k`` when that is more), one program per chunk, so a
@@ -28,6 +57,8 @@ histogram passes of 11, 11 and 10 bits over the row, then a pass writing the sel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +74,7 @@ from sparsekv.jit_kernel.triton.checks import (
     visible_entries,
     written,
 )
-from sparsekv.jit_kernel.triton.dsv4_attention import _e4m3_to_float, _mma, _round_bf16, _ue8m0_to_float
+from sparsekv.jit_kernel.triton.dsv4_attention import _mma, _round_bf16, _ue8m0_to_float
 from sparsekv.kv_layout import INDEXER_FP4, INDEXER_FP8
 
 __all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk", "topk_workspace_ints"]
@@ -51,7 +82,8 @@ __all__ = ["AOT_KERNELS", "indexer_scores", "indexer_topk", "topk_workspace_ints
 DIM = 128
 MAX_HEADS = 64
 BLOCK_E = 64
-ENTRIES = 512  # per program: the query is loaded once per 8 tiles
+ENTRIES = 256  # per chunk: the query is loaded (and scaled) once per 4 tiles
+PROGRAMS_PER_SM = 2  # the scores' persistent grid
 TOPK_BLOCK = 1024  # per step of the radix kernel
 TOPK_CHUNK = 4096  # items per program of a top-k level (at least; 4 k when that is more)
 TOPK_FINAL = 8192  # the longest list the finish selects from in one program
@@ -70,55 +102,98 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
+def _f16_scale(q):
+    """Per head of ``q`` (float32 ``[H, 128]``), a power of two ``s`` putting the head's largest
+    ``|q|`` in ``[2^14, 2^15)`` (float16's top binade), and ``1 / s``: a bf16 element (8 significant
+    bits) times ``s`` is then exact in float16 down to ``2^-31`` of the head's largest. ``s`` stays
+    in ``[2^-126, 2^126]`` (a zero, subnormal or non-finite head keeps a finite scale)."""
+    top = (tl.max(tl.abs(q), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.minimum(tl.maximum(268 - top, 1), 253)
+    return (exponent << 23).to(tl.float32, bitcast=True), ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_operand(x, NATIVE_BF16: tl.constexpr):
+    """``x`` rounded to float16 (nearest even) as a tensor-core operand (float32 under the interpreter,
+    whose dot on float16 operands is the same products summed in float32)."""
+    if NATIVE_BF16:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _mma_f16(a, b, acc, NATIVE_BF16: tl.constexpr):
+    """``acc + a @ b``, float32 accumulation, of :func:`_f16_operand` operands."""
+    if NATIVE_BF16:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
 def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_ptr, page_stride, num_pages, page_shift,
-                          table_ptr, table_stride, max_pages, positions_ptr, out_ptr, out_stride, width, heads,
+                          table_ptr, table_stride, max_pages, positions_ptr, out_ptr, out_stride, width, heads, batch,
                           FP4: tl.constexpr, SPLIT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr,
                           ENTRIES: tl.constexpr, NATIVE_BF16: tl.constexpr):
-    """Scores of entries ``[chunk * ENTRIES, (chunk + 1) * ENTRIES)`` of row ``b``."""
-    b = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1).to(tl.int64) * ENTRIES
-    t = tl.load(positions_ptr + b).to(tl.int64)
-    n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+    """Persistent: program ``p`` takes chunks ``p, p + programs, ...`` of the ``batch x cdiv(width,
+    ENTRIES)`` chunks, a chunk being ``ENTRIES`` consecutive entries of one row."""
+    chunks = tl.cdiv(width, ENTRIES)
     h = tl.arange(0, BLOCK_HI)
     d = tl.arange(0, 128)
     h_ok = h < heads
-    q = tl.load(q_ptr + b * q_stride_b + h[:, None] * q_stride_h + d[None, :], mask=h_ok[:, None],
-                other=0.0).to(tl.float32)
-    q_hi = _round_bf16(q, NATIVE_BF16)
-    q_lo = _round_bf16(q - q_hi, NATIVE_BF16)
-    w = tl.load(w_ptr + b * w_stride + h, mask=h_ok, other=0.0)
     page_slots = 1 << page_shift
-    for e0 in range(first, first + ENTRIES, BLOCK_E):
-        i = e0 + tl.arange(0, BLOCK_E)
-        in_row = i < width
-        page_index = i >> page_shift
-        page = tl.load(table_ptr + b * table_stride + page_index, mask=in_row & (i < n) & (page_index < max_pages),
-                       other=-1).to(tl.int64)
-        valid = (page >= 0) & (page < num_pages)
-        in_page = i & (page_slots - 1)
-        base = tl.where(valid, page, 0) * page_stride
-        if FP4:  # 64 bytes of e2m1 pairs (even element in the low nibble), 4 UE8M0 scales per 32 dims
-            packed = tl.load(cache_ptr + (base + in_page * 64)[:, None] + tl.arange(0, 64)[None, :],
-                             mask=valid[:, None], other=0).to(tl.int32)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_E, 128))
-            scale = tl.load(cache_ptr + (base + page_slots * 64 + in_page * 4)[:, None] + (d // 32)[None, :],
-                            mask=valid[:, None], other=127).to(tl.int32)
-            keys = _e2m1_to_float(codes) * _ue8m0_to_float(scale)  # exact in bf16
-            logits = _mma(q_hi, tl.trans(keys), tl.zeros((BLOCK_HI, BLOCK_E), tl.float32), NATIVE_BF16)
-            if SPLIT:
-                logits = _mma(q_lo, tl.trans(keys), logits, NATIVE_BF16)
-        else:  # 128 e4m3 codes, then one fp32 scale per entry applied to the dot's result
-            codes = tl.load(cache_ptr + (base + in_page * 128)[:, None] + d[None, :], mask=valid[:, None],
-                            other=0).to(tl.int32)
-            scale_ptr = (cache_ptr + page_slots * 128).to(tl.pointer_type(tl.float32))
-            scale = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0.0)
-            keys = tl.trans(_e4m3_to_float(codes))
-            logits = _mma(q_hi, keys, tl.zeros((BLOCK_HI, BLOCK_E), tl.float32), NATIVE_BF16)
-            if SPLIT:
-                logits = _mma(q_lo, keys, logits, NATIVE_BF16)
-            logits = logits * scale[None, :]
-        score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), 0)
-        tl.store(out_ptr + b * out_stride + i, tl.where(valid, score, float("-inf")), mask=in_row)
+    for c in range(tl.program_id(0), batch * chunks, tl.num_programs(0)):
+        b = (c // chunks).to(tl.int64)
+        first = (c % chunks).to(tl.int64) * ENTRIES
+        t = tl.load(positions_ptr + b).to(tl.int64)
+        n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+        q = tl.load(q_ptr + b * q_stride_b + h[:, None] * q_stride_h + d[None, :], mask=h_ok[:, None],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + b * w_stride + h, mask=h_ok, other=0.0)
+        if FP4:  # bf16 operands: q split into high and low bf16 parts when float32
+            q_hi = _round_bf16(q, NATIVE_BF16)
+            q_lo = _round_bf16(q - q_hi, NATIVE_BF16)
+            unscale = tl.full((BLOCK_HI,), 1.0, tl.float32)
+        else:  # float16 operands: q scaled per head by a power of two (exact), split likewise when float32
+            scale_q, unscale = _f16_scale(q)
+            q = q * scale_q[:, None]
+            q_hi = _f16_operand(q, NATIVE_BF16)
+            q_lo = _f16_operand(q - q_hi.to(tl.float32), NATIVE_BF16)
+        for e0 in range(first, first + ENTRIES, BLOCK_E):
+            i = e0 + tl.arange(0, BLOCK_E)
+            in_row = i < width
+            page_index = i >> page_shift
+            page = tl.load(table_ptr + b * table_stride + page_index,
+                           mask=in_row & (i < n) & (page_index < max_pages), other=-1).to(tl.int64)
+            valid = (page >= 0) & (page < num_pages)
+            in_page = i & (page_slots - 1)
+            base = tl.where(valid, page, 0) * page_stride
+            # Logits transposed, [entries, heads]: the keys are the dot's M side, so the sum over heads
+            # is along each thread's own accumulator columns (a few shuffles), not across warps.
+            if FP4:  # 64 bytes of e2m1 pairs (even element in the low nibble), 4 UE8M0 scales per 32 dims
+                packed = tl.load(cache_ptr + (base + in_page * 64)[:, None] + tl.arange(0, 64)[None, :],
+                                 mask=valid[:, None], other=0).to(tl.int32)
+                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_E, 128))
+                block_scale = tl.load(cache_ptr + (base + page_slots * 64 + in_page * 4)[:, None] + (d // 32)[None, :],
+                                      mask=valid[:, None], other=127).to(tl.int32)
+                keys = _e2m1_to_float(codes) * _ue8m0_to_float(block_scale)  # exact in bf16
+                logits = _mma(keys, tl.trans(q_hi), tl.zeros((BLOCK_E, BLOCK_HI), tl.float32), NATIVE_BF16)
+                if SPLIT:
+                    logits = _mma(keys, tl.trans(q_lo), logits, NATIVE_BF16)
+                key_scale = tl.full((BLOCK_E,), 1.0, tl.float32)
+            else:  # 128 e4m3 codes (to float16 by the hardware convert, exact), one fp32 scale per entry
+                codes = tl.load(cache_ptr + (base + in_page * 128)[:, None] + d[None, :], mask=valid[:, None],
+                                other=0).to(tl.float8e4nv, bitcast=True)
+                scale_ptr = (cache_ptr + page_slots * 128).to(tl.pointer_type(tl.float32))
+                key_scale = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0.0)
+                keys = _f16_operand(codes, NATIVE_BF16)
+                logits = _mma_f16(keys, tl.trans(q_hi), tl.zeros((BLOCK_E, BLOCK_HI), tl.float32), NATIVE_BF16)
+                if SPLIT:
+                    logits = _mma_f16(keys, tl.trans(q_lo), logits, NATIVE_BF16)
+            logits = logits * unscale[None, :] * key_scale[:, None]
+            score = tl.sum(w[None, :] * tl.maximum(logits, 0.0), 1)
+            tl.store(out_ptr + b * out_stride + i, tl.where(valid, score, float("-inf")), mask=in_row)
 
 
 @triton.jit
@@ -338,6 +413,13 @@ def check_scores_arguments(q, weights, k_cache, page_table, positions, page_slot
     return shift
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (memoised: the property query costs microseconds); 1 elsewhere (the
+    interpreter runs programs one after another)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out):
     """Check (:func:`check_scores_arguments`), then write the scores of every row into ``out``.
 
@@ -347,10 +429,12 @@ def indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layou
     batch, width = out.shape
     if batch == 0 or width == 0:
         return
-    grid = (batch, triton.cdiv(width, ENTRIES))
+    chunks = batch * triton.cdiv(width, ENTRIES)
+    grid = (min(chunks, PROGRAMS_PER_SM * _multiprocessors(out.device)),)
     indexer_scores_kernel[grid](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, row_stride(k_cache), k_cache.shape[0],
         shift, page_table, page_table.stride(0), page_table.shape[1], positions, out, out.stride(0), width, q.shape[1],
+        batch,
         FP4=layout == "fp4", SPLIT=q.dtype == torch.float32, BLOCK_HI=max(16, triton.next_power_of_2(q.shape[1])),
         BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
 
@@ -473,7 +557,8 @@ def _aot_kernels():
                  "page_stride": Int(_LAYOUTS[layout].page_bytes(64)), "num_pages": Int(1024), "page_shift": Int(6),
                  "table_ptr": Pointer("i32"), "table_stride": Int(1024), "max_pages": Int(1024),
                  "positions_ptr": Pointer("i64", aligned=False), "out_ptr": Pointer("fp32"), "out_stride": Int(65536),
-                 "width": Int(65536), "heads": Int(64), "FP4": Constexpr(layout == "fp4"), "SPLIT": Constexpr(split),
+                 "width": Int(65536), "heads": Int(64), "batch": Int(1), "FP4": Constexpr(layout == "fp4"),
+                 "SPLIT": Constexpr(split),
                  "BLOCK_HI": Constexpr(MAX_HEADS), "BLOCK_E": Constexpr(BLOCK_E), "ENTRIES": Constexpr(ENTRIES),
                  "NATIVE_BF16": Constexpr(True)},
                 NUM_WARPS))

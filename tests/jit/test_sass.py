@@ -62,9 +62,7 @@ SASS_TABLE = {
         occupancy={"9.0a": PASS, "10.0a": "158 registers on sm_100a: one CTA per SM (issue 36 item 6)"}),
     ("triton", "dsv4_indexer.scores[fp8,bf16]", ""): dict(
         launch=Launch(128, 2),
-        no_local=PASS, wide_gather=PASS,
-        fp8_convert="e4m3 decoded with integer ops, then bf16 HGMMA (issue 36 item 6: tl.dot on e4m3)",
-        tensor_cores=PASS, occupancy=PASS),
+        no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer_topk", "topk_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_finish", ""): dict(launch=Launch(512, 1), no_local=PASS, occupancy=PASS),

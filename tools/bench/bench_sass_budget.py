@@ -57,9 +57,9 @@ TRIPS = {
                                             64 * 2, "64 heads per program, 2 splits per row (128 programs), "
                                                     "each looping over its 320 rows in tiles of 16, with 8 warps"),
     "triton dsv4_indexer.scores[fp8,bf16]": (("triton", "dsv4_indexer.scores[fp8,bf16]", {}, ""),
-                                             roofline.indexer_scores(1, 65536), (65536 // 512) * (512 // 64) * 4,
-                                             65536 // 512, "512 entries per program (128 programs), looping over "
-                                                           "8 tiles of 64 keys, with 4 warps"),
+                                             roofline.indexer_scores(1, 65536), (65536 // 256) * (256 // 64) * 4,
+                                             65536 // 256, "256 chunks of 256 entries, a persistent grid of 2 programs "
+                                                           "per SM, each chunk 4 tiles of 64 keys, with 4 warps"),
     "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
                                     roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
                                     "one warp per row, 8 B per lane: 3 trips per 584 B row"),
