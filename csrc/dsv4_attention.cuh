@@ -23,10 +23,31 @@
 // The combine is the same item() on both backends.
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
-// entry, rows go 8 at a time), sequential. cuda: one block of 256 threads per (b, split, group of
-// 8 heads): warps dequantize a tile of 8 rows into shared memory, compute the 64 logits of the
-// tile, and every thread updates the accumulators of 2 dims x 8 heads; then Combine, one warp per
-// (b, h).
+// entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel, one CTA of 8 warps per
+// (b, split, group of 64 heads) on tensor cores (mma.sync m16n8k16 bf16 -> fp32, sparsekv/mma.h;
+// its comment above the kernel gives the steps); then Combine, one warp per (b, h).
+//
+// Precision of the tensor-core path: the rows are exact in bf16 (e4m3 times a power of two, and
+// bf16 rope); a bf16 q is exact, a float q goes in as three bf16 terms (hi + mid + lo: all 24 bits);
+// P goes in as two bf16 terms (16 bits); products accumulate in fp32. So it stays within the
+// documented tolerance of the fp64 reference, and since the running maximum moves in whole powers of
+// two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
+// results by fp32 summation order only).
+//
+// Design and instruction budget (sm_90a, nvcc 13.0, bf16 q: 242 registers, no stack, 127.6 KB of
+// dynamic shared memory: one CTA per SM). Per tile of 32 rows a warp issues about 1,480
+// instructions: QK^T 4 trips of a 72-instruction loop (16 HMMA, 48 LDS), PV 2 trips of 171 (64
+// HMMA, 64 LDS, 16 PRMT), and about 850 in the rest of the tile body (gather and convert: per
+// 16-byte fp8 chunk one LDG.128, 8 F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL, 8
+// F2FP.BF16.F32.PACK_AB, 2 STS.128; the row resolve; the softmax's 8 logits, 8 MUFU.EX2 and 8 bf16
+// packs per thread; five barriers; the 128-FMUL rescale only when a head's maximum moved). At
+// batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave, 8 tiles each): per SM
+// 8 warps x 8 tiles x 1,480 / (4 schedulers x 1.98 GHz) = 12.0 us of issue; the tensor cores need
+// 2 warps x 8 x 192 HMMA x 4 cycles per scheduler = 6.2 us; the split's fp32 partials (16.8 MB)
+// and the combine's pass over them add about 5 us of memory time. Estimate: about 17 us against
+// the 5.7 us roofline (H200), 3x: issue-bound in the tile body. What remains for 2x: ldmatrix for
+// the fragment loads (112 LDS per tile-warp -> 36 LDSM), the row resolve and gather of tile i + 1
+// overlapped with tile i's products (a second kv buffer), bf16 partials for the combine.
 #pragma once
 
 #include <cmath>
@@ -35,6 +56,7 @@
 #include "sparsekv/fp8.h"
 #include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
+#include "sparsekv/mma.h"
 #include "sparsekv/portability.h"
 #include "sparsekv/query.h"
 
@@ -268,97 +290,335 @@ struct Partial {
 
 #ifdef __CUDACC__
   static constexpr int kThreads = 256;
-  static constexpr int kHeadsPerBlock = 8;
-  static constexpr int kTile = 8;  // rows per tile: one per warp
-  static constexpr int kDimsPerThread = kDim / kThreads;
-  static_assert(kTile == kThreads / kWarpSize, "dsv4_attention: one tile row per warp");
+  static constexpr int kWarps = kThreads / kWarpSize;
+  static constexpr int kHeads = 64;  // heads per CTA: 4 m-tiles of 16
+  static constexpr int kMTiles = kHeads / 16;
+  static constexpr int kRows = 32;                      // rows per tile
+  static constexpr int kKvStride = kDim + 8;            // bf16 per row: fragment loads hit 32 banks
+  static constexpr int kQStride = std::is_same_v<QT, float> ? kDim + 4 : kDim + 8;
+  static constexpr int kScoreStride = kRows + 1;        // floats per head of the scores
+  static constexpr int kPStride = kRows + 8;            // bf16 per head of P
+  static constexpr int kDimsPerWarp = kDim / kWarps;    // PV: each warp owns 64 output dims
+  static constexpr int kChunks = Layout::kValueBytes / 16;  // 16-byte chunks of a value record: 28 fp8, 8 bf16
+  static_assert(kRows % 16 == 0 && kRows / 8 == 4, "dsv4_attention: QK^T gives each warp 4 n-tiles of 8 rows");
+  static_assert(kWarps == 2 * kMTiles, "dsv4_attention: QK^T splits the 512 dims in two per m-tile");
+  static_assert(kThreads == 4 * kHeads && kRows == 4 * 8, "dsv4_attention: the softmax is 4 threads x 8 rows per head");
+  static_assert(Layout::kValueBytes == 16 * kChunks && kNope % 64 == 0, "dsv4_attention: 28 fp8 + 8 bf16 chunks");
+  using QElem = std::conditional_t<std::is_same_v<QT, float>, float, uint16_t>;
+  struct Shared {
+    QElem q[kHeads][kQStride];
+    uint16_t kv[kRows][kKvStride];  // the tile's rows, bf16
+    float score[2][kHeads][kScoreStride];
+    uint16_t prob[2][kHeads][kPStride];  // P = hi + lo, bf16 each
+    float rescale[kHeads];
+    float factor[kHeads];
+    const uint8_t* value[kRows];
+    uint64_t scales[kRows];  // the 7 UE8M0 bytes of each row (and the pad)
+    int valid[kRows];
+  };
   static int run_on_cuda(const Params& p, void* stream);
 #endif
 };
 
 #ifdef __CUDACC__
+namespace tc {
+
+// 2^k for an integer k <= 0 (exact; 0 below the normal range).
+SPARSEKV_DEVICE float pow2(float k) { return k < -126.0f ? 0.0f : fp8::exp2_int(static_cast<int>(k)); }
+SPARSEKV_DEVICE float safe_exp2(float x) { return x == -INFINITY ? 0.0f : exp2f(x); }
+
+SPARSEKV_DEVICE uint32_t shared_word(const uint16_t* at) { return *reinterpret_cast<const uint32_t*>(at); }
+
+// The 16 bytes at p (16-byte aligned: one LDG.128; otherwise 8-byte words, see copy_detail).
+SPARSEKV_DEVICE uint4 load16(const uint8_t* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const uint4*>(p);
+  const uint64_t low = copy_detail::load_bytes8(p, p, p + 16), high = copy_detail::load_bytes8(p + 8, p, p + 16);
+  return uint4{static_cast<unsigned>(low), static_cast<unsigned>(low >> 32), static_cast<unsigned>(high),
+               static_cast<unsigned>(high >> 32)};
+}
+
+// Fragment of A = q[16 heads from m0][16 dims from k0] in `parts` bf16 terms: bf16 q is one term;
+// float q is hi + mid + lo, which holds its 24 bits exactly.
+template <int Parts, class QRows>
+SPARSEKV_DEVICE void load_q_fragment(const QRows& q, int m0, int k0, int lane, mma::FragA (&a)[Parts]) {
+  using QElem = std::remove_cv_t<std::remove_reference_t<decltype(q[0][0])>>;
+  SPARSEKV_UNROLLED
+  for (int r = 0; r < 4; ++r) {
+    const int row = m0 + mma::a_row(lane, r), col = k0 + mma::a_col(lane, r, 0);
+    if constexpr (std::is_same_v<QElem, float>) {
+      float x0 = q[row][col], x1 = q[row][col + 1];
+      SPARSEKV_UNROLLED
+      for (int part = 0; part < Parts; ++part) {
+        const uint32_t packed = mma::floats_to_bf16x2(x0, x1);
+        a[part].x[r] = packed;
+        x0 -= fp8::bf16_to_float(static_cast<uint16_t>(packed));
+        x1 -= fp8::bf16_to_float(static_cast<uint16_t>(packed >> 16));
+      }
+    } else {
+      a[0].x[r] = shared_word(&q[row][col]);
+    }
+  }
+}
+
+}  // namespace tc
+
+// One CTA per (b, split, group of 64 heads), 8 warps. Per tile of 32 rows of the split:
+//   1. rows resolved (32 threads), then gathered in 16-byte chunks and converted to bf16 in shared
+//      memory (e4m3 -> bf16 on the hardware convert, times the block's power-of-two scale; rope
+//      copied); rows that name no slot are zero, with logit -inf;
+//   2. S = Q K^T on mma.sync: warp w takes m-tile w % 4 and dims [256 (w / 4), +256) for all 32
+//      rows, so each Q fragment is loaded once per tile; the two halves meet in shared memory;
+//   3. online softmax in base 2, 4 threads per head: the running maximum is rounded up to an
+//      integer, so every rescale is an exact power of two and P's rounding does not depend on how
+//      rows fall into tiles; P = hi + lo in bf16 (16 bits of the fp32 probability);
+//   4. O += P V on mma.sync: warp w owns output dims [64 w, +64) of all 64 heads: 4 x 8 fp32
+//      fragments (128 registers), rescaled by 2^(m_old - m_new) first.
+// The sink enters only the final normalization (1 / (l + 2^(sink log2 e - m))), as in Combine.
 template <class QT>
-__global__ void __launch_bounds__(Partial<QT>::kThreads) partial_kernel(const Params<QT> p) {
+__global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const Params<QT> p) {
   using K = Partial<QT>;
-  constexpr int G = K::kHeadsPerBlock, T = K::kTile, D = K::kDimsPerThread;
-  __shared__ float q_s[G][kDim];
-  __shared__ float kv_s[T][kDim];
-  __shared__ float logit_s[G][T];
-  __shared__ bool valid_s[T];
+  constexpr int kQParts = std::is_same_v<QT, float> ? 3 : 1;
+  constexpr int R = K::kRows;
+  auto& sh = *dynamic_shared<typename K::Shared>();
   const int64_t b = blockIdx.x / p.num_splits;
   const int64_t s = blockIdx.x - b * p.num_splits;
-  const int64_t h0 = static_cast<int64_t>(blockIdx.y) * G;
-  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int64_t h0 = static_cast<int64_t>(blockIdx.y) * K::kHeads;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int heads_here = static_cast<int>(p.heads - h0 < K::kHeads ? p.heads - h0 : K::kHeads);
+  const int m_tiles = (heads_here + 15) / 16;  // m-tiles past the heads are skipped (CTA-uniform)
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
-  for (int k = tid; k < G * kDim; k += K::kThreads) {
-    const int g = k / kDim, d = k % kDim;
-    q_s[g][d] = h0 + g < p.heads ? load_q(p.q + b * p.q_stride_b + (h0 + g) * p.q_stride_h + d) : 0.0f;
+  // The query block into shared memory, once; heads past the last are zero.
+  for (int h = warp; h < m_tiles * 16; h += K::kWarps) {
+    auto* row = sh.q[h];
+    if (h >= heads_here) {
+      for (int d = lane; d < kDim; d += kWarpSize) row[d] = 0;
+    } else if constexpr (std::is_same_v<QT, float>) {
+      for (int d = lane; d < kDim; d += kWarpSize) row[d] = p.q[b * p.q_stride_b + (h0 + h) * p.q_stride_h + d];
+    } else {
+      copy_bytes(row, p.q + b * p.q_stride_b + (h0 + h) * p.q_stride_h, kDim * 2, Lanes{lane, kWarpSize});
+    }
   }
-  float m[G], l[G], acc[G][D];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-    for (int k = 0; k < D; ++k) acc[g][k] = 0.0f;
-  }
+  const int head = tid / 4, quarter = tid % 4;  // this thread's share of the softmax
+  const bool softmax_lane = head < m_tiles * 16;  // warp-uniform: a warp holds 8 heads of one m-tile
+  float m = -INFINITY, l = 0.0f;
+  mma::FragC acc[K::kMTiles][K::kDimsPerWarp / 8] = {};
+
   const int64_t first = s * p.split_len;
   const int64_t total = total_entries(p);
   const int64_t last = first + p.split_len < total ? first + p.split_len : total;
-  for (int64_t j0 = first; j0 < last; j0 += T) {
-    // 1. One row per warp into shared memory; invalid rows get logit -inf.
-    const int64_t j = j0 + warp;
-    const uint8_t *value = nullptr, *scale = nullptr;
-    const bool valid = j < last && entry(p, b, j, &value, &scale);
-    for (int d = lane; d < kDim; d += kWarpSize) kv_s[warp][d] = valid ? dequantize(value, scale, d) : 0.0f;
-    if (lane == 0) valid_s[warp] = valid;
-    __syncthreads();
-    // 2. G x T logits, each a warp-wide dot product.
-    for (int pair = warp; pair < G * T; pair += T) {
-      const int g = pair / T, t = pair % T;
-      float sum = 0.0f;
-      for (int d = lane; d < kDim; d += kWarpSize) sum += q_s[g][d] * kv_s[t][d];
-      for (int off = kWarpSize / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) logit_s[g][t] = valid_s[t] ? p.softmax_scale * sum : -INFINITY;
+  SPARSEKV_ROLLED
+  for (int64_t j0 = first; j0 < last; j0 += R) {
+    // 1. Resolve the tile's rows, then gather and convert them.
+    if (tid < R) {
+      const uint8_t *value = nullptr, *scale = nullptr;
+      const bool valid = j0 + tid < last && entry(p, b, j0 + tid, &value, &scale);
+      sh.value[tid] = value;
+      sh.scales[tid] = valid ? copy_detail::load_bytes8(scale, scale, scale + Layout::kScaleBytes) : 0;
+      sh.valid[tid] = valid;
     }
     __syncthreads();
-    // 3. Online softmax update of this thread's dims, for every head of the group.
-    for (int g = 0; g < G; ++g) {
+    {
+      // 8 threads per row: chunks part, part + 8, part + 16 (fp8), part + 24 (fp8 below 28, else
+      // bf16 rope) and, for part < 4, part + 32 (rope).
+      const int row = tid / 8, part = tid % 8;
+      const bool valid = sh.valid[row];
+      const uint8_t* value = sh.value[row];
+      const uint64_t scales = sh.scales[row];
+      uint16_t* kv = sh.kv[row];
+      const auto fp8_chunk = [&](int chunk) {
+        uint4 lo{0, 0, 0, 0}, hi{0, 0, 0, 0};
+        if (valid) {
+          const uint4 raw = tc::load16(value + 16 * chunk);
+          const float factor = fp8::ue8m0_to_float(static_cast<uint8_t>(scales >> (8 * (chunk / (kScaleBlock / 16)))));
+          lo = uint4{mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.x), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.x >> 16), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.y), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.y >> 16), factor)};
+          hi = uint4{mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.z), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.z >> 16), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.w), factor),
+                     mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.w >> 16), factor)};
+        }
+        reinterpret_cast<uint4*>(kv + 16 * chunk)[0] = lo;
+        reinterpret_cast<uint4*>(kv + 16 * chunk)[1] = hi;
+      };
+      const auto rope_chunk = [&](int rope) {
+        reinterpret_cast<uint4*>(kv + kNope + 8 * rope)[0] = valid ? tc::load16(value + kNope + 16 * rope)
+                                                                   : uint4{0, 0, 0, 0};
+      };
+      static_assert(kNope / 16 == 28 && K::kChunks == 36 && K::kThreads == 8 * R, "dsv4_attention: chunk plan");
+      fp8_chunk(part);
+      fp8_chunk(part + 8);
+      fp8_chunk(part + 16);
+      if (part < 4) {
+        fp8_chunk(part + 24);
+        rope_chunk(part + 4);
+      } else {
+        rope_chunk(part - 4);
+      }
+    }
+    __syncthreads();
+
+    // 2. Partial scores of m-tile warp % 4 over half of the dims, all 32 rows.
+    if (warp % K::kMTiles < m_tiles) {
+      const int m0 = 16 * (warp % K::kMTiles), k_begin = (kDim / 2) * (warp / K::kMTiles);
+      mma::FragC score[R / 8] = {};
+      for (int k0 = k_begin; k0 < k_begin + kDim / 2; k0 += 16) {
+        mma::FragA a[kQParts];
+        tc::load_q_fragment<kQParts>(sh.q, m0, k0, lane, a);
+        SPARSEKV_UNROLLED
+        for (int n = 0; n < R / 8; ++n) {
+          mma::FragB kt;
+          SPARSEKV_UNROLLED
+          for (int r = 0; r < 2; ++r) kt.x[r] = tc::shared_word(&sh.kv[8 * n + mma::b_col(lane)][k0 + mma::b_row(lane, r, 0)]);
+          SPARSEKV_UNROLLED
+          for (int part = 0; part < kQParts; ++part) mma::mma_bf16(score[n], a[part], kt);
+        }
+      }
+      SPARSEKV_UNROLLED
+      for (int n = 0; n < R / 8; ++n) {
+        SPARSEKV_UNROLLED
+        for (int i = 0; i < 4; ++i) {
+          sh.score[warp / K::kMTiles][m0 + mma::c_row(lane, i)][8 * n + mma::c_col(lane, i)] = score[n].x[i];
+        }
+      }
+    }
+    __syncthreads();
+
+    // 3. Online softmax of head `head` over rows [8 quarter, +8).
+    if (softmax_lane) {
+      float x[8];
       float tile_max = -INFINITY;
       bool tile_nan = false;  // fmaxf skips NaN: a NaN logit must not read as an empty tile
-      for (int t = 0; t < T; ++t) {
-        tile_max = fmaxf(tile_max, logit_s[g][t]);
-        tile_nan = tile_nan || logit_s[g][t] != logit_s[g][t];
+      SPARSEKV_UNROLLED
+      for (int i = 0; i < 8; ++i) {
+        const int row = 8 * quarter + i;
+        x[i] = sh.valid[row] ? (sh.score[0][head][row] + sh.score[1][head][row]) * scale_log2 : -INFINITY;
+        tile_max = fmaxf(tile_max, x[i]);
+        tile_nan = tile_nan || x[i] != x[i];
       }
-      const float m_new = fmaxf(m[g], tile_max);
-      if (m_new == -INFINITY && !tile_nan) continue;
-      const float c = safe_exp(m[g] - m_new);
-      float w[T];
-      float wsum = 0.0f;
-      for (int t = 0; t < T; ++t) {
-        w[t] = safe_exp(logit_s[g][t] - m_new);
-        wsum += w[t];
+      SPARSEKV_UNROLLED
+      for (int offset = 1; offset < 4; offset *= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+        tile_nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(tile_nan), offset) || tile_nan;
       }
-      l[g] = l[g] * c + wsum;
-      for (int k = 0; k < D; ++k) {
-        float a = acc[g][k] * c;
-        for (int t = 0; t < T; ++t) a += w[t] * kv_s[t][tid + k * K::kThreads];
-        acc[g][k] = a;
+      const float m_new = ceilf(fmaxf(m, tile_max));
+      float c = 1.0f, sum = 0.0f;
+      uint32_t hi[4] = {}, lo[4] = {};  // bf16x2: rows 8 quarter + 2i, + 2i + 1
+      if (!(m_new == -INFINITY && !tile_nan)) {
+        c = m == -INFINITY ? 0.0f : tc::pow2(m - m_new);
+        SPARSEKV_UNROLLED
+        for (int i = 0; i < 4; ++i) {
+          const float e0 = tc::safe_exp2(x[2 * i] - m_new), e1 = tc::safe_exp2(x[2 * i + 1] - m_new);
+          sum += e0;
+          sum += e1;
+          hi[i] = mma::floats_to_bf16x2(e0, e1);
+          lo[i] = mma::floats_to_bf16x2(e0 - fp8::bf16_to_float(static_cast<uint16_t>(hi[i])),
+                                        e1 - fp8::bf16_to_float(static_cast<uint16_t>(hi[i] >> 16)));
+        }
       }
-      m[g] = m_new;
+      SPARSEKV_UNROLLED
+      for (int offset = 1; offset < 4; offset *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      l = l * c + sum;
+      m = m_new == -INFINITY && !tile_nan ? m : m_new;
+      SPARSEKV_UNROLLED
+      for (int i = 0; i < 4; ++i) {
+        *reinterpret_cast<uint32_t*>(&sh.prob[0][head][8 * quarter + 2 * i]) = hi[i];
+        *reinterpret_cast<uint32_t*>(&sh.prob[1][head][8 * quarter + 2 * i]) = lo[i];
+      }
+      if (quarter == 0) sh.rescale[head] = c;
     }
     __syncthreads();
+
+    // 4. O = O * c + P V over this warp's 64 dims.
+    // The maximum moves in whole powers of two and seldom after the first tiles: skip the 128
+    // multiplies when no head of the warp's fragments moved (one vote).
+    float c_low[K::kMTiles], c_high[K::kMTiles];
+    bool moved = false;
+    SPARSEKV_UNROLLED
+    for (int mt = 0; mt < K::kMTiles; ++mt) {
+      c_low[mt] = mt < m_tiles ? sh.rescale[16 * mt + mma::c_row(lane, 0)] : 1.0f;
+      c_high[mt] = mt < m_tiles ? sh.rescale[16 * mt + mma::c_row(lane, 2)] : 1.0f;
+      moved = moved || c_low[mt] != 1.0f || c_high[mt] != 1.0f;
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+      SPARSEKV_UNROLLED
+      for (int mt = 0; mt < K::kMTiles; ++mt) {
+        SPARSEKV_UNROLLED
+        for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
+          acc[mt][n].x[0] *= c_low[mt];
+          acc[mt][n].x[1] *= c_low[mt];
+          acc[mt][n].x[2] *= c_high[mt];
+          acc[mt][n].x[3] *= c_high[mt];
+        }
+      }
+    }
+    for (int k0 = 0; k0 < R; k0 += 16) {
+      mma::FragA prob[K::kMTiles][2];
+      SPARSEKV_UNROLLED
+      for (int mt = 0; mt < K::kMTiles; ++mt) {
+        SPARSEKV_UNROLLED
+        for (int part = 0; part < 2; ++part) {
+          SPARSEKV_UNROLLED
+          for (int r = 0; r < 4; ++r) {
+            prob[mt][part].x[r] =
+                mt < m_tiles ? tc::shared_word(&sh.prob[part][16 * mt + mma::a_row(lane, r)][k0 + mma::a_col(lane, r, 0)])
+                             : 0u;
+          }
+        }
+      }
+      SPARSEKV_UNROLLED
+      for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
+        const int d = K::kDimsPerWarp * warp + 8 * n + mma::b_col(lane);
+        mma::FragB v;
+        SPARSEKV_UNROLLED
+        for (int r = 0; r < 2; ++r) {
+          v.x[r] = mma::pack_bf16x2(sh.kv[k0 + mma::b_row(lane, r, 0)][d], sh.kv[k0 + mma::b_row(lane, r, 1)][d]);
+        }
+        SPARSEKV_UNROLLED
+        for (int mt = 0; mt < K::kMTiles; ++mt) {
+          if (mt >= m_tiles) continue;
+          mma::mma_bf16(acc[mt][n], prob[mt][1], v);
+          mma::mma_bf16(acc[mt][n], prob[mt][0], v);
+        }
+      }
+    }
+    __syncthreads();  // the next tile overwrites kv, score and prob
   }
+
+  // 5. Finish: factor and lse per head (natural log), then this warp's dims of every head.
   const bool single = p.num_splits == 1;
-  for (int g = 0; g < G; ++g) {
-    const int64_t h = h0 + g;
-    if (h >= p.heads) break;
-    const float factor = single ? finish_factor(m[g], l[g], p.sink[h]) : split_factor(l[g]);
-    float* dst = single ? p.out + (b * p.heads + h) * kDim : p.part_out + ((b * p.num_splits + s) * p.heads + h) * kDim;
-    for (int k = 0; k < D; ++k) dst[tid + k * K::kThreads] = acc[g][k] * factor;
-    if (tid == 0) {
+  if (softmax_lane && quarter == 0) {
+    const float sink2 = p.sink[h0 + head < p.heads ? h0 + head : 0] * 1.4426950408889634f;
+    const float factor = single ? (l == 0.0f ? 0.0f : 1.0f / (l + tc::safe_exp2(sink2 - m))) : split_factor(l);
+    const float lse2 = m + log2f(l);
+    sh.factor[head] = factor;
+    if (h0 + head < p.heads) {
+      const float lse = l == 0.0f ? (single ? INFINITY : -INFINITY) : lse2 * 0.6931471805599453f;
       if (single) {
-        p.lse[b * p.heads + h] = finish_lse(m[g], l[g]);
+        p.lse[b * p.heads + h0 + head] = lse;
       } else {
-        p.part_lse[(b * p.num_splits + s) * p.heads + h] = split_lse(m[g], l[g]);
+        p.part_lse[(b * p.num_splits + s) * p.heads + h0 + head] = lse;
+      }
+    }
+  }
+  __syncthreads();
+  SPARSEKV_UNROLLED
+  for (int mt = 0; mt < K::kMTiles; ++mt) {
+    if (mt >= m_tiles) continue;
+    SPARSEKV_UNROLLED
+    for (int half = 0; half < 2; ++half) {
+      const int hh = 16 * mt + mma::c_row(lane, 2 * half);
+      if (h0 + hh >= p.heads) continue;
+      const float factor = sh.factor[hh];
+      float* dst = single ? p.out + (b * p.heads + h0 + hh) * kDim
+                          : p.part_out + ((b * p.num_splits + s) * p.heads + h0 + hh) * kDim;
+      SPARSEKV_UNROLLED
+      for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
+        const int d = K::kDimsPerWarp * warp + 8 * n + mma::c_col(lane, 0);
+        dst[d] = acc[mt][n].x[2 * half] * factor;  // two words: a caller's `out` may be 4-byte aligned only
+        dst[d + 1] = acc[mt][n].x[2 * half + 1] * factor;
       }
     }
   }
@@ -367,9 +627,12 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads) partial_kernel(const Pa
 template <class QT>
 int Partial<QT>::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0 || p.heads == 0) return 0;
-  const dim3 grid(static_cast<unsigned>(p.batch * p.num_splits),
-                  static_cast<unsigned>((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  return launch_kernel<partial_kernel<QT>>(grid, kThreads, 0, stream, p);
+  constexpr size_t bytes = sizeof(Shared);
+  const int err = static_cast<int>(
+      cudaFuncSetAttribute(partial_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (err != 0) return err;
+  const dim3 grid(static_cast<unsigned>(p.batch * p.num_splits), static_cast<unsigned>((p.heads + kHeads - 1) / kHeads));
+  return launch_kernel<partial_kernel<QT>>(grid, kThreads, bytes, stream, p);
 }
 #endif
 

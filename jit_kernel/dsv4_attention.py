@@ -21,7 +21,10 @@ show that the combine equals the single pass).
 Tolerance against the fp64 reference (:mod:`sparsekv.testing.reference.dsv4_attention`), which
 dequantizes the same bytes (FP8 compared in value space, so the only difference is float32
 arithmetic): ``|out - ref| <= 2e-4 + 2e-4 |ref|`` and ``|lse - ref| <= 2e-4 + 2e-4 |ref|`` for logits
-of order 10 and values of order 1.
+of order 10 and values of order 1. The header's GPU kernel (cuda, and sim) runs both products on
+tensor cores with bf16 operands and float32 accumulation: the rows are exact in bf16, a float32
+query goes in as three bf16 terms and the probabilities as two, which keeps it within the same
+tolerance.
 
 Example
 -------
@@ -57,10 +60,12 @@ __all__ = ["ATTENTION", "HEAD_DIM", "IMPLS", "attention_impl", "attention_templa
 
 HEAD_DIM = 512
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
-# cuda: blocks of 8 heads (Partial::kHeadsPerBlock); split until the grid covers ~2 waves of an H100/H200.
-_CUDA_HEADS_PER_BLOCK = 8
-_CUDA_TARGET_BLOCKS = 264
-_CUDA_MIN_SPLIT_LEN = 64
+# cuda: CTAs of 64 heads (Partial::kHeads), one per SM (its registers and shared memory), working in
+# tiles of 32 rows (Partial::kRows): split until the CTAs fill one wave of an H100/H200's 132 SMs,
+# never below a tile per split (a CTA's time is whole tiles: a finer split adds CTAs, not speed).
+_CUDA_HEADS_PER_BLOCK = 64
+_CUDA_TARGET_BLOCKS = 132
+_CUDA_MIN_SPLIT_LEN = 32
 
 ATTENTION = register(
     KernelFamily(
@@ -126,7 +131,7 @@ def _default_splits(backend: str, batch: int, heads: int, entries: int) -> int:
     if backend != "cuda" or entries <= _CUDA_MIN_SPLIT_LEN:
         return 1
     blocks = max(1, batch * -(-heads // _CUDA_HEADS_PER_BLOCK))
-    return max(1, min(-(-_CUDA_TARGET_BLOCKS // blocks), entries // _CUDA_MIN_SPLIT_LEN))
+    return max(1, min(_CUDA_TARGET_BLOCKS // blocks, entries // _CUDA_MIN_SPLIT_LEN))
 
 
 def _entries(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> int:

@@ -121,6 +121,45 @@ def test_split_kv_combine_equals_the_single_pass(backend, case, data):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads, num_splits", [(64, 1), (128, 2), (80, 3)])
+def test_serving_head_counts_match_the_fp64_reference(backend, heads, num_splits):
+    # 64 heads fill one CTA of the GPU kernel, 128 two, 80 a second one with one m-tile; 70 + 9
+    # entries are three 32-row tiles (-1 holes, repeats, topk_length, an extra cache), bf16 q.
+    g = torch.Generator().manual_seed(heads)
+    cache = v4_cache(random_rows(96, g), 64)
+    indices = torch.randint(0, 96, (2, 70), generator=g, dtype=torch.int32)
+    indices[torch.rand(2, 70, generator=g) < 0.2] = -1
+    extra_cache = v4_cache(random_rows(9, g), 4)
+    case = AttentionCase((torch.randn(2, heads, 512, generator=g) * 4).bfloat16(), cache, indices,
+                         torch.randn(heads, generator=g) * 4, 64, extra_cache,
+                         torch.randint(-1, 9, (2, 9), generator=g, dtype=torch.int32), 4)
+    lengths = torch.tensor([70, 41], dtype=torch.int32)
+    got = run(case, backend, num_splits=num_splits, topk_length=lengths.to(device_of(backend)))
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
+                                                 **case.kwargs(), topk_length=lengths)
+    assert_same(got, expected, TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_nan_in_a_query_or_a_row_reaches_exactly_the_outputs_it_touches(backend, num_splits):
+    g = torch.Generator().manual_seed(5)
+    rows = random_rows(40, g)
+    rows[7, 3] = float("nan")  # quantizes to an e4m3 NaN: slot 7 is a NaN row
+    cache = v4_cache(rows, 64)
+    indices = torch.tensor([[1, 2, 3, 4] * 10, [7, 2, 3, 4] * 10, [5, 6, -1, 8] * 10], dtype=torch.int32)
+    q = torch.randn(3, 20, 512, generator=g)
+    q[0, 17, 100] = float("nan")
+    out, lse = run(AttentionCase(q, cache, indices, torch.randn(20, generator=g), 64), backend,
+                   num_splits=num_splits)
+    nan = torch.zeros(3, 20, dtype=torch.bool)
+    nan[0, 17] = True  # the NaN query's head
+    nan[1] = True  # every head of the row that selects the NaN row
+    assert torch.equal(lse.isnan(), nan) and torch.equal(out.isnan().all(dim=2), nan)
+    assert not bool(out[~nan].isnan().any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend, num_splits):
     g = torch.Generator().manual_seed(0)

@@ -48,10 +48,13 @@ inline constexpr int kWarpSize = 32;
 
 #ifdef __CUDACC__
 // Keeps a loop rolled under nvcc (the host compiler of the sim build does not know the pragma).
+// SPARSEKV_UNROLLED unrolls one fully, so register arrays indexed by its counter stay in registers.
 #ifdef SPARSEKV_SIM
 #define SPARSEKV_ROLLED
+#define SPARSEKV_UNROLLED
 #else
 #define SPARSEKV_ROLLED _Pragma("unroll 1")
+#define SPARSEKV_UNROLLED _Pragma("unroll")
 #endif
 
 namespace copy_detail {
