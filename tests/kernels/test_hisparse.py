@@ -491,28 +491,32 @@ def test_the_device_index_check_accepts_valid_calls(backend, monkeypatch):
 
 
 # -- open instantiation ---------------------------------------------------------------------------
-# (K, H, layout, page slots), none of them in the SWAP_IN table: each compiles at first use.
-OPEN_INSTANCES = [(4, 4, "generic", None), (16, 48, "generic", None), (64, 128, "generic", None),
-                  (12, 70, "dsv4", 64)]
+# (K, H, layout, page slots), none of them in the SWAP_IN table: each compiles at first use (three
+# times in CI: cpu, ASan, sim). The smallest (H = K) and an odd H on the DSV4 layout run by default;
+# --slow adds H = 3 K and K = the block size.
+OPEN_INSTANCES = [(4, 4, "generic", None), pytest.param(16, 48, "generic", None, marks=pytest.mark.slow),
+                  pytest.param(64, 128, "generic", None, marks=pytest.mark.slow), (12, 70, "dsv4", 64)]
 
 
 def _in_table(k, h, layout):
     return any((v["num_top_k"], v["hot_buffer_size"], v["layout"]) == (k, h, layout) for v in SWAP_IN.instances)
 
 
-@pytest.mark.parametrize("k, h, layout, page_slots", OPEN_INSTANCES, ids=[f"K{k}-H{h}-{lay}" for k, h, lay, _ in
-                                                                           OPEN_INSTANCES])
+@pytest.mark.parametrize("k, h, layout, page_slots", OPEN_INSTANCES,
+                         ids=["K4-H4-generic", "K16-H48-generic", "K64-H128-generic", "K12-H70-dsv4"])
 def test_any_valid_instance_compiles_and_follows_the_policy_model(backend, k, h, layout, page_slots):
     assert not _in_table(k, h, layout)
     _follow_the_policy_model(backend, k, h, layout, page_slots, steps=4, hit_share=1 / 3)
 
 
 # The serving instances on the DSV4 layout: DSV4-Flash (top-k 512), DSV4-Pro (1024) and a 2048 top-k,
-# each with a hot buffer of twice its top-k. A few steps each, at a serving-like share of hits.
-SERVING_INSTANCES = [(512, 1024), (1024, 2048), (2048, 4096)]
+# each with a hot buffer of twice its top-k. A few steps each, at a serving-like share of hits. By
+# default K = 512 (one entry per thread of a 512-thread block) and K = 2048 (two per thread of the
+# largest, 1024-thread block); --slow adds K = 1024 (one per thread of a 1024-thread block).
+SERVING_INSTANCES = [(512, 1024), pytest.param(1024, 2048, marks=pytest.mark.slow), (2048, 4096)]
 
 
-@pytest.mark.parametrize("k, h", SERVING_INSTANCES, ids=[f"K{k}-H{h}" for k, h in SERVING_INSTANCES])
+@pytest.mark.parametrize("k, h", SERVING_INSTANCES, ids=["K512-H1024", "K1024-H2048", "K2048-H4096"])
 def test_serving_instances_follow_the_policy_model(backend, k, h):
     misses = _follow_the_policy_model(backend, k, h, "dsv4", 64, steps=3, hit_share=0.75)
     # Row 0 (longer than H) loads some of each step's entries and serves the rest from its slots;

@@ -25,7 +25,7 @@ from sparsekv.jit_kernel.hisparse_index import (
 )
 from sparsekv.testing.backends import core_backends, device_of, to_backend
 from sparsekv.testing.hisparse_policy import HotBuffer, swap_in_step
-from sparsekv.testing.profiles import scaled_examples
+from sparsekv.testing.profiles import scaled_examples, values_to_draw
 from sparsekv.testing.strategies.hisparse import make_world
 
 K, H = 5, 7
@@ -71,12 +71,27 @@ def step_both(scan, indexed, top_k, rows, lens, counters):
     return a["out"]
 
 
+# The index's bookkeeping does not depend on the layout (it moves bytes as the scanning kernel does),
+# and the DSV4 layout's 584-byte records cost ten to forty times generic rows' (2.7 CPU s an example
+# on sim): by default both policies draw generic rows and one pinned LRU run takes the DSV4 layout
+# (a protected DSV4 run would be two more modules per backend: cpu, sim, ASan); --slow draws both
+# layouts under both policies.
 @pytest.mark.parametrize("backend", core_backends())  # sim too in make test
 @POLICIES
 @settings(max_examples=scaled_examples(6), deadline=None)
-@given(seed=st.integers(0, 2**16), is_dsv4_layout=st.booleans())
+@given(seed=st.integers(0, 2**16), is_dsv4_layout=st.sampled_from(values_to_draw([False], [True])))
 def test_indexed_kernel_matches_the_scanning_kernel_step_after_step(backend, policy, seed, is_dsv4_layout):
-    # 40 steps on a queue of 2H = 14 entries: compaction, head moves and stale entries all happen.
+    steps_agree(backend, policy, seed, is_dsv4_layout)
+
+
+@pytest.mark.parametrize("backend", core_backends())  # sim too in make test
+def test_indexed_kernel_matches_the_scanning_kernel_on_the_dsv4_layout(backend):
+    steps_agree(backend, "lru", 4, True)
+
+
+def steps_agree(backend, policy, seed, is_dsv4_layout):
+    """40 steps on a queue of 2H = 14 entries (compaction, head moves and stale entries all happen):
+    the two kernels agree after every one (:func:`step_both`)."""
     scan, indexed = twin_worlds(backend, is_dsv4_layout, seed, policy)
     rng = random.Random(seed)
     seq = {0: 6, 1: 12, 2: 30}
