@@ -5,13 +5,23 @@ subcommand registered later is covered without touching this file: each prints `
 example and rejects a bogus flag with one line on stderr and exit code 2. A table of bad
 arguments checks the exit code (2 usage, 1 failure) and that the message is one line. No output
 of any run contains a Python traceback.
+
+The tool scripts' argument checks run in this process, each script as ``__main__`` with its own
+``sys.argv`` and its folder first on ``sys.path``, as ``python tools/x.py`` runs it (:func:`run_script`):
+a fresh interpreter would import torch again for every call, about 2 CPU seconds each, over a
+minute for the table. The scripts also run as real processes: ``make gpu-check DRY_RUN=1``
+(``tests/test_gpu_check.py``) runs every kernel benchmark's ``--help``, and two tests below run a
+script as a user does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import re
+import runpy
 import subprocess
 import sys
 import types
@@ -36,6 +46,33 @@ def sparsekv(*argv: str, env: dict | None = None, cache_dir: Path | None = None)
 
 def assert_no_traceback(done: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def run_script(tool: str, *argv: str, monkeypatch) -> subprocess.CompletedProcess:
+    """``python TOOL ARGV...`` in this process: the script runs as ``__main__`` with ``sys.argv`` and
+    ``sys.path[0]`` as the interpreter sets them for a script; its exit code and output are returned
+    as :func:`subprocess.run` would. An exception the script lets escape fails the calling test."""
+    path = REPO / tool
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [str(path), *argv])
+        patch.setattr(sys, "path", [str(path.parent), *sys.path])  # and a script's own sys.path edits stay inside
+        patch.chdir(REPO)
+        siblings = set(sys.modules)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code
+        finally:
+            for name in set(sys.modules) - siblings:  # a sibling script it imported (bench_hisparse) is not kept
+                if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(REPO / "tools")):
+                    del sys.modules[name]
+    if isinstance(code, str):  # sys.exit("message"): printed to stderr, status 1
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess([tool, *argv], code or 0, out.getvalue(), err.getvalue())
 
 
 #: What only the shell (and sparsekv.log, for the handler) may define: one error type, one parser class,
@@ -139,8 +176,8 @@ BAD_TOOL_ARGUMENTS = [
 
 @pytest.mark.parametrize("tool, argv, needle", BAD_TOOL_ARGUMENTS, ids=lambda v: " ".join(v) if isinstance(v, list)
                          else v)
-def test_bad_tool_arguments_give_one_line_and_exit_2(tool, argv, needle):
-    done = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, cwd=REPO, timeout=300)
+def test_bad_tool_arguments_give_one_line_and_exit_2(tool, argv, needle, monkeypatch):
+    done = run_script(tool, *argv, monkeypatch=monkeypatch)
     assert_no_traceback(done)
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr, done.stderr
@@ -231,18 +268,18 @@ def test_a_closed_pipe_is_quiet():
 
 
 @pytest.mark.parametrize("tool", TOOLS)
-def test_every_tool_script_prints_help_and_rejects_a_bogus_flag(tool):
-    done = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
+def test_every_tool_script_prints_help_and_rejects_a_bogus_flag(tool, monkeypatch):
+    done = run_script(tool, "--help", monkeypatch=monkeypatch)
     assert_no_traceback(done)
     assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
-    bad = subprocess.run([sys.executable, tool, "--no-such-flag"], capture_output=True, text=True, cwd=REPO,
-                         timeout=300)
+    bad = run_script(tool, "--no-such-flag", monkeypatch=monkeypatch)
     assert_no_traceback(bad)
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
 
 
 @pytest.mark.parametrize("tool", ["tools/hisparse_sim.py"])
 def test_top_level_tools_show_an_example(tool):
+    # As a user runs it (a real process: the script imports no torch, so this costs little).
     done = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert "example:\n  python " + tool in done.stdout
 
@@ -255,18 +292,18 @@ def compile_lines(stderr: str) -> list[str]:
     return re.findall(r"sparsekv\.jit INFO: .*compiled .* in [0-9.]+ s", stderr)
 
 
-@pytest.mark.parametrize("how", ["-v", "SPARSEKV_LOG_LEVEL"])
-def test_verbose_shows_one_line_per_compile_with_its_time(how, tmp_path):
-    argv = ["jit", "build", "gather_rows"]
+def test_verbose_shows_one_line_per_compile_with_its_time(tmp_path):
+    """One compile per run, the cheapest there is (three in all); two compiles giving two lines, each
+    naming its instance: ``tests/jit/test_jit_cli.py::test_build_progress_logs_and_counts``."""
+    argv = ["jit", "build", "--instance", "gather_rows:index_dtype=int32"]
     quiet = sparsekv(*argv, cache_dir=tmp_path / "quiet")
     assert quiet.returncode == 0 and compile_lines(quiet.stderr) == []
-    if how == "-v":
-        loud = sparsekv("-v", *argv, cache_dir=tmp_path / "loud")
-    else:
-        loud = sparsekv(*argv, cache_dir=tmp_path / "loud", env={"SPARSEKV_LOG_LEVEL": "INFO"})
-    assert loud.returncode == 0, loud.stderr
-    lines = compile_lines(loud.stderr)
-    assert len(lines) == 2 and all("gather_rows" in line for line in lines), loud.stderr
+    for how, loud in (("-v", sparsekv("-v", *argv, cache_dir=tmp_path / "verbose")),
+                      ("SPARSEKV_LOG_LEVEL", sparsekv(*argv, cache_dir=tmp_path / "level",
+                                                      env={"SPARSEKV_LOG_LEVEL": "INFO"}))):
+        assert loud.returncode == 0, (how, loud.stderr)
+        lines = compile_lines(loud.stderr)
+        assert len(lines) == 1 and "gather_rows<int32_t>" in lines[0], (how, loud.stderr)
 
 
 def test_a_bad_log_level_is_a_usage_error():
