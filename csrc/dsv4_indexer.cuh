@@ -29,10 +29,14 @@
 // prefix counts (warp ballots) giving each entry its output place; host: 2 digits of 16 bits, the
 // second over the few keys of the first digit's bin.
 //
-// Launch shapes. Scores: cpu one (b, chunk of 256 entries) per item; cuda one warp per entry, the
-// block's query in shared memory, blocks (x = entry chunk, y = row) with rows past gridDim.y's
-// 65,535 taken by the same blocks in turn (a prefill chunk has more rows than that). Top-k: cpu one row per item; cuda one block of 1024 threads per
-// row, histograms and output counters in shared memory.
+// Launch shapes. Scores: cpu one (b, chunk of 256 entries) per item; cuda tensor
+// cores (mma.sync, see the design note at scores_kernel), one warp per 16-entry tile, 256 entries
+// per block, the block's query in shared memory as bf16, blocks (x = entry chunk, y = row) with
+// rows past gridDim.y's 65,535 taken by the same blocks in turn (a prefill chunk has more rows than
+// that). Both sum in float32, in different orders (cuda: bf16 operands, exact products: the e4m3
+// codes, with the FP8 scale applied to the dot, and a float32 q split into bf16 high and low
+// parts), so they agree within the scores' tolerance. Top-k: cpu one row per item; cuda one block
+// of 1024 threads per row, histograms and output counters in shared memory.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +46,7 @@
 #include "sparsekv/fp8.h"
 #include "sparsekv/host_simd.h"
 #include "sparsekv/kv_layout.h"
+#include "sparsekv/mma.h"
 #include "sparsekv/portability.h"
 #include "sparsekv/query.h"
 
@@ -183,63 +188,146 @@ struct IndexerScores {
 #ifdef __CUDACC__
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / kWarpSize;
-  static constexpr int kEntriesPerBlock = 64;
+  static constexpr int kTile = 16;  // entries of one warp MMA (its M side)
+  static constexpr int kEntriesPerBlock = 256;  // each warp takes 2 tiles of a row
+  static constexpr int kQParts = std::is_same_v<QT, float> ? 2 : 1;  // bf16 high (and low) parts of q
+  static constexpr int kQStride = kDim + 8;  // bf16 per head row in shared memory (padding: fewer conflicts)
   static constexpr int64_t kMaxGridY = 65535;  // the hardware limit of gridDim.y
   static int run_on_cuda(const Params& p, void* stream);
+
+  // Lane t of the MMA holds dims [32 t, 32 t + 32) of its two entries, so dims 32 t + 4 s + (0..3)
+  // of K step s sit where the fragment layout puts k = 2 t, 2 t + 1, 2 t + 8, 2 t + 9: the dot is a
+  // sum over all dims, which any such permutation of K (applied to the query's B fragment too)
+  // leaves unchanged. A lane then reads its keys' 32 contiguous dims (FP8: 32 bytes; FP4: 16 bytes
+  // and the one block scale of those dims) with 8-byte loads.
+  struct LaneKey {
+    uint64_t bytes[4];  // FP8: 32 e4m3 codes; FP4: bytes[0..1], 32 e2m1 nibbles (even dim low)
+    float scale;        // FP8: the entry's fp32 scale, applied to the dot; FP4: the block's 2^(e - 127)
+  };
+
+  SPARSEKV_DEVICE static LaneKey load_lane_key(const uint8_t* value, const uint8_t* scale, int t) {
+    LaneKey key{};
+    if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
+      for (int j = 0; j < 4; ++j) key.bytes[j] = copy_detail::load_bytes8(value + 32 * t + 8 * j, value, value + kDim);
+      key.scale = fp8::bits_float(static_cast<uint32_t>(copy_detail::load_bytes8(scale, scale, scale + 4)));
+    } else {
+      for (int j = 0; j < 2; ++j) {
+        key.bytes[j] = copy_detail::load_bytes8(value + 16 * t + 8 * j, value, value + kDim / 2);
+      }
+      key.scale = fp8::ue8m0_to_float(copy_detail::load_byte(scale + t));
+    }
+    return key;
+  }
+
+  // Dims 32 t + 4 s + 2 h, + 1 of a lane's key as bf16x2 (exact: e4m3 codes, or e2m1 times a power of two).
+  SPARSEKV_DEVICE static uint32_t key_pair(const LaneKey& key, int s, int h) {
+    const int at = 4 * s + 2 * h;  // the pair's first dim within the lane's 32
+    if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
+      return mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(key.bytes[at / 8] >> (8 * (at % 8))), 1.0f);
+    } else {
+      const auto byte = static_cast<uint8_t>(key.bytes[at / 16] >> (8 * ((at % 16) / 2)));
+      return mma::floats_to_bf16x2(fp8::e2m1_to_float(byte & 0xF) * key.scale,
+                                   fp8::e2m1_to_float(byte >> 4) * key.scale);
+    }
+  }
+
+  SPARSEKV_DEVICE static float dot_scale(const LaneKey& key) {
+    if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
+      return key.scale;
+    } else {
+      return 1.0f;
+    }
+  }
 #endif
 };
 
 #ifdef __CUDACC__
+// Design note. One row of 64 heads over 64k FP8 entries: 8.9 MB, 1.9 us of HBM on an H200. Tensor
+// cores: a warp takes 16 entries at a time, logits [16 entries, 8 heads] per mma.sync m16n8k16
+// (bf16: the e4m3 codes through the hardware convert, exact; the fp32 key scale applied to the
+// result), 8 K steps x up to 8 head tiles, float32 accumulation; relu * weight and the sum over
+// heads in registers, two shuffles across the lane's group. 256 entries per 256-thread block: 256
+// blocks at 64k, two per SM (at most 128 registers a thread: the launch bound). The block stages
+// the row's query in shared memory as bf16 (16 KB, from L2), about half the bytes of its keys,
+// the price of spreading one row over the whole GPU; HBM stays the bound at every batch.
+// Instruction budget (nvcc 13, tools/bench/bench_sass_budget.py): the tile loop is 933 SASS
+// instructions per warp on sm_90a (64 HMMA.16816.F32.BF16, 32 F2FP.F16.E4M3 converts of code
+// pairs and 32 F2FP.BF16 packs, 72 LDS.64 of the query, the rest the epilogue, addresses and the
+// head-tile checks), 94 registers, no stack; 4,096 tiles over 132 SMs x 4 schedulers x 1.98 GHz
+// = 3.7 us, 2.0x the H200 roofline (sm_100a: 872, 100 registers, 3.1 us against a B200's 1.1 us,
+// 2.7x). Before (one warp per entry on CUDA cores, software e4m3 decode): 7.4 us, 4.0x (sm_100a
+// 14.9 us, 13x, one CTA per SM at 158 registers).
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) scores_kernel(const typename K::Params p) {
-  // q transposed, [dim][head]: lane h reads q_s[d][h], consecutive words, no bank conflicts.
-  __shared__ float q_s[kDim][kMaxHeads];
+__global__ void __launch_bounds__(K::kThreads, 2) scores_kernel(const typename K::Params p) {
+  // q as bf16x2 dim pairs (even dim low), [part][head][pair] (heads past p.heads zero); the weights likewise.
+  __shared__ uint32_t q_s[K::kQParts][kMaxHeads][K::kQStride / 2];
   __shared__ float w_s[kMaxHeads];
-  __shared__ float k_s[K::kWarps][kDim];
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, t = lane % 4;  // the lane's group (entry / head row) and its place in it
+  const int head_tiles = static_cast<int>((p.heads + 7) / 8);
   for (int64_t b = blockIdx.y; b < p.batch; b += gridDim.y) {
     if (b != blockIdx.y) __syncthreads();  // q_s and w_s of the previous row are still being read
-    for (int x = threadIdx.x; x < kDim * kMaxHeads; x += K::kThreads) {
-      const int h = x / kDim, d = x % kDim;
-      q_s[d][h] = h < p.heads ? load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d) : 0.0f;
+    for (int x = threadIdx.x; x < kDim / 2 * kMaxHeads; x += K::kThreads) {
+      const int h = x / (kDim / 2), d = 2 * (x % (kDim / 2));
+      float q[2] = {0.0f, 0.0f};
+      if (h < p.heads) {
+        for (int e = 0; e < 2; ++e) q[e] = load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d + e);
+      }
+      const uint16_t high[2] = {fp8::float_to_bf16(q[0]), fp8::float_to_bf16(q[1])};
+      q_s[0][h][d / 2] = mma::pack_bf16x2(high[0], high[1]);
+      if constexpr (K::kQParts == 2) {
+        q_s[K::kQParts - 1][h][d / 2] = mma::pack_bf16x2(fp8::float_to_bf16(q[0] - fp8::bf16_to_float(high[0])),
+                                                          fp8::float_to_bf16(q[1] - fp8::bf16_to_float(high[1])));
+      }
     }
     for (int h = threadIdx.x; h < kMaxHeads; h += K::kThreads) {
       w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
     }
     __syncthreads();
     const int64_t n = visible_in_row(p, b);
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
-    const int64_t last = first + K::kEntriesPerBlock < p.width ? first + K::kEntriesPerBlock : p.width;
-    for (int64_t i = first + warp; i < last; i += K::kWarps) {
-      const uint8_t *value = nullptr, *scale = nullptr;
-      const bool valid = i < n && K::locate(p, b, i, &value, &scale);
-      if (!valid) {
-        if (lane == 0) p.scores[b * p.scores_stride + i] = -INFINITY;
-        continue;
+    const int64_t block_first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
+    const int64_t last = block_first + K::kEntriesPerBlock < p.width ? block_first + K::kEntriesPerBlock : p.width;
+    SPARSEKV_ROLLED
+    for (int64_t first = block_first + warp * K::kTile; first < last; first += K::kWarps * K::kTile) {
+      // Rows g and g + 8 of the tile: entries first + g and first + g + 8.
+      typename K::LaneKey keys[2];
+      bool valid[2];
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = first + g + 8 * r;
+        const uint8_t *value = nullptr, *scale = nullptr;
+        valid[r] = i < last && i < n && K::locate(p, b, i, &value, &scale);
+        keys[r] = valid[r] ? K::load_lane_key(value, scale, t) : typename K::LaneKey{};
       }
-      if constexpr (std::is_same_v<typename K::LayoutT, kv_layout::IndexerFp8>) {
-        // 8 e4m3 bytes per lane from aligned 8-byte words (LDG.E.64, no byte loads): the same
-        // products as dequantize.
-        const float key_scale = fp8::bits_float(static_cast<uint32_t>(copy_detail::load_bytes8(scale, scale, scale + 4)));
-        for (int g = lane; g < kDim / 8; g += kWarpSize) {
-          const uint64_t codes = copy_detail::load_bytes8(value + 8 * g, value, value + kDim);
-          for (int j = 0; j < 8; ++j) {
-            k_s[warp][8 * g + j] = fp8::e4m3_to_float(static_cast<uint8_t>(codes >> (8 * j))) * key_scale;
+      mma::FragC acc[kMaxHeads / 8] = {};
+      SPARSEKV_UNROLLED
+      for (int s = 0; s < kDim / 16; ++s) {
+        const mma::FragA a{{K::key_pair(keys[0], s, 0), K::key_pair(keys[1], s, 0), K::key_pair(keys[0], s, 1),
+                            K::key_pair(keys[1], s, 1)}};
+        SPARSEKV_UNROLLED
+        for (int j = 0; j < kMaxHeads / 8; ++j) {
+          if (j >= head_tiles) break;  // warp-uniform
+          for (int part = 0; part < K::kQParts; ++part) {
+            const uint32_t* q_pairs = &q_s[part][8 * j + g][16 * t + 2 * s];
+            const mma::FragB bq{{q_pairs[0], q_pairs[1]}};
+            mma::mma_bf16(acc[j], a, bq);
           }
         }
-      } else {
-        for (int d = lane; d < kDim; d += kWarpSize) k_s[warp][d] = dequantize<typename K::LayoutT>(value, scale, d);
       }
-      __syncwarp();
-      float score = 0.0f;
-      for (int h = lane; h < kMaxHeads; h += kWarpSize) {
-        float dot = 0.0f;
-        for (int d = 0; d < kDim; ++d) dot += q_s[d][h] * k_s[warp][d];
-        score += w_s[h] * fmaxf(dot, 0.0f);
+      // Epilogue: element i of head tile j is entry row c_row (g or g + 8), head 8 j + c_col.
+      float score[2] = {0.0f, 0.0f};
+      SPARSEKV_UNROLLED
+      for (int j = 0; j < kMaxHeads / 8; ++j) {
+        if (j >= head_tiles) break;
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1, h = 8 * j + mma::c_col(lane, i);
+          score[r] += w_s[h] * fmaxf(acc[j].x[i] * K::dot_scale(keys[r]), 0.0f);
+        }
       }
-      for (int off = kWarpSize / 2; off > 0; off /= 2) score += __shfl_xor_sync(0xffffffffu, score, off);
-      if (lane == 0) p.scores[b * p.scores_stride + i] = score;
-      __syncwarp();  // k_s is rewritten by the next entry
+      for (int r = 0; r < 2; ++r) {
+        for (int off = 1; off < 4; off *= 2) score[r] += __shfl_xor_sync(0xffffffffu, score[r], off);
+        const int64_t i = first + g + 8 * r;
+        if (t == 0 && i < last) p.scores[b * p.scores_stride + i] = valid[r] ? score[r] : -INFINITY;
+      }
     }
   }
 }

@@ -51,11 +51,7 @@ SASS_TABLE = {
         occupancy=PASS),
     ("cuda", "dsv4_indexer:layout=fp8,q_dtype=bfloat16", "scores_kernel"): dict(
         launch=Launch(256, 2),
-        no_local=PASS,
-        wide_gather=PASS,
-        fp8_convert="e4m3 decoded in software from single bytes (issue 36 item 6)",
-        tensor_cores="the scores on CUDA cores (issue 36 item 6: fp8 tensor cores)",
-        occupancy={"9.0a": PASS, "10.0a": "158 registers on sm_100a: one CTA per SM (issue 36 item 6)"}),
+        no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.scores[fp8,bf16]", ""): dict(
         launch=Launch(128, 2),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),

@@ -41,8 +41,8 @@ TRIPS = {
                                            "over 256 rows in 8 tiles of 32 with 8 warps; the inner loop is "
                                            "PV's k-step (2 per tile: the header's budget adds the rest)"),
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
-                                         "scores_kernel"), roofline.indexer_scores(1, 65536), 65536, 65536 // 8,
-                                        "one warp per entry"),
+                                         "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
+                                        65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
     "cuda dsv4_indexer_topk topk_kernel": (("cuda", "dsv4_indexer_topk", {}, "topk_kernel"),
                                            roofline.indexer_topk(1, 65536, 512), 5 * 65536 // 1024 * 32, 1,
                                            "one 1024-thread CTA per row, 5 passes over the row"),
