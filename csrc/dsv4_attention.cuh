@@ -34,20 +34,22 @@
 // two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
 // results by fp32 summation order only).
 //
-// Design and instruction budget (sm_90a, nvcc 13.0, bf16 q: 242 registers, no stack, 127.6 KB of
-// dynamic shared memory: one CTA per SM). Per tile of 32 rows a warp issues about 1,480
-// instructions: QK^T 4 trips of a 72-instruction loop (16 HMMA, 48 LDS), PV 2 trips of 171 (64
-// HMMA, 64 LDS, 16 PRMT), and about 850 in the rest of the tile body (gather and convert: per
+// Design and instruction budget (sm_90a, nvcc 13.0, bf16 q: 246 registers, no stack, 127.6 KB of
+// dynamic shared memory: one CTA per SM). The tile loop has no inner loop left: 1,367 instructions,
+// of which a warp issues about 1,150 per tile of 32 rows (the 128-FMUL rescale runs only when a
+// head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV 128: P is two bf16
+// terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather and convert (per
 // 16-byte fp8 chunk one LDG.128, 8 F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL, 8
-// F2FP.BF16.F32.PACK_AB, 2 STS.128; the row resolve; the softmax's 8 logits, 8 MUFU.EX2 and 8 bf16
-// packs per thread; five barriers; the 128-FMUL rescale only when a head's maximum moved). At
-// batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave, 8 tiles each): per SM
-// 8 warps x 8 tiles x 1,480 / (4 schedulers x 1.98 GHz) = 12.0 us of issue; the tensor cores need
-// 2 warps x 8 x 192 HMMA x 4 cycles per scheduler = 6.2 us; the split's fp32 partials (16.8 MB)
-// and the combine's pass over them add about 5 us of memory time. Estimate: about 17 us against
-// the 5.7 us roofline (H200), 3x: issue-bound in the tile body. What remains for 2x: ldmatrix for
-// the fragment loads (112 LDS per tile-warp -> 36 LDSM), the row resolve and gather of tile i + 1
-// overlapped with tile i's products (a second kv buffer), bf16 partials for the combine.
+// F2FP.BF16.F32.PACK_AB, 2 STS.128), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6
+// shuffles per thread) and five barriers. At batch 64, top-k 512, 64 heads the default split is 2
+// (128 CTAs, one wave, 8 tiles each): per SM 8 warps x 8 tiles x 1,150 / (4 schedulers x 1.98 GHz)
+// = 9.3 us of issue; the tensor cores need 2 warps x 8 tiles x 192 HMMA x 4 cycles per scheduler =
+// 6.2 us at the dense bf16 rate; the split's fp32 partials (16.8 MB, written under the issue time)
+// and the combine's pass over them (25 MB) add about 5 us. Estimate: about 14.5 us against the
+// 5.7 us roofline (H200), 2.5x: issue-bound in the tile body. Left for 2x: the gather of tile i + 1
+// overlapped with tile i's products (a second kv buffer, one barrier fewer), fewer instructions per
+// converted pair (6 now), bf16 partials for the combine.
+
 #pragma once
 
 #include <cmath>
@@ -360,6 +362,14 @@ SPARSEKV_DEVICE void load_q_fragment(const QRows& q, int m0, int k0, int lane, m
   }
 }
 
+// The A fragment of the bf16 16 x 16 tile at rows[m0..][k0..] in one ldmatrix.
+template <class Rows>
+SPARSEKV_DEVICE mma::FragA ldmatrix_a(const Rows& rows, int m0, int k0, int lane) {
+  mma::FragA a;
+  mma::ldmatrix_x4(a.x, &rows[m0 + lane % 8 + 8 * ((lane / 8) % 2)][k0 + 8 * (lane / 16)]);
+  return a;
+}
+
 }  // namespace tc
 
 // One CTA per (b, split, group of 64 heads), 8 warps. Per tile of 32 rows of the split:
@@ -466,14 +476,22 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
       mma::FragC score[R / 8] = {};
       for (int k0 = k_begin; k0 < k_begin + kDim / 2; k0 += 16) {
         mma::FragA a[kQParts];
-        tc::load_q_fragment<kQParts>(sh.q, m0, k0, lane, a);
+        if constexpr (kQParts == 1) {
+          a[0] = tc::ldmatrix_a(sh.q, m0, k0, lane);
+        } else {
+          tc::load_q_fragment<kQParts>(sh.q, m0, k0, lane, a);
+        }
         SPARSEKV_UNROLLED
-        for (int n = 0; n < R / 8; ++n) {
-          mma::FragB kt;
+        for (int n = 0; n < R / 8; n += 2) {
+          // K^T fragments of n-tiles n and n + 1: matrix i = rows 8 (n + i / 2), dims k0 + 8 (i % 2).
+          uint32_t kt[4];
+          mma::ldmatrix_x4(kt, &sh.kv[8 * (n + lane / 16) + lane % 8][k0 + 8 * ((lane / 8) % 2)]);
+          const mma::FragB first{{kt[0], kt[1]}}, second{{kt[2], kt[3]}};
           SPARSEKV_UNROLLED
-          for (int r = 0; r < 2; ++r) kt.x[r] = tc::shared_word(&sh.kv[8 * n + mma::b_col(lane)][k0 + mma::b_row(lane, r, 0)]);
-          SPARSEKV_UNROLLED
-          for (int part = 0; part < kQParts; ++part) mma::mma_bf16(score[n], a[part], kt);
+          for (int part = 0; part < kQParts; ++part) {
+            mma::mma_bf16(score[n], a[part], first);
+            mma::mma_bf16(score[n + 1], a[part], second);
+          }
         }
       }
       SPARSEKV_UNROLLED
@@ -558,29 +576,25 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
       mma::FragA prob[K::kMTiles][2];
       SPARSEKV_UNROLLED
       for (int mt = 0; mt < K::kMTiles; ++mt) {
-        SPARSEKV_UNROLLED
-        for (int part = 0; part < 2; ++part) {
-          SPARSEKV_UNROLLED
-          for (int r = 0; r < 4; ++r) {
-            prob[mt][part].x[r] =
-                mt < m_tiles ? tc::shared_word(&sh.prob[part][16 * mt + mma::a_row(lane, r)][k0 + mma::a_col(lane, r, 0)])
-                             : 0u;
-          }
-        }
+        if (mt >= m_tiles) continue;
+        prob[mt][0] = tc::ldmatrix_a(sh.prob[0], 16 * mt, k0, lane);
+        prob[mt][1] = tc::ldmatrix_a(sh.prob[1], 16 * mt, k0, lane);
       }
       SPARSEKV_UNROLLED
-      for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
-        const int d = K::kDimsPerWarp * warp + 8 * n + mma::b_col(lane);
-        mma::FragB v;
-        SPARSEKV_UNROLLED
-        for (int r = 0; r < 2; ++r) {
-          v.x[r] = mma::pack_bf16x2(sh.kv[k0 + mma::b_row(lane, r, 0)][d], sh.kv[k0 + mma::b_row(lane, r, 1)][d]);
-        }
+      for (int n = 0; n < K::kDimsPerWarp / 8; n += 2) {
+        // V fragments of n-tiles n and n + 1, transposed: matrix i = rows k0 + 8 (i % 2), dims
+        // d0 + 8 (i / 2).
+        const int d0 = K::kDimsPerWarp * warp + 8 * n;
+        uint32_t v[4];
+        mma::ldmatrix_x4<true>(v, &sh.kv[k0 + 8 * ((lane / 8) % 2) + lane % 8][d0 + 8 * (lane / 16)]);
+        const mma::FragB first{{v[0], v[1]}}, second{{v[2], v[3]}};
         SPARSEKV_UNROLLED
         for (int mt = 0; mt < K::kMTiles; ++mt) {
           if (mt >= m_tiles) continue;
-          mma::mma_bf16(acc[mt][n], prob[mt][1], v);
-          mma::mma_bf16(acc[mt][n], prob[mt][0], v);
+          mma::mma_bf16(acc[mt][n], prob[mt][1], first);
+          mma::mma_bf16(acc[mt][n], prob[mt][0], first);
+          mma::mma_bf16(acc[mt][n + 1], prob[mt][1], second);
+          mma::mma_bf16(acc[mt][n + 1], prob[mt][0], second);
         }
       }
     }

@@ -21,8 +21,9 @@ from sparsekv.testing.sass import disassemble, find_tool
 
 HERE = Path(__file__).resolve().parent
 PROBE = "mma_probe.cuh"
-EXPORTS = {"product": "sparsekv::mma_probe::product", "convert": "sparsekv::mma_probe::convert"}
-KERNELS = ("sparsekv::mma_probe::Product", "sparsekv::mma_probe::Convert")
+EXPORTS = {"product": "sparsekv::mma_probe::product", "convert": "sparsekv::mma_probe::convert",
+           "ldmatrix": "sparsekv::mma_probe::ldmatrix"}
+KERNELS = ("sparsekv::mma_probe::Product", "sparsekv::mma_probe::Convert", "sparsekv::mma_probe::Ldmatrix")
 # The probes have no cpu path: sim always (marked core, as core_backends marks it, so CI's sim stage
 # does not run it twice), cuda on a GPU.
 BACKENDS = [pytest.param("sim", marks=pytest.mark.core)] + (["cuda"] if "cuda" in kernel_backends() else [])
@@ -130,6 +131,26 @@ def test_a_swapped_fragment_register_gives_a_different_product(modules):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_ldmatrix_gives_the_a_fragment_and_its_transpose_the_b_fragments(modules, backend, seed):
+    # Lanes name the rows of an A fragment (matrix i = rows 8 (i % 2), columns 8 (i // 2)): the plain
+    # load is the A fragment of the tile; the transposed one gives lane 4 g + t elements (2t, g) and
+    # (2t + 1, g) of each 8 x 8 matrix, i.e. the B fragments of the tile's blocks read as K x N.
+    g = torch.Generator().manual_seed(seed)
+    tile = torch.randn(16, 16, generator=g).bfloat16().float()
+    device = device_of(backend)
+    loaded = torch.zeros(2, 32, 4, dtype=torch.int32, device=device)
+    modules(backend).ldmatrix(_bf16_bits(tile).to(torch.int16).to(device), loaded)
+    loaded = loaded.cpu()
+    assert torch.equal(loaded[0], _registers(tile, 4, _a_position))
+    for i in range(4):
+        block = tile[8 * (i % 2):8 * (i % 2) + 8, 8 * (i // 2):8 * (i // 2) + 8]
+        # As the low register of a B fragment of a 16 x 8 matrix whose rows 0-7 are this block.
+        expected = _registers(torch.cat([block, torch.zeros(8, 8)]), 2, _b_position)[:, 0]
+        assert torch.equal(loaded[1, :, i], expected), i
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(exponent=st.integers(-40, 40), seed=st.integers(0, 2**31 - 1))
 def test_the_e4m3_pair_convert_is_the_exact_scaled_value_in_bf16(modules, backend, exponent, seed):
     g = torch.Generator().manual_seed(seed)
@@ -170,7 +191,7 @@ def _no_nvcc() -> str | None:
 
 
 @needs("nvcc and cuobjdump", _no_nvcc())
-def test_nvcc_compiles_the_product_to_hmma_and_the_convert_to_f2fp(probe_root):
+def test_nvcc_compiles_the_product_to_hmma_the_loads_to_ldsm_and_the_convert_to_f2fp(probe_root):
     plan = _plan(probe_root, "cuda", ("9.0a", "10.0a"))
     roots = cache.open_roots()
     so = cache.build_and_publish(roots, plan.entry_name(), plan.key_doc(),
@@ -179,7 +200,9 @@ def test_nvcc_compiles_the_product_to_hmma_and_the_convert_to_f2fp(probe_root):
     for sm in ("sm_90a", "sm_100a"):
         product = [k for (arch, name), k in kernels.items() if arch == sm and "product_kernel" in name]
         convert = [k for (arch, name), k in kernels.items() if arch == sm and "Convert" in name]
-        assert len(product) == 1 and len(convert) == 1, sorted(kernels)
+        loads = [k for (arch, name), k in kernels.items() if arch == sm and "ldmatrix_kernel" in name]
+        assert len(product) == 1 and len(convert) == 1 and len(loads) == 1, sorted(kernels)
+        assert sorted(op for op in loads[0].opcodes if op.startswith("LDSM")) == ["LDSM.16.M88.4", "LDSM.16.MT88.4"]
         assert [op for op in product[0].opcodes if op.startswith("HMMA")] == ["HMMA.16816.F32.BF16"], sm
         converts = [op for op in convert[0].opcodes if op.startswith("F2FP")]
         assert any("E4M3" in op for op in converts) and any("BF16" in op for op in converts), (sm, converts)

@@ -36,10 +36,9 @@ ISSUE = {"9.0a": ("H200", 132, 1.98e9), "10.0a": ("B200", 148, 1.965e9)}
 #: the launch, the model).
 TRIPS = {
     "cuda dsv4_attention partial_kernel": (("cuda", "dsv4_attention", {"q_dtype": "bfloat16"}, "partial_kernel"),
-                                           roofline.attention(64, 512, out_bytes=4), 128 * 8 * 8 * 2, 128,
+                                           roofline.attention(64, 512, out_bytes=4), 128 * 8 * 8, 128,
                                            "64 heads per 256-thread CTA, 2 splits per row (128 CTAs), each "
-                                           "over 256 rows in 8 tiles of 32 with 8 warps; the inner loop is "
-                                           "PV's k-step (2 per tile: the header's budget adds the rest)"),
+                                           "over 256 rows in 8 tiles of 32 with 8 warps (the tile loop)"),
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),

@@ -19,6 +19,8 @@
 // the GPU. Rounding: sim adds the 16 exact products and C in double and rounds once to float; the
 // tensor core's internal order and rounding are not emulated (results agree to a few float ulps).
 //
+// ldmatrix_x4 loads fragments from shared memory in one instruction (its comment gives the layout).
+//
 // e4m3x2_to_bf16x2(pair, scale): two e4m3 bytes times a power-of-two scale as bf16x2. cuda: the
 // hardware convert (F2FP.F16.E4M3.UNPACK_B: e4m3 values are exact in f16), f16 -> f32, one multiply
 // by the scale, one F2FP.BF16.F32.PACK_AB; cpu and sim: the software decode of fp8.h, the same
@@ -92,11 +94,51 @@ struct Published {
   FragB b;
 };
 inline thread_local Published registers[cuda_sim::kMaxThreadsPerBlock / kWarpSize][kWarpSize];
+inline thread_local const uint16_t* rows[cuda_sim::kMaxThreadsPerBlock / kWarpSize][kWarpSize];  // ldmatrix
 
 inline float bf16_half(uint32_t reg, int half) { return fp8::bf16_to_float(static_cast<uint16_t>(reg >> (16 * half))); }
 
 }  // namespace sim_detail
 #endif
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: four 8 x 8 matrices of 16-bit elements from
+// shared memory, one instruction for a whole A fragment (or two B fragments). Lane 8 i + r passes
+// the address of row r of matrix i (16 contiguous bytes, 16-byte aligned); register i of lane
+// 4 g + t receives matrix i's elements (g, 2t) and (g, 2t + 1), or with `Trans` (2t, g) and
+// (2t + 1, g), the first in the low half. So for a row-major 16 x 16 tile at `tile` (row stride
+// `stride` elements), lane l passing &tile[l % 8 + 8 ((l / 8) % 2)][8 (l / 16)] gets its A fragment.
+// sim: each lane publishes its address, the warp meets, each lane reads its elements from the rows
+// the lanes named, the warp meets again.
+template <bool Trans = false>
+SPARSEKV_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
+#ifdef SPARSEKV_SIM
+  const int linear = cuda_sim::g.current->linear;
+  const int warp = linear / kWarpSize, lane = linear % kWarpSize;
+  const uint16_t** published = sim_detail::rows[warp];
+  published[lane] = row;
+  __syncwarp();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t low = Trans ? published[8 * i + 2 * t][g] : published[8 * i + g][2 * t];
+    const uint16_t high = Trans ? published[8 * i + 2 * t + 1][g] : published[8 * i + g][2 * t + 1];
+    r[i] = pack_bf16x2(low, high);
+  }
+  __syncwarp();
+#else
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address)
+                 : "memory");
+  }
+#endif
+}
 
 SPARSEKV_DEVICE void mma_bf16(FragC& d, const FragA& a, const FragB& b) {
 #ifdef SPARSEKV_SIM

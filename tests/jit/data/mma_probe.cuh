@@ -1,6 +1,7 @@
 // Probes of sparsekv/mma.h for tests/jit/test_mma.py (never registered, never shipped): one warp
 // runs one mma_bf16 on registers the test lays out itself (so the test's statement of the PTX
-// fragment layout checks the header's), and threads convert e4m3 pairs with e4m3x2_to_bf16x2.
+// fragment layout checks the header's), one warp runs ldmatrix_x4 on a tile, and threads convert
+// e4m3 pairs with e4m3x2_to_bf16x2.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,8 @@ struct Params {
   const float* scales;    // [count]
   uint32_t* converted;    // [count] bf16x2
   int64_t count;
+  const uint16_t* tile;  // [16][16] for the ldmatrix probe
+  uint32_t* loaded;      // [2][32 lanes][4]: ldmatrix_x4, then its .trans
 };
 
 #ifdef __CUDACC__
@@ -32,7 +35,32 @@ __global__ void product_kernel(const Params p) {
   mma::mma_bf16(d, a, b);
   for (int i = 0; i < 4; ++i) p.d[lane * 4 + i] = d.x[i];
 }
+
+// One warp loads the 16 x 16 tile into shared memory, each lane names row l % 8 + 8 ((l / 8) % 2)
+// at column 8 (l / 16) (the rows an A fragment needs), and keeps what ldmatrix_x4 (plain, then
+// transposed) gives it.
+__global__ void ldmatrix_kernel(const Params p) {
+  __shared__ __align__(16) uint16_t tile[16][24];
+  const int lane = static_cast<int>(threadIdx.x);
+  for (int k = lane; k < 256; k += 32) tile[k / 16][k % 16] = p.tile[k];
+  __syncwarp();
+  const uint16_t* row = &tile[lane % 8 + 8 * ((lane / 8) % 2)][8 * (lane / 16)];
+  uint32_t plain[4], trans[4];
+  mma::ldmatrix_x4(plain, row);
+  mma::ldmatrix_x4<true>(trans, row);
+  for (int i = 0; i < 4; ++i) {
+    p.loaded[lane * 4 + i] = plain[i];
+    p.loaded[128 + lane * 4 + i] = trans[i];
+  }
+}
 #endif
+
+struct Ldmatrix {
+  using Params = mma_probe::Params;
+#ifdef __CUDACC__
+  static int run_on_cuda(const Params& p, void* stream) { return launch_kernel<ldmatrix_kernel>(1, 32, 0, stream, p); }
+#endif
+};
 
 struct Product {
   using Params = mma_probe::Params;
@@ -64,7 +92,7 @@ inline void product(TensorView a, TensorView b, TensorView d) {
   check(b, "b").dtype<int32_t>().contiguous().same_device(a, "a").ndim(2).size(0, 32, "lanes").size(1, 2, "registers");
   check(d, "d").dtype<float>().contiguous().same_device(a, "a").ndim(2).size(0, 32, "lanes").size(1, 4, "registers");
   launch<Product>(Params{static_cast<const uint32_t*>(a.data_ptr()), static_cast<const uint32_t*>(b.data_ptr()),
-                         static_cast<float*>(d.data_ptr()), nullptr, nullptr, nullptr, 0},
+                         static_cast<float*>(d.data_ptr()), nullptr, nullptr, nullptr, 0, nullptr, nullptr},
                   a.device());
 }
 
@@ -75,8 +103,17 @@ inline void convert(TensorView pairs, TensorView scales, TensorView converted) {
   check(converted, "converted").size(0, pairs.size(0), "pairs");
   launch<Convert>(Params{nullptr, nullptr, nullptr, static_cast<const uint16_t*>(pairs.data_ptr()),
                          static_cast<const float*>(scales.data_ptr()), static_cast<uint32_t*>(converted.data_ptr()),
-                         pairs.size(0)},
+                         pairs.size(0), nullptr, nullptr},
                   pairs.device());
+}
+
+inline void ldmatrix(TensorView tile, TensorView loaded) {
+  check(tile, "tile").dtype<int16_t>().contiguous().on_backend_device().ndim(2).size(0, 16, "rows").size(1, 16, "cols");
+  check(loaded, "loaded").dtype<int32_t>().contiguous().same_device(tile, "tile").ndim(3).size(0, 2, "kinds");
+  check(loaded, "loaded").size(1, 32, "lanes").size(2, 4, "registers");
+  launch<Ldmatrix>(Params{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
+                          static_cast<const uint16_t*>(tile.data_ptr()), static_cast<uint32_t*>(loaded.data_ptr())},
+                   tile.device());
 }
 
 }  // namespace sparsekv::mma_probe
