@@ -42,7 +42,14 @@ from sparsekv.checks import as_float, as_int, one_of
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.flashmla import dsv4_attention as flashmla
-from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import (
+    CheckMemo,
+    first_true,
+    index_checks_on_device,
+    kernel_op,
+    metadata_key,
+    rows_of,
+)
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import (
     check,
@@ -102,7 +109,7 @@ def attention_impl(impl: str, q: torch.Tensor, indices: torch.Tensor, extra_indi
         if reason is not None:
             raise ValueError(f"sparsekv: argument `impl` is 'flashmla', but {reason}")
         return impl
-    if impl == "auto" and isinstance(q, torch.Tensor) and flashmla.unavailable_reason(q.device) is None \
+    if impl == "auto" and isinstance(q, torch.Tensor) and q.is_cuda and flashmla.unavailable_reason(q.device) is None \
             and isinstance(indices, torch.Tensor) and flashmla.misfit_reason(q, indices, extra_indices) is None:
         return "flashmla"
     if impl not in IMPLS:
@@ -127,8 +134,8 @@ def _check_q_dtype(q_dtype: torch.dtype) -> None:
         raise TypeError(f"sparsekv: argument `q` must have dtype float32 or bfloat16, got {q_dtype}")
 
 
-def _default_splits(backend: str, batch: int, heads: int, entries: int) -> int:
-    if backend != "cuda" or entries <= _CUDA_MIN_SPLIT_LEN:
+def _default_splits(on_cuda: bool, batch: int, heads: int, entries: int) -> int:
+    if not on_cuda or entries <= _CUDA_MIN_SPLIT_LEN:
         return 1
     blocks = max(1, batch * -(-heads // _CUDA_HEADS_PER_BLOCK))
     return max(1, min(_CUDA_TARGET_BLOCKS // blocks, entries // _CUDA_MIN_SPLIT_LEN))
@@ -146,7 +153,7 @@ def reads_values(q: torch.Tensor, impl: str) -> bool:
     by its C++ entry, with the same messages and without allocating, so the contract leaves them to it.
     Otherwise the checks stay O(1) and never read the device: the kernels skip a slot outside its cache
     and clamp ``topk_length`` to ``[0, K]``."""
-    return index_checks_on_device(q) or (q.device.type == "cpu" and impl != "header")
+    return index_checks_on_device(q) or (q.is_cpu and impl != "header")
 
 
 def _check_slots(indices: torch.Tensor, num_slots: int, name: str) -> None:
@@ -165,7 +172,12 @@ def _check_topk_length(topk_length: torch.Tensor, q: torch.Tensor, width: int, *
                          f"{list(topk_length.shape)}")
     if topk_length.device != q.device:
         raise ValueError(f"sparsekv: argument `topk_length` must be on {q.device} (with `q`), got {topk_length.device}")
-    if values and first_true((topk_length < 0) | (topk_length > width)) is not None:
+    if values:
+        _check_topk_length_values(topk_length, width)
+
+
+def _check_topk_length_values(topk_length: torch.Tensor, width: int) -> None:
+    if first_true((topk_length < 0) | (topk_length > width)) is not None:
         raise ValueError(f"sparsekv: argument `topk_length` must be in [0, K={width}], got {topk_length.tolist()}")
 
 
@@ -223,6 +235,39 @@ workspace, topk_length
     TypeError, ValueError, IndexError
         As :func:`sparse_decode_attention` documents, naming the argument, before anything is written.
     """
+    key = metadata_key(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,
+                       extra_page_slots, num_splits, out, lse, workspace, topk_length, impl)
+    derived = _CONTRACT_MEMO.get(key)
+    if derived is None:  # the full contract, in its order; the O(1) part of a passing call is remembered
+        main, extra, split_len = _check_contract(q, kv_cache, indices, sink, page_slots, softmax_scale,
+                                                 extra_kv_cache, extra_indices, extra_page_slots, num_splits, out,
+                                                 lse, workspace, topk_length, impl, read_values)
+        _CONTRACT_MEMO.put(key, (main[1:4] + main[5:], extra and extra[1:4] + extra[5:], split_len))
+        return main, extra, split_len
+    # The same metadata passed before: only the values can fail now, checked in the contract's order.
+    main_sizes, extra_sizes, split_len = derived
+    if read_values:
+        if topk_length is not None:
+            _check_topk_length_values(topk_length, indices.shape[1])
+        _check_slots(indices, main_sizes[2], "indices")
+        if extra_sizes is not None:
+            _check_slots(extra_indices, extra_sizes[2], "extra_indices")
+    main = (kv_cache, *main_sizes[:3], indices, *main_sizes[3:])
+    extra = None if extra_sizes is None else (extra_kv_cache, *extra_sizes[:3], extra_indices, *extra_sizes[3:])
+    return main, extra, split_len
+
+
+#: The metadata keys of the calls that passed the O(1) contract, with its sizes: a repeated decode call
+#: with the same buffers costs one key and one lookup instead of ~40 checks (issue 36 item 2).
+_CONTRACT_MEMO = CheckMemo()
+
+
+def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                    page_slots: int, softmax_scale: float, extra_kv_cache: torch.Tensor | None,
+                    extra_indices: torch.Tensor | None, extra_page_slots: int, num_splits: int, out: torch.Tensor,
+                    lse: torch.Tensor, workspace: torch.Tensor | None, topk_length: torch.Tensor | None, impl: str,
+                    read_values: bool) -> tuple[tuple, tuple | None, int]:
+    """:func:`check_attention_arguments` in full, every check in the header entry's order."""
     _check_q_dtype(q.dtype)
     if sink.dtype != torch.float32:
         raise TypeError(f"sparsekv: argument `sink` must have dtype float32 (sink logits are fp32; reading them as "
@@ -439,7 +484,7 @@ def sparse_decode_attention(
 
         splits = default_splits(q.device, batch, heads, entries)
     else:
-        splits = _default_splits(backend_of(q), batch, heads, entries)
+        splits = _default_splits(isinstance(q, torch.Tensor) and q.is_cuda, batch, heads, entries)
     splits = splits if type(splits) is int else -1  # noqa: E721 - the op body names a bad count
     if out is None:
         out = torch.empty((batch, heads, HEAD_DIM), dtype=out_dtype, device=q.device)

@@ -105,11 +105,17 @@ def indexer_template_args(layout: str, q_dtype: torch.dtype) -> tuple[str, str]:
     TypeError
         ``q_dtype`` is neither float32 nor bfloat16.
     """
+    _check_instance(layout, q_dtype)
+    return INDEXER.template_args({"layout": layout, "q_dtype": q_dtype})
+
+
+def _check_instance(layout: str, q_dtype: torch.dtype) -> None:
+    """The refusals of :func:`indexer_template_args`, without building the arguments (the op body's
+    check: the module lookup builds them once per instance)."""
     if layout not in INDEXER_LAYOUTS:
         raise ValueError(f"sparsekv: argument `layout` must be one of {sorted(INDEXER_LAYOUTS)}, got {layout!r}")
     if q_dtype not in _Q_TYPES:
         raise TypeError(f"sparsekv: argument `q` must have dtype float32 or bfloat16, got {q_dtype}")
-    return INDEXER.template_args({"layout": layout, "q_dtype": q_dtype})
 
 
 def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_slots: int, num_pages: int,
@@ -222,7 +228,7 @@ def indexer_scores(
 @kernel_op("indexer_scores", mutates_args=("out",))
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                     positions: torch.Tensor, page_slots: int, layout: str, out: torch.Tensor, impl: str) -> None:
-    indexer_template_args(layout, q.dtype)
+    _check_instance(layout, q.dtype)
     if page_table.dim() != 2:
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
     backend = backend_of(out)

@@ -43,6 +43,10 @@ _SCALAR_CHECKS = {"int": as_int, "float": as_float, "bool": as_bool}
 _OP_IMPLS = ("auto", "header", "triton", "flashmla")
 
 
+def _refuse_impl(name: str, value: object) -> None:
+    raise ValueError(f"sparsekv: {name}: argument `impl` must be one of {list(_OP_IMPLS)}, got {value!r}")
+
+
 def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Sequence[str],
                      kinds: dict[str, Callable]) -> bool:
     """What every op refuses before its body (or its fake) runs, naming the argument: an ``impl`` that
@@ -54,12 +58,12 @@ def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Seq
     meta = real_written = None
     for param, value in zip(params, args):
         if isinstance(value, torch.Tensor):
-            if value.device.type == "meta":
+            if value.is_meta:
                 meta = meta or param
             elif param in written:
                 real_written = real_written or param
         elif param == "impl" and value not in _OP_IMPLS:
-            raise ValueError(f"sparsekv: {name}: argument `impl` must be one of {list(_OP_IMPLS)}, got {value!r}")
+            _refuse_impl(name, value)
         elif value is not None and param in kinds:
             kinds[param](value, param)
     if meta is not None and real_written is not None:
@@ -67,6 +71,31 @@ def _check_arguments(name: str, params: Sequence[str], args: tuple, written: Seq
                          "call writes, is not; a call runs with every tensor real, or gives shapes with the "
                          "tensors it writes on meta")
     return meta is not None
+
+
+def _plain_eager(name: str, args: tuple, scalar_slots: tuple, other_slots: tuple) -> bool:
+    """Whether a call runs the op's body directly, with what :func:`_check_arguments` refuses checked: nothing
+    traces, and every tensor is a plain one off the meta device (the decode loop's case). False sends the
+    call to the general path, which decides again; a refusal raised here is the one that path raises
+    first (the ``impl`` and scalar checks, in argument order). Precomputed slots keep it one pass (issue
+    36 item 2: the general path cost ~6 us of a ~1 us module call)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    for i in other_slots:
+        value = args[i]
+        if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta):
+            return False
+    for i, param, kind in scalar_slots:
+        value = args[i]
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor or value.is_meta:
+                return False
+        elif kind is None:  # the `impl` slot
+            if value not in _OP_IMPLS:
+                _refuse_impl(name, value)
+        elif value is not None:
+            kind(value, param)
+    return True
 
 
 def _through_dispatcher(args: tuple) -> bool:
@@ -77,7 +106,7 @@ def _through_dispatcher(args: tuple) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
     tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    return tensor is not None and (tensor.device.type == "meta" or type(tensor) is not torch.Tensor)
+    return tensor is not None and (tensor.is_meta or type(tensor) is not torch.Tensor)
 
 
 def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -117,9 +146,14 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", checked, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
 
+        scalar_slots = tuple((i, p, kinds.get(p)) for i, p in enumerate(params) if p == "impl" or p in kinds)
+        other_slots = tuple(i for i, p in enumerate(params) if not (p == "impl" or p in kinds))
+
         def call(*args) -> None:
+            if _plain_eager(name, args, scalar_slots, other_slots):
+                body(*args)
             # A meta tensor anywhere sends the call to the fake (checked first): never to the entry.
-            if _check_arguments(name, params, args, written, kinds) or _through_dispatcher(args):
+            elif _check_arguments(name, params, args, written, kinds) or _through_dispatcher(args):
                 op(*args)
             else:
                 body(*args)
@@ -130,6 +164,59 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
     return register
 
 
+#: The plain values a :func:`metadata_key` keys by value (with their type: ``True``, ``1`` and ``1.0`` differ).
+_KEYED_VALUES = (int, float, bool, str, torch.dtype)
+
+
+def metadata_key(*args: object) -> tuple | None:
+    """What a call's O(1) argument checks read, as a hashable key; None when a call is not to be memoized.
+
+    A plain tensor contributes its address, shape, strides, dtype and device (the address for the
+    memory-sharing checks); None itself; an int, float, bool, str or dtype itself with its type. Any
+    other argument (a tensor subclass, a list, an object) gives None: such a call is checked in full.
+    Two calls with equal keys pass or fail the same O(1) checks, so a wrapper that stores the keys of
+    the calls that passed (:class:`CheckMemo`) checks a repeated decode call with one dict lookup.
+    """
+    parts = []
+    for a in args:
+        if type(a) is torch.Tensor:
+            parts.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device))
+        elif a is None:
+            parts.append(None)
+        elif type(a) in _KEYED_VALUES:
+            parts.append((type(a), a))
+        else:
+            return None
+    return tuple(parts)
+
+
+class CheckMemo:
+    """The calls whose O(1) argument checks passed, by :func:`metadata_key`, with what the checks derived.
+
+    Only passing calls are stored, so a refusal is always raised by the full checks, with their
+    exception and message. What is stored must not hold a tensor (a memo would keep caches alive):
+    the derived sizes, strides and shifts. At ``capacity`` keys the memo starts over (a decode loop
+    reuses a handful of buffers; a workload that keeps making new ones pays the full checks).
+    Value checks (index tables, behind ``SPARSEKV_CHECK_INDICES`` on the GPU) are never memoized.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._passed: dict[tuple, object] = {}
+
+    def get(self, key: tuple | None) -> object | None:
+        """What the checks derived for ``key`` (None when not stored or ``key`` is None)."""
+        return None if key is None else self._passed.get(key)
+
+    def put(self, key: tuple | None, derived: object) -> None:
+        """Store ``derived`` (not None) for a ``key`` whose checks passed."""
+        if key is None:
+            return
+        if len(self._passed) >= self.capacity:
+            self._passed.clear()
+        self._passed[key] = derived
+
+
 def index_checks_on_device(tensor: torch.Tensor) -> bool:
     """Whether an op body validates the index tables on ``tensor``'s device with torch before the launch:
     ``tensor`` is on a CUDA device and ``SPARSEKV_CHECK_INDICES=1``.
@@ -138,7 +225,7 @@ def index_checks_on_device(tensor: torch.Tensor) -> bool:
     it is opt-in there (otherwise the kernels skip or clamp what is out of range); host-readable tables
     are the C++ entries' to check.
     """
-    return tensor.device.type == "cuda" and env.check_indices()
+    return tensor.is_cuda and env.check_indices()
 
 
 def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:

@@ -159,7 +159,7 @@ class KernelFamily:
 def backend_of(tensor) -> str:
     """The backend that runs on a torch tensor's device: ``"cuda"`` for CUDA tensors, else the CPU
     backend ``SPARSEKV_CPU_BACKEND`` names (``"cpu"`` by default, or ``"sim"``)."""
-    return "cuda" if tensor.device.type == "cuda" else env.cpu_backend()
+    return "cuda" if tensor.is_cuda else env.cpu_backend()
 
 
 REGISTRY: dict[str, KernelFamily] = {}
