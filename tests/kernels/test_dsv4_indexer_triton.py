@@ -15,7 +15,7 @@ from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, topk_
 from sparsekv.testing.allocations import allocations
 from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_indexer import decode_indexer_keys, indexer_scores_reference
-from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case
+from sparsekv.testing.strategies.dsv4_indexer import IndexerCase, indexer_case, write_indexer_keys
 
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
 
@@ -57,6 +57,26 @@ def test_triton_scores_and_topk_match_the_reference_and_the_header(backend, case
     header_out = indexer_topk(scores, c.positions, k, page_table=c.page_table, page_slots=c.page_slots, impl="header")
     for a, b in zip(triton_out, header_out):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_triton_fp8_scores_hold_the_tolerance_at_every_query_magnitude(backend, q_dtype):
+    # The FP8 twin scales each head of q by a power of two into float16's top binade: heads far
+    # below float16's normal range (1e-8) or above its largest value (1e5, 3e30) keep the bound
+    # (unscaled, the first would lose its low bits and the others overflow to inf).
+    g = torch.Generator().manual_seed(7)
+    page_slots, pages = 16, 2
+    k_cache = torch.zeros(pages, 132 * page_slots, dtype=torch.uint8)
+    write_indexer_keys(torch.randn(pages * page_slots, 128, generator=g), k_cache, torch.arange(pages * page_slots),
+                       page_slots, "fp8")
+    table, positions = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([4 * 32 - 1])
+    for magnitude in (1e-8, 1e-3, 1.0, 1e5, 3e30):  # one head a case, so its own size sets the bound
+        q = (torch.randn(1, 1, 128, generator=g) * magnitude).to(q_dtype)
+        one = IndexerCase(q, torch.rand(1, 1, generator=g) + 0.5, k_cache, table, positions, page_slots, "fp8")
+        got = scores_of(one, backend, "triton")
+        expected = indexer_scores_reference(q, one.weights, k_cache, table, positions, page_slots=page_slots,
+                                            layout="fp8", width=got.shape[1])
+        assert_scores_close(one, got, expected, 1e-5)
 
 
 @pytest.mark.parametrize("ties", [False, True])
