@@ -10,9 +10,13 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
   rope values are contiguous masked loads (16-byte vectors, ``cp.async`` when pipelined), its 8 UE8M0
   scale bytes one 8-byte word; e4m3 goes to bf16 through the hardware convert and is multiplied in
   bf16 by its power-of-two scale (exact: the scale only moves the exponent);
-* ``q . kv^T`` and ``p . kv`` run as ``tl.dot`` with float32 accumulation (wgmma on sm_90a: QK^T as
-  ``64x16x16`` per warp group, N = 16, PV as ``64x256x16``, the ``64 x 512`` accumulator split over
-  the two warp groups of 8 warps; tcgen05 on sm_100a); ``q`` sits in shared memory for the loop;
+* ``q . kv^T`` and ``p . kv`` run as ``tl.dot`` with float32 accumulation. The logits are computed as
+  ``(kv . q^T)^T``: the dequantized rows are the A operand straight from registers and ``q^T`` the
+  B operand (``q`` sits in shared memory for the loop); with ``M = BLOCK_N = 32`` rows, below
+  wgmma's 64, this is the warp MMA (``mma.sync`` m16n8k16, ``HMMA.16816``, B read with ``ldmatrix``
+  each k-step). ``p . kv`` is wgmma ``64x256x16`` per warp group on sm_90a, the ``64 x 512``
+  accumulator split over the two warp groups of 8 warps (128 registers each thread); tcgen05 on
+  sm_100a;
 * an online softmax in base 2 with the per-head sink folded into the final normalization;
 * split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
   output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
@@ -26,29 +30,39 @@ bf16-rounded ``q``: ``|out - ref| <= 1e-2 max(1, max|ref|)``, ``lse`` within 1e-
 values are exact (bf16 holds e4m3 times a power of two, and the bf16 rope values), except that a
 scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
-Compiled (sm_90a, triton 3.9, the AOT build at the benchmark's arguments; checked with the wheel's
-``cuobjdump``): the gathers are ``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and
-``LDGSTS.E.64`` for the scale words, no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then
-``F2F.BF16.F16``; the products are ``HGMMA.64x16x16.F32.BF16`` (QK^T) and ``HGMMA.64x256x16.F32.BF16``
-(PV). sm_100a: ``UTCHMMA`` (tcgen05) and the direct ``F2FP.BF16.E4M3.UNPACK_B``. Not yet met: 255
-registers with a stack (``LDL`` / ``STL`` in the loop) of 504 bytes on sm_90a (408 with
-``num_stages=2``) and 232 on sm_100a for bf16 ``q``, 656 / 280 for float32 ``q``; the previous design
-(16-row tiles, bytes decoded in software, QK^T at N = 8) had 328 bytes on sm_90a. Removing the
-spill needs the accumulator held in exactly 128 registers with the dequantized tile staged through
-shared memory by separate warps (FlashMLA's producer / consumer split with ``setmaxnreg``), which
-Triton does not express; that is the header rewrite's job (``mma.sync`` / wgmma in CUDA).
+Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
+checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
+sm_100a (250 / 246 registers for bf16 ``q``, 255 / 245 for float32 ``q``, stack 0); the gathers are
+``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words,
+no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
+``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
+``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a).
 
-Instruction budget at batch 64, top-k 512, 64 heads (design target: within 2x of the 5.7 us H200
-roofline). The loop body is 1,316 SASS instructions per warp per 32-row tile (counted between the
-loop's back branch and its target: 144 ``FMUL`` rescaling the accumulator, 66 ``HGMMA``, 265
-``R2UR`` / ``UMOV`` building wgmma descriptors, about 210 for the dequantization, 82 ``LDL`` spill
-reloads). One program per row, one per SM (64 of 132), 16 tiles each, 8 warps, 4 instructions issued
-per SM cycle at 1.98 GHz: ``16 x 1316 x 8 / 4 / 1.98e9 = 21 us``, 3.7x the roofline even at perfect
-issue. With two splits per row (128 programs, 8 tiles each) it is 10.5 us of issue plus the combine
-(a float32 partial of 16.8 MB written and read: about 7 us at 4.8 TB/s), so the Triton design stays
-above 2x; the budget's largest terms are the per-tile accumulator rescale and descriptor setup,
-which 64-row tiles halve per row (and a rescale skipped when the running max does not move would
-remove). A GPU session times it against FlashMLA (``bench_dsv4_attention --peer``).
+Registers. The previous form, ``q . kv^T`` on wgmma with both operands in shared memory, spilled
+(255 registers, a 504-byte stack on sm_90a): wgmma addresses shared memory through a 64-bit
+descriptor per k-step and N block, and LLVM hoists every one of them out of the tile loop, 96 for
+QK^T at ``K = 512`` (both warp groups computing the same 64x32 logits at N = 16), each then held in a
+register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descriptor. With the rows as
+a register operand and ``q^T`` read by ``ldmatrix`` (an address plus an immediate per k-step), only
+PV's two descriptors remain.
+
+What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the issue of instructions,
+not memory: the loop body is 1,465 SASS instructions per warp per 32-row tile on sm_90a (1,270 on
+sm_100a; ``tools/bench/bench_sass_budget.py`` counts them), of which about 350 ``IMAD`` (address
+arithmetic of the fragments and gathers), 164 ``LDS`` (``q^T`` fragments), 136 ``FMUL`` (128 of them
+the accumulator's rescale), 64 ``HMMA``, 2 ``HGMMA``, and about 330 for the dequantization (``PRMT``,
+``SEL``, ``F2F``, ``F2FP``, ``HMUL2``). With the GPU's default of 2 splits there (128 programs of 64
+heads, one per SM, 10 tiles each, 8 warps, 4 instructions issued per SM cycle at 1.98 GHz):
+``10 x 1465 x 8 / 4 / 1.98e9 = 14.8 us`` of issue against the H200 roofline of those 640 entries,
+6.8 us (5.7 us for the top-k 512 alone): 2.2x (B200: 12.9 us against 4.1 us, 3.2x), plus the
+combine, whose float32 partials (16.8 MB written and read) cost about 7 us more at 4.8 TB/s unless
+they stay in L2. The design target (within 2x) is not met: the largest terms are per tile (the
+rescale, the fragment addressing), which larger tiles would amortize if their registers allowed.
+At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of 64 tiles) the
+same loop is ``8192 x 64 x 1465 x 8 / (132 x 4 x 1.98e9) = 5.9 ms`` of issue against a math-bound
+roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 2.6x. At batch 1 the kernel is latency-bound: few
+tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session times it against
+FlashMLA (``bench_dsv4_attention --peer``).
 
 Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 with tensor-core
 instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05.
@@ -179,7 +193,9 @@ def _attend(m, denom, acc, q, cache_ptr, page_stride, page_shift, num_slots, idx
         slots = tl.load(idx_row_ptr + j, mask=in_range, other=-1)
         kv, valid = _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, in_range, BLOCK_N,
                                  NATIVE_BF16)
-        s = _mma(q, tl.trans(kv), tl.zeros((q.shape[0], BLOCK_N), tl.float32), NATIVE_BF16)
+        # Logits as (kv q^T)^T: the gathered rows are the A operand, straight from registers, and q^T the B
+        # operand, so no wgmma descriptor is needed for either (see "Registers" above).
+        s = tl.trans(_mma(kv, tl.trans(q), tl.zeros((BLOCK_N, q.shape[0]), tl.float32), NATIVE_BF16))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         # A NaN logit makes the head's output and lse NaN, as in the header. The GPU's max drops NaN
         # (max.f32), so it is carried explicitly: once m is NaN, every later p, alpha and sum is NaN.

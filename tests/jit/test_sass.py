@@ -46,8 +46,7 @@ SASS_TABLE = {
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("triton", "dsv4_attention.partial[bf16]", ""): dict(
         launch=Launch(256, 1),
-        no_local="255 registers and a stack (504 B sm_90a, 232 B sm_100a) (issue 37)",
-        wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS,
+        no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS,
         occupancy=PASS),
     ("cuda", "dsv4_indexer:layout=fp8,q_dtype=bfloat16", "scores_kernel"): dict(
         launch=Launch(256, 2),

@@ -29,7 +29,8 @@ from sparsekv.testing.sass import cuda_artifact, disassemble, inner_loop
 #: (SMs, clock in Hz) of the model GPU of each arch.
 ISSUE = {"9.0a": ("H200", 132, 1.98e9), "10.0a": ("B200", 148, 1.965e9)}
 
-# Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads; indexer one row of 64k
+# Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads (and the Triton attention at
+# prefill: 4k tokens, 128 heads, top-k 2048); indexer one row of 64k
 # entries; top-k 512 of 64k; fused compress + store 4k C4 tokens; store / quantize 4096 rows; gather
 # 16k rows of 584 B; swap-in batch 64, top-k 512.
 #: kernel -> (how the SASS is built, the roofline cost, the warp trips of the inner loop, the CTAs of
@@ -53,9 +54,14 @@ TRIPS = {
     "cuda dsv4_quant QuantizeRows<V4, bf16>": (("cuda", "dsv4_quant", {}, "QuantizeRowsINS_9kv_layout2V4EtE"),
                                                roofline.quantize(4096), 4096, 4096 // 8, "one warp per row"),
     "triton dsv4_attention.partial[bf16]": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
-                                            roofline.attention(64, 512 + 128), 64 * 2 * ((512 + 128) // 2 // 16) * 8,
+                                            roofline.attention(64, 512 + 128), 64 * 2 * ((512 + 128) // 2 // 32) * 8,
                                             64 * 2, "64 heads per program, 2 splits per row (128 programs), "
-                                                    "each looping over its 320 rows in tiles of 16, with 8 warps"),
+                                                    "each looping over its 320 rows in tiles of 32, with 8 warps"),
+    "triton dsv4_attention.partial[bf16] prefill": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
+                                                    roofline.attention(4096, 2048, 128), 4096 * 2 * (2048 // 32) * 8,
+                                                    4096 * 2, "prefill, each of 4k query tokens a row: 128 heads as "
+                                                              "two programs of 64 (8k programs), each looping over "
+                                                              "its 2048 rows in tiles of 32, with 8 warps"),
     "triton dsv4_indexer.scores[fp8,bf16]": (("triton", "dsv4_indexer.scores[fp8,bf16]", {}, ""),
                                              roofline.indexer_scores(1, 65536), (65536 // 256) * (256 // 64) * 4,
                                              65536 // 256, "256 chunks of 256 entries, a persistent grid of 2 programs "
