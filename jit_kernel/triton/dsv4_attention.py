@@ -32,7 +32,7 @@ scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
 Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
 checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
-sm_100a (250 / 246 registers for bf16 ``q``, 255 / 245 for float32 ``q``, stack 0); the gathers are
+sm_100a (254 / 246 registers for bf16 ``q``, 254 / 245 for float32 ``q``, stack 0); the gathers are
 ``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words,
 no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
 ``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
@@ -47,20 +47,21 @@ a register operand and ``q^T`` read by ``ldmatrix`` (an address plus an immediat
 PV's two descriptors remain.
 
 What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the issue of instructions,
-not memory: the loop body is 1,465 SASS instructions per warp per 32-row tile on sm_90a (1,270 on
-sm_100a; ``tools/bench/bench_sass_budget.py`` counts them), of which about 350 ``IMAD`` (address
-arithmetic of the fragments and gathers), 164 ``LDS`` (``q^T`` fragments), 136 ``FMUL`` (128 of them
-the accumulator's rescale), 64 ``HMMA``, 2 ``HGMMA``, and about 330 for the dequantization (``PRMT``,
-``SEL``, ``F2F``, ``F2FP``, ``HMUL2``). With the GPU's default of 2 splits there (128 programs of 64
+not memory: the loop body is 1,407 SASS instructions per warp per 32-row tile on sm_90a (1,208 on
+sm_100a; ``tools/bench/bench_sass_budget.py`` counts them), of which about 350 register moves (``IMAD.MOV``,
+``MOV``: ptxas assembling each ``HMMA`` fragment in consecutive registers), 163 ``LDS`` (the
+fragments of the rows and of ``q^T``), 136 ``FMUL`` (128 of them the accumulator's rescale), 64
+``HMMA``, 2 ``HGMMA``, and about 330 for the dequantization (``PRMT``, ``SEL``, ``F2F``, ``F2FP``,
+``HMUL2``). With the GPU's default of 2 splits there (128 programs of 64
 heads, one per SM, 10 tiles each, 8 warps, 4 instructions issued per SM cycle at 1.98 GHz):
-``10 x 1465 x 8 / 4 / 1.98e9 = 14.8 us`` of issue against the H200 roofline of those 640 entries,
-6.8 us (5.7 us for the top-k 512 alone): 2.2x (B200: 12.9 us against 4.1 us, 3.2x), plus the
+``10 x 1407 x 8 / 4 / 1.98e9 = 14.2 us`` of issue against the H200 roofline of those 640 entries,
+6.8 us (5.7 us for the top-k 512 alone): 2.1x (B200: 12.3 us against 4.1 us, 3.0x), plus the
 combine, whose float32 partials (16.8 MB written and read) cost about 7 us more at 4.8 TB/s unless
 they stay in L2. The design target (within 2x) is not met: the largest terms are per tile (the
-rescale, the fragment addressing), which larger tiles would amortize if their registers allowed.
+rescale, the fragment moves), which larger tiles would amortize if their registers allowed.
 At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of 64 tiles) the
-same loop is ``8192 x 64 x 1465 x 8 / (132 x 4 x 1.98e9) = 5.9 ms`` of issue against a math-bound
-roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 2.6x. At batch 1 the kernel is latency-bound: few
+same loop is ``8192 x 64 x 1407 x 8 / (132 x 4 x 1.98e9) = 5.6 ms`` of issue against a math-bound
+roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 2.5x. At batch 1 the kernel is latency-bound: few
 tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session times it against
 FlashMLA (``bench_dsv4_attention --peer``).
 
@@ -175,6 +176,12 @@ def _bf16_operand(x, NATIVE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _max_with_nan(a, b):
+    """``max(a, b)``, NaN when either is: the combine of the logits' row maximum (``max.NaN.f32``)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _store_out(ptr, x, mask, NATIVE_BF16: tl.constexpr):
     """Store float32 ``x`` into a float32 or bfloat16 output (round to nearest even)."""
     if ptr.dtype.element_ty == tl.bfloat16:
@@ -197,10 +204,10 @@ def _attend(m, denom, acc, q, cache_ptr, page_stride, page_shift, num_slots, idx
         # operand, so no wgmma descriptor is needed for either (see "Registers" above).
         s = tl.trans(_mma(kv, tl.trans(q), tl.zeros((BLOCK_N, q.shape[0]), tl.float32), NATIVE_BF16))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        # A NaN logit makes the head's output and lse NaN, as in the header. The GPU's max drops NaN
-        # (max.f32), so it is carried explicitly: once m is NaN, every later p, alpha and sum is NaN.
-        nan_logit = tl.max((s != s).to(tl.int32), 1) > 0
-        m_new = tl.where(nan_logit | (m != m), float("nan"), tl.maximum(m, tl.max(s, 1)))
+        # A NaN logit makes the head's output and lse NaN, as in the header. The GPU's plain max drops NaN
+        # (max.f32), so the maximum propagates it (max.NaN.f32): once m is NaN, every later p, alpha and
+        # sum is NaN.
+        m_new = tl.maximum(m, tl.reduce(s, 1, _max_with_nan), propagate_nan=tl.PropagateNan.ALL)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
