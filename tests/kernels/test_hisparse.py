@@ -920,26 +920,29 @@ def test_a_protected_policy_follows_its_model_bit_for_bit(backend, indexed, data
 
 
 # Slots hold 20, 3, 7, 21, 8, 9, 10 (LRU order 0..6); the step asks for 21 (slot 3, a hit) and two
-# misses, 14 and 15, at newest 23 (n = 24). LRU evicts slots 0 and 1. One position either side of a
-# requested token protects 20 (next to 21): slots 1 and 2. The last 3 positions (>= 20, the boundary
-# itself) protect 20 and 21: slots 1 and 2 too; the last 2 (>= 21) protect nothing that can go.
-# PROTECT protects 20 both ways. The indexed kernel runs the table's policies (the rule itself is the
-# scanning kernel's function, each window alone is checked there).
-PROTECTED_CASES = [("lru", [0, 1]), ((0, 1), [1, 2]), ((3, 0), [1, 2]), ((2, 0), [0, 1]), (PROTECT, [1, 2])]
+# misses, 14 and 15. At newest 23 (n = 24) LRU evicts slots 0 and 1. The last 3 positions (>= 20,
+# the boundary itself) protect 20 and 21: slots 1 and 2 go; at newest 24 they (>= 21) protect nothing
+# that can go. One position either side of a requested token protects 20 (next to 21): at newest 35
+# (no held token among the last 3) that window alone sends slots 1 and 2. PROTECT protects 20 both
+# ways at newest 23. Each window alone and its boundary on the two protected instances other tests
+# build (a policy is a module: cpu, ASan and sim in CI); the indexed kernel runs the table's policies
+# (the rule itself is the scanning kernel's function).
+PROTECTED_CASES = [("lru", 24, [0, 1]), ((3, 0), 24, [1, 2]), ((3, 0), 25, [0, 1]), (PROTECT, 36, [1, 2]),
+                   (PROTECT, 24, [1, 2])]
 KERNEL_CASES = [(False, *case) for case in PROTECTED_CASES] + \
-    [(True, *case) for case in PROTECTED_CASES if case[0] in ("lru", PROTECT)]
+    [(True, *case) for case in PROTECTED_CASES if case[:2] in (("lru", 24), (PROTECT, 24))]
 
 
-@pytest.mark.parametrize("indexed, policy, victims", KERNEL_CASES,
-                         ids=[f"{'indexed' if i else 'scanning'}-{p}" for i, p, _ in KERNEL_CASES])
-def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protected_one(backend, indexed, policy,
+@pytest.mark.parametrize("indexed, policy, n, victims", KERNEL_CASES,
+                         ids=[f"{'indexed' if i else 'scanning'}-{p}-n{n}" for i, p, n, _ in KERNEL_CASES])
+def test_a_protected_policy_evicts_a_far_slot_before_a_less_recently_used_protected_one(backend, indexed, policy, n,
                                                                                         victims):
     w = world(backend)
     w.policy = policy
     hold(w, 0, [20, 3, 7, 21, 8, 9, 10])
     if indexed:
         w.use_resident_index()
-    res = w.swap_in([[21, 14, 15, -1, -1]], [0], [24], plan=True)
+    res = w.swap_in([[21, 14, 15, -1, -1]], [0], [n], plan=True)
     assert res["miss_dst"][0, :2].tolist() == locs(w, 0, victims)
     assert w.lru_order(0) == [s for s in range(7) if s not in victims + [3]] + victims + [3]
 
