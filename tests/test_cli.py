@@ -24,21 +24,23 @@ def test_version():
 
 
 def test_jit_build_list_info_clean(tmp_path):
+    # One instance (one compile); building a family's whole table by name: test_jit_cli.py.
     cache_dir = tmp_path / "cache"
-    built = run_cli("jit", "build", "gather_rows", cache_dir=cache_dir)
+    built = run_cli("jit", "build", "--instance", "gather_rows:index_dtype=int32", cache_dir=cache_dir)
     assert built.returncode == 0, built.stderr
-    assert "built 2 module instances for the cpu backend" in built.stdout
+    assert "built 1 module instances for the cpu backend" in built.stdout
     assert "\r" not in built.stderr  # no progress bar when stderr is not a terminal
 
     listed = run_cli("jit", "list", cache_dir=cache_dir)
     assert listed.returncode == 0
     for family in discover().values():
         assert family.name in listed.stdout
-    gather_lines = [line for line in listed.stdout.splitlines() if "gather_rows<" in line]
-    assert len(gather_lines) == 2 and all("cached: cpu" in line for line in gather_lines)
+    gather_lines = {line.split()[0]: line for line in listed.stdout.splitlines() if "gather_rows<" in line}
+    assert len(gather_lines) == 2 and "cached: cpu" in gather_lines["gather_rows<index_dtype=torch.int32>"]
+    assert gather_lines["gather_rows<index_dtype=torch.int64>"].rstrip().endswith("cached: -")
 
     info = json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)
-    assert info["entries"] == 2 and info["bytes"] > 0 and info["cache_dir"] == str(cache_dir)
+    assert info["entries"] == 1 and info["bytes"] > 0 and info["cache_dir"] == str(cache_dir)
 
     assert run_cli("jit", "clean", cache_dir=cache_dir).returncode == 0
     assert json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 0
@@ -51,17 +53,22 @@ def test_unknown_family_is_a_usage_error(tmp_path):
 
 def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, monkeypatch):
     cache_dir = tmp_path / "cache"
+    instance = ("--instance", "gather_rows:index_dtype=int32")  # one instance: two compiles in all
+
+    def listed() -> str:
+        lines = run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines()
+        return next(line for line in lines if line.startswith("gather_rows<index_dtype=torch.int32>"))
+
     # An entry built with other flags is one a load would no longer use.
     monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_OLD_FLAGS=1")
-    assert run_cli("jit", "build", "gather_rows", cache_dir=cache_dir).returncode == 0
+    assert run_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
     monkeypatch.delenv("SPARSEKV_EXTRA_CFLAGS")
-    assert run_cli("jit", "build", "gather_rows", cache_dir=cache_dir).returncode == 0
-    lines = [line for line in run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines() if "gather_rows<" in line]
-    assert all(line.count("cpu (stale)") == 1 and line.count("cpu") == 2 for line in lines), lines
+    assert run_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
+    line = listed()
+    assert line.count("cpu (stale)") == 1 and line.count("cpu") == 2, line
     cleaned = run_cli("jit", "clean", "--stale", cache_dir=cache_dir)
-    assert "removed 2 stale entries" in cleaned.stdout
-    lines = [line for line in run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines() if "gather_rows<" in line]
-    assert all(line.rstrip().endswith("cached: cpu") for line in lines), lines
+    assert "removed 1 stale entries" in cleaned.stdout
+    assert listed().rstrip().endswith("cached: cpu")
 
 
 def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path):
