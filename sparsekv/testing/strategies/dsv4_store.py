@@ -35,9 +35,10 @@ def rope_table_on(backend: str, rope: tuple = DSV4_C4_ROPE) -> RopeTable:
 
 
 @st.composite
-def store_case(draw, dim: int):
-    """``(x, weight, eps, positions, rope)``: float32 entries at magnitudes from tiny to huge."""
-    n = draw(st.integers(1, 12))
+def store_case(draw, dim: int, max_rows: int = 12):
+    """``(x, weight, eps, positions, rope)``: 1 to ``max_rows`` float32 entries at magnitudes from tiny
+    to huge."""
+    n = draw(st.integers(1, max_rows))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     scale = 2.0 ** draw(st.integers(-20, 20))
     x = torch.randn(n, dim, generator=gen) * scale
