@@ -11,12 +11,12 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
   scale bytes one 8-byte word; e4m3 goes to bf16 through the hardware convert and is multiplied in
   bf16 by its power-of-two scale (exact: the scale only moves the exponent);
 * ``q . kv^T`` and ``p . kv`` run as ``tl.dot`` with float32 accumulation. The logits are computed as
-  ``(kv . q^T)^T``: the dequantized rows are the A operand straight from registers and ``q^T`` the
-  B operand (``q`` sits in shared memory for the loop); with ``M = BLOCK_N = 32`` rows, below
-  wgmma's 64, this is the warp MMA (``mma.sync`` m16n8k16, ``HMMA.16816``, B read with ``ldmatrix``
-  each k-step). ``p . kv`` is wgmma ``64x256x16`` per warp group on sm_90a, the ``64 x 512``
-  accumulator split over the two warp groups of 8 warps (128 registers each thread); tcgen05 on
-  sm_100a;
+  ``(kv . q^T)^T``: the dequantized rows are the A operand and ``q^T`` the B operand (``q`` sits in
+  shared memory for the loop); with ``M = BLOCK_N = 32`` rows, below wgmma's 64, this is the warp
+  MMA (``mma.sync`` m16n8k16, ``HMMA.16816``), whose fragments are registers loaded from shared
+  memory each k-step (``LDS.64``, by address: no descriptors). ``p . kv`` is wgmma ``64x256x16`` per
+  warp group on sm_90a, the ``64 x 512`` accumulator split over the two warp groups of 8 warps
+  (128 registers each thread); tcgen05 on sm_100a;
 * an online softmax in base 2 with the per-head sink folded into the final normalization;
 * split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
   output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
@@ -42,8 +42,8 @@ Registers. The previous form, ``q . kv^T`` on wgmma with both operands in shared
 (255 registers, a 504-byte stack on sm_90a): wgmma addresses shared memory through a 64-bit
 descriptor per k-step and N block, and LLVM hoists every one of them out of the tile loop, 96 for
 QK^T at ``K = 512`` (both warp groups computing the same 64x32 logits at N = 16), each then held in a
-register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descriptor. With the rows as
-a register operand and ``q^T`` read by ``ldmatrix`` (an address plus an immediate per k-step), only
+register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descriptor. On the warp MMA the
+fragments are loaded from shared memory by address (a base plus an immediate per k-step), so only
 PV's two descriptors remain.
 
 What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the issue of instructions,
@@ -200,8 +200,8 @@ def _attend(m, denom, acc, q, cache_ptr, page_stride, page_shift, num_slots, idx
         slots = tl.load(idx_row_ptr + j, mask=in_range, other=-1)
         kv, valid = _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, in_range, BLOCK_N,
                                  NATIVE_BF16)
-        # Logits as (kv q^T)^T: the gathered rows are the A operand, straight from registers, and q^T the B
-        # operand, so no wgmma descriptor is needed for either (see "Registers" above).
+        # Logits as (kv q^T)^T: 32 rows on M make it the warp MMA, whose fragments need no wgmma
+        # descriptor held across the loop (see "Registers" above).
         s = tl.trans(_mma(kv, tl.trans(q), tl.zeros((BLOCK_N, q.shape[0]), tl.float32), NATIVE_BF16))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         # A NaN logit makes the head's output and lse NaN, as in the header. The GPU's plain max drops NaN
