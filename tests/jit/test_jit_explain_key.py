@@ -14,6 +14,7 @@ import torch
 import tvm_ffi
 
 from sparsekv.cli import jit as cli
+from sparsekv.cli import main
 from sparsekv.jit_kernel.build import loader, toolchain
 from sparsekv.jit_kernel.build.registry import discover
 from sparsekv.testing.components import needs
@@ -102,12 +103,18 @@ def test_every_field_of_the_key_document_enters_the_entry_name():
         assert loader.entry_name(dict(doc, **{field: other})) != base, field
 
 
-def test_cli_json_and_diff(tmp_path, monkeypatch):
-    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(tmp_path / "cache"))
+def test_cli_json_and_diff(tmp_path, monkeypatch, capsys):
+    """``sparsekv jit explain-key`` through ``main`` in this process (a process per call would import
+    torch again each time; nothing compiles); the command as a process: ``test_cli_json_in_a_process``."""
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
 
     def run(*args, **extra):
-        return subprocess.run([sys.executable, "-m", "sparsekv", "jit", "explain-key", *args], capture_output=True,
-                              text=True, env=dict(env, **extra), timeout=300)
+        with monkeypatch.context() as patch:
+            for name, value in extra.items():
+                patch.setenv(name, value)
+            returncode = main(["jit", "explain-key", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, returncode, out, err)
 
     a = run("gather_rows", "index_dtype=int64", "--json")
     assert a.returncode == 0, a.stderr
@@ -126,3 +133,11 @@ def test_cli_json_and_diff(tmp_path, monkeypatch):
     assert one.stdout.splitlines()[0] == "1 key input differs:"
     plain = run("gather_rows", "index_dtype=int64")
     assert plain.stdout.splitlines()[0] == f"gather_rows<index_dtype=torch.int64> -> entry {doc['entry']}"
+
+
+def test_cli_json_in_a_process(tmp_path):
+    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "explain-key", "gather_rows", "index_dtype=int64",
+                           "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads(done.stdout) == explain()
