@@ -41,7 +41,15 @@ import torch
 from sparsekv.checks import as_int, named_as, one_of
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
-from sparsekv.jit_kernel.torch_op import _through_dispatcher, first_true, index_checks_on_device, kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import (
+    CheckMemo,
+    _through_dispatcher,
+    first_true,
+    index_checks_on_device,
+    kernel_op,
+    metadata_key,
+    rows_of,
+)
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift, visible_entries
 from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, MAX_PAGE_SLOTS
@@ -438,8 +446,21 @@ def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top
     """The checks of a top-k call (the op body's, then the entry's: the header's and the Triton
     twin's are one contract, which the twin's Python checks mirror), without running it. The table
     pages are left to the call itself: that check reads values, and allocates (the decode path
-    must not); a page whose slots overflow int32 is outside any cache, which the scores refuse first."""
+    must not); a page whose slots overflow int32 is outside any cache, which the scores refuse first.
+
+    O(1) unless ``SPARSEKV_CHECK_INDICES=1`` on the GPU, so a call whose arguments' metadata passed
+    before (:class:`~sparsekv.jit_kernel.torch_op.CheckMemo`) is not checked again."""
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
+    reads = index_checks_on_device(scores)
+    key = None if reads else metadata_key(scores, positions, num_top_k, page_table, page_slots, out, out_slots,
+                                          workspace, impl)
+    if _TOPK_MEMO.get(key) is not None:
+        return
     _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, read_tables=False)
+    _TOPK_MEMO.put(key, True)
+
+
+#: The top-k calls :func:`_check_topk_arguments` passed, by metadata (issue 36 item 2: ~45 us a decode step).
+_TOPK_MEMO = CheckMemo()

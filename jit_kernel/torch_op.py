@@ -83,7 +83,10 @@ def _plain_eager(name: str, args: tuple, scalar_slots: tuple, other_slots: tuple
         return False
     for i in other_slots:
         value = args[i]
-        if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.is_meta):
+        if type(value) is torch.Tensor:
+            if value.is_meta:
+                return False
+        elif value is not None and isinstance(value, torch.Tensor):  # a subclass: FakeTensor, a Parameter
             return False
     for i, param, kind in scalar_slots:
         value = args[i]

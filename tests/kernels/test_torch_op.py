@@ -8,6 +8,7 @@ eager call's exception, before anything is written; given its buffers a call all
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import pytest
@@ -32,7 +33,7 @@ from sparsekv.jit_kernel.dsv4 import (
     quantize_indexer_keys,
     sparse_decode_attention,
 )
-from sparsekv.jit_kernel.dsv4_attention import workspace_floats
+from sparsekv.jit_kernel.dsv4_attention import check_attention_arguments, workspace_floats
 from sparsekv.jit_kernel.dsv4_indexer import visible_entries
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.jit_kernel.hisparse import (
@@ -42,7 +43,7 @@ from sparsekv.jit_kernel.hisparse import (
     transfer_pages_dsv4_mla,
 )
 from sparsekv.jit_kernel.hisparse_copy import pointer_table
-from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op
+from sparsekv.jit_kernel.torch_op import CheckMemo, first_true, index_checks_on_device, kernel_op, metadata_key
 from sparsekv.kv_layout import INDEXER_HEAD_DIM, INDEXER_LAYOUTS, V4
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.allocations import allocations
@@ -681,3 +682,80 @@ def test_an_op_refuses_a_scalar_of_the_wrong_kind_naming_it(arg, value):
     assert bool((out == 0).all())
     _scalar_kinds(*dict(args, limit=7, scale=1).values())  # an int is a float; None or an int for int | None
     assert bool((out == 4).all())
+
+
+@pytest.mark.no_backend("the checks' memo key in Python; no kernel runs")
+def test_metadata_key_differs_in_everything_the_checks_read():
+    t = torch.zeros(4, 6)
+    key = metadata_key(t, 64, 0.5, "header", None)
+    assert key == metadata_key(torch.zeros(4, 6).set_(t), 64, 0.5, "header", None)  # another view of the same
+    others = [
+        metadata_key(t[1:], 64, 0.5, "header", None),  # address and shape
+        metadata_key(t.t(), 64, 0.5, "header", None),  # shape and strides
+        metadata_key(t.view(6, 4), 64, 0.5, "header", None),  # shape
+        metadata_key(t.view(torch.int32), 64, 0.5, "header", None),  # dtype
+        metadata_key(torch.zeros(4, 6, device="meta"), 64, 0.5, "header", None),  # device
+        metadata_key(t, 64.0, 0.5, "header", None),  # an int's type: 64 == 64.0
+        metadata_key(t, True, 0.5, "header", None),  # True == 1: the type tells them apart
+        metadata_key(t, 64, 0.5, "triton", None),
+        metadata_key(t, 64, 0.5, "header", t),
+    ]
+    assert all(other != key for other in others)
+    assert len(set(others)) == len(others)
+    assert metadata_key(torch.nn.Parameter(t), 64) is None  # a subclass may mean anything: checked in full
+    assert metadata_key(t, [64]) is None
+    memo = CheckMemo(capacity=2)
+    memo.put(None, "never stored")
+    assert memo.get(None) is None
+    for i in range(3):
+        memo.put(metadata_key(t, i), i)
+    assert memo.get(metadata_key(t, 2)) == 2 and memo.get(metadata_key(t, 0)) is None  # starts over when full
+
+
+def _attention_case() -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(0)
+    cache = v4_cache(random_rows(16, g), 4)
+    q = torch.randn(2, 8, 512, generator=g)
+    indices = torch.randint(-1, 16, (2, 6), generator=g, dtype=torch.int32)
+    return (q, cache, indices, torch.zeros(8), 4), {"out": torch.empty(2, 8, 512), "lse": torch.empty(2, 8)}
+
+
+def test_a_call_whose_metadata_passed_before_is_still_refused_after_a_buffer_is_resized_in_place(backend):
+    args, buffers = _attention_case()
+    args = tuple(a.to(device_of(backend)) if isinstance(a, torch.Tensor) else a for a in args)
+    out, lse = (b.to(device_of(backend)) for b in buffers.values())
+    expected = sparse_decode_attention(*args, out=out, lse=lse, impl="header")[0].clone()
+    sparse_decode_attention(*args, out=out, lse=lse, impl="header")  # the memo holds this metadata now
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    lse.resize_(2, 4)  # the same tensor object, a shape the contract refuses
+    out.fill_(7)
+    with pytest.raises(ValueError, match="argument `lse` must have size 8 in dim 1"):
+        sparse_decode_attention(*args, out=out, lse=lse, impl="header")
+    assert bool((out == 7).all())
+    lse.resize_(2, 8)
+    sparse_decode_attention(*args, out=out, lse=lse, impl="header")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.no_backend("the attention contract's value checks in Python; no kernel runs")
+@pytest.mark.parametrize("table, bad, error", [
+    ("indices", 16, "argument `indices`[1, 3] = 16 is neither -1 nor a slot of its cache [0, 16)"),
+    ("topk_length", 7, "argument `topk_length` must be in [0, K=6]"),
+])
+def test_a_memoized_contract_still_reads_the_index_values_every_call(table, bad, error):
+    (q, cache, indices, sink, page), buffers = _attention_case()
+    tables = {"indices": indices, "topk_length": torch.tensor([6, 6], dtype=torch.int32)}
+
+    def contract():
+        return check_attention_arguments(q, cache, tables["indices"], sink, page, 512**-0.5, None, None, -1, 1,
+                                         buffers["out"], buffers["lse"], None, tables["topk_length"],
+                                         impl="triton", read_values=True)
+
+    first = contract()
+    assert contract()[1:] == first[1:] and contract()[0][1:4] == first[0][1:4]  # from the memo: same sizes
+    if table == "indices":
+        tables[table][1, 3] = bad
+    else:
+        tables[table][1] = bad
+    with pytest.raises((IndexError, ValueError), match=re.escape(error)):
+        contract()

@@ -1,20 +1,24 @@
 """Host cost of every public decode-path call, with the kernel replaced by a no-op (issue 36 item 2).
 
 For each public call a decode step makes, given its ``out=`` buffers, at a decode shape on the cpu
-backend (8 rows; attention top-k 512 of 64 heads, indexer 64k entries, top-k 512, the store and
-quantizer 8 entries, a 4096-row gather, the DSV4 swap-in at batch 8 with a 1024-slot hot buffer),
-measured in the same run:
+backend (8 rows; attention top-k 512 of 64 heads, with ``impl="header"`` and ``"auto"``; indexer 64k
+entries, top-k 512, and the two as ``lightning_indexer``; the C4 compressor's decode step, alone and
+fused with the store; the store and quantizer 8 entries; a 4096-row gather; the DSV4 swap-in at batch
+8 with a 1024-slot hot buffer; a 512-token HiSparse copy over 4 layers), measured in the same run:
 
 * ``host_us``: the public call with every compiled module's export replaced by a no-op (each
   ``KernelFamily.module`` returns a stub whose exports only count their calls): what the Python
   wrapper, its checks and the ``sparsekv::`` op layer cost on the host;
 * ``raw_us`` (the baseline): tvm-ffi's own no-op (``testing.nop``) called with the very arguments
-  the wrapper hands the module: one crossing of the FFI with those tensors;
+  the wrapper hands the module: one crossing of the FFI with those tensors (one per module call);
 * ``host_over_raw``: their ratio; the target is at most 3;
 * ``torch_ops``: torch operators run per call (``aten::`` and the ``sparsekv::`` op itself, the
   nested ones included: torch's profiler);
   ``allocations``: tensors allocated per call (torch's profiler, ``profile_memory``);
-  ``module_calls``: exports of compiled modules called (kernel launches on a GPU).
+  ``module_calls``: exports of compiled modules called (kernel launches on a GPU);
+* ``dispatched_us``: the same call with every ``sparsekv::`` op called through ``torch.library``'s
+  dispatcher, as a traced or compiled graph calls it (an eager call runs the op's body directly);
+  ``torch_library_us`` = ``dispatched_us - host_us``: what that layer would add.
 
 Also ``attention input checks``: the attention's input contract alone (``check_attention_arguments``,
 which every implementation runs before dispatch), in its O(1) mode (the Triton launcher's copy of
@@ -35,13 +39,16 @@ import torch
 from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
 
 from sparsekv.cli import CliParser
+from sparsekv.jit_kernel import torch_op
 from sparsekv.jit_kernel.build.registry import KernelFamily
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
+from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
-from sparsekv.jit_kernel.dsv4_store import norm_rope_store
+from sparsekv.jit_kernel.dsv4_store import StoreTarget, norm_rope_store
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.jit_kernel.hisparse import load_cache_to_device_buffer_dsv4_mla
+from sparsekv.jit_kernel.hisparse_copy import pointer_table, transfer_cache_dsv4_mla
 from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.rope import RopeParams
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report, time_call
@@ -51,16 +58,14 @@ TARGET = 3.0
 
 
 class _Stub:
-    """A compiled module whose every export is a no-op that records its last arguments."""
+    """A compiled module whose every export is a no-op that records the arguments of each call."""
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.args: tuple = ()
+        self.args: list[tuple] = []
 
     def __getattr__(self, name: str):
         def export(*args):
-            self.calls += 1
-            self.args = args
+            self.args.append(args)
 
         return export
 
@@ -88,9 +93,31 @@ def calls() -> dict:
     src, dst = torch.zeros(8192, 584, dtype=torch.uint8), torch.zeros(4096, 584, dtype=torch.uint8)
     src_idx, dst_idx = torch.randperm(8192)[:4096], torch.randperm(4096)
     swap = Case(TOPK, 2 * TOPK, BATCH, 0.001, True, "cpu")  # the swap-in's tables at top-k 512, batch 8
+    slots_out, top_scores = torch.empty(BATCH, TOPK, dtype=torch.int32), torch.empty(BATCH, ENTRIES)
+    kv, score = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
+    ape, ring = torch.zeros(4, 1024), torch.zeros(BATCH * 16, 2048)
+    raw = torch.arange(BATCH) * 16 + 3  # every row completes a C4 entry
+    state_rows = torch.arange(BATCH)[:, None] * 16 + (raw[:, None] - 7 + torch.arange(8)) % 16
+    entries, emitted = torch.empty(BATCH, 512), torch.empty(BATCH, dtype=torch.bool)
+    store = StoreTarget(cache, torch.ones(512), 1e-6, PAGE, rope, "V4")
+    src_layers = [torch.zeros(64, V4.page_bytes(PAGE), dtype=torch.uint8) for _ in range(4)]
+    dst_layers = [torch.zeros(64, V4.page_bytes(PAGE), dtype=torch.uint8) for _ in range(4)]
+    copy_src, copy_dst = torch.randperm(64 * PAGE)[:512], torch.randperm(64 * PAGE)[:512]
     return {
         "sparse_decode_attention": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE, out=out,
                                                      lse=lse, impl="header"),
+        "sparse_decode_attention (auto)": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE,
+                                                            out=out, lse=lse),
+        "lightning_indexer": functools.partial(lightning_indexer, iq, weights, k_cache, table, positions, TOPK,
+                                               page_slots=PAGE, scores=top_scores, out=tokens, out_slots=slots_out,
+                                               impl="header"),
+        "compress_decode_step": functools.partial(compress_decode_step, kv, score, ape, 4, ring, state_rows, raw,
+                                                  out=entries, emitted=emitted),
+        "compress_decode_step (store)": functools.partial(compress_decode_step, kv, score, ape, 4, ring, state_rows,
+                                                          raw, store=store, entry_slots=slots, out=entries,
+                                                          emitted=emitted, impl="header"),
+        "transfer_cache_dsv4_mla": functools.partial(transfer_cache_dsv4_mla, pointer_table(src_layers),
+                                                     pointer_table(dst_layers), copy_src, copy_dst, page_slots=PAGE),
         "indexer_scores": functools.partial(indexer_scores, iq, weights, k_cache, table, positions, page_slots=PAGE,
                                             out=scores, impl="header"),
         "indexer_topk": functools.partial(indexer_topk, scores, positions, TOPK, out=tokens, impl="header"),
@@ -158,22 +185,35 @@ def measure(name: str, call, nop) -> dict:
     KernelFamily.module = lambda self, **_: stub  # every export a no-op, for this call only
     try:
         call()
-        raw_args = stub.args
-        stub.calls = 0
+        raw_args = stub.args[:]  # a call of two ops (lightning_indexer) crosses the FFI twice
+        stub.args.clear()
         call()
-        module_calls = stub.calls
+        module_calls = len(stub.args)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             call()
         events = prof.events()
         torch_ops = sum(1 for e in events if "::" in e.name)  # aten:: and sparsekv:: operators
         allocations = sum(1 for e in events if e.name == "[memory]" and e.cpu_memory_usage > 0)
         host_us = _median_us(call)
+        dispatched_us = _median_us(functools.partial(_through_torch_library, call))
     finally:
         KernelFamily.module = real
-    raw_us = _median_us(lambda: nop(*raw_args))
+    raw_us = _median_us(lambda: [nop(*args) for args in raw_args])
     return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
             "within_target": host_us / raw_us <= TARGET, "torch_ops": torch_ops, "allocations": allocations,
-            "module_calls": module_calls}
+            "module_calls": module_calls, "dispatched_us": dispatched_us,
+            "torch_library_us": dispatched_us - host_us}
+
+
+def _through_torch_library(call) -> None:
+    """``call()`` with every ``sparsekv::`` op called through ``torch.library``'s dispatcher (what a traced
+    or compiled graph runs), not the eager path that calls the op's body directly."""
+    plain, dispatcher = torch_op._plain_eager, torch_op._through_dispatcher
+    torch_op._plain_eager, torch_op._through_dispatcher = (lambda *_: False), (lambda _: True)
+    try:
+        call()
+    finally:
+        torch_op._plain_eager, torch_op._through_dispatcher = plain, dispatcher
 
 
 def main() -> None:
