@@ -741,7 +741,7 @@ def test_a_call_whose_metadata_passed_before_is_still_refused_after_a_buffer_is_
 @pytest.mark.parametrize("table, bad, error", [
     ("indices", 16, "argument `indices`[1, 3] = 16 is neither -1 nor a slot of its cache [0, 16)"),
     ("topk_length", 7, "argument `topk_length` must be in [0, K=6]"),
-])
+], ids=["indices", "topk_length"])
 def test_a_memoized_contract_still_reads_the_index_values_every_call(table, bad, error):
     (q, cache, indices, sink, page), buffers = _attention_case()
     tables = {"indices": indices, "topk_length": torch.tensor([6, 6], dtype=torch.int32)}
