@@ -331,9 +331,15 @@ SPARSEKV_DEVICE float safe_exp2(float x) { return x == -INFINITY ? 0.0f : exp2f(
 
 SPARSEKV_DEVICE uint32_t shared_word(const uint16_t* at) { return *reinterpret_cast<const uint32_t*>(at); }
 
-// The 16 bytes at p (16-byte aligned: one LDG.128; otherwise 8-byte words, see copy_detail).
+// The 16 bytes at p (16-byte aligned: one LDG.128; otherwise 8-byte words, see copy_detail). The
+// row pointers come through shared memory, so nvcc cannot tell they are global and would emit a
+// generic LD.128; __ldg says so (and the caches are read-only for the kernel's life).
 SPARSEKV_DEVICE uint4 load16(const uint8_t* p) {
+#if defined(__CUDA_ARCH__) && !defined(SPARSEKV_SIM)
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
+#else
   if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const uint4*>(p);
+#endif
   const uint64_t low = copy_detail::load_bytes8(p, p, p + 16), high = copy_detail::load_bytes8(p + 8, p, p + 16);
   return uint4{static_cast<unsigned>(low), static_cast<unsigned>(low >> 32), static_cast<unsigned>(high),
                static_cast<unsigned>(high >> 32)};

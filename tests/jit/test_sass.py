@@ -44,6 +44,9 @@ SASS_TABLE = {
     ("cuda", "dsv4_attention:q_dtype=bfloat16", "partial_kernel"): dict(
         launch=Launch(256, 1),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
+    ("cuda", "dsv4_attention:q_dtype=float32", "partial_kernel"): dict(
+        launch=Launch(256, 1),
+        no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("triton", "dsv4_attention.partial[bf16]", ""): dict(
         launch=Launch(256, 1),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS,
