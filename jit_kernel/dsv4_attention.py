@@ -109,7 +109,7 @@ def attention_impl(impl: str, q: torch.Tensor, indices: torch.Tensor, extra_indi
         if reason is not None:
             raise ValueError(f"sparsekv: argument `impl` is 'flashmla', but {reason}")
         return impl
-    if impl == "auto" and isinstance(q, torch.Tensor) and q.is_cuda and flashmla.unavailable_reason(q.device) is None \
+    if impl == "auto" and isinstance(q, torch.Tensor) and flashmla.unavailable_reason(q.device) is None \
             and isinstance(indices, torch.Tensor) and flashmla.misfit_reason(q, indices, extra_indices) is None:
         return "flashmla"
     if impl not in IMPLS:
