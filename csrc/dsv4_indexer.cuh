@@ -25,9 +25,9 @@
 // Selection: an exact radix select on the 32-bit keys: histograms of key digits among the keys
 // that share the prefix found so far give, digit by digit, the key of the k-th largest; then one
 // pass in position order writes the keys above it and the first `remaining` keys equal to it.
-// GPU: 4 digits of 8 bits over the row, the last pass a tile of 1024 entries at a time with block
-// prefix counts (warp ballots) giving each entry its output place; host: 2 digits of 16 bits, the
-// second over the few keys of the first digit's bin.
+// GPU: digits of 12, 12 and 8 bits, the keys at or above the threshold's bin copied on chip in
+// position order as soon as they fit (see the design note at topk_kernel); host: 2 digits of 16
+// bits, the second over the few keys of the first digit's bin.
 //
 // Launch shapes. Scores: cpu one (b, chunk of 256 entries) per item; cuda tensor
 // cores (mma.sync, see the design note at scores_kernel), one warp per 16-entry tile, 256 entries
@@ -36,7 +36,7 @@
 // that). Both sum in float32, in different orders (cuda: bf16 operands, exact products: the e4m3
 // codes, with the FP8 scale applied to the dot, and a float32 q split into bf16 high and low
 // parts), so they agree within the scores' tolerance. Top-k: cpu one row per item; cuda one block
-// of 1024 threads per row, histograms and output counters in shared memory.
+// of 1024 threads per row, histogram and candidates in shared memory.
 #pragma once
 
 #include <algorithm>
@@ -438,49 +438,195 @@ struct TopK {
 };
 
 #ifdef __CUDACC__
+// Design note (top-k, one 1024-thread CTA per row). The row is 64k float32 at the serving shape:
+// 256 KB, read from HBM once by the first digit pass and from L2 after; one CTA, so its bound is
+// one SM's load throughput and the passes' barriers, not HBM (the launch alone is about 3 us).
+// 1. Digits of 12, 12 and 8 bits, the most significant first. A digit pass histograms the keys
+//    that share the prefix found so far (4,096 bins in shared memory) and a block scan over the
+//    bins (4 per thread) picks the bin holding the k-th largest; the first pass reads the row.
+// 2. As soon as the keys at or above the prefix (the entries taken so far plus the chosen bin,
+//    k + a bin's population at most) fit kCandidates, two warp-contiguous passes copy them, key
+//    and position, into shared memory in position order: a ballot count per warp, a scan over
+//    the 32 warps, a ballot place per entry. With 12-bit digits this is usually after the first
+//    digit (about 150 keys in the bin for 512 of 64k normal scores). The remaining digits are
+//    then resolved over shared memory, and the output is two block scans over the candidates
+//    (equal keys before each, then taken entries before each), each thread a run of at most 3.
+// 3. Otherwise (k + the bin past kCandidates: k above 3,072 or many equal keys) the threshold is
+//    resolved over the row and one position-ordered pass over it, a tile of 1,024 entries at a
+//    time, writes the selection (the kernel before this design).
+// Passes over a 64k row: 3 (was 5), with 2 block scans instead of 64 tiles of 4 barriers each.
+// Instruction budget (nvcc 13, sm_90a: 32 registers, no stack, 41 KB shared; counted by hand from
+// the SASS loops, since bench_sass_budget.py's longest innermost loop is here the output loop):
+// per warp trip of 32 entries the histogram pass issues 31 instructions, the count 24, the copy 41
+// (sm_100a unrolls them 8x / 4x: 134 per 8, 56 and 121 per 4 trips). At 64k entries each pass is
+// 64 trips of each of 32 warps on one SM: 96 x 64 x 32 / (4 schedulers x 1.98 GHz) = 25 us of
+// issue alone (the kernel before: 5 passes, the last 64 tiles of 4 barriers), and one 4-byte load
+// per thread per trip leaves it bound by load latency, not issue. The 15 us target
+// (512 of 64k) needs what is not here yet: 16-byte loads (a quarter of the trips) and, at batch 1,
+// the row split over several CTAs (the histogram summed in a global workspace).
+namespace topk_detail {
+inline constexpr int kDigits = 3;  // bits [20, 32), [8, 20), [0, 8)
+inline constexpr int kBins = 1 << 12;
+SPARSEKV_HOST_DEVICE constexpr int digit_shift(int digit) { return digit == 0 ? 20 : digit == 1 ? 8 : 0; }
+SPARSEKV_HOST_DEVICE constexpr int digit_width(int digit) { return digit == 2 ? 8 : 12; }
+inline constexpr int kCandidates = 3072;
+
+// Exclusive block prefix sum of one value a thread, and the block's sum. Uses `warp_sums` (kWarps
+// words) and two barriers; every thread must call it.
+struct Scan {
+  uint32_t before;
+  uint32_t total;
+};
+__device__ __forceinline__ Scan block_exclusive_scan(uint32_t v, uint32_t* warp_sums) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  uint32_t inclusive = v;
+  for (int d = 1; d < kWarpSize; d *= 2) {
+    const uint32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
+  __syncthreads();
+  uint32_t before = 0, sum = 0;
+  for (int w = 0; w < TopK::kWarps; ++w) {
+    const uint32_t x = warp_sums[w];
+    before += w < warp ? x : 0u;
+    sum += x;
+  }
+  __syncthreads();  // warp_sums is free again
+  return Scan{before + inclusive - v, sum};
+}
+
+// The block's pick_bin over hist[0, bins): thread t owns bins [t * per, (t + 1) * per); the thread
+// whose bins hold the crossing writes the bin, the new `remaining` and the bin's count.
+struct Pick {
+  uint32_t bin;
+  int64_t remaining;
+  uint32_t count;
+};
+__device__ __forceinline__ void block_pick_bin(const uint32_t* hist, int bins, int64_t remaining, uint32_t* warp_sums,
+                                      Pick* out) {
+  const int per = bins >= TopK::kThreads ? bins / TopK::kThreads : 1;
+  const int lo = static_cast<int>(threadIdx.x) * per;
+  uint32_t mine = 0;
+  if (lo < bins) {
+    for (int x = 0; x < per; ++x) mine += hist[lo + x];
+  }
+  const Scan scan = block_exclusive_scan(mine, warp_sums);
+  if (lo < bins) {
+    int64_t above = static_cast<int64_t>(scan.total) - scan.before - mine;  // keys in the bins of higher threads
+    if (above < remaining && above + mine >= remaining) {
+      for (int bin = lo + per - 1; bin >= lo; --bin) {
+        if (above + hist[bin] >= remaining || bin == 0) {
+          *out = Pick{static_cast<uint32_t>(bin), remaining - above, hist[bin]};
+          break;
+        }
+        above += hist[bin];
+      }
+    }
+  }
+  __syncthreads();
+}
+}  // namespace topk_detail
+
 __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params p) {
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t prefix_s, mask_s;
-  __shared__ int64_t remaining_s;
-  __shared__ int64_t taken_s, equal_seen_s;
+  using namespace topk_detail;
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t cand_key[kCandidates];
+  __shared__ int32_t cand_pos[kCandidates];
+  __shared__ uint32_t warp_sums[TopK::kWarps];
+  __shared__ Pick pick_s;
   __shared__ uint32_t warp_equal[TopK::kWarps], warp_taken[TopK::kWarps];
+  __shared__ int64_t taken_s, equal_seen_s;
   const int64_t b = blockIdx.x;
   const float* s = p.scores + b * p.scores_stride;
   const int64_t n = visible_in_row(p, b);
   const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const uint32_t lanes_below = (1u << lane) - 1u;
   if (n <= p.k) {
     for (int64_t j = tid; j < p.k; j += TopK::kThreads) TopK::emit(p, b, j, j < n ? static_cast<int32_t>(j) : -1);
     return;
   }
-  if (tid == 0) {
-    prefix_s = 0;
-    mask_s = 0;
-    remaining_s = p.k;
+  // `on_chip`: the candidates are in shared memory.
+  uint32_t prefix = 0, mask = 0;
+  int64_t remaining = p.k;
+  bool on_chip = false;
+  const uint32_t row = static_cast<uint32_t>(n);  // n <= INT32_MAX: 32-bit indices below (i + 31 fits too)
+  uint32_t count = 0;                              // candidates in shared memory
+#pragma unroll 1  // one copy of the loop body: unrolled, its three copies spill at 64 registers
+  for (int digit = 0; digit < kDigits; ++digit) {
+    const int shift = digit_shift(digit), bins = 1 << digit_width(digit);
+    const uint32_t digit_mask = static_cast<uint32_t>(bins - 1);
+    for (int x = tid; x < bins; x += TopK::kThreads) hist[x] = 0;
+    __syncthreads();
+    if (on_chip) {
+      for (uint32_t c = tid; c < count; c += TopK::kThreads) {
+        const uint32_t key = cand_key[c];
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+      }
+    } else {
+      for (uint32_t i = tid; i < row; i += TopK::kThreads) {
+        const uint32_t key = order_key(s[i]);
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+      }
+    }
+    __syncthreads();
+    block_pick_bin(hist, bins, remaining, warp_sums, &pick_s);
+    const Pick pick = pick_s;
+    prefix |= pick.bin << shift;
+    mask |= digit_mask << shift;
+    remaining = pick.remaining;
+    if (!on_chip && p.k - remaining + pick.count <= kCandidates) {
+      // Copy the keys >= prefix (the prefix's low bits are 0), key and position, in position order.
+      const uint32_t per_warp = (row + TopK::kThreads - 1) / TopK::kThreads * kWarpSize;  // row + 1023 fits
+      const uint32_t first = warp * per_warp, last = first + per_warp < row ? first + per_warp : row;
+      uint32_t mine = 0;
+      for (uint32_t i = first + lane; i - lane < last; i += kWarpSize) {
+        const bool keep = i < last && order_key(s[i]) >= prefix;
+        mine += __popc(__ballot_sync(0xffffffffu, keep));
+      }
+      const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
+      uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
+      for (uint32_t i = first + lane; i - lane < last; i += kWarpSize) {
+        const uint32_t key = i < last ? order_key(s[i]) : 0u;
+        const bool keep = i < last && key >= prefix;
+        const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+        if (keep) {
+          cand_key[place + __popc(ballot & lanes_below)] = key;
+          cand_pos[place + __popc(ballot & lanes_below)] = static_cast<int32_t>(i);
+        }
+        place += __popc(ballot);
+      }
+      count = scan.total;
+      on_chip = true;
+      __syncthreads();
+    }
   }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int x = tid; x < 256; x += TopK::kThreads) hist[x] = 0;
-    __syncthreads();
-    const uint32_t prefix = prefix_s, mask = mask_s;
-    for (int64_t i = tid; i < n; i += TopK::kThreads) {
-      const uint32_t key = order_key(s[i]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xFFu], 1u);
+  const uint32_t threshold = prefix;
+  const int64_t take_equal = remaining;
+  if (on_chip) {
+    // Thread t takes the run [t * per, (t + 1) * per) of the candidates (position order).
+    const uint32_t per = (count + TopK::kThreads - 1) / TopK::kThreads;
+    const uint32_t lo = tid * per, hi = lo + per < count ? lo + per : count;
+    uint32_t equal = 0;
+    for (uint32_t c = lo; c < hi; ++c) equal += cand_key[c] == threshold;
+    int64_t equal_before = block_exclusive_scan(equal, warp_sums).before;
+    uint32_t taken = 0;
+    for (uint32_t c = lo; c < hi; ++c) {
+      const uint32_t key = cand_key[c];
+      taken += key > threshold || (key == threshold && equal_before++ < take_equal);
     }
-    __syncthreads();
-    if (tid == 0) {
-      int64_t remaining = remaining_s;
-      prefix_s = prefix | (static_cast<uint32_t>(pick_bin(hist, 256, &remaining)) << shift);
-      mask_s = mask | (0xFFu << shift);
-      remaining_s = remaining;
+    int64_t place = block_exclusive_scan(taken, warp_sums).before;
+    equal_before -= equal;
+    for (uint32_t c = lo; c < hi; ++c) {
+      const uint32_t key = cand_key[c];
+      if (key > threshold || (key == threshold && equal_before++ < take_equal)) TopK::emit(p, b, place++, cand_pos[c]);
     }
-    __syncthreads();
+    return;
   }
   // One pass in position order, a tile of kThreads entries at a time: an entry's place is the number
   // of entries taken before it, and an equal key is taken while fewer than `remaining` equal keys
   // precede it. Warp ballots count within a warp, per-warp totals in shared memory across warps.
-  const uint32_t threshold = prefix_s;
-  const int64_t take_equal = remaining_s;
-  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const uint32_t lanes_below = (1u << lane) - 1u;
   if (tid == 0) {
     taken_s = 0;       // entries taken so far
     equal_seen_s = 0;  // keys equal to the threshold seen so far

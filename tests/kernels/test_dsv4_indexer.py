@@ -140,16 +140,20 @@ def test_topk_is_the_defined_selection_in_ascending_order(backend, rows, num_top
 @pytest.mark.sanitizer_case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ties_at_the_threshold_go_to_the_lower_positions(backend):
-    # Row 0: all equal, so the first k positions. Row 1: two above the threshold at the end, then the
-    # lowest positions of the tied rest. Past 1024 entries the GPU's last pass spans several tiles.
-    width, num_top_k = 3000, 600
-    scores = torch.zeros(2, width)
-    scores[1, -2:] = 1.0
-    positions = torch.full((2,), 4 * width - 1)
+    # Row 0: all equal, so the first k positions. Rows 1 and 2: two above the threshold at the end of
+    # the visible entries, then the lowest positions of the tied rest. The GPU keeps up to 3,072
+    # candidates on chip (rows 0 and 1); row 2's 3,198 tied entries take its position-ordered pass
+    # over the row, which spans several tiles of 1,024.
+    width, num_top_k = 3200, 600
+    visible = torch.tensor([3000, 3000, width])
+    scores = torch.zeros(3, width)
+    for b in (1, 2):
+        scores[b, int(visible[b]) - 2:int(visible[b])] = 1.0
+    positions = 4 * visible - 1
     device = device_of(backend)
     tokens, _ = indexer_topk(scores.to(device), positions.to(device), num_top_k)
-    expected = torch.stack([torch.arange(num_top_k), torch.cat([torch.arange(num_top_k - 2), torch.tensor([width - 2,
-                                                                                                   width - 1])])])
+    expected = torch.stack([torch.arange(num_top_k)] + [
+        torch.cat([torch.arange(num_top_k - 2), torch.tensor([n - 2, n - 1])]) for n in visible[1:].tolist()])
     assert torch.equal(tokens.cpu().to(torch.int64), expected)
 
 

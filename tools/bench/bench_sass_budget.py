@@ -44,8 +44,9 @@ TRIPS = {
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
     "cuda dsv4_indexer_topk topk_kernel": (("cuda", "dsv4_indexer_topk", {}, "topk_kernel"),
-                                           roofline.indexer_topk(1, 65536, 512), 5 * 65536 // 1024 * 32, 1,
-                                           "one 1024-thread CTA per row, 5 passes over the row"),
+                                           roofline.indexer_topk(1, 65536, 512), 3 * 65536 // 1024 * 32, 1,
+                                           "one 1024-thread CTA per row, 3 passes over the row (12-bit "
+                                           "histogram, count and copy of the candidates), 64 trips a warp each"),
     "cuda dsv4_compress_store CompressStore": (("cuda", "dsv4_compress_store", {"cache_kind": "V4"},
                                                 "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
                                                "one warp per entry (1024), looping over its 8 window slots"),
