@@ -34,21 +34,30 @@
 // two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
 // results by fp32 summation order only).
 //
-// Design and instruction budget (sm_90a, nvcc 13.0, bf16 q: 246 registers, no stack, 127.6 KB of
-// dynamic shared memory: one CTA per SM). The tile loop has no inner loop left: 1,367 instructions,
+// Design and instruction budget (nvcc 13.0; bf16 q: 246 registers on sm_90a, 244 on sm_100a, no
+// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 242 registers, no
+// stack). The tile loop has no inner loop left: 1,367 instructions on sm_90a (1,392 on sm_100a),
 // of which a warp issues about 1,150 per tile of 32 rows (the 128-FMUL rescale runs only when a
-// head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV 128: P is two bf16
-// terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather and convert (per
-// 16-byte fp8 chunk one LDG.128, 8 F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL, 8
-// F2FP.BF16.F32.PACK_AB, 2 STS.128), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6
-// shuffles per thread) and five barriers. At batch 64, top-k 512, 64 heads the default split is 2
-// (128 CTAs, one wave, 8 tiles each): per SM 8 warps x 8 tiles x 1,150 / (4 schedulers x 1.98 GHz)
-// = 9.3 us of issue; the tensor cores need 2 warps x 8 tiles x 192 HMMA x 4 cycles per scheduler =
-// 6.2 us at the dense bf16 rate; the split's fp32 partials (16.8 MB, written under the issue time)
-// and the combine's pass over them (25 MB) add about 5 us. Estimate: about 14.5 us against the
-// 5.7 us roofline (H200), 2.5x: issue-bound in the tile body. Left for 2x: the gather of tile i + 1
-// overlapped with tile i's products (a second kv buffer, one barrier fewer), fewer instructions per
-// converted pair (6 now), bf16 partials for the combine.
+// head's maximum moved, the row resolve only on warp 0, the 8-byte fallback of an unaligned row
+// never on an aligned cache): 192 HMMA (QK^T 64, PV 128: P is two bf16 terms), 72 LDSM (ldmatrix:
+// 3 per QK^T k-step, 12 per PV k-step), the gather and convert (per 16-byte fp8 chunk one
+// LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8 F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL,
+// 8 F2FP.BF16.F32.PACK_AB, 2 STS.128: 6.5 per converted pair), the softmax (8 logits, 8 MUFU.EX2,
+// 8 bf16 packs and 6 shuffles per thread) and five barriers. At batch 64, top-k 512, 64 heads the
+// default split is 2 (128 CTAs, one wave, 8 tiles each). tools/bench/bench_sass_budget.py (loop
+// instructions x 8,192 warp trips / (128 SMs x 4 schedulers x clock)): sm_90a 11.0 us of issue on
+// an H200 against its 6.6 us roofline with fp32 out (1.66x; 1.94x against 5.7 us with bf16 out);
+// sm_100a 11.3 us on a B200 against 4.0 us (2.85x: the B200's 8 TB/s halves the roofline, not
+// the issue). With the ~1,150 issued: 9.3 us on the H200. The tensor cores need 2 warps x 8 tiles
+// x 192 HMMA x 4 cycles per scheduler = 6.2 us at the dense bf16 rate. The split's fp32 partials
+// (16.8 MB, written under the issue time) and the combine's pass over them (25 MB) add about 5 us:
+// end to end about 14.5 us against the 5.7 us roofline (H200), 2.5x, issue-bound in the tile body
+// plus the combine. Left for 2x end to end: the combine folded into the partial kernel (the last
+// CTA of a row merges the splits while they are in L2: no second pass over 25 MB), the gather of
+// tile i + 1 overlapped with tile i's products (a second kv buffer, one barrier fewer), fewer
+// instructions per converted pair. Batch 1, top-k 512 runs 16 CTAs of one tile each (split_len
+// 32): a finer split adds partials without shortening a CTA (a tile is 32 rows of products
+// whatever is valid); more CTAs need smaller tiles or head groups below 64.
 
 #pragma once
 

@@ -190,8 +190,14 @@ PROPERTIES: dict[str, Callable[[KernelSass, Launch], tuple[bool, str]]] = {
 
 def inner_loop(kernel: KernelSass) -> list[str]:
     """The opcodes of the kernel's main inner loop: of the loops (backward branches, not a branch to
-    itself) that hold no other loop, the longest; the whole kernel when it has no loop."""
-    loops = [(target, source) for source, target in kernel.branches if target < source]
+    itself) that hold no other loop, the longest; the whole kernel when it has no loop.
+
+    A backward branch from a block nvcc placed after a loop (a rare path, out of line) into the
+    middle of that loop is not a loop: its span starts inside another loop's and ends past it, and
+    it would hold the code between the two (the kernel's epilogue), so such spans are left out.
+    """
+    backward = [(target, source) for source, target in kernel.branches if target < source]
+    loops = [(a, b) for a, b in backward if not any(c < a <= d < b for c, d in backward)]
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     if not innermost:
         return list(kernel.opcodes)

@@ -30,7 +30,7 @@ import torch
 
 from sparsekv.jit_kernel.build import toolchain
 from sparsekv.testing.components import needs
-from sparsekv.testing.sass import PROPERTIES, Launch, cuda_artifact, disassemble, find_tool
+from sparsekv.testing.sass import PROPERTIES, KernelSass, Launch, cuda_artifact, disassemble, find_tool, inner_loop
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHS = ("9.0a", "10.0a")
@@ -176,6 +176,19 @@ NO_TOOLS = _no_tools()
 def test_sass(key, prop, arch):
     holds, detail = PROPERTIES[prop](_sass(key, arch), SASS_TABLE[key]["launch"])
     assert holds, f"{kernel_label(key)} sm_{arch} {prop}: {detail}"
+
+
+def test_the_inner_loop_is_the_innermost_loop_and_not_a_branch_back_from_out_of_line_code():
+    # A loop over 0x100..0x400 holding a loop over 0x200..0x280; a block past the loop (0x500)
+    # branching back into its middle (0x300): its span 0x300..0x500 holds the epilogue, no loop.
+    addresses = list(range(0x100, 0x520, 0x10))
+    kernel = KernelSass("sm_90a", "k", opcodes=[f"OP{a:x}" for a in addresses], addresses=addresses,
+                        branches=[(0x280, 0x200), (0x400, 0x100), (0x500, 0x300)])
+    assert inner_loop(kernel) == [f"OP{a:x}" for a in range(0x200, 0x290, 0x10)]
+    kernel.branches = [(0x400, 0x100), (0x500, 0x300)]  # no nested loop: the outer one
+    assert inner_loop(kernel) == [f"OP{a:x}" for a in range(0x100, 0x410, 0x10)]
+    kernel.branches = [(0x200, 0x100), (0x500, 0x180)]  # the branch back spans more than the loop
+    assert inner_loop(kernel) == [f"OP{a:x}" for a in range(0x100, 0x210, 0x10)]
 
 
 def render_table() -> str:
