@@ -13,6 +13,9 @@
 //     entry's anchor positions[row] - ratio + 1) and writes the pooled floats to `out`.
 // Both pool every event first (reading ring rows as they were), then write the new ring rows.
 //
+// Design: the record goes out as dsv4_store's does (row_store.h store_v4: staged in the warp's
+// shared memory, written as 16-byte words; the only byte store is the decode step's `emitted`).
+//
 // Its own stem because it fuses two families (the compressor's pooling and the store's per-layout
 // finish) that do not depend on each other; its instances are per cache layout, like the store's.
 #pragma once

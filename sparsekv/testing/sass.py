@@ -125,6 +125,8 @@ class Launch:
 
     threads: int
     ctas_per_sm: int = 1
+    #: Byte stores of one-byte flags the kernel's contract writes besides its records (``wide_store``).
+    flag_stores: int = 0
 
 
 #: Per-SM limits of sm_90 and sm_100: 64K 32-bit registers, 228 KiB shared memory (1 KiB of it per
@@ -144,6 +146,8 @@ def ctas_per_sm(kernel: KernelSass, threads: int) -> int:
 
 _WIDE_LOADS = re.compile(r"^(LDG\.\S*(64|128)|LDGSTS|UTMALDG|UBLKCP|LDGDEPBAR)")
 _BYTE_LOADS = re.compile(r"^LDG\S*\.[US]8(\.|$)")
+_WIDE_STORES = re.compile(r"^STG\.\S*(64|128)")
+_NARROW_STORES = re.compile(r"^STG\S*\.[US](8|16)(\.|$)")
 _TENSOR_CORES = re.compile(r"^(HGMMA|QGMMA|IGMMA|UTC\w*MMA|HMMA|QMMA|IMMA)")
 _GMMA_SHAPE = re.compile(r"GMMA\.(\d+)x(\d+)x(\d+)")
 
@@ -158,6 +162,13 @@ def _wide_gather(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
     wide = sum(bool(_WIDE_LOADS.match(op)) for op in kernel.opcodes)
     byte = sum(bool(_BYTE_LOADS.search(op)) for op in kernel.opcodes)
     return wide > 0 and byte == 0, f"{wide} 8/16-byte or async loads, {byte} byte loads"
+
+
+def _wide_store(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
+    wide = sum(bool(_WIDE_STORES.match(op)) for op in kernel.opcodes)
+    narrow = sum(bool(_NARROW_STORES.match(op)) for op in kernel.opcodes)
+    return wide > 0 and narrow <= launch.flag_stores, (f"{wide} 8/16-byte stores, {narrow} byte or 2-byte stores "
+                                                        f"({launch.flag_stores} flag stores allowed)")
 
 
 def _fp8_convert(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
@@ -182,6 +193,7 @@ def _occupancy(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
 PROPERTIES: dict[str, Callable[[KernelSass, Launch], tuple[bool, str]]] = {
     "no_local": _no_local,
     "wide_gather": _wide_gather,
+    "wide_store": _wide_store,
     "fp8_convert": _fp8_convert,
     "tensor_cores": _tensor_cores,
     "occupancy": _occupancy,

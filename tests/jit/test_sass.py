@@ -65,19 +65,22 @@ SASS_TABLE = {
     ("triton", "dsv4_compress.pool[C4,d512]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "CompressStore"): dict(
-        launch=Launch(256, 4),
+        launch=Launch(256, 4, flag_stores=1),
         no_local=PASS,
-        wide_gather=PASS, occupancy=PASS),
+        wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(
-        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS,
+        wide_store="its records go out as 4-byte stores (STG.E) (issue 36 item 6)", occupancy=PASS),
     ("triton", "dsv4_compress_store.decode[V4,C4,fp32 ring]", ""): dict(
-        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+        launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
-        launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
-    ("triton", "dsv4_quant.fp8_ds_mla[bf16]", ""): dict(launch=Launch(64, 4), no_local=PASS, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+    ("triton", "dsv4_quant.fp8_ds_mla[bf16]", ""): dict(
+        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_store:cache_kind=V4", "NormRopeStore"): dict(
-        launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
-    ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(launch=Launch(64, 4), no_local=PASS, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+    ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(
+        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "gather_rows:index_dtype=int64", "GatherRows"): dict(
         launch=Launch(256, 4), no_local=PASS,
         wide_gather=PASS,

@@ -134,6 +134,18 @@ def test_bad_input_raises_naming_the_argument_and_leaves_the_cache(backend, inde
     assert str(error.value) == str(header_error.value)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_header_refuses_a_cache_off_a_16_byte_boundary(backend):
+    # The header writes each V4 record in whole 16-byte words (row_store.h, write_v4): a cache 8
+    # bytes off a boundary raises naming `cache`, before any byte is written.
+    x, cache, slots, page_slots = to_backend(backend, _args())
+    buffer = torch.full((cache.numel() + 8,), 5, dtype=torch.uint8, device=cache.device)
+    shifted = buffer[8:].view(cache.shape)
+    with pytest.raises(ValueError, match="`cache` must start on a 16-byte boundary"):
+        quantize_fp8_ds_mla(x, shifted, slots, page_slots, impl="header")
+    assert bool((buffer == 5).all())
+
+
 def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
     _, cache, _, page_slots = to_backend(backend, _args())
     with pytest.raises(IndexError, match="`slots`"):

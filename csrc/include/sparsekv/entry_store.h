@@ -134,15 +134,17 @@ struct EntryStore {
     }
     norm(x, p, lanes);
     rope::rotate_tail<kDim>(x, p.rope_cos, p.rope_sin, pos, lanes);
-    const auto token = row_store::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_slots, p.page_stride);
+    const auto token_of = [&p, slot] {
+      return row_store::token_bytes<typename Kind::Layout>(p.cache, slot, p.page_slots, p.page_stride);
+    };
     if constexpr (Kind::kCache == Cache::kV4) {
-      row_store::store_v4(x, token, lanes);
+      row_store::store_v4(x, token_of, lanes);
     } else {
       hadamard(x, lanes);
       if constexpr (Kind::kCache == Cache::kIndexerFp8) {
-        row_store::store_indexer_fp8(x, token, lanes);
+        row_store::store_indexer_fp8(x, token_of(), lanes);
       } else {
-        row_store::store_indexer_fp4(x, token, lanes);
+        row_store::store_indexer_fp4(x, token_of(), lanes);
       }
     }
   }

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "sparsekv/fp8.h"
 #include "sparsekv/kv_layout.h"
@@ -68,9 +69,60 @@ SPARSEKV_HOST_DEVICE float load_bf16(const uint8_t* src) {
   return fp8::bf16_to_float(static_cast<uint16_t>(src[0] | (src[1] << 8)));
 }
 
-// Writes a 512-wide row held by a team into one V4 token.
-SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, kv_layout::TokenBytes<uint8_t> token, Lanes lanes) {
+// One V4 token as a team assembles it before writing it: the value record, then the scale record.
+struct alignas(16) V4Staged {
+  uint8_t value[V4::kValueBytes];
+  uint8_t scale[V4::kScaleBytes];
+};
+
+// Writes a staged V4 token whole. GPU: the warp's lanes read the stage back in 16-byte words and
+// write the 576-byte value record as 36 STG.128 (lane l words l and l + 32) and the 8-byte scale
+// record as one STG.64 (lane 4, idle in the second round); both records sit on such boundaries
+// (a page is a multiple of 576 B, the cache 16-byte aligned: check_paged_cache). Host: two memcpy.
+SPARSEKV_HOST_DEVICE void write_v4(const V4Staged& staged, kv_layout::TokenBytes<uint8_t> token, Lanes lanes) {
+#ifdef __CUDA_ARCH__
+  constexpr int kWords = V4::kValueBytes / 16;
+  static_assert(V4::kValueBytes % 16 == 0 && kWords <= 2 * team::kTeamLanes && V4::kScaleBytes == 8,
+                "row_store: a V4 token is two rounds of 16-byte words and one 8-byte word");
+  __syncwarp();  // every lane's bytes of the stage are in place
+  const auto* from = reinterpret_cast<const int4*>(staged.value);
+  auto* to = reinterpret_cast<int4*>(token.value);
+  to[lanes.lane] = from[lanes.lane];
+  if (lanes.lane < kWords - team::kTeamLanes) to[team::kTeamLanes + lanes.lane] = from[team::kTeamLanes + lanes.lane];
+  if (lanes.lane == kWords - team::kTeamLanes) {
+    *reinterpret_cast<uint2*>(token.scale) = *reinterpret_cast<const uint2*>(staged.scale);
+  }
+  __syncwarp();  // the stage is read before the warp's next token overwrites it
+#else
+  (void)lanes;
+  std::memcpy(token.value, staged.value, sizeof(staged.value));
+  std::memcpy(token.scale, staged.scale, sizeof(staged.scale));
+#endif
+}
+
+// Writes a 512-wide row held by a team into one V4 token. The lanes quantize their channels into a
+// stage (the warp's slot of shared memory on the GPU, 8 per 256-thread warp-per-item block; a local
+// on the host), then write_v4 writes it in whole words: a lane's channels are 32 apart, so its own
+// bytes never make a word (the 26 byte stores per lane this replaces). token_of() gives the token's
+// TokenBytes, called only then: its pointers are not live across the quantization (on sm_100a the
+// fused compress-store's 64 registers would otherwise spill).
+template <class TokenOf>
+SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, Lanes lanes) {
   using Row = team::Row<kDim>;
+#ifdef __CUDA_ARCH__
+  __shared__ V4Staged warp_stages[kWarpPerItemThreads / kWarpSize];
+#ifdef SPARSEKV_SIM
+  const unsigned thread = threadIdx.x;
+#else
+  // Read here, not hoisted out of the driver's item loop: kept live across the fused compress-store
+  // it would be the register sm_100a lacks (an 8-byte spill).
+  unsigned thread;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
+#endif
+  V4Staged& staged = warp_stages[thread / kWarpSize];
+#else
+  V4Staged staged;
+#endif
   for (int b = 0; b < kBlocks; ++b) {
     team::Share partial;
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
@@ -84,18 +136,19 @@ SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, kv_layout::TokenByt
     const float inv_scale = fp8::exp2_int(-e);  // exact: x * 2^-e rounds like x / 2^e
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
       for (int k = 2 * b; k < 2 * b + 2; ++k) {
-        token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::mul_rn(x.v[j][k], inv_scale));
+        staged.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::mul_rn(x.v[j][k], inv_scale));
       }
-      if (lanes.lane + j == 0) token.scale[b] = static_cast<uint8_t>(e + 127);
+      if (lanes.lane + j == 0) staged.scale[b] = static_cast<uint8_t>(e + 127);
     }
   }
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
     for (int k = kNopeDims / team::kTeamLanes; k < Row::kPerLane; ++k) {
       const int c = Row::channel(lanes, j, k);
-      store_bf16(token.value + kNopeDims + 2 * (c - kNopeDims), x.v[j][k]);
+      store_bf16(staged.value + kNopeDims + 2 * (c - kNopeDims), x.v[j][k]);
     }
-    if (lanes.lane + j == 0) token.scale[kBlocks] = 0;
+    if (lanes.lane + j == 0) staged.scale[kBlocks] = 0;
   }
+  write_v4(staged, token_of(), lanes);
 }
 
 // Writes a 128-wide row held by a team into one IndexerFp8 token.
@@ -155,6 +208,7 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, kv_
 }  // namespace sparsekv::row_store
 
 #ifdef SPARSEKV_HOST_ENTRY
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -175,7 +229,8 @@ inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slot
   }
 }
 
-// Validates a paged cache of layout L and its slots; returns (page_stride, num_slots).
+// Validates a paged cache of layout L and its slots; returns (page_stride, num_slots). A writer of
+// V4 tokens (unique_slots) also needs its pages 16-byte aligned (write_v4).
 template <class L>
 std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_slots,
                                               bool unique_slots, bool read_slots = true) {
@@ -184,6 +239,15 @@ std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots
   check(cache, "cache").size(1, L::page_bytes(page_slots), "page bytes for page_slots");
   check(slots, "slots").dtype<int64_t>().ndim(1).contiguous().same_device(cache, "cache");
   const int64_t num_slots = checked_product(cache.size(0), page_slots, "argument `cache`: pages x page_slots");
+  if constexpr (std::is_same_v<L, V4>) {
+    // write_v4 writes whole 16-byte words of the value records: every page on a 16-byte boundary.
+    const auto start = reinterpret_cast<uintptr_t>(cache.data_ptr());
+    if (unique_slots && (start % 16 != 0 || cache.stride(0) % 16 != 0)) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `cache` must start on a 16-byte boundary and have a row "
+                                << "stride that is a multiple of 16 bytes, got address % 16 = " << start % 16
+                                << " and stride " << cache.stride(0);
+    }
+  }
   if (cache.device().device_type != kDLCUDA && read_slots) {
     const auto* s = static_cast<const int64_t*>(slots.data_ptr());
     if (unique_slots) {
