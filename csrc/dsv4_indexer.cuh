@@ -455,15 +455,16 @@ struct TopK {
 //    resolved over the row and one position-ordered pass over it, a tile of 1,024 entries at a
 //    time, writes the selection (the kernel before this design).
 // Passes over a 64k row: 3 (was 5), with 2 block scans instead of 64 tiles of 4 barriers each.
-// Instruction budget (nvcc 13, sm_90a: 32 registers, no stack, 41 KB shared; counted by hand from
+// Instruction budget (nvcc 13, sm_90a: 44 registers, no stack, 41 KB shared; counted by hand from
 // the SASS loops, since bench_sass_budget.py's longest innermost loop is here the output loop):
-// per warp trip of 32 entries the histogram pass issues 31 instructions, the count 24, the copy 41
-// (sm_100a unrolls them 8x / 4x: 134 per 8, 56 and 121 per 4 trips). At 64k entries each pass is
-// 64 trips of each of 32 warps on one SM: 96 x 64 x 32 / (4 schedulers x 1.98 GHz) = 25 us of
-// issue alone (the kernel before: 5 passes, the last 64 tiles of 4 barriers), and one 4-byte load
-// per thread per trip leaves it bound by load latency, not issue. The 15 us target
-// (512 of 64k) needs what is not here yet: 16-byte loads (a quarter of the trips) and, at batch 1,
-// the row split over several CTAs (the histogram summed in a global workspace).
+// per 32 entries of a warp, the histogram pass (16-byte loads, two per trip) issues 16
+// instructions, the count 24, the copy 41 (sm_100a about the same: 16, 14, 30 per 32 entries,
+// unrolled). At 64k entries each pass covers 2,048 entries a warp for 32 warps on one SM:
+// 81 x 64 x 32 / (4 schedulers x 1.98 GHz) = 21 us of issue alone (the kernel before: 5 passes of
+// 4-byte loads, the last 64 tiles of 4 barriers); the count and copy passes' one 4-byte load per
+// thread per trip leaves them bound by load latency as well. The 15 us target (512 of 64k) needs
+// what is not here yet: 16-byte loads in the count and copy passes and, at batch 1, the row split
+// over several CTAs (the histogram summed in a global workspace).
 namespace topk_detail {
 inline constexpr int kDigits = 3;  // bits [20, 32), [8, 20), [0, 8)
 inline constexpr int kBins = 1 << 12;
@@ -565,10 +566,21 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
         if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
       }
     } else {
-      for (uint32_t i = tid; i < row; i += TopK::kThreads) {
-        const uint32_t key = order_key(s[i]);
+      const auto tally = [&](float x) {
+        const uint32_t key = order_key(x);
         if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+      };
+      // 16-byte loads over a 16-byte aligned row (a quarter of the trips), 4-byte ones for the rest.
+      const uint32_t quads = (reinterpret_cast<uintptr_t>(s) & 15u) == 0 ? row / 4 : 0;
+      const float4* s4 = reinterpret_cast<const float4*>(s);
+      for (uint32_t v = tid; v < quads; v += TopK::kThreads) {
+        const float4 x = s4[v];
+        tally(x.x);
+        tally(x.y);
+        tally(x.z);
+        tally(x.w);
       }
+      for (uint32_t i = 4 * quads + tid; i < row; i += TopK::kThreads) tally(s[i]);
     }
     __syncthreads();
     block_pick_bin(hist, bins, remaining, warp_sums, &pick_s);
