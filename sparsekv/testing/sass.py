@@ -165,6 +165,7 @@ def _wide_gather(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
 
 
 def _wide_store(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
+    # 4-byte stores (STG.E) pass: only byte and 2-byte stores, beyond the launch's flags, fail.
     wide = sum(bool(_WIDE_STORES.match(op)) for op in kernel.opcodes)
     narrow = sum(bool(_NARROW_STORES.match(op)) for op in kernel.opcodes)
     return wide > 0 and narrow <= launch.flag_stores, (f"{wide} 8/16-byte stores, {narrow} byte or 2-byte stores "
