@@ -158,8 +158,13 @@ def padded_step(stack: Stack, reqs: list[Request], bs: int):
     return padded, rows, positions
 
 
-@pytest.mark.parametrize("hisparse", [None, 2], ids=["resident", "hisparse"])
-@pytest.mark.parametrize("backend", ["cpu", "sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+# On sim the HiSparse stack (every kernel of the resident one, and the swap-in) by default: the
+# resident stack's sim run (the demo model's decode under the simulator, 25 s of an idle core) is the
+# same replay over the same kernels, and runs under --slow.
+@pytest.mark.parametrize("backend, hisparse", [
+    ("cpu", None), ("cpu", 2), pytest.param("sim", None, marks=pytest.mark.slow), ("sim", 2),
+    pytest.param("cuda", None, marks=pytest.mark.gpu), pytest.param("cuda", 2, marks=pytest.mark.gpu),
+], ids=[f"{backend}-{stack}" for backend in ("cpu", "sim", "cuda") for stack in ("resident", "hisparse")])
 def test_a_replay_with_a_padding_row_equals_eager_for_its_real_rows(backend, hisparse):
     """bs = 3 graph rows, 2 real and one padding row, over 3 steps (the last completes a C4 entry):
     the real rows' outputs equal an eager step of the same two requests in a twin stack. On cuda the
