@@ -455,16 +455,15 @@ struct TopK {
 //    resolved over the row and one position-ordered pass over it, a tile of 1,024 entries at a
 //    time, writes the selection (the kernel before this design).
 // Passes over a 64k row: 3 (was 5), with 2 block scans instead of 64 tiles of 4 barriers each.
-// Instruction budget (nvcc 13, sm_90a: 44 registers, no stack, 41 KB shared; counted by hand from
+// Instruction budget (nvcc 13, sm_90a: 32 registers, no stack, 41 KB shared; counted by hand from
 // the SASS loops, since bench_sass_budget.py's longest innermost loop is here the output loop):
-// per 32 entries of a warp, the histogram pass (16-byte loads, two per trip) issues 16
-// instructions, the count 24, the copy 41 (sm_100a about the same: 16, 14, 30 per 32 entries,
-// unrolled). At 64k entries each pass covers 2,048 entries a warp for 32 warps on one SM:
-// 81 x 64 x 32 / (4 schedulers x 1.98 GHz) = 21 us of issue alone (the kernel before: 5 passes of
-// 4-byte loads, the last 64 tiles of 4 barriers); the count and copy passes' one 4-byte load per
-// thread per trip leaves them bound by load latency as well. The 15 us target (512 of 64k) needs
-// what is not here yet: 16-byte loads in the count and copy passes and, at batch 1, the row split
-// over several CTAs (the histogram summed in a global workspace).
+// all three passes use 16-byte loads on an aligned row; per 32 entries of a warp the histogram
+// pass issues 16 instructions, the count at most 18 and the copy at most 34 (the loop bodies hold
+// the unaligned path's branch too; sm_100a: 16, 20, 36). At 64k entries each pass covers 2,048
+// entries a warp for 32 warps on one SM: 68 x 64 x 32 / (4 schedulers x 1.98 GHz) = 18 us of
+// issue at most (the kernel before: 5 passes of 4-byte loads, the last 64 tiles of 4 barriers).
+// The 15 us target (512 of 64k) and 25 us at 256k (4x the trips) need what is not here yet: at
+// batch 1, the row split over several CTAs (the histogram summed in a global workspace).
 namespace topk_detail {
 inline constexpr int kDigits = 3;  // bits [20, 32), [8, 20), [0, 8)
 inline constexpr int kBins = 1 << 12;
@@ -590,24 +589,48 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
     remaining = pick.remaining;
     if (!on_chip && p.k - remaining + pick.count <= kCandidates) {
       // Copy the keys >= prefix (the prefix's low bits are 0), key and position, in position order.
-      const uint32_t per_warp = (row + TopK::kThreads - 1) / TopK::kThreads * kWarpSize;  // row + 1023 fits
+      // Warp w takes [first, last), a lane 4 consecutive entries a trip (one 16-byte load on an
+      // aligned row): entry c of lane l comes after lanes < l's kept entries and its own below c.
+      const uint32_t per_warp = (row + 4 * TopK::kThreads - 1) / (4 * TopK::kThreads) * (4 * kWarpSize);
       const uint32_t first = warp * per_warp, last = first + per_warp < row ? first + per_warp : row;
+      const bool aligned = (reinterpret_cast<uintptr_t>(s) & 15u) == 0;
+      uint32_t keys[4];
+      const auto kept = [&](uint32_t q) {  // bit c: entry q + c is kept; keys[c] its key
+        if (aligned && q + 3 < last) {
+          const float4 x = *reinterpret_cast<const float4*>(s + q);
+          keys[0] = order_key(x.x);
+          keys[1] = order_key(x.y);
+          keys[2] = order_key(x.z);
+          keys[3] = order_key(x.w);
+        } else {
+          for (uint32_t c = 0; c < 4; ++c) keys[c] = q + c < last ? order_key(s[q + c]) : 0u;
+        }
+        uint32_t bits = 0;
+        for (uint32_t c = 0; c < 4; ++c) bits |= (q + c < last && keys[c] >= prefix ? 1u : 0u) << c;
+        return bits;
+      };
       uint32_t mine = 0;
-      for (uint32_t i = first + lane; i - lane < last; i += kWarpSize) {
-        const bool keep = i < last && order_key(s[i]) >= prefix;
-        mine += __popc(__ballot_sync(0xffffffffu, keep));
+      for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
+        const uint32_t bits = kept(base + 4 * lane);
+        for (uint32_t c = 0; c < 4; ++c) mine += __popc(__ballot_sync(0xffffffffu, (bits >> c) & 1u));
       }
       const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
       uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
-      for (uint32_t i = first + lane; i - lane < last; i += kWarpSize) {
-        const uint32_t key = i < last ? order_key(s[i]) : 0u;
-        const bool keep = i < last && key >= prefix;
-        const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
-        if (keep) {
-          cand_key[place + __popc(ballot & lanes_below)] = key;
-          cand_pos[place + __popc(ballot & lanes_below)] = static_cast<int32_t>(i);
+      for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
+        const uint32_t q = base + 4 * lane;
+        const uint32_t bits = kept(q);
+        uint32_t at = place;
+        for (uint32_t c = 0; c < 4; ++c) {
+          const uint32_t ballot = __ballot_sync(0xffffffffu, (bits >> c) & 1u);
+          at += __popc(ballot & lanes_below);
+          place += __popc(ballot);
         }
-        place += __popc(ballot);
+        for (uint32_t c = 0; c < 4; ++c) {
+          if ((bits >> c) & 1u) {
+            cand_key[at] = keys[c];
+            cand_pos[at++] = static_cast<int32_t>(q + c);
+          }
+        }
       }
       count = scan.total;
       on_chip = true;
