@@ -24,8 +24,9 @@
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
 // entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel, one CTA of 8 warps per
-// (b, split, group of 64 heads) on tensor cores (mma.sync m16n8k16 bf16 -> fp32, sparsekv/mma.h;
-// its comment above the kernel gives the steps); then Combine, one warp per (b, h).
+// (b, split, group of 64 heads, or 32 or 16 while the CTAs fit one wave) on tensor cores
+// (mma.sync m16n8k16 bf16 -> fp32, sparsekv/mma.h; its comment above the kernel gives the steps);
+// then Combine, one warp per (b, h).
 //
 // Precision of the tensor-core path: the rows are exact in bf16 (e4m3 times a power of two, and
 // bf16 rope); a bf16 q is exact, a float q goes in as three bf16 terms (hi + mid + lo: all 24 bits);
@@ -34,9 +35,9 @@
 // two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
 // results by fp32 summation order only).
 //
-// Design and instruction budget (nvcc 13.0; bf16 q: 246 registers on sm_90a, 244 on sm_100a, no
-// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 242 registers, no
-// stack). The tile loop has no inner loop left: 1,367 instructions on sm_90a (1,392 on sm_100a),
+// Design and instruction budget (nvcc 13.0; bf16 q: 248 registers on sm_90a, 244 on sm_100a, no
+// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 246 / 254 registers, no
+// stack). The tile loop has no inner loop left: 1,367 instructions on sm_90a (1,395 on sm_100a),
 // of which a warp issues about 1,150 per tile of 32 rows (the 128-FMUL rescale runs only when a
 // head's maximum moved, the row resolve only on warp 0, the 8-byte fallback of an unaligned row
 // never on an aligned cache): 192 HMMA (QK^T 64, PV 128: P is two bf16 terms), 72 LDSM (ldmatrix:
@@ -47,7 +48,7 @@
 // default split is 2 (128 CTAs, one wave, 8 tiles each). tools/bench/bench_sass_budget.py (loop
 // instructions x 8,192 warp trips / (128 SMs x 4 schedulers x clock)): sm_90a 11.0 us of issue on
 // an H200 against its 6.6 us roofline with fp32 out (1.66x; 1.94x against 5.7 us with bf16 out);
-// sm_100a 11.3 us on a B200 against 4.0 us (2.85x: the B200's 8 TB/s halves the roofline, not
+// sm_100a 11.4 us on a B200 against 4.0 us (2.85x: the B200's 8 TB/s halves the roofline, not
 // the issue). With the ~1,150 issued: 9.3 us on the H200. The tensor cores need 2 warps x 8 tiles
 // x 192 HMMA x 4 cycles per scheduler = 6.2 us at the dense bf16 rate. The split's fp32 partials
 // (16.8 MB, written under the issue time) and the combine's pass over them (25 MB) add about 5 us:
@@ -55,9 +56,10 @@
 // plus the combine. Left for 2x end to end: the combine folded into the partial kernel (the last
 // CTA of a row merges the splits while they are in L2: no second pass over 25 MB), the gather of
 // tile i + 1 overlapped with tile i's products (a second kv buffer, one barrier fewer), fewer
-// instructions per converted pair. Batch 1, top-k 512 runs 16 CTAs of one tile each (split_len
-// 32): a finer split adds partials without shortening a CTA (a tile is 32 rows of products
-// whatever is valid); more CTAs need smaller tiles or head groups below 64.
+// instructions per converted pair. Batch 1, top-k 512: 32 splits of 16 entries x 4 CTAs of 16
+// heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or 16 heads per CTA while the
+// CTAs fit one wave), each with a quarter of a 64-head tile's products; a finer split alone would
+// add partials without shortening a CTA (a tile is 32 rows of products whatever is valid).
 
 #pragma once
 
@@ -128,6 +130,7 @@ struct Params {
   float* lse;       // [batch, heads] contiguous
   float* part_out;  // [batch, num_splits, heads, 512] contiguous (num_splits > 1)
   float* part_lse;  // [batch, num_splits, heads]
+  int64_t head_group = 64;  // heads per CTA of partial_kernel (64, 32 or 16): run_on_cuda sets it
 };
 
 // Entry j of the concatenated list [main | extra] of row b.
@@ -302,7 +305,8 @@ struct Partial {
 #ifdef __CUDACC__
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / kWarpSize;
-  static constexpr int kHeads = 64;  // heads per CTA: 4 m-tiles of 16
+  static constexpr int kHeads = 64;  // heads per CTA at most: 4 m-tiles of 16 (Params::head_group)
+  static constexpr int64_t kWaveCtas = 132;  // CTAs of one wave on an H200: see run_on_cuda
   static constexpr int kMTiles = kHeads / 16;
   static constexpr int kRows = 32;                      // rows per tile
   static constexpr int kKvStride = kDim + 8;            // bf16 per row: fragment loads hit 32 banks
@@ -387,7 +391,8 @@ SPARSEKV_DEVICE mma::FragA ldmatrix_a(const Rows& rows, int m0, int k0, int lane
 
 }  // namespace tc
 
-// One CTA per (b, split, group of 64 heads), 8 warps. Per tile of 32 rows of the split:
+// One CTA per (b, split, group of Params::head_group heads: 64, 32 or 16), 8 warps. Per tile of 32
+// rows of the split:
 //   1. rows resolved (32 threads), then gathered in 16-byte chunks and converted to bf16 in shared
 //      memory (e4m3 -> bf16 on the hardware convert, times the block's power-of-two scale; rope
 //      copied); rows that name no slot are zero, with logit -inf;
@@ -407,9 +412,9 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
   auto& sh = *dynamic_shared<typename K::Shared>();
   const int64_t b = blockIdx.x / p.num_splits;
   const int64_t s = blockIdx.x - b * p.num_splits;
-  const int64_t h0 = static_cast<int64_t>(blockIdx.y) * K::kHeads;
+  const int64_t h0 = static_cast<int64_t>(blockIdx.y) * p.head_group;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int heads_here = static_cast<int>(p.heads - h0 < K::kHeads ? p.heads - h0 : K::kHeads);
+  const int heads_here = static_cast<int>(p.heads - h0 < p.head_group ? p.heads - h0 : p.head_group);
   const int m_tiles = (heads_here + 15) / 16;  // m-tiles past the heads are skipped (CTA-uniform)
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
@@ -660,8 +665,19 @@ int Partial<QT>::run_on_cuda(const Params& p, void* stream) {
   const int err = static_cast<int>(
       cudaFuncSetAttribute(partial_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   if (err != 0) return err;
-  const dim3 grid(static_cast<unsigned>(p.batch * p.num_splits), static_cast<unsigned>((p.heads + kHeads - 1) / kHeads));
-  return launch_kernel<partial_kernel<QT>>(grid, kThreads, bytes, stream, p);
+  // Fewer heads per CTA while the CTAs still fit in one wave of an H200 (132 SMs; the split default
+  // of jit_kernel/dsv4_attention.py aims at the same): at batch 1, top-k 512 (32 splits) 16 heads
+  // per CTA give 128 CTAs instead of 32, each with a quarter of the products; at batch 64 (2
+  // splits) 64 heads stay together, so each row is gathered once.
+  Params launch_params = p;
+  const int64_t rows = p.batch * p.num_splits;
+  while (launch_params.head_group > 16 &&
+         rows * ((p.heads + launch_params.head_group / 2 - 1) / (launch_params.head_group / 2)) <= kWaveCtas) {
+    launch_params.head_group /= 2;
+  }
+  const int64_t groups = (p.heads + launch_params.head_group - 1) / launch_params.head_group;
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));
+  return launch_kernel<partial_kernel<QT>>(grid, kThreads, bytes, stream, launch_params);
 }
 #endif
 

@@ -69,10 +69,12 @@ HEAD_DIM = 512
 _Q_TYPES = {torch.float32: "float", torch.bfloat16: "sparsekv::Bf16"}
 # cuda: CTAs of 64 heads (Partial::kHeads), one per SM (its registers and shared memory), working in
 # tiles of 32 rows (Partial::kRows): split until the CTAs fill one wave of an H100/H200's 132 SMs,
-# never below a tile per split (a CTA's time is whole tiles: a finer split adds CTAs, not speed).
+# never below half a tile per split. The kernel then takes 32 or 16 heads per CTA while its CTAs
+# still fit the wave (Partial::run_on_cuda): at batch 1, top-k 512, 32 splits x 4 groups of 16 heads
+# = 128 CTAs, each with a quarter of the products of a 64-head tile.
 _CUDA_HEADS_PER_BLOCK = 64
 _CUDA_TARGET_BLOCKS = 132
-_CUDA_MIN_SPLIT_LEN = 32
+_CUDA_MIN_SPLIT_LEN = 16
 
 ATTENTION = register(
     KernelFamily(

@@ -121,10 +121,12 @@ def test_split_kv_combine_equals_the_single_pass(backend, case, data):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("heads, num_splits", [(64, 1), (128, 2), (80, 3)])
+@pytest.mark.parametrize("heads, num_splits", [(64, 1), (128, 2), (80, 3), (64, 20), (80, 20), (64, 70), (128, 40)])
 def test_serving_head_counts_match_the_fp64_reference(backend, heads, num_splits):
-    # 64 heads fill one CTA of the GPU kernel, 128 two, 80 a second one with one m-tile; 70 + 9
-    # entries are three 32-row tiles (-1 holes, repeats, topk_length, an extra cache), bf16 q.
+    # The GPU kernel takes 64 heads per CTA, or 32 or 16 while its CTAs (2 rows x splits x head
+    # groups) still fit in 132: groups of 16 for the first three cases, of 32 for 20 splits (80
+    # heads: a last group of one m-tile), of 64 for 70 splits and for 128 heads over 40 (two groups).
+    # 70 + 9 entries are three 32-row tiles (-1 holes, repeats, topk_length, an extra cache), bf16 q.
     g = torch.Generator().manual_seed(heads)
     cache = v4_cache(random_rows(96, g), 64)
     indices = torch.randint(0, 96, (2, 70), generator=g, dtype=torch.int32)
