@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["PROPERTIES", "KernelSass", "Launch", "ctas_per_sm", "cuda_artifact", "disassemble", "find_tool",
-           "inner_loop"]
+           "inner_loop", "missing_sass_tools"]
 
 
 def find_tool(name: str) -> str | None:
@@ -61,6 +61,19 @@ _FUNCTION_RES = re.compile(r"^\s*Function (\S+):")
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
 _TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
+
+
+def missing_sass_tools() -> str | None:
+    """Why SASS cannot be produced and read here (nvcc or ``cuobjdump`` missing), or None."""
+    from sparsekv.jit_kernel.build import toolchain
+
+    if find_tool("cuobjdump") is None:
+        return "cuobjdump is not installed (it comes with triton's wheel)"
+    try:
+        toolchain.nvcc(None)
+    except toolchain.ToolchainError as exc:
+        return f"nvcc: {exc}"
+    return None
 
 
 def disassemble(binary: Path | str) -> dict[tuple[str, str], KernelSass]:

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.build import cache, loader, toolchain
+from sparsekv.jit_kernel.build import cache, loader
 from sparsekv.testing.backends import device_of, kernel_backends
 from sparsekv.testing.components import needs
-from sparsekv.testing.sass import disassemble, find_tool
+from sparsekv.testing.sass import disassemble, missing_sass_tools
 
 HERE = Path(__file__).resolve().parent
 PROBE = "mma_probe.cuh"
@@ -180,17 +180,7 @@ def test_an_e4m3_nan_converts_to_a_bf16_nan(modules, backend):
     assert float(halves[1, 1]) == 1.0
 
 
-def _no_nvcc() -> str | None:
-    if find_tool("cuobjdump") is None:
-        return "cuobjdump is not installed (it comes with triton's wheel)"
-    try:
-        toolchain.nvcc(None)
-    except toolchain.ToolchainError as exc:
-        return f"nvcc: {exc}"
-    return None
-
-
-@needs("nvcc and cuobjdump", _no_nvcc())
+@needs("nvcc and cuobjdump", missing_sass_tools())
 def test_nvcc_compiles_the_product_to_hmma_the_loads_to_ldsm_and_the_convert_to_f2fp(probe_root):
     plan = _plan(probe_root, "cuda", ("9.0a", "10.0a"))
     roots = cache.open_roots()

@@ -28,9 +28,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekv.jit_kernel.build import toolchain
 from sparsekv.testing.components import needs
-from sparsekv.testing.sass import PROPERTIES, KernelSass, Launch, cuda_artifact, disassemble, find_tool, inner_loop
+from sparsekv.testing.sass import (
+    PROPERTIES,
+    KernelSass,
+    Launch,
+    cuda_artifact,
+    disassemble,
+    inner_loop,
+    missing_sass_tools,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHS = ("9.0a", "10.0a")
@@ -127,16 +134,6 @@ def _cases():
                 yield pytest.param(key, prop, arch, marks=marks, id=f"{kernel_label(key)}-{prop}-sm_{arch}")
 
 
-def _no_tools() -> str | None:
-    if find_tool("cuobjdump") is None:
-        return "cuobjdump is not installed (it comes with triton's wheel)"
-    try:
-        toolchain.nvcc(None)
-    except toolchain.ToolchainError as exc:
-        return f"nvcc: {exc}"
-    return None
-
-
 @cache
 def _triton_cubins() -> dict:
     """``{(name, arch): cubin path}`` of the hot Triton kernels, built by the AOT path in a child
@@ -171,7 +168,7 @@ def _sass(key: tuple, arch: str):
     return found[0]
 
 
-NO_TOOLS = _no_tools()
+NO_TOOLS = missing_sass_tools()
 
 
 @needs("nvcc or cuobjdump", NO_TOOLS)
