@@ -70,9 +70,11 @@ def check_fused_store(backend, kind, ratio, ring_bf16, aligned, seed, cuts):
     dtype = torch.bfloat16 if ring_bf16 else torch.float32
     caches, states = {}, {}
     for impl in ("header", "triton"):
-        # Pages in a wider buffer, one byte in, when not `aligned`: the record goes out byte by byte.
+        # The twin's pages sit in a wider buffer, one byte in when not `aligned`: its record goes out
+        # byte by byte. The header writes whole 16-byte words and refuses a page off a 16-byte
+        # boundary, so it takes dense pages.
         pages = torch.zeros(4, layout.page_bytes(PAGE) + 1, dtype=torch.uint8, device=device)
-        caches[impl] = pages[:, :-1] if aligned else pages[:, 1:]
+        caches[impl] = pages[:, :-1].clone() if impl == "header" else pages[:, :-1] if aligned else pages[:, 1:]
         states[impl] = torch.zeros(2 * ring, 2 * coff * dim, dtype=dtype, device=device)
         comp = CompressorState(states[impl], ape, ratio, ring_size=ring)
         for lo, hi in zip(cuts[:-1], cuts[1:]):
