@@ -38,8 +38,10 @@ install: $(STAMP)
 # `sparsekv pd-demo` and the PD tests. `make test` installs them; `make demo` does not.
 install-pd: $(PD_STAMP)
 
+# DEMO_ARGS: flags for `sparsekv demo` (tests/test_readme.py runs the README's `make demo` at the
+# smallest size, --tokens 16 --steps 1; the default size under --slow).
 demo: $(STAMP)
-	$(PY) -m sparsekv demo
+	$(PY) -m sparsekv demo $(DEMO_ARGS)
 
 # The documentation site into site/, strictly (a warning is an error); tests/test_docs.py runs the same build.
 docs: $(STAMP)
