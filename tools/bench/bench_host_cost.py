@@ -34,13 +34,15 @@ and raw time per call.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel import torch_op
-from sparsekv.jit_kernel.build.registry import KernelFamily
+from sparsekv.jit_kernel.build import registry
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer
@@ -58,7 +60,8 @@ TARGET = 3.0
 
 
 class _Stub:
-    """A compiled module whose every export is a no-op that records the arguments of each call."""
+    """A compiled module whose every export is a no-op that records the arguments of each call (made at
+    its first use and kept, as a loaded module's function is)."""
 
     def __init__(self) -> None:
         self.args: list[tuple] = []
@@ -67,11 +70,23 @@ class _Stub:
         def export(*args):
             self.args.append(args)
 
+        setattr(self, name, export)
         return export
 
 
 def _median_us(fn) -> float:
-    return time_call(fn).median_s * 1e6
+    return time_call(fn, clock=time.process_time).median_s * 1e6
+
+
+def _paired_us(host, raw, rounds: int = 7) -> tuple[float, float]:
+    """Median process time per call of ``host`` and of ``raw`` (µs), sampled in turn (one sample of each a
+    round), so that both see the same machine load."""
+    samples = [(_sample_us(host), _sample_us(raw)) for _ in range(rounds)]
+    return statistics.median(h for h, _ in samples), statistics.median(r for _, r in samples)
+
+
+def _sample_us(fn) -> float:
+    return time_call(fn, repeats=1, clock=time.process_time).median_s * 1e6
 
 
 def calls() -> dict:
@@ -181,8 +196,12 @@ def triton_compress_store_checks() -> dict:
 
 def measure(name: str, call, nop) -> dict:
     stub = _Stub()
-    real = KernelFamily.module
-    KernelFamily.module = lambda self, **_: stub  # every export a no-op, for this call only
+    # Every export a no-op, for this call only: each family's module() runs its own memo, whose misses
+    # load the stub instead of the compiled module.
+    real_load, loaded = registry.load_jit, [(f, dict(f._loaded)) for f in registry.REGISTRY.values()]
+    registry.load_jit = lambda *_, **__: stub
+    for family, _ in loaded:
+        family._loaded.clear()
     try:
         call()
         raw_args = stub.args[:]  # a call of two ops (lightning_indexer) crosses the FFI twice
@@ -194,11 +213,14 @@ def measure(name: str, call, nop) -> dict:
         events = prof.events()
         torch_ops = sum(1 for e in events if "::" in e.name)  # aten:: and sparsekv:: operators
         allocations = sum(1 for e in events if e.name == "[memory]" and e.cpu_memory_usage > 0)
-        host_us = _median_us(call)
+        raw = functools.partial(nop, *raw_args[0]) if len(raw_args) == 1 else lambda: [nop(*a) for a in raw_args]
+        host_us, raw_us = _paired_us(call, raw)
         dispatched_us = _median_us(functools.partial(_through_torch_library, call))
     finally:
-        KernelFamily.module = real
-    raw_us = _median_us(lambda: [nop(*args) for args in raw_args])
+        registry.load_jit = real_load
+        for family, modules in loaded:
+            family._loaded.clear()
+            family._loaded.update(modules)
     return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
             "within_target": host_us / raw_us <= TARGET, "torch_ops": torch_ops, "allocations": allocations,
             "module_calls": module_calls, "dispatched_us": dispatched_us,
