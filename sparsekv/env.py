@@ -13,8 +13,19 @@ import re
 from pathlib import Path
 
 
+def _read(name: str) -> str:
+    """``os.environ.get(name, "")``, cheap when ``name`` is unset: the decode path reads
+    ``SPARSEKV_CPU_BACKEND`` and ``SPARSEKV_CHECK_INDICES`` on every call, and ``os.environ.get`` raises and
+    catches a ``KeyError`` for an unset variable (~2 us, more than a kernel call's FFI crossing: issue
+    36 item 2). ``os.environ`` keeps its encoded copy in ``_data``, which every change through
+    ``os.environ`` (``monkeypatch.setenv`` too) updates."""
+    environ = os.environ
+    value = environ._data.get(environ.encodekey(name))
+    return "" if value is None else environ.decodevalue(value)
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return _read(name).strip().lower() in ("1", "true", "yes", "on")
 
 
 def configured_cache_dir() -> Path | None:
@@ -81,7 +92,7 @@ CPU_BACKENDS = ("cpu", "sim")
 def cpu_backend() -> str:
     """``SPARSEKV_CPU_BACKEND``: the build that runs kernels on CPU tensors: ``cpu`` (default, the
     headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``csrc/sim/sim.h``)."""
-    name = os.environ.get("SPARSEKV_CPU_BACKEND", "").strip() or "cpu"
+    name = _read("SPARSEKV_CPU_BACKEND").strip() or "cpu"
     if name not in CPU_BACKENDS:
         raise ValueError(f"sparsekv: SPARSEKV_CPU_BACKEND must be one of {CPU_BACKENDS}, got {name!r}")
     return name
