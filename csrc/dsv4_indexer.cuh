@@ -385,7 +385,36 @@ struct TopK {
     int64_t page_table_stride;
     int64_t max_pages;
     int page_shift;
+    uint32_t* workspace;  // [batch, workspace_stride] (Workspace), or null when splits == 1
+    int64_t workspace_stride;
+    uint32_t slice;  // entries of a row per CTA (splits > 1)
+    int splits;      // CTAs per row
   };
+
+  // The workspace of split rows (uint32 words of a row): the global histogram of the first digit
+  // and the arrival counter (zeroed by topk_clear_kernel), each CTA's candidate count, then each
+  // CTA's segment: `slice` keys, then `slice` positions. Nothing is read before this call writes it.
+  static constexpr int64_t kHistAt = 0;
+  static constexpr int64_t kArrivedAt = 1 << 12;
+  static constexpr int64_t kCountsAt = kArrivedAt + 1;
+  static constexpr int64_t kMaxSplits = 32;  // at most a segment per warp in the gather
+  static constexpr int64_t kSegmentsAt = 4160;  // 16-byte aligned, past the counts
+  // Split rows: a row gets a CTA per kMinSlice entries, at most kMaxSplits, while batch x splits
+  // stays within kSplitCtas (about one wave of CTAs on an H100 or H200); 1 at larger batch.
+  static constexpr int64_t kMinSlice = 4096;
+  static constexpr int64_t kSplitCtas = 128;
+  struct Split {
+    int splits;
+    int64_t slice;
+    int64_t words;  // workspace words of the call (0 when splits == 1)
+  };
+  static Split split_of(int64_t batch, int64_t width) {
+    int64_t splits = std::min({(width + kMinSlice - 1) / kMinSlice, kMaxSplits, kSplitCtas / std::max<int64_t>(batch, 1)});
+    if (splits <= 1) return Split{1, width, 0};
+    const int64_t slice = ((width + splits - 1) / splits + 3) / 4 * 4;  // a multiple of 4: 16-byte aligned slices
+    splits = (width + slice - 1) / slice;
+    return Split{static_cast<int>(splits), slice, batch * (kSegmentsAt + 2 * splits * slice)};
+  }
 
   SPARSEKV_HOST_DEVICE static void emit(const Params& p, int64_t b, int64_t j, int32_t tok) {
     p.tokens[b * p.tokens_stride + j] = tok;
@@ -438,9 +467,10 @@ struct TopK {
 };
 
 #ifdef __CUDACC__
-// Design note (top-k, one 1024-thread CTA per row). The row is 64k float32 at the serving shape:
-// 256 KB, read from HBM once by the first digit pass and from L2 after; one CTA, so its bound is
-// one SM's load throughput and the passes' barriers, not HBM (the launch alone is about 3 us).
+// Design note (top-k). The row is 64k float32 at the serving shape: 256 KB, read from HBM once by
+// the first digit pass and from L2 after. One 1024-thread CTA per row is bound by one SM's load
+// throughput and the passes' barriers, not HBM (the launch alone is about 3 us), so at small batch
+// a row is split over several CTAs (a `workspace` given: TopK::splits).
 // 1. Digits of 12, 12 and 8 bits, the most significant first. A digit pass histograms the keys
 //    that share the prefix found so far (4,096 bins in shared memory) and a block scan over the
 //    bins (4 per thread) picks the bin holding the k-th largest; the first pass reads the row.
@@ -453,17 +483,28 @@ struct TopK {
 //    (equal keys before each, then taken entries before each), each thread a run of at most 3.
 // 3. Otherwise (k + the bin past kCandidates: k above 3,072 or many equal keys) the threshold is
 //    resolved over the row and one position-ordered pass over it, a tile of 1,024 entries at a
-//    time, writes the selection (the kernel before this design).
-// Passes over a 64k row: 3 (was 5), with 2 block scans instead of 64 tiles of 4 barriers each.
-// Instruction budget (nvcc 13, sm_90a: 32 registers, no stack, 41 KB shared; counted by hand from
-// the SASS loops, since bench_sass_budget.py's longest innermost loop is here the output loop):
-// all three passes use 16-byte loads on an aligned row; per 32 entries of a warp the histogram
-// pass issues 16 instructions, the count at most 18 and the copy at most 34 (the loop bodies hold
-// the unaligned path's branch too; sm_100a: 16, 20, 36). At 64k entries each pass covers 2,048
-// entries a warp for 32 warps on one SM: 68 x 64 x 32 / (4 schedulers x 1.98 GHz) = 18 us of
-// issue at most (the kernel before: 5 passes of 4-byte loads, the last 64 tiles of 4 barriers).
-// The 15 us target (512 of 64k) and 25 us at 256k (4x the trips) need what is not here yet: at
-// batch 1, the row split over several CTAs (the histogram summed in a global workspace).
+//    time, writes the selection.
+// 4. Several CTAs a row (grid (batch, splits), each a slice of `slice` entries; topk_clear_kernel
+//    zeroes the row's global histogram and arrival counter first, so the workspace may hold
+//    anything on entry). A CTA histograms its slice's first digit, adds its nonzero bins to the
+//    row's global histogram (atomics in L2), picks its own slice's bin of the min(k, slice)-th
+//    largest and copies the keys at or above it, in position order, to its segment of the
+//    workspace (step 2's passes, to global memory). The global k-th largest is at or above every
+//    slice's, so the segments hold every key at or above the global bin. The CTA that arrives last
+//    (a fence, then an atomic count: no CTA waits for another, so any schedule and the simulator's
+//    shuffled block order give the same answer) picks the global bin from the global histogram
+//    and gathers the segments' keys at or above it on chip, a warp per segment, in segment order
+//    (= position order); then steps 2-3 as for one CTA (past kCandidates: over the row, alone).
+// Instruction budget (nvcc 13, sm_90a, counted by hand from the SASS loops; see docs/sass.md):
+// per 32 entries of a warp the histogram pass issues 16 instructions, the count at most 18 and the
+// copy at most 34 (16-byte loads on an aligned row). One CTA: 64k entries are 2,048 a warp for 32
+// warps on one SM, 68 x 64 x 32 / (4 schedulers x 1.98 GHz) = 18 us of issue. Split (512 of 64k,
+// batch 1: 16 CTAs of 4,096): 68 x 4 trips a warp = 1.1 us on each SM, then the merge on one SM:
+// the segments' ~600 keys each (16 x 600 / 32 = 300 keys, 10 trips, a warp a segment, count and
+// copy at most 52 instructions a trip: ~0.1 us at 4 warps a scheduler, ~2 us of latency-bound
+// barriers and L2 round trips), plus the clear kernel's launch (~2 us): about 8 us with the
+// launch. 256k: 32 CTAs of 8,192 (8 trips a warp, 2.2 us), a merge of 32 segments (~0.2 us of
+// issue): about 10 us.
 namespace topk_detail {
 inline constexpr int kDigits = 3;  // bits [20, 32), [8, 20), [0, 8)
 inline constexpr int kBins = 1 << 12;
@@ -526,7 +567,161 @@ __device__ __forceinline__ void block_pick_bin(const uint32_t* hist, int bins, i
   }
   __syncthreads();
 }
+
+// Adds to hist the digit (bits [shift, shift + width)) of each key of s[begin, end) whose bits under
+// `mask` equal `prefix`: 16-byte loads from a 16-byte aligned s + begin, 4-byte ones for the rest.
+__device__ __forceinline__ void tally_row(const float* s, uint32_t begin, uint32_t end, uint32_t prefix, uint32_t mask,
+                                          int shift, uint32_t digit_mask, uint32_t* hist) {
+  const auto tally = [&](float x) {
+    const uint32_t key = order_key(x);
+    if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+  };
+  const float* t = s + begin;
+  const uint32_t row = end - begin;
+  const uint32_t quads = (reinterpret_cast<uintptr_t>(t) & 15u) == 0 ? row / 4 : 0;
+  const float4* t4 = reinterpret_cast<const float4*>(t);
+  for (uint32_t v = threadIdx.x; v < quads; v += TopK::kThreads) {
+    const float4 x = t4[v];
+    tally(x.x);
+    tally(x.y);
+    tally(x.z);
+    tally(x.w);
+  }
+  for (uint32_t i = 4 * quads + threadIdx.x; i < row; i += TopK::kThreads) tally(t[i]);
+}
+
+// Copies the keys >= prefix of s[begin, end) (the prefix's low bits are 0), key and position, in
+// position order, to key_out / pos_out; returns their count (every thread). Warp w takes a
+// contiguous run, a lane 4 consecutive entries a trip (one 16-byte load on an aligned row): entry c
+// of lane l comes after lanes < l's kept entries and its own below c.
+__device__ __forceinline__ uint32_t copy_at_or_above(const float* s, uint32_t begin, uint32_t end, uint32_t prefix,
+                                                     uint32_t* key_out, int32_t* pos_out, uint32_t* warp_sums) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const uint32_t per_warp = (end - begin + 4 * TopK::kThreads - 1) / (4 * TopK::kThreads) * (4 * kWarpSize);
+  const uint32_t first = begin + warp * per_warp < end ? begin + warp * per_warp : end;
+  const uint32_t last = first + per_warp < end ? first + per_warp : end;
+  const bool aligned = (reinterpret_cast<uintptr_t>(s + begin) & 15u) == 0;
+  uint32_t keys[4];
+  const auto kept = [&](uint32_t q) {  // bit c: entry q + c is kept; keys[c] its key
+    if (aligned && q + 3 < last) {
+      const float4 x = *reinterpret_cast<const float4*>(s + q);
+      keys[0] = order_key(x.x);
+      keys[1] = order_key(x.y);
+      keys[2] = order_key(x.z);
+      keys[3] = order_key(x.w);
+    } else {
+      for (uint32_t c = 0; c < 4; ++c) keys[c] = q + c < last ? order_key(s[q + c]) : 0u;
+    }
+    uint32_t bits = 0;
+    for (uint32_t c = 0; c < 4; ++c) bits |= (q + c < last && keys[c] >= prefix ? 1u : 0u) << c;
+    return bits;
+  };
+  uint32_t mine = 0;
+  for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
+    const uint32_t bits = kept(base + 4 * lane);
+    for (uint32_t c = 0; c < 4; ++c) mine += __popc(__ballot_sync(0xffffffffu, (bits >> c) & 1u));
+  }
+  const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
+  uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
+  for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
+    const uint32_t q = base + 4 * lane;
+    const uint32_t bits = kept(q);
+    uint32_t at = place;
+    for (uint32_t c = 0; c < 4; ++c) {
+      const uint32_t ballot = __ballot_sync(0xffffffffu, (bits >> c) & 1u);
+      at += __popc(ballot & lanes_below);
+      place += __popc(ballot);
+    }
+    for (uint32_t c = 0; c < 4; ++c) {
+      if ((bits >> c) & 1u) {
+        key_out[at] = keys[c];
+        pos_out[at++] = static_cast<int32_t>(q + c);
+      }
+    }
+  }
+  return scan.total;
+}
+
+// Split rows: the first digit of each CTA's slice, then the last CTA's gather of the segments
+// (TopK::Workspace). Returns whether this CTA goes on to select the row; if so, hist holds the
+// row's first-digit histogram, and `count` > 0 says the keys at or above its bin (`pick`) are on
+// chip (count == 0: they did not fit, or are none, and the row is read again).
+__device__ __forceinline__ bool split_first_digit(const TopK::Params& p, const float* s, uint32_t row, uint32_t* hist,
+                                                  uint32_t* cand_key, int32_t* cand_pos, uint32_t* warp_sums,
+                                                  Pick* pick_s, uint32_t* flag_s, uint32_t* count) {
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const uint32_t split = blockIdx.y, splits = gridDim.y;
+  uint32_t* ws = p.workspace + static_cast<int64_t>(blockIdx.x) * p.workspace_stride;
+  uint32_t* const global_hist = ws + TopK::kHistAt;
+  uint32_t* const segment_key = ws + TopK::kSegmentsAt + static_cast<int64_t>(split) * 2 * p.slice;
+  int32_t* const segment_pos = reinterpret_cast<int32_t*>(segment_key + p.slice);
+  const uint32_t begin = split * p.slice < row ? split * p.slice : row;
+  const uint32_t end = row - begin > p.slice ? begin + p.slice : row;
+  for (int x = tid; x < kBins; x += TopK::kThreads) hist[x] = 0;
+  __syncthreads();
+  tally_row(s, begin, end, 0, 0, digit_shift(0), kBins - 1, hist);
+  __syncthreads();
+  for (int x = tid; x < kBins; x += TopK::kThreads) {
+    if (hist[x] != 0) atomicAdd(&global_hist[x], hist[x]);
+  }
+  uint32_t kept = 0;
+  if (end > begin) {
+    const int64_t local_k = p.k < end - begin ? p.k : end - begin;
+    block_pick_bin(hist, kBins, local_k, warp_sums, pick_s);
+    kept = copy_at_or_above(s, begin, end, pick_s->bin << digit_shift(0), segment_key, segment_pos, warp_sums);
+  }
+  if (tid == 0) ws[TopK::kCountsAt + split] = kept;
+  __threadfence();  // this CTA's segment, count and bins are visible before its arrival is
+  __syncthreads();
+  if (tid == 0) *flag_s = atomicAdd(&ws[TopK::kArrivedAt], 1u) == splits - 1;
+  __syncthreads();
+  if (!*flag_s) return false;
+  __threadfence();  // the last to arrive: every other CTA's writes are visible from here
+  for (int x = tid; x < kBins; x += TopK::kThreads) hist[x] = __ldcg(&global_hist[x]);
+  __syncthreads();
+  block_pick_bin(hist, kBins, p.k, warp_sums, pick_s);
+  const uint32_t prefix = pick_s->bin << digit_shift(0);
+  *count = 0;
+  if (p.k - pick_s->remaining + pick_s->count > kCandidates) return true;
+  // Warp w gathers segment w (splits <= kWarps): a count pass, a scan over the warps, a copy pass.
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const uint32_t* const key_in = ws + TopK::kSegmentsAt + static_cast<int64_t>(warp) * 2 * p.slice;
+  const int32_t* const pos_in = reinterpret_cast<const int32_t*>(key_in + p.slice);
+  const uint32_t length = static_cast<uint32_t>(warp) < splits ? __ldcg(&ws[TopK::kCountsAt + warp]) : 0u;
+  uint32_t mine = 0;
+  for (uint32_t base = 0; base < length; base += kWarpSize) {
+    const bool keep = base + lane < length && __ldcg(&key_in[base + lane]) >= prefix;
+    mine += __popc(__ballot_sync(0xffffffffu, keep));
+  }
+  const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
+  uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
+  for (uint32_t base = 0; base < length; base += kWarpSize) {
+    const uint32_t key = base + lane < length ? __ldcg(&key_in[base + lane]) : 0u;
+    const bool keep = base + lane < length && key >= prefix;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+    if (keep) {
+      cand_key[place + __popc(ballot & lanes_below)] = key;
+      cand_pos[place + __popc(ballot & lanes_below)] = __ldcg(&pos_in[base + lane]);
+    }
+    place += __popc(ballot);
+  }
+  *count = scan.total;
+  __syncthreads();
+  return true;
+}
 }  // namespace topk_detail
+
+static_assert(TopK::kMaxSplits <= TopK::kWarps, "dsv4_indexer: the gather takes a segment per warp");
+static_assert(TopK::kSegmentsAt >= TopK::kCountsAt + TopK::kMaxSplits && TopK::kSegmentsAt % 4 == 0,
+              "dsv4_indexer: the segments follow the counts, 16-byte aligned");
+
+// Zeroes the global histogram and arrival counter of each row's workspace (split rows only).
+__global__ void __launch_bounds__(TopK::kThreads) topk_clear_kernel(const TopK::Params p) {
+  uint32_t* ws = p.workspace + static_cast<int64_t>(blockIdx.x) * p.workspace_stride;
+  for (int x = threadIdx.x; x < TopK::kCountsAt; x += TopK::kThreads) ws[x] = 0;
+}
 
 __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params p) {
   using namespace topk_detail;
@@ -537,6 +732,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
   __shared__ Pick pick_s;
   __shared__ uint32_t warp_equal[TopK::kWarps], warp_taken[TopK::kWarps];
   __shared__ int64_t taken_s, equal_seen_s;
+  __shared__ uint32_t last_s;
   const int64_t b = blockIdx.x;
   const float* s = p.scores + b * p.scores_stride;
   const int64_t n = visible_in_row(p, b);
@@ -544,6 +740,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const uint32_t lanes_below = (1u << lane) - 1u;
   if (n <= p.k) {
+    if (blockIdx.y != 0) return;
     for (int64_t j = tid; j < p.k; j += TopK::kThreads) TopK::emit(p, b, j, j < n ? static_cast<int32_t>(j) : -1);
     return;
   }
@@ -553,8 +750,18 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
   bool on_chip = false;
   const uint32_t row = static_cast<uint32_t>(n);  // n <= INT32_MAX: 32-bit indices below (i + 31 fits too)
   uint32_t count = 0;                              // candidates in shared memory
+  int first_digit = 0;
+  if (gridDim.y > 1) {
+    if (!split_first_digit(p, s, row, hist, cand_key, cand_pos, warp_sums, &pick_s, &last_s, &count)) return;
+    const Pick pick = pick_s;
+    prefix = pick.bin << digit_shift(0);
+    mask = static_cast<uint32_t>(kBins - 1) << digit_shift(0);
+    remaining = pick.remaining;
+    on_chip = count > 0;
+    first_digit = 1;
+  }
 #pragma unroll 1  // one copy of the loop body: unrolled, its three copies spill at 64 registers
-  for (int digit = 0; digit < kDigits; ++digit) {
+  for (int digit = first_digit; digit < kDigits; ++digit) {
     const int shift = digit_shift(digit), bins = 1 << digit_width(digit);
     const uint32_t digit_mask = static_cast<uint32_t>(bins - 1);
     for (int x = tid; x < bins; x += TopK::kThreads) hist[x] = 0;
@@ -565,21 +772,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
         if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
       }
     } else {
-      const auto tally = [&](float x) {
-        const uint32_t key = order_key(x);
-        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
-      };
-      // 16-byte loads over a 16-byte aligned row (a quarter of the trips), 4-byte ones for the rest.
-      const uint32_t quads = (reinterpret_cast<uintptr_t>(s) & 15u) == 0 ? row / 4 : 0;
-      const float4* s4 = reinterpret_cast<const float4*>(s);
-      for (uint32_t v = tid; v < quads; v += TopK::kThreads) {
-        const float4 x = s4[v];
-        tally(x.x);
-        tally(x.y);
-        tally(x.z);
-        tally(x.w);
-      }
-      for (uint32_t i = 4 * quads + tid; i < row; i += TopK::kThreads) tally(s[i]);
+      tally_row(s, 0, row, prefix, mask, shift, digit_mask, hist);
     }
     __syncthreads();
     block_pick_bin(hist, bins, remaining, warp_sums, &pick_s);
@@ -588,51 +781,7 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
     mask |= digit_mask << shift;
     remaining = pick.remaining;
     if (!on_chip && p.k - remaining + pick.count <= kCandidates) {
-      // Copy the keys >= prefix (the prefix's low bits are 0), key and position, in position order.
-      // Warp w takes [first, last), a lane 4 consecutive entries a trip (one 16-byte load on an
-      // aligned row): entry c of lane l comes after lanes < l's kept entries and its own below c.
-      const uint32_t per_warp = (row + 4 * TopK::kThreads - 1) / (4 * TopK::kThreads) * (4 * kWarpSize);
-      const uint32_t first = warp * per_warp, last = first + per_warp < row ? first + per_warp : row;
-      const bool aligned = (reinterpret_cast<uintptr_t>(s) & 15u) == 0;
-      uint32_t keys[4];
-      const auto kept = [&](uint32_t q) {  // bit c: entry q + c is kept; keys[c] its key
-        if (aligned && q + 3 < last) {
-          const float4 x = *reinterpret_cast<const float4*>(s + q);
-          keys[0] = order_key(x.x);
-          keys[1] = order_key(x.y);
-          keys[2] = order_key(x.z);
-          keys[3] = order_key(x.w);
-        } else {
-          for (uint32_t c = 0; c < 4; ++c) keys[c] = q + c < last ? order_key(s[q + c]) : 0u;
-        }
-        uint32_t bits = 0;
-        for (uint32_t c = 0; c < 4; ++c) bits |= (q + c < last && keys[c] >= prefix ? 1u : 0u) << c;
-        return bits;
-      };
-      uint32_t mine = 0;
-      for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
-        const uint32_t bits = kept(base + 4 * lane);
-        for (uint32_t c = 0; c < 4; ++c) mine += __popc(__ballot_sync(0xffffffffu, (bits >> c) & 1u));
-      }
-      const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
-      uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
-      for (uint32_t base = first; base < last; base += 4 * kWarpSize) {
-        const uint32_t q = base + 4 * lane;
-        const uint32_t bits = kept(q);
-        uint32_t at = place;
-        for (uint32_t c = 0; c < 4; ++c) {
-          const uint32_t ballot = __ballot_sync(0xffffffffu, (bits >> c) & 1u);
-          at += __popc(ballot & lanes_below);
-          place += __popc(ballot);
-        }
-        for (uint32_t c = 0; c < 4; ++c) {
-          if ((bits >> c) & 1u) {
-            cand_key[at] = keys[c];
-            cand_pos[at++] = static_cast<int32_t>(q + c);
-          }
-        }
-      }
-      count = scan.total;
+      count = copy_at_or_above(s, 0, row, prefix, cand_key, cand_pos, warp_sums);
       on_chip = true;
       __syncthreads();
     }
@@ -697,7 +846,11 @@ __global__ void __launch_bounds__(TopK::kThreads) topk_kernel(const TopK::Params
 
 inline int TopK::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0) return 0;
-  return launch_kernel<topk_kernel>(static_cast<unsigned>(p.batch), kThreads, 0, stream, p);
+  if (p.splits == 1) return launch_kernel<topk_kernel>(static_cast<unsigned>(p.batch), kThreads, 0, stream, p);
+  const int cleared = launch_kernel<topk_clear_kernel>(static_cast<unsigned>(p.batch), kThreads, 0, stream, p);
+  if (cleared != 0) return cleared;
+  return launch_kernel<topk_kernel>(dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.splits)), kThreads, 0,
+                                    stream, p);
 }
 
 template <class Layout, class QT>
@@ -812,11 +965,12 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
 
 inline void indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
                          tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
-                         int64_t page_slots) {
+                         int64_t page_slots, tvm::ffi::Optional<TensorView> workspace) {
   // 1. Validate (memory first: the table checks read `page_table` and `positions`).
   check_disjoint({read(scores, "scores"), read(positions, "positions"), written(tokens, "out"),
                   read(optional_arg(page_table, "page_table"), "page_table"),
-                  written(optional_arg(slots, "out_slots"), "out_slots")});
+                  written(optional_arg(slots, "out_slots"), "out_slots"),
+                  written(optional_arg(workspace, "workspace"), "workspace")});
   check(scores, "scores").dtype<float>().ndim(2).rows_dense().on_backend_device();
   const int64_t batch = scores.size(0), width = scores.size(1);
   if (width > INT32_MAX) TVM_FFI_THROW(ValueError) << "sparsekv: argument `scores` is wider than 2^31 - 1 entries";
@@ -842,7 +996,29 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
                       nullptr,
                       0,
                       0,
-                      0};
+                      0,
+                      nullptr,
+                      0,
+                      0,
+                      1};
+  if (workspace.has_value()) {
+    // A CUDA row split over several CTAs (TopK::split_of); the cpu backend takes a row per item and
+    // leaves the workspace alone, but checks it the same.
+    const TensorView ws = workspace.value();
+    const TopK::Split split = TopK::split_of(batch, width);
+    check(ws, "workspace").dtype<int32_t>().ndim(1).contiguous().same_device(scores, "scores");
+    if (ws.size(0) < split.words) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: argument `workspace` has " << ws.size(0) << " int32 elements; a top-k of "
+                                << batch << " rows of " << width << " entries needs " << split.words
+                                << " (topk_workspace_ints)";
+    }
+    if (split.splits > 1 && (SPARSEKV_BACKEND_CUDA || SPARSEKV_BACKEND_SIM)) {
+      params.workspace = static_cast<uint32_t*>(ws.data_ptr());
+      params.workspace_stride = split.words / batch;
+      params.slice = static_cast<uint32_t>(split.slice);
+      params.splits = split.splits;
+    }
+  }
   if (page_table.has_value()) {
     const TensorView table = page_table.value(), out_slots = slots.value();
     params.page_shift = check_page_slots(page_slots, "page_slots");

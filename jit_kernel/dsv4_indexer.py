@@ -283,9 +283,12 @@ def indexer_topk(
     out, out_slots : torch.Tensor, optional
         int32 ``[B, num_top_k]`` (unit last stride) to write; default new tensors.
     workspace : torch.Tensor, optional
-        int32, 1-D, contiguous, on the scores' device: the scratch lists of the Triton top-k, at least
-        :func:`topk_workspace_ints` elements (the header needs none); default: allocated per call
-        when needed. Given it (and ``out``, ``out_slots``), a call allocates nothing.
+        int32, 1-D, contiguous, on the scores' device, any contents, at least
+        :func:`topk_workspace_ints` elements for this ``impl``: the header's GPU kernel then splits
+        each row over several CTAs at small batch (the global histogram and the CTAs' candidate
+        segments; without it, one CTA per row and nothing allocated), the Triton twin cuts its
+        scratch lists from it (without it, they are allocated per call). Given it (and ``out``,
+        ``out_slots``), a call allocates nothing. Not to be shared by calls on different streams.
     impl : {"auto", "header", "triton"}
         ``"header"``: the ``csrc/dsv4_indexer.cuh`` top-k on the cpu or cuda backend by device;
         ``"triton"``: the Triton twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or, on
@@ -343,18 +346,42 @@ def _topk_outputs(scores: torch.Tensor, num_top_k: int, page_table: torch.Tensor
     return out, out_slots
 
 
-def topk_workspace_ints(batch: int, width: int, num_top_k: int) -> int:
-    """int32 elements of the ``workspace`` of an :func:`indexer_topk` call on ``[batch, width]`` scores
-    with ``impl="triton"`` (the scratch lists of its on-chip levels; 0 when a row is selected in one
-    program). The header needs none."""
+#: The header's split rows (``TopK::split_of`` in ``csrc/dsv4_indexer.cuh``): a CTA per
+#: ``_SPLIT_MIN_SLICE`` entries, at most ``_SPLIT_MAX`` a row and ``_SPLIT_CTAS`` a launch; a row's
+#: workspace is ``_SPLIT_SEGMENTS_AT`` words, then two words per entry of its split row.
+_SPLIT_MIN_SLICE, _SPLIT_MAX, _SPLIT_CTAS, _SPLIT_SEGMENTS_AT = 4096, 32, 128, 4160
+
+
+def _header_workspace_ints(batch: int, width: int) -> int:
+    splits = min(-(-width // _SPLIT_MIN_SLICE), _SPLIT_MAX, _SPLIT_CTAS // max(batch, 1))
+    if splits <= 1:
+        return 0
+    slice_ = (-(-width // splits) + 3) // 4 * 4
+    splits = -(-width // slice_)
+    return batch * (_SPLIT_SEGMENTS_AT + 2 * splits * slice_)
+
+
+def topk_workspace_ints(batch: int, width: int, num_top_k: int, impl: str = "any") -> int:
+    """int32 elements of the ``workspace`` of an :func:`indexer_topk` call on ``[batch, width]`` scores.
+
+    ``impl="header"``: the header's split rows (at small batch its GPU kernel splits a row of more
+    than 4,096 entries over several CTAs; 0 when one CTA takes each row); ``"triton"``: the scratch
+    lists of the twin's on-chip levels (0 when a row is selected in one program); ``"any"`` (the
+    default): enough for both, so one workspace serves every ``impl``. Neither reads what it holds
+    before writing it: any contents will do.
+    """
     from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
-    return triton_indexer.topk_workspace_ints(batch, width, num_top_k)
+    header = _header_workspace_ints(batch, width)
+    if impl == "header":
+        return header
+    triton = triton_indexer.topk_workspace_ints(batch, width, num_top_k)
+    return triton if impl == "triton" else max(header, triton)
 
 
 def _check_workspace(workspace: torch.Tensor, scores: torch.Tensor, num_top_k: int, impl: str, out: torch.Tensor,
                      out_slots: torch.Tensor | None) -> None:
-    need = topk_workspace_ints(scores.shape[0], scores.shape[1], num_top_k) if impl == "triton" else 0
+    need = topk_workspace_ints(scores.shape[0], scores.shape[1], num_top_k, impl)
     if workspace.dtype != torch.int32 or workspace.dim() != 1 or not workspace.is_contiguous() \
             or workspace.device != scores.device or workspace.numel() < need:
         raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D int32 tensor on {scores.device} "
@@ -392,7 +419,7 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
         triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace)
         return
     INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
-                                                                 page_slots)
+                                                                 page_slots, workspace)
 
 
 @renamed_keywords(top_k="num_top_k", page_size="page_slots")

@@ -776,6 +776,10 @@ template <class T>
 T __ldg(const T* p) {
   return *p;
 }
+template <class T>
+T __ldcg(const T* p) {
+  return *p;
+}
 
 // Atomics, with CUDA's overload set. Threads switch only at barriers and warp operations, so a
 // read-modify-write is atomic as written.

@@ -17,6 +17,7 @@ from sparsekv.jit_kernel.dsv4_indexer import (
     indexer_template_args,
     indexer_topk,
     lightning_indexer,
+    topk_workspace_ints,
     visible_entries,
 )
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, skip_unless_triton_runs, to_backend
@@ -155,6 +156,85 @@ def test_ties_at_the_threshold_go_to_the_lower_positions(backend):
     expected = torch.stack([torch.arange(num_top_k)] + [
         torch.cat([torch.arange(num_top_k - 2), torch.tensor([n - 2, n - 1])]) for n in visible[1:].tolist()])
     assert torch.equal(tokens.cpu().to(torch.int64), expected)
+
+
+def check_split_workspace(workspace: torch.Tensor, fill: int, backend: str, visible: torch.Tensor, num_top_k: int,
+                          splits: int) -> None:
+    """The header's split rows used the workspace as designed: on the GPU path (sim, cuda) each row with
+    more than ``num_top_k`` visible entries has its first-digit histogram summing to them and all
+    ``splits`` CTAs arrived; the cpu backend never touches it."""
+    if backend == "cpu":
+        assert bool((workspace == fill).all())
+        return
+    row_words = workspace.numel() // visible.numel()
+    for b in range(visible.numel()):
+        row = workspace[b * row_words:(b + 1) * row_words].cpu()
+        if int(visible[b]) > num_top_k:
+            assert int(row[:4096].sum()) == int(visible[b]) and int(row[4096]) == splits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=score_rows(max_width=20_000), num_top_k=st.sampled_from([1, 7, 512, 600, 2048, 3000, 4000]),
+       fill=st.sampled_from([0, -1, 0x7FFFFFFF]))
+def test_split_rows_give_the_one_selection_whatever_the_workspace_held(backend, rows, num_top_k, fill):
+    # With a workspace the GPU path splits a row of more than 4,096 entries over up to 32 CTAs (one
+    # per 4,096 entries), merged by whichever CTA arrives last (the sim runs the CTAs in a shuffled
+    # order): the same answer as one CTA a row, ties, -inf / NaN / signed zeros, and rows whose
+    # candidates pass the 3,072 kept on chip included. The workspace may hold anything on entry.
+    scores, positions = rows
+    device = device_of(backend)
+    batch, width = scores.shape
+    workspace = torch.full((topk_workspace_ints(batch, width, num_top_k),), fill, dtype=torch.int32, device=device)
+    num_top_k = min(num_top_k, width)
+    tokens, _ = indexer_topk(scores.to(device), positions.to(device), num_top_k, workspace=workspace, impl="header")
+    check_topk(tokens.cpu(), scores, positions, num_top_k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["spread ties on chip", "ties past the chip", "top in the last slice",
+                                  "top in the first slice"])
+def test_split_rows_literal_selections(backend, kind):
+    # 3 rows of 12,289 entries: 4 CTAs a row (3 of 3,076 entries, one of 3,061), k = 600.
+    width, num_top_k = 12_289, 600
+    scores = torch.full((3, width), -1.0)
+    if kind == "spread ties on chip":  # 1,000 equal keys, 250 in each slice: the lowest 600 positions
+        tied = torch.arange(0, width - 1, 12)[:1000]
+        scores[:, tied] = 0.5
+        expected = tied[:num_top_k]
+    elif kind == "ties past the chip":  # all equal but two: the row read again by the merging CTA
+        scores.fill_(0.0)
+        scores[:, [5000, width - 1]] = 1.0
+        expected = torch.cat([torch.arange(num_top_k - 2), torch.tensor([5000, width - 1])])
+    elif kind == "top in the last slice":
+        expected = torch.arange(width - num_top_k, width)
+        scores[:, expected] = torch.linspace(1.0, 2.0, num_top_k)
+    else:
+        expected = torch.arange(num_top_k)
+        scores[:, expected] = float("inf")
+        scores[:, num_top_k:num_top_k + 10] = float("nan")  # above +inf as keys: taken first
+        expected = torch.cat([torch.arange(num_top_k - 10), torch.arange(num_top_k, num_top_k + 10)])
+    positions = torch.full((3,), 4 * width - 1)
+    device = device_of(backend)
+    workspace = torch.full((topk_workspace_ints(3, width, num_top_k, "header"),), -1, dtype=torch.int32,
+                           device=device)
+    tokens, _ = indexer_topk(scores.to(device), positions.to(device), num_top_k, workspace=workspace, impl="header")
+    assert torch.equal(tokens.cpu().to(torch.int64), expected.expand(3, -1))
+    check_split_workspace(workspace, -1, backend, torch.full((3,), width), num_top_k, splits=4)
+
+
+def test_a_split_workspace_too_small_or_of_the_wrong_kind_is_refused_before_anything_is_written(backend):
+    device = device_of(backend)
+    scores, positions = torch.randn(2, 9000, device=device), torch.tensor([4 * 9000 - 1, 400], device=device)
+    need = topk_workspace_ints(2, 9000, 512, "header")
+    assert need == 2 * (4160 + 2 * 3 * 3000)  # 3 CTAs of 3,000 entries a row
+    out = torch.full((2, 512), 7, dtype=torch.int32, device=device)
+    workspace = torch.full((need,), 5, dtype=torch.int32, device=device)
+    for bad in (workspace[:need - 1], workspace.view(2, -1), workspace[::2], workspace.float(), workspace.long()):
+        with pytest.raises(ValueError, match="`workspace`"):
+            indexer_topk(scores, positions, 512, out=out, workspace=bad, impl="header")
+    assert bool((out == 7).all()) and bool((workspace == 5).all())
+    indexer_topk(scores, positions, 512, out=out, workspace=workspace, impl="header")
+    check_topk(out.cpu(), scores.cpu(), positions.cpu(), 512)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

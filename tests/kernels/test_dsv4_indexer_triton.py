@@ -193,7 +193,7 @@ def test_triton_topk_keeps_its_scratch_in_the_given_workspace_and_allocates_noth
     scores = torch.randn(2, 9000, generator=g).to(device)
     positions = torch.tensor([4 * 9000, 4 * 5000], device=device)
     k = 8
-    need = topk_workspace_ints(2, 9000, k)
+    need = topk_workspace_ints(2, 9000, k, "triton")
     assert need == 2 * 2 * 3 * k  # keys and positions of 3 chunks of 4096 per row
     workspace = torch.full((need,), -7, dtype=torch.int32, device=device)
     out = torch.empty(2, k, dtype=torch.int32, device=device)
