@@ -23,7 +23,8 @@
 // The combine is the same item() on both backends.
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
-// entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel, one CTA of 8 warps per
+// entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel (partial_unaligned_kernel
+// when a cache's records are not all 16-byte aligned), one CTA of 8 warps per
 // (b, split, group of 64 heads, or 32 or 16 while the CTAs fit one wave) on tensor cores
 // (mma.sync m16n8k16 bf16 -> fp32, sparsekv/mma.h; its comment above the kernel gives the steps);
 // then Combine, one warp per (b, h).
@@ -37,29 +38,31 @@
 //
 // Design and instruction budget (nvcc 13.0; bf16 q: 248 registers on sm_90a, 244 on sm_100a, no
 // stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 246 / 254 registers, no
-// stack). The tile loop has no inner loop left: 1,367 instructions on sm_90a (1,395 on sm_100a),
-// of which a warp issues about 1,150 per tile of 32 rows (the 128-FMUL rescale runs only when a
-// head's maximum moved, the row resolve only on warp 0, the 8-byte fallback of an unaligned row
-// never on an aligned cache): 192 HMMA (QK^T 64, PV 128: P is two bf16 terms), 72 LDSM (ldmatrix:
-// 3 per QK^T k-step, 12 per PV k-step), the gather and convert (per 16-byte fp8 chunk one
-// LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8 F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL,
-// 8 F2FP.BF16.F32.PACK_AB, 2 STS.128: 6.5 per converted pair), the softmax (8 logits, 8 MUFU.EX2,
-// 8 bf16 packs and 6 shuffles per thread) and five barriers. At batch 64, top-k 512, 64 heads the
-// default split is 2 (128 CTAs, one wave, 8 tiles each). tools/bench/bench_sass_budget.py (loop
-// instructions x 8,192 warp trips / (128 SMs x 4 schedulers x clock)): sm_90a 11.0 us of issue on
-// an H200 against its 6.6 us roofline with fp32 out (1.66x; 1.94x against 5.7 us with bf16 out);
-// sm_100a 11.4 us on a B200 against 4.0 us (2.85x: the B200's 8 TB/s halves the roofline, not
-// the issue). With the ~1,150 issued: 9.3 us on the H200. The tensor cores need 2 warps x 8 tiles
-// x 192 HMMA x 4 cycles per scheduler = 6.2 us at the dense bf16 rate. The split's fp32 partials
-// (16.8 MB, written under the issue time) and the combine's pass over them (25 MB) add about 5 us:
-// end to end about 14.5 us against the 5.7 us roofline (H200), 2.5x, issue-bound in the tile body
-// plus the combine. Left for 2x end to end: the combine folded into the partial kernel (the last
-// CTA of a row merges the splits while they are in L2: no second pass over 25 MB), the gather of
-// tile i + 1 overlapped with tile i's products (a second kv buffer, one barrier fewer), fewer
-// instructions per converted pair. Batch 1, top-k 512: 32 splits of 16 entries x 4 CTAs of 16
-// heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or 16 heads per CTA while the
-// CTAs fit one wave), each with a quarter of a 64-head tile's products; a finer split alone would
-// add partials without shortening a CTA (a tile is 32 rows of products whatever is valid).
+// stack). The tile loop has no inner loop left. partial_kernel, the instance for caches whose
+// records are all 16-byte aligned (every page_slots but 1: run_on_cuda picks it), has no 8-byte
+// fallback in its gather: 1,157 instructions on sm_90a (1,133 on sm_100a; partial_unaligned_kernel
+// 1,367 / 1,395), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale
+// runs only when a head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV
+// 128: P is two bf16 terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather
+// and convert (per 16-byte fp8 chunk one LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8
+// F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL, 8 F2FP.BF16.F32.PACK_AB, 2 STS.128: 6.5 per
+// converted pair), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6 shuffles per thread)
+// and five barriers. At batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave,
+// 8 tiles each). tools/bench/bench_sass_budget.py (loop instructions x 8,192 warp trips / (128
+// SMs x 4 schedulers x clock)): sm_90a 9.35 us of issue on an H200 against its 6.6 us roofline
+// with fp32 out (1.41x; 1.62x against 5.8 us with bf16 out); sm_100a 9.2 us on a B200 against
+// 4.0 us (2.32x). End to end it adds what moves after the loop, at HBM bandwidth with no
+// overlap: the 2 splits' fp32 partials written (16.8 MB) and read back by Combine, its fp32
+// output (8.4 MB), 42 MB = 8.75 us on the H200: 18.1 us, 2.73x the fp32 roofline (bf16 out: the
+// op's staging copy adds 12.6 MB, 20.7 us, 3.6x of 5.8 us); on the B200 14.5 us, 3.6x. So the
+// split's partials cost about as much as the tile loop: what is left for 2x end to end is the
+// combine folded into the partial kernel (the last CTA of a row merges the other split's
+// partial while it is in L2, and writes bf16 directly), the gather of tile i + 1 overlapped with
+// tile i's products, fewer instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
+// entries x 4 CTAs of 16 heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or
+// 16 heads per CTA while the CTAs fit one wave), each with a quarter of a 64-head tile's
+// products; a finer split alone would add partials without shortening a CTA (a tile is 32 rows
+// of products whatever is valid).
 
 #pragma once
 
@@ -344,14 +347,16 @@ SPARSEKV_DEVICE float safe_exp2(float x) { return x == -INFINITY ? 0.0f : exp2f(
 
 SPARSEKV_DEVICE uint32_t shared_word(const uint16_t* at) { return *reinterpret_cast<const uint32_t*>(at); }
 
-// The 16 bytes at p (16-byte aligned: one LDG.128; otherwise 8-byte words, see copy_detail). The
-// row pointers come through shared memory, so nvcc cannot tell they are global and would emit a
+// The 16 bytes at p: one LDG.128 when p is 16-byte aligned, which `Aligned` promises (then the
+// 8-byte fallback is not compiled at all); otherwise 8-byte words, see copy_detail. The row
+// pointers come through shared memory, so nvcc cannot tell they are global and would emit a
 // generic LD.128; __ldg says so (and the caches are read-only for the kernel's life).
+template <bool Aligned>
 SPARSEKV_DEVICE uint4 load16(const uint8_t* p) {
 #if defined(__CUDA_ARCH__) && !defined(SPARSEKV_SIM)
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
+  if (Aligned || (reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
 #else
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const uint4*>(p);
+  if (Aligned || (reinterpret_cast<uintptr_t>(p) & 15) == 0) return *reinterpret_cast<const uint4*>(p);
 #endif
   const uint64_t low = copy_detail::load_bytes8(p, p, p + 16), high = copy_detail::load_bytes8(p + 8, p, p + 16);
   return uint4{static_cast<unsigned>(low), static_cast<unsigned>(low >> 32), static_cast<unsigned>(high),
@@ -404,8 +409,13 @@ SPARSEKV_DEVICE mma::FragA ldmatrix_a(const Rows& rows, int m0, int k0, int lane
 //   4. O += P V on mma.sync: warp w owns output dims [64 w, +64) of all 64 heads: 4 x 8 fp32
 //      fragments (128 registers), rescaled by 2^(m_old - m_new) first.
 // The sink enters only the final normalization (1 / (l + 2^(sink log2 e - m))), as in Combine.
-template <class QT>
-__global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const Params<QT> p) {
+// `Aligned`: every value record is 16-byte aligned and every scale record 8-byte aligned (both
+// caches' bases and page strides are multiples of 16: run_on_cuda checks), so the gather is one
+// LDG.128 per chunk with no fallback in the loop; partial_kernel is that instance (the serving
+// one), partial_unaligned_kernel the other (a page of one 584-byte slot, or a cache viewed off a
+// 16-byte boundary).
+template <class QT, bool Aligned>
+SPARSEKV_DEVICE void partial_tiles(const Params<QT>& p) {
   using K = Partial<QT>;
   constexpr int kQParts = std::is_same_v<QT, float> ? 3 : 1;
   constexpr int R = K::kRows;
@@ -444,7 +454,11 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
       const uint8_t *value = nullptr, *scale = nullptr;
       const bool valid = j0 + tid < last && entry(p, b, j0 + tid, &value, &scale);
       sh.value[tid] = value;
-      sh.scales[tid] = valid ? copy_detail::load_bytes8(scale, scale, scale + Layout::kScaleBytes) : 0;
+      if constexpr (Aligned) {
+        sh.scales[tid] = valid ? *reinterpret_cast<const uint64_t*>(scale) : 0;
+      } else {
+        sh.scales[tid] = valid ? copy_detail::load_bytes8(scale, scale, scale + Layout::kScaleBytes) : 0;
+      }
       sh.valid[tid] = valid;
     }
     __syncthreads();
@@ -459,7 +473,7 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
       const auto fp8_chunk = [&](int chunk) {
         uint4 lo{0, 0, 0, 0}, hi{0, 0, 0, 0};
         if (valid) {
-          const uint4 raw = tc::load16(value + 16 * chunk);
+          const uint4 raw = tc::load16<Aligned>(value + 16 * chunk);
           const float factor = fp8::ue8m0_to_float(static_cast<uint8_t>(scales >> (8 * (chunk / (kScaleBlock / 16)))));
           lo = uint4{mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.x), factor),
                      mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(raw.x >> 16), factor),
@@ -474,7 +488,7 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
         reinterpret_cast<uint4*>(kv + 16 * chunk)[1] = hi;
       };
       const auto rope_chunk = [&](int rope) {
-        reinterpret_cast<uint4*>(kv + kNope + 8 * rope)[0] = valid ? tc::load16(value + kNope + 16 * rope)
+        reinterpret_cast<uint4*>(kv + kNope + 8 * rope)[0] = valid ? tc::load16<Aligned>(value + kNope + 16 * rope)
                                                                    : uint4{0, 0, 0, 0};
       };
       static_assert(kNope / 16 == 28 && K::kChunks == 36 && K::kThreads == 8 * R, "dsv4_attention: chunk plan");
@@ -659,11 +673,31 @@ __global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const
 }
 
 template <class QT>
+__global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_kernel(const Params<QT> p) {
+  partial_tiles<QT, true>(p);
+}
+
+template <class QT>
+__global__ void __launch_bounds__(Partial<QT>::kThreads, 1) partial_unaligned_kernel(const Params<QT> p) {
+  partial_tiles<QT, false>(p);
+}
+
+// Whether every record of the source lies where partial_kernel's 16-byte loads may read it: value
+// records sit at 576 x slot-in-page and scale records at 8-byte steps from a page, so a 16-byte
+// aligned base and page stride make all of them aligned (a source without entries always is).
+inline bool records_aligned(const Source& s) {
+  return s.count == 0 || ((reinterpret_cast<uintptr_t>(s.cache) | static_cast<uintptr_t>(s.page_stride)) & 15) == 0;
+}
+
+template <class QT>
 int Partial<QT>::run_on_cuda(const Params& p, void* stream) {
   if (p.batch == 0 || p.heads == 0) return 0;
+  static_assert(Layout::kValueBytes % 16 == 0, "dsv4_attention: value records 16-byte aligned within a page");
+  const bool aligned = records_aligned(p.main) && records_aligned(p.extra);
   constexpr size_t bytes = sizeof(Shared);
+  const auto kernel = aligned ? partial_kernel<QT> : partial_unaligned_kernel<QT>;
   const int err = static_cast<int>(
-      cudaFuncSetAttribute(partial_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   if (err != 0) return err;
   // Fewer heads per CTA while the CTAs still fit in one wave of an H200 (132 SMs; the split default
   // of jit_kernel/dsv4_attention.py aims at the same): at batch 1, top-k 512 (32 splits) 16 heads
@@ -677,7 +711,8 @@ int Partial<QT>::run_on_cuda(const Params& p, void* stream) {
   }
   const int64_t groups = (p.heads + launch_params.head_group - 1) / launch_params.head_group;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));
-  return launch_kernel<partial_kernel<QT>>(grid, kThreads, bytes, stream, launch_params);
+  return aligned ? launch_kernel<partial_kernel<QT>>(grid, kThreads, bytes, stream, launch_params)
+                 : launch_kernel<partial_unaligned_kernel<QT>>(grid, kThreads, bytes, stream, launch_params);
 }
 #endif
 

@@ -142,6 +142,34 @@ def test_serving_head_counts_match_the_fp64_reference(backend, heads, num_splits
     assert_same(got, expected, TOL)
 
 
+def off_boundary(cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """``cache``'s bytes in a view that starts ``offset`` bytes past a 16-byte boundary."""
+    buffer = torch.zeros(cache.numel() + 16, dtype=torch.uint8)
+    shifted = buffer[offset:offset + cache.numel()].view(cache.shape)
+    shifted.copy_(cache)
+    return shifted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset, extra_offset", [(8, 0), (0, 4), (1, 1)])
+def test_a_cache_off_a_16_byte_boundary_gives_the_same_bits(backend, offset, extra_offset):
+    # The GPU kernel gathers with 16-byte loads only when every record of both caches is 16-byte
+    # aligned (partial_kernel); otherwise partial_unaligned_kernel reads 8-byte words. Same bytes,
+    # same arithmetic: the same bits, and the fp64 reference's values.
+    g = torch.Generator().manual_seed(offset + 2 * extra_offset)
+    cache, extra_cache = v4_cache(random_rows(80, g), 64), v4_cache(random_rows(9, g), 4)
+    indices = torch.randint(-1, 80, (2, 45), generator=g, dtype=torch.int32)
+    extra_indices = torch.randint(-1, 9, (2, 7), generator=g, dtype=torch.int32)
+    q, sink = (torch.randn(2, 24, 512, generator=g) * 4).bfloat16(), torch.randn(24, generator=g)
+    aligned = AttentionCase(q, cache, indices, sink, 64, extra_cache, extra_indices, 4)
+    shifted = dataclasses.replace(aligned, kv_cache=off_boundary(cache, offset),
+                                  extra_kv_cache=off_boundary(extra_cache, extra_offset))
+    for num_splits in (1, 2):
+        got, expected = run(shifted, backend, num_splits=num_splits), run(aligned, backend, num_splits=num_splits)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert_same(expected, sparse_decode_attention_reference(q, cache, indices, sink, 64, **aligned.kwargs()), TOL)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_nan_in_a_query_or_a_row_reaches_exactly_the_outputs_it_touches(backend, num_splits):

@@ -15,6 +15,15 @@ against ``roofline_us`` (``sparsekv.testing.roofline``). ``issue_over_roofline``
 kernel cannot reach its roofline as compiled, whatever the memory system does. Estimates only:
 the trip model is per kernel (``TRIPS``), the clock the boost clock, latency ignored.
 
+End to end, for the kernels whose call moves memory after the loop that the loop cannot hide
+(``AFTER_LOOP``: the header attention's split-KV partials, written as every CTA ends, and the
+combine launch that reads them and writes the output):
+
+    end_to_end_us = issue_us + after-loop bytes / HBM bandwidth
+
+(no overlap of the two; the loop's own gathers count as hidden under its issue), next to the same
+roofline as ``end_to_end_over_roofline``.
+
 The H200 (132 SMs, 1.98 GHz) is the model GPU for sm_90a; the B200 (148 SMs, 1.965 GHz) for
 sm_100a. Nothing runs on a device: it needs nvcc and cuobjdump (triton's wheel ships it).
 """
@@ -22,6 +31,7 @@ sm_100a. Nothing runs on a device: it needs nvcc and cuobjdump (triton's wheel s
 from __future__ import annotations
 
 from sparsekv.cli import CliParser
+from sparsekv.jit_kernel.dsv4_attention import HEAD_DIM, workspace_floats
 from sparsekv.testing import roofline
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
 from sparsekv.testing.sass import cuda_artifact, disassemble, inner_loop
@@ -40,6 +50,9 @@ TRIPS = {
                                            roofline.attention(64, 512, out_bytes=4), 128 * 8 * 8, 128,
                                            "64 heads per 256-thread CTA, 2 splits per row (128 CTAs), each "
                                            "over 256 rows in 8 tiles of 32 with 8 warps (the tile loop)"),
+    "cuda dsv4_attention partial_kernel, bf16 out": (("cuda", "dsv4_attention", {"q_dtype": "bfloat16"},
+                                                     "partial_kernel"), roofline.attention(64, 512), 128 * 8 * 8, 128,
+                                                    "as above; the op rounds to bf16 after the combine"),
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
@@ -79,6 +92,26 @@ TRIPS = {
 }
 
 
+
+def _split_attention_after_loop(batch: int, heads: int, splits: int, out_bf16: bool) -> int:
+    """Bytes the header attention moves after its tile loop: the fp32 partials (out and lse of every
+    split) written, read back by the combine, the fp32 output and lse written; with a bf16 ``out``,
+    that fp32 output read again and rounded to bf16 (the op's staging copy)."""
+    partials = workspace_floats(batch, heads, splits) * 4
+    out = batch * heads * (HEAD_DIM + 1) * 4
+    return 2 * partials + out + (batch * heads * HEAD_DIM * (4 + 2) if out_bf16 else 0)
+
+
+#: kernel -> (bytes moved after its loop, not hidden by it, the model): see the module docstring.
+AFTER_LOOP = {
+    "cuda dsv4_attention partial_kernel": (_split_attention_after_loop(64, 64, 2, out_bf16=False),
+                                           "2 splits' fp32 partials written, the combine's read of them "
+                                           "and its fp32 output"),
+    "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
+                                                     "as above, then the fp32 output read and written as bf16"),
+}
+
+
 def _values(values: dict) -> dict:
     import torch
 
@@ -111,10 +144,16 @@ def budget(name: str, arch: str) -> dict:
     loop = inner_loop(sass)
     issue_s = len(loop) * trips / (min(ctas, sms) * 4 * clock)
     roof_s = cost.roofline_s(roofline.GPUS[gpu])
-    return {"case": f"{name} {sm}", "arch": sm, "model_gpu": gpu, "kernel_instructions": len(sass.opcodes),
-            "loop_instructions": len(loop), "warp_trips": trips, "ctas": ctas, "trip_model": model,
-            "issue_us": round(issue_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
-            "issue_over_roofline": round(issue_s / roof_s, 2)}
+    row = {"case": f"{name} {sm}", "arch": sm, "model_gpu": gpu, "kernel_instructions": len(sass.opcodes),
+           "loop_instructions": len(loop), "warp_trips": trips, "ctas": ctas, "trip_model": model,
+           "issue_us": round(issue_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
+           "issue_over_roofline": round(issue_s / roof_s, 2)}
+    if name in AFTER_LOOP:
+        after_bytes, after_model = AFTER_LOOP[name]
+        end_s = issue_s + after_bytes / roofline.GPUS[gpu].hbm_bytes_per_s
+        row.update({"after_loop_bytes": after_bytes, "after_loop_model": after_model,
+                    "end_to_end_us": round(end_s * 1e6, 3), "end_to_end_over_roofline": round(end_s / roof_s, 2)})
+    return row
 
 
 def main() -> None:
