@@ -36,7 +36,8 @@
 // that). Both sum in float32, in different orders (cuda: bf16 operands, exact products: the e4m3
 // codes, with the FP8 scale applied to the dot, and a float32 q split into bf16 high and low
 // parts), so they agree within the scores' tolerance. Top-k: cpu one row per item; cuda one block
-// of 1024 threads per row, histogram and candidates in shared memory.
+// of 1024 threads per row, histogram and candidates in shared memory, or, given a workspace at
+// small batch, up to 32 blocks per row merged by the last to finish (TopK::split_of).
 #pragma once
 
 #include <algorithm>
@@ -493,27 +494,31 @@ struct TopK {
 //    slice's, so the segments hold every key at or above the global bin. The CTA that arrives last
 //    (a fence, then an atomic count: no CTA waits for another, so any schedule and the simulator's
 //    shuffled block order give the same answer) picks the global bin from the global histogram
-//    and gathers the segments' keys at or above it on chip, a warp per segment, in segment order
-//    (= position order); then steps 2-3 as for one CTA (past kCandidates: over the row, alone).
-// Instruction budget (nvcc 13, sm_90a, counted by hand from the SASS loops; see docs/sass.md):
-// per 32 entries of a warp the histogram pass issues 16 instructions, the count at most 18 and the
-// copy at most 34 (16-byte loads on an aligned row). One CTA: 64k entries are 2,048 a warp for 32
-// warps on one SM, 68 x 64 x 32 / (4 schedulers x 1.98 GHz) = 18 us of issue. Split (512 of 64k,
-// batch 1: 16 CTAs of 4,096): 68 x 4 trips a warp = 1.1 us on each SM, then the merge on one SM:
-// the segments' ~600 keys each (16 x 600 / 32 = 300 keys, 10 trips, a warp a segment, count and
-// copy at most 52 instructions a trip: ~0.1 us at 4 warps a scheduler, ~2 us of latency-bound
-// barriers and L2 round trips), plus the clear kernel's launch (~2 us): about 8 us with the
-// launch. 256k: 32 CTAs of 8,192 (8 trips a warp, 2.2 us), a merge of 32 segments (~0.2 us of
-// issue): about 10 us.
+//    and gathers the segments' keys at or above it on chip (32 / splits warps a segment, each a
+//    contiguous share, 8 loads a lane in flight), in segment order (= position order); then steps
+//    2-3 as for one CTA (past kCandidates: over the row, alone). Block scans sum the 32 warp sums
+//    with 5 shuffles in every warp (was a loop of 32 shared loads a thread).
+// Instruction budget (tools/bench/bench_sass_budget.py, sm_90a, H200 model: the row loops' SASS
+// instructions x their warp trips / (4 schedulers x 1.98 GHz) on the SMs that run them, plus a hand
+// allowance for the launch and the code outside the loops; see docs/sass.md). A warp's trip over
+// 128 entries (a float4 a lane): histogram 64 instructions (its loop takes two float4 a lane),
+// count 81, copy 146 (170 to a workspace segment); the gather 114 + 332 per 256 segment entries.
+//   one CTA, 512 of 64k: 18.8 us of row loops (2,048 entries a warp) + 7 us = 26 us.
+//   split, 512 of 64k (16 CTAs of 4,096): 1.5 us of slice loops + 3.6 us of gather (~9,600
+//   published keys, 2 trips a warp per pass) + 9 us (two launches, the slice's and the merge's
+//   straight-line code, fence and arrival) = 14 us.
+//   split, 512 of 256k (32 CTAs of 8,192): 2.5 + 5.4 + 9 = 17 us (one CTA: about 4x 18.8 us).
 namespace topk_detail {
 inline constexpr int kDigits = 3;  // bits [20, 32), [8, 20), [0, 8)
 inline constexpr int kBins = 1 << 12;
 SPARSEKV_HOST_DEVICE constexpr int digit_shift(int digit) { return digit == 0 ? 20 : digit == 1 ? 8 : 0; }
 SPARSEKV_HOST_DEVICE constexpr int digit_width(int digit) { return digit == 2 ? 8 : 12; }
 inline constexpr int kCandidates = 3072;
+inline constexpr uint32_t kGatherRun = 8;  // segment entries a lane loads at once in the gather
 
 // Exclusive block prefix sum of one value a thread, and the block's sum. Uses `warp_sums` (kWarps
 // words) and two barriers; every thread must call it.
+static_assert(TopK::kWarps == kWarpSize, "dsv4_indexer: the block scan holds a warp's sum per lane");
 struct Scan {
   uint32_t before;
   uint32_t total;
@@ -527,12 +532,15 @@ __device__ __forceinline__ Scan block_exclusive_scan(uint32_t v, uint32_t* warp_
   }
   if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
   __syncthreads();
-  uint32_t before = 0, sum = 0;
-  for (int w = 0; w < TopK::kWarps; ++w) {
-    const uint32_t x = warp_sums[w];
-    before += w < warp ? x : 0u;
-    sum += x;
+  // Every warp scans the 32 warp sums itself, lane w holding warp w's (5 shuffles, not 32 loads).
+  const uint32_t sum_of_lane = warp_sums[lane];
+  uint32_t sums_inclusive = sum_of_lane;
+  for (int d = 1; d < kWarpSize; d *= 2) {
+    const uint32_t up = __shfl_up_sync(0xffffffffu, sums_inclusive, d);
+    if (lane >= d) sums_inclusive += up;
   }
+  const uint32_t before = __shfl_sync(0xffffffffu, sums_inclusive - sum_of_lane, warp);
+  const uint32_t sum = __shfl_sync(0xffffffffu, sums_inclusive, kWarpSize - 1);
   __syncthreads();  // warp_sums is free again
   return Scan{before + inclusive - v, sum};
 }
@@ -685,27 +693,48 @@ __device__ __forceinline__ bool split_first_digit(const TopK::Params& p, const f
   const uint32_t prefix = pick_s->bin << digit_shift(0);
   *count = 0;
   if (p.k - pick_s->remaining + pick_s->count > kCandidates) return true;
-  // Warp w gathers segment w (splits <= kWarps): a count pass, a scan over the warps, a copy pass.
+  // kWarps / splits warps gather each segment, a contiguous share each: a count pass, a scan over
+  // the warps, a copy pass; a lane loads kGatherRun entries a trip (independent loads, in flight at once).
   const uint32_t lanes_below = (1u << lane) - 1u;
-  const uint32_t* const key_in = ws + TopK::kSegmentsAt + static_cast<int64_t>(warp) * 2 * p.slice;
+  const uint32_t warps_per_segment = TopK::kWarps / splits;
+  const uint32_t segment = warp / warps_per_segment, part = warp % warps_per_segment;
+  const uint32_t* const key_in = ws + TopK::kSegmentsAt + static_cast<int64_t>(segment) * 2 * p.slice;
   const int32_t* const pos_in = reinterpret_cast<const int32_t*>(key_in + p.slice);
-  const uint32_t length = static_cast<uint32_t>(warp) < splits ? __ldcg(&ws[TopK::kCountsAt + warp]) : 0u;
+  const uint32_t length = segment < splits ? __ldcg(&ws[TopK::kCountsAt + segment]) : 0u;
+  const uint32_t share = (length + warps_per_segment - 1) / warps_per_segment;
+  const uint32_t first = part * share < length ? part * share : length;
+  const uint32_t last = first + share < length ? first + share : length;
+  uint32_t keys[kGatherRun];
+  const auto load = [&](uint32_t base) {
+    SPARSEKV_UNROLLED
+    for (uint32_t r = 0; r < kGatherRun; ++r) {
+      const uint32_t at = base + r * kWarpSize + lane;
+      keys[r] = at < last ? __ldcg(&key_in[at]) : 0u;
+    }
+  };
   uint32_t mine = 0;
-  for (uint32_t base = 0; base < length; base += kWarpSize) {
-    const bool keep = base + lane < length && __ldcg(&key_in[base + lane]) >= prefix;
-    mine += __popc(__ballot_sync(0xffffffffu, keep));
+  for (uint32_t base = first; base < last; base += kGatherRun * kWarpSize) {
+    load(base);
+    SPARSEKV_UNROLLED
+    for (uint32_t r = 0; r < kGatherRun; ++r) {
+      mine += __popc(__ballot_sync(0xffffffffu, base + r * kWarpSize + lane < last && keys[r] >= prefix));
+    }
   }
   const Scan scan = block_exclusive_scan(lane == 0 ? mine : 0u, warp_sums);
   uint32_t place = __shfl_sync(0xffffffffu, scan.before, 0);
-  for (uint32_t base = 0; base < length; base += kWarpSize) {
-    const uint32_t key = base + lane < length ? __ldcg(&key_in[base + lane]) : 0u;
-    const bool keep = base + lane < length && key >= prefix;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
-    if (keep) {
-      cand_key[place + __popc(ballot & lanes_below)] = key;
-      cand_pos[place + __popc(ballot & lanes_below)] = __ldcg(&pos_in[base + lane]);
+  for (uint32_t base = first; base < last; base += kGatherRun * kWarpSize) {
+    load(base);
+    SPARSEKV_UNROLLED
+    for (uint32_t r = 0; r < kGatherRun; ++r) {
+      const uint32_t at = base + r * kWarpSize + lane;
+      const bool keep = at < last && keys[r] >= prefix;
+      const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+      if (keep) {
+        cand_key[place + __popc(ballot & lanes_below)] = keys[r];
+        cand_pos[place + __popc(ballot & lanes_below)] = __ldcg(&pos_in[at]);
+      }
+      place += __popc(ballot);
     }
-    place += __popc(ballot);
   }
   *count = scan.total;
   __syncthreads();

@@ -293,8 +293,8 @@ def indexer_topk(
         ``"header"``: the ``csrc/dsv4_indexer.cuh`` top-k on the cpu or cuda backend by device;
         ``"triton"``: the Triton twin (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), on a GPU or, on
         CPU tensors, under ``TRITON_INTERPRET=1``; ``"auto"``: the header (its GPU kernel runs a block
-        of 1024 threads per row; the twin's single-read, several-programs-a-row selection is not yet
-        timed on a GPU). Identical outputs, same refusals.
+        of 1024 threads per row, or several given a ``workspace``; the twin is not yet timed on a
+        GPU). Identical outputs, same refusals.
 
     Returns
     -------

@@ -24,6 +24,11 @@ combine launch that reads them and writes the output):
 (no overlap of the two; the loop's own gathers count as hidden under its issue), next to the same
 roofline as ``end_to_end_over_roofline``.
 
+Launches whose phases run on different numbers of SMs (``PHASES``: the top-k, one CTA a row or a
+row split over several CTAs and merged by the last) sum per phase its loop x the warp trips of one
+SM (the SMs run in parallel), and add a hand allowance for the launches and the code outside the
+loops: ``estimate_us``.
+
 The H200 (132 SMs, 1.98 GHz) is the model GPU for sm_90a; the B200 (148 SMs, 1.965 GHz) for
 sm_100a. Nothing runs on a device: it needs nvcc and cuobjdump (triton's wheel ships it).
 """
@@ -56,10 +61,6 @@ TRIPS = {
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
-    "cuda dsv4_indexer_topk topk_kernel": (("cuda", "dsv4_indexer_topk", {}, "topk_kernel"),
-                                           roofline.indexer_topk(1, 65536, 512), 3 * 65536 // 1024 * 32, 1,
-                                           "one 1024-thread CTA per row, 3 passes over the row (12-bit "
-                                           "histogram, count and copy of the candidates), 64 trips a warp each"),
     "cuda dsv4_compress_store CompressStore": (("cuda", "dsv4_compress_store", {"cache_kind": "V4"},
                                                 "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
                                                "one warp per entry (1024), looping over its 8 window slots; "
@@ -110,6 +111,86 @@ AFTER_LOOP = {
     "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
                                                      "as above, then the fp32 output read and written as bf16"),
 }
+
+
+#: Kernels whose launch runs in phases on different numbers of SMs (the split top-k: its CTAs over
+#: their slices, then the last CTA's merge on one SM): kernel -> (build, roofline cost, phases,
+#: allowance (launch us, straight-line us), model). A phase is (name, required opcodes, excluded
+#: opcodes, warp trips per SM, CTAs, one an SM): its loop is the longest innermost loop holding
+#: every required opcode prefix and none of the excluded (the split and the single-CTA row passes
+#: compile to loops within 2% of each other; the longer is taken). issue_us sums the phases; the
+#: allowance covers what no loop holds, by hand, not counted from the SASS: the launch (3 us; 4 with
+#: the clear kernel before it) and the code outside the row loops on the critical CTA (4 block
+#: picks, 5 scans, 3 histogram clears, the output: about 1,000 instructions a warp, 32 warps on 4
+#: schedulers, 4 us; 5 us for a slice then the merge, with the fence, arrival and gather's L2 round
+#: trips); estimate_us is the two together.
+_TALLY = ({"LDG.E.128", "ATOMS"}, set())  # 2 float4 a lane a trip: 256 entries a warp
+_COUNT = ({"LDG.E.128", "VOTE"}, {"STS", "STG"})  # 1 float4 a lane a trip: 128 entries a warp
+_COPY = ({"LDG.E.128", "VOTE", "STG"}, set())  # to the workspace segment, 128 entries a warp
+_ROW_COPY = ({"LDG.E.128", "VOTE", "STS"}, {"STG"})  # to shared memory, 128 entries a warp
+_GATHER_COUNT = ({"LDG.E", "VOTE"}, {"LDG.E.128", "STS", "STG"})  # 8 loads a lane: 256 entries a warp
+_GATHER_COPY = ({"LDG.E", "VOTE", "STS"}, {"LDG.E.128"})
+_TOPK_BUILD = ("cuda", "dsv4_indexer_topk", {}, "topk_kernel")
+PHASES = {
+    "cuda dsv4_indexer_topk topk_kernel one CTA 512 of 64k": (
+        _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
+        [("row: histogram", *_TALLY, 8 * 32, 1), ("row: count", *_COUNT, 16 * 32, 1),
+         ("row: copy", *_ROW_COPY, 16 * 32, 1)], (3.0, 4.0),
+        "no workspace: one 1024-thread CTA per row, 3 passes over the row (12-bit histogram, count and "
+        "copy of the candidates), 2,048 entries a warp each; the on-chip digits and output under a trip"),
+    "cuda dsv4_indexer_topk topk_kernel split 512 of 64k": (
+        _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
+        [("slices: histogram", *_TALLY, 1 * 32, 16), ("slices: count", *_COUNT, 1 * 32, 16),
+         ("slices: copy", *_COPY, 1 * 32, 16), ("merge: gather count", *_GATHER_COUNT, 2 * 32, 1),
+         ("merge: gather copy", *_GATHER_COPY, 2 * 32, 1)], (4.0, 5.0),
+        "batch 1, workspace given: 16 CTAs of 4,096 entries (a warp 128: one trip of each row loop), "
+        "each publishing ~600 candidates; the last CTA gathers the 16 segments (~9,600 keys, 2 warps a "
+        "segment, 2 trips of 256 a warp per pass); the on-chip digits and output are under a trip a warp"),
+    "cuda dsv4_indexer_topk topk_kernel split 512 of 256k": (
+        _TOPK_BUILD, roofline.indexer_topk(1, 262144, 512),
+        [("slices: histogram", *_TALLY, 1 * 32, 32), ("slices: count", *_COUNT, 2 * 32, 32),
+         ("slices: copy", *_COPY, 2 * 32, 32), ("merge: gather count", *_GATHER_COUNT, 3 * 32, 1),
+         ("merge: gather copy", *_GATHER_COPY, 3 * 32, 1)], (4.0, 5.0),
+        "batch 1, workspace given: 32 CTAs of 8,192 entries (a warp 256), each publishing ~700 "
+        "candidates; the last CTA gathers the 32 segments (~22k keys, a warp a segment, 3 trips of 256)"),
+}
+
+
+def _loop(kernel, required: set[str], excluded: set[str]) -> list[str]:
+    """The longest innermost loop of ``kernel`` holding every required opcode prefix and no excluded one."""
+    backward = [(target, source) for source, target in kernel.branches if target < source]
+    innermost = [(a, b) for a, b in backward if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in backward)]
+    loops = [[op for op, at in zip(kernel.opcodes, kernel.addresses) if a <= at <= b] for a, b in innermost]
+
+    def has(ops: list[str], prefix: str) -> bool:
+        return any(op == prefix or op.startswith(prefix + ".") for op in ops)
+
+    matching = [ops for ops in loops if all(has(ops, r) for r in required) and not any(has(ops, x) for x in excluded)]
+    if not matching:
+        raise SystemExit(f"bench_sass_budget: no loop holds {sorted(required)} without {sorted(excluded)}")
+    return max(matching, key=len)
+
+
+def phased_budget(name: str, arch: str) -> dict:
+    (build, module, values, kernel_name), cost, phases, (launch_us, straight_us), model = PHASES[name]
+    allowance_us = launch_us + straight_us
+    sm = "sm_" + arch.replace(".", "")
+    (sass,) = [k for (a, n), k in disassemble(cuda_artifact(module, _values(values), ("9.0a", "10.0a"))).items()
+               if a == sm and kernel_name in n]
+    gpu, sms, clock = ISSUE[arch]
+    rows, issue_s = [], 0.0
+    for phase, required, excluded, trips, ctas in phases:
+        loop = _loop(sass, required, excluded)
+        seconds = len(loop) * trips * -(-ctas // sms) / (4 * clock)  # the SMs run in parallel, in waves
+        issue_s += seconds
+        rows.append({"phase": phase, "loop_instructions": len(loop), "warp_trips_per_sm": trips, "sms": ctas,
+                     "issue_us": round(seconds * 1e6, 3)})
+    roof_s = cost.roofline_s(roofline.GPUS[gpu])
+    estimate_s = issue_s + allowance_us * 1e-6
+    return {"case": f"{name} {sm}", "arch": sm, "model_gpu": gpu, "kernel_instructions": len(sass.opcodes),
+            "phases": rows, "trip_model": model, "issue_us": round(issue_s * 1e6, 3), "allowance_us": allowance_us,
+            "estimate_us": round(estimate_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
+            "issue_over_roofline": round(issue_s / roof_s, 2)}
 
 
 def _values(values: dict) -> dict:
@@ -169,6 +250,9 @@ def main() -> None:
     for name in TRIPS:
         for arch in args.arch.split(","):
             result.rows.append(budget(name, arch))
+    for name in PHASES:
+        for arch in args.arch.split(","):
+            result.rows.append(phased_budget(name, arch))
     report(result, args, lambda r, path: bar_plot(r, path, label_key="case", value_keys=("issue_us", "roofline_us"),
                                                   ylabel="us (log)", log=True))
 
