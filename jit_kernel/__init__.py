@@ -2,7 +2,8 @@
 
 Here: the family wrappers (``<stem>.py``, one per header ``csrc/<stem>.cuh``; ``dsv4`` re-exports
 the DSV4 ones), their Triton twins (``triton/``), and what several wrappers share: the custom-op
-registration (``torch_op``) and the HiSparse swap-ins' template values (``hisparse_params``). In
+registration (``torch_op``), bound calls for decode loops (``bound_call``) and the HiSparse swap-ins'
+template values (``hisparse_params``). In
 ``build/``: the registry, the loader, the cache, the toolchain and what ``sparsekv jit`` drives
 (bundles, doctor).
 

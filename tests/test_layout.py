@@ -157,7 +157,7 @@ def test_what_a_layer_can_reach(where, never, why):
 # shares; jit_kernel/build/ the machinery that compiles and loads them.
 BUILD = "sparsekv.jit_kernel.build"
 # dsv4 re-exports the DSV4 families; torch_op registers custom ops; hisparse_params: both swap-ins' values
-WRAPPER_HELPERS = {"__init__", "dsv4", "torch_op", "hisparse_params"}
+WRAPPER_HELPERS = {"__init__", "dsv4", "torch_op", "hisparse_params", "bound_call"}
 
 
 def test_jit_kernel_holds_the_family_wrappers_and_build_the_machinery():

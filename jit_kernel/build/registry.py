@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -135,7 +136,7 @@ class KernelFamily:
         memo = (tuple(values.items()), backend, arch)
         loaded = self._loaded.get(memo)
         if loaded is not None:
-            return loaded
+            return _recorded(loaded) if RECORDERS else loaded
         args = self.template_args(values)
         try:
             module = load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
@@ -144,7 +145,7 @@ class KernelFamily:
             raise JitCacheMissError(f"{e}; this instance alone: sparsekv jit build --backend {backend} "
                                     f"--instance '{self.instance_spec(values)}'") from None
         self._loaded[memo] = module
-        return module
+        return _recorded(module) if RECORDERS else module
 
     def instance_spec(self, values: Mapping[str, object]) -> str:
         """``name:k=v,...`` of plain values, as ``sparsekv jit build --instance`` reads it (dtypes by name)."""
@@ -163,6 +164,15 @@ def backend_of(tensor) -> str:
 
 
 REGISTRY: dict[str, KernelFamily] = {}
+
+#: Thread id -> what :meth:`KernelFamily.module` hands that thread instead of a loaded module, while
+#: :func:`sparsekv.jit_kernel.bound_call.bind` records its calls (empty otherwise: one truth test a call).
+RECORDERS: dict[int, Callable[[tvm_ffi.Module], object]] = {}
+
+
+def _recorded(module: tvm_ffi.Module) -> object:
+    recorder = RECORDERS.get(threading.get_ident())
+    return module if recorder is None else recorder(module)
 
 
 def register(family: KernelFamily) -> KernelFamily:

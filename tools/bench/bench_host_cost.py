@@ -15,6 +15,10 @@ fused with the store; the store and quantizer 8 entries; a 4096-row gather; the 
 * ``host_over_raw``: their ratio; the target is at most 3. Both are the median process time
   (``time.process_time``: what other processes take of a shared core is not counted) of 7 samples
   of at least 50 ms, host and raw sampled in turn so that both see the same load;
+* ``bound_us``: the call made by a bound call (:func:`sparsekv.jit_kernel.bound_call.bind`, once, before
+  timing), its module calls made to tvm-ffi's no-op itself (the FFI crossing is in it);
+  ``bound_over_raw``: its ratio to ``raw_us``; ``bound_planned``: the bound call is its module calls
+  alone (not the whole call);
 * ``torch_ops``: torch operators run per call (``aten::`` and the ``sparsekv::`` op itself, the
   nested ones included: torch's profiler);
   ``allocations``: tensors allocated per call (torch's profiler, ``profile_memory``);
@@ -36,6 +40,7 @@ and raw time per call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -45,6 +50,7 @@ from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks ru
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel import torch_op
+from sparsekv.jit_kernel.bound_call import bind
 from sparsekv.jit_kernel.build import registry
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
 from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
@@ -81,11 +87,11 @@ def _median_us(fn) -> float:
     return time_call(fn, clock=time.process_time).median_s * 1e6
 
 
-def _paired_us(host, raw, rounds: int = 7) -> tuple[float, float]:
-    """Median process time per call of ``host`` and of ``raw`` (µs), sampled in turn (one sample of each a
-    round), so that both see the same machine load."""
-    samples = [(_sample_us(host), _sample_us(raw)) for _ in range(rounds)]
-    return statistics.median(h for h, _ in samples), statistics.median(r for _, r in samples)
+def _paired_us(*fns, rounds: int = 7) -> tuple[float, ...]:
+    """Median process time per call of each of ``fns`` (µs), sampled in turn (one sample of each a round),
+    so that all see the same machine load."""
+    samples = [[_sample_us(fn) for fn in fns] for _ in range(rounds)]
+    return tuple(statistics.median(column) for column in zip(*samples))
 
 
 def _sample_us(fn) -> float:
@@ -199,13 +205,7 @@ def triton_compress_store_checks() -> dict:
 
 def measure(name: str, call, nop) -> dict:
     stub = _Stub()
-    # Every export a no-op, for this call only: each family's module() runs its own memo, whose misses
-    # load the stub instead of the compiled module.
-    real_load, loaded = registry.load_jit, [(f, dict(f._loaded)) for f in registry.REGISTRY.values()]
-    registry.load_jit = lambda *_, **__: stub
-    for family, _ in loaded:
-        family._loaded.clear()
-    try:
+    with _modules_replaced_by(stub):
         call()
         raw_args = stub.args[:]  # a call of two ops (lightning_indexer) crosses the FFI twice
         stub.args.clear()
@@ -216,18 +216,43 @@ def measure(name: str, call, nop) -> dict:
         events = prof.events()
         torch_ops = sum(1 for e in events if "::" in e.name)  # aten:: and sparsekv:: operators
         allocations = sum(1 for e in events if e.name == "[memory]" and e.cpu_memory_usage > 0)
-        raw = functools.partial(nop, *raw_args[0]) if len(raw_args) == 1 else lambda: [nop(*a) for a in raw_args]
-        host_us, raw_us = _paired_us(call, raw)
         dispatched_us = _median_us(functools.partial(_through_torch_library, call))
+    with _modules_replaced_by(_NopModule(nop)):  # a bound call's module calls cross the FFI, to its no-op
+        bound = bind(call.func, *call.args, **call.keywords)
+    raw = functools.partial(nop, *raw_args[0]) if len(raw_args) == 1 else lambda: [nop(*a) for a in raw_args]
+    with _modules_replaced_by(stub):
+        host_us, raw_us, bound_us = _paired_us(call, raw, bound)
+    return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
+            "within_target": host_us / raw_us <= TARGET, "bound_us": bound_us, "bound_over_raw": bound_us / raw_us,
+            "bound_planned": bound.planned, "torch_ops": torch_ops, "allocations": allocations,
+            "module_calls": module_calls, "dispatched_us": dispatched_us, "torch_library_us": dispatched_us - host_us}
+
+
+class _NopModule:
+    """A compiled module whose every export is tvm-ffi's no-op."""
+
+    def __init__(self, nop) -> None:
+        self.nop = nop
+
+    def __getattr__(self, name: str):
+        return self.nop
+
+
+@contextlib.contextmanager
+def _modules_replaced_by(module):
+    """Every family's ``module()`` hands out ``module`` (its memo runs as in a real call; its misses load
+    ``module`` instead of the compiled one)."""
+    real_load, loaded = registry.load_jit, [(f, dict(f._loaded)) for f in registry.REGISTRY.values()]
+    registry.load_jit = lambda *_, **__: module
+    for family, _ in loaded:
+        family._loaded.clear()
+    try:
+        yield
     finally:
         registry.load_jit = real_load
         for family, modules in loaded:
             family._loaded.clear()
             family._loaded.update(modules)
-    return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
-            "within_target": host_us / raw_us <= TARGET, "torch_ops": torch_ops, "allocations": allocations,
-            "module_calls": module_calls, "dispatched_us": dispatched_us,
-            "torch_library_us": dispatched_us - host_us}
 
 
 def _through_torch_library(call) -> None:

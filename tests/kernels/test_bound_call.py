@@ -1,0 +1,89 @@
+"""Bound calls (``sparsekv.jit_kernel.bound_call``): a call bound once and made again equals the public call
+on the same values, bind itself writes nothing and refuses what the call refuses, and the C++ entries
+still check the bound arguments at every call."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsekv.jit_kernel.bound_call import bind
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
+from sparsekv.jit_kernel.gather_rows import gather_rows
+from sparsekv.kv_layout import V4
+from sparsekv.testing.backends import device_of
+from sparsekv.testing.strategies.dsv4_attention import attention_case
+from sparsekv.testing.strategies.gather_rows import gather_case
+
+
+@given(data=st.data(), steps=st.integers(1, 3))
+def test_a_bound_gather_equals_the_call_at_every_step_and_bind_writes_nothing(backend, data, steps):
+    device = device_of(backend)
+    dst, dst_idx, src, src_idx = (t.to(device) for t in data.draw(gather_case(torch.int64)))
+    before = dst.clone()
+    step = bind(gather_rows, dst, dst_idx, src, src_idx)
+    assert step.planned and step.module_calls == 1
+    assert torch.equal(dst, before)  # bind records the module call; no kernel runs
+    expected = dst.clone()
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    for _ in range(steps):  # new values in the same tensors, as a decode loop writes them
+        src.copy_(torch.randint(0, 256, src.shape, generator=g, dtype=torch.uint8))
+        src_idx.copy_(torch.randint(0, src.shape[0], src_idx.shape, generator=g))
+        gather_rows(expected, dst_idx, src, src_idx)
+        assert step() is None
+        assert torch.equal(dst, expected)
+
+
+@given(case=attention_case(max_batch=2, max_heads=4, max_k=12), out_dtype=st.sampled_from([torch.float32,
+                                                                                            torch.bfloat16]))
+def test_a_bound_attention_equals_the_call_on_new_queries(backend, case, out_dtype):
+    device = device_of(backend)
+    case = case.to(device)
+    batch, heads = case.q.shape[:2]
+    out = torch.empty(batch, heads, 512, dtype=out_dtype, device=device)
+    lse = torch.empty(batch, heads, device=device)
+    step = bind(sparse_decode_attention, case.q, case.kv_cache, case.indices, case.sink, case.page_slots, out=out,
+                lse=lse, out_dtype=out_dtype, **case.kwargs())
+    # A bf16 output is copied from its float32 staging by torch: such a call is made whole every time.
+    assert step.planned == (out_dtype == torch.float32)
+    for scale in (1.0, -0.5):
+        case.q.mul_(scale)
+        want_out, want_lse = sparse_decode_attention(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
+                                                     out_dtype=out_dtype, **case.kwargs())
+        got_out, got_lse = step()
+        assert got_out is out and got_lse is lse
+        assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+
+
+def test_bind_refuses_what_the_call_refuses_with_the_same_exception(backend):
+    device = device_of(backend)
+    dst, src = (torch.zeros(4, 8, dtype=torch.uint8, device=device) for _ in range(2))
+    bad = torch.arange(4, dtype=torch.int16, device=device)
+    with pytest.raises(TypeError) as called:
+        gather_rows(dst, bad, src, bad)
+    with pytest.raises(TypeError, match=re.escape(str(called.value))):
+        bind(gather_rows, dst, bad, src, bad)
+
+
+def test_bind_records_header_module_calls_only(backend):
+    device = device_of(backend)
+    x, slots = torch.zeros(2, 512, device=device), torch.arange(2, device=device)
+    cache = torch.zeros(1, V4.page_bytes(4), dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="argument `impl` must be 'auto' or 'header'"):
+        bind(quantize_fp8_ds_mla, x, cache, slots, 4, impl="triton")
+    assert bind(quantize_fp8_ds_mla, x, cache, slots, 4).planned
+
+
+def test_the_entry_still_checks_a_bound_argument_changed_in_place(backend):
+    device = device_of(backend)
+    dst, src = (torch.zeros(4, 8, dtype=torch.uint8, device=device) for _ in range(2))
+    dst_idx, src_idx = torch.arange(4, device=device), torch.arange(4, device=device)
+    step = bind(gather_rows, dst, dst_idx, src, src_idx)
+    src_idx.resize_(3)  # the tensor the bound call holds, now shorter than dst_indices
+    with pytest.raises(ValueError, match="src_indices"):
+        step()
