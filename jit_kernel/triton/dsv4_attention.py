@@ -14,9 +14,9 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
   ``(kv . q^T)^T``: the dequantized rows are the A operand and ``q^T`` the B operand (``q`` sits in
   shared memory for the loop); with ``M = BLOCK_N = 32`` rows, below wgmma's 64, this is the warp
   MMA (``mma.sync`` m16n8k16, ``HMMA.16816``), whose fragments are registers loaded from shared
-  memory each k-step (``LDS.64``, by address: no descriptors). ``p . kv`` is wgmma ``64x256x16`` per
-  warp group on sm_90a, the ``64 x 512`` accumulator split over the two warp groups of 8 warps
-  (128 registers each thread); tcgen05 on sm_100a;
+  memory each k-step (``ldmatrix``, by address: no descriptors; see :func:`_as_loaded_bf16`).
+  ``p . kv`` is wgmma ``64x256x16`` per warp group on sm_90a, the ``64 x 512`` accumulator split over
+  the two warp groups of 8 warps (128 registers each thread); tcgen05 on sm_100a;
 * an online softmax in base 2 with the per-head sink folded into the final normalization;
 * split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
   output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
@@ -32,11 +32,12 @@ scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
 Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
 checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
-sm_100a (254 / 246 registers for bf16 ``q``, 254 / 245 for float32 ``q``, stack 0); the gathers are
+sm_100a (253 / 240 registers for bf16 ``q``, 253 / 246 for float32 ``q``, stack 0); the gathers are
 ``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words,
 no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
 ``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
-``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a).
+``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a), the QK^T fragments loaded with
+``LDSM.16.M88.4``.
 
 Registers. The previous form, ``q . kv^T`` on wgmma with both operands in shared memory, spilled
 (255 registers, a 504-byte stack on sm_90a): wgmma addresses shared memory through a 64-bit
@@ -46,24 +47,25 @@ register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descrip
 fragments are loaded from shared memory by address (a base plus an immediate per k-step), so only
 PV's two descriptors remain.
 
-What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the issue of instructions,
-not memory: the loop body is 1,407 SASS instructions per warp per 32-row tile on sm_90a (1,208 on
-sm_100a; ``tools/bench/bench_sass_budget.py`` counts them), of which about 350 register moves (``IMAD.MOV``,
-``MOV``: ptxas assembling each ``HMMA`` fragment in consecutive registers), 163 ``LDS`` (the
-fragments of the rows and of ``q^T``), 136 ``FMUL`` (128 of them the accumulator's rescale), 64
-``HMMA``, 2 ``HGMMA``, and about 330 for the dequantization (``PRMT``, ``SEL``, ``F2F``, ``F2FP``,
-``HMUL2``). With the GPU's default of 2 splits there (128 programs of 64
-heads, one per SM, 10 tiles each, 8 warps, 4 instructions issued per SM cycle at 1.98 GHz):
-``10 x 1407 x 8 / 4 / 1.98e9 = 14.2 us`` of issue against the H200 roofline of those 640 entries,
-6.8 us (5.7 us for the top-k 512 alone): 2.1x (B200: 12.3 us against 4.1 us, 3.0x), plus the
-combine, whose float32 partials (16.8 MB written and read) cost about 7 us more at 4.8 TB/s unless
-they stay in L2. The design target (within 2x) is not met: the largest terms are per tile (the
-rescale, the fragment moves), which larger tiles would amortize if their registers allowed.
-At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of 64 tiles) the
-same loop is ``8192 x 64 x 1407 x 8 / (132 x 4 x 1.98e9) = 5.6 ms`` of issue against a math-bound
-roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 2.5x. At batch 1 the kernel is latency-bound: few
-tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session times it against
-FlashMLA (``bench_dsv4_attention --peer``).
+What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the loop body is 835 SASS
+instructions per warp per 32-row tile on sm_90a (759 on sm_100a; ``tools/bench/bench_sass_budget.py``
+counts them): 64 ``HMMA`` and 64 ``LDSM`` (QK^T), 2 ``HGMMA`` (PV), 136 ``FMUL`` (128 of them the
+accumulator's rescale), about 250 for the dequantization (``F2FP``, ``F2F``, ``HMUL2``, ``PRMT``,
+``SEL``) and about 150 for the softmax (``SHFL``, ``FADD``, ``FMNMX``, ``MUFU``). With the GPU's
+default of 2 splits there (128 programs of 64 heads, one per SM, 10 tiles each, 8 warps, 4
+instructions issued per SM cycle at 1.98 GHz): ``10 x 835 x 8 / 4 / 1.98e9 = 8.4 us`` of issue against
+the H200 roofline of those 640 entries, 6.8 us (5.7 us for the top-k 512 alone): 1.25x (B200: 7.7 us
+against 4.1 us, 1.9x). End to end the split costs bytes after the loop, which one wave of programs
+cannot hide: the float32 partials written as every program ends, read by the combine, which writes the
+output (37.8 MB, 7.9 us at 4.8 TB/s): 16.3 us, 2.41x the roofline (``bench_sass_budget``'s
+``end_to_end_us``; B200 12.5 us, 3.07x), if every partial byte goes through HBM (they fit the H200's
+50 MB L2, which a GPU session measures). The loop was 1,407 instructions before ``kWidth = 2``
+fragments (:func:`_as_loaded_bf16`: about 350 register moves and 100 ``LDS`` fewer) and the tile-major
+gather (about 150 fewer). At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192
+programs of 64 tiles) the same loop is ``8192 x 64 x 835 x 8 / (132 x 4 x 1.98e9) = 3.3 ms`` of issue
+against a math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is
+latency-bound: few tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session
+times it against FlashMLA (``bench_dsv4_attention --peer``).
 
 Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 with tensor-core
 instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05.
@@ -124,22 +126,39 @@ def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in,
     page_base = page * page_stride
     value_off = page_base + in_page * 576
     scale_off = page_base + (1 << page_shift) * 576 + in_page * 8
-    # A row as 8 tiles of 64 dims: tiles 0-6 are e4m3 times their scale, tile 7 the bf16 rope values.
+    # A row as 8 tiles of 64 dims: tiles 0-6 are e4m3 times their scale, tile 7 the bf16 rope values (its
+    # e4m3 reading of the rope bytes is converted and dropped). The tile is the leading axis so that it is
+    # mostly a register index, whose select between the two folds away when compiled (with the tile
+    # spread over the threads, the per-element select cost about 150 instructions a tile).
     tile = tl.arange(0, 8)
     col = tl.arange(0, 64)
-    e4m3 = tl.load(cache_ptr + value_off[:, None, None] + (tile * 64)[None, :, None] + col[None, None, :],
-                   mask=valid[:, None, None] & (tile < 7)[None, :, None], other=0).to(tl.float8e4nv, bitcast=True)
+    e4m3 = tl.load(cache_ptr + value_off[None, :, None] + (tile * 64)[:, None, None] + col[None, None, :],
+                   mask=valid[None, :, None], other=0).to(tl.float8e4nv, bitcast=True)
     rope_ptr = (cache_ptr + 448).to(tl.pointer_type(tl.uint16))
     rope_bits = tl.load(rope_ptr + (value_off // 2)[:, None] + col[None, :], mask=valid[:, None], other=0)
     scale_word = tl.load((cache_ptr + scale_off).to(tl.pointer_type(tl.int64)), mask=valid, other=0)
-    scale_byte = ((scale_word[:, None] >> (tile * 8).to(tl.int64)[None, :]) & 0xFF).to(tl.int32)
+    scale_byte = ((scale_word[None, :] >> (tile * 8).to(tl.int64)[:, None]) & 0xFF).to(tl.int32)
     if NATIVE_BF16:
         nope, scale, rope = e4m3.to(tl.bfloat16), _ue8m0_to_bf16(scale_byte), rope_bits.to(tl.bfloat16, bitcast=True)
     else:
         nope, scale = e4m3.to(tl.float32), _ue8m0_to_float(scale_byte)
         rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    rows = tl.where((tile < 7)[None, :, None], nope * scale[:, :, None], rope[:, None, :])
-    return tl.reshape(rows, (BLOCK_N, 512)), valid
+    rows = tl.permute(tl.where((tile < 7)[:, None, None], nope * scale[:, :, None], rope[None, :, :]), (1, 0, 2))
+    rows = tl.reshape(rows, (BLOCK_N, 512))
+    return _as_loaded_bf16(rows) if NATIVE_BF16 else rows, valid
+
+
+@triton.jit
+def _as_loaded_bf16(rows):
+    """``rows`` (bf16) unchanged, through an identity ``mov`` the compiler does not look behind.
+
+    Triton sizes a warp-MMA operand's register fragments by the narrowest load behind the operand: behind
+    the dequantized rows it finds the e4m3 bytes and gives each thread 4 consecutive k values
+    (``kWidth = 4``), which for a bf16 operand means ``LDS.64`` fragment loads and about 350 register
+    moves per tile assembling each ``HMMA``'s operands. Behind the ``mov`` it sees bf16 (``kWidth = 2``)
+    and loads the fragments of the rows and of ``q^T`` with ``ldmatrix`` (``LDSM.16.M88.4``), in the
+    registers the ``HMMA`` takes. Not pure, or the compiler would look through it."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -233,10 +252,12 @@ def attention_partial_kernel(
     s = pid - b * num_splits
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
-    d = tl.arange(0, 512)
-    # bf16 q as is; a float32 q rounded to bf16 once, here, not per tile.
-    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
-                mask=h_ok[:, None], other=0.0)
+    # bf16 q as is; a float32 q rounded to bf16 once, here, not per tile. Its rows are addressed from the
+    # program's first head, not from h: otherwise the compiler keeps h of the q load's layout alive
+    # through the loops for the epilogue, and spills it.
+    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + (tl.program_id(1) * BLOCK_H * q_stride_h).to(tl.int64)
+                + (tl.arange(0, BLOCK_H) * q_stride_h)[:, None] + tl.arange(0, 512)[None, :], mask=h_ok[:, None],
+                other=0.0)
     q = _bf16_operand(q.to(tl.float32), NATIVE_BF16) if q.dtype == tl.float32 or not NATIVE_BF16 else q
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -258,12 +279,14 @@ def attention_partial_kernel(
         sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634
         factor = tl.where(has, 1.0 / tl.where(has, denom + tl.exp2(sink2 - tl.where(has, m, 0.0)), 1.0), 0.0)
         row = b.to(tl.int64) * heads + h
-        _store_out(out_ptr + row[:, None] * 512 + d[None, :], acc * factor[:, None], h_ok[:, None], NATIVE_BF16)
+        _store_out(out_ptr + row[:, None] * 512 + tl.arange(0, 512)[None, :], acc * factor[:, None], h_ok[:, None],
+                   NATIVE_BF16)
         tl.store(lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("inf")), mask=h_ok)
     else:
         factor = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
         row = (b.to(tl.int64) * num_splits + s) * heads + h
-        tl.store(part_out_ptr + row[:, None] * 512 + d[None, :], acc * factor[:, None], mask=h_ok[:, None])
+        tl.store(part_out_ptr + row[:, None] * 512 + tl.arange(0, 512)[None, :], acc * factor[:, None],
+                 mask=h_ok[:, None])
         tl.store(part_lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("-inf")), mask=h_ok)
 
 

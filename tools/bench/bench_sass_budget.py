@@ -16,7 +16,7 @@ kernel cannot reach its roofline as compiled, whatever the memory system does. E
 the trip model is per kernel (``TRIPS``), the clock the boost clock, latency ignored.
 
 End to end, for the kernels whose call moves memory after the loop that the loop cannot hide
-(``AFTER_LOOP``: the header attention's split-KV partials, written as every CTA ends, and the
+(``AFTER_LOOP``: the header and Triton attentions' split-KV partials, written as every CTA ends, and the
 combine launch that reads them and writes the output):
 
     end_to_end_us = issue_us + after-loop bytes / HBM bandwidth
@@ -110,6 +110,9 @@ AFTER_LOOP = {
                                            "and its fp32 output"),
     "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
                                                      "as above, then the fp32 output read and written as bf16"),
+    "triton dsv4_attention.partial[bf16]": (2 * workspace_floats(64, 64, 2) * 4 + 64 * 64 * (HEAD_DIM * 2 + 4),
+                                            "2 splits' fp32 partials written, the combine's read of them and "
+                                            "its bf16 output"),
 }
 
 
