@@ -26,13 +26,15 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
 Precision. ``q`` enters the tensor cores in bf16: the model's bf16 ``q`` as is, a float32 ``q``
 rounded to nearest bf16 once, in the program's prologue (not per tile; FlashMLA takes only bf16
 ``q``). The weights ``p`` are rounded to bf16 once for ``p . kv``. Against the fp64 reference of the
-bf16-rounded ``q``: ``|out - ref| <= 1e-2 max(1, max|ref|)``, ``lse`` within 1e-2 relative. The KV
+bf16-rounded ``q``: ``|out - ref| <= 1e-2 max(1, max|ref|)``, ``lse`` within 1e-2 relative. With a
+bf16 ``out`` and more than one split, each split's normalized output is rounded to bf16 once before
+the combine (:func:`_partials`), within that bound. The KV
 values are exact (bf16 holds e4m3 times a power of two, and the bf16 rope values), except that a
 scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
 Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
 checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
-sm_100a (253 / 240 registers for bf16 ``q``, 253 / 246 for float32 ``q``, stack 0); the gathers are
+sm_100a (253 / 214 registers for bf16 ``q``, 253 / 246 for float32 ``q``, stack 0); the gathers are
 ``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words,
 no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
 ``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
@@ -47,25 +49,26 @@ register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descrip
 fragments are loaded from shared memory by address (a base plus an immediate per k-step), so only
 PV's two descriptors remain.
 
-What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the loop body is 835 SASS
+What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the loop body is 832 SASS
 instructions per warp per 32-row tile on sm_90a (759 on sm_100a; ``tools/bench/bench_sass_budget.py``
 counts them): 64 ``HMMA`` and 64 ``LDSM`` (QK^T), 2 ``HGMMA`` (PV), 136 ``FMUL`` (128 of them the
 accumulator's rescale), about 250 for the dequantization (``F2FP``, ``F2F``, ``HMUL2``, ``PRMT``,
 ``SEL``) and about 150 for the softmax (``SHFL``, ``FADD``, ``FMNMX``, ``MUFU``). With the GPU's
 default of 2 splits there (128 programs of 64 heads, one per SM, 10 tiles each, 8 warps, 4
-instructions issued per SM cycle at 1.98 GHz): ``10 x 835 x 8 / 4 / 1.98e9 = 8.4 us`` of issue against
-the H200 roofline of those 640 entries, 6.8 us (5.7 us for the top-k 512 alone): 1.25x (B200: 7.7 us
+instructions issued per SM cycle at 1.98 GHz): ``10 x 832 x 8 / 4 / 1.98e9 = 8.4 us`` of issue against
+the H200 roofline of those 640 entries, 6.8 us (5.7 us for the top-k 512 alone): 1.24x (B200: 7.7 us
 against 4.1 us, 1.9x). End to end the split costs bytes after the loop, which one wave of programs
-cannot hide: the float32 partials written as every program ends, read by the combine, which writes the
-output (37.8 MB, 7.9 us at 4.8 TB/s): 16.3 us, 2.41x the roofline (``bench_sass_budget``'s
-``end_to_end_us``; B200 12.5 us, 3.07x), if every partial byte goes through HBM (they fit the H200's
-50 MB L2, which a GPU session measures). The loop was 1,407 instructions before ``kWidth = 2``
-fragments (:func:`_as_loaded_bf16`: about 350 register moves and 100 ``LDS`` fewer) and the tile-major
-gather (about 150 fewer). At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192
-programs of 64 tiles) the same loop is ``8192 x 64 x 835 x 8 / (132 x 4 x 1.98e9) = 3.3 ms`` of issue
-against a math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is
-latency-bound: few tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session
-times it against FlashMLA (``bench_dsv4_attention --peer``).
+cannot hide: the partials written as every program ends, read by the combine, which writes the output.
+bf16 partials for a bf16 output (:func:`_partials`) make that 21.1 MB, 4.4 us at 4.8 TB/s: 12.8 us end
+to end, 1.89x the roofline (``bench_sass_budget``'s ``end_to_end_us``; B200 10.4 us, 2.55x; float32
+partials were 37.8 MB, 16.3 us, 2.41x), if every partial byte goes through HBM (they fit the H200's 50
+MB L2, which a GPU session measures). The loop was 1,407 instructions before ``kWidth = 2`` fragments
+(:func:`_as_loaded_bf16`: about 350 register moves and 100 ``LDS`` fewer) and the tile-major gather
+(about 150 fewer). At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of
+64 tiles) the same loop is ``8192 x 64 x 832 x 8 / (132 x 4 x 1.98e9) = 3.3 ms`` of issue against a
+math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is latency-bound:
+few tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session times it against
+FlashMLA (``bench_dsv4_attention --peer``).
 
 Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 with tensor-core
 instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05.
@@ -210,6 +213,17 @@ def _store_out(ptr, x, mask, NATIVE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _partials(part_out_ptr, out_ptr):
+    """Where the splits' normalized outputs go: bf16 (rounded to nearest once) for a bf16 ``out``, in the
+    first half of the float32 workspace, which halves the bytes written after the loop and read back by
+    the combine; float32 for a float32 ``out``."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        return part_out_ptr.to(tl.pointer_type(tl.bfloat16))
+    else:
+        return part_out_ptr
+
+
+@triton.jit
 def _attend(m, denom, acc, q, cache_ptr, page_stride, page_shift, num_slots, idx_row_ptr, lo, hi, scale_log2,
             BLOCK_N: tl.constexpr, NATIVE_BF16: tl.constexpr):
     """Online-softmax update of ``(m, denom, acc)`` (base 2) over entries ``[lo, hi)`` of one source."""
@@ -285,8 +299,8 @@ def attention_partial_kernel(
     else:
         factor = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
         row = (b.to(tl.int64) * num_splits + s) * heads + h
-        tl.store(part_out_ptr + row[:, None] * 512 + tl.arange(0, 512)[None, :], acc * factor[:, None],
-                 mask=h_ok[:, None])
+        _store_out(_partials(part_out_ptr, out_ptr) + row[:, None] * 512 + tl.arange(0, 512)[None, :],
+                   acc * factor[:, None], h_ok[:, None], NATIVE_BF16)
         tl.store(part_lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("-inf")), mask=h_ok)
 
 
@@ -307,8 +321,8 @@ def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_
     total = tl.sum(w, 0)
     denominator = total + tl.exp(tl.load(sink_ptr + h) - big_safe)
     d = tl.arange(0, 512)
-    o = tl.load(part_out_ptr + ((b * num_splits + sp) * heads + h)[:, None] * 512 + d[None, :],
-                mask=(s_ok & (w > 0.0))[:, None], other=0.0)
+    o = tl.load(_partials(part_out_ptr, out_ptr) + ((b * num_splits + sp) * heads + h)[:, None] * 512 + d[None, :],
+                mask=(s_ok & (w > 0.0))[:, None], other=0.0).to(tl.float32)
     out = tl.where(has, tl.sum(w[:, None] * o, 0) / tl.where(has, denominator, 1.0), 0.0)
     _store_out(out_ptr + i * 512 + d, out, d < 512, NATIVE_BF16)
     tl.store(lse_ptr + i, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")))

@@ -79,6 +79,23 @@ def test_dsv4_head_counts_one_program_per_64_heads(backend, heads):
     assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
 
 
+def test_a_bf16_output_over_splits_combines_bf16_partials(backend):
+    # With a bf16 out the splits' normalized outputs go through the workspace as bf16 (``_partials``), each
+    # rounded once: the lse (float32 partials either way) is bit-identical to a float32 out's, the output
+    # within the documented tolerance of the reference and within two bf16 steps of the float32 out.
+    g = torch.Generator().manual_seed(6)
+    cache = v4_cache(random_rows(40, g), 8)
+    indices = torch.randint(-1, 40, (3, 30), generator=g, dtype=torch.int32)
+    case = AttentionCase((torch.randn(3, 5, 512, generator=g) * 2).bfloat16(), cache, indices,
+                         torch.randn(5, generator=g), 8)
+    expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots)
+    bf16 = run(case, backend, "triton", num_splits=3, out_dtype=torch.bfloat16)
+    fp32 = run(case, backend, "triton", num_splits=3, out_dtype=torch.float32)
+    assert torch.equal(bf16[1], fp32[1])
+    assert_within_tolerance(case, bf16, expected, 2.0**-8)
+    torch.testing.assert_close(bf16[0], fp32[0], rtol=2.0**-8, atol=2.0**-7 * float(fp32[0].abs().max()))
+
+
 def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend):
     g = torch.Generator().manual_seed(0)
     cache = v4_cache(random_rows(8, g), 4)

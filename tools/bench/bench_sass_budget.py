@@ -110,9 +110,9 @@ AFTER_LOOP = {
                                            "and its fp32 output"),
     "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
                                                      "as above, then the fp32 output read and written as bf16"),
-    "triton dsv4_attention.partial[bf16]": (2 * workspace_floats(64, 64, 2) * 4 + 64 * 64 * (HEAD_DIM * 2 + 4),
-                                            "2 splits' fp32 partials written, the combine's read of them and "
-                                            "its bf16 output"),
+    "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4),
+                                            "2 splits' partials (bf16 out, fp32 lse) written, the combine's "
+                                            "read of them and its bf16 output"),
 }
 
 
