@@ -1,7 +1,7 @@
 """Fixtures of the JIT tests: ``read_only`` makes a directory unwritable for one test (root needs
 ``chattr +i``) and writable again at its end; ``two_checkouts`` copies ``csrc/`` to two places;
-``counting_cxx``, ``gated_cxx``, ``hanging_cxx`` and ``forking_hanging_cxx`` are host compilers that log,
-wait or hang."""
+``counting_cxx`` (and ``module_counting_cxx``, one per test file), ``gated_cxx``, ``hanging_cxx`` and
+``forking_hanging_cxx`` are host compilers that log, wait or hang."""
 
 from __future__ import annotations
 
@@ -57,12 +57,23 @@ def _compiler_wrapper(path: Path, compile_line: str) -> Path:
     return path
 
 
+def _counting_compiler(folder: Path) -> tuple[Path, Path]:
+    log = folder / "compiles.log"
+    return _compiler_wrapper(folder / "counting-c++", f'echo "$$ $*" >> {log}\nexec c++ "$@"'), log
+
+
 @pytest.fixture
 def counting_cxx(tmp_path):
     """A host compiler that logs every compile (not --version probes) to a file, then runs c++:
     ``(wrapper, log)``."""
-    log = tmp_path / "compiles.log"
-    return _compiler_wrapper(tmp_path / "counting-c++", f'echo "$$ $*" >> {log}\nexec c++ "$@"'), log
+    return _counting_compiler(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_counting_cxx(tmp_path_factory):
+    """``counting_cxx`` for one test file's shared fixtures: the same name and ``--version``, so the same
+    compiler identity in the cache key (a module it builds is a hit under a test's ``counting_cxx``)."""
+    return _counting_compiler(tmp_path_factory.mktemp("counting"))
 
 
 @pytest.fixture

@@ -42,19 +42,35 @@ def worker(dtype: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.fixture
-def built(tmp_path, monkeypatch, counting_cxx):
-    """Both gather_rows instances built (and indexed) in a fresh cache by a counting compiler:
-    ``(root, {dtype: entry dir}, compile log)``."""
-    cxx, log = counting_cxx
-    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
-    entries = {}
-    for dtype, index_type in (("int64", "int64_t"), ("int32", "int32_t")):
-        entries[dtype] = tmp_path / "cache" / plan_for(index_type).entry_name()
-        assert worker(dtype) == entries[dtype].name
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, module_counting_cxx):
+    """Both gather_rows instances built (and indexed) in a fresh cache by a counting compiler, once for
+    this file (per xdist worker): the root. Each test plants its change in a copy of it."""
+    cxx, log = module_counting_cxx
+    root = tmp_path_factory.mktemp("trust") / "cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARSEKV_CACHE_DIR", str(root))
+        mp.setenv("SPARSEKV_CXX", str(cxx))
+        for dtype, index_type in (("int64", "int64_t"), ("int32", "int32_t")):
+            assert worker(dtype) == plan_for(index_type).entry_name()
     assert len(log.read_text().splitlines()) == 2
-    return tmp_path / "cache", entries, log
+    return root
+
+
+@pytest.fixture
+def built(pristine, tmp_path, monkeypatch, module_counting_cxx):
+    """A copy of ``pristine`` (times and modes kept: every entry valid where it lies) as this test's own
+    cache root, and the compiler that built it (its path is in the index's stat signature), its log
+    emptied: ``(root, {dtype: entry dir}, compile log)``."""
+    cxx, log = module_counting_cxx
+    root = tmp_path / "cache"
+    shutil.copytree(pristine, root)
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(root))
+    monkeypatch.setenv("SPARSEKV_CXX", str(cxx))
+    log.write_text("")
+    entries = {dtype: root / plan_for(index_type).entry_name() for dtype, index_type in (("int64", "int64_t"),
+                                                                                        ("int32", "int32_t"))}
+    return root, entries, log
 
 
 def test_a_module_swapped_into_another_entry_is_refused_and_rebuilt(built):
@@ -70,8 +86,8 @@ def test_a_module_swapped_into_another_entry_is_refused_and_rebuilt(built):
     assert cache.valid_artifact(target) == so
     dtype = next(d for d, e in entries.items() if e == target)
     assert worker(dtype) == target.name  # refused, rebuilt, and the right module used
-    assert len(log.read_text().splitlines()) == 3
-    assert worker(dtype) == target.name and len(log.read_text().splitlines()) == 3
+    assert len(log.read_text().splitlines()) == 1
+    assert worker(dtype) == target.name and len(log.read_text().splitlines()) == 1
 
 
 def _other_entry_of_the_same_instance(monkeypatch) -> str:
