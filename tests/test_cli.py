@@ -6,16 +6,26 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import sparsekv
+from sparsekv.cli import main
 from sparsekv.jit_kernel.build.registry import discover
 
 
-def run_cli(*args: str, cache_dir) -> subprocess.CompletedProcess:
-    import os
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """``run_cli(*args, cache_dir=...)``: the `sparsekv` command against the cache ``cache_dir``, run in this
+    process (``main`` returns the exit code; a start of Python and torch per call is what these tests
+    would time otherwise), as a ``CompletedProcess`` of its exit code and output."""
+    def run(*args: str, cache_dir) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(cache_dir))
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
 
-    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir))
-    return subprocess.run([sys.executable, "-m", "sparsekv", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return run
 
 
 def test_version():
@@ -23,7 +33,7 @@ def test_version():
     assert done.returncode == 0 and done.stdout.strip() == f"sparsekv {sparsekv.__version__}"
 
 
-def test_jit_build_list_info_clean(tmp_path):
+def test_jit_build_list_info_clean(tmp_path, run_cli):
     # One instance (one compile); building a family's whole table by name: test_jit_cli.py.
     cache_dir = tmp_path / "cache"
     built = run_cli("jit", "build", "--instance", "gather_rows:index_dtype=int32", cache_dir=cache_dir)
@@ -46,12 +56,12 @@ def test_jit_build_list_info_clean(tmp_path):
     assert json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 0
 
 
-def test_unknown_family_is_a_usage_error(tmp_path):
+def test_unknown_family_is_a_usage_error(tmp_path, run_cli):
     done = run_cli("jit", "build", "no_such_kernel", cache_dir=tmp_path / "cache")
     assert done.returncode == 2 and "unknown kernel family" in done.stderr
 
 
-def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, monkeypatch):
+def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, run_cli, monkeypatch):
     cache_dir = tmp_path / "cache"
     instance = ("--instance", "gather_rows:index_dtype=int32")  # one instance: two compiles in all
 
@@ -71,7 +81,7 @@ def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, mo
     assert listed().rstrip().endswith("cached: cpu")
 
 
-def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path):
+def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path, run_cli):
     # Open instantiation: a (K, H) no table lists compiles at first use, and is not stale for that.
     cache_dir = tmp_path / "cache"
     code = ("from sparsekv.jit_kernel.hisparse import SWAP_IN; "
