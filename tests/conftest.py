@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 from sparsekv.testing.profiles import register_profiles
@@ -31,6 +33,31 @@ def _interpret_triton_without_cuda() -> None:
 
 
 _interpret_triton_without_cuda()
+
+
+@pytest.fixture
+def sparsekv_cli(capsys):
+    """``sparsekv_cli(*args, cache_dir=..., **env)``: the ``sparsekv`` command run in this process against
+    the cache root ``cache_dir`` (None: no root configured) with the extra environment ``env`` for that
+    call, as a ``CompletedProcess`` of its exit code (``main`` returns it) and output. A subprocess
+    would start Python and torch per call; a test of the console script itself, of a pipe, or of what
+    a process decides once (``$TMPDIR``) runs ``python -m sparsekv`` instead."""
+    from sparsekv.cli import main
+
+    def run(*args: str, cache_dir: Path | None, **env: str) -> subprocess.CompletedProcess:
+        with pytest.MonkeyPatch.context() as patch:
+            if cache_dir is None:
+                patch.delenv("SPARSEKV_CACHE_DIR", raising=False)
+            else:
+                patch.setenv("SPARSEKV_CACHE_DIR", str(cache_dir))
+            for name, value in env.items():
+                patch.setenv(name, value)
+            capsys.readouterr()
+            code = main(list(args))
+            out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
 
 
 def pytest_addoption(parser):

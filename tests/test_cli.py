@@ -6,26 +6,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import sparsekv
-from sparsekv.cli import main
 from sparsekv.jit_kernel.build.registry import discover
-
-
-@pytest.fixture
-def run_cli(monkeypatch, capsys):
-    """``run_cli(*args, cache_dir=...)``: the `sparsekv` command against the cache ``cache_dir``, run in this
-    process (``main`` returns the exit code; a start of Python and torch per call is what these tests
-    would time otherwise), as a ``CompletedProcess`` of its exit code and output."""
-    def run(*args: str, cache_dir) -> subprocess.CompletedProcess:
-        monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(cache_dir))
-        capsys.readouterr()
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, out, err)
-
-    return run
 
 
 def test_version():
@@ -33,15 +15,15 @@ def test_version():
     assert done.returncode == 0 and done.stdout.strip() == f"sparsekv {sparsekv.__version__}"
 
 
-def test_jit_build_list_info_clean(tmp_path, run_cli):
+def test_jit_build_list_info_clean(tmp_path, sparsekv_cli):
     # One instance (one compile); building a family's whole table by name: test_jit_cli.py.
     cache_dir = tmp_path / "cache"
-    built = run_cli("jit", "build", "--instance", "gather_rows:index_dtype=int32", cache_dir=cache_dir)
+    built = sparsekv_cli("jit", "build", "--instance", "gather_rows:index_dtype=int32", cache_dir=cache_dir)
     assert built.returncode == 0, built.stderr
     assert "built 1 module instances for the cpu backend" in built.stdout
     assert "\r" not in built.stderr  # no progress bar when stderr is not a terminal
 
-    listed = run_cli("jit", "list", cache_dir=cache_dir)
+    listed = sparsekv_cli("jit", "list", cache_dir=cache_dir)
     assert listed.returncode == 0
     for family in discover().values():
         assert family.name in listed.stdout
@@ -49,39 +31,39 @@ def test_jit_build_list_info_clean(tmp_path, run_cli):
     assert len(gather_lines) == 2 and "cached: cpu" in gather_lines["gather_rows<index_dtype=torch.int32>"]
     assert gather_lines["gather_rows<index_dtype=torch.int64>"].rstrip().endswith("cached: -")
 
-    info = json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)
+    info = json.loads(sparsekv_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)
     assert info["entries"] == 1 and info["bytes"] > 0 and info["cache_dir"] == str(cache_dir)
 
-    assert run_cli("jit", "clean", cache_dir=cache_dir).returncode == 0
-    assert json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 0
+    assert sparsekv_cli("jit", "clean", cache_dir=cache_dir).returncode == 0
+    assert json.loads(sparsekv_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 0
 
 
-def test_unknown_family_is_a_usage_error(tmp_path, run_cli):
-    done = run_cli("jit", "build", "no_such_kernel", cache_dir=tmp_path / "cache")
+def test_unknown_family_is_a_usage_error(tmp_path, sparsekv_cli):
+    done = sparsekv_cli("jit", "build", "no_such_kernel", cache_dir=tmp_path / "cache")
     assert done.returncode == 2 and "unknown kernel family" in done.stderr
 
 
-def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, run_cli, monkeypatch):
+def test_list_marks_stale_entries_and_clean_stale_removes_only_them(tmp_path, sparsekv_cli, monkeypatch):
     cache_dir = tmp_path / "cache"
     instance = ("--instance", "gather_rows:index_dtype=int32")  # one instance: two compiles in all
 
     def listed() -> str:
-        lines = run_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines()
+        lines = sparsekv_cli("jit", "list", cache_dir=cache_dir).stdout.splitlines()
         return next(line for line in lines if line.startswith("gather_rows<index_dtype=torch.int32>"))
 
     # An entry built with other flags is one a load would no longer use.
     monkeypatch.setenv("SPARSEKV_EXTRA_CFLAGS", "-DSPARSEKV_OLD_FLAGS=1")
-    assert run_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
+    assert sparsekv_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
     monkeypatch.delenv("SPARSEKV_EXTRA_CFLAGS")
-    assert run_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
+    assert sparsekv_cli("jit", "build", *instance, cache_dir=cache_dir).returncode == 0
     line = listed()
     assert line.count("cpu (stale)") == 1 and line.count("cpu") == 2, line
-    cleaned = run_cli("jit", "clean", "--stale", cache_dir=cache_dir)
+    cleaned = sparsekv_cli("jit", "clean", "--stale", cache_dir=cache_dir)
     assert "removed 1 stale entries" in cleaned.stdout
     assert listed().rstrip().endswith("cached: cpu")
 
 
-def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path, run_cli):
+def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path, sparsekv_cli):
     # Open instantiation: a (K, H) no table lists compiles at first use, and is not stale for that.
     cache_dir = tmp_path / "cache"
     code = ("from sparsekv.jit_kernel.hisparse import SWAP_IN; "
@@ -90,6 +72,6 @@ def test_clean_stale_keeps_a_current_instance_outside_the_table(tmp_path, run_cl
 
     env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir))
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=600).returncode == 0
-    cleaned = run_cli("jit", "clean", "--stale", cache_dir=cache_dir)
+    cleaned = sparsekv_cli("jit", "clean", "--stale", cache_dir=cache_dir)
     assert "removed 0 stale entries" in cleaned.stdout
-    assert json.loads(run_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 1
+    assert json.loads(sparsekv_cli("jit", "info", "--json", cache_dir=cache_dir).stdout)["entries"] == 1

@@ -4,6 +4,7 @@ and SPARSEKV_CACHE_MAX_SIZE bound the cache."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -26,13 +27,10 @@ def plan_for(csrc: Path = CSRC):
                             kernels=GATHER_ROWS.kernels, backend="cpu", arch=None, probe_dir=None, csrc=csrc)
 
 
-def jit(*args: str, cache_dir: Path | None, **extra_env) -> subprocess.CompletedProcess:
-    """``sparsekv jit ARGS`` with ``cache_dir`` configured (None: no root configured)."""
-    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir), **extra_env)
-    if cache_dir is None:
-        del env["SPARSEKV_CACHE_DIR"]
-    return subprocess.run([sys.executable, "-m", "sparsekv", "jit", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+@pytest.fixture
+def jit(sparsekv_cli):
+    """``jit(*args, cache_dir=..., **env)``: ``sparsekv jit ARGS`` in this process (``sparsekv_cli``)."""
+    return functools.partial(sparsekv_cli, "jit")
 
 
 def staging(cache_dir: Path) -> list[Path]:
@@ -66,7 +64,7 @@ def test_sigkilled_build_is_swept_by_the_next_load(tmp_path, monkeypatch, hangin
     assert len(cache.entries(cache_dir)) == 1
 
 
-def test_sigkilled_build_is_swept_by_clean_stale(tmp_path, hanging_cxx):
+def test_sigkilled_build_is_swept_by_clean_stale(tmp_path, hanging_cxx, jit):
     cache_dir = tmp_path / "cache"
     _kill_mid_compile(cache_dir, *hanging_cxx)
     dry = jit("clean", "--stale", "--dry-run", cache_dir=cache_dir)
@@ -78,7 +76,7 @@ def test_sigkilled_build_is_swept_by_clean_stale(tmp_path, hanging_cxx):
     assert list((cache_dir / ".locks").iterdir()) == []  # its lock file, held by nobody, is gone too
 
 
-def test_failed_compile_is_swept_by_the_next_load_and_by_clean_stale(tmp_path, monkeypatch):
+def test_failed_compile_is_swept_by_the_next_load_and_by_clean_stale(tmp_path, monkeypatch, jit):
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     with open(csrc / "gather_rows.cuh", "a") as f:
@@ -152,8 +150,13 @@ def test_unwritable_cache_in_the_cli_is_one_line(tmp_path, read_only, configured
     read_only(cache_dir)
     read_only(fallback)
     # Unconfigured: the default (under a read-only XDG_CACHE_HOME) is unusable and the fallback read-only.
-    done = jit("build", "gather_rows", cache_dir=cache_dir if configured else None, TMPDIR=str(fallback_parent),
-               XDG_CACHE_HOME=str(cache_dir))
+    # A process of its own: Python reads $TMPDIR once per process.
+    env = dict(os.environ, TMPDIR=str(fallback_parent), XDG_CACHE_HOME=str(cache_dir))
+    env["SPARSEKV_CACHE_DIR"] = str(cache_dir)
+    if not configured:
+        del env["SPARSEKV_CACHE_DIR"]
+    done = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "gather_rows"], capture_output=True,
+                          text=True, env=env, timeout=600)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert ("is read-only" if configured else "is writable by uid") in done.stderr
@@ -167,9 +170,13 @@ def _corrupt_keeping_size_and_mtime(so: Path) -> None:
     os.utime(so, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_verify_repair_heals_a_same_size_corruption_with_restored_mtime(tmp_path, monkeypatch):
+def test_verify_repair_heals_a_same_size_corruption_with_restored_mtime(tmp_path, monkeypatch, jit):
     cache_dir = tmp_path / "cache"
-    assert jit("build", "gather_rows", cache_dir=cache_dir).returncode == 0
+    # Built by a process of its own: a build loads the module, and this test rewrites it in place (a
+    # library this process had mapped would crash it).
+    built = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "gather_rows"], capture_output=True,
+                           text=True, env=dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir)), timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
     (bad, good) = sorted(cache.entries(cache_dir), key=lambda e: "int64" not in e.name)
     so = bad / cache.ARTIFACT
     _corrupt_keeping_size_and_mtime(so)
@@ -203,7 +210,7 @@ def _age(entry: Path, days: float) -> None:
     os.utime(entry, (t, t))
 
 
-def test_prune_by_age_and_by_size_removes_least_recently_loaded_first(tmp_path):
+def test_prune_by_age_and_by_size_removes_least_recently_loaded_first(tmp_path, jit):
     cache_dir = tmp_path / "cache"
     assert jit("build", "gather_rows", cache_dir=cache_dir).returncode == 0
     old, new = sorted(cache.entries(cache_dir))
@@ -224,7 +231,7 @@ def test_prune_by_age_and_by_size_removes_least_recently_loaded_first(tmp_path):
     assert usage.returncode == 2 and "--older-than" in usage.stderr
 
 
-def test_cache_max_size_evicts_after_each_build(tmp_path):
+def test_cache_max_size_evicts_after_each_build(tmp_path, jit):
     cache_dir = tmp_path / "cache"
     assert jit("build", "--instance", "gather_rows:index_dtype=int32", cache_dir=cache_dir).returncode == 0
     (first,) = cache.entries(cache_dir)

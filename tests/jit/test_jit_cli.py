@@ -4,12 +4,12 @@ counts, and one log line per compile with -v or SPARSEKV_JIT_VERBOSE=1."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,14 +23,14 @@ from sparsekv.testing.components import gpu_only
 NO_ARCH_ENV = {"SPARSEKV_CUDA_ARCH": "", "TVM_FFI_CUDA_ARCH_LIST": ""}
 
 
-def jit(*args: str, cache_dir: Path, **extra_env) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SPARSEKV_CACHE_DIR=str(cache_dir), **extra_env)
-    return subprocess.run([sys.executable, "-m", "sparsekv", "jit", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+@pytest.fixture
+def jit(sparsekv_cli):
+    """``jit(*args, cache_dir=..., **env)``: ``sparsekv jit ARGS`` in this process (``sparsekv_cli``)."""
+    return functools.partial(sparsekv_cli, "jit")
 
 
 @pytest.mark.parametrize("action", sorted(cli.ACTIONS))
-def test_every_subcommand_has_help_with_an_example(action, tmp_path):
+def test_every_subcommand_has_help_with_an_example(action, tmp_path, jit):
     done = jit(action, "--help", cache_dir=tmp_path)
     assert done.returncode == 0
     assert "examples:" in done.stdout and f"sparsekv jit {action}" in done.stdout.split("examples:")[1]
@@ -87,13 +87,13 @@ def test_bad_arguments_give_one_line_and_the_exit_code(args, code, message, tmp_
 
 
 @pytest.mark.skipif(_gpu_visible(), reason=gpu_only("a GPU is visible: its arch is used"))
-def test_cuda_build_without_an_arch_or_a_gpu_says_what_to_set(tmp_path):
+def test_cuda_build_without_an_arch_or_a_gpu_says_what_to_set(tmp_path, jit):
     done = jit("build", "--backend", "cuda", "--all", cache_dir=tmp_path, **NO_ARCH_ENV)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "SPARSEKV_CUDA_ARCH" in done.stderr
 
 
-def test_a_compile_error_is_the_compiler_message_without_a_traceback_unless_debug(tmp_path):
+def test_a_compile_error_is_the_compiler_message_without_a_traceback_unless_debug(tmp_path, jit):
     flags = {"SPARSEKV_EXTRA_CFLAGS": "-include sparsekv_no_such_header.h"}
     done = jit("build", "--instance", "gather_rows:index_dtype=int64", cache_dir=tmp_path, **flags)
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -119,7 +119,7 @@ def test_broken_pipe_is_quiet(tmp_path):
     assert shell.stdout.strip() == "[" and shell.stderr == ""
 
 
-def test_build_progress_logs_and_counts(tmp_path):
+def test_build_progress_logs_and_counts(tmp_path, jit):
     cache_dir = tmp_path / "cache"
     built = jit("build", "gather_rows", "-v", cache_dir=cache_dir)
     assert built.returncode == 0, built.stderr
@@ -144,7 +144,7 @@ def test_build_progress_logs_and_counts(tmp_path):
     assert json.loads(jit("info", "--json", cache_dir=cache_dir).stdout)["entries"] == 0
 
 
-def test_list_json_carries_what_the_table_shows(tmp_path):
+def test_list_json_carries_what_the_table_shows(tmp_path, jit):
     assert jit("build", "--instance", "gather_rows:index_dtype=int32", cache_dir=tmp_path).returncode == 0
     rows = json.loads(jit("list", "--json", cache_dir=tmp_path).stdout)
     families = discover()
