@@ -10,8 +10,8 @@ and :func:`compress_decode_store` here for ``impl="triton"``), and the same stor
 per event pools its window from the input rows and the ring (the planned sources, as
 ``compress_extend``, or for a decode step the state rows and positions read on the device, as
 ``compress_decode``), rounds the entry to bf16, then RMSNorm, RoPE (the indexer kinds: Hadamard)
-and the quantizer, and stores the token as 32-bit words (bytes when the cache is not 4-byte
-aligned); a second launch writes the new ring rows after every event has read the ring as it was.
+and the quantizer, and stores the token as 64-bit words (bytes when the cache's pages are not
+8-byte aligned); a second launch writes the new ring rows after every event has read the ring as it was.
 
 Exactness. The pooled floats follow :mod:`sparsekv.jit_kernel.triton.dsv4_compress` (the header's
 order of explicitly rounded steps; its exponential is libdevice's ``expf`` on a GPU, numpy's under
@@ -37,7 +37,7 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
-from sparsekv.jit_kernel.triton.dsv4_quant import check_unique_slots, float_to_bf16, store_v4_token
+from sparsekv.jit_kernel.triton.dsv4_quant import check_unique_slots, float_to_bf16, store_v4_token, word_aligned
 from sparsekv.jit_kernel.triton.dsv4_store import (
     KINDS,
     apply_rope,
@@ -331,7 +331,7 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
             kv, score, row_stride(kv), row_stride(score), kv.shape[0], ape, ring, state.shape[0], sources, weight,
             float(eps), positions, rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride, shift, num_slots,
             RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
-            PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
+            PACKED=word_aligned(cache), NATIVE=not interpreting(), num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)
     if writes.shape[0] > 0:
         _write_ring(kv, score, ring, state.shape[0], writes, 0, writes.shape[0], ring_bf16, 0, False)
@@ -421,7 +421,7 @@ def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, o
         kv, score, row_stride(kv), row_stride(score), batch, ape, ring, state.shape[0], state_rows, rows_stride,
         positions, out, emitted, weight, float(eps), rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride,
         shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
-        PACKED=cache.data_ptr() % 4 == 0 and stride % 4 == 0, NATIVE=not interpreting(), num_warps=NUM_WARPS,
+        PACKED=word_aligned(cache), NATIVE=not interpreting(), num_warps=NUM_WARPS,
         **LAUNCH_OPTIONS)
     _write_ring(kv, score, ring, state.shape[0], state_rows, rows_stride, batch, ring_bf16,
                 8 if ratio == 4 else ratio, True)

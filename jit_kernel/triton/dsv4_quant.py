@@ -8,10 +8,10 @@ multiply by an exact power of two, so the result does not depend on the device, 
 float contraction or the interpreter.
 
 One program per token (2 warps): the row is held as ``[8, 64]`` (the seven 64-wide e4m3 blocks
-and a masked eighth) plus the 64 bf16 RoPE dims; the record leaves as 32-bit words: 112 words of
-e4m3 codes, 32 of bf16 pairs and the two words of the scale record (7 UE8M0 bytes and the zero pad),
-not byte stores. Only when the cache's base address or page stride is not a multiple of 4 bytes
-(a sliced view) does the launcher fall back to byte stores of the same bytes.
+and a masked eighth) plus the 64 bf16 RoPE dims; the record leaves as 64-bit words, one per thread
+(``STG.E.64``): 56 words of e4m3 codes, 16 of bf16 quadruples and the scale record (7 UE8M0 bytes
+and the zero pad), not byte stores. Only when the cache's base address or page stride is not a
+multiple of 8 bytes (a sliced view) does the launcher fall back to byte stores of the same bytes.
 
 Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
 :func:`float_to_e4m3`, :func:`float_to_bf16`, :func:`ceil_scale_exponent`, :func:`exp2_int`,
@@ -88,25 +88,28 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def pack_words(values, WORDS: tl.constexpr, PER_WORD: tl.constexpr):
-    """Little-endian 32-bit words of ``values`` (a flat run of int32 fields of ``32 // PER_WORD`` bits
-    each, any shape of ``WORDS * PER_WORD`` elements in row-major order): ``[WORDS]`` int32."""
+def pack_words(values, WORDS: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr):
+    """Little-endian ``BITS``-bit words (32 or 64) of ``values`` (a flat run of int32 fields of
+    ``BITS // PER_WORD`` bits each, any shape of ``WORDS * PER_WORD`` elements in row-major order):
+    ``[WORDS]`` int32 or int64."""
     fields = tl.reshape(values, (WORDS, PER_WORD))
-    shift = tl.arange(0, PER_WORD) * (32 // PER_WORD)
+    if BITS == 64:
+        fields = fields.to(tl.int64)
+    shift = tl.arange(0, PER_WORD) * (BITS // PER_WORD)
     return tl.reduce(fields << shift[None, :], 1, _bitwise_or)
 
 
 @triton.jit
 def store_words(ptr, words, mask, PACKED: tl.constexpr):
-    """Store int32 ``words`` (``[W]``, little-endian) at byte pointer ``ptr`` where ``mask``: as 32-bit
-    stores when ``PACKED`` (``ptr`` a multiple of 4 bytes), else as their 4 bytes each."""
+    """Store little-endian int32 or int64 ``words`` (``[W]``) at byte pointer ``ptr`` where ``mask``: as
+    4- or 8-byte stores when ``PACKED`` (``ptr`` a multiple of the word's size), else as their bytes."""
     word = tl.arange(0, words.shape[0])
     if PACKED:
-        tl.store(ptr.to(tl.pointer_type(tl.int32)) + word, words, mask=mask)
+        tl.store(ptr.to(tl.pointer_type(words.dtype)) + word, words, mask=mask)
     else:
-        byte = tl.arange(0, 4)
-        tl.store(ptr + word[:, None] * 4 + byte[None, :], ((words[:, None] >> (byte * 8)[None, :]) & 0xFF).to(tl.uint8),
-                 mask=mask[:, None])
+        byte = tl.arange(0, words.dtype.primitive_bitwidth // 8)
+        tl.store(ptr + word[:, None] * (words.dtype.primitive_bitwidth // 8) + byte[None, :],
+                 ((words[:, None] >> (byte * 8)[None, :]) & 0xFF).to(tl.uint8), mask=mask[:, None])
 
 
 @triton.jit
@@ -118,8 +121,8 @@ def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: t
     float32 ``[64]``, dims 448-511. Per block: ``e`` the smallest integer with ``448 * 2^e >=
     max(amax, 1e-4)``, codes ``e4m3(x * 2^-e)`` (exact: ``2^-e`` is a power of two), scale byte
     ``e + 127``; then the bf16 RoPE dims and the zero pad byte (``store_v4`` of the header).
-    ``PACKED``: both offsets and the base are multiples of 4 bytes, so the record goes out as 32-bit
-    words (112 of codes, 32 of bf16 pairs, 2 of scales); else as bytes.
+    ``PACKED``: both offsets and the base are multiples of 8 bytes, so the record goes out as 64-bit
+    words (56 of codes, 16 of bf16 quadruples, 1 of scales: ``STG.E.64``); else as bytes.
     """
     block = tl.arange(0, 8)
     amax = tl.maximum(tl.max(tl.abs(nope), 1), 1e-4)
@@ -127,10 +130,10 @@ def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: t
     codes = float_to_e4m3(nope * exp2_int(-e)[:, None])
     scales = tl.where(block < 7, e + 127, 0)
     on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
-    store_words(cache_ptr + value_off, pack_words(codes, 128, 4), tl.arange(0, 128) < 112 * on, PACKED)
-    store_words(cache_ptr + value_off + 448, pack_words(float_to_bf16(rope), 32, 2), tl.arange(0, 32) < 32 * on,
+    store_words(cache_ptr + value_off, pack_words(codes, 64, 8, 64), tl.arange(0, 64) < 56 * on, PACKED)
+    store_words(cache_ptr + value_off + 448, pack_words(float_to_bf16(rope), 16, 4, 64), tl.arange(0, 16) < 16 * on,
                 PACKED)
-    store_words(cache_ptr + scale_off, pack_words(scales, 2, 4), tl.arange(0, 2) < 2 * on, PACKED)
+    store_words(cache_ptr + scale_off, pack_words(scales, 1, 8, 64), tl.arange(0, 1) < on, PACKED)
 
 
 @triton.jit
@@ -193,8 +196,9 @@ def check_paged_cache(cache, slots, page_slots, layout, read_slots=True):
 
 
 def word_aligned(cache) -> bool:
-    """Whether every record of a paged cache starts on a 4-byte boundary (the ``PACKED`` stores)."""
-    return cache.data_ptr() % 4 == 0 and row_stride(cache) % 4 == 0
+    """Whether every page of a paged cache starts on an 8-byte boundary, so every record on its word's
+    (the ``PACKED`` stores: 8-byte words, and the indexer caches' 4-byte scales)."""
+    return cache.data_ptr() % 8 == 0 and row_stride(cache) % 8 == 0
 
 
 def quantize_fp8_ds_mla(x, cache, slots, page_slots):

@@ -16,7 +16,8 @@ float32 step is one IEEE operation rounded as the header writes it, in the heade
 One program per entry: the row is loaded in the shapes each step needs (``[D / 32, 32]`` for the
 norm's order, the 64 RoPE dims as pairs, the rest as ``[8, 64]`` blocks or a 64-wide half), every
 element going through the same rounded operations, so no step has to pick elements out of another's
-layout. The record leaves as 32-bit words (:func:`~sparsekv.jit_kernel.triton.dsv4_quant.store_words`).
+layout. The record leaves as 64-bit words, an indexer scale as one 32-bit word
+(:func:`~sparsekv.jit_kernel.triton.dsv4_quant.store_words`).
 
 Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
 :func:`entry_target`, :func:`round_bf16`, :func:`team_sum`, :func:`apply_rope`, :func:`hadamard_128`,
@@ -132,7 +133,7 @@ def store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED: t
     scale = tl.div_rn(amax, 448.0)
     codes = float_to_e4m3(tl.div_rn(z, scale))
     on = tl.where(valid, 1, 0)
-    store_words(cache_ptr + value_off, pack_words(codes, 32, 4), tl.arange(0, 32) < 32 * on, PACKED)
+    store_words(cache_ptr + value_off, pack_words(codes, 16, 8, 64), tl.arange(0, 16) < 16 * on, PACKED)
     scale_bits = tl.zeros((1,), tl.int32) + scale.to(tl.int32, bitcast=True)
     store_words(cache_ptr + scale_off, scale_bits, tl.arange(0, 1) < on, PACKED)
 
@@ -147,8 +148,8 @@ def store_indexer_fp4_token(cache_ptr, value_off, scale_off, z, valid, PACKED: t
     e = ceil_scale_exponent(amax, 6.0)
     codes = float_to_e2m1(blocks * exp2_int(-e)[:, None])
     on = tl.where(valid, 1, 0)
-    store_words(cache_ptr + value_off, pack_words(codes, 16, 8), tl.arange(0, 16) < 16 * on, PACKED)
-    store_words(cache_ptr + scale_off, pack_words(e + 127, 1, 4), tl.arange(0, 1) < on, PACKED)
+    store_words(cache_ptr + value_off, pack_words(codes, 8, 16, 64), tl.arange(0, 8) < 8 * on, PACKED)
+    store_words(cache_ptr + scale_off, pack_words(e + 127, 1, 4, 32), tl.arange(0, 1) < on, PACKED)
 
 
 @triton.jit

@@ -76,8 +76,11 @@ SASS_TABLE = {
         no_local=PASS,
         wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(
-        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS,
-        wide_store="its records go out as 4-byte stores (STG.E) (issue 36 item 6)", occupancy=PASS),
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("triton", "dsv4_compress_store.prefill[INDEXER_FP8,C4,fp32 ring]", ""): dict(launch=Launch(128, 4),
+                                                                                  wide_store=PASS),
+    ("triton", "dsv4_compress_store.prefill[INDEXER_FP4,C4,fp32 ring]", ""): dict(launch=Launch(128, 4),
+                                                                                  wide_store=PASS),
     ("triton", "dsv4_compress_store.decode[V4,C4,fp32 ring]", ""): dict(
         launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
@@ -88,6 +91,8 @@ SASS_TABLE = {
         launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
     ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+    ("triton", "dsv4_store.norm_rope_store[INDEXER_FP8]", ""): dict(launch=Launch(64, 4), wide_store=PASS),
+    ("triton", "dsv4_store.norm_rope_store[INDEXER_FP4]", ""): dict(launch=Launch(64, 4), wide_store=PASS),
     ("cuda", "gather_rows:index_dtype=int64", "GatherRows"): dict(
         launch=Launch(256, 4), no_local=PASS,
         wide_gather=PASS,
