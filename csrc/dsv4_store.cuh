@@ -17,7 +17,10 @@
 // float rows and write 2.4 MB of 584 B records, a 2.3 us roofline on an H200. A lane's channels
 // are 32 apart, so the V4 record is staged in the warp's 592 B of shared memory and written whole
 // (row_store.h store_v4): 36 STG.128 and one STG.64 per record where byte stores took 26 STG.U8 per
-// lane (tests/jit/test_sass.py, wide_store).
+// lane (tests/jit/test_sass.py, wide_store). Its e4m3 codes come from the hardware convert, one F2FP
+// per pair on sm_89+ (fp8::float_to_e4m3x2; fp8_encode). Static issue estimate
+// (tools/bench/bench_sass_budget.py, 4096 entries): 1.53x the roofline on an H200, 2.24x on a B200
+// (2.75x on the H200 with the software encode): the norm, RoPE and the team reductions remain.
 #pragma once
 
 #include <cstdint>

@@ -37,7 +37,13 @@ import triton.language as tl
 from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_stride, written
 from sparsekv.jit_kernel.triton.dsv4_compress import LAUNCH_OPTIONS, _exp, check_inputs
-from sparsekv.jit_kernel.triton.dsv4_quant import check_unique_slots, float_to_bf16, store_v4_token, word_aligned
+from sparsekv.jit_kernel.triton.dsv4_quant import (
+    check_unique_slots,
+    float_to_bf16,
+    hardware_fp8,
+    store_v4_token,
+    word_aligned,
+)
 from sparsekv.jit_kernel.triton.dsv4_store import (
     KINDS,
     apply_rope,
@@ -156,7 +162,7 @@ def _row_of(tile, k, ROWS: tl.constexpr):
 
 @triton.jit
 def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot, stores, cache_ptr, page_stride,
-                 page_shift, num_slots, KIND: tl.constexpr, PACKED: tl.constexpr):
+                 page_shift, num_slots, KIND: tl.constexpr, PACKED: tl.constexpr, FP8_HW: tl.constexpr):
     """The header's ``NormRopeStore<Kind>::finish`` of a pooled ``[ROWS, 64]`` entry: bf16, RMSNorm, RoPE
     at ``pos`` on the last 64 dims, (the indexer kinds: Hadamard,) quantize and store into ``slot``;
     nothing is stored unless ``stores`` and the slot and the position lie in the cache and the RoPE
@@ -177,7 +183,7 @@ def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot
     if KIND == 0:
         value_off = page_base + in_page * 576
         scale_off = page_base + (1 << page_shift) * 576 + in_page * 8
-        store_v4_token(cache_ptr, value_off, scale_off, y, rope, valid, PACKED)
+        store_v4_token(cache_ptr, value_off, scale_off, y, rope, valid, PACKED, FP8_HW)
     else:  # the 128-wide row: its first 64 dims, then the rotated 64
         z = hadamard_128(_row_of(y, 0, ROWS), rope)
         value_bytes: tl.constexpr = 64 if KIND == 2 else 128
@@ -186,14 +192,15 @@ def _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos, slot
         if KIND == 2:
             store_indexer_fp4_token(cache_ptr, value_off, scale_off, z, valid, PACKED)
         else:
-            store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED)
+            store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED, FP8_HW)
 
 
 @triton.jit
 def compress_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
                           sources_ptr, weight_ptr, eps, positions_ptr, cos_ptr, sin_ptr, rope_positions, slots_ptr,
                           cache_ptr, page_stride, page_shift, num_slots, RATIO: tl.constexpr,
-                          RING_BF16: tl.constexpr, KIND: tl.constexpr, PACKED: tl.constexpr, NATIVE: tl.constexpr):
+                          RING_BF16: tl.constexpr, KIND: tl.constexpr, PACKED: tl.constexpr, NATIVE: tl.constexpr,
+                          FP8_HW: tl.constexpr):
     """Event ``e``: pool, then store into ``slots[e]`` at RoPE position ``positions[e]`` (``CompressStore<Kind>``)."""
     ROWS: tl.constexpr = 8 if KIND == 0 else 2
     e = tl.program_id(0).to(tl.int64)
@@ -201,7 +208,7 @@ def compress_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs
     x = _pool_event(kv_ptr, score_ptr, kv_stride, score_stride, num_inputs, ape_ptr, ring_ptr, num_ring_rows,
                     sources_ptr, sources_ptr, 0, e, 0, c, ROWS * 64, RATIO, RING_BF16, False, NATIVE)
     _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, tl.load(positions_ptr + e),
-                    tl.load(slots_ptr + e), True, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED)
+                    tl.load(slots_ptr + e), True, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED, FP8_HW)
 
 
 @triton.jit
@@ -209,7 +216,7 @@ def compress_decode_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, bat
                                  rows_ptr, rows_stride, positions_ptr, out_ptr, emitted_ptr, weight_ptr, eps, cos_ptr,
                                  sin_ptr, rope_positions, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
                                  RATIO: tl.constexpr, RING_BF16: tl.constexpr, KIND: tl.constexpr,
-                                 PACKED: tl.constexpr, NATIVE: tl.constexpr):
+                                 PACKED: tl.constexpr, NATIVE: tl.constexpr, FP8_HW: tl.constexpr):
     """Batch row ``b`` of a decode step: its entry (zeros unless its token completes one) into ``out``,
     the flag into ``emitted``, and a completed entry stored into ``slots[b]`` at its anchor
     ``positions[b] - ratio + 1`` (``CompressStore<Kind>`` with ``DecodeRows``)."""
@@ -224,7 +231,7 @@ def compress_decode_store_kernel(kv_ptr, score_ptr, kv_stride, score_stride, bat
     tl.store(out_ptr + b * (ROWS * 64) + c, x)
     tl.store(emitted_ptr + b, emits)
     _store_entry(x, weight_ptr, eps, cos_ptr, sin_ptr, rope_positions, pos - (RATIO - 1), tl.load(slots_ptr + b),
-                    emits, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED)
+                    emits, cache_ptr, page_stride, page_shift, num_slots, KIND, PACKED, FP8_HW)
 
 
 @triton.jit
@@ -331,7 +338,8 @@ def compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, p
             kv, score, row_stride(kv), row_stride(score), kv.shape[0], ape, ring, state.shape[0], sources, weight,
             float(eps), positions, rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride, shift, num_slots,
             RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
-            PACKED=word_aligned(cache), NATIVE=not interpreting(), num_warps=NUM_WARPS,
+            PACKED=word_aligned(cache), NATIVE=not interpreting(), FP8_HW=hardware_fp8(cache),
+            num_warps=NUM_WARPS,
             **LAUNCH_OPTIONS)
     if writes.shape[0] > 0:
         _write_ring(kv, score, ring, state.shape[0], writes, 0, writes.shape[0], ring_bf16, 0, False)
@@ -421,7 +429,8 @@ def compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, o
         kv, score, row_stride(kv), row_stride(score), batch, ape, ring, state.shape[0], state_rows, rows_stride,
         positions, out, emitted, weight, float(eps), rope_cos, rope_sin, rope_cos.shape[0], slots, cache, stride,
         shift, num_slots, RATIO=ratio, RING_BF16=ring_bf16, KIND=KINDS[cache_kind][0],
-        PACKED=word_aligned(cache), NATIVE=not interpreting(), num_warps=NUM_WARPS,
+        PACKED=word_aligned(cache), NATIVE=not interpreting(), FP8_HW=hardware_fp8(cache),
+            num_warps=NUM_WARPS,
         **LAUNCH_OPTIONS)
     _write_ring(kv, score, ring, state.shape[0], state_rows, rows_stride, batch, ring_bf16,
                 8 if ratio == 4 else ratio, True)
@@ -461,7 +470,7 @@ def _aot_kernels():
     kernels = []
     for kind, ratio, ring_bf16 in configs:
         constexprs = {"RATIO": Constexpr(ratio), "RING_BF16": Constexpr(ring_bf16), "KIND": Constexpr(KINDS[kind][0]),
-                      "PACKED": Constexpr(True), "NATIVE": Constexpr(True)}
+                      "PACKED": Constexpr(True), "NATIVE": Constexpr(True), "FP8_HW": Constexpr(True)}
         width = (2 if ratio == 4 else 1) * (512 if kind == "V4" else 128)
         ring_rows = 2 * (8 if ratio == 4 else 128)
         what = f"{kind},C{ratio},{'bf16' if ring_bf16 else 'fp32'} ring"

@@ -5,7 +5,9 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_quant.quantize_fp8_ds_mla` (whi
 :func:`quantize_fp8_ds_mla` here for ``impl="triton"``), and the same bytes: every step is integer
 arithmetic on the float32 bits (the header's ``fp8::`` encoders, written again on tensors) or a
 multiply by an exact power of two, so the result does not depend on the device, the compiler's
-float contraction or the interpreter.
+float contraction or the interpreter. On sm_89+ the e4m3 codes come from the convert instruction
+instead (:func:`encode_e4m3`, as the header's ``fp8::float_to_e4m3x2``), which gives the integer
+encoder's bytes for every input.
 
 One program per token (2 warps): the row is held as ``[8, 64]`` (the seven 64-wide e4m3 blocks
 and a masked eighth) plus the 64 bf16 RoPE dims; the record leaves as 64-bit words, one per thread
@@ -14,7 +16,7 @@ and the zero pad), not byte stores. Only when the cache's base address or page s
 multiple of 8 bytes (a sliced view) does the launcher fall back to byte stores of the same bytes.
 
 Reusable pieces (the fused compress -> norm -> RoPE -> quantize -> store kernels build on them):
-:func:`float_to_e4m3`, :func:`float_to_bf16`, :func:`ceil_scale_exponent`, :func:`exp2_int`,
+:func:`float_to_e4m3`, :func:`encode_e4m3`, :func:`float_to_bf16`, :func:`ceil_scale_exponent`, :func:`exp2_int`,
 :func:`pack_words`, :func:`store_words` and :func:`store_v4_token` (a 512-wide row held as
 ``[8, 64]`` + ``[64]`` into one token's value and scale records).
 """
@@ -26,10 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.jit_kernel.triton import interpreting
 from sparsekv.jit_kernel.triton.checks import check, check_disjoint, page_shift, read, row_stride, written
 from sparsekv.kv_layout import V4
 
-__all__ = ["AOT_KERNELS", "check_paged_cache", "check_quantize_arguments", "quantize_fp8_ds_mla", "word_aligned"]
+__all__ = ["AOT_KERNELS", "check_paged_cache", "check_quantize_arguments", "hardware_fp8", "quantize_fp8_ds_mla",
+           "word_aligned"]
 
 DIM = 512
 NUM_WARPS = 2
@@ -45,8 +49,8 @@ def float_to_bf16(x):
 
 @triton.jit
 def float_to_e4m3(x):
-    """float32 -> e4m3fn code (int32 in [0, 255]): round to nearest even, saturating at +-448, NaN to
-    0x7F / 0xFF (``fp8::float_to_e4m3``)."""
+    """float32 -> e4m3fn code (int32 in [0, 255]): round to nearest even, saturating at +-448, every NaN
+    to 0x7F, the hardware convert's canonical NaN (``fp8::float_to_e4m3``)."""
     u = x.to(tl.int32, bitcast=True)
     sign = (u >> 24) & 0x80
     abs_bits = u & 0x7FFFFFFF
@@ -64,7 +68,20 @@ def float_to_e4m3(x):
     normal = ((((abs_bits >> 23) & 0xFF) - 120) << 3) + mantissa + up
     code = tl.where(a < 0.015625, subnormal, normal)
     code = tl.where(a >= 448.0, 0x7E, code)
-    return sign | tl.where(abs_bits > 0x7F800000, 0x7F, code)
+    return tl.where(abs_bits > 0x7F800000, 0x7F, sign | code)
+
+
+@triton.jit
+def encode_e4m3(x, FP8_HW: tl.constexpr):
+    """float32 -> e4m3fn code (int32 in [0, 255]), the bytes of :func:`float_to_e4m3`: with ``FP8_HW``
+    (compiled for a GPU of compute capability 8.9 or later) the convert instruction, which Triton
+    emits as ``cvt.rn.satfinite.e4m3x2.f32`` (SASS ``F2FP.SATFINITE.E4M3.F32.PACK_AB``: round to
+    nearest even, finite values and infinities saturated at +-448, NaN to 0x7F); else the integer
+    encoder (the interpreter, older GPUs)."""
+    if FP8_HW:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        return float_to_e4m3(x)
 
 
 @triton.jit
@@ -113,7 +130,7 @@ def store_words(ptr, words, mask, PACKED: tl.constexpr):
 
 
 @triton.jit
-def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: tl.constexpr):
+def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: tl.constexpr, FP8_HW: tl.constexpr):
     """Quantize one 512-wide row into the V4 (``fp8_ds_mla``) token whose value record is at byte
     ``value_off`` of ``cache_ptr`` and scale record at ``scale_off``; nothing is written unless ``valid``.
 
@@ -122,12 +139,13 @@ def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: t
     max(amax, 1e-4)``, codes ``e4m3(x * 2^-e)`` (exact: ``2^-e`` is a power of two), scale byte
     ``e + 127``; then the bf16 RoPE dims and the zero pad byte (``store_v4`` of the header).
     ``PACKED``: both offsets and the base are multiples of 8 bytes, so the record goes out as 64-bit
-    words (56 of codes, 16 of bf16 quadruples, 1 of scales: ``STG.E.64``); else as bytes.
+    words (56 of codes, 16 of bf16 quadruples, 1 of scales: ``STG.E.64``); else as bytes. ``FP8_HW``:
+    the codes come from the convert instruction (:func:`encode_e4m3`).
     """
     block = tl.arange(0, 8)
     amax = tl.maximum(tl.max(tl.abs(nope), 1), 1e-4)
     e = ceil_scale_exponent(amax, 448.0)
-    codes = float_to_e4m3(nope * exp2_int(-e)[:, None])
+    codes = encode_e4m3(nope * exp2_int(-e)[:, None], FP8_HW)
     scales = tl.where(block < 7, e + 127, 0)
     on = tl.where(valid, 1, 0)  # masks as bounds times `on`: the interpreter's `&` of a scalar and a block is no mask
     store_words(cache_ptr + value_off, pack_words(codes, 64, 8, 64), tl.arange(0, 64) < 56 * on, PACKED)
@@ -138,7 +156,7 @@ def store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED: t
 
 @triton.jit
 def quantize_v4_kernel(x_ptr, x_stride, slots_ptr, cache_ptr, page_stride, page_shift, num_slots,
-                       PACKED: tl.constexpr):
+                       PACKED: tl.constexpr, FP8_HW: tl.constexpr):
     """Row ``i`` of ``x`` into token ``slots[i]`` (skipped outside ``[0, num_slots)``)."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + i)
@@ -153,7 +171,7 @@ def quantize_v4_kernel(x_ptr, x_stride, slots_ptr, cache_ptr, page_stride, page_
     row = x_ptr + i * x_stride
     nope = tl.load(row + block[:, None] * 64 + d[None, :], mask=(block < 7)[:, None], other=0.0).to(tl.float32)
     rope = tl.load(row + 448 + d).to(tl.float32)
-    store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED)
+    store_v4_token(cache_ptr, value_off, scale_off, nope, rope, valid, PACKED, FP8_HW)
 
 
 def check_unique_slots(slots, num_slots: int) -> None:
@@ -195,6 +213,12 @@ def check_paged_cache(cache, slots, page_slots, layout, read_slots=True):
     return shift, num_slots
 
 
+def hardware_fp8(cache) -> bool:
+    """Whether the kernels writing ``cache`` encode e4m3 with the convert instruction (``FP8_HW``): they
+    are compiled (not interpreted) for a GPU of compute capability 8.9 or later."""
+    return cache.is_cuda and not interpreting() and torch.cuda.get_device_capability(cache.device) >= (8, 9)
+
+
 def word_aligned(cache) -> bool:
     """Whether every page of a paged cache starts on an 8-byte boundary, so every record on its word's
     (the ``PACKED`` stores: 8-byte words, and the indexer caches' 4-byte scales)."""
@@ -210,7 +234,7 @@ def quantize_fp8_ds_mla(x, cache, slots, page_slots):
     if x.shape[0] == 0:
         return
     quantize_v4_kernel[(x.shape[0],)](x, row_stride(x), slots, cache, row_stride(cache), shift, num_slots,
-                                      PACKED=word_aligned(cache), num_warps=NUM_WARPS)
+                                      PACKED=word_aligned(cache), FP8_HW=hardware_fp8(cache), num_warps=NUM_WARPS)
 
 
 def _aot_kernels():
@@ -220,7 +244,8 @@ def _aot_kernels():
     return [AotKernel(f"dsv4_quant.fp8_ds_mla[{x_type}]", quantize_v4_kernel,
                       {"x_ptr": Pointer(x_type), "x_stride": Int(512), "slots_ptr": Pointer("i64"),
                        "cache_ptr": Pointer("u8"), "page_stride": Int(V4.page_bytes(64)), "page_shift": Int(6),
-                       "num_slots": Int(65536), "PACKED": Constexpr(True)}, NUM_WARPS)
+                       "num_slots": Int(65536), "PACKED": Constexpr(True),
+                       "FP8_HW": Constexpr(True)}, NUM_WARPS)
             for x_type in ("bf16", "fp32")]
 
 

@@ -36,9 +36,10 @@ from sparsekv.jit_kernel.triton.checks import check, check_disjoint, read, row_s
 from sparsekv.jit_kernel.triton.dsv4_quant import (
     ceil_scale_exponent,
     check_paged_cache,
+    encode_e4m3,
     exp2_int,
     float_to_bf16,
-    float_to_e4m3,
+    hardware_fp8,
     pack_words,
     store_v4_token,
     store_words,
@@ -126,12 +127,12 @@ def float_to_e2m1(x):
 
 
 @triton.jit
-def store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED: tl.constexpr):
+def store_indexer_fp8_token(cache_ptr, value_off, scale_off, z, valid, PACKED: tl.constexpr, FP8_HW: tl.constexpr):
     """A 128-wide row (float32 ``[128]``) into one ``INDEXER_FP8`` token: ``s = max(amax, 1e-4) / 448``
     and codes ``e4m3(z / s)``, both true divisions, then ``s``'s bits (``store_indexer_fp8``)."""
     amax = tl.maximum(tl.max(tl.abs(z), 0), 1e-4)
     scale = tl.div_rn(amax, 448.0)
-    codes = float_to_e4m3(tl.div_rn(z, scale))
+    codes = encode_e4m3(tl.div_rn(z, scale), FP8_HW)
     on = tl.where(valid, 1, 0)
     store_words(cache_ptr + value_off, pack_words(codes, 16, 8, 64), tl.arange(0, 16) < 16 * on, PACKED)
     scale_bits = tl.zeros((1,), tl.int32) + scale.to(tl.int32, bitcast=True)
@@ -172,7 +173,7 @@ def _normalized(row_ptr, weight_ptr, offsets, inv, mask):
 @triton.jit
 def norm_rope_store_kernel(x_ptr, x_stride, weight_ptr, positions_ptr, slots_ptr, cache_ptr, page_stride, page_shift,
                            num_slots, eps, cos_ptr, sin_ptr, rope_positions, KIND: tl.constexpr,
-                           PACKED: tl.constexpr):
+                           PACKED: tl.constexpr, FP8_HW: tl.constexpr):
     """Entry ``n``: norm, RoPE at ``positions[n]``, (Hadamard,) quantize into token ``slots[n]`` (skipped
     for a slot outside the cache or a position outside the RoPE table). ``KIND``: 0 ``V4`` (512 wide),
     1 ``INDEXER_FP8``, 2 ``INDEXER_FP4`` (128 wide)."""
@@ -196,13 +197,15 @@ def norm_rope_store_kernel(x_ptr, x_stride, weight_ptr, positions_ptr, slots_ptr
         c = block * 64 + tl.arange(0, 64)[None, :]
         nope = _normalized(row, weight_ptr, c, inv, block < 7)
         store_v4_token(cache_ptr, page * page_stride + in_page * 576,
-                       page * page_stride + (1 << page_shift) * 576 + in_page * 8, nope, rope, valid, PACKED)
+                       page * page_stride + (1 << page_shift) * 576 + in_page * 8, nope, rope, valid, PACKED,
+                       FP8_HW)
     else:
         c = tl.arange(0, 64)
         z = hadamard_128(_normalized(row, weight_ptr, c, inv, c < 64), rope)
         if KIND == 1:
             store_indexer_fp8_token(cache_ptr, page * page_stride + in_page * 128,
-                                    page * page_stride + (1 << page_shift) * 128 + in_page * 4, z, valid, PACKED)
+                                    page * page_stride + (1 << page_shift) * 128 + in_page * 4, z, valid, PACKED,
+                                    FP8_HW)
         else:
             store_indexer_fp4_token(cache_ptr, page * page_stride + in_page * 64,
                                     page * page_stride + (1 << page_shift) * 64 + in_page * 4, z, valid, PACKED)
@@ -254,7 +257,8 @@ def norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_co
         return
     norm_rope_store_kernel[(x.shape[0],)](
         x, row_stride(x), weight, positions, slots, cache, row_stride(cache), shift, num_slots, float(eps), rope_cos,
-        rope_sin, rope_cos.shape[0], KIND=KINDS[cache_kind][0], PACKED=word_aligned(cache), num_warps=NUM_WARPS,
+        rope_sin, rope_cos.shape[0], KIND=KINDS[cache_kind][0], PACKED=word_aligned(cache), FP8_HW=hardware_fp8(cache),
+        num_warps=NUM_WARPS,
         **LAUNCH_OPTIONS)
 
 
@@ -268,7 +272,8 @@ def _aot_kernels():
                        "positions_ptr": Pointer("i64"), "slots_ptr": Pointer("i64"), "cache_ptr": Pointer("u8"),
                        "page_stride": Int(layout.page_bytes(64)), "page_shift": Int(6), "num_slots": Int(65536),
                        "eps": Float(), "cos_ptr": Pointer("fp32"), "sin_ptr": Pointer("fp32"),
-                       "rope_positions": Int(65536), "KIND": Constexpr(code), "PACKED": Constexpr(True)},
+                       "rope_positions": Int(65536), "KIND": Constexpr(code), "PACKED": Constexpr(True),
+                       "FP8_HW": Constexpr(True)},
                       NUM_WARPS, LAUNCH_OPTIONS)
             for kind, (code, d, layout) in KINDS.items()]
 

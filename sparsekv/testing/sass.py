@@ -190,6 +190,13 @@ def _fp8_convert(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
     return converts > 0, f"{converts} F2FP...E4M3"
 
 
+def _fp8_encode(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
+    # The hardware encode from float32 (F2FP.SATFINITE.E4M3.F32.PACK_AB...), not the decode
+    # (F2FP.F16.E4M3.UNPACK_B) that fp8_convert counts.
+    encodes = sum(op.startswith("F2FP") and ".E4M3.F32" in op for op in kernel.opcodes)
+    return encodes > 0, f"{encodes} F2FP...E4M3.F32 (float32 -> e4m3 pairs)"
+
+
 def _tensor_cores(kernel: KernelSass, launch: Launch) -> tuple[bool, str]:
     products = [op for op in kernel.opcodes if _TENSOR_CORES.match(op)]
     narrow = [op for op in products if (m := _GMMA_SHAPE.search(op)) and int(m.group(2)) < 16]
@@ -209,6 +216,7 @@ PROPERTIES: dict[str, Callable[[KernelSass, Launch], tuple[bool, str]]] = {
     "wide_gather": _wide_gather,
     "wide_store": _wide_store,
     "fp8_convert": _fp8_convert,
+    "fp8_encode": _fp8_encode,
     "tensor_cores": _tensor_cores,
     "occupancy": _occupancy,
 }

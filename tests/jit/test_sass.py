@@ -1,7 +1,7 @@
 """SASS checks without a GPU: every hot kernel, built for sm_90a and sm_100a by nvcc (the headers)
 and by the Triton AOT build (the twins), read with cuobjdump (``sparsekv.testing.sass``) and held
-to the properties of issue 36: no local memory, wide gathers, the hardware fp8 convert, tensor
-cores with N >= 16, the intended CTAs per SM.
+to the properties of issue 36: no local memory, wide gathers and stores, the hardware fp8 decode
+and encode, tensor cores with N >= 16, the intended CTAs per SM.
 
 The expectations are one table, :data:`SASS_TABLE`: per kernel, its launch (threads per CTA, the
 CTAs per SM its design intends) and, per property it is held to, ``PASS`` or the reason it fails
@@ -74,24 +74,26 @@ SASS_TABLE = {
     ("cuda", "dsv4_compress_store:cache_kind=V4", "CompressStore"): dict(
         launch=Launch(256, 4, flag_stores=1),
         no_local=PASS,
-        wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+        wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(
-        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[INDEXER_FP8,C4,fp32 ring]", ""): dict(launch=Launch(128, 4),
-                                                                                  wide_store=PASS),
+                                                                                  wide_store=PASS, fp8_encode=PASS),
     ("triton", "dsv4_compress_store.prefill[INDEXER_FP4,C4,fp32 ring]", ""): dict(launch=Launch(128, 4),
                                                                                   wide_store=PASS),
     ("triton", "dsv4_compress_store.decode[V4,C4,fp32 ring]", ""): dict(
-        launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+        launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS,
+        occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
-        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("triton", "dsv4_quant.fp8_ds_mla[bf16]", ""): dict(
-        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_store:cache_kind=V4", "NormRopeStore"): dict(
-        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("triton", "dsv4_store.norm_rope_store[V4]", ""): dict(
-        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
-    ("triton", "dsv4_store.norm_rope_store[INDEXER_FP8]", ""): dict(launch=Launch(64, 4), wide_store=PASS),
+        launch=Launch(64, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("triton", "dsv4_store.norm_rope_store[INDEXER_FP8]", ""): dict(launch=Launch(64, 4), wide_store=PASS,
+                                                                     fp8_encode=PASS),
     ("triton", "dsv4_store.norm_rope_store[INDEXER_FP4]", ""): dict(launch=Launch(64, 4), wide_store=PASS),
     ("cuda", "gather_rows:index_dtype=int64", "GatherRows"): dict(
         launch=Launch(256, 4), no_local=PASS,

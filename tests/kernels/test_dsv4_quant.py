@@ -146,6 +146,31 @@ def test_header_refuses_a_cache_off_a_16_byte_boundary(backend):
     assert bool((buffer == 5).all())
 
 
+@pytest.mark.parametrize("impl", ["header", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinities_saturate_to_448(backend, impl):
+    # A block holding +-inf: amax = inf gives e = 120 (scale byte 247), inf * 2^-120 saturates to
+    # +-448 (0x7E / 0xFE) and the finite values underflow to signed zeros (0x00 / 0x80): the software
+    # encoder and the hardware convert (cvt.rn.satfinite, sm_89+) agree here. The other blocks and
+    # the RoPE dims are the reference's bytes.
+    if impl == "triton":
+        skip_unless_triton_runs(backend)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(7))
+    x[:, 64:128] = torch.tensor([1.0, -1.0]).repeat(32)
+    x[0, 64], x[0, 65], x[1, 127] = float("inf"), float("-inf"), float("-inf")
+    cache, slots, page_slots = torch.full((2, V4.page_bytes(2)), 5, dtype=torch.uint8), torch.tensor([3, 0]), 2
+    expected = cache.clone()
+    ref.quantize_fp8_ds_mla(x.masked_fill(x.isinf(), 0.0), expected, slots, page_slots)
+    pages, in_page = slots // page_slots, slots % page_slots
+    codes = torch.tensor([0x00, 0x80], dtype=torch.uint8).repeat(32).repeat(2, 1)
+    codes[0, 0], codes[0, 1], codes[1, 63] = 0x7E, 0xFE, 0xFE
+    V4.value_view(expected, page_slots)[pages, in_page, 64:128] = codes
+    V4.scale_view(expected, page_slots)[pages, in_page, 1] = 247
+    x, got, slots = to_backend(backend, [x, cache, slots])
+    quantize_fp8_ds_mla(x, got, slots, page_slots, impl=impl)
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_dequantize_rejects_out_of_range_slots(backend, index_checks):
     _, cache, _, page_slots = to_backend(backend, _args())
     with pytest.raises(IndexError, match="`slots`"):

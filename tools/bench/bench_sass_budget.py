@@ -65,15 +65,18 @@ TRIPS = {
                                                 "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
                                                "one warp per entry (1024), looping over its 8 window slots; "
                                                "the 584 B record staged in shared memory and written as "
-                                               "36 16-byte words and one 8-byte word"),
+                                               "36 16-byte words and one 8-byte word, e4m3 pairs from the "
+                                               "hardware convert"),
     "cuda dsv4_store NormRopeStore": (("cuda", "dsv4_store", {"cache_kind": "V4"}, "NormRopeStore"),
                                       roofline.store(4096), 4096, 4096 // 8,
                                       "one warp per entry, its 584 B record staged in shared memory and "
-                                      "written as 36 16-byte words and one 8-byte word (no byte stores)"),
+                                      "written as 36 16-byte words and one 8-byte word (no byte stores), "
+                                      "e4m3 pairs from the hardware convert"),
     "cuda dsv4_quant QuantizeRows<V4, bf16>": (("cuda", "dsv4_quant", {}, "QuantizeRowsINS_9kv_layout2V4EtE"),
                                                roofline.quantize(4096), 4096, 4096 // 8,
                                                "one warp per row, its 584 B record staged in shared memory and "
-                                               "written as 36 16-byte words and one 8-byte word"),
+                                               "written as 36 16-byte words and one 8-byte word, e4m3 pairs "
+                                               "from the hardware convert"),
     "triton dsv4_attention.partial[bf16]": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
                                             roofline.attention(64, 512 + 128), 64 * 2 * ((512 + 128) // 2 // 32) * 8,
                                             64 * 2, "64 heads per program, 2 splits per row (128 programs), "

@@ -9,7 +9,10 @@
 // Every encoder rounds to nearest, ties to even, the rule of torch's casts and of PTX cvt.rn. The
 // e4m3 and e2m1 encoders saturate at their largest finite value (a torch float8 cast does not:
 // clamp before casting to compare). Everything is SPARSEKV_HOST_DEVICE and uses only integer and
-// float arithmetic, so both backends produce the same bytes.
+// float arithmetic, so both backends produce the same bytes. The one exception is
+// float_to_e4m3x2, which on sm_89+ is the hardware convert: it gives the software encoder's bytes
+// for every input (so the e4m3 encoder writes every NaN as the hardware's canonical 0x7F, sign
+// dropped, not as a signed NaN: torch's cast keeps the sign).
 #pragma once
 
 #include <cstdint>
@@ -90,7 +93,7 @@ SPARSEKV_HOST_DEVICE uint8_t float_to_e4m3(float x) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t abs_bits = u & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);  // NaN
+  if (abs_bits > 0x7f800000u) return 0x7fu;                               // NaN: canonical, as cvt
   const float a = bits_float(abs_bits);
   if (a >= kE4m3Max) return static_cast<uint8_t>(sign | 0x7eu);           // saturate
   if (a < 0.015625f) {                                                     // below 2^-6: subnormal grid of 2^-9
@@ -107,6 +110,20 @@ SPARSEKV_HOST_DEVICE uint8_t float_to_e4m3(float x) {
   }
   // a < 448 rounds to at most 448 = exponent 8, mantissa 6: never the NaN code.
   return static_cast<uint8_t>(sign | (static_cast<uint32_t>(exponent + 7) << 3) | mantissa);
+}
+
+// Two e4m3 codes, lo's in the low byte. sm_89+: one hardware convert (PTX
+// cvt.rn.satfinite.e4m3x2.f32, SASS F2FP.SATFINITE.E4M3.F32.PACK_AB), which rounds to nearest even,
+// saturates finite values and infinities at +-448 and writes NaN as 0x7F, exactly as float_to_e4m3
+// does (cuda_fp8.hpp's emulation of it agrees); elsewhere float_to_e4m3 twice.
+SPARSEKV_HOST_DEVICE uint16_t float_to_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(SPARSEKV_SIM)
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+#else
+  return static_cast<uint16_t>(float_to_e4m3(lo) | (float_to_e4m3(hi) << 8));
+#endif
 }
 
 SPARSEKV_HOST_DEVICE float e4m3_to_float(uint8_t b) {

@@ -6,7 +6,7 @@
 //   store_v4 (512 wide, 584 B fp8_ds_mla V4):
 //     dims 0-447, 7 blocks of 64: a = max(amax over the block (float32), 1e-4); e = the smallest
 //       integer with 448 * 2^e >= a; value byte = e4m3 round-to-nearest-even of x / 2^e (saturating
-//       at +-448); scale byte = e + 127.
+//       at +-448; fp8::float_to_e4m3x2, the hardware convert on sm_89+); scale byte = e + 127.
 //     dims 448-511: bf16 (round to nearest even), little-endian.
 //     scale record: the 7 scale bytes, then one zero pad byte.
 //   store_indexer_fp8 (128 wide, 132 B): one fp32 scale s = max(amax, 1e-4f) / 448 (not rounded to
@@ -135,9 +135,11 @@ SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, L
     const int e = fp8::ceil_scale_exponent(amax, fp8::kE4m3Max);
     const float inv_scale = fp8::exp2_int(-e);  // exact: x * 2^-e rounds like x / 2^e
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
-      for (int k = 2 * b; k < 2 * b + 2; ++k) {
-        staged.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::mul_rn(x.v[j][k], inv_scale));
-      }
+      // The lane's two channels of the block, 32 apart: one pair convert, two bytes of the stage.
+      const uint16_t codes = fp8::float_to_e4m3x2(team::mul_rn(x.v[j][2 * b], inv_scale),
+                                                  team::mul_rn(x.v[j][2 * b + 1], inv_scale));
+      staged.value[Row::channel(lanes, j, 2 * b)] = static_cast<uint8_t>(codes & 0xffu);
+      staged.value[Row::channel(lanes, j, 2 * b + 1)] = static_cast<uint8_t>(codes >> 8);
       if (lanes.lane + j == 0) staged.scale[b] = static_cast<uint8_t>(e + 127);
     }
   }
@@ -167,8 +169,10 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, kv_
   amax = amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor;
   const float scale = team::div_rn(amax, fp8::kE4m3Max);  // a true division, not amax * (1 / 448)
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
-    for (int k = 0; k < Row::kPerLane; ++k) {
-      token.value[Row::channel(lanes, j, k)] = fp8::float_to_e4m3(team::div_rn(x.v[j][k], scale));
+    for (int k = 0; k < Row::kPerLane; k += 2) {
+      const uint16_t codes = fp8::float_to_e4m3x2(team::div_rn(x.v[j][k], scale), team::div_rn(x.v[j][k + 1], scale));
+      token.value[Row::channel(lanes, j, k)] = static_cast<uint8_t>(codes & 0xffu);
+      token.value[Row::channel(lanes, j, k + 1)] = static_cast<uint8_t>(codes >> 8);
     }
     if (lanes.lane + j == 0) {
       const uint32_t bits = fp8::float_bits(scale);
