@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -73,13 +71,13 @@ def test_explicit_jobs_override(monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["demo", pytest.param("dsv4-flash", marks=pytest.mark.slow)])
-def test_build_model_builds_the_serving_instances(model):
+def test_build_model_builds_the_serving_instances(model, sparsekv_cli):
     """In the suite's cache, whatever it holds (built + cached counts both). By default the demo's model:
     ``sparsekv demo`` (the README's ``make demo`` block, ``tests/test_demo.py``) loads these very entries,
     so the suite compiles them once; ``--slow`` also builds a real preset's (dsv4-flash: another dozen
     compiles). Which families each model's serving path loads is checked for every model, compiling nothing."""
-    done = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "--model", model, "--json"],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=1800)
+    suite_cache = os.environ["SPARSEKV_CACHE_DIR"]  # the suite's: what the demo tests load
+    done = sparsekv_cli("jit", "build", "--model", model, "--json", cache_dir=suite_cache)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     families = discover()
@@ -92,6 +90,5 @@ def test_build_model_builds_the_serving_instances(model):
         served = {name for name, _ in model_instances(each)}
         assert served <= set(families) and {name for name in families if name.startswith("dsv4_")} <= served, each
         assert any(families[name].stem.startswith("hisparse") for name in served), each
-    again = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "--model", model, "--json"],
-                           capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    again = sparsekv_cli("jit", "build", "--model", model, "--json", cache_dir=suite_cache)
     assert json.loads(again.stdout)["built"] == 0 and json.loads(again.stdout)["cached"] == len(expected)
