@@ -21,7 +21,11 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
 * split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
   output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
   split into ranges of at least one tile until the rows fill the 132 SMs (batch 1, top-k 2048 + 128
-  window: 68 programs; top-k 512 + 128: 20, one tile each, which is the latency floor).
+  window: 68 programs; top-k 512 + 128: 20, one tile each, which is the latency floor). That is
+  fewer programs than SMs at batch 1: a program takes at least one tile. Groups of 16 heads would
+  make 80 programs at top-k 512, but each repeats the tile's gather and dequantization (the loop of
+  the float32-``q`` build only goes from 834 to 716 instructions on sm_90a) and spills 8 bytes on
+  sm_100a, so a row's 64 heads stay in one program.
 
 Precision. ``q`` enters the tensor cores in bf16: the model's bf16 ``q`` as is, a float32 ``q``
 rounded to nearest bf16 once, in the program's prologue (not per tile; FlashMLA takes only bf16
