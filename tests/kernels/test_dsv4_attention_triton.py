@@ -84,13 +84,13 @@ def test_a_bf16_output_over_splits_combines_bf16_partials(backend):
     # rounded once: the lse (float32 partials either way) is bit-identical to a float32 out's, the output
     # within the documented tolerance of the reference and within two bf16 steps of the float32 out.
     g = torch.Generator().manual_seed(6)
-    cache = v4_cache(random_rows(40, g), 8)
-    indices = torch.randint(-1, 40, (3, 30), generator=g, dtype=torch.int32)
-    case = AttentionCase((torch.randn(3, 5, 512, generator=g) * 2).bfloat16(), cache, indices,
-                         torch.randn(5, generator=g), 8)
+    cache = v4_cache(random_rows(24, g), 8)
+    indices = torch.randint(-1, 24, (2, 20), generator=g, dtype=torch.int32)
+    case = AttentionCase((torch.randn(2, 3, 512, generator=g) * 2).bfloat16(), cache, indices,
+                         torch.randn(3, generator=g), 8)
     expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots)
-    bf16 = run(case, backend, "triton", num_splits=3, out_dtype=torch.bfloat16)
-    fp32 = run(case, backend, "triton", num_splits=3, out_dtype=torch.float32)
+    bf16 = run(case, backend, "triton", num_splits=2, out_dtype=torch.bfloat16)
+    fp32 = run(case, backend, "triton", num_splits=2, out_dtype=torch.float32)
     assert torch.equal(bf16[1], fp32[1])
     assert_within_tolerance(case, bf16, expected, 2.0**-8)
     torch.testing.assert_close(bf16[0], fp32[0], rtol=2.0**-8, atol=2.0**-7 * float(fp32[0].abs().max()))
