@@ -20,8 +20,15 @@ def _read(name: str) -> str:
     36 item 2). ``os.environ`` keeps its encoded copy in ``_data``, which every change through
     ``os.environ`` (``monkeypatch.setenv`` too) updates."""
     environ = os.environ
-    value = environ._data.get(environ.encodekey(name))
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = environ.encodekey(name)
+    value = environ._data.get(key)
     return "" if value is None else environ.decodevalue(value)
+
+
+#: Each name :func:`_read` looked up, as ``os.environ`` stores it (bytes on POSIX).
+_ENCODED: dict[str, object] = {}
 
 
 def _flag(name: str) -> bool:
@@ -92,7 +99,10 @@ CPU_BACKENDS = ("cpu", "sim")
 def cpu_backend() -> str:
     """``SPARSEKV_CPU_BACKEND``: the build that runs kernels on CPU tensors: ``cpu`` (default, the
     headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``csrc/sim/sim.h``)."""
-    name = _read("SPARSEKV_CPU_BACKEND").strip() or "cpu"
+    name = _read("SPARSEKV_CPU_BACKEND")
+    if not name:  # the default, on every CPU kernel call
+        return "cpu"
+    name = name.strip() or "cpu"
     if name not in CPU_BACKENDS:
         raise ValueError(f"sparsekv: SPARSEKV_CPU_BACKEND must be one of {CPU_BACKENDS}, got {name!r}")
     return name
