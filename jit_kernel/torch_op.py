@@ -38,6 +38,9 @@ NAMESPACE = "sparsekv"
 #: The check of each scalar kind an op's signature annotates (``X | None`` too: None passes).
 _SCALAR_CHECKS = {"int": as_int, "float": as_float, "bool": as_bool}
 
+#: The type whose values each scalar check passes unchanged (the decode loop's case: nothing to call).
+_PLAIN_TYPES = {as_int: int, as_float: float, as_bool: bool}
+
 #: What an op's ``impl`` argument may be (the wrappers resolve ``"auto"``; a direct op call may pass it).
 #: ``"flashmla"``: the attention's third implementation; the other families' wrappers never pass it.
 _OP_IMPLS = ("auto", "header", "triton", "flashmla")
@@ -88,8 +91,10 @@ def _plain_eager(name: str, args: tuple, scalar_slots: tuple, other_slots: tuple
                 return False
         elif value is not None and isinstance(value, torch.Tensor):  # a subclass: FakeTensor, a Parameter
             return False
-    for i, param, kind in scalar_slots:
+    for i, param, kind, plain in scalar_slots:
         value = args[i]
+        if type(value) is plain:  # an int where an int is meant (...): what the kind's check passes as is
+            continue
         if isinstance(value, torch.Tensor):
             if type(value) is not torch.Tensor or value.is_meta:
                 return False
@@ -149,7 +154,8 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", checked, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
 
-        scalar_slots = tuple((i, p, kinds.get(p)) for i, p in enumerate(params) if p == "impl" or p in kinds)
+        scalar_slots = tuple((i, p, kinds.get(p), _PLAIN_TYPES.get(kinds.get(p))) for i, p in enumerate(params)
+                             if p == "impl" or p in kinds)
         other_slots = tuple(i for i, p in enumerate(params) if not (p == "impl" or p in kinds))
 
         def call(*args) -> None:

@@ -51,8 +51,6 @@ def renamed_keywords(**old_to_new: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if not kwargs or old_to_new.keys().isdisjoint(kwargs):  # the hot path: no old name given
-                return fn(*args, **kwargs)
             for old, new in old_to_new.items():
                 if old not in kwargs:
                     continue
