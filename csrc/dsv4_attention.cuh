@@ -52,13 +52,14 @@
 // SMs x 4 schedulers x clock)): sm_90a 9.35 us of issue on an H200 against its 6.6 us roofline
 // with fp32 out (1.41x; 1.62x against 5.8 us with bf16 out); sm_100a 9.2 us on a B200 against
 // 4.0 us (2.32x). End to end it adds what moves after the loop, at HBM bandwidth with no
-// overlap: the 2 splits' fp32 partials written (16.8 MB) and read back by Combine, its fp32
-// output (8.4 MB), 42 MB = 8.75 us on the H200: 18.1 us, 2.73x the fp32 roofline (bf16 out: the
-// op's staging copy adds 12.6 MB, 20.7 us, 3.6x of 5.8 us); on the B200 14.5 us, 3.6x. So the
-// split's partials cost about as much as the tile loop: what is left for 2x end to end is the
-// combine folded into the partial kernel (the last CTA of a row merges the other split's
-// partial while it is in L2, and writes bf16 directly), the gather of tile i + 1 overlapped with
-// tile i's products, fewer instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
+// overlap: the 2 splits' fp32 partials written (16.8 MB) and read back by Combine, its output
+// (fp32 8.4 MB; bf16 4.2 MB, rounded by Combine itself: no float32 staging pass), 42 / 37.8 MB =
+// 8.75 / 7.9 us on the H200: 18.1 us, 2.73x the fp32 roofline, 17.2 us, 2.99x the bf16 one (5.8
+// us); on the B200 14.5 us (3.6x) and 14.0 us (4.0x). So the split's partials cost about as much
+// as the tile loop: what is left for 2x end to end is the combine folded into the partial kernel
+// (the last CTA of a row merges the other split's partial from its registers and L2: no second
+// pass over the partials), the gather of tile i + 1 overlapped with tile i's products, fewer
+// instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
 // entries x 4 CTAs of 16 heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or
 // 16 heads per CTA while the CTAs fit one wave), each with a quarter of a 64-head tile's
 // products; a finer split alone would add partials without shortening a CTA (a tile is 32 rows
@@ -129,11 +130,13 @@ struct Params {
   int64_t heads;
   int64_t num_splits;
   int64_t split_len;
-  float* out;       // [batch, heads, 512] contiguous
+  float* out;       // [batch, heads, 512] contiguous (null when out_bf16 is set)
   float* lse;       // [batch, heads] contiguous
   float* part_out;  // [batch, num_splits, heads, 512] contiguous (num_splits > 1)
   float* part_lse;  // [batch, num_splits, heads]
   int64_t head_group = 64;  // heads per CTA of partial_kernel (64, 32 or 16): run_on_cuda sets it
+  Bf16* out_bf16 = nullptr;  // [batch, heads, 512] contiguous: Combine writes here, rounded to nearest
+                             // (ties to even), instead of `out` (num_splits > 1 only)
 };
 
 // Entry j of the concatenated list [main | extra] of row b.
@@ -181,14 +184,21 @@ struct Combine {
       m = fmaxf(m, part_lse[s * p.heads]);
       nan = nan || part_lse[s * p.heads] != part_lse[s * p.heads];
     }
-    float* out = p.out + i * kDim;
+    // Dimension d of the output: float, or bf16 straight from the float result (no float pass).
+    const auto store = [&](int d, float value) {
+      if (p.out_bf16) {
+        p.out_bf16[i * kDim + d] = Bf16{fp8::float_to_bf16(value)};
+      } else {
+        p.out[i * kDim + d] = value;
+      }
+    };
     if (nan) {
-      for (int d = lanes.lane; d < kDim; d += lanes.count) out[d] = NAN;
+      for (int d = lanes.lane; d < kDim; d += lanes.count) store(d, NAN);
       if (lanes.lane == 0) p.lse[i] = NAN;
       return;
     }
     if (m == -INFINITY) {
-      for (int d = lanes.lane; d < kDim; d += lanes.count) out[d] = 0.0f;
+      for (int d = lanes.lane; d < kDim; d += lanes.count) store(d, 0.0f);
       if (lanes.lane == 0) p.lse[i] = INFINITY;
       return;
     }
@@ -201,7 +211,7 @@ struct Combine {
         const float w = safe_exp(part_lse[s * p.heads] - m);
         if (w > 0.0f) acc += w * p.part_out[((b * p.num_splits + s) * p.heads + h) * kDim + d];
       }
-      out[d] = acc / denominator;
+      store(d, acc / denominator);
     }
     if (lanes.lane == 0) p.lse[i] = m + logf(total);
   }
@@ -785,7 +795,10 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
   const int64_t batch = q.size(0), heads = q.size(1);
   check(sink, "sink").dtype<float>().ndim(1).contiguous().same_device(q, "q");
   check(sink, "sink").size(0, heads, "heads of q");
-  check(out, "out").dtype<float>().ndim(3).contiguous().same_device(q, "q");
+  // A bf16 `out` is written by the combine, so only with num_splits > 1 (checked below).
+  const bool out_bf16 = out.dtype() == kBf16;
+  if (!out_bf16) check(out, "out").dtype<float>();
+  check(out, "out").ndim(3).contiguous().same_device(q, "q");
   check(out, "out").size(0, batch, "batch").size(1, heads, "heads").size(2, kDim, "head dim");
   check(lse, "lse").dtype<float>().ndim(2).contiguous().same_device(q, "q");
   check(lse, "lse").size(0, batch, "batch").size(1, heads, "heads");
@@ -823,6 +836,10 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                               << (total > 1 ? total : 1) << "], got " << num_splits;
   }
   const int64_t split_len = (total + num_splits - 1) / num_splits;
+  if (out_bf16 && num_splits == 1) {
+    TVM_FFI_THROW(TypeError) << "sparsekv: argument `out` is bfloat16, which the header writes only when "
+                             << "num_splits > 1 (one split finishes in float32: pass a float32 `out`)";
+  }
   float* part_out_ptr = nullptr;
   float* part_lse_ptr = nullptr;
   if (num_splits > 1) {
@@ -838,7 +855,7 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     part_out_ptr = static_cast<float*>(po.data_ptr());
     part_lse_ptr = static_cast<float*>(pl.data_ptr());
   }
-  const Params<QT> params{static_cast<const QT*>(q.data_ptr()),
+  Params<QT> params{static_cast<const QT*>(q.data_ptr()),
                           q.stride(0),
                           q.stride(1),
                           main,
@@ -849,10 +866,11 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                           heads,
                           num_splits,
                           split_len,
-                          static_cast<float*>(out.data_ptr()),
+                          out_bf16 ? nullptr : static_cast<float*>(out.data_ptr()),
                           static_cast<float*>(lse.data_ptr()),
                           part_out_ptr,
                           part_lse_ptr};
+  if (out_bf16) params.out_bf16 = static_cast<Bf16*>(out.data_ptr());
   if (batch == 0 || heads == 0) return;
 
   // 3. Launch on the caller's stream: the partial pass, then the combine when split.

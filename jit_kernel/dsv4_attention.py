@@ -326,15 +326,16 @@ def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
 
 def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: int, heads: int, num_splits: int,
                      impl: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(staged, part_out, part_lse)``: where the header writes its float32 output (``out`` itself unless
-    bf16: the workspace's first ``[B, H, 512]``, which the Triton twin does not use) and the split partials
-    that follow it (None for one split)."""
+    """``(staged, part_out, part_lse)``: where the header writes its output (``out`` itself, but for a bf16
+    ``out`` with one split the workspace's first ``[B, H, 512]`` in float32, which the Triton twin does
+    not use: split, the header's combine writes bf16 itself) and the split partials that follow it (None
+    for one split)."""
     if impl == "flashmla":  # no workspace: FlashMLA plans its own splits
         return out, None, None
     staged, used = out, 0
     if out.dtype == torch.bfloat16:  # the layout workspace_floats sizes, whichever implementation runs
         used = batch * heads * HEAD_DIM
-        if impl == "header":
+        if impl == "header" and num_splits == 1:
             staged = workspace[:used].view(batch, heads, HEAD_DIM)
     part_out = part_lse = None
     if num_splits > 1:
@@ -349,7 +350,8 @@ def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.d
 
     The split-KV partials ``[B, splits, H, 512]`` + ``[B, splits, H]`` when ``num_splits > 1``, and a
     float32 ``[B, H, 512]`` staging of the output when ``out_dtype`` is bfloat16 (the kernel
-    accumulates in float32; the op rounds to bf16 at the end, round-to-nearest-even).
+    accumulates in float32; with one split the header finishes there and the op rounds to bf16,
+    round-to-nearest-even; split, its combine rounds the same way and writes ``out`` directly).
     """
     partials = batch * num_splits * heads * (HEAD_DIM + 1) if num_splits > 1 else 0
     staging = batch * heads * HEAD_DIM if out_dtype == torch.bfloat16 else 0

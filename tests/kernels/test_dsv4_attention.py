@@ -171,6 +171,30 @@ def test_a_cache_off_a_16_byte_boundary_gives_the_same_bits(backend, offset, ext
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
+    # One split finishes in a float32 staging the op rounds; split, the combine rounds and writes bf16
+    # itself. Either way the bits of float32 -> bf16 round to nearest, ties to even.
+    g = torch.Generator().manual_seed(3)
+    indices = torch.randint(-1, 70, (3, 50), generator=g, dtype=torch.int32)
+    indices[1] = -1  # an empty row: 0 in bf16 too
+    case = AttentionCase(torch.randn(3, 20, 512, generator=g) * 3, v4_cache(random_rows(70, g), 64), indices,
+                         torch.randn(20, generator=g), 64)
+    for num_splits in (1, 2, 3):
+        out, lse = run(case, backend, num_splits=num_splits, out_dtype=torch.bfloat16)
+        expected_out, expected_lse = run(case, backend, num_splits=num_splits)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected_out.bfloat16())
+        assert torch.equal(lse, expected_lse)
+    # The entry writes bf16 only from the combine: one split is refused, naming `out`.
+    c = case.to(device_of(backend))
+    module = ATTENTION.module(q_dtype=torch.float32, backend=backend)
+    out = torch.full((3, 20, 512), 7.0, dtype=torch.bfloat16, device=c.q.device)
+    with pytest.raises(TypeError, match="argument `out` is bfloat16"):
+        module.sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, 512**-0.5, None, None, -1, out,
+                                       torch.empty(3, 20, device=c.q.device), None, None, 1, None)
+    assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_nan_in_a_query_or_a_row_reaches_exactly_the_outputs_it_touches(backend, num_splits):
     g = torch.Generator().manual_seed(5)

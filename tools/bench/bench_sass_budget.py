@@ -57,7 +57,7 @@ TRIPS = {
                                            "over 256 rows in 8 tiles of 32 with 8 warps (the tile loop)"),
     "cuda dsv4_attention partial_kernel, bf16 out": (("cuda", "dsv4_attention", {"q_dtype": "bfloat16"},
                                                      "partial_kernel"), roofline.attention(64, 512), 128 * 8 * 8, 128,
-                                                    "as above; the op rounds to bf16 after the combine"),
+                                                    "as above; the combine writes bf16"),
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
@@ -96,14 +96,12 @@ TRIPS = {
 }
 
 
-
 def _split_attention_after_loop(batch: int, heads: int, splits: int, out_bf16: bool) -> int:
     """Bytes the header attention moves after its tile loop: the fp32 partials (out and lse of every
-    split) written, read back by the combine, the fp32 output and lse written; with a bf16 ``out``,
-    that fp32 output read again and rounded to bf16 (the op's staging copy)."""
+    split) written, read back by the combine, the output (fp32, or bf16 rounded by the combine) and
+    the lse written."""
     partials = workspace_floats(batch, heads, splits) * 4
-    out = batch * heads * (HEAD_DIM + 1) * 4
-    return 2 * partials + out + (batch * heads * HEAD_DIM * (4 + 2) if out_bf16 else 0)
+    return 2 * partials + batch * heads * (HEAD_DIM * (2 if out_bf16 else 4) + 4)
 
 
 #: kernel -> (bytes moved after its loop, not hidden by it, the model): see the module docstring.
@@ -112,7 +110,7 @@ AFTER_LOOP = {
                                            "2 splits' fp32 partials written, the combine's read of them "
                                            "and its fp32 output"),
     "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
-                                                     "as above, then the fp32 output read and written as bf16"),
+                                                     "as above, the combine writing bf16"),
     "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4),
                                             "2 splits' partials (bf16 out, fp32 lse) written, the combine's "
                                             "read of them and its bf16 output"),
