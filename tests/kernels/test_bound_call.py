@@ -5,6 +5,7 @@ still check the bound arguments at every call."""
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -87,3 +88,22 @@ def test_the_entry_still_checks_a_bound_argument_changed_in_place(backend):
     src_idx.resize_(3)  # the tensor the bound call holds, now shorter than dst_indices
     with pytest.raises(ValueError, match="src_indices"):
         step()
+
+
+def test_only_the_binding_thread_is_recorded(backend):
+    device = device_of(backend)
+    src = torch.arange(32, dtype=torch.uint8, device=device).reshape(4, 8)
+    dst, elsewhere = torch.zeros_like(src), torch.zeros_like(src)
+    rows = torch.arange(4, device=device)
+
+    def gather_while_another_thread_gathers(*args):
+        worker = threading.Thread(target=gather_rows, args=(elsewhere, rows, src, rows))
+        worker.start()
+        worker.join()  # a real call, made while this thread records
+        gather_rows(*args)
+
+    step = bind(gather_while_another_thread_gathers, dst, rows, src, rows)
+    assert torch.equal(elsewhere, src) and not dst.any()
+    assert step.planned and step.module_calls == 1
+    step()
+    assert torch.equal(dst, src)
