@@ -139,8 +139,9 @@ def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in,
     # spread over the threads, the per-element select cost about 150 instructions a tile).
     tile = tl.arange(0, 8)
     col = tl.arange(0, 64)
-    e4m3 = tl.load(cache_ptr + value_off[None, :, None] + (tile * 64)[:, None, None] + col[None, None, :],
-                   mask=valid[None, :, None], other=0).to(tl.float8e4nv, bitcast=True)
+    e4m3_bits = tl.load(cache_ptr + value_off[None, :, None] + (tile * 64)[:, None, None] + col[None, None, :],
+                        mask=valid[None, :, None], other=0)
+    e4m3 = e4m3_bits.to(tl.float8e4nv, bitcast=True)
     rope_ptr = (cache_ptr + 448).to(tl.pointer_type(tl.uint16))
     rope_bits = tl.load(rope_ptr + (value_off // 2)[:, None] + col[None, :], mask=valid[:, None], other=0)
     scale_word = tl.load((cache_ptr + scale_off).to(tl.pointer_type(tl.int64)), mask=valid, other=0)
@@ -148,7 +149,9 @@ def _gather_rows(cache_ptr, page_stride, page_shift, num_slots, slots, valid_in,
     if NATIVE_BF16:
         nope, scale, rope = e4m3.to(tl.bfloat16), _ue8m0_to_bf16(scale_byte), rope_bits.to(tl.bfloat16, bitcast=True)
     else:
-        nope, scale = e4m3.to(tl.float32), _ue8m0_to_float(scale_byte)
+        # The interpreter (triton 3.9) reads e4m3's NaN, S.1111.111, as +-480; the hardware convert gives NaN.
+        nope = tl.where((e4m3_bits & 0x7F) == 0x7F, float("nan"), e4m3.to(tl.float32))
+        scale = _ue8m0_to_float(scale_byte)
         rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     rows = tl.permute(tl.where((tile < 7)[:, None, None], nope * scale[:, :, None], rope[None, :, :]), (1, 0, 2))
     rows = tl.reshape(rows, (BLOCK_N, 512))

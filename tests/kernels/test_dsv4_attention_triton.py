@@ -128,6 +128,29 @@ def test_a_nan_in_q_makes_that_head_nan_and_leaves_the_others(backend):
         assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])
 
 
+# The interpreter computes tl.max with numpy, which warns on the all-NaN rows this test makes on purpose.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_a_nan_in_a_cache_row_makes_every_head_of_a_query_row_selecting_it_nan(backend):
+    # As the header: a NaN in a row's e4m3 part (it quantizes to an e4m3 NaN) or in its bf16 rope part
+    # reaches every head of the query rows that select it, through the main or the extra cache, and
+    # nothing else.
+    g = torch.Generator().manual_seed(7)
+    rows = random_rows(12, g)
+    rows[7, 3] = float("nan")  # slot 7: a NaN in the e4m3 part
+    rows[9, 460] = float("nan")  # slot 9: a NaN in the rope part
+    cache = v4_cache(rows, 4)
+    indices = torch.tensor([[1, 2, 3, -1], [7, 2, 3, 4], [5, 6, -1, 8], [0, 9, 1, 2]], dtype=torch.int32)
+    extra = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 10]], dtype=torch.int32)
+    extra[2, 1] = 7  # row 2 reaches slot 7 through the extra cache
+    case = AttentionCase(torch.randn(4, 3, 512, generator=g), cache, indices, torch.randn(3, generator=g), 4,
+                         cache, extra, 4)
+    nan = torch.tensor([False, True, True, True])[:, None].expand(4, 3)
+    for splits in (1, 2):
+        out, lse = run(case, backend, "triton", num_splits=splits)
+        assert torch.equal(lse.isnan(), nan) and torch.equal(out.isnan().all(dim=2), nan)
+        assert not bool(out[~nan].isnan().any())
+
+
 def test_a_decode_step_with_triton_attention_traces_under_torch_compile(backend):
     # Indexer (scores, top-k through the page table) then attention with impl="triton": one graph with
     # no break, and the compiled step writes the same bytes as the eager one.
