@@ -84,9 +84,9 @@ struct QuantizeRows {
     if constexpr (std::is_same_v<L, V4>) {
       row_store::store_v4(load_row<kDim, InT>(p, i, lanes), token_of, lanes);
     } else if constexpr (std::is_same_v<L, IndexerFp8>) {
-      row_store::store_indexer_fp8(load_row<kIndexerDim, InT>(p, i, lanes), token_of(), lanes);
+      row_store::store_indexer_fp8(load_row<kIndexerDim, InT>(p, i, lanes), token_of, lanes);
     } else {
-      row_store::store_indexer_fp4(load_row<kIndexerDim, InT>(p, i, lanes), token_of(), lanes);
+      row_store::store_indexer_fp4(load_row<kIndexerDim, InT>(p, i, lanes), token_of, lanes);
     }
   }
 };

@@ -86,6 +86,10 @@ SASS_TABLE = {
         occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout10IndexerFp8EtE"): dict(
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout10IndexerFp4EtE"): dict(
+        launch=Launch(256, 4), no_local=PASS, wide_store=PASS, occupancy=PASS),
     ("triton", "dsv4_quant.fp8_ds_mla[bf16]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_store:cache_kind=V4", "NormRopeStore"): dict(

@@ -206,6 +206,21 @@ def test_indexer_keys_bytes_equal_the_reference(backend, fmt, dtype, data):
     assert torch.equal(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_indexer_header_refuses_a_cache_off_a_4_byte_boundary(backend, fmt):
+    # The header writes each indexer record in 16- or 4-byte words (row_store.h, write_indexer): a
+    # cache 2 bytes off a 4-byte boundary raises naming `cache`, before any byte is written.
+    device = device_of(backend)
+    page_bytes = INDEXER_LAYOUTS[fmt].page_bytes(2)
+    buffer = torch.full((2 * page_bytes + 2,), 5, dtype=torch.uint8, device=device)
+    shifted = buffer[2:].view(2, page_bytes)
+    keys, slots = torch.randn(3, 128, device=device), torch.tensor([0, 3, 1], device=device)
+    with pytest.raises(ValueError, match="`cache` must start on a 4-byte boundary"):
+        quantize_indexer_keys(keys, shifted, slots, page_slots=2, fmt=fmt)
+    assert bool((buffer == 5).all())
+
+
 @st.composite
 def _keys_with_amax_near_powers_of_two(draw) -> torch.Tensor:
     """float32 ``[N, 128]`` keys whose amax is a few ulps from ``2^k`` (small and tiny k) or from the 1e-4 floor."""

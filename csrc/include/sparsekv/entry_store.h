@@ -142,9 +142,9 @@ struct EntryStore {
     } else {
       hadamard(x, lanes);
       if constexpr (Kind::kCache == Cache::kIndexerFp8) {
-        row_store::store_indexer_fp8(x, token_of(), lanes);
+        row_store::store_indexer_fp8(x, token_of, lanes);
       } else {
-        row_store::store_indexer_fp4(x, token_of(), lanes);
+        row_store::store_indexer_fp4(x, token_of, lanes);
       }
     }
   }

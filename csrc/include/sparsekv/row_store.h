@@ -17,6 +17,9 @@
 //   store_indexer_fp4 (128 wide, 68 B): 4 blocks of 32: a = max(amax, 6 * 2^-126), e the smallest
 //     integer with 6 * 2^e >= a; code = e2m1 round-to-nearest-even of x / 2^e, two codes per byte
 //     (even element in the low nibble); scale byte = e + 127.
+// Every encoder stages the token (the warp's shared memory on the GPU) and writes it in whole words:
+// V4 as 16-byte words (write_v4), the indexer layouts as 16-byte words where the value record sits
+// on a 16-byte boundary, else 4-byte words, and the scale as one 4-byte word (write_indexer).
 // token_bytes addresses a slot's value and scale records (kv_layout.h). The host section checks a
 // paged cache and its slots (every slot in the cache, optionally no slot twice).
 #pragma once
@@ -153,10 +156,67 @@ SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, L
   write_v4(staged, token_of(), lanes);
 }
 
-// Writes a 128-wide row held by a team into one IndexerFp8 token.
-SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, kv_layout::TokenBytes<uint8_t> token,
-                                            Lanes lanes) {
+// One indexer token (IndexerFp8 or IndexerFp4) as a team assembles it: the value record, then the
+// 4-byte scale record.
+template <class L>
+struct alignas(16) IndexerStaged {
+  uint8_t value[L::kValueBytes];
+  uint8_t scale[L::kScaleBytes];
+};
+
+// Writes a staged indexer token whole. GPU: when the value record sits on a 16-byte boundary (an
+// aligned cache whose page stride is a multiple of 16: FP8 pages from 4 slots up, FP4 from 4),
+// lanes 0..W-1 write it as W 16-byte words (W = 8 for FP8's 128 B, 4 for FP4's 64 B); else lanes
+// write it as 4-byte words (32 for FP8, 16 for FP4): the records of a cache on a 4-byte boundary
+// (check_paged_cache) always sit on one. Lane 31 writes the scale record as one 4-byte word. Host:
+// two memcpy.
+template <class L>
+SPARSEKV_HOST_DEVICE void write_indexer(const IndexerStaged<L>& staged, kv_layout::TokenBytes<uint8_t> token,
+                                        Lanes lanes) {
+#ifdef __CUDA_ARCH__
+  constexpr int kWide = L::kValueBytes / 16;
+  constexpr int kNarrow = L::kValueBytes / 4;
+  static_assert(L::kValueBytes % 16 == 0 && kWide < team::kTeamLanes && kNarrow <= team::kTeamLanes &&
+                    L::kScaleBytes == 4,
+                "row_store: an indexer value record is at most 32 4-byte words, its scale one");
+  __syncwarp();  // every lane's bytes of the stage are in place
+  if (reinterpret_cast<uintptr_t>(token.value) % 16 == 0) {
+    if (lanes.lane < kWide) {
+      reinterpret_cast<int4*>(token.value)[lanes.lane] = reinterpret_cast<const int4*>(staged.value)[lanes.lane];
+    }
+  } else if (lanes.lane < kNarrow) {
+    reinterpret_cast<uint32_t*>(token.value)[lanes.lane] = reinterpret_cast<const uint32_t*>(staged.value)[lanes.lane];
+  }
+  if (lanes.lane == team::kTeamLanes - 1) {
+    *reinterpret_cast<uint32_t*>(token.scale) = *reinterpret_cast<const uint32_t*>(staged.scale);
+  }
+  __syncwarp();  // the stage is read before the warp's next token overwrites it
+#else
+  (void)lanes;
+  std::memcpy(token.value, staged.value, sizeof(staged.value));
+  std::memcpy(token.scale, staged.scale, sizeof(staged.scale));
+#endif
+}
+
+#ifdef __CUDA_ARCH__
+// The warp's slot of a stage in shared memory (8 per 256-thread warp-per-item block), one array per
+// stage type.
+template <class Staged>
+SPARSEKV_DEVICE Staged& warp_stage() {
+  __shared__ Staged stages[kWarpPerItemThreads / kWarpSize];
+  return stages[threadIdx.x / kWarpSize];
+}
+#endif
+
+// Writes a 128-wide row held by a team into one IndexerFp8 token, staged (write_indexer).
+template <class TokenOf>
+SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, TokenOf token_of, Lanes lanes) {
   using Row = team::Row<kIndexerDim>;
+#ifdef __CUDA_ARCH__
+  IndexerStaged<IndexerFp8>& staged = warp_stage<IndexerStaged<IndexerFp8>>();
+#else
+  IndexerStaged<IndexerFp8> staged;
+#endif
   team::Share partial;
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
     partial.v[j] = 0.0f;
@@ -171,22 +231,29 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, kv_
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
     for (int k = 0; k < Row::kPerLane; k += 2) {
       const uint16_t codes = fp8::float_to_e4m3x2(team::div_rn(x.v[j][k], scale), team::div_rn(x.v[j][k + 1], scale));
-      token.value[Row::channel(lanes, j, k)] = static_cast<uint8_t>(codes & 0xffu);
-      token.value[Row::channel(lanes, j, k + 1)] = static_cast<uint8_t>(codes >> 8);
+      staged.value[Row::channel(lanes, j, k)] = static_cast<uint8_t>(codes & 0xffu);
+      staged.value[Row::channel(lanes, j, k + 1)] = static_cast<uint8_t>(codes >> 8);
     }
     if (lanes.lane + j == 0) {
       const uint32_t bits = fp8::float_bits(scale);
-      for (int byte = 0; byte < 4; ++byte) token.scale[byte] = static_cast<uint8_t>(bits >> (8 * byte));
+      for (int byte = 0; byte < 4; ++byte) staged.scale[byte] = static_cast<uint8_t>(bits >> (8 * byte));
     }
   }
+  write_indexer(staged, token_of(), lanes);
 }
 
-// Writes a 128-wide row held by a team into one IndexerFp4 token. Block b is k == b (32 channels,
-// one per virtual lane); the even channel's lane packs its odd neighbour's code into the high nibble.
-SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, kv_layout::TokenBytes<uint8_t> token,
-                                            Lanes lanes) {
+// Writes a 128-wide row held by a team into one IndexerFp4 token, staged (write_indexer). Block b
+// is k == b (32 channels, one per virtual lane); the even channel's lane packs its odd neighbour's
+// code into the high nibble.
+template <class TokenOf>
+SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, TokenOf token_of, Lanes lanes) {
   using Row = team::Row<kIndexerDim>;
   constexpr float kFloor = 6.0f * 1.1754943508222875e-38f;  // 6 * 2^-126
+#ifdef __CUDA_ARCH__
+  IndexerStaged<IndexerFp4>& staged = warp_stage<IndexerStaged<IndexerFp4>>();
+#else
+  IndexerStaged<IndexerFp4> staged;
+#endif
   for (int k = 0; k < Row::kPerLane; ++k) {
     team::Share partial;
     for (int j = 0; j < team::kVirtualPerThread; ++j) partial.v[j] = x.v[j][k] < 0 ? -x.v[j][k] : x.v[j][k];
@@ -202,11 +269,12 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, kv_
     for (int j = 0; j < team::kVirtualPerThread; ++j) {
       const int c = Row::channel(lanes, j, k);
       if ((c & 1) == 0) {
-        token.value[c / 2] = static_cast<uint8_t>(static_cast<int>(code.v[j]) | (static_cast<int>(neighbour.v[j]) << 4));
+        staged.value[c / 2] = static_cast<uint8_t>(static_cast<int>(code.v[j]) | (static_cast<int>(neighbour.v[j]) << 4));
       }
-      if (lanes.lane + j == 0) token.scale[k] = static_cast<uint8_t>(e + 127);
+      if (lanes.lane + j == 0) staged.scale[k] = static_cast<uint8_t>(e + 127);
     }
   }
+  write_indexer(staged, token_of(), lanes);
 }
 
 }  // namespace sparsekv::row_store
@@ -234,7 +302,8 @@ inline void check_unique_slots(const int64_t* slots, int64_t n, int64_t num_slot
 }
 
 // Validates a paged cache of layout L and its slots; returns (page_stride, num_slots). A writer of
-// V4 tokens (unique_slots) also needs its pages 16-byte aligned (write_v4).
+// V4 tokens (unique_slots) also needs its pages 16-byte aligned (write_v4), a writer of indexer
+// tokens its cache 4-byte aligned (write_indexer).
 template <class L>
 std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots, int64_t page_slots,
                                               bool unique_slots, bool read_slots = true) {
@@ -251,6 +320,10 @@ std::pair<int64_t, int64_t> check_paged_cache(TensorView cache, TensorView slots
                                 << "stride that is a multiple of 16 bytes, got address % 16 = " << start % 16
                                 << " and stride " << cache.stride(0);
     }
+  } else if (unique_slots && reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4 != 0) {
+    // write_indexer writes 4-byte words at least (an indexer page is a multiple of 4 bytes).
+    TVM_FFI_THROW(ValueError) << "sparsekv: argument `cache` must start on a 4-byte boundary, got address % 4 = "
+                              << reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4;
   }
   if (cache.device().device_type != kDLCUDA && read_slots) {
     const auto* s = static_cast<const int64_t*>(slots.data_ptr());
