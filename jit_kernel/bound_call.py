@@ -18,8 +18,8 @@ values are read at every call, and each C++ entry checks its arguments (dtypes, 
 aliasing, host-readable indices) at every call, as for any caller. Fixed at bind is what the wrapper
 derived from the arguments: the implementation and backend, output and workspace views, sizes.
 
-A call that does more than call modules is not recorded: one that runs torch operators of its own (a
-bfloat16 output's copy from its float32 staging, index checks on the device under
+A call that does more than call modules is not recorded: one that runs torch operators of its own (the
+attention's one-split bfloat16 output, copied from its float32 staging; index checks on the device under
 ``SPARSEKV_CHECK_INDICES=1``) or calls no module. Its bound call makes the whole call every time
 (``planned`` is False).
 """
