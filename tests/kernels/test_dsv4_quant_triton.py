@@ -18,6 +18,22 @@ from sparsekv.testing.reference import dsv4_quant as ref
 from sparsekv.testing.strategies.dsv4_quant import quant_rows, slot_case
 
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from sparsekv.jit_kernel.triton.dsv4_quant import encode_e4m3  # noqa: E402  (imports triton)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, n, FP8_HW: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(out_ptr + i, encode_e4m3(x, FP8_HW).to(tl.uint8), mask=i < n)
+
+
+def _encode(x: torch.Tensor, hardware: bool) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    _encode_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), FP8_HW=hardware, BLOCK=256)
+    return out
 
 
 def _noise_cache(pages: int, page_slots: int, seed: int, offset: int) -> torch.Tensor:
@@ -65,3 +81,27 @@ def test_triton_edge_codes_equal_the_header(backend):
     expected = torch.zeros(1, V4.page_bytes(2), dtype=torch.uint8)
     ref.quantize_fp8_ds_mla(x.cpu(), expected, slots.cpu(), 2)
     assert torch.equal(got.cpu(), expected) and torch.equal(header.cpu(), expected)
+
+
+def test_the_e4m3_encoder_on_special_values(backend):
+    # The twins' e4m3 encoder (the header's fp8::float_to_e4m3 writes the same): ties to even on the
+    # normal and the subnormal grid, +-448 for finite values past it and for infinities, signed
+    # zeros, and every NaN as 0x7F, the hardware convert's canonical NaN (its sign dropped: torch's
+    # cast keeps it). On a GPU of capability 8.9 or later the convert instruction (FP8_HW) gives the
+    # same code for each of them and for random float32 bit patterns (NaN payloads and subnormals).
+    bits = [(0x7FC00000, 0x7F), (0xFFC00000, 0x7F), (0x7F800001, 0x7F), (0xFF800001, 0x7F), (0x7F800000, 0x7E),
+            (0xFF800000, 0xFE), (0x80000000, 0x80), (0x00000001, 0x00), (0x80000001, 0x80)]
+    values = [(0.0, 0x00), (448.0, 0x7E), (-448.0, 0xFE), (464.0, 0x7E), (464.5, 0x7E), (-1e30, 0xFE),
+              (2.0**-10, 0x00), (-(2.0**-10), 0x80), (3 * 2.0**-10, 0x02), (2.0**-9, 0x01), (15 * 2.0**-10, 0x08),
+              (2.0**-6, 0x08), (1.0, 0x38), (1.0625, 0x38), (1.1875, 0x3A), (-1.125, 0xB9)]
+    x = torch.cat([torch.tensor([b for b, _ in bits], dtype=torch.int64).to(torch.int32).view(torch.float32),
+                   torch.tensor([v for v, _ in values], dtype=torch.float32)])
+    expected = torch.tensor([c for _, c in bits + values], dtype=torch.uint8)
+    (x,) = to_backend(backend, [x])
+    assert torch.equal(_encode(x, hardware=False).cpu(), expected)
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):
+        assert torch.equal(_encode(x, hardware=True).cpu(), expected)
+        noise = torch.randint(-(2**31), 2**31, (1 << 16,), dtype=torch.int64,
+                              generator=torch.Generator().manual_seed(0))
+        noise = noise.to(torch.int32).view(torch.float32).to(x.device)
+        assert torch.equal(_encode(noise, hardware=True), _encode(noise, hardware=False))
