@@ -40,6 +40,7 @@ from sparsekv.jit_kernel.dsv4 import (
     sparse_decode_attention,
 )
 from sparsekv.jit_kernel.dsv4_attention import workspace_floats
+from sparsekv.jit_kernel.dsv4_indexer import topk_workspace_ints
 from sparsekv.jit_kernel.dsv4_store import StoreTarget
 from sparsekv.rope import RopeTable
 from sparsekv.srt.checks import index_table
@@ -222,6 +223,9 @@ class Dsv4AttentionBackend:
             "out": torch.zeros(max_bs, self.heads, HEAD_DIM, dtype=f32, device=dev),
             "lse": torch.zeros(max_bs, self.heads, dtype=f32, device=dev),
             "workspace": torch.zeros(max(1, workspace_floats(max_bs, self.heads, 1)), dtype=f32, device=dev),
+            # The top-k's (its rows split over several CTAs at small batch): enough for any batch up to max_bs.
+            "topk_workspace": torch.zeros(max(1, max(topk_workspace_ints(bs, pages * self.c4_page, self.num_top_k)
+                                                     for bs in range(1, max_bs + 1))), dtype=i32, device=dev),
         }
         self._capacity = max_bs
 
@@ -409,7 +413,7 @@ class Dsv4AttentionBackend:
             tokens, slots = lightning_indexer(
                 index_q, weights, self.pool.get_indexer_buffer(layer_id), self._buf("page_table"), pos, self.num_top_k,
                 page_slots=self.c4_page, scores=self._buf("scores"), out=self._buf("tokens"),
-                out_slots=self._buf("top_slots"), impl=self.impl)
+                out_slots=self._buf("top_slots"), workspace=self._bufs["topk_workspace"], impl=self.impl)
             if self.coordinator is not None:
                 slots = self.coordinator.swap_in_selected_pages(self._buf("rows"), self._buf("c4_lens"), tokens,
                                                                 self.c4_index[layer_id],

@@ -9,7 +9,8 @@ Measured, each against a baseline timed in the same run on the same inputs:
   {512, 2048}, 64 heads (DSV4-Flash), C4 pages of 64 slots. Outputs are checked against the
   reference before timing.
 * ``indexer``: :func:`indexer_scores` over 64k and 256k visible entries (FP8 132 B cache, 64 heads)
-  vs float32 torch (dequantize, matmul, relu, weighted sum); :func:`indexer_topk` (k = 512, 1024,
+  vs float32 torch (dequantize, matmul, relu, weighted sum); :func:`indexer_topk` (given its workspace,
+  as an engine gives it: the header splits a row over several CTAs at small batch; k = 512, 1024,
   2048) vs ``torch.topk`` on the same scores, set-checked.
 
 * ``op overhead``: what the ``sparsekv::`` custom-op layer costs per call on a tiny call (B1 K8, given
@@ -54,7 +55,7 @@ from tqdm import tqdm
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_attention import ATTENTION, sparse_decode_attention
-from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk
+from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, topk_workspace_ints
 from sparsekv.kv_layout import INDEXER_FP8, V4
 from sparsekv.testing import roofline
 from sparsekv.testing.backends import device_of
@@ -516,14 +517,19 @@ def main() -> None:
             scored[batch, entries] = (case.kernel_scores().clone(), case.positions)
         scores, positions = scored[batch, entries]
         out = torch.empty(batch, k, dtype=torch.int32, device=scores.device)
-        tokens, _ = indexer_topk(scores, positions, k, out=out)
+        # Given a workspace, as an engine gives it: the header splits a row over several CTAs at small batch.
+        workspace = torch.empty(max(1, topk_workspace_ints(batch, entries, k)), dtype=torch.int32,
+                                device=scores.device)
+        tokens, _ = indexer_topk(scores, positions, k, out=out, workspace=workspace)
         check_topk(tokens, scores, k)
+        if not torch.equal(indexer_topk(scores, positions, k)[0], tokens):
+            raise RuntimeError("the header's top-k differs with and without its workspace")
         if not torch.equal(indexer_topk(scores, positions, k, impl="triton")[0], tokens):
             raise RuntimeError("the Triton top-k disagrees with the header's")
         row = {"case": f"top-k {k} of {entries >> 10}k B{batch}", "batch": batch, "entries": entries, "top_k": k}
         row.update(timing_fields("triton", time_triton(functools.partial(indexer_topk, scores, positions, k, out=out,
-                                                                         impl="triton"))))
-        kernel = time_it(functools.partial(indexer_topk, scores, positions, k, out=out))
+                                                                         workspace=workspace, impl="triton"))))
+        kernel = time_it(functools.partial(indexer_topk, scores, positions, k, out=out, workspace=workspace))
         row.update(timing_fields("kernel", kernel))
         row.update(timing_fields("torch_topk", time_it(functools.partial(torch.topk, scores, k, sorted=False))))
         row["speedup_vs_torch_topk"] = row["torch_topk_us"] / row["kernel_us"]
