@@ -78,7 +78,9 @@ gpu-check:
 # UBSan: "memcheck without a GPU". Python is not instrumented, so the compiler's ASan runtime is
 # preloaded, with libstdc++ (whose __cxa_throw ASan intercepts: kernels raise C++ exceptions for bad
 # input). Leak checking is off: the interpreter's own allocations are not leaks. Sanitized modules
-# have their own cache keys, so the cache stays warm across runs. The cpu backend only: the core tests' sim
+# have their own cache keys, so the cache stays warm across runs. Hypothesis draws a fifth of make
+# test's examples here (the `sanitize` profile: docs/testing.md), every test still runs; --slow draws
+# the deep profile. The cpu backend only: the core tests' sim
 # copies (make test runs them) are not built with sanitizers. The Triton twins' tests are left out: the
 # interpreter runs them in numpy, which the sanitizers do not see, and the header calls they compare
 # against are the header tests' own (make test runs the twins).

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from sparsekv.testing.profiles import register_profiles
+from sparsekv.testing.profiles import default_profile, register_profiles
 
 REPO = Path(__file__).resolve().parent.parent
 # needs(...) marks: skip where an optional component is missing, fail under SPARSEKV_REQUIRE_ALL=1.
 pytest_plugins = ["pytester", "sparsekv.testing.components"]
 
-# A small default keeps `make test` within minutes on 2 cores; `--slow` digs deeper.
+# A small default keeps `make test` within minutes on 2 cores (smaller under the sanitizers); `--slow` digs deeper.
 register_profiles()
 
 # Tests build into a cache inside the checkout unless the caller chose one (kept warm across runs).
@@ -84,7 +84,7 @@ def pytest_configure(config):
     if config.getoption("--failures-now"):
         _failures_now = config
     config.addinivalue_line("markers", "no_backend(reason): a kernel test whose body does not depend on the backend")
-    settings.load_profile("slow" if config.getoption("--slow") else "ci")
+    settings.load_profile(default_profile(config.getoption("--slow")))
 
 
 def pytest_collection_modifyitems(config, items):

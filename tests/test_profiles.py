@@ -1,5 +1,6 @@
 """sparsekv.testing.profiles: a pinned count and the drawn values follow the active hypothesis profile
-(``ci`` by default, ``slow`` under ``--slow``), so a test's costly cases come back under ``--slow``."""
+(``ci`` by default, ``sanitize`` under the sanitizers, ``slow`` under ``--slow``), so a test's costly cases
+come back under ``--slow``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import contextlib
 
 from hypothesis import settings
 
-from sparsekv.testing.profiles import CI_EXAMPLES, SLOW_EXAMPLES, scaled_examples, values_to_draw
+from sparsekv.testing.profiles import (
+    CI_EXAMPLES,
+    SANITIZE_EXAMPLES,
+    SLOW_EXAMPLES,
+    default_profile,
+    scaled_examples,
+    values_to_draw,
+)
 
 
 @contextlib.contextmanager
@@ -34,3 +42,14 @@ def test_a_pinned_count_scales_with_the_profile():
         assert scaled_examples(6) == 6 and scaled_examples(0) == 1
     with profile("slow"):
         assert scaled_examples(5) == 5 * SLOW_EXAMPLES // CI_EXAMPLES
+    with profile("sanitize"):
+        assert scaled_examples(10) == 10 * SANITIZE_EXAMPLES // CI_EXAMPLES and scaled_examples(2) == 1
+        assert values_to_draw([4], [128]) == [4]
+
+
+def test_the_sanitizers_choose_the_sanitize_profile_unless_slow(monkeypatch):
+    monkeypatch.delenv("SPARSEKV_SANITIZE", raising=False)
+    assert [default_profile(False), default_profile(True)] == ["ci", "slow"]
+    monkeypatch.setenv("SPARSEKV_SANITIZE", "address,undefined")
+    assert [default_profile(False), default_profile(True)] == ["sanitize", "slow"]
+    assert settings.get_profile("sanitize").max_examples == SANITIZE_EXAMPLES < CI_EXAMPLES

@@ -4,28 +4,46 @@ A test that pins its own example count (a costly kernel test) still goes deeper 
 it asks :func:`scaled_examples` for its count, which scales with the active profile. A test whose
 costly cases (a large constexpr shape under the Triton interpreter) run once each in a pinned test
 draws them only under ``--slow``: :func:`values_to_draw`.
+
+Under ``SPARSEKV_SANITIZE`` (``make test-sanitize``) the default is the ``sanitize`` profile, a fifth of
+``ci``: ASan and UBSan check the code paths a kernel runs, which the first few draws and the tests'
+explicit examples already reach, and every draw there costs two to three times a plain one (``make test``
+ran the ``ci`` count on the same kernels). ``--slow`` is the deep profile under the sanitizers too.
 """
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
+from sparsekv import env
+
 CI_EXAMPLES = 25
+SANITIZE_EXAMPLES = 5
 SLOW_EXAMPLES = 500
 
 
 def register_profiles() -> None:
-    """Register the ``ci`` and ``slow`` profiles (loading one is the caller's choice)."""
+    """Register the ``ci``, ``sanitize`` and ``slow`` profiles (loading one is the caller's choice:
+    :func:`default_profile`)."""
     common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("ci", max_examples=CI_EXAMPLES, **common)
+    settings.register_profile("sanitize", max_examples=SANITIZE_EXAMPLES, **common)
     settings.register_profile("slow", max_examples=SLOW_EXAMPLES, **common)
 
 
+def default_profile(slow: bool) -> str:
+    """The profile a test session loads: ``slow`` under ``--slow``, else ``sanitize`` when the session's
+    modules are built with sanitizers (``SPARSEKV_SANITIZE``), else ``ci``."""
+    if slow:
+        return "slow"
+    return "sanitize" if env.sanitize() else "ci"
+
+
 def scaled_examples(ci_count: int) -> int:
-    """``ci_count`` examples under the ``ci`` profile, as many more under the active one as it has.
+    """``ci_count`` examples under the ``ci`` profile, scaled by the active one's count (at least 1).
 
     Read when a test module is imported, i.e. after pytest loaded the profile: ``--slow`` turns a
-    pinned 10 into 200.
+    pinned 10 into 200, ``sanitize`` into 2.
     """
     return max(1, round(ci_count * settings.default.max_examples / CI_EXAMPLES))
 
