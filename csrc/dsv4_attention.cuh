@@ -36,26 +36,27 @@
 // two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
 // results by fp32 summation order only).
 //
-// Design and instruction budget (nvcc 13.0; bf16 q: 248 registers on sm_90a, 244 on sm_100a, no
-// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 246 / 254 registers, no
+// Design and instruction budget (nvcc 13.0; bf16 q: 242 registers on sm_90a, 244 on sm_100a, no
+// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 254 registers, no
 // stack). The tile loop has no inner loop left. partial_kernel, the instance for caches whose
 // records are all 16-byte aligned (every page_slots but 1: run_on_cuda picks it), has no 8-byte
-// fallback in its gather: 1,157 instructions on sm_90a (1,133 on sm_100a; partial_unaligned_kernel
-// 1,367 / 1,395), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale
-// runs only when a head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV
+// fallback in its gather, and entry() resolves a row of either cache with one copy of the
+// addressing: 1,123 instructions on sm_90a (1,099 on sm_100a; partial_unaligned_kernel 1,336 /
+// 1,352), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale runs only
+// when a head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV
 // 128: P is two bf16 terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather
 // and convert (per 16-byte fp8 chunk one LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8
 // F2FP.F16.E4M3.UNPACK_B, 16 HADD2.F32, 16 FMUL, 8 F2FP.BF16.F32.PACK_AB, 2 STS.128: 6.5 per
 // converted pair), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6 shuffles per thread)
 // and five barriers. At batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave,
 // 8 tiles each). tools/bench/bench_sass_budget.py (loop instructions x 8,192 warp trips / (128
-// SMs x 4 schedulers x clock)): sm_90a 9.35 us of issue on an H200 against its 6.6 us roofline
-// with fp32 out (1.41x; 1.62x against 5.8 us with bf16 out); sm_100a 9.2 us on a B200 against
-// 4.0 us (2.32x). End to end it adds what moves after the loop, at HBM bandwidth with no
+// SMs x 4 schedulers x clock)): sm_90a 9.1 us of issue on an H200 against its 6.6 us roofline
+// with fp32 out (1.37x; 1.57x against 5.8 us with bf16 out); sm_100a 8.9 us on a B200 against
+// 4.0 us (2.25x). End to end it adds what moves after the loop, at HBM bandwidth with no
 // overlap: the 2 splits' fp32 partials written (16.8 MB) and read back by Combine, its output
 // (fp32 8.4 MB; bf16 4.2 MB, rounded by Combine itself: no float32 staging pass), 42 / 37.8 MB =
-// 8.75 / 7.9 us on the H200: 18.1 us, 2.73x the fp32 roofline, 17.2 us, 2.99x the bf16 one (5.8
-// us); on the B200 14.5 us (3.6x) and 14.0 us (4.0x). So the split's partials cost about as much
+// 8.75 / 7.9 us on the H200: 17.8 us, 2.69x the fp32 roofline, 17.0 us, 2.94x the bf16 one (5.8
+// us); on the B200 14.2 us (3.6x) and 13.7 us (3.95x). So the split's partials cost about as much
 // as the tile loop: what is left for 2x end to end is the combine folded into the partial kernel
 // (the last CTA of a row merges the other split's partial from its registers and L2: no second
 // pass over the partials), the gather of tile i + 1 overlapped with tile i's products, fewer
@@ -139,11 +140,13 @@ struct Params {
                              // (ties to even), instead of `out` (num_splits > 1 only)
 };
 
-// Entry j of the concatenated list [main | extra] of row b.
+// Entry j of the concatenated list [main | extra] of row b. The source is picked field by field and
+// resolved once: one copy of the addressing code in the tile loop, not one per cache.
 template <class QT>
 SPARSEKV_HOST_DEVICE bool entry(const Params<QT>& p, int64_t b, int64_t j, const uint8_t** value,
                                 const uint8_t** scale) {
-  return j < p.main.count ? resolve(p.main, b, j, value, scale) : resolve(p.extra, b, j - p.main.count, value, scale);
+  const bool in_main = j < p.main.count;
+  return resolve(in_main ? p.main : p.extra, b, in_main ? j : j - p.main.count, value, scale);
 }
 
 template <class QT>
