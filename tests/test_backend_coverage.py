@@ -115,7 +115,9 @@ def test_every_kernel_test_body_uses_its_backend_or_says_why_not():
 #: Benchmarks that import a kernel wrapper without timing its kernels, and why.
 NOT_KERNEL_BENCHMARKS = {"bench_jit_loader.py": "times builds and loads (cpu and cuda builds both), not kernels",
                          "bench_host_cost.py": "times the public calls' host side with every module export a "
-                                               "no-op: no kernel runs, on any backend"}
+                                               "no-op: no kernel runs, on any backend",
+                         "bench_sass_budget.py": "reads the compiled SASS of each hot kernel (nvcc and the Triton "
+                                                 "AOT build): no kernel runs, on any backend"}
 
 
 def test_every_kernel_benchmark_takes_a_backend():

@@ -103,7 +103,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
         "indexer_topk": Entry(lambda: INDEXER_TOPK.module(backend=backend).indexer_topk,
                               dict(scores=rand(2, 8), positions=_i64(31, 15), out=torch.zeros(2, 3, dtype=torch.int32),
                                    page_table=_i32([[0, 1], [1, 0]]), out_slots=torch.zeros(2, 3, dtype=torch.int32),
-                                   page_slots=PAGE), ("out", "out_slots")),
+                                   page_slots=PAGE, workspace=None), ("out", "out_slots")),
         "sparse_decode_attention": Entry(
             lambda: ATTENTION.module(q_dtype=torch.float32, backend=backend).sparse_decode_attention,
             dict(q=rand(2, 2, 512), kv_cache=v4_cache.clone(), indices=_i32([[0, 5, -1], [1, 1, 2]]),
