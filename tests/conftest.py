@@ -41,10 +41,16 @@ def sparsekv_cli(capsys):
     the cache root ``cache_dir`` (None: no root configured) with the extra environment ``env`` for that
     call, as a ``CompletedProcess`` of its exit code (``main`` returns it) and output. A subprocess
     would start Python and torch per call; a test of the console script itself, of a pipe, or of what
-    a process decides once (``$TMPDIR``) runs ``python -m sparsekv`` instead."""
+    a process decides once (``$TMPDIR``) runs ``python -m sparsekv`` instead. The logging setup the
+    command makes (its handler, its levels) is undone after each call: later tests see none of it."""
+    import logging
+
+    from sparsekv import log
     from sparsekv.cli import main
 
     def run(*args: str, cache_dir: Path | None, **env: str) -> subprocess.CompletedProcess:
+        ours, jit = logging.getLogger(log.LOGGER_NAME), logging.getLogger(log.JIT_LOGGER_NAME)
+        levels, handlers = (ours.level, jit.level), list(ours.handlers)
         with pytest.MonkeyPatch.context() as patch:
             if cache_dir is None:
                 patch.delenv("SPARSEKV_CACHE_DIR", raising=False)
@@ -53,7 +59,12 @@ def sparsekv_cli(capsys):
             for name, value in env.items():
                 patch.setenv(name, value)
             capsys.readouterr()
-            code = main(list(args))
+            try:
+                code = main(list(args))
+            finally:
+                ours.setLevel(levels[0])
+                jit.setLevel(levels[1])
+                ours.handlers[:] = handlers
             out, err = capsys.readouterr()
         return subprocess.CompletedProcess(list(args), code, out, err)
 
