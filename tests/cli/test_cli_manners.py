@@ -201,9 +201,9 @@ def test_a_cuda_backend_without_a_gpu_is_a_usage_error():
     assert done.returncode == 2 and "--backend" in done.stderr and "CUDA" in done.stderr, done.stderr
 
 
-def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path, sparsekv_cli):
     (tmp_path / "file").write_text("")
-    done = sparsekv("jit", "build", "gather_rows", env={"SPARSEKV_CACHE_DIR": str(tmp_path / "file")})
+    done = sparsekv_cli("jit", "build", "gather_rows", cache_dir=tmp_path / "file")
     assert_no_traceback(done)
     assert done.returncode == 1 and "not a directory" in done.stderr
 
@@ -257,9 +257,10 @@ def test_a_failure_is_one_line_and_its_traceback_shows_only_under_debug(failing_
         assert err.startswith("Traceback") and "RuntimeError: the device is on fire" in err
 
 
-def test_a_jit_failure_is_one_line(tmp_path):
+def test_a_jit_failure_is_one_line(tmp_path, sparsekv_cli):
     # The cuda backend with a malformed arch list fails inside the JIT loader.
-    done = sparsekv("jit", "build", "gather_rows", "--backend", "cuda", "--arch", "banana", cache_dir=tmp_path / "c")
+    done = sparsekv_cli("jit", "build", "gather_rows", "--backend", "cuda", "--arch", "banana",
+                        cache_dir=tmp_path / "c")
     assert_no_traceback(done)
     assert done.returncode in (1, 2) and "banana" in done.stderr
 
@@ -300,22 +301,22 @@ def compile_lines(stderr: str) -> list[str]:
     return re.findall(r"sparsekv\.jit INFO: .*compiled .* in [0-9.]+ s", stderr)
 
 
-def test_verbose_shows_one_line_per_compile_with_its_time(tmp_path):
+def test_verbose_shows_one_line_per_compile_with_its_time(tmp_path, sparsekv_cli):
     """One compile per run, the cheapest there is (three in all); two compiles giving two lines, each
     naming its instance: ``tests/jit/test_jit_cli.py::test_build_progress_logs_and_counts``."""
     argv = ["jit", "build", "--instance", "gather_rows:index_dtype=int32"]
-    quiet = sparsekv(*argv, cache_dir=tmp_path / "quiet")
+    quiet = sparsekv_cli(*argv, cache_dir=tmp_path / "quiet")
     assert quiet.returncode == 0 and compile_lines(quiet.stderr) == []
-    for how, loud in (("-v", sparsekv("-v", *argv, cache_dir=tmp_path / "verbose")),
-                      ("SPARSEKV_LOG_LEVEL", sparsekv(*argv, cache_dir=tmp_path / "level",
-                                                      env={"SPARSEKV_LOG_LEVEL": "INFO"}))):
+    for how, loud in (("-v", sparsekv_cli("-v", *argv, cache_dir=tmp_path / "verbose")),
+                      ("SPARSEKV_LOG_LEVEL", sparsekv_cli(*argv, cache_dir=tmp_path / "level",
+                                                          SPARSEKV_LOG_LEVEL="INFO"))):
         assert loud.returncode == 0, (how, loud.stderr)
         lines = compile_lines(loud.stderr)
         assert len(lines) == 1 and "gather_rows<int32_t>" in lines[0], (how, loud.stderr)
 
 
-def test_a_bad_log_level_is_a_usage_error():
-    done = sparsekv("plan-memory", "--list-cases", env={"SPARSEKV_LOG_LEVEL": "chatty"})
+def test_a_bad_log_level_is_a_usage_error(sparsekv_cli):
+    done = sparsekv_cli("plan-memory", "--list-cases", cache_dir=None, SPARSEKV_LOG_LEVEL="chatty")
     assert done.returncode == 2 and "SPARSEKV_LOG_LEVEL" in done.stderr and done.stdout == ""
 
 
