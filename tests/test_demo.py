@@ -119,12 +119,11 @@ def test_a_tiny_demo_on_sim_checks_hold(tmp_path):
     assert report["ok"] and report["spec"]["backend"] == "sim"
 
 
-def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model():
+def test_a_demo_decode_runs_in_strict_mode_after_jit_build_model(sparsekv_cli):
     """`jit build --model demo` lists every family the demo's serving path loads: with compiling
     forbidden (SPARSEKV_JIT_STRICT=1), a whole prefill + HiSparse decode step still runs."""
     env = dict(os.environ)
-    built = subprocess.run([sys.executable, "-m", "sparsekv", "jit", "build", "--model", "demo", "--json"],
-                           capture_output=True, text=True, env=env, timeout=1800)
+    built = sparsekv_cli("jit", "build", "--model", "demo", "--json", cache_dir=env["SPARSEKV_CACHE_DIR"])
     assert built.returncode == 0, built.stderr[-2000:]
     strict = subprocess.run([sys.executable, "-m", "sparsekv", "demo", *SMALLEST],
                             capture_output=True, text=True, env=env | {"SPARSEKV_JIT_STRICT": "1"}, timeout=600)
