@@ -3,8 +3,9 @@
 The cache key covers everything that can change the binary: module name, template arguments, the
 bytes and csrc-relative paths of the header's transitive ``#include "..."`` closure, the generated
 glue, flags, backend, CUDA arch list, compiler identities and the tvm-ffi version. It holds no
-absolute path, so two checkouts share keys. Warm path: key -> stat + hash-check -> load the ``.so``;
-no compiler, no ninja. See :mod:`sparsekv.jit_kernel.build.cache` for publishing and safety.
+absolute path, so two checkouts share keys. The compilers read a snapshot of the hashed header
+bytes, not ``csrc/`` (:func:`snapshot_closure`), so an entry holds the build of its key. Warm path:
+key -> stat + hash-check -> load the ``.so``; no compiler, no ninja. See :mod:`sparsekv.jit_kernel.build.cache` for publishing and safety.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -299,7 +301,7 @@ class BuildPlan:
     cxx: toolchain.Compiler
     nvcc: toolchain.Compiler | None
     extra_cflags: tuple[str, ...]
-    csrc: Path  # where the headers are read from; not part of the key (two checkouts share keys)
+    csrc: Path  # where the closure was read from; not part of the key (two checkouts share keys)
     sanitize: tuple[str, ...] = ()
 
     def key_doc(self) -> dict:
@@ -478,12 +480,39 @@ def _announce_compile(what: str, reason: str) -> None:
     logger.info("JIT: compiling %s (%s)", what, reason)
 
 
+#: Where in a staging directory :func:`snapshot_closure` writes the keyed headers.
+SNAPSHOT_DIR = "csrc"
+
+
+def snapshot_closure(plan: BuildPlan, staging: Path) -> tuple[Path, Path]:
+    """Write the include closure's bytes, the ones the key hashed, into ``staging``; returns its
+    include directories (the snapshot's ``csrc`` and ``csrc/include``).
+
+    The compilers read the headers from this snapshot, never from ``plan.csrc``: a header edited
+    (or switched by a checkout or rebase) after the plan read it would otherwise be compiled into
+    the entry named by its old bytes, and every later load of the old bytes would get the new code.
+    A header the closure misses is then a compile error instead of a build from unkeyed bytes.
+    """
+    snapshot = staging / SNAPSHOT_DIR
+    for rel, data in plan.closure.items():
+        path = snapshot / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return snapshot, snapshot / "include"
+
+
+def _source_path_map(staging: Path, plan: BuildPlan) -> list[str]:
+    """The host-compiler flag naming the snapshot's headers by their ``plan.csrc`` paths in ``__FILE__``,
+    debug line tables and sanitizer reports (the staging directory is renamed away after the build)."""
+    return [f"-ffile-prefix-map={staging / SNAPSHOT_DIR}={plan.csrc}"]
+
+
 def build_module(plan: BuildPlan, staging: Path, reason: str = "not in cache") -> Path:
     """Compile ``plan`` inside ``staging``; returns the path of the shared library. ``reason`` says
     why it is built (``"not in cache"``, ``"header changed: ..."``, ``"flags changed"``, ...)."""
     for name, text in plan.sources.items():
         (staging / name).write_text(text)
-    includes = [f"-I{plan.csrc}", f"-I{plan.csrc / 'include'}"]
+    includes = [f"-I{headers}" for headers in snapshot_closure(plan, staging)]
     ffi_include_dirs = [tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path()]
     ffi_includes = [f"-I{p}" for p in dict.fromkeys(ffi_include_dirs)]
     ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
@@ -494,6 +523,7 @@ def build_module(plan: BuildPlan, staging: Path, reason: str = "not in cache") -
     start = time.perf_counter()
     _announce_compile(what, reason)
     _compile(plan, staging, what, includes, ffi_includes, link, time.monotonic() + env.jit_compile_timeout())
+    shutil.rmtree(staging / SNAPSHOT_DIR)  # a failed compile keeps it, for its reproduce command
     seconds = time.perf_counter() - start
     COMPILED.append((what, seconds))
     logger.info("JIT: compiled %s in %.2f s", what, seconds)
@@ -502,12 +532,13 @@ def build_module(plan: BuildPlan, staging: Path, reason: str = "not in cache") -
 
 def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi_includes: list[str],
              link: list[str], deadline: float) -> None:
+    path_map = _source_path_map(staging, plan)  # host compiles only: nvcc does not take the flag
     if plan.backend == "cpu":
-        cmd = [plan.cxx.path, *CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes,
+        cmd = [plan.cxx.path, *CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *path_map, *includes,
                *ffi_includes, "-shared", "module.cpp", "-o", cache.ARTIFACT, *link]
         _wait_all([(cmd, _run(cmd, staging))], staging, what, deadline)
     elif plan.backend == "sim":
-        flags = [*CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *includes]
+        flags = [*CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *path_map, *includes]
         sim_cmd = [plan.cxx.path, *flags, "-c", "kernels_sim.cpp", "-o", "kernels_sim.o"]
         cxx_cmd = [plan.cxx.path, *flags, *ffi_includes, "-c", "module.cpp", "-o", "module.o"]
         _wait_all([(sim_cmd, _run(sim_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what, deadline)
@@ -519,8 +550,8 @@ def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi
         cuda_home = toolchain.cuda_home()
         nvcc_cmd = [plan.nvcc.path, *NVCC_FLAGS, *plan.extra_cflags, *arch_mod.gencode_flags(plan.archs), *includes,
                     "-c", "kernels.cu", "-o", "kernels.o"]
-        cxx_cmd = [plan.cxx.path, *CXX_FLAGS, *plan.extra_cflags, *includes, *ffi_includes, "-c", "module.cpp",
-                   "-o", "module.o"]
+        cxx_cmd = [plan.cxx.path, *CXX_FLAGS, *plan.extra_cflags, *path_map, *includes, *ffi_includes, "-c",
+                   "module.cpp", "-o", "module.o"]
         # nvcc and the host compiler run side by side; the .cu has no tvm-ffi headers, so it is the short one.
         _wait_all([(nvcc_cmd, _run(nvcc_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what, deadline)
         link_cmd = [plan.cxx.path, "-shared", "module.o", "kernels.o", "-o", cache.ARTIFACT, *link,
@@ -718,7 +749,8 @@ def find_or_build(plan: BuildPlan, roots: cache.CacheRoots, reason: str = "not i
     env.cache_max_size()
     env.jit_lock_timeout()
     try:
-        return cache.build_and_publish(roots, entry, plan.key_doc(), lambda staging: build_module(plan, staging, reason),
+        return cache.build_and_publish(roots, entry, plan.key_doc(),
+                                       lambda staging: build_module(plan, staging, reason),
                                        lambda so: _load(so, entry))
     except JitCompileTimeoutError:
         raise

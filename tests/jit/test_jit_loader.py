@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -365,6 +366,37 @@ def test_a_header_edited_while_its_module_compiles_is_not_indexed_as_that_module
     load_fresh()  # the edited bytes: a new key, so a second compile (then indexed)
     assert compiles() == 2
     assert list((tmp_path / "cache" / loader.INDEX_DIR).glob("gather_rows__*.json"))
+
+
+def test_the_compilers_read_the_header_bytes_the_key_hashed(tmp_path, monkeypatch, own_csrc):
+    # Seen on the shared cache: the key hashed the headers when the plan was made, the compilers read
+    # them from csrc/ later, so a header switched in between (an edit, a checkout, a rebase) was built
+    # into the entry named by the other bytes, and every later load of those bytes got this build.
+    csrc, load_fresh, compiles = own_csrc
+    header = csrc / GATHER_ROWS.header
+    keyed = header.read_bytes()
+    planted = keyed + b'\n#error "compiled bytes the cache key does not cover"\n'
+    compile_ = loader._compile
+
+    def switch_then_compile(plan, *args):
+        header.write_bytes(planted)  # after the plan hashed the header, before a compiler reads it
+        compile_(plan, *args)
+
+    monkeypatch.setattr(loader, "_compile", switch_then_compile)
+    load_fresh()  # built from the keyed bytes: the planted #error is not compiled
+    monkeypatch.setattr(loader, "_compile", compile_)
+    (entry,) = cache.entries(tmp_path / "cache")
+    recorded = json.loads((entry / cache.KEY_FILE).read_text())["include_closure"][GATHER_ROWS.header]
+    assert recorded == hashlib.sha256(keyed).hexdigest()
+    assert not (entry / loader.SNAPSHOT_DIR).exists()  # the snapshot is not published
+    # The planted bytes now on disk are their own key, and their build reads them.
+    with pytest.raises(loader.JitCompileError, match="the cache key does not cover"):
+        load_fresh()
+    assert compiles() == 2
+    header.write_bytes(keyed)
+    assert plan_for(csrc).entry_name() == entry.name
+    load_fresh()  # the keyed bytes again: a hit on the entry built above
+    assert compiles() == 2
 
 
 def test_a_miss_during_cuda_graph_capture_raises_instead_of_compiling(tmp_path, monkeypatch, counting_cxx):
