@@ -72,17 +72,26 @@ SPARSEKV_HOST_DEVICE float load_bf16(const uint8_t* src) {
   return fp8::bf16_to_float(static_cast<uint16_t>(src[0] | (src[1] << 8)));
 }
 
-// One V4 token as a team assembles it before writing it: the value record, then the scale record.
-struct alignas(16) V4Staged {
-  uint8_t value[V4::kValueBytes];
-  uint8_t scale[V4::kScaleBytes];
+// One token of layout L (V4, IndexerFp8, IndexerFp4) as a team assembles it before writing it: the
+// value record, then the scale record.
+template <class L>
+struct alignas(16) Staged {
+  uint8_t value[L::kValueBytes];
+  uint8_t scale[L::kScaleBytes];
 };
+
+// The host's write of a staged token (write_v4, write_indexer): its two records, one memcpy each.
+template <class L>
+inline void copy_staged(const Staged<L>& staged, kv_layout::TokenBytes<uint8_t> token) {
+  std::memcpy(token.value, staged.value, sizeof(staged.value));
+  std::memcpy(token.scale, staged.scale, sizeof(staged.scale));
+}
 
 // Writes a staged V4 token whole. GPU: the warp's lanes read the stage back in 16-byte words and
 // write the 576-byte value record as 36 STG.128 (lane l words l and l + 32) and the 8-byte scale
 // record as one STG.64 (lane 4, idle in the second round); both records sit on such boundaries
 // (a page is a multiple of 576 B, the cache 16-byte aligned: check_paged_cache). Host: two memcpy.
-SPARSEKV_HOST_DEVICE void write_v4(const V4Staged& staged, kv_layout::TokenBytes<uint8_t> token, Lanes lanes) {
+SPARSEKV_HOST_DEVICE void write_v4(const Staged<V4>& staged, kv_layout::TokenBytes<uint8_t> token, Lanes lanes) {
 #ifdef __CUDA_ARCH__
   constexpr int kWords = V4::kValueBytes / 16;
   static_assert(V4::kValueBytes % 16 == 0 && kWords <= 2 * team::kTeamLanes && V4::kScaleBytes == 8,
@@ -98,8 +107,7 @@ SPARSEKV_HOST_DEVICE void write_v4(const V4Staged& staged, kv_layout::TokenBytes
   __syncwarp();  // the stage is read before the warp's next token overwrites it
 #else
   (void)lanes;
-  std::memcpy(token.value, staged.value, sizeof(staged.value));
-  std::memcpy(token.scale, staged.scale, sizeof(staged.scale));
+  copy_staged(staged, token);
 #endif
 }
 
@@ -113,7 +121,7 @@ template <class TokenOf>
 SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, Lanes lanes) {
   using Row = team::Row<kDim>;
 #ifdef __CUDA_ARCH__
-  __shared__ V4Staged warp_stages[kWarpPerItemThreads / kWarpSize];
+  __shared__ Staged<V4> warp_stages[kWarpPerItemThreads / kWarpSize];
 #ifdef SPARSEKV_SIM
   const unsigned thread = threadIdx.x;
 #else
@@ -122,9 +130,9 @@ SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, L
   unsigned thread;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
 #endif
-  V4Staged& staged = warp_stages[thread / kWarpSize];
+  Staged<V4>& staged = warp_stages[thread / kWarpSize];
 #else
-  V4Staged staged;
+  Staged<V4> staged;
 #endif
   for (int b = 0; b < kBlocks; ++b) {
     team::Share partial;
@@ -156,14 +164,6 @@ SPARSEKV_HOST_DEVICE void store_v4(const team::Row<kDim>& x, TokenOf token_of, L
   write_v4(staged, token_of(), lanes);
 }
 
-// One indexer token (IndexerFp8 or IndexerFp4) as a team assembles it: the value record, then the
-// 4-byte scale record.
-template <class L>
-struct alignas(16) IndexerStaged {
-  uint8_t value[L::kValueBytes];
-  uint8_t scale[L::kScaleBytes];
-};
-
 // Writes a staged indexer token whole. GPU: when the value record sits on a 16-byte boundary (an
 // aligned cache whose page stride is a multiple of 16: FP8 pages from 4 slots up, FP4 from 4),
 // lanes 0..W-1 write it as W 16-byte words (W = 8 for FP8's 128 B, 4 for FP4's 64 B); else lanes
@@ -171,7 +171,7 @@ struct alignas(16) IndexerStaged {
 // (check_paged_cache) always sit on one. Lane 31 writes the scale record as one 4-byte word. Host:
 // two memcpy.
 template <class L>
-SPARSEKV_HOST_DEVICE void write_indexer(const IndexerStaged<L>& staged, kv_layout::TokenBytes<uint8_t> token,
+SPARSEKV_HOST_DEVICE void write_indexer(const Staged<L>& staged, kv_layout::TokenBytes<uint8_t> token,
                                         Lanes lanes) {
 #ifdef __CUDA_ARCH__
   constexpr int kWide = L::kValueBytes / 16;
@@ -193,17 +193,16 @@ SPARSEKV_HOST_DEVICE void write_indexer(const IndexerStaged<L>& staged, kv_layou
   __syncwarp();  // the stage is read before the warp's next token overwrites it
 #else
   (void)lanes;
-  std::memcpy(token.value, staged.value, sizeof(staged.value));
-  std::memcpy(token.scale, staged.scale, sizeof(staged.scale));
+  copy_staged(staged, token);
 #endif
 }
 
 #ifdef __CUDA_ARCH__
 // The warp's slot of a stage in shared memory (8 per 256-thread warp-per-item block), one array per
 // stage type.
-template <class Staged>
-SPARSEKV_DEVICE Staged& warp_stage() {
-  __shared__ Staged stages[kWarpPerItemThreads / kWarpSize];
+template <class Stage>
+SPARSEKV_DEVICE Stage& warp_stage() {
+  __shared__ Stage stages[kWarpPerItemThreads / kWarpSize];
   return stages[threadIdx.x / kWarpSize];
 }
 #endif
@@ -213,9 +212,9 @@ template <class TokenOf>
 SPARSEKV_HOST_DEVICE void store_indexer_fp8(const team::Row<kIndexerDim>& x, TokenOf token_of, Lanes lanes) {
   using Row = team::Row<kIndexerDim>;
 #ifdef __CUDA_ARCH__
-  IndexerStaged<IndexerFp8>& staged = warp_stage<IndexerStaged<IndexerFp8>>();
+  Staged<IndexerFp8>& staged = warp_stage<Staged<IndexerFp8>>();
 #else
-  IndexerStaged<IndexerFp8> staged;
+  Staged<IndexerFp8> staged;
 #endif
   team::Share partial;
   for (int j = 0; j < team::kVirtualPerThread; ++j) {
@@ -250,9 +249,9 @@ SPARSEKV_HOST_DEVICE void store_indexer_fp4(const team::Row<kIndexerDim>& x, Tok
   using Row = team::Row<kIndexerDim>;
   constexpr float kFloor = 6.0f * 1.1754943508222875e-38f;  // 6 * 2^-126
 #ifdef __CUDA_ARCH__
-  IndexerStaged<IndexerFp4>& staged = warp_stage<IndexerStaged<IndexerFp4>>();
+  Staged<IndexerFp4>& staged = warp_stage<Staged<IndexerFp4>>();
 #else
-  IndexerStaged<IndexerFp4> staged;
+  Staged<IndexerFp4> staged;
 #endif
   for (int k = 0; k < Row::kPerLane; ++k) {
     team::Share partial;
