@@ -220,20 +220,27 @@ def specialization(kernel: AotKernel) -> tuple[dict, dict, dict]:
     past that), an integer divisible by 16 and an aligned pointer carry ``tt.divisibility = 16``;
     floats are not specialized. ``attrs`` hold, in argument order and keyed by argument path, what
     the JIT records: the divisibility, or no attribute (``[]``) for every other pointer, integer and
-    constant argument."""
+    constant argument; before triton 3.7 the JIT recorded nothing for a constant (a constexpr, or an
+    integer of 1), so neither does this there."""
+    import triton
+
+    constants_have_attrs = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 7)
     signature, constexprs, attrs = kernel.signature, kernel.constexprs, {}
     for position, name in enumerate(kernel.fn.arg_names):
         argument = kernel.arguments[name]
         if isinstance(argument, Float):
             continue  # not specialized, no attribute
-        divisible = False
+        constant, divisible = isinstance(argument, Constexpr), False
         if isinstance(argument, Pointer):
             divisible = argument.aligned
         elif isinstance(argument, Int):
             if argument.value == 1:
                 signature[name], constexprs[name] = "constexpr", 1
+                constant = True
             else:
                 divisible = argument.value % 16 == 0
+        if constant and not constants_have_attrs:
+            continue
         attrs[(position,)] = _DIVISIBLE if divisible else []
     return signature, constexprs, attrs
 
