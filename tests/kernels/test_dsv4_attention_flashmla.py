@@ -236,3 +236,38 @@ def test_the_flashmla_peer_and_our_kernels_agree_within_flashmla_tolerance(backe
         ours, our_lse = sparse_decode_attention(**args, impl=impl, out_dtype=torch.bfloat16)
         torch.testing.assert_close(ours.float(), out.float(), **FLASHMLA_OUT_TOL)
         torch.testing.assert_close(our_lse, lse, **FLASHMLA_LSE_TOL)
+
+
+@pytest.mark.gpu
+def test_flashmla_impl_captured_in_a_cuda_graph_and_compiled_writes_what_eager_writes(backend):
+    """impl="flashmla" is the same custom op as the others: a CUDA-graph replay (FlashMLA's scratch comes
+    from the caching allocator, so capture keeps it) and a ``torch.compile``'d call write the bytes an
+    eager call writes on the same inputs."""
+    if backend != "cuda":
+        skip_for_gpu("CUDA-graph capture needs CUDA tensors")
+    reason = flashmla.unavailable_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    args, replayed_args = case(64, 128, k2=64, device="cuda"), case(64, 128, k2=64, seed=1, device="cuda")
+    eager_out, eager_lse = sparse_decode_attention(**replayed_args, impl="flashmla", out_dtype=torch.bfloat16)
+
+    static = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+    out, lse = torch.empty_like(eager_out), torch.empty_like(eager_lse)
+    sparse_decode_attention(**static, out=out, lse=lse, impl="flashmla")  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_decode_attention(**static, out=out, lse=lse, impl="flashmla")
+    for name, value in replayed_args.items():
+        if isinstance(value, torch.Tensor):
+            static[name].copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager_out.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), eager_lse.view(torch.int32))
+
+    compiled = torch.compile(lambda **kw: sparse_decode_attention(**kw, impl="flashmla", out_dtype=torch.bfloat16),
+                             fullgraph=True)
+    compiled_out, compiled_lse = compiled(**replayed_args)
+    assert torch.equal(compiled_out.view(torch.int16), eager_out.view(torch.int16))
+    assert torch.equal(compiled_lse.view(torch.int32), eager_lse.view(torch.int32))
