@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import as_int
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 
@@ -114,7 +114,7 @@ def _compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rat
 
         triton_compress.compress_pool(kv, score, ape, ratio, out)
         return
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_pool(kv, score, ape, ratio, out, torch.get_num_threads())
+    DSV4_COMPRESS.module_for(kv).compress_pool(kv, score, ape, ratio, out, torch.get_num_threads())
 
 
 def compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
@@ -153,7 +153,7 @@ def compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
 @kernel_op("compress_extend", mutates_args=("state", "out"))
 def _compress_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                      sources: torch.Tensor, writes: torch.Tensor, out: torch.Tensor) -> None:
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_extend(kv, score, ape, ratio, state, sources, writes, out,
+    DSV4_COMPRESS.module_for(kv).compress_extend(kv, score, ape, ratio, state, sources, writes, out,
                                                                  torch.get_num_threads())
 
 
@@ -190,7 +190,7 @@ def plan_raw_step(meta: torch.Tensor, num_requests: int, ratio: int, ring_size: 
 @kernel_op("plan_raw_step", mutates_args=("plan",))
 def _plan_raw_step(meta: torch.Tensor, num_requests: int, ratio: int, ring_size: int, span: int, num_events: int,
                    num_writes: int, plan: torch.Tensor) -> None:
-    DSV4_COMPRESS.module(backend=backend_of(meta)).plan_raw_step(meta, num_requests, ratio, ring_size, span,
+    DSV4_COMPRESS.module_for(meta).plan_raw_step(meta, num_requests, ratio, ring_size, span,
                                                                  num_events, num_writes, plan)
 
 
@@ -229,7 +229,7 @@ def compress_online_c128(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
 @kernel_op("compress_online_c128", mutates_args=("state", "out"))
 def _compress_online(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state: torch.Tensor, snapshots: int,
                      segments: torch.Tensor, out: torch.Tensor) -> None:
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_online_c128(kv, score, ape, state, snapshots, segments, out)
+    DSV4_COMPRESS.module_for(kv).compress_online_c128(kv, score, ape, state, snapshots, segments, out)
 
 
 def check_decode_rows_on_device(state_rows: torch.Tensor, positions: torch.Tensor, ring_rows: int) -> None:
@@ -295,5 +295,5 @@ def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, r
                      emitted: torch.Tensor) -> None:
     check_ratio(ratio)
     check_decode_on_cuda(state_rows, positions, state)
-    DSV4_COMPRESS.module(backend=backend_of(kv)).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
+    DSV4_COMPRESS.module_for(kv).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
                                                                  out, emitted)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import as_int, one_of
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
@@ -90,7 +90,7 @@ def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
         triton_compress_store.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions,
                                              cache, slots, page_slots, rope_cos, rope_sin, cache_kind)
         return
-    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+    module = DSV4_COMPRESS_STORE.module_for(kv, cache_kind)
     module.compress_store(kv, score, ape, ratio, state, sources, writes, weight, eps, positions, cache, slots,
                           page_slots, rope_cos, rope_sin, torch.get_num_threads())
 
@@ -185,6 +185,6 @@ def _compress_decode_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
                                                     weight, eps, cache, slots, page_slots, rope_cos, rope_sin,
                                                     cache_kind)
         return
-    module = DSV4_COMPRESS_STORE.module(cache_kind=cache_kind, backend=backend_of(kv))
+    module = DSV4_COMPRESS_STORE.module_for(kv, cache_kind)
     module.compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, weight, eps, cache,
                                  slots, page_slots, rope_cos, rope_sin)

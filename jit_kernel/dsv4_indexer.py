@@ -40,7 +40,7 @@ import torch
 
 from sparsekv.checks import as_int, named_as, one_of
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import (
     CheckMemo,
     _through_dispatcher,
@@ -239,7 +239,6 @@ def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     _check_instance(layout, q.dtype)
     if page_table.dim() != 2:
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
-    backend = backend_of(out)
     if index_checks_on_device(out):
         check_pages_in_use(page_table, positions, page_slots, k_cache.shape[0])
     if impl == "triton":
@@ -247,8 +246,7 @@ def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
 
         triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out)
         return
-    module = INDEXER.module(layout=layout, q_dtype=q.dtype, backend=backend)
-    module.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
+    INDEXER.module_for(out, layout, q.dtype).indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
 
 
 @renamed_keywords(top_k="num_top_k", page_size="page_slots")
@@ -418,7 +416,7 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
 
         triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace)
         return
-    INDEXER_TOPK.module(backend=backend_of(scores)).indexer_topk(scores, positions, out, page_table, out_slots,
+    INDEXER_TOPK.module_for(scores).indexer_topk(scores, positions, out, page_table, out_slots,
                                                                  page_slots, workspace)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from sparsekv.checks import as_int, named_as
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import first_true, index_checks_on_device, kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
 
@@ -117,7 +117,7 @@ def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_sl
 
         triton_quant.quantize_fp8_ds_mla(x, cache, slots, page_slots)
         return
-    DSV4_QUANT.module(backend=backend_of(cache)).quantize_fp8_ds_mla(x, cache, slots, page_slots)
+    DSV4_QUANT.module_for(cache).quantize_fp8_ds_mla(x, cache, slots, page_slots)
 
 
 @renamed_keywords(page_size="page_slots")
@@ -156,7 +156,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_slots: 
 @kernel_op("dequantize_fp8_ds_mla", mutates_args=("out",))
 def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_slots: int, out: torch.Tensor) -> None:
     check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=False)
-    DSV4_QUANT.module(backend=backend_of(cache)).dequantize_fp8_ds_mla(cache, slots, page_slots, out)
+    DSV4_QUANT.module_for(cache).dequantize_fp8_ds_mla(cache, slots, page_slots, out)
 
 
 #: Export of the indexer-key quantizer per indexer cache format (``indexer_scores``'s ``layout``).
@@ -214,5 +214,5 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
 @kernel_op("quantize_indexer_keys", mutates_args=("cache",))
 def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, fmt: str) -> None:
     check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
-    module = DSV4_QUANT.module(backend=backend_of(cache))
+    module = DSV4_QUANT.module_for(cache)
     getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_slots)

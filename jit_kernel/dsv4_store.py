@@ -22,7 +22,7 @@ import torch
 
 from sparsekv.checks import as_float, as_int
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
 from sparsekv.jit_kernel.triton import resolve_impl
@@ -146,7 +146,7 @@ def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, position
         triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                                      cache_kind)
         return
-    module = DSV4_STORE.module(cache_kind=cache_kind, backend=backend_of(cache))
+    module = DSV4_STORE.module_for(cache, cache_kind)
     check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
     module.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin)
 

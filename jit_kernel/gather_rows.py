@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.checks import one_of
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import kernel_op
 
 INDEX_TYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
@@ -59,7 +59,7 @@ def gather_rows(
 
 @kernel_op("gather_rows", mutates_args=("dst",))
 def _gather_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
-    if dst_indices.dtype not in INDEX_TYPES:
-        raise TypeError(f"sparsekv: argument `dst_indices` must have dtype int32 or int64, got {dst_indices.dtype}")
-    module = GATHER_ROWS.module(index_dtype=dst_indices.dtype, backend=backend_of(dst))
-    module.gather_rows(dst, dst_indices, src, src_indices)
+    index_dtype = dst_indices.dtype
+    if index_dtype not in INDEX_TYPES:
+        raise TypeError(f"sparsekv: argument `dst_indices` must have dtype int32 or int64, got {index_dtype}")
+    GATHER_ROWS.module_for(dst, index_dtype).gather_rows(dst, dst_indices, src, src_indices)

@@ -49,11 +49,15 @@ import pkgutil
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import tvm_ffi
 
 from sparsekv import env
 from sparsekv.jit_kernel.build.loader import JitCacheMissError, load_jit
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _no_params() -> tuple:
@@ -90,10 +94,10 @@ class KernelFamily:
     params: tuple[str, ...] = ()
     complete: Callable[..., tuple] = _no_params
     instances: tuple[Mapping[str, object], ...] = field(default=({},))
-    # The one in-process memo of loaded modules (load_jit keeps none), by (values, backend, arch):
-    # the hot path of every wrapper call is one dict lookup. Environment inputs of the cache key
-    # (SPARSEKV_CUDA_ARCH, SPARSEKV_EXTRA_CFLAGS, SPARSEKV_SANITIZE) are therefore read at a
-    # module's first load in a process.
+    # The one in-process memo of loaded modules (load_jit keeps none), by (values, backend, arch) for
+    # module() and (backend, *values) for module_for(): the hot path of every wrapper call is one dict
+    # lookup. Environment inputs of the cache key (SPARSEKV_CUDA_ARCH, SPARSEKV_EXTRA_CFLAGS,
+    # SPARSEKV_SANITIZE) are therefore read at a module's first load in a process.
     _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
@@ -135,17 +139,41 @@ class KernelFamily:
         """
         memo = (tuple(values.items()), backend, arch)
         loaded = self._loaded.get(memo)
-        if loaded is not None:
-            return _recorded(loaded) if RECORDERS else loaded
+        if loaded is None:
+            loaded = self._loaded[memo] = self._load(values, backend, arch)
+        return _recorded(loaded) if RECORDERS else loaded
+
+    def module_for(self, tensor: torch.Tensor, *values: object) -> tvm_ffi.Module:
+        """``module(backend=backend_of(tensor), **dict(zip(params, values)))``: the decode path's lookup.
+
+        The values come in the order of ``params``; a loaded instance costs one tuple and one dict
+        lookup (the keyword call of :meth:`module` builds a dict and a tuple of its items first: a
+        third of a raw module call, issue 36 item 2).
+
+        Raises
+        ------
+        TypeError
+            Not one value per parameter.
+        ValueError
+            As :meth:`module`.
+        """
+        memo = ("cuda" if tensor.is_cuda else env.cpu_backend(), *values)  # a str first: never a module() memo
+        loaded = self._loaded.get(memo)
+        if loaded is None:
+            if len(values) != len(self.params):
+                raise TypeError(f"sparsekv: {self.name}.module_for takes one value per parameter {list(self.params)}, "
+                                f"got {len(values)}")
+            loaded = self._loaded[memo] = self._load(dict(zip(self.params, values)), memo[0], None)
+        return _recorded(loaded) if RECORDERS else loaded
+
+    def _load(self, values: Mapping[str, object], backend: str, arch: str | None) -> tvm_ffi.Module:
         args = self.template_args(values)
         try:
-            module = load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
-                              backend=backend, arch=arch)
+            return load_jit(self.name, *args, header=self.header, exports=self.exports, kernels=self.kernels,
+                            backend=backend, arch=arch)
         except JitCacheMissError as e:  # name this very instance in the form `jit build --instance` takes
             raise JitCacheMissError(f"{e}; this instance alone: sparsekv jit build --backend {backend} "
                                     f"--instance '{self.instance_spec(values)}'") from None
-        self._loaded[memo] = module
-        return _recorded(module) if RECORDERS else module
 
     def instance_spec(self, values: Mapping[str, object]) -> str:
         """``name:k=v,...`` of plain values, as ``sparsekv jit build --instance`` reads it (dtypes by name)."""
