@@ -1,5 +1,6 @@
 // dsv4_attention: sparse MQA decode attention over paged fp8_ds_mla (V4, 584 B) caches, with a
-// per-head sink logit and an optional second ("extra") cache, split-KV with a separate combine.
+// per-head sink logit and an optional second ("extra") cache, split-KV with the combine folded into
+// the last CTA of each row (cuda, sim) or a combine pass (cpu).
 //
 // Contract. For batch row b and head h, let J(b) be the valid entries of indices[b, :] (slots in
 // [0, pages * page_slots) of kv_cache) followed by those of extra_indices[b, :] (slots of
@@ -12,7 +13,7 @@
 //   lse[b,h] = log sum_j exp(l_j)           (natural log, sink excluded)
 // and a row with no valid entry gives out = 0, lse = +inf; a NaN logit (NaN in q or in a row) gives
 // out = lse = NaN for its (b, h), whatever the split. Nothing but out, lse and the split
-// workspace is written.
+// workspace is written; its arrival counters are zero before and after every call.
 //
 // Split-KV. The concatenated list [indices[b] | extra_indices[b]] is cut into num_splits ranges of
 // split_len entries. Each (b, split, h) keeps an online softmax state (m = running max, l = sum of
@@ -20,14 +21,23 @@
 // several, split s stores lse_s = m + log l (-inf when empty) and o_s = acc / l (0 when empty), and
 // Combine merges them: M = max_s lse_s, L = sum_s exp(lse_s - M),
 //   out = sum_s exp(lse_s - M) o_s / (L + exp(sink - M)),  lse = M + log L.
-// The combine is the same item() on both backends.
+// The combine is the same item() on every backend: cpu runs it as a pass after the partials; cuda
+// and sim run it in the partial launch, in the last CTA of each (row, head group) to finish. Each
+// CTA stores its partial, fences (__threadfence: its stores visible device-wide before its
+// arrival), and counts itself in with an atomicAdd on the group's counter (part_arrivals, int32
+// [batch, ceil(heads / 16)]); the CTA that sees num_splits - 1 resets the counter to 0, fences, and
+// combines the group's heads from the partials, still in L2, read past L1 (load_partial). So no
+// second launch, and the counters are zero after every launch as before it: the next call and a
+// CUDA-graph replay find them so. The sim runs blocks one at a time, so its atomics and fences are
+// trivially ordered; the arrival order is the seed's block order, and any order gives the same
+// bits (the combine reads every split from memory, in split order).
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
 // entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel (partial_unaligned_kernel
 // when a cache's records are not all 16-byte aligned), one CTA of 8 warps per
 // (b, split, group of 64 heads, or 32 or 16 while the CTAs fit one wave) on tensor cores
 // (mma.sync m16n8k16 bf16 -> fp32, sparsekv/mma.h; its comment above the kernel gives the steps);
-// then Combine, one warp per (b, h).
+// split, the group's last CTA runs Combine, one warp per head.
 //
 // Precision of the tensor-core path: the rows are exact in bf16 (e4m3 times a power of two, and
 // bf16 rope); a bf16 q is exact, a float q goes in as three bf16 terms (hi + mid + lo: all 24 bits);
@@ -37,12 +47,12 @@
 // results by fp32 summation order only).
 //
 // Design and instruction budget (nvcc 13.0; bf16 q: 242 registers on sm_90a, 244 on sm_100a, no
-// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 254 registers, no
+// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 255 registers, no
 // stack). The tile loop has no inner loop left. partial_kernel, the instance for caches whose
 // records are all 16-byte aligned (every page_slots but 1: run_on_cuda picks it), has no 8-byte
 // fallback in its gather, and entry() resolves a row of either cache with one copy of the
-// addressing: 1,123 instructions on sm_90a (1,099 on sm_100a; partial_unaligned_kernel 1,336 /
-// 1,352), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale runs only
+// addressing: 1,121 instructions on sm_90a (1,090 on sm_100a; partial_unaligned_kernel 1,334 /
+// 1,342), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale runs only
 // when a head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV
 // 128: P is two bf16 terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather
 // and convert (per 16-byte fp8 chunk one LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8
@@ -50,17 +60,20 @@
 // converted pair), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6 shuffles per thread)
 // and five barriers. At batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave,
 // 8 tiles each). tools/bench/bench_sass_budget.py (loop instructions x 8,192 warp trips / (128
-// SMs x 4 schedulers x clock)): sm_90a 9.1 us of issue on an H200 against its 6.6 us roofline
-// with fp32 out (1.37x; 1.57x against 5.8 us with bf16 out); sm_100a 8.9 us on a B200 against
-// 4.0 us (2.25x). End to end it adds what moves after the loop, at HBM bandwidth with no
-// overlap: the 2 splits' fp32 partials written (16.8 MB) and read back by Combine, its output
-// (fp32 8.4 MB; bf16 4.2 MB, rounded by Combine itself: no float32 staging pass), 42 / 37.8 MB =
-// 8.75 / 7.9 us on the H200: 17.8 us, 2.69x the fp32 roofline, 17.0 us, 2.94x the bf16 one (5.8
-// us); on the B200 14.2 us (3.6x) and 13.7 us (3.95x). So the split's partials cost about as much
-// as the tile loop: what is left for 2x end to end is the combine folded into the partial kernel
-// (the last CTA of a row merges the other split's partial from its registers and L2: no second
-// pass over the partials), the gather of tile i + 1 overlapped with tile i's products, fewer
-// instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
+// SMs x 4 schedulers x clock)): sm_90a 9.06 us of issue on an H200 against its 6.64 us roofline
+// with fp32 out (1.36x; 1.57x against 5.77 us with bf16 out); sm_100a 8.88 us on a B200 against
+// 3.98 us (2.23x). End to end it adds what moves after the loop, with no overlap: the output to
+// HBM (fp32 8.4 MB; bf16 4.2 MB, rounded by Combine itself), and the 2 splits' fp32 partials
+// (16.8 MB) written to L2 and read back from it by the last CTAs (33.6 MB of L2 traffic, at an
+// assumed 32 B per SM per clock: 8.4 TB/s on the H200). H200: 14.8 us, 2.23x the fp32 roofline;
+// 14.0 us, 2.42x the bf16 one. B200: 13.5 us (3.40x), 13.0 us (3.76x). Before the fold (a Combine
+// launch reading the partials back from HBM) it was 17.8 us (2.69x) and 17.0 us (2.94x) on the
+// H200, 14.2 (3.57x) and 13.7 us (3.95x) on the B200. One split instead (64 CTAs, no partials)
+// would issue the same 8,192 warp trips on 64 SMs: 18.1 us before the output, worse than both.
+// What is left for 2x end to end: the last CTA combining its own split from its registers (half
+// the L2 reads) and not storing it (a ticket taken before the store: half the writes), which
+// together take the H200 to about 12.8 us (1.93x fp32, 2.07x bf16); the gather of tile i + 1
+// overlapped with tile i's products; fewer instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
 // entries x 4 CTAs of 16 heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or
 // 16 heads per CTA while the CTAs fit one wave), each with a quarter of a 64-head tile's
 // products; a finer split alone would add partials without shortening a CTA (a tile is 32 rows
@@ -138,7 +151,13 @@ struct Params {
   int64_t head_group = 64;  // heads per CTA of partial_kernel (64, 32 or 16): run_on_cuda sets it
   Bf16* out_bf16 = nullptr;  // [batch, heads, 512] contiguous: Combine writes here, rounded to nearest
                              // (ties to even), instead of `out` (num_splits > 1 only)
+  int* arrivals = nullptr;   // [batch, arrival_groups(heads)] (num_splits > 1, cuda and sim): the splits of a
+                             // row's head group that have finished; zero before and after every launch
 };
+
+// Arrival counters per batch row: one per 16 heads, the finest head group of partial_kernel.
+inline constexpr int64_t kArrivalHeads = 16;
+SPARSEKV_HOST_DEVICE int64_t arrival_groups(int64_t heads) { return (heads + kArrivalHeads - 1) / kArrivalHeads; }
 
 // Entry j of the concatenated list [main | extra] of row b. The source is picked field by field and
 // resolved once: one copy of the addressing code in the tile loop, not one per cache.
@@ -169,8 +188,20 @@ SPARSEKV_HOST_DEVICE float finish_lse(float m, float l) { return l == 0.0f ? INF
 SPARSEKV_HOST_DEVICE float split_lse(float m, float l) { return l == 0.0f ? -INFINITY : m + logf(l); }
 SPARSEKV_HOST_DEVICE float split_factor(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
 
+// A split's partial as the combine reads it. On the GPU it bypasses L1 (ld.global.cg): the last
+// CTA of a row reads what CTAs on other SMs wrote during the same launch, and an L1 line cached
+// earlier in the launch (a neighbouring group's part_lse shares its 128 bytes) could be stale.
+SPARSEKV_HOST_DEVICE float load_partial(const float* at) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(at);
+#else
+  return *at;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
-// Combine: one (b, h) per item, lanes over the 512 dims.
+// Combine: one (b, h) per item, lanes over the 512 dims. The cpu backend launches it after the
+// partial pass; on cuda and sim the last CTA of a row runs the same item() (partial_tiles, 6.).
 template <class QT>
 struct Combine {
   using Params = dsv4_attention::Params<QT>;
@@ -184,8 +215,9 @@ struct Combine {
     float m = -INFINITY;
     bool nan = false;  // fmaxf skips NaN: a NaN split is looked for separately and carried through
     for (int64_t s = 0; s < p.num_splits; ++s) {
-      m = fmaxf(m, part_lse[s * p.heads]);
-      nan = nan || part_lse[s * p.heads] != part_lse[s * p.heads];
+      const float lse_s = load_partial(part_lse + s * p.heads);
+      m = fmaxf(m, lse_s);
+      nan = nan || lse_s != lse_s;
     }
     // Dimension d of the output: float, or bf16 straight from the float result (no float pass).
     const auto store = [&](int d, float value) {
@@ -206,15 +238,26 @@ struct Combine {
       return;
     }
     float total = 0.0f;
-    for (int64_t s = 0; s < p.num_splits; ++s) total += safe_exp(part_lse[s * p.heads] - m);
+    for (int64_t s = 0; s < p.num_splits; ++s) total += safe_exp(load_partial(part_lse + s * p.heads) - m);
     const float denominator = total + safe_exp(p.sink[h] - m);
-    for (int d = lanes.lane; d < kDim; d += lanes.count) {
-      float acc = 0.0f;
+    // Four dims per lane at a time (d0 + lane + k x lanes), so each split's weight is computed once
+    // per four dims; each dim still sums its splits in order, s = 0, 1, ...
+    constexpr int kDimsAtOnce = 4;
+    const float* part_out = p.part_out + (b * p.num_splits * p.heads + h) * kDim;
+    for (int d0 = 0; d0 < kDim; d0 += kDimsAtOnce * lanes.count) {
+      float acc[kDimsAtOnce] = {};
       for (int64_t s = 0; s < p.num_splits; ++s) {
-        const float w = safe_exp(part_lse[s * p.heads] - m);
-        if (w > 0.0f) acc += w * p.part_out[((b * p.num_splits + s) * p.heads + h) * kDim + d];
+        const float w = safe_exp(load_partial(part_lse + s * p.heads) - m);
+        if (w <= 0.0f) continue;
+        for (int k = 0; k < kDimsAtOnce; ++k) {
+          const int d = d0 + lanes.lane + k * lanes.count;
+          if (d < kDim) acc[k] += w * load_partial(part_out + s * p.heads * kDim + d);
+        }
       }
-      store(d, acc / denominator);
+      for (int k = 0; k < kDimsAtOnce; ++k) {
+        const int d = d0 + lanes.lane + k * lanes.count;
+        if (d < kDim) store(d, acc[k] / denominator);
+      }
     }
     if (lanes.lane == 0) p.lse[i] = m + logf(total);
   }
@@ -346,6 +389,7 @@ struct Partial {
     const uint8_t* value[kRows];
     uint64_t scales[kRows];  // the 7 UE8M0 bytes of each row (and the pad)
     int valid[kRows];
+    int last;  // this CTA is the last split of its row and head group to finish: it combines
   };
   static int run_on_cuda(const Params& p, void* stream);
 #endif
@@ -683,6 +727,26 @@ SPARSEKV_DEVICE void partial_tiles(const Params<QT>& p) {
       }
     }
   }
+  if (single) return;
+
+  // 6. Split: the last CTA of the row's head group to arrive combines every split's partial (its
+  //    own and the others', still in L2) into out and lse, as Combine does, and zeroes the counter
+  //    for the next launch (or graph replay). Each thread's partial stores are made visible to the
+  //    whole device before thread 0 counts the CTA in; the last CTA fences again before it reads.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* arrival = p.arrivals + b * arrival_groups(p.heads) + h0 / kArrivalHeads;
+    const bool last = atomicAdd(arrival, 1) == p.num_splits - 1;
+    if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
+    sh.last = last;
+  }
+  __syncthreads();
+  if (!sh.last) return;
+  __threadfence();
+  for (int hh = warp; hh < heads_here; hh += K::kWarps) {
+    Combine<QT>::item(p, b * p.heads + h0 + hh, Lanes{lane, kWarpSize});
+  }
 }
 
 template <class QT>
@@ -782,7 +846,8 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                              double softmax_scale, Optional<TensorView> extra_kv_cache,
                              Optional<TensorView> extra_indices, int64_t extra_page_slots, TensorView out,
                              TensorView lse, Optional<TensorView> part_out, Optional<TensorView> part_lse,
-                             int64_t num_splits, Optional<TensorView> topk_length) {
+                             Optional<TensorView> part_arrivals, int64_t num_splits,
+                             Optional<TensorView> topk_length) {
   // 1. Validate: memory, q, sink, outputs, both caches and their indices (host-readable indices in full).
   //    The op runs the same checks, in this order and these words, as one Python contract for every
   //    implementation (check_attention_arguments, jit_kernel/dsv4_attention.py); these serve direct callers.
@@ -791,7 +856,8 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
                   read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
                   written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
-                  written(optional_arg(part_lse, "part_lse"), "part_lse")});
+                  written(optional_arg(part_lse, "part_lse"), "part_lse"),
+                  written(optional_arg(part_arrivals, "part_arrivals"), "part_arrivals")});
   constexpr DLDataType kBf16{kDLBfloat, 16, 1};
   check(q, "q").dtype(std::is_same_v<QT, float> ? dtype_of<float>() : kBf16).ndim(3).rows_dense();
   check(q, "q").size(2, kDim, "head dim").on_backend_device();
@@ -845,9 +911,11 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
   }
   float* part_out_ptr = nullptr;
   float* part_lse_ptr = nullptr;
+  int* arrivals_ptr = nullptr;
   if (num_splits > 1) {
-    if (!part_out.has_value() || !part_lse.has_value()) {
-      TVM_FFI_THROW(ValueError) << "sparsekv: arguments `part_out` and `part_lse` are required when num_splits > 1";
+    if (!part_out.has_value() || !part_lse.has_value() || !part_arrivals.has_value()) {
+      TVM_FFI_THROW(ValueError) << "sparsekv: arguments `part_out`, `part_lse` and `part_arrivals` are required when "
+                                << "num_splits > 1";
     }
     const TensorView po = part_out.value(), pl = part_lse.value();
     check(po, "part_out").dtype<float>().ndim(4).contiguous().same_device(q, "q");
@@ -857,6 +925,21 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     check(pl, "part_lse").size(0, batch, "batch").size(1, num_splits, "num_splits").size(2, heads, "heads");
     part_out_ptr = static_cast<float*>(po.data_ptr());
     part_lse_ptr = static_cast<float*>(pl.data_ptr());
+    // The arrival counters: zero before the call, and every call leaves them so (the last split of a
+    // row resets its counter), so a zeroed buffer serves every later call and graph replay.
+    const TensorView pa = part_arrivals.value();
+    check(pa, "part_arrivals").dtype<int32_t>().ndim(2).contiguous().same_device(q, "q");
+    check(pa, "part_arrivals").size(0, batch, "batch").size(1, arrival_groups(heads), "ceil(heads / 16)");
+    arrivals_ptr = static_cast<int*>(pa.data_ptr());
+    if (q.device().device_type != kDLCUDA) {
+      for (int64_t i = 0; i < batch * arrival_groups(heads); ++i) {
+        if (arrivals_ptr[i] != 0) {
+          TVM_FFI_THROW(ValueError) << "sparsekv: argument `part_arrivals` must be all zero before a call (a "
+                                    << "zeroed workspace stays zero: every call resets it), got " << arrivals_ptr[i]
+                                    << " at flat index " << i;
+        }
+      }
+    }
   }
   Params<QT> params{static_cast<const QT*>(q.data_ptr()),
                           q.stride(0),
@@ -874,11 +957,13 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                           part_out_ptr,
                           part_lse_ptr};
   if (out_bf16) params.out_bf16 = static_cast<Bf16*>(out.data_ptr());
+  params.arrivals = arrivals_ptr;
   if (batch == 0 || heads == 0) return;
 
-  // 3. Launch on the caller's stream: the partial pass, then the combine when split.
+  // 3. Launch on the caller's stream: the partial pass, then on the cpu backend the combine when
+  //    split (on cuda and sim the partial pass's last CTA of each row combines it).
   launch<Partial<QT>>(params, q.device());
-  if (num_splits > 1) launch<Combine<QT>>(params, q.device());
+  if (num_splits > 1 && !(SPARSEKV_BACKEND_CUDA || SPARSEKV_BACKEND_SIM)) launch<Combine<QT>>(params, q.device());
 }
 
 }  // namespace sparsekv::dsv4_attention

@@ -290,14 +290,15 @@ def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
                          f"at least {floats} elements (workspace_floats), got {got}")
     if topk_length is not None:
         _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=read_values)
-    _, part_out, part_lse = _workspace_views(workspace, out, batch, heads, num_splits, impl)
+    _, part_out, part_lse, part_arrivals = _workspace_views(workspace, out, batch, heads, num_splits, impl)
     # The header entry's checks, in its order.
     check_disjoint(read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
                    read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
                    read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),
                    read(optional_arg(topk_length, "topk_length"), "topk_length"), written(out, "out"),
                    written(lse, "lse"), written(optional_arg(part_out, "part_out"), "part_out"),
-                   written(optional_arg(part_lse, "part_lse"), "part_lse"))
+                   written(optional_arg(part_lse, "part_lse"), "part_lse"),
+                   written(optional_arg(part_arrivals, "part_arrivals"), "part_arrivals"))
     check(q, "q").dtype(torch.float32 if q.dtype == torch.float32 else torch.bfloat16).ndim(3).rows_dense()
     check(q, "q").size(2, HEAD_DIM, "head dim")
     check(sink, "sink").dtype(torch.float32).ndim(1).contiguous().same_device(q, "q")
@@ -325,24 +326,42 @@ def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
 
 
 def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: int, heads: int, num_splits: int,
-                     impl: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(staged, part_out, part_lse)``: where the header writes its output (``out`` itself, but for a bf16
-    ``out`` with one split the workspace's first ``[B, H, 512]`` in float32, which the Triton twin does
-    not use: split, the header's combine writes bf16 itself) and the split partials that follow it (None
-    for one split)."""
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(staged, part_out, part_lse, part_arrivals)``: where the header writes its output (``out`` itself,
+    but for a bf16 ``out`` with one split a float32 ``[B, H, 512]`` of the workspace, which the Triton
+    twin does not use: split, the header's combine writes bf16 itself), the split partials that follow it
+    and the header's int32 arrival counters ``[B, ceil(H / 16)]`` (None for one split).
+
+    The counters sit in the workspace's first :func:`_reserved_floats` elements, a prefix that depends
+    only on the workspace's length and that nothing else ever writes: calls of any shape that share a
+    workspace find them where the last call left them, zero."""
     if impl == "flashmla":  # no workspace: FlashMLA plans its own splits
-        return out, None, None
-    staged, used = out, 0
+        return out, None, None, None
+    staged, used = out, 0 if workspace is None else _reserved_floats(workspace.numel())
     if out.dtype == torch.bfloat16:  # the layout workspace_floats sizes, whichever implementation runs
-        used = batch * heads * HEAD_DIM
         if impl == "header" and num_splits == 1:
-            staged = workspace[:used].view(batch, heads, HEAD_DIM)
-    part_out = part_lse = None
+            staged = workspace[used:used + batch * heads * HEAD_DIM].view(batch, heads, HEAD_DIM)
+        used += batch * heads * HEAD_DIM
+    part_out = part_lse = part_arrivals = None
     if num_splits > 1:
         part_out = workspace[used:used + batch * num_splits * heads * HEAD_DIM].view(batch, num_splits, heads, HEAD_DIM)
         used += part_out.numel()
         part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
-    return staged, part_out, part_lse
+        groups = _arrival_groups(heads)
+        part_arrivals = workspace[:batch * groups].view(torch.int32).view(batch, groups)
+    return staged, part_out, part_lse, part_arrivals
+
+
+def _arrival_groups(heads: int) -> int:
+    """Arrival counters per batch row: one per 16 heads (``arrival_groups`` in the header)."""
+    return -(-heads // 16)
+
+
+def _reserved_floats(workspace_numel: int) -> int:
+    """The counters' prefix of a workspace: 1 element per 1,024. A split call's partials take at least
+    2 x 513 floats per (row, head), so the prefix of any workspace long enough for the call holds its
+    ``B x ceil(H / 16)`` counters."""
+    return -(-workspace_numel // 1024)
 
 
 def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.dtype = torch.float32) -> int:
@@ -351,21 +370,29 @@ def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.d
     The split-KV partials ``[B, splits, H, 512]`` + ``[B, splits, H]`` when ``num_splits > 1``, and a
     float32 ``[B, H, 512]`` staging of the output when ``out_dtype`` is bfloat16 (the kernel
     accumulates in float32; with one split the header finishes there and the op rounds to bf16,
-    round-to-nearest-even; split, its combine rounds the same way and writes ``out`` directly).
+    round-to-nearest-even; split, its combine rounds the same way and writes ``out`` directly); and
+    before them a prefix of ``ceil(n / 1024)`` elements of a workspace of ``n`` that holds the
+    header's int32 arrival counters (``[B, ceil(H / 16)]`` when split). The prefix must be zero
+    before the first call: every call leaves it zero, so zero a workspace once (``torch.zeros``) and
+    pass it whole to every call that shares it.
     """
     partials = batch * num_splits * heads * (HEAD_DIM + 1) if num_splits > 1 else 0
-    staging = batch * heads * HEAD_DIM if out_dtype == torch.bfloat16 else 0
-    return partials + staging
+    data = partials + (batch * heads * HEAD_DIM if out_dtype == torch.bfloat16 else 0)
+    if data == 0:
+        return 0
+    floats = data + -(-data // 1023)  # the least n with n - ceil(n / 1024) >= data, or one more
+    return floats - 1 if floats - 1 - _reserved_floats(floats - 1) >= data else floats
 
 
-# One workspace per device, shared by the calls that pass none; replaced only by a larger one.
+# One workspace per device, shared by the calls that pass none; replaced only by a larger one. Zeroed
+# once: the arrival counters must start at zero, and every call leaves them so.
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
 def _cached_workspace(device: torch.device, floats: int) -> torch.Tensor:
     buffer = _WORKSPACES.get(device)
     if buffer is None or buffer.numel() < floats:
-        buffer = torch.empty(floats, dtype=torch.float32, device=device)
+        buffer = torch.zeros(floats, dtype=torch.float32, device=device)
         _WORKSPACES[device] = buffer
     return buffer
 
@@ -421,10 +448,11 @@ def sparse_decode_attention(
     out_dtype : torch.dtype
         ``torch.float32`` (default) or ``torch.bfloat16``: the dtype of ``out``.
     workspace : torch.Tensor, optional
-        float32, contiguous, 1-D, at least :func:`workspace_floats` elements (the split-KV partials and
-        the bf16 output's float32 staging). Default: one buffer per device kept by this module and
-        replaced only when a call needs more (calls on one device share it: concurrent calls on
-        different streams, and CUDA graphs, pass their own).
+        float32, contiguous, 1-D, at least :func:`workspace_floats` elements (the split-KV partials, their
+        arrival counters and the bf16 output's float32 staging), zeroed before its first use (the
+        counters must start at zero; every call, refused or not, leaves them zero). Default: one
+        zeroed buffer per device kept by this module and replaced only when a call needs more (calls
+        on one device share it: concurrent calls on different streams, and CUDA graphs, pass their own).
     impl : {"auto", "header", "triton", "flashmla"}
         ``"header"``: the kernel of ``csrc/dsv4_attention.cuh`` on the cpu or cuda backend by device;
         ``"triton"``: the tensor-core twin (:mod:`sparsekv.jit_kernel.triton.dsv4_attention`), on a GPU
@@ -499,7 +527,7 @@ def sparse_decode_attention(
     floats = workspace_floats(batch, heads, splits, out_dtype) if 1 <= splits <= max(1, entries) else 0
     floats = 0 if impl == "flashmla" else floats
     if workspace is None and floats:
-        workspace = (torch.empty(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
+        workspace = (torch.zeros(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
     _attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots,
                splits, out, lse, workspace, impl, topk_length)
@@ -520,7 +548,8 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         flashmla.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache,
                                          extra_indices, extra_page_slots, out, lse, topk_length)
         return
-    staged, part_out, part_lse = _workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits, impl)
+    staged, part_out, part_lse, part_arrivals = _workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits,
+                                                                 impl)
     if impl == "triton":  # writes bf16 output directly: the staging is the header's
         from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 
@@ -529,6 +558,7 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         return
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend_of(q))
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,
-                                   extra_page_slots, staged, lse, part_out, part_lse, num_splits, topk_length)
+                                   extra_page_slots, staged, lse, part_out, part_lse, part_arrivals, num_splits,
+                                   topk_length)
     if staged is not out:
         out.copy_(staged)

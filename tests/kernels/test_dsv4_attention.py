@@ -18,6 +18,7 @@ from sparsekv.jit_kernel.dsv4_attention import (
     check_attention_arguments,
     reads_values,
     sparse_decode_attention,
+    workspace_floats,
 )
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, skip_unless_triton_runs, to_backend
 from sparsekv.testing.components import skip_for_gpu
@@ -190,7 +191,7 @@ def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
     out = torch.full((3, 20, 512), 7.0, dtype=torch.bfloat16, device=c.q.device)
     with pytest.raises(TypeError, match="argument `out` is bfloat16"):
         module.sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, 512**-0.5, None, None, -1, out,
-                                       torch.empty(3, 20, device=c.q.device), None, None, 1, None)
+                                       torch.empty(3, 20, device=c.q.device), None, None, None, 1, None)
     assert bool((out == 7.0).all())
 
 
@@ -223,6 +224,36 @@ def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend, num_splits
     out, lse = run(case, backend, num_splits=num_splits)
     assert torch.equal(out[0], torch.zeros(3, 512)) and torch.equal(lse[0], torch.full((3,), float("inf")))
     assert bool(torch.isfinite(lse[1]).all()) and bool((out[1] != 0).any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_calls_of_any_shape_leave_the_arrival_counters_zero_and_nonzero_ones_are_refused(backend):
+    # cuda and sim: the last split CTA of a row combines and resets its counter, which sits in the
+    # workspace's prefix whatever the call's shape; so calls of different shapes (and a refused one)
+    # share one zeroed workspace, each equal to its one-split result.
+    g = torch.Generator().manual_seed(11)
+    cache = v4_cache(random_rows(70, g), 64)
+    big, small = (AttentionCase(torch.randn(batch, heads, 512, generator=g), cache,
+                                torch.randint(-1, 70, (batch, k), generator=g, dtype=torch.int32),
+                                torch.randn(heads, generator=g), 64) for batch, heads, k in ((3, 40, 50), (1, 20, 30)))
+    workspace = torch.zeros(workspace_floats(3, 40, 3, torch.bfloat16), device=device_of(backend))
+    counters = workspace[:-(-workspace.numel() // 1024)].view(torch.int32)
+    for case, num_splits, out_dtype in ((big, 3, torch.float32), (small, 2, torch.bfloat16), (big, 2, torch.float32),
+                                        (small, 1, torch.bfloat16), (big, 3, torch.bfloat16)):
+        got = run(case, backend, num_splits=num_splits, workspace=workspace, out_dtype=out_dtype)
+        bf16 = {"rtol": 2**-8, "atol": 2**-8}  # one rounding to bf16 of values within ORDER_TOL
+        assert_same(got, run(case, backend, num_splits=1), ORDER_TOL if out_dtype == torch.float32 else bf16)
+        assert not bool(counters.any())
+    with pytest.raises(ValueError, match="num_splits"):
+        run(big, backend, num_splits=51, workspace=workspace)
+    assert not bool(counters.any())
+    if backend == "cuda":
+        return  # a GPU workspace is not read: its counters are the caller's to zero once
+    counters[2] = 1  # b = 0, heads 32-39
+    out = torch.full((3, 40, 512), 7.0)
+    with pytest.raises(ValueError, match="argument `part_arrivals` must be all zero"):
+        run(big, backend, num_splits=2, workspace=workspace, out=out)
+    assert bool((out == 7.0).all())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

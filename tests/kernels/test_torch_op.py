@@ -126,7 +126,7 @@ def op_cases(device: torch.device) -> dict[str, Callable[[dict], tuple[torch.Ten
         batch, heads = w["q"].shape[:2]
         out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
         lse = torch.empty(batch, heads, device=device)
-        workspace = torch.empty(workspace_floats(batch, heads, 2, torch.bfloat16), device=device)
+        workspace = torch.zeros(workspace_floats(batch, heads, 2, torch.bfloat16), device=device)
         sparse_decode_attention(w["q"], w["kv_cache"], w["indices"], w["sink"], P, num_splits=2, out=out, lse=lse,
                                 out_dtype=torch.bfloat16, workspace=workspace, extra_kv_cache=w["kv_cache"],
                                 extra_indices=w["indices"].flip(1).contiguous(), extra_page_slots=P)

@@ -202,7 +202,7 @@ class AttentionCase:
 
     def raw(self):
         self.module.sparse_decode_attention(self.q, self.cache, self.indices, self.sink, PAGE, 512**-0.5, None, None,
-                                            -1, self.out, self.lse, None, None, 1, None)
+                                            -1, self.out, self.lse, None, None, None, 1, None)
 
     def reference(self, rows: int | None = None):
         """The fp64 reference of the first ``rows`` query rows (all by default), on the host."""

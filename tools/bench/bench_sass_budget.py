@@ -16,13 +16,19 @@ kernel cannot reach its roofline as compiled, whatever the memory system does. E
 the trip model is per kernel (``TRIPS``), the clock the boost clock, latency ignored.
 
 End to end, for the kernels whose call moves memory after the loop that the loop cannot hide
-(``AFTER_LOOP``: the header and Triton attentions' split-KV partials, written as every CTA ends, and the
-combine launch that reads them and writes the output):
+(``AFTER_LOOP``: the split-KV partials, written as every CTA ends and read back by whatever combines
+them, and the output):
 
-    end_to_end_us = issue_us + after-loop bytes / HBM bandwidth
+    end_to_end_us = issue_us + HBM bytes / HBM bandwidth + L2 bytes / L2 bandwidth
 
-(no overlap of the two; the loop's own gathers count as hidden under its issue), next to the same
-roofline as ``end_to_end_over_roofline``.
+(no overlap of the terms; the loop's own gathers count as hidden under its issue), next to the same
+roofline as ``end_to_end_over_roofline``. The HBM bytes are those that must reach or leave DRAM in the
+call (the output; the Triton twin's partials, which a second launch reads); the L2 bytes those written
+and read back within one launch while they fit in L2 (the header's partials: its last CTA of a row
+combines them; 16.8 MB at the serving shape, against 50 MB of L2 on the H200 and more on the B200).
+Their write-back to DRAM when later evicted is not counted. The L2 bandwidth is an assumption, not a
+measurement: 32 bytes per SM per clock (half of the 64 an SM's L1 takes from L2 per clock), 8.4 TB/s
+on the H200 and 9.3 TB/s on the B200.
 
 Launches whose phases run on different numbers of SMs (``PHASES``: the top-k, one CTA a row or a
 row split over several CTAs and merged by the last) sum per phase its loop x the warp trips of one
@@ -36,13 +42,15 @@ sm_100a. Nothing runs on a device: it needs nvcc and cuobjdump (triton's wheel s
 from __future__ import annotations
 
 from sparsekv.cli import CliParser
-from sparsekv.jit_kernel.dsv4_attention import HEAD_DIM, workspace_floats
+from sparsekv.jit_kernel.dsv4_attention import HEAD_DIM
 from sparsekv.testing import roofline
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
 from sparsekv.testing.sass import cuda_artifact, disassemble, inner_loop
 
 #: (SMs, clock in Hz) of the model GPU of each arch.
 ISSUE = {"9.0a": ("H200", 132, 1.98e9), "10.0a": ("B200", 148, 1.965e9)}
+#: Bytes an SM moves to or from L2 per clock, for the L2 term of the end-to-end estimate (an assumption).
+L2_BYTES_PER_SM_CLOCK = 32
 
 # Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads (and the Triton attention at
 # prefill: 4k tokens, 128 heads, top-k 2048); indexer one row of 64k
@@ -96,24 +104,24 @@ TRIPS = {
 }
 
 
-def _split_attention_after_loop(batch: int, heads: int, splits: int, out_bf16: bool) -> int:
-    """Bytes the header attention moves after its tile loop: the fp32 partials (out and lse of every
-    split) written, read back by the combine, the output (fp32, or bf16 rounded by the combine) and
-    the lse written."""
-    partials = workspace_floats(batch, heads, splits) * 4
-    return 2 * partials + batch * heads * (HEAD_DIM * (2 if out_bf16 else 4) + 4)
+def _split_attention_after_loop(batch: int, heads: int, splits: int, out_bf16: bool) -> tuple[int, int]:
+    """(HBM, L2) bytes the header attention moves after its tile loop: the output (fp32, or bf16
+    rounded by the combine) and the lse to HBM; the fp32 partials (out and lse of every split) written
+    to L2 and read back from it by the last CTA of each row, which combines them in the same launch."""
+    partials = batch * splits * heads * (HEAD_DIM + 1) * 4
+    return batch * heads * (HEAD_DIM * (2 if out_bf16 else 4) + 4), 2 * partials
 
 
-#: kernel -> (bytes moved after its loop, not hidden by it, the model): see the module docstring.
+#: kernel -> (HBM bytes, L2 bytes moved after its loop, not hidden by it, the model): see the module docstring.
 AFTER_LOOP = {
-    "cuda dsv4_attention partial_kernel": (_split_attention_after_loop(64, 64, 2, out_bf16=False),
-                                           "2 splits' fp32 partials written, the combine's read of them "
-                                           "and its fp32 output"),
-    "cuda dsv4_attention partial_kernel, bf16 out": (_split_attention_after_loop(64, 64, 2, out_bf16=True),
-                                                     "as above, the combine writing bf16"),
-    "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4),
-                                            "2 splits' partials (bf16 out, fp32 lse) written, the combine's "
-                                            "read of them and its bf16 output"),
+    "cuda dsv4_attention partial_kernel": (*_split_attention_after_loop(64, 64, 2, out_bf16=False),
+                                           "fp32 output to HBM; the 2 splits' fp32 partials written to L2 and "
+                                           "read back by the last CTA of each row (no combine launch)"),
+    "cuda dsv4_attention partial_kernel, bf16 out": (*_split_attention_after_loop(64, 64, 2, out_bf16=True),
+                                                     "as above, the last CTA writing bf16"),
+    "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0,
+                                            "2 splits' partials (bf16 out, fp32 lse) written, the combine "
+                                            "launch's read of them and its bf16 output, all at HBM"),
 }
 
 
@@ -234,9 +242,10 @@ def budget(name: str, arch: str) -> dict:
            "issue_us": round(issue_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
            "issue_over_roofline": round(issue_s / roof_s, 2)}
     if name in AFTER_LOOP:
-        after_bytes, after_model = AFTER_LOOP[name]
-        end_s = issue_s + after_bytes / roofline.GPUS[gpu].hbm_bytes_per_s
-        row.update({"after_loop_bytes": after_bytes, "after_loop_model": after_model,
+        hbm_bytes, l2_bytes, after_model = AFTER_LOOP[name]
+        l2_bytes_per_s = sms * L2_BYTES_PER_SM_CLOCK * clock
+        end_s = issue_s + hbm_bytes / roofline.GPUS[gpu].hbm_bytes_per_s + l2_bytes / l2_bytes_per_s
+        row.update({"after_loop_hbm_bytes": hbm_bytes, "after_loop_l2_bytes": l2_bytes, "after_loop_model": after_model,
                     "end_to_end_us": round(end_s * 1e6, 3), "end_to_end_over_roofline": round(end_s / roof_s, 2)})
     return row
 
