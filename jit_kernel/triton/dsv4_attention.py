@@ -4,8 +4,8 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
 :func:`sparse_decode_attention` here for ``impl="triton"``). FlashMLA's design:
 
 * one program holds every head of a row (up to ``BLOCK_H = 64``, padded to 16 for ``tl.dot``;
-  128 heads are two programs), so each selected KV row is gathered and dequantized once per 64
-  heads, not once per 8 as in the header's CUDA path;
+  128 heads are two programs; 16 heads at small batch, below), so each selected KV row is gathered
+  and dequantized once per 64 heads, not once per 8 as in the header's CUDA path;
 * a tile of ``BLOCK_N = 32`` rows is gathered once per 64 heads: a row's 448 e4m3 bytes and 64 bf16
   rope values are contiguous masked loads (16-byte vectors, ``cp.async`` when pipelined), its 8 UE8M0
   scale bytes one 8-byte word; e4m3 goes to bf16 through the hardware convert and is multiplied in
@@ -20,12 +20,19 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
 * an online softmax in base 2 with the per-head sink folded into the final normalization;
 * split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
   output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
-  split into ranges of at least one tile until the rows fill the 132 SMs (batch 1, top-k 2048 + 128
-  window: 68 programs; top-k 512 + 128: 20, one tile each, which is the latency floor). That is
-  fewer programs than SMs at batch 1: a program takes at least one tile. Groups of 16 heads would
-  make 80 programs at top-k 512, but each repeats the tile's gather and dequantization (the loop of
-  the float32-``q`` build only goes from 834 to 716 instructions on sm_90a) and spills 8 bytes on
-  sm_100a, so a row's 64 heads stay in one program.
+  split until the programs fill the 132 SMs (:func:`default_splits`);
+* at small batch, programs of 16 heads (:func:`launch_shape`): where 64-head programs of one 32-row
+  tile each would leave more than half of the SMs idle (batch 1 to 3 at top-k 512 + a 128-entry
+  window), a row's heads go to 4 programs of 16 heads, each over splits of 16-row tiles, on 4 warps
+  (173 registers, 44 KB of shared memory: 2 programs per SM), as the header's CTAs of 16 heads. At
+  batch 1, 64 heads, top-k 512 + 128: 40 splits x 4 = 160 programs, one tile each (was 20 of 64
+  heads); top-k 512 alone: 128 (was 16). Each repeats its tile's gather and dequantization for its
+  16 heads and runs both products on the warp MMA (M = 16 is below wgmma's 64): 648 loop
+  instructions a warp per 16-row tile on sm_90a, against 832 for a 64-head 32-row tile on twice the
+  warps, about 3x the issue per head and row, which costs nothing while the SMs would idle. At
+  batch 4 and up (and at batch 1, top-k 2048 + 128: 68 programs of one 32-row tile) programs hold
+  64 heads, so each selected row is gathered once per 64 heads; batch 64 is 2 splits x 64 rows =
+  128 programs, as before.
 
 Precision. ``q`` enters the tensor cores in bf16: the model's bf16 ``q`` as is, a float32 ``q``
 rounded to nearest bf16 once, in the program's prologue (not per tile; FlashMLA takes only bf16
@@ -38,12 +45,14 @@ scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
 Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
 checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
-sm_100a (253 / 214 registers for bf16 ``q``, 253 / 246 for float32 ``q``, stack 0); the gathers are
-``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words,
-no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
+sm_100a (64-head programs: 253 / 214 registers for bf16 ``q``, 253 / 246 for float32 ``q``; 16-head
+programs, float32 ``q``: 173 / 156; stack 0); the gathers are ``LDGSTS.E.BYPASS.128`` /
+``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words, no ``LDG.U8``; the
+convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
 ``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
-``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a), the QK^T fragments loaded with
-``LDSM.16.M88.4``.
+``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a; ``HMMA.16816`` for 16-head programs), the
+QK^T fragments loaded with ``LDSM.16.M88.4``. The combine reads 8 splits at a time (batch 1's 40 at
+once would not fit in registers): 64 registers, no stack.
 
 Registers. The previous form, ``q . kv^T`` on wgmma with both operands in shared memory, spilled
 (255 registers, a 504-byte stack on sm_90a): wgmma addresses shared memory through a 64-bit
@@ -70,12 +79,17 @@ MB L2, which a GPU session measures). The loop was 1,407 instructions before ``k
 (:func:`_as_loaded_bf16`: about 350 register moves and 100 ``LDS`` fewer) and the tile-major gather
 (about 150 fewer). At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of
 64 tiles) the same loop is ``8192 x 64 x 832 x 8 / (132 x 4 x 1.98e9) = 3.3 ms`` of issue against a
-math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is latency-bound:
-few tiles per program (top-k 512 + 128 over 20 splits: one tile each). A GPU session times it against
-FlashMLA (``bench_dsv4_attention --peer``).
+math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is
+latency-bound: 160 programs of one 16-row tile, ``648 x 160 x 4 / (132 x 4 x 1.98e9) = 0.4 us`` of
+issue, then the 40 splits' float32 partials (10.6 MB written and read back; 5.3 MB as bf16 for a
+bf16 output, in L2 at that size): 2.6 us end to end at HBM bandwidth, under what the two launches
+cost (a realistic floor of 5-8 us on an H200). At batch 64 without the window (top-k 512 only,
+the issue's 5.7 us roofline): 8 tiles a program, 6.7 us of issue, 11.1 us end to end, 1.93x. A GPU
+session times it against FlashMLA (``bench_dsv4_attention --peer``).
 
 Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 with tensor-core
-instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05.
+instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05 (``mma.sync`` for the
+16-head programs).
 """
 
 from __future__ import annotations
@@ -94,12 +108,19 @@ NOPE = 448
 VALUE_BYTES = 576
 SCALE_BYTES = 8
 MAX_BLOCK_H = 64
-#: Rows per tile and warps per program on a GPU; the interpreter runs the same tiles.
+#: Rows per tile and warps of a program of up to 64 heads; the interpreter runs the same tiles.
 BLOCK_N = 32
 NUM_WARPS = 8
-#: SMs of an H100 / H200: one attention program per SM (255 registers x 256 threads fill its register file).
+#: A program of 16 heads (:func:`launch_shape`, at small batch): rows per tile, warps, and how many
+#: such programs one SM holds (173 registers x 128 threads on sm_90a, 156 on sm_100a; 44 KB of shared memory).
+SMALL_BLOCK_H = 16
+SMALL_BLOCK_N = 16
+SMALL_NUM_WARPS = 4
+SMALL_PER_SM = 2
+#: SMs of an H100 / H200: one 64-head program per SM (253 registers x 256 threads fill its register file).
 _GPU_SMS = 132
-_MIN_SPLIT_LEN = BLOCK_N
+#: Splits the combine reads at a time (:func:`attention_combine_kernel`).
+SPLIT_CHUNK = tl.constexpr(8)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -314,35 +335,68 @@ def attention_partial_kernel(
 @triton.jit
 def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, heads, num_splits,
                              BLOCK_S: tl.constexpr, NATIVE_BF16: tl.constexpr):
-    """One (b, h): merge the splits' (lse_s, o_s) with the sink, as the header's ``Combine``."""
+    """One (b, h): merge the splits' (lse_s, o_s) with the sink, as the header's ``Combine``. The outputs
+    are read ``SPLIT_CHUNK`` splits at a time: batch 1's 40 splits at once would be 160 float32 values
+    a thread."""
     i = tl.program_id(0).to(tl.int64)
     b = i // heads
     h = i - b * heads
     sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < num_splits
-    lse_s = tl.load(part_lse_ptr + (b * num_splits + sp) * heads + h, mask=s_ok, other=float("-inf"))
+    lse_s = tl.load(part_lse_ptr + (b * num_splits + sp) * heads + h, mask=sp < num_splits, other=float("-inf"))
     big = tl.max(lse_s, 0)
     has = big != float("-inf")
     big_safe = tl.where(has, big, 0.0)
-    w = tl.where(s_ok & (lse_s != float("-inf")), tl.exp(lse_s - big_safe), 0.0)
-    total = tl.sum(w, 0)
+    total = tl.sum(tl.where(lse_s != float("-inf"), tl.exp(lse_s - big_safe), 0.0), 0)
     denominator = total + tl.exp(tl.load(sink_ptr + h) - big_safe)
     d = tl.arange(0, 512)
-    o = tl.load(_partials(part_out_ptr, out_ptr) + ((b * num_splits + sp) * heads + h)[:, None] * 512 + d[None, :],
-                mask=(s_ok & (w > 0.0))[:, None], other=0.0).to(tl.float32)
-    out = tl.where(has, tl.sum(w[:, None] * o, 0) / tl.where(has, denominator, 1.0), 0.0)
+    weighted = tl.zeros((512,), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        sc = s0 + tl.arange(0, SPLIT_CHUNK)
+        s_ok = sc < num_splits
+        lse_c = tl.load(part_lse_ptr + (b * num_splits + sc) * heads + h, mask=s_ok, other=float("-inf"))
+        w = tl.where(lse_c != float("-inf"), tl.exp(lse_c - big_safe), 0.0)
+        o = tl.load(_partials(part_out_ptr, out_ptr) + ((b * num_splits + sc) * heads + h)[:, None] * 512 + d[None, :],
+                    mask=(s_ok & (w > 0.0))[:, None], other=0.0).to(tl.float32)
+        weighted += tl.sum(w[:, None] * o, 0)
+    out = tl.where(has, weighted / tl.where(has, denominator, 1.0), 0.0)
     _store_out(out_ptr + i * 512 + d, out, d < 512, NATIVE_BF16)
     tl.store(lse_ptr + i, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")))
 
 
 def default_splits(device: torch.device, batch: int, heads: int, entries: int) -> int:
-    """Split-KV ranges per row: 1 on CPU (the interpreter) and whenever the rows alone give half a wave
-    of a 132-SM GPU (each split costs a float32 ``[B, H, 512]`` partial written and read back, more
-    bytes than the KV rows at batch 64); else enough splits for one program per SM."""
-    programs = max(1, batch * -(-heads // MAX_BLOCK_H))
-    if device.type != "cuda" or entries <= _MIN_SPLIT_LEN or 2 * programs >= _GPU_SMS:
+    """Split-KV ranges per row: 1 on CPU (the interpreter).
+
+    On a GPU, where programs of 64 heads and one 32-row tile each would fill at least half of the 132
+    SMs: 1 whenever the rows alone give half a wave (each split costs a ``[B, H, 512]`` partial
+    written and read back, more bytes than the KV rows at batch 64), else enough splits for one
+    program per SM. Below that (batch 1 to 3 at top-k 512 + a 128-entry window), the most splits of
+    whole 16-row tiles whose 16-head programs fit one wave (:func:`launch_shape`): at batch 1, 64
+    heads, 640 entries, 40 splits x 4 head groups = 160 programs (2 per SM); 128 at top-k 512."""
+    if device.type != "cuda":
         return 1
-    return max(1, min(_GPU_SMS // programs, entries // _MIN_SPLIT_LEN))
+    wide = max(1, batch * -(-heads // MAX_BLOCK_H))
+    if 2 * wide * (entries // BLOCK_N) >= _GPU_SMS:
+        return 1 if 2 * wide >= _GPU_SMS else min(_GPU_SMS // wide, entries // BLOCK_N)
+    small = max(1, batch * -(-heads // SMALL_BLOCK_H))
+    most = max(1, min((_GPU_SMS - 1) // (2 * wide), SMALL_PER_SM * _GPU_SMS // small))
+    tiles = max(1, -(-entries // SMALL_BLOCK_N))
+    return -(-tiles // -(-tiles // most))  # the fewest splits of whole tiles, at most `most`
+
+
+def launch_shape(batch: int, heads: int, num_splits: int) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_N, num_warps)`` of the partial kernel's programs for ``num_splits`` splits per row.
+
+    16 heads and 16-row tiles on 4 warps when programs of 64 heads would leave more than half of the
+    132 SMs idle and the 16-head programs all fit in one wave (2 per SM): batch 1 at top-k 512 (+ a
+    window) gets 128 (160) programs instead of 32 (40). Each such program repeats the gather and
+    dequantization of its rows (a quarter of the products per tile: 649 loop instructions a warp on
+    sm_90a against 832 for a 64-head 32-row tile on twice the warps), which is cheap only while the
+    SMs would idle otherwise. Else a program holds up to 64 heads (padded to 16 for ``tl.dot``) and
+    32-row tiles on 8 warps, so each selected row is gathered once per 64 heads."""
+    if 2 * batch * -(-heads // MAX_BLOCK_H) * num_splits < _GPU_SMS \
+            and batch * -(-heads // SMALL_BLOCK_H) * num_splits <= SMALL_PER_SM * _GPU_SMS:
+        return SMALL_BLOCK_H, SMALL_BLOCK_N, SMALL_NUM_WARPS
+    return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads))), BLOCK_N, NUM_WARPS
 
 
 def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse, part_out, part_lse,
@@ -351,7 +405,7 @@ def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_
     ``split_len`` the entries per split (what :func:`sparsekv.jit_kernel.dsv4_attention.check_attention_arguments`
     returns, ``extra`` None without an extra cache); ``out`` (float32 or bfloat16) and ``lse`` are written,
     ``part_out`` / ``part_lse`` are the split partials (None for one split); ``topk_length`` (int32 ``[B]``
-    or None) bounds the entries of ``indices`` taken per row.
+    or None) bounds the entries of ``indices`` taken per row. The programs' shape is :func:`launch_shape`'s.
 
     The body of the ``sparsekv::sparse_decode_attention`` op for ``impl="triton"``; see the public
     :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
@@ -359,15 +413,15 @@ def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_
     batch, heads = q.shape[0], q.shape[1]
     if batch == 0 or heads == 0:
         return
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
+    block_h, block_n, num_warps = launch_shape(batch, heads, num_splits)
     x = extra if extra is not None else main[:6] + (0,)
     grid = (batch * num_splits, triton.cdiv(heads, block_h))
     attention_partial_kernel[grid](
         q, q.stride(0), q.stride(1), *main, *x, sink, float(softmax_scale) * LOG2E, heads, num_splits, split_len,
         topk_length if topk_length is not None else lse, out, lse,
         part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, HAS_EXTRA=extra is not None,
-        HAS_LENGTHS=topk_length is not None, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
+        BLOCK_H=block_h, BLOCK_N=block_n, HAS_EXTRA=extra is not None,
+        HAS_LENGTHS=topk_length is not None, NATIVE_BF16=not interpreting(), num_warps=num_warps)
     if num_splits > 1:
         attention_combine_kernel[(batch * heads,)](part_out, part_lse, sink, out, lse, heads, num_splits,
                                                    BLOCK_S=triton.next_power_of_2(num_splits),
@@ -386,22 +440,23 @@ def _aot_kernels():
     kernels = []
     # The model's bf16 q and bf16 output, and the float32 q (rounded to bf16 once) with float32 output. The
     # integer arguments at the benchmark's serving shapes: 64 heads, top-k 512 over 64-slot C4 pages
-    # plus a 128-entry window (the extra cache), batch 64 for bf16 q and batch 1 for float32 q, with
-    # the GPU's default splits.
-    for q_type in ("bf16", "fp32"):
-        batch = 64 if q_type == "bf16" else 1
+    # plus a 128-entry window (the extra cache), batch 64 for bf16 q (2 splits, 64-head programs) and
+    # batch 1 for float32 q (40 splits, 16-head programs: launch_shape), with the GPU's default splits.
+    for q_type, batch in (("bf16", 64), ("fp32", 1)):
         splits = default_splits(torch.device("cuda"), batch, 64, 512 + 128)
+        block_h, block_n, num_warps = launch_shape(batch, 64, splits)
         partials = {"part_out_ptr": Pointer("fp32"), "part_lse_ptr": Pointer("fp32"), "sink_ptr": Pointer("fp32"),
                     "out_ptr": Pointer(q_type), "lse_ptr": Pointer("fp32"), "heads": Int(64),
                     "num_splits": Int(splits), "NATIVE_BF16": Constexpr(True)}
-        kernels.append(AotKernel(f"dsv4_attention.partial[{q_type}]", attention_partial_kernel,
+        config = q_type if block_h == MAX_BLOCK_H else f"{q_type},{block_h} heads"
+        kernels.append(AotKernel(f"dsv4_attention.partial[{config}]", attention_partial_kernel,
                                  {"q_ptr": Pointer(q_type), "q_stride_b": Int(64 * 512), "q_stride_h": Int(512),
                                   **source("", batch * 512, 512), **source("x_", batch * 128, 128),
                                   "scale_log2": Float(), "split_len": Int(-(-(512 + 128) // splits)),
-                                  "lengths_ptr": Pointer("i32"), **partials, "BLOCK_H": Constexpr(MAX_BLOCK_H),
-                                  "BLOCK_N": Constexpr(BLOCK_N), "HAS_EXTRA": Constexpr(True),
+                                  "lengths_ptr": Pointer("i32"), **partials, "BLOCK_H": Constexpr(block_h),
+                                  "BLOCK_N": Constexpr(block_n), "HAS_EXTRA": Constexpr(True),
                                   "HAS_LENGTHS": Constexpr(True)},
-                                 NUM_WARPS))
+                                 num_warps))
         kernels.append(AotKernel(f"dsv4_attention.combine[{q_type}]", attention_combine_kernel,
                                  {**partials, "BLOCK_S": Constexpr(triton.next_power_of_2(splits))}, 4))
     return kernels

@@ -58,6 +58,9 @@ SASS_TABLE = {
         launch=Launch(256, 1),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS,
         occupancy=PASS),
+    ("triton", "dsv4_attention.partial[fp32,16 heads]", ""): dict(
+        launch=Launch(128, 2),
+        no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer:layout=fp8,q_dtype=bfloat16", "scores_kernel"): dict(
         launch=Launch(256, 2),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),

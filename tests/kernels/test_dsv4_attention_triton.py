@@ -6,6 +6,8 @@ of bad input are compared in ``test_dsv4_attention.py`` (parametrized by ``impl`
 from __future__ import annotations
 
 import dataclasses
+import math
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
 from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
@@ -23,6 +26,16 @@ from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_
 BF16_REL = 1e-2
 
 pytestmark = pytest.mark.usefixtures("triton_runs_here")
+
+# The GPU sizes launch_shape() plans for: 132 SMs (the default) make the tests' small calls 16-head
+# programs of 16-row tiles on 4 warps, as batch 1 runs on an H200; 1 SM makes every call programs of up
+# to 64 heads and 32-row tiles on 8 warps, as batch 64 runs.
+SHAPES = {"16-head programs": 132, "64-head programs": 1}
+
+
+def planned_for(shape: str):
+    """A context in which the twin plans its programs as for ``shape`` (a key of :data:`SHAPES`)."""
+    return mock.patch.object(triton_attention, "_GPU_SMS", SHAPES[shape])
 
 
 def run(case: AttentionCase, backend: str, impl: str, **kwargs):
@@ -52,9 +65,11 @@ def test_triton_matches_the_fp64_reference_and_the_header(backend, case, data):
     total = case.indices.shape[1] + (0 if case.extra_indices is None else case.extra_indices.shape[1])
     splits = data.draw(st.integers(1, min(4, max(1, total))), label="num_splits")
     out_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="out_dtype")
-    got = run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)
-    case = as_the_twin_reads_it(case)
-    assert torch.equal(run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)[0], got[0])
+    shape = data.draw(st.sampled_from(sorted(SHAPES)), label="shape")
+    with planned_for(shape):
+        got = run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)
+        case = as_the_twin_reads_it(case)
+        assert torch.equal(run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype)[0], got[0])
     expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
                                                  **case.kwargs())
     # A bf16 output is the float32 result rounded to nearest: half a bf16 step (2^-8 relative) from the
@@ -65,18 +80,54 @@ def test_triton_matches_the_fp64_reference_and_the_header(backend, case, data):
                             2.0**-7 if bf16 else 0.0)
 
 
-# 128 heads (two programs, each a full 64-head tile) reach every path 64 heads (one program) do:
-# 64 runs under --slow (under the interpreter it costs 4 s of the 9 this test took).
+# 128 heads are 8 programs of 16 heads or 2 of 64 per split, and reach every path 64 heads (4 programs or
+# one) do: 64 runs under --slow. Batch 1 with 2 splits of 12 entries, one tile each: under the interpreter
+# a 64-head program costs about 1 s.
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("heads", [pytest.param(64, marks=pytest.mark.slow), 128])
-def test_dsv4_head_counts_one_program_per_64_heads(backend, heads):
-    # 64 heads fill one program's tile; 128 are two programs. bf16 q as the model runs it.
+def test_dsv4_head_counts_in_programs_of_16_and_64_heads(backend, heads, shape):
+    # bf16 q as the model runs it; the sink, and -1 padding among the entries.
     g = torch.Generator().manual_seed(heads)
     cache = v4_cache(random_rows(40, g), 64)
-    indices = torch.randint(-1, 40, (2, 24), generator=g, dtype=torch.int32)
-    case = AttentionCase((torch.randn(2, heads, 512, generator=g) * 2).bfloat16(), cache, indices,
+    indices = torch.randint(-1, 40, (1, 24), generator=g, dtype=torch.int32)
+    case = AttentionCase((torch.randn(1, heads, 512, generator=g) * 2).bfloat16(), cache, indices,
                          torch.randn(heads, generator=g), 64)
     expected = sparse_decode_attention_reference(case.q, case.kv_cache, case.indices, case.sink, case.page_slots)
-    assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
+    with planned_for(shape):
+        assert triton_attention.launch_shape(1, heads, 2)[0] == int(shape.split("-")[0])
+        assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
+
+
+def test_the_gpu_plan_fills_132_sms_at_batch_1_and_keeps_batch_64_in_64_head_programs():
+    # No kernel runs: default_splits and launch_shape for a CUDA device, at the benchmark's shapes
+    # (64 heads, top-k 512 + a 128-entry window, and without it), then invariants over many calls.
+    gpu = torch.device("cuda")
+
+    def plan(batch, heads, entries):
+        splits = triton_attention.default_splits(gpu, batch, heads, entries)
+        block_h, block_n, warps = triton_attention.launch_shape(batch, heads, splits)
+        return splits, block_h, block_n, warps, batch * splits * -(-heads // block_h)
+
+    assert plan(1, 64, 640) == (40, 16, 16, 4, 160)  # was 20 programs of 64 heads
+    assert plan(1, 64, 512) == (32, 16, 16, 4, 128)  # as the header's CTAs
+    assert plan(1, 128, 640) == (20, 16, 16, 4, 160)
+    assert plan(64, 64, 640) == (2, 64, 32, 8, 128)  # the 2x design case, as before
+    assert plan(64, 64, 512) == (2, 64, 32, 8, 128)
+    assert plan(1, 64, 2048 + 128) == (68, 64, 32, 8, 68)  # one 32-row tile each already
+    assert triton_attention.default_splits(torch.device("cpu"), 1, 64, 640) == 1
+    for batch in (1, 2, 3, 4, 5, 8, 16, 33, 64, 65, 66, 128):
+        for heads in (1, 16, 20, 64, 128):
+            for entries in (1, 15, 16, 17, 100, 512, 640, 2176):
+                splits, block_h, block_n, warps, programs = plan(batch, heads, entries)
+                split_len = -(-entries // splits)
+                assert 1 <= splits <= entries and (splits - 1) * split_len < entries  # no split is empty
+                if block_n == 16:  # 16-head programs: all in one wave, no more tiles than an even spread
+                    assert (block_h, warps) == (16, 4) and programs <= 2 * 132, (batch, heads, entries)
+                    tiles = math.ceil(entries / 16)
+                    assert math.ceil(split_len / 16) <= math.ceil(tiles / splits), (batch, heads, entries)
+                else:
+                    assert (block_n, warps) == (32, 8) and block_h == min(64, max(16, 1 << (heads - 1).bit_length()))
+                    assert 2 * batch * -(-heads // 64) * splits >= 132 or programs > 2 * 132
 
 
 def test_a_bf16_output_over_splits_combines_bf16_partials(backend):

@@ -98,8 +98,9 @@ def paper_per_impl(batch: int = 64, top_k: int = 512, heads: int = 64, c4_entrie
                                        "two splits at batch 64 (128 CTAs, one per SM)"},
         "attention_triton": {"bytes": kv + q_out, "flops": attn_flops, "math": "bf16_flops",
                              "kv_row_round_trips": -(-heads // 64),
-                             "design": "64 heads per program, BLOCK_N=32 rows per tile, 8 warps, tl.dot (wgmma / "
-                                       "tcgen05), no split at batch 64 (64 programs, one per SM)"},
+                             "design": "64 heads per program, 32-row tiles, 8 warps, tl.dot (wgmma / tcgen05), 2 "
+                                       "splits at batch 64 (128 programs, one per SM); at batch 1-3 16 heads per "
+                                       "program, 16-row tiles, 4 warps, mma.sync (batch 1: 160 programs, 2 per SM)"},
         "indexer_scores_header": {"bytes": index_bytes, "flops": index_flops, "math": "fp32_flops",
                                   "kv_row_round_trips": 1, "design": "one warp per entry, CUDA cores"},
         "indexer_scores_triton": {"bytes": index_bytes, "flops": index_flops, "math": "bf16_flops",

@@ -89,6 +89,15 @@ TRIPS = {
                                             roofline.attention(64, 512 + 128), 64 * 2 * ((512 + 128) // 2 // 32) * 8,
                                             64 * 2, "64 heads per program, 2 splits per row (128 programs), "
                                                     "each looping over its 320 rows in tiles of 32, with 8 warps"),
+    "triton dsv4_attention.partial[bf16] top-k 512": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
+                                                      roofline.attention(64, 512), 64 * 2 * (512 // 2 // 32) * 8,
+                                                      64 * 2, "as above without the window: each program "
+                                                              "over its 256 rows in 8 tiles of 32"),
+    "triton dsv4_attention.partial[fp32,16 heads] batch 1": (
+        ("triton", "dsv4_attention.partial[fp32,16 heads]", {}, ""),
+        roofline.attention(1, 512 + 128, q_bytes=4, out_bytes=4), 40 * 4 * 1 * 4, 40 * 4,
+        "batch 1, float32 q and output: 16 heads per program, 40 splits of one 16-row tile (160 programs, "
+        "2 per SM), with 4 warps; launch-bound on a GPU"),
     "triton dsv4_attention.partial[bf16] prefill": (("triton", "dsv4_attention.partial[bf16]", {}, ""),
                                                     roofline.attention(4096, 2048, 128), 4096 * 2 * (2048 // 32) * 8,
                                                     4096 * 2, "prefill, each of 4k query tokens a row: 128 heads as "
@@ -122,6 +131,12 @@ AFTER_LOOP = {
     "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0,
                                             "2 splits' partials (bf16 out, fp32 lse) written, the combine "
                                             "launch's read of them and its bf16 output, all at HBM"),
+    "triton dsv4_attention.partial[bf16] top-k 512": (
+        2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0, "as above"),
+    "triton dsv4_attention.partial[fp32,16 heads] batch 1": (
+        2 * 40 * 64 * (HEAD_DIM * 4 + 4) + 64 * (HEAD_DIM * 4 + 4), 0,
+        "40 splits' float32 partials written, the combine launch's read of them and its float32 output, "
+        "all at HBM (at batch 1 they fit in L2)"),
 }
 
 
