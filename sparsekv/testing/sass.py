@@ -157,10 +157,12 @@ def ctas_per_sm(kernel: KernelSass, threads: int) -> int:
     return min(by_registers, by_shared, SM_THREADS // threads, SM_CTAS)
 
 
-_WIDE_LOADS = re.compile(r"^(LDG\.\S*(64|128)|LDGSTS|UTMALDG|UBLKCP|LDGDEPBAR)")
-_BYTE_LOADS = re.compile(r"^LDG\S*\.[US]8(\.|$)")
-_WIDE_STORES = re.compile(r"^STG\.\S*(64|128)")
-_NARROW_STORES = re.compile(r"^STG\S*\.[US](8|16)(\.|$)")
+# Global loads and stores (LDG / STG), and generic ones (LD / ST: what nvcc emits for a pointer it
+# cannot prove global, such as the copies' per-layer base addresses read from a table).
+_WIDE_LOADS = re.compile(r"^((LDG|LD)\.\S*(64|128)|LDGSTS|UTMALDG|UBLKCP|LDGDEPBAR)")
+_BYTE_LOADS = re.compile(r"^(LDG|LD)\.(\S*\.)?[US]8(\.|$)")
+_WIDE_STORES = re.compile(r"^(STG|ST)\.\S*(64|128)")
+_NARROW_STORES = re.compile(r"^(STG|ST)\.(\S*\.)?[US](8|16)(\.|$)")
 _TENSOR_CORES = re.compile(r"^(HGMMA|QGMMA|IGMMA|UTC\w*MMA|HMMA|QMMA|IMMA)")
 _GMMA_SHAPE = re.compile(r"GMMA\.(\d+)x(\d+)x(\d+)")
 
