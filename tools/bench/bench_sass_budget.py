@@ -110,6 +110,13 @@ TRIPS = {
     "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
                                     roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
                                     "one warp per row, 8 B per lane: 3 trips per 584 B row"),
+    "cuda dsv4_indexer scores_kernel 256k": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
+                                              "scores_kernel"), roofline.indexer_scores(1, 262144), 262144 // 16,
+                                             262144 // 256, "one row of 256k entries: as at 64k, 1,024 CTAs"),
+    "triton dsv4_indexer.scores[fp8,bf16] 256k": (("triton", "dsv4_indexer.scores[fp8,bf16]", {}, ""),
+                                                  roofline.indexer_scores(1, 262144), (262144 // 256) * (256 // 64) * 4,
+                                                  262144 // 256, "one row of 256k entries: 1,024 chunks of 256 over "
+                                                                 "the persistent grid, as at 64k"),
 }
 
 
@@ -143,9 +150,12 @@ AFTER_LOOP = {
 #: Kernels whose launch runs in phases on different numbers of SMs (the split top-k: its CTAs over
 #: their slices, then the last CTA's merge on one SM): kernel -> (build, roofline cost, phases,
 #: allowance (launch us, straight-line us), model). A phase is (name, required opcodes, excluded
-#: opcodes, warp trips per SM, CTAs, one an SM): its loop is the longest innermost loop holding
+#: opcodes, warp trips per SM, CTAs, one an SM[, options]): its loop is the longest innermost loop holding
 #: every required opcode prefix and none of the excluded (the split and the single-CTA row passes
-#: compile to loops within 2% of each other; the longer is taken). issue_us sums the phases; the
+#: compile to loops within 2% of each other; the longer is taken). Options: ``kernel``, a kernel of
+#: the same library other than the row's (a call of two launches); ``outer=True``, of the loops that
+#: hold another loop the shortest matching (a block-wide pass whose body holds its own short loops,
+#: the scans over warp counts: the longest would be the loop around all passes). issue_us sums the phases; the
 #: allowance covers what no loop holds, by hand, not counted from the SASS: the launch (3 us; 4 with
 #: the clear kernel before it) and the code outside the row loops on the critical CTA (4 block
 #: picks, 5 scans, 3 histogram clears, the output: about 1,000 instructions a warp, 32 warps on 4
@@ -180,14 +190,51 @@ PHASES = {
          ("merge: gather copy", *_GATHER_COPY, 3 * 32, 1)], (4.0, 5.0),
         "batch 1, workspace given: 32 CTAs of 8,192 entries (a warp 256), each publishing ~700 "
         "candidates; the last CTA gathers the 32 segments (~22k keys, a warp a segment, 3 trips of 256)"),
+    "cuda dsv4_compress CompressEvents 4k C4": (
+        ("cuda", "dsv4_compress", {}, "CompressEvents"), roofline.compress(4096, 4),
+        [("window max", {"LDG"}, {"MUFU", "LDG.E.U16"}, 8 * 8, 2048),
+         ("window weighted sum", {"MUFU"}, {"LDG.E.U16"}, 8 * 8, 2048)], (0.0, 0.0),
+        "the compressor alone (no store), 4k C4 tokens from the fp32 input: one warp per (event, 32-channel "
+        "tile), 1,024 events x 16 tiles = 16k warps in 2,048 CTAs of 8, each warp 2 passes over its 8 window "
+        "slots (the max, then exp and the weighted sum; the fp32 ring's loops, not the bf16 ring's); no "
+        "allowance, as the fused compress-store's row"),
+    "cuda hisparse swap-in step batch 64 K 512 0.1% misses": (
+        ("cuda", "hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
+         "swap_in_kernel"), roofline.swap_in(64, 512, 33),
+        [("per request: top-k hash insert", {"ATOMS.CAS", "ATOMS.MIN"}, set(), 16, 64, {"outer": True}),
+         ("per request: top-k pass (hits, misses)", {"LDG.E.U16", "VOTE", "BAR"}, set(), 16, 64, {"outer": True}),
+         ("per request: 2 LRU passes over H", {"LDS.U16", "VOTE", "BAR", "STG.E"}, {"LDG.E.U16", "ATOMS"},
+          2 * 2 * 16, 64, {"outer": True}),
+         ("per request: output pass", {"LDS.128", "STG.E", "VOTE", "BAR"}, {"LDS.U16", "LDG.E.U16", "ATOMS"}, 16,
+          64, {"outer": True}),
+         ("copies: a miss's scan of the later rows", {"LDG.E", "LDG.E.64"}, {"STG"}, 63 * 4, 1,
+          {"kernel": "MissCopies", "outer": True}),
+         ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})],
+        (4.0, 2.5),
+        "batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch (64 CTAs of 512 "
+        "threads, one an SM; each of its 16 warps runs each block-wide pass once per 512 entries: the top-k "
+        "passes once, the 2 LRU passes over 1,024 slots twice) then the copies' launch, one warp per plan entry "
+        "(32k): its critical warp is a miss of row 0, whose scan of the 63 later rows for a same-request "
+        "copy and its 2-trip 16-byte copy run on one scheduler (trips x 4). The allowance: 2 launches back to "
+        "back (3 + 1 us), the 32k entries' miss-count checks (~15 instructions a warp: 0.5 us) and one PCIe "
+        "round trip for the misses, all in flight at once (2 us). Not counted: the code between the passes "
+        "(barriers, block scans); the scan's 63 row loads are L2 round trips a GPU must time"),
+    "cuda hisparse_copy TransferTokens 64k x 21": (
+        ("cuda", "hisparse_copy", {"page_slots": 64}, "TransferTokens"), roofline.Cost(2 * 65536 * 21 * 584),
+        [("value records: 16-byte copy loop", {"LD.E.128", "ST.E.128"}, set(), 8 * 21 * 2, 8192)], (3.0, 0.0),
+        "64k tokens x 21 layers device -> device (the benchmark's 64k x 21): one warp per token (8,192 CTAs of "
+        "8), per layer the 576 B value record in 2 trips of the 16-byte loop (generic LD/ST: the layers' base "
+        "addresses come from a table); the 8 B scale record and the per-layer addressing are not counted"),
 }
 
 
-def _loop(kernel, required: set[str], excluded: set[str]) -> list[str]:
-    """The longest innermost loop of ``kernel`` holding every required opcode prefix and no excluded one."""
+def _loop(kernel, required: set[str], excluded: set[str], outer: bool = False) -> list[str]:
+    """The longest innermost loop of ``kernel`` holding every required opcode prefix and no excluded one
+    (``outer``: the shortest of the loops holding another loop)."""
     backward = [(target, source) for source, target in kernel.branches if target < source]
-    innermost = [(a, b) for a, b in backward if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in backward)]
-    loops = [[op for op, at in zip(kernel.opcodes, kernel.addresses) if a <= at <= b] for a, b in innermost]
+    nests = [any(a <= c and d <= b and (c, d) != (a, b) for c, d in backward) for a, b in backward]
+    loops = [[op for op, at in zip(kernel.opcodes, kernel.addresses) if a <= at <= b]
+             for (a, b), nested in zip(backward, nests) if nested == outer]
 
     def has(ops: list[str], prefix: str) -> bool:
         return any(op == prefix or op.startswith(prefix + ".") for op in ops)
@@ -195,25 +242,27 @@ def _loop(kernel, required: set[str], excluded: set[str]) -> list[str]:
     matching = [ops for ops in loops if all(has(ops, r) for r in required) and not any(has(ops, x) for x in excluded)]
     if not matching:
         raise SystemExit(f"bench_sass_budget: no loop holds {sorted(required)} without {sorted(excluded)}")
-    return max(matching, key=len)
+    return (min if outer else max)(matching, key=len)
 
 
 def phased_budget(name: str, arch: str) -> dict:
     (build, module, values, kernel_name), cost, phases, (launch_us, straight_us), model = PHASES[name]
     allowance_us = launch_us + straight_us
     sm = "sm_" + arch.replace(".", "")
-    (sass,) = [k for (a, n), k in disassemble(cuda_artifact(module, _values(values), ("9.0a", "10.0a"))).items()
-               if a == sm and kernel_name in n]
+    kernels = disassemble(cuda_artifact(module, _values(values), ("9.0a", "10.0a")))
     gpu, sms, clock = ISSUE[arch]
     rows, issue_s = [], 0.0
-    for phase, required, excluded, trips, ctas in phases:
-        loop = _loop(sass, required, excluded)
+    for phase, required, excluded, trips, ctas, *options in phases:
+        option = options[0] if options else {}
+        (sass,) = [k for (a, n), k in kernels.items() if a == sm and option.get("kernel", kernel_name) in n]
+        loop = _loop(sass, required, excluded, option.get("outer", False))
         seconds = len(loop) * trips * -(-ctas // sms) / (4 * clock)  # the SMs run in parallel, in waves
         issue_s += seconds
         rows.append({"phase": phase, "loop_instructions": len(loop), "warp_trips_per_sm": trips, "sms": ctas,
                      "issue_us": round(seconds * 1e6, 3)})
     roof_s = cost.roofline_s(roofline.GPUS[gpu])
     estimate_s = issue_s + allowance_us * 1e-6
+    (sass,) = [k for (a, n), k in kernels.items() if a == sm and kernel_name in n]
     return {"case": f"{name} {sm}", "arch": sm, "model_gpu": gpu, "kernel_instructions": len(sass.opcodes),
             "phases": rows, "trip_model": model, "issue_us": round(issue_s * 1e6, 3), "allowance_us": allowance_us,
             "estimate_us": round(estimate_s * 1e6, 3), "roofline_us": round(roof_s * 1e6, 3),
