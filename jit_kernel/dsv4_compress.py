@@ -96,7 +96,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rati
         A dtype other than float32.
     """
     ratio = as_int(ratio, "ratio")
-    impl = resolve_impl(impl, kv.device)
+    impl = resolve_impl(impl, kv)
     if out is None:
         coff = 2 if ratio == 4 else 1
         out = torch.empty(rows_of(kv, 2) // ratio if ratio in RATIOS else 0, rows_of(kv, 2, 1) // coff,
@@ -266,6 +266,8 @@ def check_decode_on_cuda(state_rows: torch.Tensor, positions: torch.Tensor, stat
 def decode_outputs(kv: torch.Tensor, ratio: int, out: torch.Tensor | None,
                    emitted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs of a decode step of ``kv``'s rows: ``out`` and ``emitted``, allocated where not given."""
+    if out is not None and emitted is not None:  # the decode loop's case: nothing to size
+        return out, emitted
     coff = 2 if ratio == 4 else 1
     batch = rows_of(kv, 2)
     if out is None:
@@ -293,7 +295,8 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
 def _compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, state: torch.Tensor,
                      state_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
                      emitted: torch.Tensor) -> None:
-    check_ratio(ratio)
+    if ratio not in RATIOS:
+        check_ratio(ratio)
     check_decode_on_cuda(state_rows, positions, state)
     DSV4_COMPRESS.module_for(kv).compress_decode(kv, score, ape, ratio, state, state_rows, positions,
                                                                  out, emitted)

@@ -21,7 +21,7 @@ import torch
 
 from sparsekv.checks import as_int, one_of
 from sparsekv.jit_kernel.build.registry import KernelFamily, register
-from sparsekv.jit_kernel.dsv4_compress import check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
+from sparsekv.jit_kernel.dsv4_compress import RATIOS, check_decode_on_cuda, check_ratio, compress_decode, decode_outputs
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
 from sparsekv.jit_kernel.dsv4_store import CACHE_KINDS, StoreTarget, dsv4_store_instance
 from sparsekv.jit_kernel.torch_op import kernel_op
@@ -72,7 +72,7 @@ def compress_store_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
     TypeError, ValueError, IndexError
         As ``compress_extend`` and :func:`~sparsekv.jit_kernel.dsv4_store.norm_rope_store`; nothing is written.
     """
-    impl = resolve_impl(impl, kv.device)
+    impl = resolve_impl(impl, kv)
     _compress_store(kv, score, ape, ratio, state, sources, writes, target.weight, target.eps, positions,
                     target.cache, slots, target.page_slots, target.rope.cos, target.rope.sin, target.cache_kind, impl)
 
@@ -83,7 +83,7 @@ def _compress_store(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ra
                     positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int,
                     rope_cos: torch.Tensor, rope_sin: torch.Tensor, cache_kind: str, impl: str) -> None:
     dsv4_store_instance(cache_kind)
-    check_device_slots(slots, cache.shape[0] * page_slots, unique=True)
+    check_device_slots(slots, cache, page_slots, unique=True)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_compress_store as triton_compress_store
 
@@ -156,14 +156,16 @@ def compress_decode_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tenso
         (host-readable tables; on the GPU the kernel skips them). Nothing is written when anything is raised.
     """
     ratio = as_int(ratio, "ratio")
-    one_of(impl, "impl", IMPLS)  # also where the header runs regardless (no store)
+    if impl not in IMPLS:  # also where the header runs regardless (no store)
+        one_of(impl, "impl", IMPLS)
     out, emitted = decode_outputs(kv, ratio, out, emitted)
     if store is None and entry_slots is None:
         return compress_decode(kv, score, ape, ratio, state, state_rows, positions, out=out, emitted=emitted)
-    check_ratio(ratio)
+    if ratio not in RATIOS:
+        check_ratio(ratio)
     if store is None or entry_slots is None:
         raise ValueError("sparsekv: arguments `store` and `entry_slots` go together: pass both or neither")
-    impl = resolve_impl(impl, kv.device)
+    impl = resolve_impl(impl, kv)
     _compress_decode_store(kv, score, ape, ratio, state, state_rows, positions, out, emitted, store.weight, store.eps,
                            store.cache, entry_slots, store.page_slots, store.rope.cos, store.rope.sin,
                            store.cache_kind, impl)

@@ -164,6 +164,10 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
                          f"[0, {num_pages}) ({pages_are}) but holds visible entries")
 
 
+#: The entries' name for :func:`indexer_scores`'s output is ``scores`` (made once: the block is on the decode path).
+_SCORES_ARE_OUT = named_as(scores="out")
+
+
 @renamed_keywords(page_size="page_slots")
 def indexer_scores(
     q: torch.Tensor,
@@ -227,8 +231,8 @@ def indexer_scores(
     if out is None:  # a page size out of range gives no columns; the op body refuses it
         width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
-    impl = resolve_impl(impl, q.device)
-    with named_as(scores="out"):  # the entries' name for the output
+    impl = resolve_impl(impl, q)
+    with _SCORES_ARE_OUT:
         _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out, impl)
     return out
 
@@ -236,17 +240,19 @@ def indexer_scores(
 @kernel_op("indexer_scores", mutates_args=("out",))
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                     positions: torch.Tensor, page_slots: int, layout: str, out: torch.Tensor, impl: str) -> None:
-    _check_instance(layout, q.dtype)
-    if page_table.dim() != 2:
+    q_dtype = q.dtype
+    _check_instance(layout, q_dtype)
+    on_device = index_checks_on_device(out)
+    if (on_device or impl == "triton") and page_table.dim() != 2:  # the header's entry says the same itself
         raise ValueError(f"sparsekv: argument `page_table` must be 2-D, got shape {list(page_table.shape)}")
-    if index_checks_on_device(out):
+    if on_device:
         check_pages_in_use(page_table, positions, page_slots, k_cache.shape[0])
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
         triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out)
         return
-    INDEXER.module_for(out, layout, q.dtype).indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
+    INDEXER.module_for(out, layout, q_dtype).indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
 
 
 @renamed_keywords(top_k="num_top_k", page_size="page_slots")
@@ -315,7 +321,7 @@ def indexer_topk(
         tables; with ``SPARSEKV_CHECK_INDICES=1`` on the GPU too; otherwise such slots are -1).
     """
     num_top_k, page_slots = as_int(num_top_k, "num_top_k"), as_int(page_slots, "page_slots")
-    impl = resolve_impl(impl, scores.device)
+    impl = resolve_impl(impl, scores)
     out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
     _indexer_topk(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     return out, out_slots
@@ -325,8 +331,10 @@ def _check_top_k(scores: torch.Tensor, num_top_k: int) -> None:
     if not 1 <= num_top_k <= _MAX_TOP_K:
         raise ValueError(f"sparsekv: argument `num_top_k` must be in [1, 2^31 - 1] (any k; no per-k instances), got "
                          f"{num_top_k}")
+    if num_top_k <= TOP_K_PAST_ROW_LENGTH:  # any row takes it (the decode path's k: no need to read the width)
+        return
     width = rows_of(scores, 2, 1)
-    if num_top_k > max(width, TOP_K_PAST_ROW_LENGTH):
+    if num_top_k > width:
         raise ValueError(f"sparsekv: argument `num_top_k` = {num_top_k} is more than the {width} entries of a `scores` "
                          f"row (and than {TOP_K_PAST_ROW_LENGTH}, the columns of -1 taken past a row's length)")
 
@@ -334,12 +342,16 @@ def _check_top_k(scores: torch.Tensor, num_top_k: int) -> None:
 def _topk_outputs(scores: torch.Tensor, num_top_k: int, page_table: torch.Tensor | None, out: torch.Tensor | None,
                   out_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out`` and ``out_slots`` of a top-k call, allocated when not given (``[B, num_top_k]`` int32), after
-    the ``num_top_k`` check (:func:`_check_top_k`), so an absurd ``num_top_k`` allocates nothing."""
+    the ``num_top_k`` check (:func:`_check_top_k`), so an absurd ``num_top_k`` allocates nothing (given
+    both, the op body checks it)."""
+    slots_missing = page_table is not None and out_slots is None
+    if out is not None and not slots_missing:
+        return out, out_slots
     _check_top_k(scores, num_top_k)
     k, batch = num_top_k, rows_of(scores, 2)
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
-    if page_table is not None and out_slots is None:
+    if slots_missing:
         out_slots = torch.empty((batch, k), dtype=torch.int32, device=scores.device)
     return out, out_slots
 
@@ -397,7 +409,8 @@ def _check_topk_options(scores: torch.Tensor, positions: torch.Tensor, num_top_k
     _check_top_k(scores, num_top_k)
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
-    if out.dim() != 2 or out.shape[1] != num_top_k:
+    shape = out.shape
+    if len(shape) != 2 or shape[1] != num_top_k:
         raise ValueError(f"sparsekv: argument `out` must be [B, num_top_k={num_top_k}], got shape {list(out.shape)}")
     if page_table is not None and index_checks_on_device(scores) and page_slots > 0:
         # The host entry's check of host tables, on the device (a sync): no page whose slots wrap int32.

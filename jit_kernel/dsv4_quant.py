@@ -47,10 +47,12 @@ DSV4_QUANT = register(
 )
 
 
-def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> None:
-    """With ``SPARSEKV_CHECK_INDICES=1``: validate CUDA-resident slots with torch (synchronizes).
+def check_device_slots(slots: torch.Tensor, cache: torch.Tensor, page_slots: int, unique: bool) -> None:
+    """With ``SPARSEKV_CHECK_INDICES=1``: validate CUDA-resident slots of a 2-D paged ``cache`` of
+    ``page_slots`` slots a page with torch (synchronizes).
 
-    Host-resident slots are always validated by the kernel's host entry instead.
+    Host-resident slots are always validated by the kernel's host entry instead (nothing is read
+    then: the decode path's case).
 
     Raises
     ------
@@ -61,6 +63,7 @@ def check_device_slots(slots: torch.Tensor, num_slots: int, unique: bool) -> Non
     """
     if not index_checks_on_device(slots) or slots.dim() != 1 or slots.numel() == 0:
         return
+    num_slots = rows_of(cache, 2) * page_slots
     bad = first_true((slots < 0) | (slots >= num_slots))
     if bad is not None:
         (i,) = bad
@@ -106,12 +109,12 @@ def quantize_fp8_ds_mla(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tenso
     host; the kernel skips out-of-range ones). Bytes outside the written slots never change.
     """
     page_slots = as_int(page_slots, "page_slots")
-    _quantize(x, cache, slots, page_slots, resolve_impl(impl, cache.device))
+    _quantize(x, cache, slots, page_slots, resolve_impl(impl, cache))
 
 
 @kernel_op("quantize_fp8_ds_mla", mutates_args=("cache",))
 def _quantize(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, impl: str) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
+    check_device_slots(slots, cache, page_slots, unique=True)
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_quant as triton_quant
 
@@ -155,7 +158,7 @@ def dequantize_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, page_slots: 
 
 @kernel_op("dequantize_fp8_ds_mla", mutates_args=("out",))
 def _dequantize(cache: torch.Tensor, slots: torch.Tensor, page_slots: int, out: torch.Tensor) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=False)
+    check_device_slots(slots, cache, page_slots, unique=False)
     DSV4_QUANT.module_for(cache).dequantize_fp8_ds_mla(cache, slots, page_slots, out)
 
 
@@ -213,6 +216,6 @@ def quantize_indexer_keys(keys: torch.Tensor, cache: torch.Tensor, slots: torch.
 
 @kernel_op("quantize_indexer_keys", mutates_args=("cache",))
 def _quantize_indexer(keys: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, page_slots: int, fmt: str) -> None:
-    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
+    check_device_slots(slots, cache, page_slots, unique=True)
     module = DSV4_QUANT.module_for(cache)
     getattr(module, INDEXER_QUANTIZERS[fmt])(keys, cache, slots, page_slots)

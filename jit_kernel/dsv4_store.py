@@ -24,7 +24,7 @@ from sparsekv.checks import as_float, as_int
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.dsv4_quant import check_device_slots
-from sparsekv.jit_kernel.torch_op import kernel_op, rows_of
+from sparsekv.jit_kernel.torch_op import kernel_op
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.rope import RopeTable
 
@@ -131,7 +131,7 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")
     _norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope.cos, rope.sin, cache_kind,
-                     resolve_impl(impl, cache.device))
+                     resolve_impl(impl, cache))
 
 
 @kernel_op("norm_rope_store", mutates_args=("cache",))
@@ -140,14 +140,14 @@ def _norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, position
                      cache_kind: str, impl: str) -> None:
     if impl == "triton":
         dsv4_store_instance(cache_kind)  # the kind is named first, as the header path's module lookup does
-        check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
+        check_device_slots(slots, cache, page_slots, unique=True)
         from sparsekv.jit_kernel.triton import dsv4_store as triton_store
 
         triton_store.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin,
                                      cache_kind)
         return
     module = DSV4_STORE.module_for(cache, cache_kind)
-    check_device_slots(slots, rows_of(cache, 2) * page_slots, unique=True)
+    check_device_slots(slots, cache, page_slots, unique=True)
     module.norm_rope_store(x, weight, eps, positions, cache, slots, page_slots, rope_cos, rope_sin)
 
 

@@ -22,7 +22,7 @@ import torch
 from sparsekv import env
 from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
 from sparsekv.jit_kernel.hisparse_copy import transfer_cache_dsv4_mla, transfer_pages_dsv4_mla
-from sparsekv.jit_kernel.hisparse_index import ResidentIndex, check_resident_index_on_device, indexed_module
+from sparsekv.jit_kernel.hisparse_index import INDEXED, ResidentIndex, check_resident_index_on_device
 from sparsekv.jit_kernel.hisparse_params import (
     LAYOUTS,
     SHARED_MEMORY_LIMIT,
@@ -236,7 +236,7 @@ def _load(
 ) -> None:
     """Both public swap-ins (``is_dsv4_layout``: which): checks the Python-object arguments and unpacks the
     resident index into the op's tensors. The one place their arguments are written."""
-    if not isinstance(speculative, bool):
+    if type(speculative) is not bool:  # noqa: E721 - bool has no subclass
         raise TypeError(f"sparsekv: argument `speculative` must be a bool, got {speculative!r}")
     protect_recent, protect_near = policy_protections(policy)
     index = (None, None, None)
@@ -265,23 +265,24 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
              protect_near: int = 0) -> None:
     """Every swap-in variant (layout, speculative rows, resident index) as the custom op
     ``sparsekv::load_cache_to_device_buffer``."""
-    backend = backend_of(top_k_tokens)
     page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
                         num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
                         counters=counters, speculative=speculative)
-    compiled = swap_in_module
+    family = SWAP_IN
     if index_slot_of is not None:
         # The indexed entries take the index tables right after lru_slots.
         at = SWAP_IN_ARGS.index("lru_slots") + 1
         args[at:at] = [index_slot_of, index_queue, index_queue_pos]
-        compiled = indexed_module
-    module = compiled(num_top_k, hot_buffer_size, is_dsv4_layout=is_dsv4_layout, page_slots=page_slots,
-                      block_size=block_size, backend=backend, protect_recent=protect_recent, protect_near=protect_near)
-    tables = (top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
-              lru_slots, num_real_reqs)
+        family = INDEXED
+    # swap_in_module's and indexed_module's instance, by position (SWAP_IN_PARAMS: both families' order).
+    layout, layout_page_slots = ("dsv4", page_slots) if is_dsv4_layout else ("generic", None)
+    module = family.module_for(top_k_tokens, num_top_k, hot_buffer_size, layout, layout_page_slots, block_size,
+                               protect_recent, protect_near)
     on_device = index_checks_on_device(top_k_tokens)
+    tables = (top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
+              lru_slots, num_real_reqs) if on_device else ()
     if on_device and _tables_fit(*tables, host_cache, device_buffer, num_top_k, hot_buffer_size):
         rows = check_swap_in_on_device(*tables, host_cache, device_buffer, hot_buffer_size=hot_buffer_size,
                                        page_slots=page_slots, speculative=speculative)
@@ -527,7 +528,10 @@ def load_cache_to_device_buffer_mla(*args, **kwargs) -> None:
         two copies: distinct ``device_buffer_locs`` are otherwise the caller's duty). Without it the
         kernel skips out-of-range entries instead of faulting.
     """
-    _run_load(load_cache_to_device_buffer_mla, False, args, kwargs)
+    try:
+        _load(False, *args, **kwargs)
+    except TypeError as error:
+        _named_against(load_cache_to_device_buffer_mla, args, kwargs, error)
 
 
 def load_cache_to_device_buffer_dsv4_mla(*args, **kwargs) -> None:
@@ -542,20 +546,21 @@ def load_cache_to_device_buffer_dsv4_mla(*args, **kwargs) -> None:
     :data:`~sparsekv.kv_layout.C4_PAGE_SLOTS` (32, 64, 128 for full-token page sizes
     128, 256, 512); default: read off ``device_buffer``'s page-row bytes.
     """
-    _run_load(load_cache_to_device_buffer_dsv4_mla, True, args, kwargs)
-
-
-def _run_load(public, is_dsv4_layout: bool, args: tuple, kwargs: dict) -> None:
-    """``_load`` for a public swap-in. Arguments that do not fit its signature are named against the
-    public function, not ``_load``; binding them only after a TypeError keeps the call path free of it."""
     try:
-        _load(is_dsv4_layout, *args, **kwargs)
+        _load(True, *args, **kwargs)
     except TypeError as error:
-        try:
-            inspect.signature(public).bind(*args, **kwargs)
-        except TypeError as unbound:
-            raise TypeError(f"sparsekv: {public.__name__}(): {unbound}") from None
-        raise error
+        _named_against(load_cache_to_device_buffer_dsv4_mla, args, kwargs, error)
+
+
+def _named_against(public, args: tuple, kwargs: dict, error: TypeError) -> None:
+    """Re-raise ``error``, a ``TypeError`` that ``_load(flag, *args, **kwargs)`` raised for a public swap-in:
+    arguments that do not fit its signature are named against the public function, not ``_load``.
+    Binding them only after a TypeError keeps the call path free of it (a ``try`` costs nothing)."""
+    try:
+        inspect.signature(public).bind(*args, **kwargs)
+    except TypeError as unbound:
+        raise TypeError(f"sparsekv: {public.__name__}(): {unbound}") from None
+    raise error
 
 
 # Both take _load's arguments after the layout flag: what help() and inspect show.

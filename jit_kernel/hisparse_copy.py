@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from sparsekv.checks import as_int, int_in, one_of
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import (
     check_no_conflicting_destinations,
     first_true,
@@ -121,13 +121,15 @@ def table_layers(table: torch.Tensor, layers: slice) -> torch.Tensor:
     return part if reachable is None else _recorded(part, held[layers], reachable[layers])
 
 
-#: Attributes of a pointer_table: the layers it points at, and the bytes reachable from each address.
-_HELD, _REACHABLE = "_sparsekv_layers", "_sparsekv_reachable_bytes"
+#: Attributes of a pointer_table: the layers it points at, the bytes reachable from each address, and
+#: the fewest of them (None for no layer), which bounds the pages of every layer (read on every copy).
+_HELD, _REACHABLE, _LEAST = "_sparsekv_layers", "_sparsekv_reachable_bytes", "_sparsekv_least_reachable_bytes"
 
 
 def _recorded(table: torch.Tensor, held: tuple, reachable: tuple) -> torch.Tensor:
     setattr(table, _HELD, held)
     setattr(table, _REACHABLE, reachable)
+    setattr(table, _LEAST, min(reachable, default=None))
     return table
 
 
@@ -135,23 +137,24 @@ def _bounded_count(count: int, table: torch.Tensor, stride: object, page_bytes: 
                    names: tuple[str, str, str]) -> int:
     """The slot or page count of one side: ``count`` (-1: not given), derived from or checked against
     the bytes ``table`` recorded (``unit`` ids per page)."""
-    count_name, ptrs_name, stride_name = names
     reachable = getattr(table, _REACHABLE, None)
     if reachable is None or len(reachable) != table.numel():
         if count < 0:
+            count_name, ptrs_name, _ = names
             raise ValueError(f"sparsekv: argument `{count_name}` is required: `{ptrs_name}` is not a table from "
                              "pointer_table, so the copy cannot tell how far its buffers reach")
         return count
-    if type(stride) is not int or stride < page_bytes:  # noqa: E721 - the entry refuses it, naming the stride
+    least = getattr(table, _LEAST)  # the pages a layer holds grow with its bytes: the fewest bound them all
+    if type(stride) is not int or stride < page_bytes or least is None:  # noqa: E721 - the entry refuses it
         return count
-    pages = min((n - page_bytes) // stride + 1 if n >= page_bytes else 0 for n in reachable)
+    pages = (least - page_bytes) // stride + 1 if least >= page_bytes else 0
     if count < 0:
         return pages * unit
     if -(-count // unit) > pages:
-        layer = min(range(len(reachable)), key=lambda i: reachable[i])
+        count_name, ptrs_name, stride_name = names
+        layer = reachable.index(least)
         raise ValueError(f"sparsekv: argument `{count_name}` = {count} with `{stride_name}` = {stride} reaches past "
-                         f"layer {layer} of `{ptrs_name}` ({reachable[layer]} bytes hold {pages * unit} at that "
-                         "stride)")
+                         f"layer {layer} of `{ptrs_name}` ({least} bytes hold {pages * unit} at that stride)")
     return count
 
 
@@ -160,12 +163,14 @@ def _count(value: int | None, name: str) -> int:
     return -1 if value is None else int_in(value, name, 0)
 
 
-def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int | None):
-    """The two page strides in bytes (default: one page), after checking ``page_slots``."""
-    page_bytes = _PAGE_BYTES.get(as_int(page_slots, "page_slots"))
+def _resolve(page_slots: int, src_page_stride: int | None, dst_page_stride: int | None) -> tuple[int, int, int]:
+    """The page's bytes and the two page strides in bytes (default: one page), after checking ``page_slots``."""
+    page_bytes = _PAGE_BYTES.get(page_slots) if type(page_slots) is int else None  # noqa: E721 - a bool is no int
     if page_bytes is None:
-        raise ValueError(f"sparsekv: argument `page_slots` must be one of {PAGE_SLOTS}, got {page_slots!r}")
-    return (page_bytes if src_page_stride is None else src_page_stride,
+        page_bytes = _PAGE_BYTES.get(as_int(page_slots, "page_slots"))
+        if page_bytes is None:
+            raise ValueError(f"sparsekv: argument `page_slots` must be one of {PAGE_SLOTS}, got {page_slots!r}")
+    return (page_bytes, page_bytes if src_page_stride is None else src_page_stride,
             page_bytes if dst_page_stride is None else dst_page_stride)
 
 
@@ -212,23 +217,21 @@ def check_copy_on_device(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_ids
 
 def _run(export: str, src_ptrs, dst_ptrs, src_ids, dst_ids, names, src_count, dst_count, count_names,
          page_slots, src_page_stride, dst_page_stride) -> None:
-    src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
-    src_n, dst_n = _count(src_count, count_names[0]), _count(dst_count, count_names[1])
+    page_bytes, src_stride, dst_stride = _resolve(page_slots, src_page_stride, dst_page_stride)
     unit = page_slots if export == "transfer_tokens" else 1
-    src_n = _bounded_count(src_n, src_ptrs, src_stride, _PAGE_BYTES[page_slots], unit,
-                           (count_names[0], "src_ptrs", "src_page_stride"))
-    dst_n = _bounded_count(dst_n, dst_ptrs, dst_stride, _PAGE_BYTES[page_slots], unit,
-                           (count_names[1], "dst_ptrs", "dst_page_stride"))
-    src_count, dst_count = src_n, dst_n  # the device check bounds the ids by the same counts
-    backend = backend_of(src_ptrs)
+    src_n = _bounded_count(_count(src_count, count_names[0]), src_ptrs, src_stride,
+                           page_bytes, unit, (count_names[0], "src_ptrs", "src_page_stride"))
+    dst_n = _bounded_count(_count(dst_count, count_names[1]), dst_ptrs, dst_stride,
+                           page_bytes, unit, (count_names[1], "dst_ptrs", "dst_page_stride"))
     if index_checks_on_device(src_ptrs):
         # Only the dtype must be right for the comparisons; shapes and devices are checked in C++.
         for name, ids in zip(names, (src_ids, dst_ids)):
             if ids.dtype != torch.int64:
                 raise TypeError(f"sparsekv: argument `{name}` must have dtype int64, got {ids.dtype}")
         if src_ids.dim() == 1 and src_ids.shape == dst_ids.shape and src_ptrs.dtype == dst_ptrs.dtype == torch.uint64:
-            check_copy_on_device(src_ptrs, dst_ptrs, src_ids, dst_ids, src_count, dst_count, names)
-    module = HISPARSE_COPY.module(page_slots=page_slots, backend=backend)
+            # The device check bounds the ids by the same counts.
+            check_copy_on_device(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, names)
+    module = HISPARSE_COPY.module_for(src_ptrs, page_slots)
     getattr(module, export)(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, src_stride, dst_stride,
                             torch.get_num_threads())
 

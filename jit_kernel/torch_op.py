@@ -80,30 +80,40 @@ def _plain_eager(name: str, args: tuple, scalar_slots: tuple, other_slots: tuple
     """Whether a call runs the op's body directly, with what :func:`_check_arguments` refuses checked: nothing
     traces, and every tensor is a plain one off the meta device (the decode loop's case). False sends the
     call to the general path, which decides again; a refusal raised here is the one that path raises
-    first (the ``impl`` and scalar checks, in argument order). Precomputed slots keep it one pass (issue
-    36 item 2: the general path cost ~6 us of a ~1 us module call)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    first (the ``impl`` and scalar checks, in argument order). Precomputed slots keep it one pass, the
+    cheap tests first (issue 36 item 2: the general path cost ~6 us of a ~1 us module call)."""
+    if _is_compiling() or _dispatch_modes() > 0:
         return False
     for i in other_slots:
         value = args[i]
-        if type(value) is torch.Tensor:
+        if type(value) is _Tensor:
             if value.is_meta:
                 return False
-        elif value is not None and isinstance(value, torch.Tensor):  # a subclass: FakeTensor, a Parameter
+        elif value is not None and isinstance(value, _Tensor):  # a subclass: FakeTensor, a Parameter
             return False
     for i, param, kind, plain in scalar_slots:
         value = args[i]
         if type(value) is plain:  # an int where an int is meant (...): what the kind's check passes as is
             continue
-        if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor or value.is_meta:
+        if kind is None:  # the `impl` slot
+            if type(value) is str:
+                if value not in _OP_IMPLS:
+                    _refuse_impl(name, value)
+                continue
+        elif value is None:  # an optional scalar not given
+            continue
+        if isinstance(value, _Tensor):
+            if type(value) is not _Tensor or value.is_meta:
                 return False
-        elif kind is None:  # the `impl` slot
-            if value not in _OP_IMPLS:
-                _refuse_impl(name, value)
-        elif value is not None:
+        elif kind is None:
+            _refuse_impl(name, value)
+        else:
             kind(value, param)
     return True
+
+
+#: What :func:`_plain_eager` calls on every op call, bound once (dynamo knows ``is_compiling`` by identity).
+_is_compiling, _dispatch_modes, _Tensor = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack, torch.Tensor
 
 
 def _through_dispatcher(args: tuple) -> bool:

@@ -32,7 +32,8 @@ _ENCODED: dict[str, object] = {}
 
 
 def _flag(name: str) -> bool:
-    return _read(name).strip().lower() in ("1", "true", "yes", "on")
+    value = _read(name)
+    return bool(value) and value.strip().lower() in ("1", "true", "yes", "on")  # unset: the decode path's case
 
 
 def configured_cache_dir() -> Path | None:

@@ -33,7 +33,8 @@ def _installed() -> bool:
 
 
 def resolve_impl(impl: str, device) -> str:
-    """``"header"`` or ``"triton"`` for a call on ``device`` (a ``torch.device``).
+    """``"header"`` or ``"triton"`` for a call on ``device`` (a ``torch.device``, or a tensor on it: its
+    device is read only for ``"triton"``, off the decode path's ``"auto"`` and ``"header"``).
 
     ``"auto"`` picks ``"header"`` on every device, for every kernel: the one GPU measurement so far
     (an H200, docs/sim-and-triton.md) has the header ahead wherever both ran (attention at
@@ -46,14 +47,13 @@ def resolve_impl(impl: str, device) -> str:
         ``impl`` is not one of :data:`IMPLS`, or ``"triton"`` on CPU tensors without
         ``TRITON_INTERPRET=1`` or without triton installed.
     """
+    if impl == "auto" or impl == "header":  # the decode path's cases first
+        return "header"
     if impl not in IMPLS:
         raise ValueError(f"sparsekv: argument `impl` must be one of {list(IMPLS)}, got {impl!r}")
-    if impl == "auto":
-        return "header"
-    if impl == "triton":
-        if not _installed():
-            raise ValueError("sparsekv: argument `impl` is 'triton', but triton is not installed")
-        if device.type != "cuda" and not interpreting():
-            raise ValueError("sparsekv: argument `impl` is 'triton' on CPU tensors, which runs only under the "
-                             "Triton interpreter: set TRITON_INTERPRET=1 before triton is imported")
+    if not _installed():
+        raise ValueError("sparsekv: argument `impl` is 'triton', but triton is not installed")
+    if getattr(device, "device", device).type != "cuda" and not interpreting():
+        raise ValueError("sparsekv: argument `impl` is 'triton' on CPU tensors, which runs only under the "
+                         "Triton interpreter: set TRITON_INTERPRET=1 before triton is imported")
     return impl
