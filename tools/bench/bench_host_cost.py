@@ -19,6 +19,10 @@ fused with the store; the store and quantizer 8 entries; a 4096-row gather; the 
   timing), its module calls made to tvm-ffi's no-op itself (the FFI crossing is in it);
   ``bound_over_raw``: its ratio to ``raw_us``; ``bound_planned``: the bound call is its module calls
   alone (not the whole call);
+* ``entry_checks_us``: what the stub skips, the compiled entries' own O(1) argument checks (every
+  entry checks its arguments at every call, for direct callers): the call's module calls, with no
+  rows (batch 0, nothing gathered or copied, the swap-in's one row padding), made to the real cpu
+  modules less the same calls made to tvm-ffi's no-op;
 * ``torch_ops``: torch operators run per call (``aten::`` and the ``sparsekv::`` op itself, the
   nested ones included: torch's profiler);
   ``allocations``: tensors allocated per call (torch's profiler, ``profile_memory``);
@@ -98,35 +102,39 @@ def _sample_us(fn) -> float:
     return time_call(fn, repeats=1, clock=time.process_time).median_s * 1e6
 
 
-def calls() -> dict:
-    """Public decode-path call name -> a zero-argument call with its out= buffers given."""
+def calls(empty: bool = False) -> dict:
+    """Public decode-path call name -> a zero-argument call with its out= buffers given; ``empty``: with
+    no rows (batch 0, nothing gathered or copied; the swap-in's one row is padding), so that the
+    compiled entry runs its argument checks and no kernel work."""
     g = torch.Generator().manual_seed(0)
+    batch, gathered, copied = (0, 0, 0) if empty else (BATCH, 4096, 512)
     cache = torch.zeros(BATCH * TOPK // PAGE, V4.page_bytes(PAGE), dtype=torch.uint8)
-    q = torch.randn(BATCH, HEADS, 512, generator=g).to(torch.bfloat16)
-    indices = torch.randint(0, BATCH * TOPK, (BATCH, TOPK), generator=g, dtype=torch.int32)
-    sink, out, lse = torch.zeros(HEADS), torch.empty(BATCH, HEADS, 512), torch.empty(BATCH, HEADS)
+    q = torch.randn(batch, HEADS, 512, generator=g).to(torch.bfloat16)
+    indices = torch.randint(0, BATCH * TOPK, (batch, TOPK), generator=g, dtype=torch.int32)
+    sink, out, lse = torch.zeros(HEADS), torch.empty(batch, HEADS, 512), torch.empty(batch, HEADS)
     k_cache = torch.zeros(ENTRIES // PAGE, INDEXER_FP8.page_bytes(PAGE), dtype=torch.uint8)
-    iq = torch.randn(BATCH, HEADS, 128, generator=g).to(torch.bfloat16)
-    weights = torch.rand(BATCH, HEADS, generator=g)
-    table = torch.arange(ENTRIES // PAGE, dtype=torch.int32).repeat(BATCH, 1)
-    positions = torch.full((BATCH,), 4 * ENTRIES - 1)
-    scores, tokens = torch.randn(BATCH, ENTRIES, generator=g), torch.empty(BATCH, TOPK, dtype=torch.int32)
-    x = torch.randn(BATCH, 512, generator=g)
-    slots = torch.arange(BATCH)
+    iq = torch.randn(batch, HEADS, 128, generator=g).to(torch.bfloat16)
+    weights = torch.rand(batch, HEADS, generator=g)
+    table = torch.arange(ENTRIES // PAGE, dtype=torch.int32).repeat(batch, 1)
+    positions = torch.full((batch,), 4 * ENTRIES - 1)
+    scores, tokens = torch.randn(batch, ENTRIES, generator=g), torch.empty(batch, TOPK, dtype=torch.int32)
+    x = torch.randn(batch, 512, generator=g)
+    slots = torch.arange(batch)
     rope = RopeParams(160000, 16, 65536, 32, 1).table(1 << 16, torch.device("cpu"))
     src, dst = torch.zeros(8192, 584, dtype=torch.uint8), torch.zeros(4096, 584, dtype=torch.uint8)
-    src_idx, dst_idx = torch.randperm(8192)[:4096], torch.randperm(4096)
-    swap = Case(TOPK, 2 * TOPK, BATCH, 0.001, True, "cpu")  # the swap-in's tables at top-k 512, batch 8
-    slots_out, top_scores = torch.empty(BATCH, TOPK, dtype=torch.int32), torch.empty(BATCH, ENTRIES)
-    kv, score = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
+    src_idx, dst_idx = torch.randperm(8192)[:gathered], torch.randperm(4096)[:gathered]
+    swap = Case(TOPK, 2 * TOPK, max(batch, 1), 0.001, True, "cpu")  # the swap-in's tables at top-k 512, batch 8
+    padding = {"num_real_reqs": torch.zeros(1, dtype=torch.int32)} if empty else {}
+    slots_out, top_scores = torch.empty(batch, TOPK, dtype=torch.int32), torch.empty(batch, ENTRIES)
+    kv, score = torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)
     ape, ring = torch.zeros(4, 1024), torch.zeros(BATCH * 16, 2048)
-    raw = torch.arange(BATCH) * 16 + 3  # every row completes a C4 entry
-    state_rows = torch.arange(BATCH)[:, None] * 16 + (raw[:, None] - 7 + torch.arange(8)) % 16
-    entries, emitted = torch.empty(BATCH, 512), torch.empty(BATCH, dtype=torch.bool)
+    raw = torch.arange(batch) * 16 + 3  # every row completes a C4 entry
+    state_rows = torch.arange(batch)[:, None] * 16 + (raw[:, None] - 7 + torch.arange(8)) % 16
+    entries, emitted = torch.empty(batch, 512), torch.empty(batch, dtype=torch.bool)
     store = StoreTarget(cache, torch.ones(512), 1e-6, PAGE, rope, "V4")
     src_layers = [torch.zeros(64, V4.page_bytes(PAGE), dtype=torch.uint8) for _ in range(4)]
     dst_layers = [torch.zeros(64, V4.page_bytes(PAGE), dtype=torch.uint8) for _ in range(4)]
-    copy_src, copy_dst = torch.randperm(64 * PAGE)[:512], torch.randperm(64 * PAGE)[:512]
+    copy_src, copy_dst = torch.randperm(64 * PAGE)[:copied], torch.randperm(64 * PAGE)[:copied]
     return {
         "sparse_decode_attention": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE, out=out,
                                                      lse=lse, impl="header"),
@@ -152,7 +160,7 @@ def calls() -> dict:
         "load_cache_to_device_buffer_dsv4_mla": functools.partial(
             load_cache_to_device_buffer_dsv4_mla, swap.top_k, swap.tokens, swap.host_cache_locs,
             swap.device_buffer_locs, swap.host_cache, swap.device_buffer, swap.out, swap.req, swap.seq, swap.lru,
-            ITEM_BYTES, swap.k, swap.h),
+            ITEM_BYTES, swap.k, swap.h, **padding),
     }
 
 
@@ -201,6 +209,18 @@ def triton_compress_store_checks() -> dict:
                                *store, cache, torch.arange(rows), PAGE, rope.cos, rope.sin, "V4")
     return {"triton compress_store checks (4096 tokens)": prefill,
             "triton compress_decode_store checks (64 rows)": decode}
+
+
+def entry_checks_us(empty_call, nop) -> float:
+    """What the compiled entries' own argument checks cost a call (µs), which the no-op stub of ``host_us``
+    skips: the module calls of ``empty_call`` (:func:`calls` with no rows, bound) made to the real
+    compiled modules of the cpu backend, less the same calls made to tvm-ffi's no-op (the crossing);
+    sampled in turn. An upper bound: it includes the kernel's setup for no rows."""
+    entry = bind(empty_call.func, *empty_call.args, **empty_call.keywords)
+    with _modules_replaced_by(_NopModule(nop)):
+        crossing = bind(empty_call.func, *empty_call.args, **empty_call.keywords)
+    entry_us, crossing_us = _paired_us(entry, crossing)
+    return entry_us - crossing_us
 
 
 def measure(name: str, call, nop) -> dict:
@@ -278,8 +298,10 @@ def main() -> None:
                          baseline="tvm-ffi testing.nop with the module call's arguments (same run)",
                          threads={"ours": 1, "baseline": 1},
                          notes={"target": f"host_us <= {TARGET} x raw_us with out= buffers given", "batch": BATCH})
-    for name, call in calls().items():
-        result.rows.append(measure(name, call, nop))
+    for (name, call), empty_call in zip(calls().items(), calls(empty=True).values()):
+        row = measure(name, call, nop)
+        row["entry_checks_us"] = entry_checks_us(empty_call, nop)
+        result.rows.append(row)
     result.rows.append({"case": "attention input checks", "host_us": _median_us(attention_checks())})
     for name, checks in triton_compress_store_checks().items():
         result.rows.append({"case": name, "host_us": _median_us(checks)})
