@@ -21,16 +21,18 @@
 // several, split s stores lse_s = m + log l (-inf when empty) and o_s = acc / l (0 when empty), and
 // Combine merges them: M = max_s lse_s, L = sum_s exp(lse_s - M),
 //   out = sum_s exp(lse_s - M) o_s / (L + exp(sink - M)),  lse = M + log L.
-// The combine is the same item() on every backend: cpu runs it as a pass after the partials; cuda
-// and sim run it in the partial launch, in the last CTA of each (row, head group) to finish. Each
-// CTA stores its partial, fences (__threadfence: its stores visible device-wide before its
-// arrival), and counts itself in with an atomicAdd on the group's counter (part_arrivals, int32
-// [batch, ceil(heads / 16)]); the CTA that sees num_splits - 1 resets the counter to 0, fences, and
-// combines the group's heads from the partials, still in L2, read past L1 (load_partial). So no
-// second launch, and the counters are zero after every launch as before it: the next call and a
-// CUDA-graph replay find them so. The sim runs blocks one at a time, so its atomics and fences are
-// trivially ordered; the arrival order is the seed's block order, and any order gives the same
-// bits (the combine reads every split from memory, in split order).
+// cpu runs Combine as a pass after the partials. cuda and sim merge in the partial launch, in the
+// last CTA of each (row, head group) to finish, with two int32 counters per group (part_arrivals
+// [batch, ceil(heads / 16), 2]: tickets, stores, a pair per 16 heads, the finest group). A CTA done with its tiles takes a
+// ticket (atomicAdd). Not the last: it stores its partial, fences (__threadfence: the stores
+// visible device-wide first) and counts one store. The last ticket (num_splits - 1): it resets the
+// tickets, waits until the stores count num_splits - 1 (the CTAs it waits on took their tickets
+// first, so they are running and finish without waiting on anything), resets the stores, fences,
+// and merges as Combine does (merge_splits): its own o_s = acc x factor from registers, never
+// stored, the others' read from L2 past L1 (load_partial), each dim summing its splits in order.
+// So no second launch, and the counters are zero after every launch as before it: the next call
+// and a CUDA-graph replay find them so. The sim runs blocks one at a time, so the last ticket goes
+// to the group's last block, its wait ends at once, and atomics and fences are trivially ordered.
 //
 // Launch shapes. cpu: one (b, split) per item, all heads at once (a row is dequantized once per
 // entry, rows go 8 at a time), sequential. cuda and sim: partial_kernel (partial_unaligned_kernel
@@ -46,13 +48,13 @@
 // two, P's rounding does not depend on how the rows fall into tiles (permuting a row's entries moves
 // results by fp32 summation order only).
 //
-// Design and instruction budget (nvcc 13.0; bf16 q: 242 registers on sm_90a, 244 on sm_100a, no
-// stack, 127.6 KB of dynamic shared memory: one CTA per SM; float q: 244 / 255 registers, no
+// Design and instruction budget (nvcc 13.0; bf16 q: 246 registers on sm_90a, 244 on sm_100a, no
+// stack, 128.1 KB of dynamic shared memory: one CTA per SM; float q: 246 / 254 registers, no
 // stack). The tile loop has no inner loop left. partial_kernel, the instance for caches whose
 // records are all 16-byte aligned (every page_slots but 1: run_on_cuda picks it), has no 8-byte
 // fallback in its gather, and entry() resolves a row of either cache with one copy of the
-// addressing: 1,121 instructions on sm_90a (1,090 on sm_100a; partial_unaligned_kernel 1,334 /
-// 1,342), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale runs only
+// addressing: 1,124 instructions on sm_90a (1,111 on sm_100a; partial_unaligned_kernel 1,330 /
+// 1,362), of which a warp issues about 1,000 per tile of 32 rows (the 128-FMUL rescale runs only
 // when a head's maximum moved, the row resolve only on warp 0): 192 HMMA (QK^T 64, PV
 // 128: P is two bf16 terms), 72 LDSM (ldmatrix: 3 per QK^T k-step, 12 per PV k-step), the gather
 // and convert (per 16-byte fp8 chunk one LDG.E.128.CONSTANT, 4 SHF for the high pairs, 8
@@ -60,21 +62,20 @@
 // converted pair), the softmax (8 logits, 8 MUFU.EX2, 8 bf16 packs and 6 shuffles per thread)
 // and five barriers. At batch 64, top-k 512, 64 heads the default split is 2 (128 CTAs, one wave,
 // 8 tiles each). tools/bench/bench_sass_budget.py (loop instructions x 8,192 warp trips / (128
-// SMs x 4 schedulers x clock)): sm_90a 9.06 us of issue on an H200 against its 6.64 us roofline
-// with fp32 out (1.36x; 1.57x against 5.77 us with bf16 out); sm_100a 8.88 us on a B200 against
-// 3.98 us (2.23x). End to end it adds what moves after the loop, with no overlap: the output to
-// HBM (fp32 8.4 MB; bf16 4.2 MB, rounded by Combine itself), and the 2 splits' fp32 partials
-// (16.8 MB) written to L2 and read back from it by the last CTAs (33.6 MB of L2 traffic, at an
-// assumed 32 B per SM per clock: 8.4 TB/s on the H200). H200: 14.8 us, 2.23x the fp32 roofline;
-// 14.0 us, 2.42x the bf16 one. B200: 13.5 us (3.40x), 13.0 us (3.76x). Before the fold (a Combine
-// launch reading the partials back from HBM) it was 17.8 us (2.69x) and 17.0 us (2.94x) on the
-// H200, 14.2 (3.57x) and 13.7 us (3.95x) on the B200. One split instead (64 CTAs, no partials)
-// would issue the same 8,192 warp trips on 64 SMs: 18.1 us before the output, worse than both.
-// What is left for 2x end to end: the last CTA combining its own split from its registers (half
-// the L2 reads) and not storing it (a ticket taken before the store: half the writes), which
-// together take the H200 to about 12.8 us (1.93x fp32, 2.07x bf16); the gather of tile i + 1
-// overlapped with tile i's products; fewer instructions per converted pair. Batch 1, top-k 512: 32 splits of 16
-// entries x 4 CTAs of 16 heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or
+// SMs x 4 schedulers x clock)): sm_90a 9.08 us of issue on an H200 against its 6.64 us roofline
+// with fp32 out (1.37x; 1.58x against 5.77 us with bf16 out); sm_100a 9.05 us on a B200 against
+// 3.98 us (2.27x). End to end it adds what moves after the loop, with no overlap: the output to
+// HBM (fp32 8.4 MB; bf16 4.2 MB, rounded by the merge itself), and the first split's fp32 partial
+// (8.4 MB) written to L2 and read back from it by the row's last CTA, which keeps its own in
+// registers (16.8 MB of L2 traffic at an assumed 32 B per SM per clock: 8.4 TB/s on the H200).
+// H200: 12.8 us, 1.93x the fp32 roofline; 12.0 us, 2.08x the bf16 one. B200: 11.9 us (2.99x),
+// 11.4 us (3.29x). A separate Combine launch reading both partials back from HBM took it to 17.8
+// us (2.69x) and 17.0 us (2.94x) on the H200; every split storing and the last reading all of
+// them from L2, to 14.8 us (2.23x) and 14.0 us (2.42x). One split instead (64 CTAs, no partials)
+// would issue the same 8,192 warp trips on 64 SMs: 18.2 us before the output, worse than any. What
+// is left for 2x with bf16 out on the H200, and for the B200 (bound by the loop's issue): the
+// gather of tile i + 1 overlapped with tile i's products; fewer instructions per converted pair;
+// partials in bf16 for a bf16 output. Batch 1, top-k 512: 32 splits of 16 entries x 4 CTAs of 16 heads = 128 CTAs of one half-valid tile each (run_on_cuda takes 32 or
 // 16 heads per CTA while the CTAs fit one wave), each with a quarter of a 64-head tile's
 // products; a finer split alone would add partials without shortening a CTA (a tile is 32 rows
 // of products whatever is valid).
@@ -151,8 +152,9 @@ struct Params {
   int64_t head_group = 64;  // heads per CTA of partial_kernel (64, 32 or 16): run_on_cuda sets it
   Bf16* out_bf16 = nullptr;  // [batch, heads, 512] contiguous: Combine writes here, rounded to nearest
                              // (ties to even), instead of `out` (num_splits > 1 only)
-  int* arrivals = nullptr;   // [batch, arrival_groups(heads)] (num_splits > 1, cuda and sim): the splits of a
-                             // row's head group that have finished; zero before and after every launch
+  int* arrivals = nullptr;   // [batch, arrival_groups(heads), 2] (num_splits > 1, cuda and sim): per row and
+                             // head group, the splits that took a ticket and those that stored their
+                             // partial; zero before and after every launch
 };
 
 // Arrival counters per batch row: one per 16 heads, the finest head group of partial_kernel.
@@ -188,6 +190,37 @@ SPARSEKV_HOST_DEVICE float finish_lse(float m, float l) { return l == 0.0f ? INF
 SPARSEKV_HOST_DEVICE float split_lse(float m, float l) { return l == 0.0f ? -INFINITY : m + logf(l); }
 SPARSEKV_HOST_DEVICE float split_factor(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
 
+// The merge of one (b, h)'s splits from their lse_s (lse_of(s)): M = max_s lse_s (NaN when any is
+// NaN: fmaxf skips NaN, so it is looked for separately and carried through), L = sum_s exp(lse_s - M)
+// and the denominator L + exp(sink - M). Split s then weighs in with exp(lse_s - M).
+struct Merge {
+  float m = -INFINITY;
+  float total = 0.0f;
+  float denominator = 0.0f;
+  bool nan = false;
+  // The output's value from sum_s exp(lse_s - M) o_s: NaN, 0 for a row with no valid entry, or it
+  // over the denominator.
+  SPARSEKV_HOST_DEVICE float value(float weighted) const {
+    return nan ? NAN : m == -INFINITY ? 0.0f : weighted / denominator;
+  }
+  SPARSEKV_HOST_DEVICE float lse() const { return nan ? NAN : m == -INFINITY ? INFINITY : m + logf(total); }
+  SPARSEKV_HOST_DEVICE bool weighs() const { return !nan && m != -INFINITY; }
+};
+
+template <class LseOf>
+SPARSEKV_HOST_DEVICE Merge merge_splits(int64_t num_splits, const LseOf& lse_of, float sink) {
+  Merge g;
+  for (int64_t s = 0; s < num_splits; ++s) {
+    const float lse_s = lse_of(s);
+    g.m = fmaxf(g.m, lse_s);
+    g.nan = g.nan || lse_s != lse_s;
+  }
+  if (!g.weighs()) return g;
+  for (int64_t s = 0; s < num_splits; ++s) g.total += safe_exp(lse_of(s) - g.m);
+  g.denominator = g.total + safe_exp(sink - g.m);
+  return g;
+}
+
 // A split's partial as the combine reads it. On the GPU it bypasses L1 (ld.global.cg): the last
 // CTA of a row reads what CTAs on other SMs wrote during the same launch, and an L1 line cached
 // earlier in the launch (a neighbouring group's part_lse shares its 128 bytes) could be stale.
@@ -199,9 +232,20 @@ SPARSEKV_HOST_DEVICE float load_partial(const float* at) {
 #endif
 }
 
+// Dimension d of output row i (= b heads + h): float, or bf16 straight from the float result (no
+// float pass), rounded to nearest, ties to even.
+template <class QT>
+SPARSEKV_HOST_DEVICE void store_out(const Params<QT>& p, int64_t i, int d, float value) {
+  if (p.out_bf16) {
+    p.out_bf16[i * kDim + d] = Bf16{fp8::float_to_bf16(value)};
+  } else {
+    p.out[i * kDim + d] = value;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
-// Combine: one (b, h) per item, lanes over the 512 dims. The cpu backend launches it after the
-// partial pass; on cuda and sim the last CTA of a row runs the same item() (partial_tiles, 6.).
+// Combine: one (b, h) per item, lanes over the 512 dims: the cpu backend's pass after the partials
+// (on cuda and sim the last CTA of a row merges them the same way: partial_tiles, 6.).
 template <class QT>
 struct Combine {
   using Params = dsv4_attention::Params<QT>;
@@ -212,42 +256,16 @@ struct Combine {
     const int64_t b = i / p.heads;
     const int64_t h = i - b * p.heads;
     const float* part_lse = p.part_lse + b * p.num_splits * p.heads + h;
-    float m = -INFINITY;
-    bool nan = false;  // fmaxf skips NaN: a NaN split is looked for separately and carried through
-    for (int64_t s = 0; s < p.num_splits; ++s) {
-      const float lse_s = load_partial(part_lse + s * p.heads);
-      m = fmaxf(m, lse_s);
-      nan = nan || lse_s != lse_s;
-    }
-    // Dimension d of the output: float, or bf16 straight from the float result (no float pass).
-    const auto store = [&](int d, float value) {
-      if (p.out_bf16) {
-        p.out_bf16[i * kDim + d] = Bf16{fp8::float_to_bf16(value)};
-      } else {
-        p.out[i * kDim + d] = value;
-      }
-    };
-    if (nan) {
-      for (int d = lanes.lane; d < kDim; d += lanes.count) store(d, NAN);
-      if (lanes.lane == 0) p.lse[i] = NAN;
-      return;
-    }
-    if (m == -INFINITY) {
-      for (int d = lanes.lane; d < kDim; d += lanes.count) store(d, 0.0f);
-      if (lanes.lane == 0) p.lse[i] = INFINITY;
-      return;
-    }
-    float total = 0.0f;
-    for (int64_t s = 0; s < p.num_splits; ++s) total += safe_exp(load_partial(part_lse + s * p.heads) - m);
-    const float denominator = total + safe_exp(p.sink[h] - m);
+    const auto lse_of = [&](int64_t s) { return load_partial(part_lse + s * p.heads); };
+    const Merge g = merge_splits(p.num_splits, lse_of, p.sink[h]);
     // Four dims per lane at a time (d0 + lane + k x lanes), so each split's weight is computed once
-    // per four dims; each dim still sums its splits in order, s = 0, 1, ...
+    // per four dims; each dim sums its splits in order, s = 0, 1, ...
     constexpr int kDimsAtOnce = 4;
     const float* part_out = p.part_out + (b * p.num_splits * p.heads + h) * kDim;
     for (int d0 = 0; d0 < kDim; d0 += kDimsAtOnce * lanes.count) {
       float acc[kDimsAtOnce] = {};
-      for (int64_t s = 0; s < p.num_splits; ++s) {
-        const float w = safe_exp(load_partial(part_lse + s * p.heads) - m);
+      for (int64_t s = 0; g.weighs() && s < p.num_splits; ++s) {
+        const float w = safe_exp(lse_of(s) - g.m);
         if (w <= 0.0f) continue;
         for (int k = 0; k < kDimsAtOnce; ++k) {
           const int d = d0 + lanes.lane + k * lanes.count;
@@ -256,10 +274,10 @@ struct Combine {
       }
       for (int k = 0; k < kDimsAtOnce; ++k) {
         const int d = d0 + lanes.lane + k * lanes.count;
-        if (d < kDim) store(d, acc[k] / denominator);
+        if (d < kDim) store_out(p, i, d, g.value(acc[k]));
       }
     }
-    if (lanes.lane == 0) p.lse[i] = m + logf(total);
+    if (lanes.lane == 0) p.lse[i] = g.lse();
   }
 };
 
@@ -389,7 +407,9 @@ struct Partial {
     const uint8_t* value[kRows];
     uint64_t scales[kRows];  // the 7 UE8M0 bytes of each row (and the pad)
     int valid[kRows];
-    int last;  // this CTA is the last split of its row and head group to finish: it combines
+    float merge_m[kHeads];  // the combine's maximum per head (NaN: a NaN split)
+    float merge_denominator[kHeads];
+    int last;  // this CTA took the last ticket of its row and head group: it combines
   };
   static int run_on_cuda(const Params& p, void* stream);
 #endif
@@ -692,8 +712,18 @@ SPARSEKV_DEVICE void partial_tiles(const Params<QT>& p) {
     __syncthreads();  // the next tile overwrites kv, score and prob
   }
 
-  // 5. Finish: factor and lse per head (natural log), then this warp's dims of every head.
+  // 5. Finish: factor and lse per head (natural log), then this warp's dims of every head; split,
+  //    a ticket first: the CTA that takes the last one of its row and head group keeps its partial
+  //    in registers (6.), the others store theirs.
   const bool single = p.num_splits == 1;
+  int* const tickets = single ? nullptr : p.arrivals + 2 * (b * arrival_groups(p.heads) + h0 / kArrivalHeads);
+  if (tid == 0 && !single) {
+    const bool last = atomicAdd(tickets, 1) == p.num_splits - 1;
+    if (last) *tickets = 0;  // every split has its ticket: nothing else takes one in this launch
+    sh.last = last;
+  }
+  __syncthreads();
+  const bool keep = !single && sh.last;
   if (softmax_lane && quarter == 0) {
     const float sink2 = p.sink[h0 + head < p.heads ? h0 + head : 0] * 1.4426950408889634f;
     const float factor = single ? (l == 0.0f ? 0.0f : 1.0f / (l + tc::safe_exp2(sink2 - m))) : split_factor(l);
@@ -703,10 +733,59 @@ SPARSEKV_DEVICE void partial_tiles(const Params<QT>& p) {
       const float lse = l == 0.0f ? (single ? INFINITY : -INFINITY) : lse2 * 0.6931471805599453f;
       if (single) {
         p.lse[b * p.heads + h0 + head] = lse;
+      } else if (keep) {
+        sh.rescale[head] = lse;  // this split's lse_s, for 6.
       } else {
         p.part_lse[(b * p.num_splits + s) * p.heads + h0 + head] = lse;
       }
     }
+  }
+  __syncthreads();
+  if (!keep) {
+    SPARSEKV_UNROLLED
+    for (int mt = 0; mt < K::kMTiles; ++mt) {
+      if (mt >= m_tiles) continue;
+      SPARSEKV_UNROLLED
+      for (int half = 0; half < 2; ++half) {
+        const int hh = 16 * mt + mma::c_row(lane, 2 * half);
+        if (h0 + hh >= p.heads) continue;
+        const float factor = sh.factor[hh];
+        float* dst = single ? p.out + (b * p.heads + h0 + hh) * kDim
+                            : p.part_out + ((b * p.num_splits + s) * p.heads + h0 + hh) * kDim;
+        SPARSEKV_UNROLLED
+        for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
+          const int d = K::kDimsPerWarp * warp + 8 * n + mma::c_col(lane, 0);
+          dst[d] = acc[mt][n].x[2 * half] * factor;  // two words: a caller's `out` may be 4-byte aligned only
+          dst[d + 1] = acc[mt][n].x[2 * half + 1] * factor;
+        }
+      }
+    }
+    if (single) return;
+    // Every thread's partial stores visible device-wide before thread 0 counts them stored.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(tickets + 1, 1);
+    return;
+  }
+
+  // 6. The last ticket: wait for the other splits' partials (their CTAs run: each took a ticket
+  //    before this one), zero the stored count for the next launch (or graph replay), then merge
+  //    as Combine does: this split's o_s = acc x factor from registers, the others' from L2, in
+  //    split order, so the bits are those of a Combine pass over stored partials.
+  if (tid == 0) {
+    while (atomicAdd(tickets + 1, 0) != p.num_splits - 1) {
+    }
+    tickets[1] = 0;
+  }
+  __syncthreads();
+  __threadfence();
+  const float* part_lse = p.part_lse + b * p.num_splits * p.heads + h0;
+  if (tid < heads_here) {
+    const auto lse_of = [&](int64_t t) { return t == s ? sh.rescale[tid] : load_partial(part_lse + t * p.heads + tid); };
+    const Merge g = merge_splits(p.num_splits, lse_of, p.sink[h0 + tid]);
+    p.lse[b * p.heads + h0 + tid] = g.lse();
+    sh.merge_m[tid] = g.nan ? NAN : g.m;
+    sh.merge_denominator[tid] = g.denominator;
   }
   __syncthreads();
   SPARSEKV_UNROLLED
@@ -715,37 +794,33 @@ SPARSEKV_DEVICE void partial_tiles(const Params<QT>& p) {
     SPARSEKV_UNROLLED
     for (int half = 0; half < 2; ++half) {
       const int hh = 16 * mt + mma::c_row(lane, 2 * half);
-      if (h0 + hh >= p.heads) continue;
+      if (hh >= heads_here) continue;
+      Merge g;
+      g.m = sh.merge_m[hh];
+      g.nan = g.m != g.m;
+      g.denominator = sh.merge_denominator[hh];
       const float factor = sh.factor[hh];
-      float* dst = single ? p.out + (b * p.heads + h0 + hh) * kDim
-                          : p.part_out + ((b * p.num_splits + s) * p.heads + h0 + hh) * kDim;
+      float weighted[K::kDimsPerWarp / 8][2] = {};
+      for (int64_t t = 0; g.weighs() && t < p.num_splits; ++t) {
+        const float w = safe_exp((t == s ? sh.rescale[hh] : load_partial(part_lse + t * p.heads + hh)) - g.m);
+        if (w <= 0.0f) continue;
+        const float* src = p.part_out + ((b * p.num_splits + t) * p.heads + h0 + hh) * kDim;
+        SPARSEKV_UNROLLED
+        for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
+          const int d = K::kDimsPerWarp * warp + 8 * n + mma::c_col(lane, 0);
+          SPARSEKV_UNROLLED
+          for (int i = 0; i < 2; ++i) {
+            weighted[n][i] += w * (t == s ? acc[mt][n].x[2 * half + i] * factor : load_partial(src + d + i));
+          }
+        }
+      }
       SPARSEKV_UNROLLED
       for (int n = 0; n < K::kDimsPerWarp / 8; ++n) {
         const int d = K::kDimsPerWarp * warp + 8 * n + mma::c_col(lane, 0);
-        dst[d] = acc[mt][n].x[2 * half] * factor;  // two words: a caller's `out` may be 4-byte aligned only
-        dst[d + 1] = acc[mt][n].x[2 * half + 1] * factor;
+        store_out(p, b * p.heads + h0 + hh, d, g.value(weighted[n][0]));
+        store_out(p, b * p.heads + h0 + hh, d + 1, g.value(weighted[n][1]));
       }
     }
-  }
-  if (single) return;
-
-  // 6. Split: the last CTA of the row's head group to arrive combines every split's partial (its
-  //    own and the others', still in L2) into out and lse, as Combine does, and zeroes the counter
-  //    for the next launch (or graph replay). Each thread's partial stores are made visible to the
-  //    whole device before thread 0 counts the CTA in; the last CTA fences again before it reads.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int* arrival = p.arrivals + b * arrival_groups(p.heads) + h0 / kArrivalHeads;
-    const bool last = atomicAdd(arrival, 1) == p.num_splits - 1;
-    if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
-    sh.last = last;
-  }
-  __syncthreads();
-  if (!sh.last) return;
-  __threadfence();
-  for (int hh = warp; hh < heads_here; hh += K::kWarps) {
-    Combine<QT>::item(p, b * p.heads + h0 + hh, Lanes{lane, kWarpSize});
   }
 }
 
@@ -928,11 +1003,12 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
     // The arrival counters: zero before the call, and every call leaves them so (the last split of a
     // row resets its counter), so a zeroed buffer serves every later call and graph replay.
     const TensorView pa = part_arrivals.value();
-    check(pa, "part_arrivals").dtype<int32_t>().ndim(2).contiguous().same_device(q, "q");
+    check(pa, "part_arrivals").dtype<int32_t>().ndim(3).contiguous().same_device(q, "q");
     check(pa, "part_arrivals").size(0, batch, "batch").size(1, arrival_groups(heads), "ceil(heads / 16)");
+    check(pa, "part_arrivals").size(2, 2, "tickets and stores");
     arrivals_ptr = static_cast<int*>(pa.data_ptr());
     if (q.device().device_type != kDLCUDA) {
-      for (int64_t i = 0; i < batch * arrival_groups(heads); ++i) {
+      for (int64_t i = 0; i < 2 * batch * arrival_groups(heads); ++i) {
         if (arrivals_ptr[i] != 0) {
           TVM_FFI_THROW(ValueError) << "sparsekv: argument `part_arrivals` must be all zero before a call (a "
                                     << "zeroed workspace stays zero: every call resets it), got " << arrivals_ptr[i]

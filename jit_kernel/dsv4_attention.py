@@ -330,7 +330,7 @@ def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: i
     """``(staged, part_out, part_lse, part_arrivals)``: where the header writes its output (``out`` itself,
     but for a bf16 ``out`` with one split a float32 ``[B, H, 512]`` of the workspace, which the Triton
     twin does not use: split, the header's combine writes bf16 itself), the split partials that follow it
-    and the header's int32 arrival counters ``[B, ceil(H / 16)]`` (None for one split).
+    and the header's int32 arrival counters ``[B, ceil(H / 16), 2]`` (None for one split).
 
     The counters sit in the workspace's first :func:`_reserved_floats` elements, a prefix that depends
     only on the workspace's length and that nothing else ever writes: calls of any shape that share a
@@ -348,7 +348,7 @@ def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: i
         used += part_out.numel()
         part_lse = workspace[used:used + batch * num_splits * heads].view(batch, num_splits, heads)
         groups = _arrival_groups(heads)
-        part_arrivals = workspace[:batch * groups].view(torch.int32).view(batch, groups)
+        part_arrivals = workspace[:batch * groups * 2].view(torch.int32).view(batch, groups, 2)
     return staged, part_out, part_lse, part_arrivals
 
 
@@ -358,10 +358,10 @@ def _arrival_groups(heads: int) -> int:
 
 
 def _reserved_floats(workspace_numel: int) -> int:
-    """The counters' prefix of a workspace: 1 element per 1,024. A split call's partials take at least
+    """The counters' prefix of a workspace: 1 element per 512. A split call's partials take at least
     2 x 513 floats per (row, head), so the prefix of any workspace long enough for the call holds its
-    ``B x ceil(H / 16)`` counters."""
-    return -(-workspace_numel // 1024)
+    ``B x ceil(H / 16) x 2`` counters."""
+    return -(-workspace_numel // 512)
 
 
 def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.dtype = torch.float32) -> int:
@@ -371,8 +371,8 @@ def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.d
     float32 ``[B, H, 512]`` staging of the output when ``out_dtype`` is bfloat16 (the kernel
     accumulates in float32; with one split the header finishes there and the op rounds to bf16,
     round-to-nearest-even; split, its combine rounds the same way and writes ``out`` directly); and
-    before them a prefix of ``ceil(n / 1024)`` elements of a workspace of ``n`` that holds the
-    header's int32 arrival counters (``[B, ceil(H / 16)]`` when split). The prefix must be zero
+    before them a prefix of ``ceil(n / 512)`` elements of a workspace of ``n`` that holds the
+    header's int32 arrival counters (``[B, ceil(H / 16), 2]`` when split). The prefix must be zero
     before the first call: every call leaves it zero, so zero a workspace once (``torch.zeros``) and
     pass it whole to every call that shares it.
     """
@@ -380,7 +380,7 @@ def workspace_floats(batch: int, heads: int, num_splits: int, out_dtype: torch.d
     data = partials + (batch * heads * HEAD_DIM if out_dtype == torch.bfloat16 else 0)
     if data == 0:
         return 0
-    floats = data + -(-data // 1023)  # the least n with n - ceil(n / 1024) >= data, or one more
+    floats = data + -(-data // 511)  # the least n with n - ceil(n / 512) >= data, or one more
     return floats - 1 if floats - 1 - _reserved_floats(floats - 1) >= data else floats
 
 

@@ -110,7 +110,7 @@ def _entries(device: torch.device) -> dict[str, Entry]:
                  sink=torch.zeros(2), page_slots=PAGE, softmax_scale=0.05, extra_kv_cache=v4_cache[:1].clone(),
                  extra_indices=_i32([[0, -1], [3, 2]]), extra_page_slots=PAGE, out=torch.zeros(2, 2, 512),
                  lse=torch.zeros(2, 2), part_out=torch.zeros(2, 2, 2, 512), part_lse=torch.zeros(2, 2, 2),
-                 part_arrivals=torch.zeros(2, 1, dtype=torch.int32), num_splits=2, topk_length=_i32([3, 2])),
+                 part_arrivals=torch.zeros(2, 1, 2, dtype=torch.int32), num_splits=2, topk_length=_i32([3, 2])),
             ("out", "lse", "part_out", "part_lse", "part_arrivals")),
         "norm_rope_store": Entry(lambda: DSV4_STORE.module(cache_kind="V4", backend=backend).norm_rope_store,
                                  dict(x=rand(2, 512), weight=torch.ones(512), eps=1e-6, positions=_i64(0, 4),

@@ -286,7 +286,7 @@ def step_tensors(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]
         "top_k_device_locs": torch.empty(STEP_BATCH, TOP_K, dtype=torch.int32),
         "out": torch.empty(STEP_BATCH, STEP_HEADS, 512, dtype=torch.bfloat16),
         "lse": torch.empty(STEP_BATCH, STEP_HEADS),
-        "workspace": torch.empty(workspace_floats(STEP_BATCH, STEP_HEADS, 1, torch.bfloat16)),
+        "workspace": torch.zeros(workspace_floats(STEP_BATCH, STEP_HEADS, 1, torch.bfloat16)),  # zeroed once
     }
     rope = RopeParams(160000, 16, 65536, 32, 1).table(int(positions.max()) + 1)
     t["rope_cos"], t["rope_sin"] = rope.cos, rope.sin  # the model's table, built once like its weights

@@ -24,8 +24,9 @@ them, and the output):
 (no overlap of the terms; the loop's own gathers count as hidden under its issue), next to the same
 roofline as ``end_to_end_over_roofline``. The HBM bytes are those that must reach or leave DRAM in the
 call (the output; the Triton twin's partials, which a second launch reads); the L2 bytes those written
-and read back within one launch while they fit in L2 (the header's partials: its last CTA of a row
-combines them; 16.8 MB at the serving shape, against 50 MB of L2 on the H200 and more on the B200).
+and read back within one launch while they fit in L2 (the header's partials: the last CTA of a row
+combines them with its own, kept in registers; 8.4 MB at the serving shape, against 50 MB of L2 on
+the H200 and more on the B200).
 Their write-back to DRAM when later evicted is not counted. The L2 bandwidth is an assumption, not a
 measurement: 32 bytes per SM per clock (half of the 64 an SM's L1 takes from L2 per clock), 8.4 TB/s
 on the H200 and 9.3 TB/s on the B200.
@@ -122,17 +123,19 @@ TRIPS = {
 
 def _split_attention_after_loop(batch: int, heads: int, splits: int, out_bf16: bool) -> tuple[int, int]:
     """(HBM, L2) bytes the header attention moves after its tile loop: the output (fp32, or bf16
-    rounded by the combine) and the lse to HBM; the fp32 partials (out and lse of every split) written
-    to L2 and read back from it by the last CTA of each row, which combines them in the same launch."""
-    partials = batch * splits * heads * (HEAD_DIM + 1) * 4
+    rounded by the combine) and the lse to HBM; the fp32 partials (out and lse) of every split but
+    the last to finish written to L2 and read back from it by that last CTA of the row, which keeps
+    its own in registers and combines in the same launch."""
+    partials = batch * (splits - 1) * heads * (HEAD_DIM + 1) * 4
     return batch * heads * (HEAD_DIM * (2 if out_bf16 else 4) + 4), 2 * partials
 
 
 #: kernel -> (HBM bytes, L2 bytes moved after its loop, not hidden by it, the model): see the module docstring.
 AFTER_LOOP = {
     "cuda dsv4_attention partial_kernel": (*_split_attention_after_loop(64, 64, 2, out_bf16=False),
-                                           "fp32 output to HBM; the 2 splits' fp32 partials written to L2 and "
-                                           "read back by the last CTA of each row (no combine launch)"),
+                                           "fp32 output to HBM; the first split's fp32 partial written to L2 and "
+                                           "read back by the row's last CTA, which keeps its own in registers "
+                                           "(no combine launch)"),
     "cuda dsv4_attention partial_kernel, bf16 out": (*_split_attention_after_loop(64, 64, 2, out_bf16=True),
                                                      "as above, the last CTA writing bf16"),
     "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0,
