@@ -98,6 +98,7 @@ def test_dsv4_head_counts_in_programs_of_16_and_64_heads(backend, heads, shape):
         assert_within_tolerance(case, run(case, backend, "triton", num_splits=2), expected)
 
 
+@pytest.mark.no_backend("plans a CUDA launch on the host: no kernel runs")
 def test_the_gpu_plan_fills_132_sms_at_batch_1_and_keeps_batch_64_in_64_head_programs():
     # No kernel runs: default_splits and launch_shape for a CUDA device, at the benchmark's shapes
     # (64 heads, top-k 512 + a 128-entry window, and without it), then invariants over many calls.
