@@ -171,6 +171,16 @@ _ROW_COPY = ({"LDG.E.128", "VOTE", "STS"}, {"STG"})  # to shared memory, 128 ent
 _GATHER_COUNT = ({"LDG.E", "VOTE"}, {"LDG.E.128", "STS", "STG"})  # 8 loads a lane: 256 entries a warp
 _GATHER_COPY = ({"LDG.E", "VOTE", "STS"}, {"LDG.E.128"})
 _TOPK_BUILD = ("cuda", "dsv4_indexer_topk", {}, "topk_kernel")
+_SWAP_IN_BUILD = ("cuda", "hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
+                  "swap_in_kernel")
+_SWAP_IN_BLOCK = [  # the per-request launch's block-wide passes at K 512, H 1,024, 16 warps: trips per SM
+    ("per request: top-k hash insert", {"ATOMS.CAS", "ATOMS.MIN"}, set(), 16, 64, {"outer": True}),
+    ("per request: top-k pass (hits, misses)", {"LDG.E.U16", "VOTE", "BAR"}, set(), 16, 64, {"outer": True}),
+    ("per request: 2 LRU passes over H", {"LDS.U16", "VOTE", "BAR", "STG.E"}, {"LDG.E.U16", "ATOMS"}, 2 * 2 * 16, 64,
+     {"outer": True}),
+    ("per request: output pass", {"LDS.128", "STG.E", "VOTE", "BAR"}, {"LDS.U16", "LDG.E.U16", "ATOMS"}, 16, 64,
+     {"outer": True})]
+_SWAP_IN_COPY = ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})
 PHASES = {
     "cuda dsv4_indexer_topk topk_kernel one CTA 512 of 64k": (
         _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
@@ -202,26 +212,22 @@ PHASES = {
         "slots (the max, then exp and the weighted sum; the fp32 ring's loops, not the bf16 ring's); no "
         "allowance, as the fused compress-store's row"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses": (
-        ("cuda", "hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
-         "swap_in_kernel"), roofline.swap_in(64, 512, 33),
-        [("per request: top-k hash insert", {"ATOMS.CAS", "ATOMS.MIN"}, set(), 16, 64, {"outer": True}),
-         ("per request: top-k pass (hits, misses)", {"LDG.E.U16", "VOTE", "BAR"}, set(), 16, 64, {"outer": True}),
-         ("per request: 2 LRU passes over H", {"LDS.U16", "VOTE", "BAR", "STG.E"}, {"LDG.E.U16", "ATOMS"},
-          2 * 2 * 16, 64, {"outer": True}),
-         ("per request: output pass", {"LDS.128", "STG.E", "VOTE", "BAR"}, {"LDS.U16", "LDG.E.U16", "ATOMS"}, 16,
-          64, {"outer": True}),
-         ("copies: a miss's scan of the later rows", {"LDG.E", "LDG.E.64"}, {"STG"}, 63 * 4, 1,
-          {"kernel": "MissCopies", "outer": True}),
-         ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})],
-        (4.0, 2.5),
-        "batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch (64 CTAs of 512 "
-        "threads, one an SM; each of its 16 warps runs each block-wide pass once per 512 entries: the top-k "
-        "passes once, the 2 LRU passes over 1,024 slots twice) then the copies' launch, one warp per plan entry "
-        "(32k): its critical warp is a miss of row 0, whose scan of the 63 later rows for a same-request "
-        "copy and its 2-trip 16-byte copy run on one scheduler (trips x 4). The allowance: 2 launches back to "
-        "back (3 + 1 us), the 32k entries' miss-count checks (~15 instructions a warp: 0.5 us) and one PCIe "
-        "round trip for the misses, all in flight at once (2 us). Not counted: the code between the passes "
-        "(barriers, block scans); the scan's 63 row loads are L2 round trips a GPU must time"),
+        _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33), _SWAP_IN_BLOCK + [_SWAP_IN_COPY], (4.0, 2.5),
+        "plain entry, batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch "
+        "(64 CTAs of 512 threads, one an SM; each of its 16 warps runs each block-wide pass once per 512 "
+        "entries: the top-k passes once, the 2 LRU passes over 1,024 slots twice) then the copies' launch, "
+        "one warp per plan entry (32k), a miss's warp copying its 584 B record in 2 trips of the 16-byte "
+        "loop on one scheduler (trips x 4). The allowance: 2 launches back to back (3 + 1 us), the 32k "
+        "entries' miss-count checks (~15 instructions a warp: 0.5 us) and one PCIe round trip for the "
+        "misses, all in flight at once (2 us). Not counted: the code between the passes (barriers, block "
+        "scans)"),
+    "cuda hisparse swap-in step batch 64 K 512 0.1% misses speculative": (
+        _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33),
+        _SWAP_IN_BLOCK + [("copies: a miss's scan of the later rows", {"LDG.E", "LDG.E.64"}, {"STG"}, 63 * 4, 1,
+                           {"kernel": "MissCopies", "outer": True}), _SWAP_IN_COPY], (4.0, 2.5),
+        "as above, through the speculative entry (rows of one request served in batch order): the copies' "
+        "critical warp, a miss of row 0, first scans the 63 later rows for a copy of the same request into "
+        "the same slot, on one scheduler (trips x 4); each trip is one dependent load a GPU must time"),
     "cuda hisparse_copy TransferTokens 64k x 21": (
         ("cuda", "hisparse_copy", {"page_slots": 64}, "TransferTokens"), roofline.Cost(2 * 65536 * 21 * 584),
         [("value records: 16-byte copy loop", {"LD.E.128", "ST.E.128"}, set(), 8 * 21 * 2, 8192)], (3.0, 0.0),

@@ -658,10 +658,11 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
 // row's misses take distinct slots and the requests' slots are distinct).
 // Design: latency-bound. At batch 64, K 512 and 0.1% misses: 32k warps, each one load of its
 // row's miss count (~10 instructions), ~33 of them also one 584-byte host -> device copy (one
-// PCIe round trip, ~2 us, all concurrent) and a scan of the later rows of their request (batch
-// reads of the request ids, the misses of the same-request rows). Budget: 32k x 10 warp
-// instructions over 528 schedulers, ~600 cycles; the step is the swap-in block (~3-5 us) plus one
-// round trip, within the 10 us target.
+// PCIe round trip, ~2 us, all concurrent) and, speculative only, a scan of the later rows of their
+// request (batch reads of the request ids, the misses of the same-request rows: for a miss of row
+// 0, 63 trips of a ~84-instruction loop, 2.7 us on one scheduler of an H200). Budget
+// (tools/bench/bench_sass_budget.py, docs/sass.md): the swap-in block's passes ~1.8 us, 2 launches,
+// the 32k checks and one round trip: ~8.3 us plain, ~11 us speculative, against the 10 us target.
 template <class Layout>
 struct MissCopies {
   struct Params {
@@ -678,8 +679,10 @@ struct MissCopies {
     if (m >= q.miss_count[b]) return;
     const int64_t src = q.miss_src[b * q.miss_src_stride + m];
     const int64_t dst = load_index(q.miss_dst, q.miss_dst_is64, b * q.miss_dst_stride + m);
+    // Only the speculative entry serves two rows of one request: the plain one refuses them (such
+    // rows record no miss), so its copies skip the scan of the later rows.
     const int64_t rid = load_index(q.req_pool_indices, q.req_is64, b);
-    for (int64_t later = b + 1; later < q.batch; ++later) {
+    for (int64_t later = b + 1; q.speculative && later < q.batch; ++later) {
       if (load_index(q.req_pool_indices, q.req_is64, later) != rid) continue;
       for (int32_t k = 0; k < q.miss_count[later]; ++k) {
         // A later copy the swap-in skipped (outside a cache) writes nothing: it supersedes nothing.
