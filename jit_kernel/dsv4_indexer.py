@@ -406,7 +406,8 @@ def _check_topk_options(scores: torch.Tensor, positions: torch.Tensor, num_top_k
                         page_slots: int, out: torch.Tensor, out_slots: torch.Tensor | None,
                         workspace: torch.Tensor | None, impl: str) -> None:
     """The top-k op body's own checks (the entry's follow in the kernel call)."""
-    _check_top_k(scores, num_top_k)
+    if not 1 <= num_top_k <= TOP_K_PAST_ROW_LENGTH:  # else any row takes it
+        _check_top_k(scores, num_top_k)
     if out_slots is not None and page_table is None:
         raise ValueError("sparsekv: argument `out_slots` needs `page_table`")
     shape = out.shape

@@ -16,6 +16,7 @@ rounded reciprocal). :mod:`sparsekv.testing.reference.dsv4_store` is the byte or
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +127,9 @@ def norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positions
         A slot outside the cache, a position outside the RoPE table. Nothing is written when
         anything is raised.
     """
-    eps, page_slots = _positive_eps(eps, "eps"), as_int(page_slots, "page_slots")
+    if not (type(eps) is float and 0.0 < eps < math.inf):  # noqa: E721 - the decode path's case passes as is
+        eps = _positive_eps(eps, "eps")
+    page_slots = as_int(page_slots, "page_slots")
     if not isinstance(rope, RopeTable):
         raise TypeError(f"sparsekv: argument `rope` must be a RopeTable (RopeParams(...).table(max_position)), got "
                         f"{type(rope).__name__}")

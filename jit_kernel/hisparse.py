@@ -197,11 +197,12 @@ SWAP_IN_ARGS = ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "devi
 
 
 def swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-                 top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, *, num_real_reqs=None,
+                 top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs=None,
                  miss_src=None, miss_dst=None, miss_count=None, counters=None, index_check: int = RUN,
                  speculative: bool = False) -> list:
     """The argument list of the C++ entry ``load_cache_to_device_buffer`` (the one place its order is
-    written: the wrapper, the tests and the benchmark all build it here). Optional tensors stay None."""
+    written: the wrapper, the tests and the benchmark all build it here; the wrapper passes every
+    argument by position, a keyword call costing a dict on the decode path). Optional tensors stay None."""
     return [top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
             top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes, num_real_reqs, miss_src,
             miss_dst, miss_count, counters, index_check, speculative]
@@ -268,8 +269,7 @@ def _swap_in(is_dsv4_layout: bool, top_k_tokens: torch.Tensor, device_buffer_tok
     page_slots = _page_slots(is_dsv4_layout, page_slots, device_buffer)
     args = swap_in_args(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
                         device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
-                        num_real_reqs=num_real_reqs, miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count,
-                        counters=counters, speculative=speculative)
+                        num_real_reqs, miss_src, miss_dst, miss_count, counters, RUN, speculative)
     family = SWAP_IN
     if index_slot_of is not None:
         # The indexed entries take the index tables right after lru_slots.

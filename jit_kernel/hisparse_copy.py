@@ -122,14 +122,15 @@ def table_layers(table: torch.Tensor, layers: slice) -> torch.Tensor:
 
 
 #: Attributes of a pointer_table: the layers it points at, the bytes reachable from each address, and
-#: the fewest of them (None for no layer), which bounds the pages of every layer (read on every copy).
-_HELD, _REACHABLE, _LEAST = "_sparsekv_layers", "_sparsekv_reachable_bytes", "_sparsekv_least_reachable_bytes"
+#: what every copy reads of them: ``(layers, fewest bytes)`` (None for no layer; the fewest bound the
+#: pages of every layer).
+_HELD, _REACHABLE, _BOUND = "_sparsekv_layers", "_sparsekv_reachable_bytes", "_sparsekv_reach_bound"
 
 
 def _recorded(table: torch.Tensor, held: tuple, reachable: tuple) -> torch.Tensor:
     setattr(table, _HELD, held)
     setattr(table, _REACHABLE, reachable)
-    setattr(table, _LEAST, min(reachable, default=None))
+    setattr(table, _BOUND, (len(reachable), min(reachable, default=None)))
     return table
 
 
@@ -137,14 +138,14 @@ def _bounded_count(count: int, table: torch.Tensor, stride: object, page_bytes: 
                    names: tuple[str, str, str]) -> int:
     """The slot or page count of one side: ``count`` (-1: not given), derived from or checked against
     the bytes ``table`` recorded (``unit`` ids per page)."""
-    reachable = getattr(table, _REACHABLE, None)
-    if reachable is None or len(reachable) != table.numel():
+    bound = getattr(table, _BOUND, None)
+    if bound is None or bound[0] != table.numel():
         if count < 0:
             count_name, ptrs_name, _ = names
             raise ValueError(f"sparsekv: argument `{count_name}` is required: `{ptrs_name}` is not a table from "
                              "pointer_table, so the copy cannot tell how far its buffers reach")
         return count
-    least = getattr(table, _LEAST)  # the pages a layer holds grow with its bytes: the fewest bound them all
+    least = bound[1]  # the pages a layer holds grow with its bytes: the fewest bound them all
     if type(stride) is not int or stride < page_bytes or least is None:  # noqa: E721 - the entry refuses it
         return count
     pages = (least - page_bytes) // stride + 1 if least >= page_bytes else 0
@@ -152,7 +153,7 @@ def _bounded_count(count: int, table: torch.Tensor, stride: object, page_bytes: 
         return pages * unit
     if -(-count // unit) > pages:
         count_name, ptrs_name, stride_name = names
-        layer = reachable.index(least)
+        layer = getattr(table, _REACHABLE).index(least)
         raise ValueError(f"sparsekv: argument `{count_name}` = {count} with `{stride_name}` = {stride} reaches past "
                          f"layer {layer} of `{ptrs_name}` ({least} bytes hold {pages * unit} at that stride)")
     return count

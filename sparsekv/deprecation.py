@@ -53,6 +53,8 @@ def renamed_keywords(**old_to_new: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if not kwargs:
+                return fn(*args)
             if old_names.isdisjoint(kwargs):  # the current names: the decode path's case, one set test
                 return fn(*args, **kwargs)
             for old, new in old_to_new.items():

@@ -100,8 +100,11 @@ CPU_BACKENDS = ("cpu", "sim")
 def cpu_backend() -> str:
     """``SPARSEKV_CPU_BACKEND``: the build that runs kernels on CPU tensors: ``cpu`` (default, the
     headers' host implementations) or ``sim`` (their CUDA path in the simulator, see ``csrc/sim/sim.h``)."""
+    key = _ENCODED.get("SPARSEKV_CPU_BACKEND")
+    if key is not None and key not in os.environ._data:  # unset, on every CPU kernel call: _read inlined
+        return "cpu"
     name = _read("SPARSEKV_CPU_BACKEND")
-    if not name:  # the default, on every CPU kernel call
+    if not name:
         return "cpu"
     name = name.strip() or "cpu"
     if name not in CPU_BACKENDS:

@@ -7,8 +7,8 @@ fused with the store; the store and quantizer 8 entries; a 4096-row gather; the 
 8 with a 1024-slot hot buffer; a 512-token HiSparse copy over 4 layers), measured in the same run:
 
 * ``host_us``: the public call with every compiled module's export replaced by a no-op (the loader
-  behind ``KernelFamily.module`` returns a stub whose exports only count their calls; the family's
-  own memo of loaded modules runs as in a real call): what the Python wrapper, its checks and the
+  behind ``KernelFamily.module`` returns a stub whose exports do nothing; the family's own memo of
+  loaded modules runs as in a real call): what the Python wrapper, its checks and the
   ``sparsekv::`` op layer cost on the host;
 * ``raw_us`` (the baseline): tvm-ffi's own no-op (``testing.nop``) called with the very arguments
   the wrapper hands the module: one crossing of the FFI with those tensors (one per module call);
@@ -240,7 +240,7 @@ def measure(name: str, call, nop) -> dict:
     with _modules_replaced_by(_NopModule(nop)):  # a bound call's module calls cross the FFI, to its no-op
         bound = bind(call.func, *call.args, **call.keywords)
     raw = functools.partial(nop, *raw_args[0]) if len(raw_args) == 1 else lambda: [nop(*a) for a in raw_args]
-    with _modules_replaced_by(stub):
+    with _modules_replaced_by(_NopModule(_nothing)):  # the stub's own recording is no part of the wrapper
         host_us, raw_us, bound_us = _paired_us(call, raw, bound)
     return {"case": name, "host_us": host_us, "raw_us": raw_us, "host_over_raw": host_us / raw_us,
             "within_target": host_us / raw_us <= TARGET, "bound_us": bound_us, "bound_over_raw": bound_us / raw_us,
@@ -248,13 +248,19 @@ def measure(name: str, call, nop) -> dict:
             "module_calls": module_calls, "dispatched_us": dispatched_us, "torch_library_us": dispatched_us - host_us}
 
 
+def _nothing(*args) -> None:
+    """A module export that does nothing (a Python function: no FFI crossing)."""
+
+
 class _NopModule:
-    """A compiled module whose every export is tvm-ffi's no-op."""
+    """A compiled module whose every export is ``nop`` (tvm-ffi's no-op, or :func:`_nothing`), kept at its
+    first use as a loaded module's function is."""
 
     def __init__(self, nop) -> None:
         self.nop = nop
 
     def __getattr__(self, name: str):
+        setattr(self, name, self.nop)
         return self.nop
 
 
