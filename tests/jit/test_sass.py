@@ -77,6 +77,10 @@ SASS_TABLE = {
     ("triton", "dsv4_indexer.scores[fp8,bf16]", ""): dict(
         launch=Launch(128, 2),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
+    ("triton", "dsv4_indexer.scores[fp4,bf16]", ""): dict(
+        launch=Launch(128, 2), no_local=PASS,
+        wide_gather="8 single-byte loads (LDG.E.U8) on the fp4 keys' path (issue 36 item 6)",
+        tensor_cores=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer_topk", "topk_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer_topk", "topk_clear_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
@@ -111,6 +115,11 @@ SASS_TABLE = {
     ("triton", "dsv4_compress_store.decode[V4,C4,fp32 ring]", ""): dict(
         launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS,
         occupancy=PASS),
+    ("triton", "dsv4_compress_store.decode[INDEXER_FP8,C4,fp32 ring]", ""): dict(
+        launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS,
+        occupancy=PASS),
+    ("triton", "dsv4_compress_store.decode[INDEXER_FP4,C4,fp32 ring]", ""): dict(
+        launch=Launch(128, 4, flag_stores=1), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout2V4EtE"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_quant", "QuantizeRowsINS_9kv_layout10IndexerFp8EtE"): dict(
