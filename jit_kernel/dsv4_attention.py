@@ -254,6 +254,8 @@ workspace, topk_length
         _check_slots(indices, main_sizes[2], "indices")
         if extra_sizes is not None:
             _check_slots(extra_indices, extra_sizes[2], "extra_indices")
+        if impl == "triton":
+            _check_arrivals_zero(_workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits, impl)[3])
     main = (kv_cache, *main_sizes[:3], indices, *main_sizes[3:])
     extra = None if extra_sizes is None else (extra_kv_cache, *extra_sizes[:3], extra_indices, *extra_sizes[3:])
     return main, extra, split_len
@@ -322,7 +324,20 @@ def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
     if not 1 <= num_splits <= max(1, total):
         raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {max(1, total)}], "
                          f"got {num_splits}")
+    if read_values and impl == "triton":  # the header's entry checks its own
+        _check_arrivals_zero(part_arrivals)
     return main, extra, -(-total // num_splits)
+
+
+def _check_arrivals_zero(part_arrivals: torch.Tensor | None) -> None:
+    """The arrival counters of a split call (None for one split) are zero, as every call leaves them."""
+    if part_arrivals is None:
+        return
+    nonzero = part_arrivals.flatten().nonzero()
+    if len(nonzero):
+        i = int(nonzero[0])
+        raise ValueError(f"sparsekv: argument `part_arrivals` must be all zero before a call (a zeroed workspace "
+                         f"stays zero: every call resets it), got {int(part_arrivals.flatten()[i])} at flat index {i}")
 
 
 def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: int, heads: int, num_splits: int,
@@ -554,7 +569,7 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 
         triton_attention.sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse,
-                                                 part_out, part_lse, topk_length)
+                                                 part_out, part_lse, part_arrivals, topk_length)
         return
     module = ATTENTION.module(q_dtype=q.dtype, backend=backend_of(q))
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,

@@ -18,9 +18,12 @@ Same contract as :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attenti
   ``p . kv`` is wgmma ``64x256x16`` per warp group on sm_90a, the ``64 x 512`` accumulator split over
   the two warp groups of 8 warps (128 registers each thread); tcgen05 on sm_100a;
 * an online softmax in base 2 with the per-head sink folded into the final normalization;
-* split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges whose (lse, normalized
-  output) pairs the combine kernel merges exactly as the header's ``Combine``; on a GPU a row is
-  split until the programs fill the 132 SMs (:func:`default_splits`);
+* split-KV: ``[indices | extra_indices]`` is cut into ``num_splits`` ranges; each program stores its
+  range's (lse, normalized output), and the last program of its (row, head group) to arrive (an
+  acq_rel atomic on the group's ticket in the workspace, ``part_arrivals``, which it zeroes again)
+  merges them exactly as the header's ``Combine``, 16 heads at a time, in the same launch: no second
+  launch, and a CUDA graph replays it as is. On a GPU a row is split until the programs fill the 132
+  SMs (:func:`default_splits`);
 * at small batch, programs of 16 heads (:func:`launch_shape`): where 64-head programs of one 32-row
   tile each would leave more than half of the SMs idle (batch 1 to 3 at top-k 512 + a 128-entry
   window), a row's heads go to 4 programs of 16 heads, each over splits of 16-row tiles, on 4 warps
@@ -45,14 +48,12 @@ scale of 2^-127 (UE8M0 byte 0) makes bf16 subnormals, which the GPU may flush.
 
 Compiled (triton 3.9, the AOT build at the benchmark's arguments, which specializes as the JIT does;
 checked by ``tests/jit/test_sass.py`` with the wheel's ``cuobjdump``): no local memory on sm_90a or
-sm_100a (64-head programs: 253 / 214 registers for bf16 ``q``, 253 / 246 for float32 ``q``; 16-head
-programs, float32 ``q``: 173 / 156; stack 0); the gathers are ``LDGSTS.E.BYPASS.128`` /
-``LDG.E.128`` for the value bytes and ``LDGSTS.E.64`` for the scale words, no ``LDG.U8``; the
-convert is ``F2FP.F16.E4M3.UNPACK_B`` then ``F2F.BF16.F16`` (sm_100a: the direct
-``F2FP.BF16.E4M3.UNPACK_B``); the products are ``HMMA.16816.F32.BF16`` (QK^T) and
-``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a; ``HMMA.16816`` for 16-head programs), the
-QK^T fragments loaded with ``LDSM.16.M88.4``. The combine reads 8 splits at a time (batch 1's 40 at
-once would not fit in registers): 64 registers, no stack.
+sm_100a (64-head programs, bf16 ``q``: 253 / 224 registers; 16-head programs, float32 ``q``: 175 /
+162; stack 0); the gathers are ``LDGSTS.E.BYPASS.128`` / ``LDG.E.128`` for the value bytes and
+``LDGSTS.E.64`` for the scale words, no ``LDG.U8``; the convert is ``F2FP.F16.E4M3.UNPACK_B`` then
+``F2F.BF16.F16`` (sm_100a: the direct ``F2FP.BF16.E4M3.UNPACK_B``); the products are
+``HMMA.16816.F32.BF16`` (QK^T) and ``HGMMA.64x256x16.F32.BF16`` (PV; ``UTCHMMA`` on sm_100a;
+``HMMA.16816`` for 16-head programs), the QK^T fragments loaded with ``LDSM.16.M88.4``.
 
 Registers. The previous form, ``q . kv^T`` on wgmma with both operands in shared memory, spilled
 (255 registers, a 504-byte stack on sm_90a): wgmma addresses shared memory through a 64-bit
@@ -62,30 +63,31 @@ register across the loop; every ``LDL`` in the loop fed an ``R2UR`` of a descrip
 fragments are loaded from shared memory by address (a base plus an immediate per k-step), so only
 PV's two descriptors remain.
 
-What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the loop body is 832 SASS
-instructions per warp per 32-row tile on sm_90a (759 on sm_100a; ``tools/bench/bench_sass_budget.py``
+What bounds it. At batch 64, top-k 512 (+ a 128-entry window), 64 heads, the loop body is 852 SASS
+instructions per warp per 32-row tile on sm_90a (776 on sm_100a; ``tools/bench/bench_sass_budget.py``
 counts them): 64 ``HMMA`` and 64 ``LDSM`` (QK^T), 2 ``HGMMA`` (PV), 136 ``FMUL`` (128 of them the
 accumulator's rescale), about 250 for the dequantization (``F2FP``, ``F2F``, ``HMUL2``, ``PRMT``,
 ``SEL``) and about 150 for the softmax (``SHFL``, ``FADD``, ``FMNMX``, ``MUFU``). With the GPU's
 default of 2 splits there (128 programs of 64 heads, one per SM, 10 tiles each, 8 warps, 4
-instructions issued per SM cycle at 1.98 GHz): ``10 x 832 x 8 / 4 / 1.98e9 = 8.4 us`` of issue against
-the H200 roofline of those 640 entries, 6.8 us (5.7 us for the top-k 512 alone): 1.24x (B200: 7.7 us
-against 4.1 us, 1.9x). End to end the split costs bytes after the loop, which one wave of programs
-cannot hide: the partials written as every program ends, read by the combine, which writes the output.
-bf16 partials for a bf16 output (:func:`_partials`) make that 21.1 MB, 4.4 us at 4.8 TB/s: 12.8 us end
-to end, 1.89x the roofline (``bench_sass_budget``'s ``end_to_end_us``; B200 10.4 us, 2.55x; float32
-partials were 37.8 MB, 16.3 us, 2.41x), if every partial byte goes through HBM (they fit the H200's 50
-MB L2, which a GPU session measures). The loop was 1,407 instructions before ``kWidth = 2`` fragments
-(:func:`_as_loaded_bf16`: about 350 register moves and 100 ``LDS`` fewer) and the tile-major gather
-(about 150 fewer). At prefill (each of 4k query tokens a row, 128 heads, top-k 2048: 8,192 programs of
-64 tiles) the same loop is ``8192 x 64 x 832 x 8 / (132 x 4 x 1.98e9) = 3.3 ms`` of issue against a
-math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS): 1.5x. At batch 1 the kernel is
-latency-bound: 160 programs of one 16-row tile, ``648 x 160 x 4 / (132 x 4 x 1.98e9) = 0.4 us`` of
-issue, then the 40 splits' float32 partials (10.6 MB written and read back; 5.3 MB as bf16 for a
-bf16 output, in L2 at that size): 2.6 us end to end at HBM bandwidth, under what the two launches
-cost (a realistic floor of 5-8 us on an H200). At batch 64 without the window (top-k 512 only,
-the issue's 5.7 us roofline): 8 tiles a program, 6.7 us of issue, 11.1 us end to end, 1.93x. A GPU
-session times it against FlashMLA (``bench_dsv4_attention --peer``).
+instructions issued per SM cycle at 1.98 GHz): ``10 x 852 x 8 / 4 / 1.98e9 = 8.6 us`` of issue against
+the H200 roofline of those 640 entries, 6.8 us (5.7 us for the top-k 512 alone): 1.27x (B200: 7.9 us
+against 4.1 us, 1.94x). End to end the split costs bytes after the loop, which one wave of programs
+cannot hide: the partials written as every program ends and read back by the last of its row, which
+writes the output. bf16 partials for a bf16 output (:func:`_partials`) make that 16.8 MB through L2
+(2.0 us at an assumed 8.4 TB/s) and 4.2 MB of output to HBM (0.9 us): 11.5 us end to end, 1.70x the
+roofline (``bench_sass_budget``'s ``end_to_end_us``; B200 10.2 us, 2.52x); top-k 512 alone 9.8 us,
+1.70x its 5.77 us. With the combine as a second launch (its partials counted at HBM, 21.1 MB) it was
+12.8 us (1.89x) with the window and 11.1 us (1.93x) without, from a loop of 832 instructions: the
+last program's combine, after the loop, costs the loop 20 instructions on sm_90a (17 on sm_100a) of
+register allocation, and its 16 heads at a time keep it without spills. The loop was 1,407
+instructions before ``kWidth = 2`` fragments (:func:`_as_loaded_bf16`: about 350 register moves and
+100 ``LDS`` fewer) and the tile-major gather (about 150 fewer). At prefill (each of 4k query tokens a
+row, 128 heads, top-k 2048: 8,192 programs of 64 tiles) the same loop is ``8192 x 64 x 852 x 8 / (132
+x 4 x 1.98e9) = 3.4 ms`` of issue against a math-bound roofline of 2.2 ms (2.2 TFLOP at 989 TFLOPS):
+1.54x. At batch 1 the kernel is latency-bound: 160 programs of one 16-row tile, ``654 x 160 x 4 /
+(132 x 4 x 1.98e9) = 0.4 us`` of issue, then the 40 splits' float32 partials (10.5 MB through L2;
+5.3 MB as bf16 for a bf16 output): 1.7 us end to end, under what a launch costs (a realistic floor
+of 5-8 us on an H200). A GPU session times it against FlashMLA (``bench_dsv4_attention --peer``).
 
 Versions: every configuration compiles for sm_90a and sm_100a on triton 3.9 with tensor-core
 instructions; the AOT test checks each kernel's PTX for wgmma / tcgen05 (``mma.sync`` for the
@@ -119,8 +121,6 @@ SMALL_NUM_WARPS = 4
 SMALL_PER_SM = 2
 #: SMs of an H100 / H200: one 64-head program per SM (253 registers x 256 threads fill its register file).
 _GPU_SMS = 132
-#: Splits the combine reads at a time (:func:`attention_combine_kernel`).
-SPLIT_CHUNK = tl.constexpr(8)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -284,7 +284,7 @@ def attention_partial_kernel(
         cache_ptr, page_stride, page_shift, num_slots, idx_ptr, idx_stride, count,
         x_cache_ptr, x_page_stride, x_page_shift, x_num_slots, x_idx_ptr, x_idx_stride, x_count,
         sink_ptr, scale_log2, heads, num_splits, split_len, lengths_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr,
         HAS_LENGTHS: tl.constexpr,
         NATIVE_BF16: tl.constexpr):
@@ -330,37 +330,49 @@ def attention_partial_kernel(
         _store_out(_partials(part_out_ptr, out_ptr) + row[:, None] * 512 + tl.arange(0, 512)[None, :],
                    acc * factor[:, None], h_ok[:, None], NATIVE_BF16)
         tl.store(part_lse_ptr + row, tl.where(has, (m + log2_l) * 0.6931471805599453, float("-inf")), mask=h_ok)
+        # The last program of the (row, head group) to arrive combines every split. Its arrival is one
+        # acq_rel atomic after a barrier: every thread's partial stores happen before it, and the last
+        # program's reads of the others' partials after theirs. It zeroes the counter for the next call.
+        tl.debug_barrier()
+        # The group's ticket: the first of its 2 ints in the header's [B, ceil(H / 16), 2] counters.
+        counter = arrivals_ptr + 2 * (b.to(tl.int64) * ((heads + 15) // 16) + tl.program_id(1) * (BLOCK_H // 16))
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)
+            for h0 in tl.static_range(0, BLOCK_H, 16):  # 16 heads at a time: a 64 x 512 float32 sum would spill
+                _combine(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, b,
+                         tl.program_id(1) * BLOCK_H + h0 + tl.arange(0, 16), heads, num_splits, NATIVE_BF16)
 
 
 @triton.jit
-def attention_combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, heads, num_splits,
-                             BLOCK_S: tl.constexpr, NATIVE_BF16: tl.constexpr):
-    """One (b, h): merge the splits' (lse_s, o_s) with the sink, as the header's ``Combine``. The outputs
-    are read ``SPLIT_CHUNK`` splits at a time: batch 1's 40 splits at once would be 160 float32 values
-    a thread."""
-    i = tl.program_id(0).to(tl.int64)
-    b = i // heads
-    h = i - b * heads
-    sp = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(part_lse_ptr + (b * num_splits + sp) * heads + h, mask=sp < num_splits, other=float("-inf"))
-    big = tl.max(lse_s, 0)
+def _combine(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, b, h, heads, num_splits,
+             NATIVE_BF16: tl.constexpr):
+    """Merge the splits' (lse_s, o_s) of row ``b``, heads ``h``, with the sink, as the header's ``Combine``:
+    ``M = max_s lse_s``, ``out = sum_s exp(lse_s - M) o_s / (sum_s exp(lse_s - M) + exp(sink - M))``,
+    ``lse = M + log sum_s exp(lse_s - M)``, one split at a time in split order (a NaN ``lse_s`` makes
+    the head's out and lse NaN). The partials are read from L2 (``.cg``), past the SM's L1."""
+    h_ok = h < heads
+    base = b.to(tl.int64) * num_splits * heads + h
+    big = tl.full(h.shape, float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(part_lse_ptr + base + s * heads, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+        big = tl.maximum(big, lse_s, propagate_nan=tl.PropagateNan.ALL)
     has = big != float("-inf")
     big_safe = tl.where(has, big, 0.0)
-    total = tl.sum(tl.where(lse_s != float("-inf"), tl.exp(lse_s - big_safe), 0.0), 0)
-    denominator = total + tl.exp(tl.load(sink_ptr + h) - big_safe)
     d = tl.arange(0, 512)
-    weighted = tl.zeros((512,), tl.float32)
-    for s0 in range(0, num_splits, SPLIT_CHUNK):
-        sc = s0 + tl.arange(0, SPLIT_CHUNK)
-        s_ok = sc < num_splits
-        lse_c = tl.load(part_lse_ptr + (b * num_splits + sc) * heads + h, mask=s_ok, other=float("-inf"))
-        w = tl.where(lse_c != float("-inf"), tl.exp(lse_c - big_safe), 0.0)
-        o = tl.load(_partials(part_out_ptr, out_ptr) + ((b * num_splits + sc) * heads + h)[:, None] * 512 + d[None, :],
-                    mask=(s_ok & (w > 0.0))[:, None], other=0.0).to(tl.float32)
-        weighted += tl.sum(w[:, None] * o, 0)
-    out = tl.where(has, weighted / tl.where(has, denominator, 1.0), 0.0)
-    _store_out(out_ptr + i * 512 + d, out, d < 512, NATIVE_BF16)
-    tl.store(lse_ptr + i, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")))
+    total = tl.zeros(h.shape, tl.float32)
+    weighted = tl.zeros((h.shape[0], 512), tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(part_lse_ptr + base + s * heads, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(lse_s != float("-inf"), tl.exp(lse_s - big_safe), 0.0)
+        o = tl.load(_partials(part_out_ptr, out_ptr) + (base + s * heads)[:, None] * 512 + d[None, :],
+                    mask=(h_ok & (w > 0.0))[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        total += w
+        weighted += w[:, None] * o
+    denominator = total + tl.exp(tl.load(sink_ptr + h, mask=h_ok, other=0.0) - big_safe)
+    out = tl.where(has[:, None], weighted / tl.where(has, denominator, 1.0)[:, None], 0.0)
+    row = b.to(tl.int64) * heads + h
+    _store_out(out_ptr + row[:, None] * 512 + d[None, :], out, h_ok[:, None], NATIVE_BF16)
+    tl.store(lse_ptr + row, tl.where(has, big_safe + tl.log(tl.where(has, total, 1.0)), float("inf")), mask=h_ok)
 
 
 def default_splits(device: torch.device, batch: int, heads: int, entries: int) -> int:
@@ -400,12 +412,15 @@ def launch_shape(batch: int, heads: int, num_splits: int) -> tuple[int, int, int
 
 
 def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse, part_out, part_lse,
-                            topk_length=None):
+                            part_arrivals, topk_length=None):
     """Launch on arguments the op has checked: ``main`` / ``extra`` are each cache's kernel arguments and
     ``split_len`` the entries per split (what :func:`sparsekv.jit_kernel.dsv4_attention.check_attention_arguments`
     returns, ``extra`` None without an extra cache); ``out`` (float32 or bfloat16) and ``lse`` are written,
-    ``part_out`` / ``part_lse`` are the split partials (None for one split); ``topk_length`` (int32 ``[B]``
-    or None) bounds the entries of ``indices`` taken per row. The programs' shape is :func:`launch_shape`'s.
+    ``part_out`` / ``part_lse`` are the split partials and ``part_arrivals`` the int32 ``[B, ceil(H / 16), 2]``
+    arrival counters (the twin uses the first of each pair), zero before the call and after it (None for
+    one split); ``topk_length`` (int32
+    ``[B]`` or None) bounds the entries of ``indices`` taken per row. The programs' shape is
+    :func:`launch_shape`'s; split, the last program of each (row, head group) combines (one launch).
 
     The body of the ``sparsekv::sparse_decode_attention`` op for ``impl="triton"``; see the public
     :func:`sparsekv.jit_kernel.dsv4_attention.sparse_decode_attention` for the contract.
@@ -419,13 +434,9 @@ def sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_
     attention_partial_kernel[grid](
         q, q.stride(0), q.stride(1), *main, *x, sink, float(softmax_scale) * LOG2E, heads, num_splits, split_len,
         topk_length if topk_length is not None else lse, out, lse,
-        part_out if part_out is not None else lse, part_lse if part_lse is not None else lse,
+        *(part if part is not None else lse for part in (part_out, part_lse, part_arrivals)),
         BLOCK_H=block_h, BLOCK_N=block_n, HAS_EXTRA=extra is not None,
         HAS_LENGTHS=topk_length is not None, NATIVE_BF16=not interpreting(), num_warps=num_warps)
-    if num_splits > 1:
-        attention_combine_kernel[(batch * heads,)](part_out, part_lse, sink, out, lse, heads, num_splits,
-                                                   BLOCK_S=triton.next_power_of_2(num_splits),
-                                                   NATIVE_BF16=not interpreting())
 
 
 def _aot_kernels():
@@ -445,9 +456,9 @@ def _aot_kernels():
     for q_type, batch in (("bf16", 64), ("fp32", 1)):
         splits = default_splits(torch.device("cuda"), batch, 64, 512 + 128)
         block_h, block_n, num_warps = launch_shape(batch, 64, splits)
-        partials = {"part_out_ptr": Pointer("fp32"), "part_lse_ptr": Pointer("fp32"), "sink_ptr": Pointer("fp32"),
-                    "out_ptr": Pointer(q_type), "lse_ptr": Pointer("fp32"), "heads": Int(64),
-                    "num_splits": Int(splits), "NATIVE_BF16": Constexpr(True)}
+        partials = {"part_out_ptr": Pointer("fp32"), "part_lse_ptr": Pointer("fp32"), "arrivals_ptr": Pointer("i32"),
+                    "sink_ptr": Pointer("fp32"), "out_ptr": Pointer(q_type), "lse_ptr": Pointer("fp32"),
+                    "heads": Int(64), "num_splits": Int(splits), "NATIVE_BF16": Constexpr(True)}
         config = q_type if block_h == MAX_BLOCK_H else f"{q_type},{block_h} heads"
         kernels.append(AotKernel(f"dsv4_attention.partial[{config}]", attention_partial_kernel,
                                  {"q_ptr": Pointer(q_type), "q_stride_b": Int(64 * 512), "q_stride_h": Int(512),
@@ -457,8 +468,6 @@ def _aot_kernels():
                                   "BLOCK_N": Constexpr(block_n), "HAS_EXTRA": Constexpr(True),
                                   "HAS_LENGTHS": Constexpr(True)},
                                  num_warps))
-        kernels.append(AotKernel(f"dsv4_attention.combine[{q_type}]", attention_combine_kernel,
-                                 {**partials, "BLOCK_S": Constexpr(triton.next_power_of_2(splits))}, 4))
     return kernels
 
 

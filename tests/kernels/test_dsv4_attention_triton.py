@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention, workspace_floats
 from sparsekv.jit_kernel.triton import dsv4_attention as triton_attention
 from sparsekv.testing.backends import device_of, triton_examples
 from sparsekv.testing.reference.dsv4_attention import sparse_decode_attention_reference
@@ -146,6 +146,33 @@ def test_a_bf16_output_over_splits_combines_bf16_partials(backend):
     assert torch.equal(bf16[1], fp32[1])
     assert_within_tolerance(case, bf16, expected, 2.0**-8)
     torch.testing.assert_close(bf16[0], fp32[0], rtol=2.0**-8, atol=2.0**-7 * float(fp32[0].abs().max()))
+
+
+def test_split_calls_combine_in_their_last_program_and_leave_the_arrival_counters_zero(backend):
+    # Split, the last program of a (row, head group) to arrive combines the splits and zeroes its counter
+    # in the workspace's prefix: calls of both program shapes and of different batch and heads share one
+    # zeroed workspace, each within tolerance of the reference; a nonzero counter is refused, nothing written.
+    g = torch.Generator().manual_seed(12)
+    cache = v4_cache(random_rows(40, g), 8)
+    big, small = (AttentionCase(torch.randn(batch, heads, 512, generator=g), cache,
+                                torch.randint(-1, 40, (batch, k), generator=g, dtype=torch.int32),
+                                torch.randn(heads, generator=g), 8) for batch, heads, k in ((2, 20, 30), (1, 3, 12)))
+    workspace = torch.zeros(workspace_floats(2, 20, 3, torch.bfloat16), device=device_of(backend))
+    counters = workspace[:2 * 2 * 2].view(torch.int32)  # the big case's [B, ceil(H / 16), 2]
+    for case, splits, out_dtype, shape in ((big, 3, torch.float32, "16-head programs"),
+                                           (small, 2, torch.bfloat16, "64-head programs")):
+        with planned_for(shape):
+            got = run(case, backend, "triton", num_splits=splits, out_dtype=out_dtype, workspace=workspace)
+        twin = as_the_twin_reads_it(case)
+        expected = sparse_decode_attention_reference(twin.q, twin.kv_cache, twin.indices, twin.sink, twin.page_slots)
+        assert_within_tolerance(twin, got, expected, 2.0**-8 if out_dtype == torch.bfloat16 else 0.0)
+        assert not bool(counters.any())
+    counters[6] = 1  # b = 1, heads 16-19: the ticket
+    out = torch.full((2, 20, 512), 7.0, device=device_of(backend))
+    with pytest.raises(ValueError, match="argument `part_arrivals` must be all zero"):
+        sparse_decode_attention(*(t.to(device_of(backend)) for t in (big.q, big.kv_cache, big.indices, big.sink)), 8,
+                                num_splits=2, workspace=workspace, out=out, impl="triton")
+    assert bool((out == 7.0).all())
 
 
 def test_a_row_without_valid_entries_gives_zero_and_plus_inf(backend):

@@ -23,10 +23,10 @@ them, and the output):
 
 (no overlap of the terms; the loop's own gathers count as hidden under its issue), next to the same
 roofline as ``end_to_end_over_roofline``. The HBM bytes are those that must reach or leave DRAM in the
-call (the output; the Triton twin's partials, which a second launch reads); the L2 bytes those written
-and read back within one launch while they fit in L2 (the header's partials: the last CTA of a row
-combines them with its own, kept in registers; 8.4 MB at the serving shape, against 50 MB of L2 on
-the H200 and more on the B200).
+call (the output); the L2 bytes those written and read back within one launch while they fit in L2
+(the split partials: the header's last CTA of a row combines them with its own, kept in registers,
+8.4 MB at the serving shape; the Triton twin's last program reads them all back, 16.8 MB; against
+50 MB of L2 on the H200 and more on the B200).
 Their write-back to DRAM when later evicted is not counted. The L2 bandwidth is an assumption, not a
 measurement: 32 bytes per SM per clock (half of the 64 an SM's L1 takes from L2 per clock), 8.4 TB/s
 on the H200 and 9.3 TB/s on the B200.
@@ -138,15 +138,15 @@ AFTER_LOOP = {
                                            "(no combine launch)"),
     "cuda dsv4_attention partial_kernel, bf16 out": (*_split_attention_after_loop(64, 64, 2, out_bf16=True),
                                                      "as above, the last CTA writing bf16"),
-    "triton dsv4_attention.partial[bf16]": (2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0,
-                                            "2 splits' partials (bf16 out, fp32 lse) written, the combine "
-                                            "launch's read of them and its bf16 output, all at HBM"),
-    "triton dsv4_attention.partial[bf16] top-k 512": (
-        2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4) + 64 * 64 * (HEAD_DIM * 2 + 4), 0, "as above"),
+    "triton dsv4_attention.partial[bf16]": (64 * 64 * (HEAD_DIM * 2 + 4), 2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4),
+                                            "bf16 output to HBM; the 2 splits' partials (bf16 out, fp32 lse) "
+                                            "written to L2 and read back by the last program of each row"),
+    "triton dsv4_attention.partial[bf16] top-k 512": (64 * 64 * (HEAD_DIM * 2 + 4),
+                                                      2 * 64 * 2 * 64 * (HEAD_DIM * 2 + 4), "as above"),
     "triton dsv4_attention.partial[fp32,16 heads] batch 1": (
-        2 * 40 * 64 * (HEAD_DIM * 4 + 4) + 64 * (HEAD_DIM * 4 + 4), 0,
-        "40 splits' float32 partials written, the combine launch's read of them and its float32 output, "
-        "all at HBM (at batch 1 they fit in L2)"),
+        64 * (HEAD_DIM * 4 + 4), 2 * 40 * 64 * (HEAD_DIM * 4 + 4),
+        "float32 output to HBM; the 40 splits' float32 partials written to L2 and read back by the last "
+        "program of each head group"),
 }
 
 
