@@ -164,10 +164,6 @@ def check_pages_in_use(page_table: torch.Tensor, positions: torch.Tensor, page_s
                          f"[0, {num_pages}) ({pages_are}) but holds visible entries")
 
 
-#: The entries' name for :func:`indexer_scores`'s output is ``scores`` (made once: the block is on the decode path).
-_SCORES_ARE_OUT = named_as(scores="out")
-
-
 @renamed_keywords(page_size="page_slots")
 def indexer_scores(
     q: torch.Tensor,
@@ -232,7 +228,8 @@ def indexer_scores(
         width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     impl = resolve_impl(impl, q)
-    with _SCORES_ARE_OUT:
+    # Made per call, not once: dynamo enters a context manager built inside the compiled region only.
+    with named_as(scores="out"):  # the entries call the output `scores`
         _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out, impl)
     return out
 
