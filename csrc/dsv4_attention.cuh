@@ -924,8 +924,8 @@ void sparse_decode_attention(TensorView q, TensorView kv_cache, TensorView indic
                              Optional<TensorView> part_arrivals, int64_t num_splits,
                              Optional<TensorView> topk_length) {
   // 1. Validate: memory, q, sink, outputs, both caches and their indices (host-readable indices in full).
-  //    The op runs the same checks, in this order and these words, as one Python contract for every
-  //    implementation (check_attention_arguments, jit_kernel/dsv4_attention.py); these serve direct callers.
+  //    check_attention_arguments (jit_kernel/dsv4_attention.py) states the same checks, in this order and these
+  //    words, for the Triton twin and FlashMLA; the op's header calls leave them to this entry.
   check_disjoint({read(q, "q"), read(kv_cache, "kv_cache"), read(indices, "indices"), read(sink, "sink"),
                   read(optional_arg(extra_kv_cache, "extra_kv_cache"), "extra_kv_cache"),
                   read(optional_arg(extra_indices, "extra_indices"), "extra_indices"),

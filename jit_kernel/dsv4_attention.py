@@ -40,7 +40,7 @@ import torch
 
 from sparsekv.checks import as_float, as_int, one_of
 from sparsekv.deprecation import renamed_keywords
-from sparsekv.jit_kernel.build.registry import KernelFamily, backend_of, register
+from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.flashmla import dsv4_attention as flashmla
 from sparsekv.jit_kernel.torch_op import (
     CheckMemo,
@@ -49,6 +49,7 @@ from sparsekv.jit_kernel.torch_op import (
     kernel_op,
     metadata_key,
     rows_of,
+    runs_bodies,
 )
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import (
@@ -106,14 +107,19 @@ def attention_impl(impl: str, q: torch.Tensor, indices: torch.Tensor, extra_indi
         ``impl`` is not one of :data:`IMPLS`; ``"flashmla"`` where FlashMLA cannot run (the one-line
         reason); ``"triton"`` where Triton cannot run.
     """
+    if impl == "header":  # runs on every device
+        return impl
     if impl == "flashmla":
         reason = flashmla.unavailable_reason(q.device)
         if reason is not None:
             raise ValueError(f"sparsekv: argument `impl` is 'flashmla', but {reason}")
         return impl
-    if impl == "auto" and isinstance(q, torch.Tensor) and flashmla.unavailable_reason(q.device) is None \
-            and isinstance(indices, torch.Tensor) and flashmla.misfit_reason(q, indices, extra_indices) is None:
-        return "flashmla"
+    if impl == "auto" and isinstance(q, torch.Tensor):
+        device = q.device  # built once: ~0.1 us a call of the decode path
+        if flashmla.unavailable_reason(device) is None and isinstance(indices, torch.Tensor) \
+                and flashmla.misfit_reason(q, indices, extra_indices) is None:
+            return "flashmla"
+        return resolve_impl(impl, device)
     if impl not in IMPLS:
         raise ValueError(f"sparsekv: argument `impl` must be one of {list(IMPLS)}, got {impl!r}")
     return resolve_impl(impl, q.device)
@@ -206,12 +212,14 @@ def check_attention_arguments(q: torch.Tensor, kv_cache: torch.Tensor, indices: 
                               out: torch.Tensor, lse: torch.Tensor, workspace: torch.Tensor | None,
                               topk_length: torch.Tensor | None, *, impl: str,
                               read_values: bool) -> tuple[tuple, tuple | None, int]:
-    """The input contract of sparse decode attention: the one statement of its checks, which the op runs
-    before it dispatches to any implementation (header, Triton, FlashMLA).
+    """The input contract of sparse decode attention, which the op runs before the Triton twin and FlashMLA
+    run; the header's C++ entry runs the same checks itself, so a header call runs this only where the
+    entry does not see the call's own arguments (a bfloat16 ``out`` of one split, written from the
+    entry's float32 staging) or where the tables' values are read on the device with torch.
 
     The checks and their words are the header entry's (``sparse_decode_attention`` in
-    ``csrc/dsv4_attention.cuh``, which keeps them for direct callers of the compiled module), after
-    those of the op's own arguments (``workspace``, ``topk_length``). Without ``read_values`` they are
+    ``csrc/dsv4_attention.cuh``), after those of the op's own arguments (``workspace``,
+    ``topk_length``). Without ``read_values`` they are
     O(1) in the tables' sizes and read nothing from the device; with it (see :func:`reads_values`) every
     slot and ``topk_length`` value is checked too.
 
@@ -281,15 +289,7 @@ def _check_contract(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
     if out.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"sparsekv: argument `out` must have dtype float32 or bfloat16 (`out_dtype`), got {out.dtype}")
     batch, heads = q.shape[0], q.shape[1]
-    most = max(1, _entries(indices, extra_indices))
-    if not 1 <= num_splits <= most:  # before any workspace is sized for it
-        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
-    floats = 0 if impl == "flashmla" else workspace_floats(batch, heads, num_splits, out.dtype)
-    if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
-                   or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):
-        got = "None" if workspace is None else f"{workspace.dtype} {list(workspace.shape)} on {workspace.device}"
-        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
-                         f"at least {floats} elements (workspace_floats), got {got}")
+    _check_splits_and_workspace(q, indices, extra_indices, num_splits, out, workspace, impl)
     if topk_length is not None:
         _check_topk_length(topk_length, q, rows_of(indices, 2, 1), values=read_values)
     _, part_out, part_lse, part_arrivals = _workspace_views(workspace, out, batch, heads, num_splits, impl)
@@ -338,6 +338,41 @@ def _check_arrivals_zero(part_arrivals: torch.Tensor | None) -> None:
         i = int(nonzero[0])
         raise ValueError(f"sparsekv: argument `part_arrivals` must be all zero before a call (a zeroed workspace "
                          f"stays zero: every call resets it), got {int(part_arrivals.flatten()[i])} at flat index {i}")
+
+
+def _check_splits_and_workspace(q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.Tensor | None,
+                                num_splits: int, out: torch.Tensor, workspace: torch.Tensor | None, impl: str) -> None:
+    """The split count, in range before any workspace is sized for it, then the workspace it needs."""
+    most = max(1, _entries(indices, extra_indices))
+    if not 1 <= num_splits <= most:
+        raise ValueError(f"sparsekv: argument `num_splits` must be in [1, max(1, K + K2) = {most}], got {num_splits}")
+    floats = 0 if impl == "flashmla" else workspace_floats(rows_of(q, 3, 0), rows_of(q, 3, 1), num_splits, out.dtype)
+    if floats and (workspace is None or workspace.dtype != torch.float32 or workspace.dim() != 1
+                   or not workspace.is_contiguous() or workspace.numel() < floats or workspace.device != q.device):
+        got = "None" if workspace is None else f"{workspace.dtype} {list(workspace.shape)} on {workspace.device}"
+        raise ValueError(f"sparsekv: argument `workspace` must be a contiguous 1-D float32 tensor on {q.device} with "
+                         f"at least {floats} elements (workspace_floats), got {got}")
+
+
+def _split_views(workspace: torch.Tensor, out: torch.Tensor, batch: int, heads: int,
+                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(part_out, part_lse, part_arrivals)`` of :func:`_workspace_views` for a split call of the header,
+    from a memo of the views by the workspace's address and length (a view costs ~1.5 us, a decode
+    step takes three). A view kept in the memo keeps its memory alive, so a workspace at the same
+    address is that memory: the views are valid for it once its size is checked
+    (:func:`_check_splits_and_workspace`)."""
+    key = (workspace.data_ptr(), workspace.numel(), workspace.device, out.dtype, batch, heads, num_splits)
+    views = _SPLIT_VIEWS.get(key)
+    if views is None:
+        views = _workspace_views(workspace, out, batch, heads, num_splits, "header")[1:]
+        if len(_SPLIT_VIEWS) >= _SPLIT_VIEWS_KEPT:  # a decode loop reuses one or two workspaces
+            _SPLIT_VIEWS.clear()
+        _SPLIT_VIEWS[key] = views
+    return views
+
+
+_SPLIT_VIEWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_SPLIT_VIEWS_KEPT = 8
 
 
 def _workspace_views(workspace: torch.Tensor | None, out: torch.Tensor, batch: int, heads: int, num_splits: int,
@@ -520,33 +555,41 @@ def sparse_decode_attention(
     extra_page_slots = -1 if extra_page_slots is None else as_int(extra_page_slots, "extra_page_slots")
     if num_splits is not None:
         num_splits = as_int(num_splits, "num_splits")
-    batch, heads = rows_of(q, 3, 0), rows_of(q, 3, 1)
-    entries = _entries(indices, extra_indices)
+    on_cpu = impl == "header" and not q.is_cuda  # one split, by the cpu backend's choice
     if num_splits is not None:
         splits = num_splits
-    elif impl == "flashmla":  # FlashMLA plans its own splits
+    elif impl == "flashmla" or on_cpu:  # FlashMLA plans its own splits
         splits = 1
     elif impl == "triton":
         from sparsekv.jit_kernel.triton.dsv4_attention import default_splits
 
-        splits = default_splits(q.device, batch, heads, entries)
+        splits = default_splits(q.device, rows_of(q, 3, 0), rows_of(q, 3, 1), _entries(indices, extra_indices))
     else:
-        splits = _default_splits(isinstance(q, torch.Tensor) and q.is_cuda, batch, heads, entries)
+        splits = _default_splits(isinstance(q, torch.Tensor) and q.is_cuda, rows_of(q, 3, 0), rows_of(q, 3, 1),
+                                 _entries(indices, extra_indices))
     splits = splits if type(splits) is int else -1  # noqa: E721 - the op body names a bad count
     if out is None:
-        out = torch.empty((batch, heads, HEAD_DIM), dtype=out_dtype, device=q.device)
+        out = torch.empty((rows_of(q, 3, 0), rows_of(q, 3, 1), HEAD_DIM), dtype=out_dtype, device=q.device)
     elif isinstance(out, torch.Tensor) and out.dtype != out_dtype:  # the dtype asked for is the one written
         raise TypeError(f"sparsekv: argument `out` has dtype {out.dtype}, but `out_dtype` is {out_dtype}")
     if lse is None:
-        lse = torch.empty((batch, heads), dtype=torch.float32, device=q.device)
-    floats = workspace_floats(batch, heads, splits, out_dtype) if 1 <= splits <= max(1, entries) else 0
-    floats = 0 if impl == "flashmla" else floats
-    if workspace is None and floats:
+        lse = torch.empty((rows_of(q, 3, 0), rows_of(q, 3, 1)), dtype=torch.float32, device=q.device)
+    # One split into a float32 `out` (the decode step on the cpu backend) needs no workspace.
+    if workspace is None and impl != "flashmla" and (splits != 1 or out_dtype != torch.float32) \
+            and 1 <= splits <= max(1, _entries(indices, extra_indices)):
+        floats = workspace_floats(rows_of(q, 3, 0), rows_of(q, 3, 1), splits, out_dtype)
         workspace = (torch.zeros(floats, dtype=torch.float32, device=q.device) if torch.compiler.is_compiling()
                      else _cached_workspace(q.device, floats))
-    _attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots,
-               splits, out, lse, workspace, impl, topk_length)
+    # The scalars are of their plain types by now: the op's own pass over them is not needed, and an eager
+    # call of plain tensors runs the op's body directly (what the op would decide).
+    tensors = (q, kv_cache, indices, sink, extra_kv_cache, extra_indices, out, lse, workspace, topk_length)
+    run = _attention.body if runs_bodies("sparse_decode_attention", tensors, _TENSOR_SLOTS) else _attention
+    run(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots, splits,
+        out, lse, workspace, impl, topk_length)
     return out, lse
+
+
+_TENSOR_SLOTS = tuple(range(10))
 
 
 @kernel_op("sparse_decode_attention", mutates_args=("out", "lse", "workspace"))
@@ -555,6 +598,24 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
                extra_page_slots: int, num_splits: int, out: torch.Tensor, lse: torch.Tensor,
                workspace: torch.Tensor | None, impl: str,
                topk_length: torch.Tensor | None) -> None:
+    if impl == "header" and q.dtype in _Q_TYPES and not index_checks_on_device(q) \
+            and (num_splits != 1 or out.dtype != torch.bfloat16):
+        # The header's C++ entry runs the contract itself before it writes anything (the same checks in
+        # the same words, host index tables included): Python checks only what builds the entry's
+        # arguments, the query dtype (which module: another one is the contract's to refuse, below) and
+        # the split count and workspace (its views). Not here: the index tables checked on the device
+        # with torch (SPARSEKV_CHECK_INDICES=1), and a bfloat16 `out` of one split, which the op writes
+        # itself from the entry's float32 staging (the entry never sees `out`).
+        part_out = part_lse = part_arrivals = None
+        if num_splits != 1:
+            _check_splits_and_workspace(q, indices, extra_indices, num_splits, out, workspace, impl)
+            if num_splits > 1:
+                part_out, part_lse, part_arrivals = _split_views(workspace, out, q.shape[0], q.shape[1], num_splits)
+        module = ATTENTION.module_for(q, q.dtype)
+        module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache,
+                                       extra_indices, extra_page_slots, out, lse, part_out, part_lse, part_arrivals,
+                                       num_splits, topk_length)
+        return
     # One contract for the three implementations, checked before any of them runs.
     main, extra, split_len = check_attention_arguments(
         q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices, extra_page_slots,
@@ -571,7 +632,7 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         triton_attention.sparse_decode_attention(q, main, extra, split_len, sink, softmax_scale, num_splits, out, lse,
                                                  part_out, part_lse, part_arrivals, topk_length)
         return
-    module = ATTENTION.module(q_dtype=q.dtype, backend=backend_of(q))
+    module = ATTENTION.module_for(q, q.dtype)
     module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache, extra_indices,
                                    extra_page_slots, staged, lse, part_out, part_lse, part_arrivals, num_splits,
                                    topk_length)

@@ -49,6 +49,7 @@ from sparsekv.jit_kernel.torch_op import (
     kernel_op,
     metadata_key,
     rows_of,
+    runs_bodies,
 )
 from sparsekv.jit_kernel.triton import resolve_impl
 from sparsekv.jit_kernel.triton.checks import check_no_overlap, page_shift, visible_entries
@@ -252,6 +253,7 @@ def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     INDEXER.module_for(out, layout, q_dtype).indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
 
 
+
 @renamed_keywords(top_k="num_top_k", page_size="page_slots")
 def indexer_topk(
     scores: torch.Tensor,
@@ -422,6 +424,12 @@ def _indexer_topk(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
                   page_slots: int, out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None,
                   impl: str) -> None:
     _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+    _topk(scores, positions, page_table, page_slots, out, out_slots, workspace, impl)
+
+
+def _topk(scores: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None, page_slots: int,
+          out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None, impl: str) -> None:
+    """The ``indexer_topk`` op's body after its own checks: the implementation's entry, which checks the rest."""
     if impl == "triton":
         from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
 
@@ -463,17 +471,31 @@ def lightning_indexer(
     if scores is None:
         width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         scores = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
-    topk_impl = resolve_impl(impl, scores.device)
+    impl = resolve_impl(impl, scores.device)
     out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
+    tensors = (q, weights, k_cache, page_table, positions, scores, out, out_slots, workspace)
+    if runs_bodies("lightning_indexer", tensors, _LIGHTNING_TENSORS):  # what each op would run directly
+        # One pass over the arguments for both ops, the top-k's checks before any score is written
+        # (memoized), then the two bodies: the scores', and the top-k's entry without its own checks,
+        # which the pre-check ran.
+        _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+        with _OUT_IS_SCORES:
+            _indexer_scores.body(q, weights, k_cache, page_table, positions, page_slots, layout, scores, impl)
+        _topk(scores, positions, page_table, page_slots, out, out_slots, workspace, impl)
+        return out, out_slots
     if not _through_dispatcher((scores, positions, out)):
-        _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace,
-                              topk_impl)
-    with named_as(out="scores"):  # the scores' `out` is this call's `scores`
-        scores = indexer_scores(q, weights, k_cache, page_table, positions, page_slots=page_slots, layout=layout,
-                                out=scores, impl=impl)
-    tokens, slots = indexer_topk(scores, positions, num_top_k, page_table=page_table, page_slots=page_slots, out=out,
-                                 out_slots=out_slots, workspace=workspace, impl=impl)
-    return tokens, slots
+        _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+    with named_as(out="scores"):  # made here: dynamo enters no context manager made outside what it traces
+        _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, scores, impl)
+    _indexer_topk(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+    return out, out_slots
+
+
+#: The argument slots :func:`lightning_indexer`'s one pass reads (its scalars are plain by then).
+_LIGHTNING_TENSORS = tuple(range(9))
+#: The scores' output is this call's ``scores`` (their op names it ``out``); made once, for the eager path
+#: only: dynamo enters no context manager made outside what it traces.
+_OUT_IS_SCORES = named_as(out="scores")
 
 
 def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
@@ -486,13 +508,13 @@ def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top
 
     O(1) unless ``SPARSEKV_CHECK_INDICES=1`` on the GPU, so a call whose arguments' metadata passed
     before (:class:`~sparsekv.jit_kernel.torch_op.CheckMemo`) is not checked again."""
-    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
-
     reads = index_checks_on_device(scores)
     key = None if reads else metadata_key(scores, positions, num_top_k, page_table, page_slots, out, out_slots,
                                           workspace, impl)
     if _TOPK_MEMO.get(key) is not None:
         return
+    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
+
     _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, read_tables=False)
     _TOPK_MEMO.put(key, True)

@@ -142,7 +142,8 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
     The body's type annotations give the schema (``torch.Tensor``, ``torch.Tensor | None``, int,
     float, bool, str); it returns None and is called with positional arguments. The returned function
     calls the op when anything traces (see :func:`_through_dispatcher`), the body directly otherwise;
-    its ``op`` attribute is the registered op.
+    its ``op`` attribute is the registered op, its ``body`` the body (for a wrapper of several ops that
+    makes the plain-eager test once for all of them).
     """
 
     def register(body: Callable[..., None]) -> Callable[..., None]:
@@ -177,10 +178,18 @@ def kernel_op(name: str, mutates_args: Sequence[str]) -> Callable[[Callable[...,
             else:
                 body(*args)
 
-        call.op = op
+        call.op, call.body = op, body
         return call
 
     return register
+
+
+def runs_bodies(name: str, tensors: tuple, slots: tuple[int, ...]) -> bool:
+    """Whether a wrapper calls its ops' bodies (``kernel_op(...).body``) directly: what each op's own call
+    decides (:func:`_plain_eager`), made once for a wrapper that has made its scalar arguments plain
+    itself (ints, floats, a resolved ``impl``), over its tensor arguments (``slots`` of ``tensors``).
+    False: the wrapper calls the ops, which decide again."""
+    return _plain_eager(name, tensors, (), slots)
 
 
 #: The plain values a :func:`metadata_key` keys by value (with their type: ``True``, ``1`` and ``1.0`` differ).

@@ -59,10 +59,18 @@ def _arch_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+#: The reason of each device that is not a CUDA one (it depends on the device alone).
+_OFF_CUDA: dict[torch.device, str] = {}
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why FlashMLA cannot run on ``device`` in this process (one line), or None when it can."""
+    reason = _OFF_CUDA.get(device)  # impl="auto" asks at every call: ~0.9 us to word the answer anew
+    if reason is not None:
+        return reason
     if device.type != "cuda":
-        return f"FlashMLA runs on CUDA tensors of sm_90 or sm_100 GPUs, got tensors on {device}"
+        reason = _OFF_CUDA[device] = f"FlashMLA runs on CUDA tensors of sm_90 or sm_100 GPUs, got tensors on {device}"
+        return reason
     if not _importable():
         return f"the `{PACKAGE}` package is not importable (pip install FlashMLA: github.com/deepseek-ai/FlashMLA)"
     major = _arch_major(device.index if device.index is not None else torch.cuda.current_device())

@@ -195,6 +195,38 @@ def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
     assert bool((out == 7.0).all())
 
 
+def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
+    # The header's split partials are views of the caller's workspace, kept by its address (two views
+    # cost a decode call more than its checks): the same workspace gives the same bits again, one
+    # shrunk in place at that address is refused naming it before anything is written, and a
+    # workspace elsewhere gives the same bits.
+    g = torch.Generator().manual_seed(4)
+    c = AttentionCase(torch.randn(3, 20, 512, generator=g), v4_cache(random_rows(70, g), 64),
+                      torch.randint(-1, 70, (3, 50), generator=g, dtype=torch.int32), torch.randn(20, generator=g),
+                      64).to(device_of(backend))
+    floats = workspace_floats(3, 20, 3)
+
+    def call(workspace):
+        out, lse = torch.full((3, 20, 512), 7.0, device=c.q.device), torch.full((3, 20), 7.0, device=c.q.device)
+        sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
+                                workspace=workspace, impl="header")
+        return out, lse
+
+    expected = call(torch.zeros(floats, device=c.q.device))
+    assert not bool((expected[1] == 7.0).any())
+    workspace = torch.zeros(floats, device=c.q.device)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(call(workspace), expected))
+    workspace.resize_(floats - 1)
+    out, lse = torch.full((3, 20, 512), 7.0, device=c.q.device), torch.full((3, 20), 7.0, device=c.q.device)
+    with pytest.raises(ValueError, match="`workspace`"):
+        sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
+                                workspace=workspace, impl="header")
+    assert bool((out == 7.0).all()) and bool((lse == 7.0).all())
+    elsewhere = torch.zeros(floats + 64, device=c.q.device)[64:]
+    assert all(torch.equal(a, b) for a, b in zip(call(elsewhere), expected))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_nan_in_a_query_or_a_row_reaches_exactly_the_outputs_it_touches(backend, num_splits):

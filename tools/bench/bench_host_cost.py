@@ -1,7 +1,8 @@
 """Host cost of every public decode-path call, with the kernel replaced by a no-op (issue 36 item 2).
 
 For each public call a decode step makes, given its ``out=`` buffers, at a decode shape on the cpu
-backend (8 rows; attention top-k 512 of 64 heads, with ``impl="header"`` and ``"auto"``; indexer 64k
+backend (8 rows; attention top-k 512 of 64 heads, with ``impl="header"`` and ``"auto"``, and split in
+two with a workspace, the GPU's decode case; indexer 64k
 entries, top-k 512, and the two as ``lightning_indexer``; the C4 compressor's decode step, alone and
 fused with the store; the store and quantizer 8 entries; a 4096-row gather; the DSV4 swap-in at batch
 8 with a 1024-slot hot buffer; a 512-token HiSparse copy over 4 layers), measured in the same run:
@@ -32,8 +33,9 @@ fused with the store; the store and quantizer 8 entries; a 4096-row gather; the 
   ``torch_library_us`` = ``dispatched_us - host_us``: what that layer would add.
 
 Also ``attention input checks``: the attention's input contract alone (``check_attention_arguments``,
-which every implementation runs before dispatch), in its O(1) mode (the Triton launcher's copy of
-it measured 472 us before its memory-sharing check became one sweep); and the Triton fused compress
+which the Triton twin and FlashMLA run before dispatch; the header's C++ entry makes the same
+checks), in its O(1) mode (the Triton launcher's copy of it measured 472 us before its memory-sharing
+check became one sweep); and the Triton fused compress
 + store launchers' checks for a 4096-token C4 chunk and a 64-row decode step, whose index checks of
 host-readable tables are one numpy pass each (a Python loop per event, write and row before: 4.5-5.7
 ms for the 4096-token chunk on the 2-core VM, 0.38-0.42 ms after).
@@ -56,7 +58,7 @@ from sparsekv.cli import CliParser
 from sparsekv.jit_kernel import torch_op
 from sparsekv.jit_kernel.bound_call import bind
 from sparsekv.jit_kernel.build import registry
-from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention, workspace_floats
 from sparsekv.jit_kernel.dsv4_compress_store import compress_decode_step
 from sparsekv.jit_kernel.dsv4_indexer import indexer_scores, indexer_topk, lightning_indexer
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
@@ -140,6 +142,9 @@ def calls(empty: bool = False) -> dict:
                                                      lse=lse, impl="header"),
         "sparse_decode_attention (auto)": functools.partial(sparse_decode_attention, q, cache, indices, sink, PAGE,
                                                             out=out, lse=lse),
+        "sparse_decode_attention (2 splits)": functools.partial(
+            sparse_decode_attention, q, cache, indices, sink, PAGE, out=out, lse=lse, num_splits=2,
+            workspace=torch.zeros(workspace_floats(batch, HEADS, 2)), impl="header"),
         "lightning_indexer": functools.partial(lightning_indexer, iq, weights, k_cache, table, positions, TOPK,
                                                page_slots=PAGE, scores=top_scores, out=tokens, out_slots=slots_out,
                                                impl="header"),
@@ -165,8 +170,9 @@ def calls(empty: bool = False) -> dict:
 
 
 def attention_checks():
-    """The attention's input contract (every implementation runs it before dispatch) at the attention
-    call's shape, in its O(1) mode: what a GPU call pays without ``SPARSEKV_CHECK_INDICES``."""
+    """The attention's input contract at the attention call's shape, in its O(1) mode: what a Triton or
+    FlashMLA call pays on the GPU without ``SPARSEKV_CHECK_INDICES`` (a header call leaves these checks
+    to its C++ entry)."""
     from sparsekv.jit_kernel.dsv4_attention import check_attention_arguments
 
     g = torch.Generator().manual_seed(0)
