@@ -138,8 +138,8 @@ class named_as:  # noqa: N801 - used as a function: `with named_as(inner="public
     ``ValueError`` or ``IndexError`` whose message names ``inner`` (as `` `inner` ``) is re-raised,
     the same exception, naming ``public`` instead. For an entry whose argument names differ from its
     wrapper's (``quantize_indexer_keys`` takes ``keys``, its entry calls them ``x``). A plain context
-    manager, not a generator one: it wraps decode-path calls, and costs a tenth as much. It keeps no
-    state between blocks, so a wrapper may make it once and reuse it."""
+    manager, not a generator one: it wraps decode-path calls, and costs a tenth as much. Make it where
+    it is entered: torch.compile enters a context manager made in the traced code, not a global one."""
 
     def __init__(self, **inner_to_public: str) -> None:
         self.inner_to_public = inner_to_public
