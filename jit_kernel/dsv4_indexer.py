@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.checks import as_int, named_as, one_of
+from sparsekv.checks import as_int, named_as, one_of, rename_arguments
 from sparsekv.deprecation import renamed_keywords
 from sparsekv.jit_kernel.build.registry import KernelFamily, register
 from sparsekv.jit_kernel.torch_op import (
@@ -229,9 +229,11 @@ def indexer_scores(
         width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         out = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
     impl = resolve_impl(impl, q)
-    # Made per call, not once: dynamo enters a context manager built inside the compiled region only.
-    with named_as(scores="out"):  # the entries call the output `scores`
+    try:
         _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out, impl)
+    except (TypeError, ValueError, IndexError) as error:
+        rename_arguments(error, scores="out")  # the entries call the output `scores`
+        raise
     return out
 
 

@@ -148,9 +148,17 @@ class named_as:  # noqa: N801 - used as a function: `with named_as(inner="public
         return None
 
     def __exit__(self, kind: type | None, e: BaseException | None, traceback: object) -> bool:
-        if isinstance(e, (TypeError, ValueError, IndexError)):
-            e.args = tuple(_renamed(a, self.inner_to_public) if isinstance(a, str) else a for a in e.args)
+        if e is not None:
+            rename_arguments(e, **self.inner_to_public)
         return False  # the same exception propagates
+
+
+def rename_arguments(error: BaseException, **inner_to_public: str) -> None:
+    """What :class:`named_as` does to an exception raised in its block, for an ``except`` clause (a ``try``
+    costs nothing until something is raised; a ``with`` makes its context every call): a ``TypeError``,
+    ``ValueError`` or ``IndexError`` naming `` `inner` `` names `` `public` `` instead."""
+    if isinstance(error, (TypeError, ValueError, IndexError)):
+        error.args = tuple(_renamed(a, inner_to_public) if isinstance(a, str) else a for a in error.args)
 
 
 def _renamed(message: str, inner_to_public: dict[str, str]) -> str:
