@@ -323,7 +323,8 @@ def indexer_topk(
     """
     num_top_k, page_slots = as_int(num_top_k, "num_top_k"), as_int(page_slots, "page_slots")
     impl = resolve_impl(impl, scores)
-    out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
+    if out is None or (out_slots is None and page_table is not None):  # given both, nothing to make
+        out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
     _indexer_topk(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     return out, out_slots
 
