@@ -20,8 +20,9 @@ derived from the arguments: the implementation and backend, output and workspace
 
 A call that does more than call modules is not recorded: one that runs torch operators of its own (the
 attention's one-split bfloat16 output, copied from its float32 staging; index checks on the device under
-``SPARSEKV_CHECK_INDICES=1``) or calls no module. Its bound call makes the whole call every time
-(``planned`` is False).
+``SPARSEKV_CHECK_INDICES=1``) or calls no module; views it cuts (the attention's split partials in its
+workspace) are arguments like any other. Its bound call makes the whole call every time (``planned``
+is False).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def _each(module_calls: tuple[tuple[Callable, tuple], ...]) -> None:
         export(*args)
 
 
+#: The torch operators that make a view of a tensor (no data read or written): a call that runs only these
+#: besides its module calls is still its module calls alone.
+_VIEW_OPS = frozenset({"aten::slice", "aten::view", "aten::as_strided"})
+
+
 def bind(fn: Callable[..., object], /, *args: object, **kwargs: object) -> BoundCall:
     """Bind a public kernel call to its arguments: check it once, return what makes it again.
 
@@ -136,7 +142,9 @@ def bind(fn: Callable[..., object], /, *args: object, **kwargs: object) -> Bound
         else:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 result = fn(*args, **kwargs)
-            own_ops = any("::" in event.name for event in profile.events())  # aten:: (or sparsekv:: when traced)
+            # aten:: (or sparsekv:: when traced); a view of a tensor (the attention's split partials in its
+            # workspace) is what the call derived, fixed at bind as the module call's argument.
+            own_ops = any("::" in event.name and event.name not in _VIEW_OPS for event in profile.events())
     finally:
         del registry.RECORDERS[thread]
     call = functools.partial(fn, *args, **kwargs)

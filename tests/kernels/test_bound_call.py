@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.bound_call import bind
-from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention
+from sparsekv.jit_kernel.dsv4_attention import sparse_decode_attention, workspace_floats
 from sparsekv.jit_kernel.dsv4_quant import quantize_fp8_ds_mla
 from sparsekv.jit_kernel.gather_rows import gather_rows
 from sparsekv.kv_layout import V4
 from sparsekv.testing.backends import device_of
-from sparsekv.testing.strategies.dsv4_attention import attention_case
+from sparsekv.testing.strategies.dsv4_attention import AttentionCase, attention_case, random_rows, v4_cache
 from sparsekv.testing.strategies.gather_rows import gather_case
 
 
@@ -59,6 +59,25 @@ def test_a_bound_attention_equals_the_call_on_new_queries(backend, case, out_dty
         got_out, got_lse = step()
         assert got_out is out and got_lse is lse
         assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+
+
+def test_a_split_attention_binds_its_workspace_views_on_the_first_bind(backend):
+    # The split partials are views of the workspace the call cuts (kept by its address): a view is
+    # fixed at bind like any argument, so the first bind of a split call is its module call alone.
+    g = torch.Generator().manual_seed(6)
+    case = AttentionCase(torch.randn(2, 4, 512, generator=g), v4_cache(random_rows(20, g), 4),
+                         torch.randint(-1, 20, (2, 9), generator=g, dtype=torch.int32), torch.randn(4, generator=g),
+                         4).to(device_of(backend))
+    out, lse = torch.empty(2, 4, 512, device=case.q.device), torch.empty(2, 4, device=case.q.device)
+    workspace = torch.zeros(workspace_floats(2, 4, 3), device=case.q.device)
+    step = bind(sparse_decode_attention, case.q, case.kv_cache, case.indices, case.sink, case.page_slots, out=out,
+                lse=lse, num_splits=3, workspace=workspace)
+    assert step.planned and step.module_calls == 1
+    want_out, want_lse = sparse_decode_attention(case.q, case.kv_cache, case.indices, case.sink, case.page_slots,
+                                                 num_splits=3, workspace=torch.zeros_like(workspace))
+    out.fill_(7.0)
+    step()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 def test_bind_refuses_what_the_call_refuses_with_the_same_exception(backend):
