@@ -354,17 +354,22 @@ def _check_splits_and_workspace(q: torch.Tensor, indices: torch.Tensor, extra_in
                          f"at least {floats} elements (workspace_floats), got {got}")
 
 
-def _split_views(workspace: torch.Tensor, out: torch.Tensor, batch: int, heads: int,
-                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(part_out, part_lse, part_arrivals)`` of :func:`_workspace_views` for a split call of the header,
-    from a memo of the views by the workspace's address and length (a view costs ~1.5 us, a decode
-    step takes three). A view kept in the memo keeps its memory alive, so a workspace at the same
-    address is that memory: the views are valid for it once its size is checked
-    (:func:`_check_splits_and_workspace`)."""
-    key = (workspace.data_ptr(), workspace.numel(), workspace.device, out.dtype, batch, heads, num_splits)
-    views = _SPLIT_VIEWS.get(key)
-    if views is None:
-        views = _workspace_views(workspace, out, batch, heads, num_splits, "header")[1:]
+def _split_views(q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.Tensor | None, num_splits: int,
+                 out: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(part_out, part_lse, part_arrivals)`` of :func:`_workspace_views` for a header call of ``num_splits``
+    other than 1, after :func:`_check_splits_and_workspace`: both from a memo of the calls that passed,
+    by all that the checks read (the checks and three views cost ~3 us a decode call, the key ~1 us).
+    A view kept in the memo keeps its memory alive, so a workspace at the same address is that memory."""
+    key = None
+    if type(workspace) is torch.Tensor:
+        key = (workspace.data_ptr(), workspace.shape, workspace.stride(), workspace.dtype, workspace.device, q.device,
+               q.shape, indices.shape, None if extra_indices is None else extra_indices.shape, out.dtype, num_splits)
+        views = _SPLIT_VIEWS.get(key)
+        if views is not None:
+            return views
+    _check_splits_and_workspace(q, indices, extra_indices, num_splits, out, workspace, "header")
+    views = _workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits, "header")[1:]
+    if key is not None:
         if len(_SPLIT_VIEWS) >= _SPLIT_VIEWS_KEPT:  # a decode loop reuses one or two workspaces
             _SPLIT_VIEWS.clear()
         _SPLIT_VIEWS[key] = views
@@ -607,10 +612,8 @@ def _attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
         # with torch (SPARSEKV_CHECK_INDICES=1), and a bfloat16 `out` of one split, which the op writes
         # itself from the entry's float32 staging (the entry never sees `out`).
         part_out = part_lse = part_arrivals = None
-        if num_splits != 1:
-            _check_splits_and_workspace(q, indices, extra_indices, num_splits, out, workspace, impl)
-            if num_splits > 1:
-                part_out, part_lse, part_arrivals = _split_views(workspace, out, q.shape[0], q.shape[1], num_splits)
+        if num_splits != 1:  # a count below 1 is refused by the checks
+            part_out, part_lse, part_arrivals = _split_views(q, indices, extra_indices, num_splits, out, workspace)
         module = ATTENTION.module_for(q, q.dtype)
         module.sparse_decode_attention(q, kv_cache, indices, sink, page_slots, softmax_scale, extra_kv_cache,
                                        extra_indices, extra_page_slots, out, lse, part_out, part_lse, part_arrivals,

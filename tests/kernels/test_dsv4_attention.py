@@ -196,10 +196,11 @@ def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
 
 
 def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
-    # The header's split partials are views of the caller's workspace, kept by its address (two views
-    # cost a decode call more than its checks): the same workspace gives the same bits again, one
-    # shrunk in place at that address is refused naming it before anything is written, and a
-    # workspace elsewhere gives the same bits.
+    # The header's split partials are views of the caller's workspace, kept by its address with the
+    # calls that passed the workspace checks (both cost a decode call more than the key does): the
+    # same workspace gives the same bits again, one at that address of another dtype or shrunk in
+    # place is refused naming it before anything is written, and a workspace elsewhere gives the
+    # same bits.
     g = torch.Generator().manual_seed(4)
     c = AttentionCase(torch.randn(3, 20, 512, generator=g), v4_cache(random_rows(70, g), 64),
                       torch.randint(-1, 70, (3, 50), generator=g, dtype=torch.int32), torch.randn(20, generator=g),
@@ -217,12 +218,12 @@ def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
     workspace = torch.zeros(floats, device=c.q.device)
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(call(workspace), expected))
-    workspace.resize_(floats - 1)
     out, lse = torch.full((3, 20, 512), 7.0, device=c.q.device), torch.full((3, 20), 7.0, device=c.q.device)
-    with pytest.raises(ValueError, match="`workspace`"):
-        sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
-                                workspace=workspace, impl="header")
-    assert bool((out == 7.0).all()) and bool((lse == 7.0).all())
+    for refused in (workspace.view(torch.int32), workspace.resize_(floats - 1)):  # same address, another dtype or size
+        with pytest.raises(ValueError, match="`workspace`"):
+            sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
+                                    workspace=refused, impl="header")
+        assert bool((out == 7.0).all()) and bool((lse == 7.0).all())
     elsewhere = torch.zeros(floats + 64, device=c.q.device)[64:]
     assert all(torch.equal(a, b) for a, b in zip(call(elsewhere), expected))
 
