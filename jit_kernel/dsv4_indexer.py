@@ -482,13 +482,16 @@ def lightning_indexer(
         # (memoized), then the two bodies: the scores', and the top-k's entry without its own checks,
         # which the pre-check ran.
         _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
-        with _OUT_IS_SCORES:
+        try:
             _indexer_scores.body(q, weights, k_cache, page_table, positions, page_slots, layout, scores, impl)
+        except (TypeError, ValueError, IndexError) as error:
+            rename_arguments(error, out="scores")  # the scores' `out` is this call's `scores`
+            raise
         _topk(scores, positions, page_table, page_slots, out, out_slots, workspace, impl)
         return out, out_slots
     if not _through_dispatcher((scores, positions, out)):
         _check_topk_arguments(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
-    with named_as(out="scores"):  # made here: dynamo enters no context manager made outside what it traces
+    with named_as(out="scores"):
         _indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, scores, impl)
     _indexer_topk(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
     return out, out_slots
@@ -496,9 +499,6 @@ def lightning_indexer(
 
 #: The argument slots :func:`lightning_indexer`'s one pass reads (its scalars are plain by then).
 _LIGHTNING_TENSORS = tuple(range(9))
-#: The scores' output is this call's ``scores`` (their op names it ``out``); made once, for the eager path
-#: only: dynamo enters no context manager made outside what it traces.
-_OUT_IS_SCORES = named_as(out="scores")
 
 
 def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
