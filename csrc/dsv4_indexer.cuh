@@ -992,10 +992,14 @@ void indexer_scores(TensorView q, TensorView weights, TensorView k_cache, Tensor
   launch<K>(params, scores.device());
 }
 
-inline void indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
-                         tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
-                         int64_t page_slots, tvm::ffi::Optional<TensorView> workspace) {
-  // 1. Validate (memory first: the table checks read `page_table` and `positions`).
+// The top-k's argument checks and launch parameters. `read_tables`: also check the values of a
+// host-readable page table (the entry does; a caller that checks before another kernel writes
+// `scores` leaves that to the entry, so that the scores' own table check still refuses first).
+inline TopK::Params checked_topk_params(TensorView scores, TensorView positions, TensorView tokens,
+                                        tvm::ffi::Optional<TensorView> page_table,
+                                        tvm::ffi::Optional<TensorView> slots, int64_t page_slots,
+                                        tvm::ffi::Optional<TensorView> workspace, bool read_tables) {
+  // Memory first: the table checks read `page_table` and `positions`.
   check_disjoint({read(scores, "scores"), read(positions, "positions"), written(tokens, "out"),
                   read(optional_arg(page_table, "page_table"), "page_table"),
                   written(optional_arg(slots, "out_slots"), "out_slots"),
@@ -1054,7 +1058,7 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
     check_page_table(table, batch, scores);
     check(out_slots, "out_slots").dtype<int32_t>().ndim(2).rows_dense().same_device(scores, "scores");
     check(out_slots, "out_slots").size(0, batch, "batch").size(1, k, "num_top_k");
-    if (scores.device().device_type != kDLCUDA) {
+    if (read_tables && scores.device().device_type != kDLCUDA) {
       check_pages_in_use(table, positions, is64, width, params.page_shift, int64_t{1} << (31 - params.page_shift),
                          "pages whose slots fit int32");
     }
@@ -1064,10 +1068,28 @@ inline void indexer_topk(TensorView scores, TensorView positions, TensorView tok
     params.page_table_stride = table.stride(0);
     params.max_pages = table.size(1);
   }
-  if (batch == 0) return;
+  return params;
+}
+
+inline void indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
+                         tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
+                         int64_t page_slots, tvm::ffi::Optional<TensorView> workspace) {
+  // 1. Validate and derive.
+  const TopK::Params params =
+      checked_topk_params(scores, positions, tokens, page_table, slots, page_slots, workspace, true);
+  if (params.batch == 0) return;
 
   // 2. Launch.
   launch<TopK>(params, scores.device());
+}
+
+// The checks of indexer_topk without the page table's values, and no launch: lightning_indexer runs
+// them before the scores are written, so that a refused top-k leaves `scores` as it was (one FFI
+// crossing where a Python mirror of these checks cost ~5 us a call).
+inline void check_indexer_topk(TensorView scores, TensorView positions, TensorView tokens,
+                               tvm::ffi::Optional<TensorView> page_table, tvm::ffi::Optional<TensorView> slots,
+                               int64_t page_slots, tvm::ffi::Optional<TensorView> workspace) {
+  checked_topk_params(scores, positions, tokens, page_table, slots, page_slots, workspace, false);
 }
 
 }  // namespace sparsekv::dsv4_indexer

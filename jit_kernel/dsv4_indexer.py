@@ -98,7 +98,8 @@ INDEXER_TOPK = register(
     KernelFamily(
         name="dsv4_indexer_topk",
         header="dsv4_indexer.cuh",
-        exports={"indexer_topk": "sparsekv::dsv4_indexer::indexer_topk"},
+        exports={"indexer_topk": "sparsekv::dsv4_indexer::indexer_topk",
+                 "check_indexer_topk": "sparsekv::dsv4_indexer::check_indexer_topk"},
         kernels=("sparsekv::dsv4_indexer::TopK",),
     )
 )
@@ -504,13 +505,19 @@ _LIGHTNING_TENSORS = tuple(range(9))
 def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int,
                           page_table: torch.Tensor | None, page_slots: int, out: torch.Tensor,
                           out_slots: torch.Tensor | None, workspace: torch.Tensor | None, impl: str) -> None:
-    """The checks of a top-k call (the op body's, then the entry's: the header's and the Triton
-    twin's are one contract, which the twin's Python checks mirror), without running it. The table
-    pages are left to the call itself: that check reads values, and allocates (the decode path
-    must not); a page whose slots overflow int32 is outside any cache, which the scores refuse first.
+    """The checks of a top-k call (the op body's, then the entry's), without running it. The table
+    pages are left to the call itself: that check reads values, and the scores' own check of them
+    refuses first.
 
-    O(1) unless ``SPARSEKV_CHECK_INDICES=1`` on the GPU, so a call whose arguments' metadata passed
-    before (:class:`~sparsekv.jit_kernel.torch_op.CheckMemo`) is not checked again."""
+    The header's entry checks are its module's ``check_indexer_topk`` (one FFI crossing, the entry's
+    own code and words); the Triton twin's are its Python mirror of that contract, O(1) unless
+    ``SPARSEKV_CHECK_INDICES=1`` on the GPU, so a call whose arguments' metadata passed before
+    (:class:`~sparsekv.jit_kernel.torch_op.CheckMemo`) is not checked again."""
+    if impl != "triton":
+        _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
+        INDEXER_TOPK.module_for(scores).check_indexer_topk(scores, positions, out, page_table, out_slots, page_slots,
+                                                           workspace)
+        return
     reads = index_checks_on_device(scores)
     key = None if reads else metadata_key(scores, positions, num_top_k, page_table, page_slots, out, out_slots,
                                           workspace, impl)
@@ -523,5 +530,5 @@ def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top
     _TOPK_MEMO.put(key, True)
 
 
-#: The top-k calls :func:`_check_topk_arguments` passed, by metadata (issue 36 item 2: ~45 us a decode step).
+#: The Triton top-k calls :func:`_check_topk_arguments` passed, by metadata (issue 36 item 2: ~45 us a decode step).
 _TOPK_MEMO = CheckMemo()
