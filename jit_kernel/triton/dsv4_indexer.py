@@ -7,8 +7,10 @@ Scores. A persistent grid (two programs per SM) over chunks of ``ENTRIES`` conse
 one row: a program loads the row's query ``[heads, 128]`` (padded to 16 heads for ``tl.dot``) and
 weights once per chunk and sweeps the chunk in tiles of ``BLOCK_E`` keys. Each key is one
 contiguous 128-byte (FP8) or 64-byte (FP4) record, streamed into shared memory by ``cp.async``
-(16-byte copies on sm_100a, 8-byte on sm_90a, where triton picks that width for the register
-operand). A tile's logits are one ``tl.dot`` ``[BLOCK_E, 128] x [128, heads]`` with float32
+(FP8: 16-byte copies on sm_100a, 8-byte on sm_90a, where triton picks that width for the register
+operand; FP4: 16-byte on both), and its scale is one 4-byte word (FP8: the fp32 scale; FP4: the 4
+UE8M0 bytes, split by shifts), so ``k_cache`` must start 4-byte aligned, as torch's allocations do.
+A tile's logits are one ``tl.dot`` ``[BLOCK_E, 128] x [128, heads]`` with float32
 accumulation, keys on the M side, so ``relu * weight`` and the sum over heads, the epilogue, run
 along each thread's own accumulator columns (a few shuffles, not a reduction across warps).
 FP8: the e4m3 codes go to float16 by the hardware convert (``F2FP``; e4m3 is exact in float16),
@@ -16,9 +18,10 @@ and the query is scaled per head by a power of two putting its largest element i
 binade, so a bf16 query is exact in float16 (a float32 one is split into float16 high and low
 parts, 22 bits); ``1/s`` and the key's fp32 scale are applied to the dot's result. FP4: e2m1 times
 its power-of-two block scale is exact in bf16, and the query is bf16 (float32: high and low bf16
-parts). The products are exact, so the scores keep the header's tolerance,
-``|s - ref| <= 1e-5 sum_h |w_h| |q_h| |k|`` (2e-5 from the header's own scores; under the
-interpreter the property cases measure at most 5.2e-7).
+parts); an e2m1 code becomes its float32 bits by integer arithmetic (:func:`_e2m1_to_float`). The
+products are exact, so the scores keep the header's tolerance, ``|s - ref| <= 1e-5 sum_h |w_h|
+|q_h| |k|`` (2e-5 from the header's own scores; under the interpreter the property cases measure
+at most 5.2e-7).
 
 Why float16 operands and not ``tl.dot`` on e4m3 (``QGMMA``): an e4m3 dot needs the query in e4m3
 too. One e4m3 term rounds the query by up to 2^-4, moving the scores by about 1e-2 of the bound
@@ -39,7 +42,12 @@ addresses, masks and the epilogue) and 457 on sm_100a (8 ``UTCHMMA``); 1,024 til
 over 132 SMs x 4 schedulers x 1.98 GHz = 2.4 us, 1.3x the H200 roofline (B200: 1.6 us against 1.1
 us, 1.4x; ``tools/bench/bench_sass_budget.py``), so the target of 3x the roofline is within reach of
 issue alone. Before (software
-e4m3 decode, heads summed across warps): 2,653 per tile, 10.7 us, 5.8x.
+e4m3 decode, heads summed across warps): 2,653 per tile, 10.7 us, 5.8x. FP4 (68-byte records, a
+roofline of 0.99 us at 64k on the H200) is bound by the issue of its e2m1 decode, 64 codes per
+thread per tile at about 10 instructions each: the tile loop is 939 instructions on sm_90a
+(3.7 us, 3.7x) and 860 on sm_100a (3.0 us against 0.59, 5.1x); before (scales loaded a byte per 8
+dims, ``LDG.E.U8``, keys by 4-byte ``cp.async`` on sm_90a, a float decode of the codes) 2,114 and
+2,096, 8.4x and 12.5x.
 
 Top-k, in one read of the scores with the selection on chip (:func:`indexer_topk`). A level splits
 each row into chunks of at least 4096 items (``4 k`` when that is more), one program per chunk, so a
@@ -93,12 +101,15 @@ _LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 
 @triton.jit
 def _e2m1_to_float(code):
-    """e2m1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, as ``fp8::e2m1_to_float``."""
+    """e2m1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, as ``fp8::e2m1_to_float``.
+
+    On the bits: magnitudes 2..7 (1 to 6) are float32 ``0x3F000000 + (m << 22)`` (exponent and
+    mantissa bit of the code moved up, rebiased), 1 is 0.5 (``0x3F000000``) and 0 is 0; the sign is
+    bit 3. Integer operations and one select: the scores' tile loop took 1,658 instructions on sm_90a
+    with a float decode (convert, scale, select), 939 with this."""
     magnitude = code & 7
-    half = magnitude.to(tl.float32) * 0.5
-    whole = ((2 + (magnitude & 1)) << tl.maximum((magnitude >> 1) - 2, 0)).to(tl.float32)
-    value = tl.where(magnitude < 4, half, whole)
-    return tl.where((code & 8) != 0, -value, value)
+    bits = tl.where(magnitude < 2, magnitude * 0x3F000000, 0x3F000000 + (magnitude << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -175,8 +186,9 @@ def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_
                 packed = tl.load(cache_ptr + (base + in_page * 64)[:, None] + tl.arange(0, 64)[None, :],
                                  mask=valid[:, None], other=0).to(tl.int32)
                 codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_E, 128))
-                block_scale = tl.load(cache_ptr + (base + page_slots * 64 + in_page * 4)[:, None] + (d // 32)[None, :],
-                                      mask=valid[:, None], other=127).to(tl.int32)
+                scale_ptr = (cache_ptr + page_slots * 64).to(tl.pointer_type(tl.int32))
+                scale_word = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0x7F7F7F7F)
+                block_scale = (scale_word[:, None] >> (8 * (d // 32))[None, :]) & 0xFF
                 keys = _e2m1_to_float(codes) * _ue8m0_to_float(block_scale)  # exact in bf16
                 logits = _mma(keys, tl.trans(q_hi), tl.zeros((BLOCK_E, BLOCK_HI), tl.float32), NATIVE_BF16)
                 if SPLIT:

@@ -78,9 +78,7 @@ SASS_TABLE = {
         launch=Launch(128, 2),
         no_local=PASS, wide_gather=PASS, fp8_convert=PASS, tensor_cores=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.scores[fp4,bf16]", ""): dict(
-        launch=Launch(128, 2), no_local=PASS,
-        wide_gather="8 single-byte loads (LDG.E.U8) on the fp4 keys' path (issue 36 item 6)",
-        tensor_cores=PASS, occupancy=PASS),
+        launch=Launch(128, 2), no_local=PASS, wide_gather=PASS, tensor_cores=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer_topk", "topk_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_indexer_topk", "topk_clear_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from sparsekv.cli import CliParser
 from sparsekv.jit_kernel.dsv4_attention import HEAD_DIM
+from sparsekv.kv_layout import INDEXER_FP4
 from sparsekv.testing import roofline
 from sparsekv.testing.bench import BenchResult, add_common_args, bar_plot, report
 from sparsekv.testing.sass import cuda_artifact, disassemble, inner_loop
@@ -108,6 +109,11 @@ TRIPS = {
                                              roofline.indexer_scores(1, 65536), (65536 // 256) * (256 // 64) * 4,
                                              65536 // 256, "256 chunks of 256 entries, a persistent grid of 2 programs "
                                                            "per SM, each chunk 4 tiles of 64 keys, with 4 warps"),
+    "triton dsv4_indexer.scores[fp4,bf16]": (("triton", "dsv4_indexer.scores[fp4,bf16]", {}, ""),
+                                             roofline.indexer_scores(1, 65536, key_bytes=INDEXER_FP4.bytes_per_token),
+                                             (65536 // 256) * (256 // 64) * 4, 65536 // 256,
+                                             "as the FP8 row, over 68 B FP4 records: each key's 64 bytes of e2m1 "
+                                             "pairs by 16-byte cp.async, its 4 scale bytes as one word"),
     "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
                                     roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
                                     "one warp per row, 8 B per lane: 3 trips per 584 B row"),
@@ -118,6 +124,11 @@ TRIPS = {
                                                   roofline.indexer_scores(1, 262144), (262144 // 256) * (256 // 64) * 4,
                                                   262144 // 256, "one row of 256k entries: 1,024 chunks of 256 over "
                                                                  "the persistent grid, as at 64k"),
+    "triton dsv4_indexer.scores[fp4,bf16] 256k": (("triton", "dsv4_indexer.scores[fp4,bf16]", {}, ""),
+                                                  roofline.indexer_scores(1, 262144,
+                                                                          key_bytes=INDEXER_FP4.bytes_per_token),
+                                                  (262144 // 256) * (256 // 64) * 4, 262144 // 256,
+                                                  "one row of 256k FP4 entries: 1,024 chunks of 256, as at 64k"),
 }
 
 
