@@ -357,26 +357,34 @@ def _check_splits_and_workspace(q: torch.Tensor, indices: torch.Tensor, extra_in
 def _split_views(q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.Tensor | None, num_splits: int,
                  out: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(part_out, part_lse, part_arrivals)`` of :func:`_workspace_views` for a header call of ``num_splits``
-    other than 1, after :func:`_check_splits_and_workspace`: both from a memo of the calls that passed,
-    by all that the checks read (the checks and three views cost ~3 us a decode call, the key ~1 us).
-    A view kept in the memo keeps its memory alive, so a workspace at the same address is that memory."""
+    other than 1, after :func:`_check_splits_and_workspace`: both from a memo of the calls that passed
+    (the checks and three views cost ~3 us a decode call).
+
+    The memo keeps the workspace tensor itself with its views, so its key names the workspace by
+    identity (``id``: no other tensor gets that id while the entry holds it) and what can change in
+    that object: its version counter (torch bumps it at every in-place change, ``resize_``, ``set_``
+    and ``as_strided_`` included), its address and length (``.data`` assignment, which torch does
+    not count); then all the checks read of the call (q's device and shape, the index tables'
+    shapes, out's dtype, the split count). Each attribute read costs ~0.1 us: this key is half of
+    one by the workspace's full metadata. A view kept in the memo keeps its memory alive, so a
+    workspace at the same address is that memory."""
     key = None
     if type(workspace) is torch.Tensor:
-        key = (workspace.data_ptr(), workspace.shape, workspace.stride(), workspace.dtype, workspace.device, q.device,
-               q.shape, indices.shape, None if extra_indices is None else extra_indices.shape, out.dtype, num_splits)
-        views = _SPLIT_VIEWS.get(key)
-        if views is not None:
-            return views
+        key = (id(workspace), workspace._version, workspace.data_ptr(), workspace.numel(), q.device, q.shape,
+               indices.shape, None if extra_indices is None else extra_indices.shape, out.dtype, num_splits)
+        kept = _SPLIT_VIEWS.get(key)
+        if kept is not None:
+            return kept[1]
     _check_splits_and_workspace(q, indices, extra_indices, num_splits, out, workspace, "header")
     views = _workspace_views(workspace, out, q.shape[0], q.shape[1], num_splits, "header")[1:]
     if key is not None:
         if len(_SPLIT_VIEWS) >= _SPLIT_VIEWS_KEPT:  # a decode loop reuses one or two workspaces
             _SPLIT_VIEWS.clear()
-        _SPLIT_VIEWS[key] = views
+        _SPLIT_VIEWS[key] = (workspace, views)
     return views
 
 
-_SPLIT_VIEWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_SPLIT_VIEWS: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 _SPLIT_VIEWS_KEPT = 8
 
 

@@ -44,6 +44,35 @@ def test_both_names_of_one_keyword_are_refused():
         _swap_in_sizes(2, top_k=5, num_top_k=6)
 
 
+@renamed_keywords(page_size="page_slots", extra_page_size="extra_page_slots")
+def _attention_sizes(q: int, page_slots: int, later: int | None = None, *, extra_page_slots: int | None = None,
+                     out: int | None = None) -> tuple:
+    return q, page_slots, later, extra_page_slots, out
+
+
+def test_the_wrapper_binds_as_the_function_does():
+    # The wrapper takes the function's own parameters by name (a renamed positional one, and those
+    # after it, may come by the old keyword instead): defaults arrive, and what Python refuses is
+    # refused with Python's words for the function.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _attention_sizes(1, 2, 3, out=4) == (1, 2, 3, None, 4)
+        assert _attention_sizes(1, page_slots=2, extra_page_slots=0) == (1, 2, None, 0, None)
+    with pytest.warns(DeprecationWarning) as caught:
+        assert _attention_sizes(1, page_size=2, extra_page_size=5) == (1, 2, None, 5, None)
+    assert _renames(caught) == [("page_size", "page_slots"), ("extra_page_size", "extra_page_slots")]
+    with pytest.raises(TypeError, match=r"_attention_sizes\(\) missing 1 required positional argument: 'page_slots'"):
+        _attention_sizes(1)
+    with pytest.raises(TypeError, match=r"_attention_sizes\(\) got an unexpected keyword argument 'pagesize'"):
+        _attention_sizes(1, 2, pagesize=3)
+    with pytest.raises(TypeError, match="both `extra_page_size` and its new name `extra_page_slots`"):
+        _attention_sizes(1, 2, extra_page_slots=None, extra_page_size=3)  # given, though equal to the default
+    with pytest.raises(TypeError, match="both `page_size` and its new name `page_slots`"):
+        _attention_sizes(1, 2, page_size=3)
+    assert list(inspect.signature(_attention_sizes).parameters) == ["q", "page_slots", "later", "extra_page_slots",
+                                                                    "out"]
+
+
 def test_the_runtime_takes_its_old_keywords_for_one_release():
     from sparsekv.srt.managers import HiSparseCoordinator
     from sparsekv.srt.mem_cache import (

@@ -196,36 +196,58 @@ def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
 
 
 def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
-    # The header's split partials are views of the caller's workspace, kept by its address with the
-    # calls that passed the workspace checks (both cost a decode call more than the key does): the
-    # same workspace gives the same bits again, one at that address of another dtype or shrunk in
-    # place is refused naming it before anything is written, and a workspace elsewhere gives the
-    # same bits.
+    # The header's split partials are views of the caller's workspace, kept with the calls that passed
+    # the workspace checks by the workspace object, its version, address and length (both cost a
+    # decode call more than the key does): the same workspace gives the same bits again; one at that
+    # address of another dtype, or changed in place (resize_, as_strided_, or .data, which torch
+    # does not count), is refused naming it before anything is written; a workspace elsewhere, or
+    # the same object moved to other memory, gives the same bits with its partials written there,
+    # not in the memory the memo saw.
     g = torch.Generator().manual_seed(4)
-    c = AttentionCase(torch.randn(3, 20, 512, generator=g), v4_cache(random_rows(70, g), 64),
-                      torch.randint(-1, 70, (3, 50), generator=g, dtype=torch.int32), torch.randn(20, generator=g),
+    c = AttentionCase(torch.randn(2, 4, 512, generator=g), v4_cache(random_rows(30, g), 64),
+                      torch.randint(-1, 30, (2, 12), generator=g, dtype=torch.int32), torch.randn(4, generator=g),
                       64).to(device_of(backend))
-    floats = workspace_floats(3, 20, 3)
+    floats = workspace_floats(2, 4, 3)
 
     def call(workspace):
-        out, lse = torch.full((3, 20, 512), 7.0, device=c.q.device), torch.full((3, 20), 7.0, device=c.q.device)
+        out, lse = torch.full((2, 4, 512), 7.0, device=c.q.device), torch.full((2, 4), 7.0, device=c.q.device)
         sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
                                 workspace=workspace, impl="header")
         return out, lse
 
-    expected = call(torch.zeros(floats, device=c.q.device))
-    assert not bool((expected[1] == 7.0).any())
+    def reserved(workspace):  # its arrival counters' prefix
+        return -(-workspace.numel() // 512)
+
+    def filled(workspace):  # counters zero, 5.0 elsewhere: a call's partials overwrite some of it
+        workspace.fill_(5.0)[:reserved(workspace)] = 0
+        return workspace
+
+    def writes_its_partials(workspace):  # the same bits, the partials written in `workspace`, its counters zero
+        same = all(torch.equal(a, b) for a, b in zip(call(workspace), expected))
+        return same and bool((workspace[:reserved(workspace)] == 0).all()) \
+            and bool((workspace[reserved(workspace):] != 5.0).any())
+
     workspace = torch.zeros(floats, device=c.q.device)
-    for _ in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(call(workspace), expected))
-    out, lse = torch.full((3, 20, 512), 7.0, device=c.q.device), torch.full((3, 20), 7.0, device=c.q.device)
-    for refused in (workspace.view(torch.int32), workspace.resize_(floats - 1)):  # same address, another dtype or size
+    expected = call(workspace)
+    assert not bool((expected[1] == 7.0).any())
+    assert all(torch.equal(a, b) for a, b in zip(call(workspace), expected))
+    out, lse = torch.full((2, 4, 512), 7.0, device=c.q.device), torch.full((2, 4), 7.0, device=c.q.device)
+    shrunk, strided = torch.zeros(floats, device=c.q.device), torch.zeros(2 * floats, device=c.q.device)[:floats]
+    call(shrunk), call(strided)
+    shrunk.data = shrunk.data[:floats - 1]  # the same object, address and version
+    strided.as_strided_((floats,), (2,))  # the same object, address and length
+    for refused in (lambda: workspace.view(torch.int32), lambda: shrunk, lambda: strided,
+                    lambda: workspace.resize_(floats - 1)):  # made in turn: a resize_ counts for the view too
         with pytest.raises(ValueError, match="`workspace`"):
             sparse_decode_attention(c.q, c.kv_cache, c.indices, c.sink, 64, num_splits=3, out=out, lse=lse,
-                                    workspace=refused, impl="header")
+                                    workspace=refused(), impl="header")
         assert bool((out == 7.0).all()) and bool((lse == 7.0).all())
-    elsewhere = torch.zeros(floats + 64, device=c.q.device)[64:]
-    assert all(torch.equal(a, b) for a, b in zip(call(elsewhere), expected))
+    elsewhere = filled(torch.zeros(floats + 64, device=c.q.device)[64:])
+    assert writes_its_partials(elsewhere)
+    seen, memory = elsewhere.data, filled(torch.zeros(floats, device=c.q.device))  # .data: a version of its own
+    elsewhere.data = memory  # the same object and version, other memory
+    seen.fill_(5.0)
+    assert writes_its_partials(elsewhere) and bool((seen == 5.0).all())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
