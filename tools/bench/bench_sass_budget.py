@@ -71,6 +71,10 @@ TRIPS = {
     "cuda dsv4_indexer scores_kernel": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                          "scores_kernel"), roofline.indexer_scores(1, 65536), 65536 // 16,
                                         65536 // 256, "one warp per 16-entry MMA tile, 256 entries per CTA"),
+    "cuda dsv4_indexer scores_kernel fp4": (("cuda", "dsv4_indexer", {"layout": "fp4", "q_dtype": "bfloat16"},
+                                             "scores_kernel"),
+                                            roofline.indexer_scores(1, 65536, key_bytes=INDEXER_FP4.bytes_per_token),
+                                            65536 // 16, 65536 // 256, "as the FP8 row, over 68 B FP4 records"),
     "cuda dsv4_compress_store CompressStore": (("cuda", "dsv4_compress_store", {"cache_kind": "V4"},
                                                 "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
                                                "one warp per entry (1024), looping over its 8 window slots; "

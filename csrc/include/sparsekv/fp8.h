@@ -159,10 +159,12 @@ SPARSEKV_HOST_DEVICE uint8_t float_to_e2m1(float x) {
 }
 
 SPARSEKV_HOST_DEVICE float e2m1_to_float(uint8_t code) {
-  const uint8_t magnitude = code & 0x7u;
-  // 0, 0.5, 1, 1.5, 2, 3, 4, 6: the halves for magnitude codes below 4, whole numbers above.
-  const float a = magnitude < 4 ? 0.5f * magnitude : static_cast<float>((2u + (magnitude & 1u)) << ((magnitude >> 1) - 2));
-  return (code & 0x8u) ? -a : a;
+  // 0, 0.5, 1, 1.5, 2, 3, 4, 6 made on the float32 bits: magnitudes 2..7 are 0x3F000000 + (m << 22)
+  // (the code's exponent and mantissa bit moved up and rebiased), 1 is 0.5 and 0 is 0; the sign is
+  // bit 3. Integer operations and one select, no int-to-float convert.
+  const uint32_t magnitude = code & 0x7u;
+  const uint32_t bits = magnitude < 2 ? magnitude * 0x3F000000u : 0x3F000000u + (magnitude << 22);
+  return bits_float(bits | (static_cast<uint32_t>(code & 0x8u) << 28));
 }
 
 }  // namespace sparsekv::fp8
