@@ -787,6 +787,39 @@ def test_a_token_missed_by_several_draft_rows_is_loaded_once(backend, rows):
                 assert loc >= 0 and torch.equal(w.device_token(loc), w.host_token(0, tok))
 
 
+@pytest.mark.parametrize("later_copy", ["lands", "skipped"])
+def test_a_slot_two_draft_rows_load_ends_with_the_later_rows_bytes(backend, monkeypatch, later_copy):
+    # Request 0's draft rows are batch rows 0 and 34 (between them, 33 fast-path rows of requests 1
+    # and 2: on the GPU a copy's warp finds row 34 in its second trip over the later rows, 32 a
+    # trip). Row 0's 5 misses take slots 0-4 (LRU order), leaving [5, 6 | 0..4]; row 34's 5 misses
+    # take 5, 6, 0, 1, 2, so slots 0-2 are loaded twice in the step and keep row 34's tokens (17,
+    # 18, 19), as in two calls one after the other. A later copy the swap-in skips (its host slot
+    # outside the cache, with the index check off) writes nothing: slot 1 then keeps row 0's 11.
+    # The copies of the two rows run in different blocks of the copy launch; sim runs blocks in an
+    # order drawn from SPARSEKV_SIM_SEED, so four seeds give a copy that should have been dropped
+    # the chance to land last (on cpu the seed changes nothing).
+    monkeypatch.delenv("SPARSEKV_CHECK_INDICES", raising=False)
+    draft_rows, n = [[10, 11, 12, 13, 14], [15, 16, 17, 18, 19]], [20, 21]
+    fast = [[0, 2, 1, -1, 5]] * 33
+    held = {0: 17, 1: 11 if later_copy == "skipped" else 18, 2: 19, 3: 13, 4: 14, 5: 15, 6: 16}
+    for seed in range(4):
+        monkeypatch.setenv("SPARSEKV_SIM_SEED", str(seed))
+        w = world(backend)
+        hold(w, 0, [0, 1, 2, 3, 4, 5, 6])
+        if later_copy == "skipped":
+            w.host_cache_locs[0, 18] = w.host_cache.shape[0]
+        one_by_one = _copy_world(w)
+        res = w.swap_in([draft_rows[0], *fast, draft_rows[1]], [0] + [1, 2] * 16 + [1, 0],
+                        [n[0]] + [3] * 33 + [n[1]], plan=True, speculative=True)
+        for b, at in enumerate((0, 34)):
+            row = one_by_one.swap_in([draft_rows[b]], [0], [n[b]], plan=True)
+            assert torch.equal(res["out"][at], row["out"][0])
+        for now, then in zip(_state(w), _state(one_by_one)):
+            assert torch.equal(now, then)
+        for slot, tok in held.items():
+            assert torch.equal(w.device_token(int(w.device_buffer_locs[0, slot])), w.host_token(0, tok))
+
+
 def test_the_plain_entry_refuses_two_rows_of_one_request_before_writing(backend):
     w = world(backend)
     hold(w, 0, [0, 1, 2, 3, 4, 5, 6])

@@ -238,11 +238,19 @@ PHASES = {
         "scans)"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses speculative": (
         _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33),
-        _SWAP_IN_BLOCK + [("copies: a miss's scan of the later rows", {"LDG.E", "LDG.E.64"}, {"STG"}, 63 * 4, 1,
-                           {"kernel": "MissCopies", "outer": True}), _SWAP_IN_COPY], (4.0, 2.5),
+        _SWAP_IN_BLOCK + [("copies: a miss's scan of the later rows, 32 a trip", {"LDG.E", "LDG.E.64"}, {"STG"},
+                           2 * 4, 1, {"kernel": "MissCopies", "outer": True}),
+                          ("copies: a same-request row's plan entries", {"LDG.E", "LDG.E.64"}, {"STG"}, 2 * 2 * 4, 1,
+                           {"kernel": "MissCopies"}), _SWAP_IN_COPY], (4.0, 2.5),
         "as above, through the speculative entry (rows of one request served in batch order): the copies' "
-        "critical warp, a miss of row 0, first scans the 63 later rows for a copy of the same request into "
-        "the same slot, on one scheduler (trips x 4); each trip is one dependent load a GPU must time"),
+        "critical warp, a miss of row 0, first asks whether a later row of its request copies into the same "
+        "slot. Its lanes take the 63 later rows 32 at a time (2 trips of the scan loop, whose body holds the "
+        "inner loop's once), a lane loading its row's request id and miss count together and, for a row of "
+        "the same request, that row's plan entries (the inner loop, as long as the lane whose row has the most "
+        "misses: 2 more trips a scan trip, for 33 misses over 63 rows), then one vote; on one scheduler "
+        "(trips x 4). About 4 rounds of dependent loads (L2 hits) in all, which the issue model does not "
+        "time. The per-request passes are counted as for the plain entry, one row a "
+        "request: a request with r rows in the batch is served by one CTA, its passes r times"),
     "cuda hisparse_copy TransferTokens 64k x 21": (
         ("cuda", "hisparse_copy", {"page_slots": 64}, "TransferTokens"), roofline.Cost(2 * 65536 * 21 * 584),
         [("value records: 16-byte copy loop", {"LD.E.128", "ST.E.128"}, set(), 8 * 21 * 2, 8192)], (3.0, 0.0),

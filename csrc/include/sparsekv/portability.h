@@ -46,6 +46,17 @@ struct Lanes {
 
 inline constexpr int kWarpSize = 32;
 
+// Whether any of an item's lanes has its flag set; every lane of the item calls it (on the GPU its
+// whole warp, one vote; on the host the one lane's own flag).
+SPARSEKV_HOST_DEVICE bool any_lane(bool flag, Lanes lanes) {
+  (void)lanes;
+#ifdef __CUDA_ARCH__
+  return __any_sync(0xffffffffu, flag) != 0;
+#else
+  return flag;
+#endif
+}
+
 #ifdef __CUDACC__
 // Keeps a loop rolled under nvcc (the host compiler of the sim build does not know the pragma).
 // SPARSEKV_UNROLLED unrolls one fully, so register arrays indexed by its counter stay in registers.

@@ -658,11 +658,15 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
 // row's misses take distinct slots and the requests' slots are distinct).
 // Design: latency-bound. At batch 64, K 512 and 0.1% misses: 32k warps, each one load of its
 // row's miss count (~10 instructions), ~33 of them also one 584-byte host -> device copy (one
-// PCIe round trip, ~2 us, all concurrent) and, speculative only, a scan of the later rows of their
-// request (batch reads of the request ids, the misses of the same-request rows: for a miss of row
-// 0, 63 trips of a ~84-instruction loop, 2.7 us on one scheduler of an H200). Budget
-// (tools/bench/bench_sass_budget.py, docs/sass.md): the swap-in block's passes ~1.8 us, 2 launches,
-// the 32k checks and one round trip: ~8.3 us plain, ~11 us speculative, against the 10 us target.
+// PCIe round trip, ~2 us, all concurrent) and, speculative only, first a scan of the later rows
+// for a copy of the same request into the same slot (superseded): the warp's lanes take the later
+// rows 32 at a time, each loading its row's request id and miss count at once and, for a row of
+// the same request, that row's plan entries; one vote joins them. For a miss of row 0: 2 trips of
+// a ~77-instruction loop (sm_90a) and ~4 rounds of dependent L2 loads, where a scan by one lane
+// took 63 trips, a dependent load each (2.7 us of issue alone on one scheduler of an H200).
+// Budget (tools/bench/bench_sass_budget.py, docs/sass.md): the swap-in block's passes ~1.8 us, 2
+// launches, the 32k checks and one round trip: ~8.3 us plain, ~8.5 us speculative, against the
+// 10 us target.
 template <class Layout>
 struct MissCopies {
   struct Params {
@@ -681,18 +685,30 @@ struct MissCopies {
     const int64_t dst = load_index(q.miss_dst, q.miss_dst_is64, b * q.miss_dst_stride + m);
     // Only the speculative entry serves two rows of one request: the plain one refuses them (such
     // rows record no miss), so its copies skip the scan of the later rows.
+    if (q.speculative && superseded(q, b, dst, lanes)) return;
+    q.template copy_token<Layout>(src, dst, lanes);
+  }
+
+  // Whether a later row of row b's request copies into dst, so that its bytes are the ones the
+  // sequential model leaves there. The lanes take the later rows 32 at a time, each lane its row's
+  // misses, and one vote joins them: batch / 32 trips of independent loads, not a dependent load
+  // per later row. A later copy the swap-in skipped (outside a cache) writes nothing: it
+  // supersedes nothing.
+  SPARSEKV_HOST_DEVICE static bool superseded(const SwapInParams& q, int64_t b, int64_t dst, Lanes lanes) {
     const int64_t rid = load_index(q.req_pool_indices, q.req_is64, b);
-    for (int64_t later = b + 1; q.speculative && later < q.batch; ++later) {
-      if (load_index(q.req_pool_indices, q.req_is64, later) != rid) continue;
-      for (int32_t k = 0; k < q.miss_count[later]; ++k) {
-        // A later copy the swap-in skipped (outside a cache) writes nothing: it supersedes nothing.
-        if (load_index(q.miss_dst, q.miss_dst_is64, later * q.miss_dst_stride + k) == dst &&
-            q.in_range(q.miss_src[later * q.miss_src_stride + k], dst)) {
-          return;
-        }
+    bool found = false;
+    for (int64_t later = b + 1 + lanes.lane; !found && later < q.batch; later += lanes.count) {
+      // The miss count is loaded with the request id (both in flight at once), not after it.
+      const int64_t later_rid = load_index(q.req_pool_indices, q.req_is64, later);
+      const int32_t later_misses = q.miss_count[later];
+      if (later_rid != rid) continue;
+      for (int32_t k = 0; !found && k < later_misses; ++k) {
+        const int64_t later_dst = load_index(q.miss_dst, q.miss_dst_is64, later * q.miss_dst_stride + k);
+        const int64_t later_src = q.miss_src[later * q.miss_src_stride + k];
+        found = later_dst == dst && q.in_range(later_src, dst);
       }
     }
-    q.template copy_token<Layout>(src, dst, lanes);
+    return any_lane(found, lanes);
   }
 };
 
