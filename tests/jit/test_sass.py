@@ -46,10 +46,6 @@ REPO = Path(__file__).resolve().parents[2]
 ARCHS = ("9.0a", "10.0a")
 PASS = "pass"
 
-#: The reason the compressors' ring writes fail wide_store (RingWrite, and StoreRingWrite, the same code).
-RING_BF16 = ("a bf16 ring's rows go out as 2-byte stores, one element a lane (window_pool.h RingWrite; an fp32 "
-             "ring's take copy_bytes' 16-byte path) (issue 36 item 6)")
-
 # (build, module, kernel): the launch, then property -> PASS | reason | {arch: PASS | reason}; slow=True:
 # tested under --slow only (an instance no other test builds: two cold nvcc compiles, see docs/sass.md).
 # build "cuda": module = the header family's instance (as `sparsekv jit build --instance` names it),
@@ -88,7 +84,7 @@ SASS_TABLE = {
     ("cuda", "dsv4_compress", "OnlineC128"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "RingWrite"): dict(
-        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=RING_BF16, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PlanRawStep"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_compress.pool[C4,d512]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
@@ -97,7 +93,9 @@ SASS_TABLE = {
         no_local=PASS,
         wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "StoreRingWrite"): dict(
-        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=RING_BF16, occupancy=PASS),
+        launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("triton", "dsv4_compress_store.ring_write[bf16,decode]", ""): dict(
+        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "CompressStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sparsekv.jit_kernel.dsv4 import compress_pool
-from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device, compress_decode
+from sparsekv.jit_kernel.dsv4_compress import check_decode_rows_on_device, compress_decode, compress_extend
 from sparsekv.jit_kernel.dsv4_compress import window as window_of
 from sparsekv.srt.mem_cache.compressor_state import CompressorState
 from sparsekv.testing.backends import core_backends, device_of, kernel_backends, torch_threads
@@ -342,6 +342,44 @@ def test_bf16_state_ring_pools_the_bf16_rounded_sequence_under_any_chunking(back
     got, _ = _feed(comp, steps, kv, score, [2], None, seed=1)
     rounded = [t.bfloat16().float() for t in (kv, score)]
     assert torch.equal(got, compress_pool(*_on(backend, *rounded, ape), ratio).cpu())
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=scaled_examples(10), deadline=None)
+@given(ratio=st.sampled_from(RATIOS), d=st.integers(1, 21), bf16=st.booleans(), ring_offset=st.integers(0, 7),
+       kv_offset=st.integers(0, 3), count=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+@example(ratio=4, d=512, bf16=True, ring_offset=0, kv_offset=0, count=2, seed=0)  # serving rows: 16-byte words only
+@example(ratio=128, d=5, bf16=True, ring_offset=1, kv_offset=1, count=5, seed=0)  # odd offset: shared edge words
+@example(ratio=4, d=3, bf16=False, ring_offset=1, kv_offset=2, count=5, seed=0)  # fp32 head, tail, straddle
+def test_ring_writes_store_their_rows_and_nothing_else_at_any_width_and_alignment(backend, ratio, d, bf16,
+                                                                                   ring_offset, kv_offset, count,
+                                                                                   seed):
+    """compress_extend's ring writes (RingWrite), byte for byte: ring row ``writes[i, 1]`` becomes ``[kv |
+    score]`` of input row ``writes[i, 0]`` in the ring's dtype (bf16 rounded to nearest even), and no other
+    byte of the state's storage changes. Every row width (16-byte words, a head and a tail of 4-byte words,
+    the word that straddles kv | score), every offset of the ring (a bf16 ring at an odd element offset
+    shares each row's first and last element's word with the next row or the memory beside the ring) and
+    of the input rows (16-byte loads, or 4-byte ones off a 16-byte boundary)."""
+    device, dtype = device_of(backend), (torch.bfloat16 if bf16 else torch.float32)
+    width, rows, inputs = (2 if ratio == 4 else 1) * d, 5, 4
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.randn(ring_offset + rows * 2 * width + 3, generator=gen).to(dtype).to(device)
+    before = storage.cpu().clone()
+    state = storage[ring_offset : ring_offset + rows * 2 * width].view(rows, 2 * width)
+    # kv and score: views of one projection, 4 floats apart (a word read past kv's end is not score's)
+    wide = torch.randn(inputs, kv_offset + 2 * width + 5, generator=gen)
+    kv, score = wide[:, kv_offset : kv_offset + width], wide[:, kv_offset + width + 4 : kv_offset + 2 * width + 4]
+    dst = torch.randperm(rows, generator=gen)[:count]
+    src = torch.randint(0, inputs, (count,), generator=gen)
+    no_events = torch.zeros(0, window_of(ratio), dtype=torch.int64)
+    compress_extend(*_on(backend, kv, score, torch.zeros(ratio, width)), ratio, state,
+                    *_on(backend, no_events, torch.stack([src, dst], 1), torch.zeros(0, d)))
+    expected = before.clone()
+    ring = expected[ring_offset : ring_offset + rows * 2 * width].view(rows, 2 * width)
+    for s, r in zip(src.tolist(), dst.tolist()):
+        ring[r] = torch.cat([kv[s], score[s]]).to(dtype)
+    assert torch.equal(storage.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
 # ---- the raw ring's step plan, on the device -------------------------------------------------

@@ -19,7 +19,8 @@
 //     a ring row of the state buffer, as the event's source table says (source >= 0: input row;
 //     -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
 //     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
-//   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
+//   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats or bf16 per row),
+//     as 16-byte words (RingRow).
 //   Decode step (DecodeRows): both of the above for one new token per batch row, with the sources
 //     and ring rows read on the device from the caller's state rows and positions (no host plan).
 //
@@ -37,6 +38,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "sparsekv/fp8.h"
 #include "sparsekv/lane_reduce.h"
@@ -217,6 +219,154 @@ struct WriteParams {
   DecodeRows decode{};  // a decode step: write i is input row i into its own ring row (writes unused)
 };
 
+// A ring element from an input float: the float (fp32 ring) or its bf16 bits, rounded to nearest even.
+template <class T>
+SPARSEKV_HOST_DEVICE T ring_element(float x) {
+  if constexpr (sizeof(T) == 2) {
+    return fp8::float_to_bf16(x);
+  } else {
+    return x;
+  }
+}
+
+// Writes one input row into one ring row: the ring row is one run of n = 2 * width elements T (float,
+// or uint16_t bf16 bits), element k being kv[k] for k < width and score[k - width] after.
+//
+// GPU: the lanes write the run as 16-byte words (STG.E.128: 4 floats or 8 bf16 a lane, from one or
+// two 16-byte loads where the source is 16-byte aligned, else 4-byte loads), and the elements before
+// the run's first 16-byte boundary (the head) and after its last (the tail) as 4-byte words (STG.E).
+// No lane stores a byte or 2 bytes (STG.E.U8 / .U16; tests/jit/test_sass.py's wide_store). Alignment:
+// every element of a float32 or bf16 tensor sits on its own size's boundary, and a ring row is
+// 8 * width (fp32) or 4 * width (bf16) bytes, so a row sits where the ring's base puts it:
+//   - on a 4-byte boundary (every fp32 ring; a bf16 ring whose base is on one, as every allocation
+//     and every view at an even element offset is): the head and the tail are whole 4-byte words of
+//     the row (its byte count is a multiple of 4), so nothing outside the row is written. On a 16-byte
+//     boundary (a 16-byte aligned ring with width even for fp32, a multiple of 4 for bf16: the serving
+//     rings, width 1024) a row has no head and no tail; otherwise each is under 16 bytes.
+//   - 2 bytes off one (a bf16 ring at an odd element offset): the row's first and last elements each
+//     share a 4-byte word with the neighbouring ring row or with the memory beside the ring. Each goes
+//     out by a 16-bit compare-and-swap of its own half (store_half: PTX atom.cas.b16, which the GPU
+//     runs as a 4-byte ATOMG.E.CAS loop on the aligned word), so the other half keeps whatever another
+//     warp writes there meanwhile; the aligned word never crosses the end of an allocation (device
+//     allocations come in whole 256-byte granules at least).
+// Host: an element loop (fp32: two memcpy).
+// Design: a write reads an fp32 input row and writes a ring row, so it is bound by the accesses a
+// warp keeps in flight. At the serving shape (C4, d 512: a bf16 ring row of 2,048 elements, 4 KiB) a
+// warp writes a row as 256 16-byte words, 8 STG.E.128 a lane, where one element a lane took 2,048
+// 2-byte stores (64 STG.E.U16 a lane); its loads go from 64 LDG.E to 16 LDG.E.128 a lane. A decode
+// step writes one row per batch row (batch 64: 256 KiB, about 0.05 us of an H200's HBM), so the
+// launch, not the write, is its cost. A static estimate from the SASS: no GPU has timed it.
+template <class T>
+struct RingRow {
+  T* row;
+  const float* kv;
+  const float* score;
+  int64_t width;
+
+#ifdef __CUDA_ARCH__
+  static constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte word
+  static constexpr int kPerU32 = 4 / static_cast<int>(sizeof(T));    // elements per 4-byte word
+
+  SPARSEKV_DEVICE float source(int64_t k) const { return k < width ? kv[k] : score[k - width]; }
+
+  // Elements k .. k + kPerWord - 1: 16-byte loads where they lie in one half on a 16-byte boundary (a
+  // half's words all do, or none: its elements' offsets from the half's start are multiples of 16 bytes).
+  SPARSEKV_DEVICE void load_word(int64_t k, float (&x)[kPerWord]) const {
+    const float* from = k < width ? kv + k : score + (k - width);
+    const auto at = reinterpret_cast<uintptr_t>(from);
+    if (k < width && k + kPerWord > width) {  // the one word that straddles kv | score
+      for (int i = 0; i < kPerWord; ++i) x[i] = source(k + i);
+    } else if ((at & 15) == 0) {
+      for (int i = 0; i < kPerWord; i += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(from + i);
+        x[i] = f.x, x[i + 1] = f.y, x[i + 2] = f.z, x[i + 3] = f.w;
+      }
+    } else {
+      for (int i = 0; i < kPerWord; ++i) x[i] = from[i];
+    }
+  }
+
+  // The 4-byte word of elements x[0 .. kPerU32 - 1], little-endian.
+  SPARSEKV_DEVICE static uint32_t pack(const float* x) {
+    if constexpr (kPerU32 == 2) {
+      return static_cast<uint32_t>(ring_element<T>(x[0])) | (static_cast<uint32_t>(ring_element<T>(x[1])) << 16);
+    } else {
+      return fp8::float_bits(x[0]);
+    }
+  }
+
+  // One 16-byte word at a 16-byte boundary. PTX, not a uint4 assignment: nvcc splits the assignment
+  // of the fp32 ring's words (its elements copied unchanged) into two 4-byte and an 8-byte store.
+  SPARSEKV_DEVICE static void store_word(T* at, uint4 word) {
+#ifdef SPARSEKV_SIM
+    *reinterpret_cast<uint4*>(at) = word;
+#else
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(word.x), "r"(word.y), "r"(word.z),
+                 "r"(word.w)
+                 : "memory");
+#endif
+  }
+
+  // One bf16 element whose 4-byte word's other half is not this row's (see above).
+  SPARSEKV_DEVICE static void store_half(T* at, T bits) {
+    auto* half = reinterpret_cast<unsigned short*>(at);
+    unsigned short expected = bits;
+    for (;;) {
+      const unsigned short seen = atomicCAS(half, expected, static_cast<unsigned short>(bits));
+      if (seen == expected) return;
+      expected = seen;
+    }
+  }
+
+  SPARSEKV_DEVICE void write(Lanes lanes) const {
+    const int64_t n = 2 * width;
+    const auto at = reinterpret_cast<uintptr_t>(row);
+    const auto to_boundary = static_cast<int64_t>(((16 - (at & 15)) & 15) / sizeof(T));
+    const int64_t head = to_boundary < n ? to_boundary : n;
+    const int64_t words = (n - head) / kPerWord;
+    const int64_t tail = head + words * kPerWord;
+    SPARSEKV_ROLLED  // a row is a few words per lane: unrolled copies of the loop only add registers
+    for (int64_t w = lanes.lane; w < words; w += lanes.count) {
+      const int64_t k = head + w * kPerWord;
+      float x[kPerWord];
+      load_word(k, x);
+      store_word(row + k, uint4{pack(x), pack(x + kPerU32), pack(x + 2 * kPerU32), pack(x + 3 * kPerU32)});
+    }
+    // The edges in 4-byte words: elements [-lone, head_end) and [tail_start, n + lone), where lone = 1
+    // puts the row's first and last elements in words they share with their neighbours.
+    const auto lone = static_cast<int64_t>((at & 3) / sizeof(T));
+    const int64_t head_end = words > 0 ? head : n + lone;
+    const int64_t tail_start = words > 0 ? tail : n + lone;
+    const int64_t head_units = (head_end + lone) / kPerU32;
+    const int64_t units = head_units + (n + lone - tail_start) / kPerU32;
+    SPARSEKV_ROLLED  // at most 8 words (under 16 bytes at each end): one round of the warp
+    for (int64_t u = lanes.lane; u < units; u += lanes.count) {
+      const int64_t k = u < head_units ? u * kPerU32 - lone : tail_start + (u - head_units) * kPerU32;
+      if (k >= 0 && k + kPerU32 <= n) {
+        float x[kPerU32];
+        for (int i = 0; i < kPerU32; ++i) x[i] = source(k + i);
+        *reinterpret_cast<uint32_t*>(row + k) = pack(x);
+      } else if constexpr (kPerU32 == 2) {
+        const int64_t own = k < 0 ? k + 1 : k;  // the one element of this row in the word
+        store_half(row + own, ring_element<T>(source(own)));
+      }
+    }
+  }
+#else
+  void write(Lanes) const {
+    if constexpr (sizeof(T) == sizeof(float)) {
+      std::memcpy(row, kv, static_cast<size_t>(width) * sizeof(float));
+      std::memcpy(row + width, score, static_cast<size_t>(width) * sizeof(float));
+    } else {
+      for (int64_t c = 0; c < width; ++c) {
+        row[c] = ring_element<T>(kv[c]);
+        row[width + c] = ring_element<T>(score[c]);
+      }
+    }
+  }
+#endif
+};
+
 struct RingWrite {
   using Params = WriteParams;
 
@@ -230,16 +380,10 @@ struct RingWrite {
     const float* kv = p.kv + src * p.kv_stride;
     const float* score = p.score + src * p.score_stride;
     if (p.ring_bf16) {
-      uint16_t* row = static_cast<uint16_t*>(p.ring) + dst * 2 * p.width;
-      for (int64_t c = lanes.lane; c < p.width; c += lanes.count) {
-        row[c] = fp8::float_to_bf16(kv[c]);
-        row[p.width + c] = fp8::float_to_bf16(score[c]);
-      }
-      return;
+      RingRow<uint16_t>{static_cast<uint16_t*>(p.ring) + dst * 2 * p.width, kv, score, p.width}.write(lanes);
+    } else {
+      RingRow<float>{static_cast<float*>(p.ring) + dst * 2 * p.width, kv, score, p.width}.write(lanes);
     }
-    float* row = static_cast<float*>(p.ring) + dst * 2 * p.width;
-    copy_bytes(row, kv, p.width * 4, lanes);
-    copy_bytes(row + p.width, score, p.width * 4, lanes);
   }
 };
 
