@@ -94,8 +94,6 @@ SASS_TABLE = {
         wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "StoreRingWrite"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
-    ("triton", "dsv4_compress_store.ring_write[bf16,decode]", ""): dict(
-        launch=Launch(128, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "CompressStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
