@@ -361,16 +361,18 @@ def _split_views(q: torch.Tensor, indices: torch.Tensor, extra_indices: torch.Te
     (the checks and three views cost ~3 us a decode call).
 
     The memo keeps the workspace tensor itself with its views, so its key names the workspace by
-    identity (``id``: no other tensor gets that id while the entry holds it) and what can change in
-    that object: its version counter (torch bumps it at every in-place change, ``resize_``, ``set_``
-    and ``as_strided_`` included), its address and length (``.data`` assignment, which torch does
-    not count); then all the checks read of the call (q's device and shape, the index tables'
-    shapes, out's dtype, the split count). Each attribute read costs ~0.1 us: this key is half of
-    one by the workspace's full metadata. A view kept in the memo keeps its memory alive, so a
-    workspace at the same address is that memory."""
+    identity (``id``: no other tensor gets that id while the entry holds it) and by what an
+    in-place change can alter in that object: its address, length and strides (``resize_``,
+    ``set_``, ``as_strided_``, ``.data``; not a ``.data`` retyped at the same address, length and
+    strides); then all the checks read of the call (q's device and shape, the index tables'
+    shapes, out's dtype, the split count). Not its version counter: a call through the op's
+    dispatcher (a compiled graph without CUDA graphs) bumps it, and a miss there costs ~40 us (the
+    views made under the dispatcher). A hit costs ~1.1 us where a key by the workspace's full
+    metadata (shape, strides, dtype, device) cost ~1.3 us. A view kept in the memo keeps its memory
+    alive, so a workspace at the same address is that memory."""
     key = None
     if type(workspace) is torch.Tensor:
-        key = (id(workspace), workspace._version, workspace.data_ptr(), workspace.numel(), q.device, q.shape,
+        key = (id(workspace), workspace.data_ptr(), workspace.numel(), workspace.stride(), q.device, q.shape,
                indices.shape, None if extra_indices is None else extra_indices.shape, out.dtype, num_splits)
         kept = _SPLIT_VIEWS.get(key)
         if kept is not None:

@@ -197,10 +197,10 @@ def test_a_bf16_out_is_the_float32_out_rounded_to_nearest(backend):
 
 def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
     # The header's split partials are views of the caller's workspace, kept with the calls that passed
-    # the workspace checks by the workspace object, its version, address and length (both cost a
+    # the workspace checks by the workspace object, its address, length and strides (both cost a
     # decode call more than the key does): the same workspace gives the same bits again; one at that
-    # address of another dtype, or changed in place (resize_, as_strided_, or .data, which torch
-    # does not count), is refused naming it before anything is written; a workspace elsewhere, or
+    # address of another dtype, or the same object changed in place (resize_, as_strided_, or .data
+    # to fewer elements), is refused naming it before anything is written; a workspace elsewhere, or
     # the same object moved to other memory, gives the same bits with its partials written there,
     # not in the memory the memo saw.
     g = torch.Generator().manual_seed(4)
@@ -234,7 +234,7 @@ def test_split_partials_are_cut_from_the_workspace_each_call_passes(backend):
     out, lse = torch.full((2, 4, 512), 7.0, device=c.q.device), torch.full((2, 4), 7.0, device=c.q.device)
     shrunk, strided = torch.zeros(floats, device=c.q.device), torch.zeros(2 * floats, device=c.q.device)[:floats]
     call(shrunk), call(strided)
-    shrunk.data = shrunk.data[:floats - 1]  # the same object, address and version
+    shrunk.data = shrunk.data[:floats - 1]  # the same object, address and strides
     strided.as_strided_((floats,), (2,))  # the same object, address and length
     for refused in (lambda: workspace.view(torch.int32), lambda: shrunk, lambda: strided,
                     lambda: workspace.resize_(floats - 1)):  # made in turn: a resize_ counts for the view too
