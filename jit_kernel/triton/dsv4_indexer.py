@@ -18,7 +18,7 @@ and the query is scaled per head by a power of two putting its largest element i
 binade, so a bf16 query is exact in float16 (a float32 one is split into float16 high and low
 parts, 22 bits); ``1/s`` and the key's fp32 scale are applied to the dot's result. FP4: e2m1 times
 its power-of-two block scale is exact in bf16, and the query is bf16 (float32: high and low bf16
-parts); an e2m1 code becomes its float32 bits by integer arithmetic (:func:`_e2m1_to_float`). The
+parts); an e2m1 code becomes float32 by shifts and one exact multiply (:func:`_e2m1_pairs_to_float`). The
 products are exact, so the scores keep the header's tolerance, ``|s - ref| <= 1e-5 sum_h |w_h|
 |q_h| |k|`` (2e-5 from the header's own scores; under the interpreter the property cases measure
 at most 5.2e-7).
@@ -36,18 +36,19 @@ Design note (bound, shape). HBM-bound: one row of 64 heads over 64k FP8 entries 
 at 4.8 TB/s, H200). Its 256 chunks of 256 entries are two programs on each of 128 SMs. Larger
 batches keep 2 programs per SM, each looping over its chunks; the query, 16 KB bf16, is read (from
 L2) once per 4 tiles, 1/2 of the keys' bytes, the price of spreading one row over the GPU.
-Instruction budget (triton 3.9, the AOT build, which is the JIT's): the tile loop is 606 SASS
-instructions per warp on sm_90a (8 ``HGMMA.64x64x16``, 32 ``F2FP.F16.E4M3``, 9 ``LDGSTS``, the rest
-addresses, masks and the epilogue) and 457 on sm_100a (8 ``UTCHMMA``); 1,024 tiles x 4 warps x 606
-over 132 SMs x 4 schedulers x 1.98 GHz = 2.4 us, 1.3x the H200 roofline (B200: 1.6 us against 1.1
-us, 1.4x; ``tools/bench/bench_sass_budget.py``), so the target of 3x the roofline is within reach of
-issue alone. Before (software
-e4m3 decode, heads summed across warps): 2,653 per tile, 10.7 us, 5.8x. FP4 (68-byte records, a
-roofline of 0.99 us at 64k on the H200) is bound by the issue of its e2m1 decode, 64 codes per
-thread per tile at about 10 instructions each: the tile loop is 939 instructions on sm_90a
-(3.7 us, 3.7x) and 860 on sm_100a (3.0 us against 0.59, 5.1x); before (scales loaded a byte per 8
-dims, ``LDG.E.U8``, keys by 4-byte ``cp.async`` on sm_90a, a float decode of the codes) 2,114 and
-2,096, 8.4x and 12.5x.
+Instruction budget (triton 3.9, the AOT build, which is the JIT's; :data:`SCORES_OPTIONS`): the tile
+loop is 577 SASS instructions per warp on sm_90a (8 ``HGMMA.64x64x16``, 32 ``F2FP.F16.E4M3``, 8
+``LDGSTS.E.64`` of the keys, the rest addresses, masks and the epilogue; its entry indices are
+int32) and 417 on sm_100a (8 ``UTCHMMA``); 1,024 tiles x 4 warps x 577 over 132 SMs x 4 schedulers
+x 1.98 GHz = 2.3 us, 1.2x the H200 roofline (B200: 1.5 us against 1.1 us, 1.3x;
+``tools/bench/bench_sass_budget.py``), so the target of 3x the roofline is within reach of issue
+alone. Before (software e4m3 decode, heads summed across warps): 2,653 per tile, 10.7 us, 5.8x; with
+int64 entry indices and no register cap, 606 and 457. FP4 (68-byte records, a roofline of 0.99 us
+at 64k on the H200) is bound by the issue of its e2m1 decode, 64 codes per thread per tile at about
+5 instructions each (two shifts, a masked merge, two multiplies, half a pack to bf16): the tile loop
+is 719 instructions on sm_90a (2.8 us, 2.85x) and 622 on sm_100a (2.2 us against 0.59, 3.7x);
+before (scales loaded a byte per 8 dims, ``LDG.E.U8``, keys by 4-byte ``cp.async`` on sm_90a, a
+decode by int-to-float converts and selects) 2,114 and 2,096, 8.4x and 12.5x.
 
 Top-k, in one read of the scores with the selection on chip (:func:`indexer_topk`). A level splits
 each row into chunks of at least 4096 items (``4 k`` when that is more), one program per chunk, so a
@@ -96,20 +97,26 @@ TOPK_BLOCK = 1024  # per step of the radix kernel
 TOPK_CHUNK = 4096  # items per program of a top-k level (at least; 4 k when that is more)
 TOPK_FINAL = 8192  # the longest list the finish selects from in one program
 NUM_WARPS = 4
+#: Compile options of the scores' launches: a register cap that still fits PROGRAMS_PER_SM programs of
+#: NUM_WARPS warps in an SM's 64K registers (at most 255, the ISA's). Without a cap ptxas sized the
+#: FP4 kernel for 3 programs on sm_100a (168 registers) and spilled; with it no variant spills.
+SCORES_OPTIONS = {"maxnreg": min(255, 65536 // (PROGRAMS_PER_SM * NUM_WARPS * 32))}
 _LAYOUTS = {"fp8": INDEXER_FP8, "fp4": INDEXER_FP4}
 
 
 @triton.jit
-def _e2m1_to_float(code):
-    """e2m1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, as ``fp8::e2m1_to_float``.
+def _e2m1_pairs_to_float(packed, BLOCK_E: tl.constexpr):
+    """``[BLOCK_E, 64]`` bytes of e2m1 pairs (int32 0..255, even element in the low nibble) -> the
+    ``[BLOCK_E, 128]`` float32 values, as ``fp8::e2m1_to_float``.
 
-    On the bits: magnitudes 2..7 (1 to 6) are float32 ``0x3F000000 + (m << 22)`` (exponent and
-    mantissa bit of the code moved up, rebiased), 1 is 0.5 (``0x3F000000``) and 0 is 0; the sign is
-    bit 3. Integer operations and one select: the scores' tile loop took 1,658 instructions on sm_90a
-    with a float decode (convert, scale, select), 939 with this."""
-    magnitude = code & 7
-    bits = tl.where(magnitude < 2, magnitude * 0x3F000000, 0x3F000000 + (magnitude << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    A code's magnitude bits placed at float32's exponent and mantissa top are its value times
+    ``2^-126`` (e2m1's subnormal 0.5 is float32's, rebiased), so one multiply by ``2^126`` (exact)
+    gives it, and its sign bit moves to bit 31: two shifts and one masked merge a code, taken from
+    the byte where it lies. ``mul.f32`` keeps subnormals (no ``.ftz``), as the interpreter does."""
+    low = ((packed << 22) & 0x01C00000) | ((packed << 28) & -0x80000000)
+    high = ((packed << 18) & 0x01C00000) | ((packed << 24) & -0x80000000)
+    bits = tl.reshape(tl.join(low, high), (BLOCK_E, 128))
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
@@ -156,9 +163,11 @@ def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_
     page_slots = 1 << page_shift
     for c in range(tl.program_id(0), batch * chunks, tl.num_programs(0)):
         b = (c // chunks).to(tl.int64)
-        first = (c % chunks).to(tl.int64) * ENTRIES
+        # Entry indices are int32 (width < 2^31, checked; a chunk starts at most at 2^31 - ENTRIES), so the
+        # tile loop's index arithmetic and compares are 32-bit; cache and row offsets stay int64.
+        first = (c % chunks) * ENTRIES
         t = tl.load(positions_ptr + b).to(tl.int64)
-        n = tl.minimum(tl.maximum(t + 1, 0) // 4, width)
+        n = tl.minimum(tl.maximum(t + 1, 0) // 4, width).to(tl.int32)
         q = tl.load(q_ptr + b * q_stride_b + h[:, None] * q_stride_h + d[None, :], mask=h_ok[:, None],
                     other=0.0).to(tl.float32)
         w = tl.load(w_ptr + b * w_stride + h, mask=h_ok, other=0.0)
@@ -171,7 +180,7 @@ def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_
             q = q * scale_q[:, None]
             q_hi = _f16_operand(q, NATIVE_BF16)
             q_lo = _f16_operand(q - q_hi.to(tl.float32), NATIVE_BF16)
-        for e0 in range(first, first + ENTRIES, BLOCK_E):
+        for e0 in range(first, first + (ENTRIES - BLOCK_E + 1), BLOCK_E):  # the bound below 2^31 too
             i = e0 + tl.arange(0, BLOCK_E)
             in_row = i < width
             page_index = i >> page_shift
@@ -185,11 +194,10 @@ def indexer_scores_kernel(q_ptr, q_stride_b, q_stride_h, w_ptr, w_stride, cache_
             if FP4:  # 64 bytes of e2m1 pairs (even element in the low nibble), 4 UE8M0 scales per 32 dims
                 packed = tl.load(cache_ptr + (base + in_page * 64)[:, None] + tl.arange(0, 64)[None, :],
                                  mask=valid[:, None], other=0).to(tl.int32)
-                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_E, 128))
                 scale_ptr = (cache_ptr + page_slots * 64).to(tl.pointer_type(tl.int32))
                 scale_word = tl.load(scale_ptr + base // 4 + in_page, mask=valid, other=0x7F7F7F7F)
                 block_scale = (scale_word[:, None] >> (8 * (d // 32))[None, :]) & 0xFF
-                keys = _e2m1_to_float(codes) * _ue8m0_to_float(block_scale)  # exact in bf16
+                keys = _e2m1_pairs_to_float(packed, BLOCK_E) * _ue8m0_to_float(block_scale)  # exact in bf16
                 logits = _mma(keys, tl.trans(q_hi), tl.zeros((BLOCK_E, BLOCK_HI), tl.float32), NATIVE_BF16)
                 if SPLIT:
                     logits = _mma(keys, tl.trans(q_lo), logits, NATIVE_BF16)
@@ -448,7 +456,7 @@ def indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layou
         shift, page_table, page_table.stride(0), page_table.shape[1], positions, out, out.stride(0), width, q.shape[1],
         batch,
         FP4=layout == "fp4", SPLIT=q.dtype == torch.float32, BLOCK_HI=max(16, triton.next_power_of_2(q.shape[1])),
-        BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS)
+        BLOCK_E=BLOCK_E, ENTRIES=ENTRIES, NATIVE_BF16=not interpreting(), num_warps=NUM_WARPS, **SCORES_OPTIONS)
 
 
 def check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, *, read_tables=True):
@@ -573,7 +581,7 @@ def _aot_kernels():
                  "SPLIT": Constexpr(split),
                  "BLOCK_HI": Constexpr(MAX_HEADS), "BLOCK_E": Constexpr(BLOCK_E), "ENTRIES": Constexpr(ENTRIES),
                  "NATIVE_BF16": Constexpr(True)},
-                NUM_WARPS))
+                NUM_WARPS, SCORES_OPTIONS))
 
     def slots(k: int) -> dict:
         """The top-k's outputs for k columns: tokens and, through a 1024-page table of 64, slots."""
