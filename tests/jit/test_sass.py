@@ -241,6 +241,16 @@ def test_sass(key, prop, arch):
     assert holds, f"{kernel_label(key)} sm_{arch} {prop}: {detail}"
 
 
+@needs("nvcc or cuobjdump", NO_TOOLS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_triton_fp4_scores_multiply_without_flushing_subnormals(arch):
+    # The FP4 decode makes the code 0.5 as the float32 subnormal 2^-127 times 2^126 (and a UE8M0 scale
+    # byte of 0 is the subnormal 2^-127): exact only if no multiply flushes subnormals to zero (.FTZ).
+    sass = _sass(("triton", "dsv4_indexer.scores[fp4,bf16]", ""), arch)
+    multiplies = [op for op in sass.opcodes if op.startswith(("FMUL", "FFMA"))]
+    assert multiplies and not [op for op in multiplies if ".FTZ" in op], sorted(set(multiplies))
+
+
 def test_the_inner_loop_is_the_innermost_loop_and_not_a_branch_back_from_out_of_line_code():
     # A loop over 0x100..0x400 holding a loop over 0x200..0x280; a block past the loop (0x500)
     # branching back into its middle (0x300): its span 0x300..0x500 holds the epilogue, no loop.
