@@ -36,7 +36,13 @@ fused with the store; the store and quantizer 8 entries; a 4096-row gather; the 
   dispatcher, as a traced or compiled graph calls it (an eager call runs the op's body directly);
   ``torch_library_us`` = ``dispatched_us - host_us``: what that layer would add.
 
-Also ``attention input checks``: the attention's input contract alone (``check_attention_arguments``,
+Also ``lightning_indexer (triton)``: the call with ``impl="triton"`` (the Triton twin's path, under
+``TRITON_INTERPRET=1``: on CPU tensors the twin runs only there) with its two Triton launchers
+replaced by no-ops (their own argument checks with them), against the header call's raw crossings
+(no Triton launch runs on this machine); ``precheck_us``: its top-k pre-check alone, the Python mirror
+of the top-k entry's checks behind a metadata memo (a hit).
+
+And ``attention input checks``: the attention's input contract alone (``check_attention_arguments``,
 which the Triton twin and FlashMLA run before dispatch; the header's C++ entry makes the same
 checks), in its O(1) mode (the Triton launcher's copy of it measured 472 us before its memory-sharing
 check became one sweep); and the Triton fused compress
@@ -52,8 +58,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 from bench_hisparse import ITEM_BYTES, Case  # the sibling script: benchmarks run as files from their folder
@@ -196,6 +204,37 @@ def attention_checks():
     return functools.partial(check_attention_arguments, *args, impl="triton", read_values=False)
 
 
+def triton_lightning_indexer(header_call, nop) -> dict | None:
+    """The ``lightning_indexer (triton)`` row: ``header_call`` (:func:`calls`' ``lightning_indexer``) with
+    ``impl="triton"``, its Triton launchers no-ops, against the header call's raw crossings; None
+    without triton."""
+    try:
+        from sparsekv.jit_kernel.triton import dsv4_indexer as twin
+    except ImportError:
+        return None
+    from sparsekv.jit_kernel import dsv4_indexer
+
+    stub = _Stub()
+    with _modules_replaced_by(stub):
+        header_call()
+    raw_args = stub.args[:]
+    keywords = dict(header_call.keywords, impl="triton")
+    call = functools.partial(header_call.func, *header_call.args, **keywords)
+    _, _, _, table, positions, num_top_k = header_call.args
+    precheck = functools.partial(dsv4_indexer._check_topk_arguments, keywords["scores"], positions, num_top_k, table,
+                                 keywords["page_slots"], keywords["out"], keywords["out_slots"], None, "triton")
+    launchers = twin.indexer_scores, twin.indexer_topk
+    twin.indexer_scores = twin.indexer_topk = _nothing
+    try:
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):  # what lets impl="triton" take CPU tensors
+            call()
+            host_us, raw_us, precheck_us = _paired_us(call, lambda: [nop(*a) for a in raw_args], precheck)
+    finally:
+        twin.indexer_scores, twin.indexer_topk = launchers
+    return {"case": "lightning_indexer (triton)", "host_us": host_us, "raw_us": raw_us,
+            "host_over_raw": host_us / raw_us, "within_target": host_us / raw_us <= TARGET, "precheck_us": precheck_us}
+
+
 def triton_compress_store_checks() -> dict:
     """The Triton fused compress + store launchers' argument checks (host-readable tables are read:
     the index checks the interpreter needs), for a 4096-token C4 prefill chunk and a decode step of
@@ -329,6 +368,9 @@ def main() -> None:
         row = measure(name, call, nop)
         row["entry_checks_us"] = entry_checks_us(empty_call, nop)
         result.rows.append(row)
+    twin_row = triton_lightning_indexer(calls()["lightning_indexer"], nop)
+    if twin_row is not None:
+        result.rows.append(twin_row)
     result.rows.append({"case": "attention input checks", "host_us": _median_us(attention_checks())})
     for name, checks in triton_compress_store_checks().items():
         result.rows.append({"case": name, "host_us": _median_us(checks)})
