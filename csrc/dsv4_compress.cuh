@@ -5,8 +5,9 @@
 // softmax over its window's slots; C4 windows of 8 in two halves, C128 windows of 128; bf16 rings).
 //
 // Kernels:
-//   CompressEvents: one entry per (event, 32-channel tile), pooled by WindowPool from the ragged
-//     input, the ring rows of the state buffer, or a decode step's rows (window_pool.h).
+//   CompressEvents<ratio>: the entries of the events, pooled by WindowPool from the ragged input,
+//     the ring rows of the state buffer, or a decode step's rows (window_pool.h); a warp per (event,
+//     channel chunk), launched as one of its PoolEvents kernels (the design note below).
 //   RingWrite (window_pool.h): copies input rows into ring rows.
 //   OnlineC128: folds a segment of one 128-window token by token into a running (max, sum,
 //     accumulator) per channel, starting from a stored snapshot or from nothing, stores the
@@ -20,7 +21,7 @@
 // tables with PlanRawStep and the online fold's segments on the host; when tables are
 // host-readable the host entry checks every row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
 // by construction).
-// GPU: one warp per (event, 32-channel tile); lane = channel, so each slot is one 128-byte load.
+// GPU: CompressEvents' C4 lanes own 4 consecutive channels each, so a slot is one 16-byte load a lane.
 // cpu backend: the events of a prefill call (compress_pool, compress_extend and the fused store)
 // run on up to num_threads host threads (run_on_host_threads); each item is computed whole by one
 // thread, so the output does not depend on the thread count.
@@ -35,28 +36,95 @@
 
 namespace sparsekv::dsv4_compress {
 
-struct CompressEvents {
+// Design: a warp pools one channel chunk of one event. C4: a lane owns 4 consecutive channels (one
+// float4 of kv, score and ape per window slot; 8 bytes of a bf16 ring row), a warp 128 (4 warps an
+// event at d = 512); the 8 slots unrolled, their token rows found once, their logits held in
+// registers, so each row is read once: score and ape for the max, then kv for the weighted sum.
+// C128: a lane owns one channel, a warp 32 (its few events, 32 at 4k tokens, then spread over 16
+// warps each), the 128 slots read twice (max, then the weights; the logits do not fit in registers).
+// Per channel the float operations are those of every other path (WindowPool), so the entries are
+// bit for bit those of the fused store and of the cpu build's loop. The 16-byte loads need every row
+// 16-byte aligned (the base pointers, the row strides and d a multiple of 4 floats); other inputs
+// take a 4-byte load a channel, same floats. Each (ring dtype, load width) is a kernel of its own
+// (PoolEvents), chosen at launch from the pointers, so a kernel's one loop is the chunk it pools.
+// Bound, at 4k C4 tokens and d = 512 (34 MB: 7.4 us on an H200): by memory; the static instruction
+// budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed it) puts the loop's issue
+// at 0.85x that on an H200 and 1.41x on a B200, the code of all three step kinds counted. C128 at
+// 4k tokens is bound by its 128 serial slots on 64 SMs: 8x its roofline, as the design before.
+template <int64_t kRatio, bool kBf16, bool kWide>
+struct PoolEvents {
+  static_assert(kRatio == 4 || kRatio == 128, "dsv4_compress: the ratio is 4 or 128");
   using Params = EventParams;
+  // Channels a lane owns: C4 4 (16-byte loads); C128 1, so that its few events (32 at 4k tokens)
+  // still spread over 16 warps each.
+  static constexpr int kPerLane = kRatio == 4 ? 4 : 1;
+  static_assert(kPerLane == 4 || !kWide, "dsv4_compress: 16-byte loads take 4 channels a lane");
+  static constexpr int kLaneChannels = kPerLane * team::kVirtualPerThread;  // a host call takes the chunk
+  static constexpr int64_t kChunk = kPerLane * int64_t{kTile};
+  // CTAs of 256 threads an SM: C4 2 (128 registers: the 8 slots' logits and loads in flight), C128 4.
+  static constexpr int kCtasPerSm = kRatio == 4 ? 2 : 4;
 
-  SPARSEKV_HOST_DEVICE static int64_t tiles(const Params& p) { return (p.d + kTile - 1) / kTile; }
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * tiles(p); }
+  SPARSEKV_HOST_DEVICE static int64_t chunks(const Params& p) { return (p.d + kChunk - 1) / kChunk; }
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * chunks(p); }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
-    const int64_t e = i / tiles(p);
-    const int64_t first = (i - e * tiles(p)) * kTile;
-    float out[team::kVirtualPerThread];
+    constexpr int C = kLaneChannels;
+    const int64_t e = i / chunks(p);
+    const int64_t first = (i - e * chunks(p)) * kChunk;
     const bool emits = p.decode.rows == nullptr || p.decode.emits(e);
     if (p.emitted != nullptr && first == 0 && lanes.lane == 0) p.emitted[e] = emits;
+    const int64_t c0 = first + kPerLane * lanes.lane;
+    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < C ? p.d - c0 : C));
+    float out[C];
     if (emits) {
-      WindowPool::pool_tile(p, e, first, lanes, out);
+      WindowPool::pool_channels<kRatio, kBf16, kWide>(p, e, c0, count, out);
     } else {
-      for (int v = 0; v < team::kVirtualPerThread; ++v) out[v] = 0.0f;  // a decode row without an entry
+      for (int v = 0; v < C; ++v) out[v] = 0.0f;  // a decode row without an entry
     }
-    for (int v = 0; v < team::kVirtualPerThread; ++v) {
-      const int64_t c = first + lanes.lane + v;
-      if (c < p.d) p.out[e * p.d + c] = out[v];
+    float* row = p.out + e * p.d;
+#ifdef __CUDA_ARCH__
+    if constexpr (kWide) {  // count is 0 or 4 (d is a multiple of 4)
+      if (count == C) *reinterpret_cast<float4*>(row + c0) = float4{out[0], out[1], out[2], out[3]};
+      return;
+    }
+#endif
+    for (int v = 0; v < C; ++v) {
+      if (v < count) row[c0 + v] = out[v];
     }
   }
+};
+
+template <int64_t kRatio>
+struct CompressEvents {
+  using Params = EventParams;
+  using Narrow = PoolEvents<kRatio, false, false>;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return Narrow::num_items(p); }
+
+  // The cpu backend's item (the GPU runs one of the PoolEvents kernels).
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
+    p.ring_bf16 ? PoolEvents<kRatio, true, false>::item(p, i, lanes) : Narrow::item(p, i, lanes);
+  }
+
+#ifdef __CUDACC__
+  // Whether every row the events read and the output rows are 16-byte aligned, 4 channels at a time.
+  static bool wide_rows(const Params& p) {
+    const auto address = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+    return ((address(p.kv) | address(p.score) | address(p.ape) | address(p.ring) | address(p.out)) & 15) == 0 &&
+           ((p.kv_stride | p.score_stride | p.d) & 3) == 0;
+  }
+
+  static int run_on_cuda(const Params& p, void* stream) {
+    if constexpr (Narrow::kPerLane == 4) {
+      if (wide_rows(p)) {
+        return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, true>>(p, stream)
+                           : sparsekv::run_on_cuda<PoolEvents<kRatio, false, true>>(p, stream);
+      }
+    }
+    return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, false>>(p, stream)
+                       : sparsekv::run_on_cuda<Narrow>(p, stream);
+  }
+#endif
 };
 
 // The plan of one streaming step of the raw ring, on the device (PlanRawStep). The host hands over
@@ -252,6 +320,18 @@ struct OnlineC128 {
 
 namespace sparsekv::dsv4_compress {
 
+// Launches the compressor of `ratio` over the events of `params` (the cpu backend: on up to
+// num_threads host threads).
+inline void launch_events(const EventParams& params, DLDevice device, int64_t num_threads) {
+  if (params.ratio == 4) {
+    launch_threaded<CompressEvents<4>>(params, device, num_threads,
+                                       event_bytes_per_channel(4) * CompressEvents<4>::Narrow::kChunk, [] {});
+  } else {
+    launch_threaded<CompressEvents<128>>(params, device, num_threads,
+                                         event_bytes_per_channel(128) * CompressEvents<128>::Narrow::kChunk, [] {});
+  }
+}
+
 // One-shot compression of a whole sequence.
 inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64_t ratio, TensorView out,
                           int64_t num_threads) {
@@ -267,7 +347,7 @@ inline void compress_pool(TensorView kv, TensorView score, TensorView ape, int64
                            kv.stride(0), score.stride(0), kv.size(0), static_cast<const float*>(ape.data_ptr()),
                            nullptr, 0, false, nullptr, static_cast<float*>(out.data_ptr()), entries, d, ratio};
   if (entries == 0) return;
-  launch_threaded<CompressEvents>(params, kv.device(), num_threads, event_bytes_per_channel(ratio) * kTile, [] {});
+  launch_events(params, kv.device(), num_threads);
 }
 
 // Streaming step of the raw ring: pools the planned events, then stores the planned ring rows.
@@ -282,10 +362,7 @@ inline void compress_extend(TensorView kv, TensorView score, TensorView ape, int
   check(out, "out").size(0, sources.size(0), "events").size(1, plan.events.d, "d");
 
   // 2. Pool every event (reading ring rows as they were), then store the new ring rows.
-  if (plan.events.num_events > 0) {
-    launch_threaded<CompressEvents>(plan.events, kv.device(), num_threads,
-                                    event_bytes_per_channel(ratio) * kTile, [] {});
-  }
+  if (plan.events.num_events > 0) launch_events(plan.events, kv.device(), num_threads);
   if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
 }
 
@@ -336,7 +413,7 @@ inline void compress_decode(TensorView kv, TensorView score, TensorView ape, int
   check(out, "out").size(0, kv.size(0), "rows of kv").size(1, plan.events.d, "d");
 
   // 2. Pool every row's window (reading ring rows as they were), then store the new ring rows.
-  if (plan.events.num_events > 0) launch<CompressEvents>(plan.events, kv.device());
+  if (plan.events.num_events > 0) launch_events(plan.events, kv.device(), 1);
   if (plan.ring.num_writes > 0) launch<RingWrite>(plan.ring, kv.device());
 }
 

@@ -16,8 +16,8 @@
 // Design: the record goes out as dsv4_store's does (row_store.h store_v4: staged in the warp's
 // shared memory, written as 16-byte words, e4m3 codes from the hardware convert on sm_89+; the only
 // byte store is the decode step's `emitted`). Static issue estimate (tools/bench/bench_sass_budget.py,
-// 4k C4 tokens): 0.24x the roofline on an H200, 0.42x on a B200: its inner loop is the window, not
-// the store.
+// 4k C4 tokens): 0.25x the roofline on an H200, 0.42x on a B200: its inner loop is the window, not
+// the store. It pools a channel a lane (WindowPool::pool_tile, the streamed window).
 //
 // Its own stem because it fuses two families (the compressor's pooling and the store's per-layout
 // finish) that do not depend on each other; its instances are per cache layout, like the store's.

@@ -42,7 +42,8 @@ DSV4_COMPRESS = register(
             "plan_raw_step": "sparsekv::dsv4_compress::plan_raw_step",
         },
         kernels=(
-            "sparsekv::dsv4_compress::CompressEvents",
+            "sparsekv::dsv4_compress::CompressEvents<4>",
+            "sparsekv::dsv4_compress::CompressEvents<128>",
             "sparsekv::dsv4_compress::RingWrite",
             "sparsekv::dsv4_compress::OnlineC128",
             "sparsekv::dsv4_compress::PlanRawStep",

@@ -559,6 +559,21 @@ def test_prefill_results_do_not_depend_on_the_thread_count(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
+def test_rows_off_a_16_byte_boundary_pool_to_the_same_bits(backend, ratio):
+    # The GPU reads 16-byte aligned rows 4 channels a load and other rows a channel a load (here kv,
+    # a view one float into a wider buffer): the same floats either way. d = 40: the lanes past d
+    # store nothing. Planted bug this catches: the 4-byte path pooling its channels in another order.
+    device, coff, d = device_of(backend), (2 if ratio == 4 else 1), 40
+    gen = torch.Generator().manual_seed(ratio)
+    buffer = torch.randn(3 * ratio, coff * d + 1, generator=gen).to(device)
+    score = (torch.randn(3 * ratio, coff * d, generator=gen) * 4).to(device)
+    ape = torch.randn(ratio, coff * d, generator=gen).to(device)
+    shifted = compress_pool(buffer[:, 1:], score, ape, ratio)
+    assert torch.equal(shifted.cpu(), compress_pool(buffer[:, 1:].contiguous(), score, ape, ratio).cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", RATIOS)
 @settings(max_examples=scaled_examples(4), deadline=None)
 @given(data=st.data())
 def test_decode_steps_write_each_token_into_its_ring_row_and_emit_the_one_shot_entries(backend, ratio, data):

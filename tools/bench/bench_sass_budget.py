@@ -56,7 +56,7 @@ L2_BYTES_PER_SM_CLOCK = 32
 
 # Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads (and the Triton attention at
 # prefill: 4k tokens, 128 heads, top-k 2048); indexer one row of 64k
-# entries; top-k 512 of 64k; fused compress + store 4k C4 tokens; store / quantize 4096 rows; gather
+# entries; top-k 512 of 64k; (fused) compress + store 4k C4 tokens; store / quantize 4096 rows; gather
 # 16k rows of 584 B; swap-in batch 64, top-k 512.
 #: kernel -> (how the SASS is built, the roofline cost, the warp trips of the inner loop, the CTAs of
 #: the launch, the model).
@@ -121,6 +121,13 @@ TRIPS = {
     "cuda gather_rows GatherRows": (("cuda", "gather_rows", {"index_dtype": "int64"}, "GatherRows"),
                                     roofline.gather_rows(16384, 584), 16384 * 3, 16384 // 8,
                                     "one warp per row, 8 B per lane: 3 trips per 584 B row"),
+    "cuda dsv4_compress CompressEvents 4k C4": (
+        ("cuda", "dsv4_compress", {}, "PoolEventsILl4ELb0ELb1E"), roofline.compress(4096, 4), 1024 * 4, 1024 * 4 // 8,
+        "the C4 compressor alone (no store), 4k tokens from the fp32 input, 16-byte aligned rows: a warp "
+        "per (event, 128-channel chunk), 4 channels a lane, 1,024 events x 4 chunks = 4k warps in 512 CTAs "
+        "of 8; the kernel's one loop is a warp's whole chunk (the item loop: its 8 window slots unrolled, "
+        "24 16-byte loads a lane, the code of all three step kinds counted though one runs), one trip a "
+        "warp; the float32 ring's kernel"),
     "cuda dsv4_indexer scores_kernel 256k": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                               "scores_kernel"), roofline.indexer_scores(1, 262144), 262144 // 16,
                                              262144 // 256, "one row of 256k entries: as at 64k, 1,024 CTAs"),
@@ -218,14 +225,15 @@ PHASES = {
          ("merge: gather copy", *_GATHER_COPY, 3 * 32, 1)], (4.0, 5.0),
         "batch 1, workspace given: 32 CTAs of 8,192 entries (a warp 256), each publishing ~700 "
         "candidates; the last CTA gathers the 32 segments (~22k keys, a warp a segment, 3 trips of 256)"),
-    "cuda dsv4_compress CompressEvents 4k C4": (
-        ("cuda", "dsv4_compress", {}, "CompressEvents"), roofline.compress(4096, 4),
-        [("window max", {"LDG"}, {"MUFU", "LDG.E.U16"}, 8 * 8, 2048),
-         ("window weighted sum", {"MUFU"}, {"LDG.E.U16"}, 8 * 8, 2048)], (0.0, 0.0),
-        "the compressor alone (no store), 4k C4 tokens from the fp32 input: one warp per (event, 32-channel "
-        "tile), 1,024 events x 16 tiles = 16k warps in 2,048 CTAs of 8, each warp 2 passes over its 8 window "
-        "slots (the max, then exp and the weighted sum; the fp32 ring's loops, not the bf16 ring's); no "
-        "allowance, as the fused compress-store's row"),
+    "cuda dsv4_compress CompressEvents 4k C128": (
+        ("cuda", "dsv4_compress", {}, "PoolEventsILl128ELb0ELb0E"), roofline.compress(4096, 128),
+        [("window max", {"LDG.E.64", "LDG.E"}, {"MUFU"}, 8 * 128, 64),
+         ("window weighted sum", {"LDG.E.64", "MUFU"}, set(), 8 * 128, 64)], (0.0, 0.0),
+        "the C128 compressor alone, 4k tokens from the fp32 input through a planned source table "
+        "(compress_extend): a warp per (event, 32-channel chunk), a channel a lane, 32 events x 16 chunks = "
+        "512 warps in 64 CTAs of 8, each warp 2 passes over its 128 window slots, a slot a trip (the max, "
+        "then exp and the weighted sum; the float32 ring's kernel; of the loops nvcc versions per step "
+        "kind, the longest); no allowance"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses": (
         _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33), _SWAP_IN_BLOCK + [_SWAP_IN_COPY], (4.0, 2.5),
         "plain entry, batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch "

@@ -57,16 +57,17 @@ SPARSEKV_HOST_DEVICE bool any_lane(bool flag, Lanes lanes) {
 #endif
 }
 
-#ifdef __CUDACC__
-// Keeps a loop rolled under nvcc (the host compiler of the sim build does not know the pragma).
-// SPARSEKV_UNROLLED unrolls one fully, so register arrays indexed by its counter stay in registers.
-#ifdef SPARSEKV_SIM
-#define SPARSEKV_ROLLED
-#define SPARSEKV_UNROLLED
-#else
+// Keeps a loop rolled under nvcc (the host compilers of the cpu and sim builds do not know the
+// pragma). SPARSEKV_UNROLLED unrolls one fully, so register arrays indexed by its counter stay in registers.
+#if defined(__CUDACC__) && !defined(SPARSEKV_SIM)
 #define SPARSEKV_ROLLED _Pragma("unroll 1")
 #define SPARSEKV_UNROLLED _Pragma("unroll")
+#else
+#define SPARSEKV_ROLLED
+#define SPARSEKV_UNROLLED
 #endif
+
+#ifdef __CUDACC__
 
 namespace copy_detail {
 

@@ -107,100 +107,215 @@ struct WindowPool {
     const float* ape;
   };
 
-  // Value (kv) and score of channel c of a slot; a bf16 ring (kBf16) rounds input rows alike.
-  template <bool kBf16>
-  SPARSEKV_HOST_DEVICE static float kv_at(const SlotRows& r, int64_t c) {
-    if constexpr (kBf16) return r.kv ? fp8::round_bf16(r.kv[c]) : fp8::bf16_to_float(r.kv16[c]);
-    return r.kv[c];
-  }
-  template <bool kBf16>
-  SPARSEKV_HOST_DEVICE static float score_at(const SlotRows& r, int64_t c) {
-    if constexpr (kBf16) return r.score ? fp8::round_bf16(r.score[c]) : fp8::bf16_to_float(r.score16[c]);
-    return r.score[c];
-  }
-  SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
-    const int64_t coff = p.ratio == 4 ? 2 : 1;
-    const int64_t half = (p.ratio == 4 && j >= 4) ? p.d : 0;
-    const int64_t ape_row = p.ratio == 4 ? (j & 3) : j;
+  // p.ratio, or kRatio where the caller knows it at compile time (its index arithmetic then folds).
+  template <int64_t kRatio>
+  SPARSEKV_HOST_DEVICE static int64_t ratio_of(const Params& p) { return kRatio != 0 ? kRatio : p.ratio; }
+
+  // The token row of slot j of event e: >= 0 an input row, <= -2 ring row -source - 2, -1 none (a
+  // masked slot, or a row outside its table).
+  template <int64_t kRatio = 0>
+  SPARSEKV_HOST_DEVICE static int64_t source(const Params& p, int64_t e, int64_t j) {
+    const int64_t ratio = ratio_of<kRatio>(p);
     int64_t src;
     if (p.decode.rows != nullptr) {
-      const int64_t last = window_of(p.ratio) - 1;
-      if (p.decode.positions[e] - last + j < 0) return false;  // before the sequence (C4's entry 0)
-      if (j == last) {
-        src = e;  // the new token: input row e
-      } else {
-        const int64_t r = p.decode.row(e, j);
-        if (r < 0) return false;
-        src = -2 - r;
-      }
+      const int64_t last = window_of(ratio) - 1;
+      if (p.decode.positions[e] - last + j < 0) return -1;  // before the sequence (C4's entry 0)
+      if (j == last) return e;  // the new token: input row e
+      const int64_t r = p.decode.row(e, j);
+      src = r < 0 ? -1 : -2 - r;
     } else if (p.sources != nullptr) {
-      src = p.sources[e * window_of(p.ratio) + j];
+      src = p.sources[e * window_of(ratio) + j];
     } else {
-      src = p.ratio == 4 ? 4 * e + j - 4 : p.ratio * e + j;  // negative: the masked A half of entry 0
+      src = ratio == 4 ? 4 * e + j - 4 : ratio * e + j;  // negative: the masked A half of entry 0
       if (src < 0) src = -1;
     }
-    rows = SlotRows{nullptr, nullptr, nullptr, nullptr, nullptr};
+    return src >= p.num_inputs || (src <= -2 && -src - 2 >= p.num_ring_rows) ? -1 : src;
+  }
+
+  // The rows of slot j whose token row is src (source()); false if it has none.
+  template <bool kBf16, int64_t kRatio = 0>
+  SPARSEKV_HOST_DEVICE static bool rows_of(const Params& p, int64_t src, int64_t j, SlotRows& rows) {
+    const int64_t ratio = ratio_of<kRatio>(p);
+    const int64_t coff = ratio == 4 ? 2 : 1;
+    const int64_t half = (ratio == 4 && j >= 4) ? p.d : 0;
+    const int64_t ape_row = ratio == 4 ? (j & 3) : j;
+    if (src == -1) return false;
+    rows = SlotRows{nullptr, nullptr, nullptr, nullptr, p.ape + ape_row * coff * p.d + half};
     if (src >= 0) {
-      if (src >= p.num_inputs) return false;
       rows.kv = p.kv + src * p.kv_stride + half;
       rows.score = p.score + src * p.score_stride + half;
     } else if (src <= -2) {
-      const int64_t r = -src - 2;
-      if (r >= p.num_ring_rows) return false;
-      const int64_t offset = r * 2 * coff * p.d + half;
-      if (p.ring_bf16) {
+      const int64_t offset = (-src - 2) * 2 * coff * p.d + half;
+      if constexpr (kBf16) {
         rows.kv16 = static_cast<const uint16_t*>(p.ring) + offset;
         rows.score16 = rows.kv16 + coff * p.d;
       } else {
         rows.kv = static_cast<const float*>(p.ring) + offset;
         rows.score = rows.kv + coff * p.d;
       }
-    } else {
-      return false;
     }
-    rows.ape = p.ape + ape_row * coff * p.d + half;
     return true;
   }
 
-  // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: two passes
-  // over the slots (the maximum, then the weights exp(logit - max)), every step rounded as written,
-  // so the compressor and the fused store produce the same floats. On the host one call covers a
-  // whole 32-channel tile with the channel loop innermost.
-  template <bool kBf16>
-  SPARSEKV_HOST_DEVICE static void pool_tile_as(const Params& p, int64_t e, int64_t first, Lanes lanes,
-                                                float (&out)[team::kVirtualPerThread]) {
-    constexpr int kV = team::kVirtualPerThread;
-    const int64_t window = window_of(p.ratio);
-    const int64_t c0 = first + lanes.lane;
-    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
-    float m[kV], sum[kV], acc[kV];
-    for (int v = 0; v < kV; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
+  template <bool kBf16, int64_t kRatio = 0>
+  SPARSEKV_HOST_DEVICE static bool slot_rows(const Params& p, int64_t e, int64_t j, SlotRows& rows) {
+    return rows_of<kBf16, kRatio>(p, source<kRatio>(p, e, j), j, rows);
+  }
+
+  // The C lanes' values of channels c0 .. c0 + count - 1 of a row (the rest 0). kWide: one 16-byte
+  // load per 4 channels (the caller checked that the row and c0 are 16-byte aligned and count = C).
+  template <bool kWide, int C>
+  SPARSEKV_HOST_DEVICE static void load(const float* row, int64_t c0, int count, float (&v)[C]) {
+#ifdef __CUDA_ARCH__
+    if constexpr (kWide) {
+      static_assert(C % 4 == 0, "window_pool: wide loads take 4 channels at a time");
+      for (int q = 0; q < C / 4; ++q) {
+        const float4 f = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
+        v[4 * q] = f.x, v[4 * q + 1] = f.y, v[4 * q + 2] = f.z, v[4 * q + 3] = f.w;
+      }
+      return;
+    }
+#endif
+    for (int i = 0; i < C; ++i) v[i] = i < count ? row[c0 + i] : 0.0f;
+  }
+  // The same of a bf16 row (kWide: one 8-byte load per 4 channels).
+  template <bool kWide, int C>
+  SPARSEKV_HOST_DEVICE static void load(const uint16_t* row, int64_t c0, int count, float (&v)[C]) {
+#ifdef __CUDA_ARCH__
+    if constexpr (kWide) {
+      static_assert(C % 4 == 0, "window_pool: wide loads take 4 channels at a time");
+      for (int q = 0; q < C / 4; ++q) {
+        const uint2 w = *reinterpret_cast<const uint2*>(row + c0 + 4 * q);
+        v[4 * q] = fp8::bf16_to_float(static_cast<uint16_t>(w.x)), v[4 * q + 1] = fp8::bf16_to_float(w.x >> 16);
+        v[4 * q + 2] = fp8::bf16_to_float(static_cast<uint16_t>(w.y)), v[4 * q + 3] = fp8::bf16_to_float(w.y >> 16);
+      }
+      return;
+    }
+#endif
+    for (int i = 0; i < C; ++i) v[i] = i < count ? fp8::bf16_to_float(row[c0 + i]) : 0.0f;
+  }
+  // Channels c0 .. c0 + count - 1 of a slot's kv or score row: the float32 row `row` (an input row,
+  // or a float32 ring's), else the bf16 ring row `row16`; a bf16 ring (kBf16) rounds input rows alike.
+  template <bool kBf16, bool kWide, int C>
+  SPARSEKV_HOST_DEVICE static void load_row(const float* row, const uint16_t* row16, int64_t c0, int count,
+                                            float (&v)[C]) {
+    if constexpr (kWide || !kBf16) {
+      if (!kBf16 || row != nullptr) {
+        load<kWide>(row, c0, count, v);
+        if constexpr (kBf16) {
+          for (int i = 0; i < C; ++i) v[i] = fp8::round_bf16(v[i]);
+        }
+      } else {
+        load<kWide>(row16, c0, count, v);
+      }
+    } else {  // a select a channel, not a branch a row: the one-channel-a-lane loops stay short
+      for (int i = 0; i < C; ++i) {
+        v[i] = i < count ? (row != nullptr ? fp8::round_bf16(row[c0 + i]) : fp8::bf16_to_float(row16[c0 + i])) : 0.0f;
+      }
+    }
+  }
+
+  // Channels c0 .. c0 + count - 1 (count <= C, the rest of out unspecified) of a C4 event whose slots'
+  // token rows are src (source()), every step rounded as written and in slot order per channel,
+  // so every lane layout (a channel a lane, 4 a lane, 128 or 32 a host call), pool_streamed and the
+  // fused store produce the same floats: the maximum of the logits, then sum and acc of the weights
+  // exp(logit - max). The 8 slots are unrolled and their logits held in registers, so each row is
+  // read once: score and ape for the max, kv for the weighted sum.
+  template <bool kBf16, bool kWide, int C>
+  SPARSEKV_HOST_DEVICE static void pool_slots(const Params& p, const int64_t (&src)[8], int64_t c0, int count,
+                                              float (&out)[C]) {
+    float m[C], sum[C], acc[C], ape[C], value[C];
+    float logit[8][C];
+    for (int v = 0; v < C; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
+    // An unused slot's logit is -inf and its value 0, which leaves m, sum and acc as skipping it
+    // would: with m finite its weight exp(-inf) is +0, and sum + 0, acc + 0 * 0 are sum and acc
+    // (neither is ever -0: each starts at +0); with m = -inf (every used logit -inf or none used)
+    // sum is NaN or 0 either way, and the entry 0.
     SlotRows rows;
+    SPARSEKV_UNROLLED  // the logits stay in registers; the values are read in the second pass
+    for (int j = 0; j < 8; ++j) {
+      // An unused slot reads its ape row as its score (read, and ignored).
+      const float* ape_row = p.ape + ((j & 3) * 2 + (j >> 2)) * p.d;  // rows.ape
+      if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{ape_row, ape_row, nullptr, nullptr, ape_row};
+      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, logit[j]);
+      load<kWide>(ape_row, c0, count, ape);
+      for (int v = 0; v < C; ++v) {
+        logit[j][v] = src[j] != -1 ? team::add_rn(logit[j][v], ape[v]) : -INFINITY;
+        m[v] = logit[j][v] > m[v] ? logit[j][v] : m[v];
+      }
+    }
+    SPARSEKV_UNROLLED
+    for (int j = 0; j < 8; ++j) {
+      if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{p.ape, p.ape, nullptr, nullptr, p.ape};
+      load_row<kBf16, kWide>(rows.kv, rows.kv16, c0, count, value);
+      for (int v = 0; v < C; ++v) {
+        const float w = expf(team::sub_rn(logit[j][v], m[v]));
+        sum[v] = team::add_rn(sum[v], w);
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, src[j] != -1 ? value[v] : 0.0f));
+      }
+    }
+    for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+  }
+
+  // The same, the window's slots read twice (the max, then the weights), at any window (kRatio: as
+  // ratio_of).
+  template <bool kBf16, bool kWide, int C, int64_t kRatio = 0>
+  SPARSEKV_HOST_DEVICE static void pool_streamed(const Params& p, int64_t e, int64_t c0, int count,
+                                                 float (&out)[C]) {
+    const int64_t window = window_of(ratio_of<kRatio>(p));
+    float m[C], sum[C], acc[C], ape[C], value[C], score[C];
+    for (int v = 0; v < C; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f, out[v] = 0.0f;
+    if (count <= 0) return;  // a lane past d (with a channel a lane, the loops then read unconditionally)
+    SlotRows rows;
+    SPARSEKV_ROLLED  // a slot a trip, as the instruction budget counts it (unrolled copies only add code)
     for (int64_t j = 0; j < window; ++j) {
-      if (!slot_rows(p, e, j, rows)) continue;
-      for (int v = 0; v < count; ++v) {
-        const float logit = team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]);
+      if (!slot_rows<kBf16, kRatio>(p, e, j, rows)) continue;
+      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, score);
+      load<kWide>(rows.ape, c0, count, ape);
+      for (int v = 0; v < C; ++v) {
+        const float logit = team::add_rn(score[v], ape[v]);
         m[v] = logit > m[v] ? logit : m[v];
       }
     }
+    SPARSEKV_ROLLED
     for (int64_t j = 0; j < window; ++j) {
-      if (!slot_rows(p, e, j, rows)) continue;
-      for (int v = 0; v < count; ++v) {
-        const float w = expf(team::sub_rn(team::add_rn(score_at<kBf16>(rows, c0 + v), rows.ape[c0 + v]), m[v]));
+      if (!slot_rows<kBf16, kRatio>(p, e, j, rows)) continue;
+      load_row<kBf16, kWide>(rows.kv, rows.kv16, c0, count, value);
+      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, score);
+      load<kWide>(rows.ape, c0, count, ape);
+      for (int v = 0; v < C; ++v) {
+        const float w = expf(team::sub_rn(team::add_rn(score[v], ape[v]), m[v]));
         sum[v] = team::add_rn(sum[v], w);
-        acc[v] = team::add_rn(acc[v], team::mul_rn(w, kv_at<kBf16>(rows, c0 + v)));
+        acc[v] = team::add_rn(acc[v], team::mul_rn(w, value[v]));
       }
     }
-    for (int v = 0; v < kV; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+    for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
   }
 
+  // Channels c0 .. c0 + count - 1 of event e at ratio kRatio (= p.ratio): C4's window held in
+  // registers (pool_slots), C128's streamed.
+  template <int64_t kRatio, bool kBf16, bool kWide, int C>
+  SPARSEKV_HOST_DEVICE static void pool_channels(const Params& p, int64_t e, int64_t c0, int count,
+                                                 float (&out)[C]) {
+    if constexpr (kRatio == 4) {
+      int64_t src[8];
+      SPARSEKV_UNROLLED
+      for (int j = 0; j < 8; ++j) src[j] = source<4>(p, e, j);
+      pool_slots<kBf16, kWide>(p, src, c0, count, out);
+    } else {
+      pool_streamed<kBf16, kWide, C, kRatio>(p, e, c0, count, out);
+    }
+  }
+
+  // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: a channel a
+  // lane (the fused store's team row; on the host one call covers a whole 32-channel tile), streamed
+  // at both ratios: the fused store's 64 registers (four CTAs an SM) hold its row, not C4's logits.
   SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
                                              float (&out)[team::kVirtualPerThread]) {
-    if (p.ring_bf16) {
-      pool_tile_as<true>(p, e, first, lanes, out);
-    } else {
-      pool_tile_as<false>(p, e, first, lanes, out);
-    }
+    constexpr int kV = team::kVirtualPerThread;
+    const int64_t c0 = first + lanes.lane;
+    const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
+    p.ring_bf16 ? pool_streamed<true, false>(p, e, c0, count, out) : pool_streamed<false, false>(p, e, c0, count, out);
   }
 };
 
