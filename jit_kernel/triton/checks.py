@@ -71,6 +71,15 @@ class Arg:
             raise ValueError(f"sparsekv: argument `{self.name}` must have a unit stride in its last dim")
         return self
 
+    def word_aligned(self, nbytes: int) -> Arg:
+        """The tensor and each of its rows start on an ``nbytes`` boundary: a kernel that reads
+        ``nbytes``-byte words of a byte tensor would fault on a GPU otherwise."""
+        rows = self.t.stride(0) * self.t.element_size() if self.t.dim() > 1 and self.t.shape[0] > 1 else 0
+        if self.t.data_ptr() % nbytes or rows % nbytes:
+            raise ValueError(f"sparsekv: argument `{self.name}` and its rows must start on a {nbytes}-byte boundary "
+                             f"(the Triton kernel reads it in {nbytes}-byte words)")
+        return self
+
     def same_device(self, other: torch.Tensor, other_name: str) -> Arg:
         if self.t.device != other.device:
             raise ValueError(f"sparsekv: argument `{self.name}` and `{other_name}` must be on the same device")

@@ -9,7 +9,8 @@ weights once per chunk and sweeps the chunk in tiles of ``BLOCK_E`` keys. Each k
 contiguous 128-byte (FP8) or 64-byte (FP4) record, streamed into shared memory by ``cp.async``
 (FP8: 16-byte copies on sm_100a, 8-byte on sm_90a, where triton picks that width for the register
 operand; FP4: 16-byte on both), and its scale is one 4-byte word (FP8: the fp32 scale; FP4: the 4
-UE8M0 bytes, split by shifts), so ``k_cache`` must start 4-byte aligned, as torch's allocations do.
+UE8M0 bytes, split by shifts), so ``k_cache`` and its rows must start 4-byte aligned, as
+torch's allocations do (a view that does not is refused, naming it).
 A tile's logits are one ``tl.dot`` ``[BLOCK_E, 128] x [128, heads]`` with float32
 accumulation, keys on the M side, so ``relu * weight`` and the sum over heads, the epilogue, run
 along each thread's own accumulator columns (a few shuffles, not a reduction across warps).
@@ -421,7 +422,7 @@ def check_scores_arguments(q, weights, k_cache, page_table, positions, page_slot
     check(weights, "weights").dtype(torch.float32).ndim(2).rows_dense().same_device(scores, "scores")
     check(weights, "weights").size(0, batch, "batch").size(1, heads, "heads of q")
     shift = page_shift(page_slots, "page_slots")
-    check(k_cache, "k_cache").dtype(torch.uint8).ndim(2).rows_dense().same_device(scores, "scores")
+    check(k_cache, "k_cache").dtype(torch.uint8).ndim(2).rows_dense().same_device(scores, "scores").word_aligned(4)
     check(k_cache, "k_cache").size(1, _LAYOUTS[layout].page_bytes(page_slots),
                                    "page_bytes(page_slots) of the indexer layout")
     _check_page_table(page_table, batch, scores)

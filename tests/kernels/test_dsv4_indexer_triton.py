@@ -208,3 +208,32 @@ def test_triton_topk_keeps_its_scratch_in_the_given_workspace_and_allocates_noth
         indexer_topk(scores, positions, k, out=out, workspace=workspace[:need - 1], impl="triton")
     with pytest.raises(ValueError, match="`workspace`"):
         indexer_topk(scores, positions, k, out=out, workspace=out.view(-1), impl="header")
+
+
+@pytest.mark.parametrize("layout", ["fp8", "fp4"])
+def test_a_key_cache_off_a_word_boundary_is_refused_by_the_triton_scores_and_served_by_the_header(backend, layout):
+    # The twin reads each key's scale as one 4-byte word: a byte-offset view of the cache would be a
+    # misaligned load on a GPU, so it is refused, naming `k_cache`, before `out` is touched. The
+    # header reads bytes and serves the same view, equal to the aligned copy's scores.
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(11)
+    page_slots, pages = 4, 2
+    record = {"fp8": 132, "fp4": 68}[layout]
+    aligned = torch.zeros(pages, record * page_slots, dtype=torch.uint8)
+    write_indexer_keys(torch.randn(pages * page_slots, 128, generator=g), aligned, torch.arange(pages * page_slots),
+                       page_slots, layout)
+    shifted = torch.empty(aligned.numel() + 1, dtype=torch.uint8, device=device)[1:].view_as(aligned)
+    shifted.copy_(aligned.to(device))
+    q = torch.randn(1, 2, 128, generator=g).to(torch.bfloat16).to(device)
+    weights = torch.rand(1, 2, generator=g).to(device)
+    table = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+    positions = torch.tensor([4 * 8 - 1], device=device)
+    out = torch.full((1, 8), -3.0, device=device)
+    with pytest.raises(ValueError, match="`k_cache` and its rows must start on a 4-byte boundary"):
+        indexer_scores(q, weights, shifted, table, positions, page_slots=page_slots, layout=layout, out=out,
+                       impl="triton")
+    assert bool((out == -3.0).all())
+    header = indexer_scores(q, weights, shifted, table, positions, page_slots=page_slots, layout=layout,
+                            impl="header")
+    assert torch.equal(header.cpu(), indexer_scores(q, weights, aligned.to(device), table, positions,
+                                                    page_slots=page_slots, layout=layout, impl="header").cpu())
