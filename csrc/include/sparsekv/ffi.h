@@ -282,13 +282,16 @@ inline std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
 // For an output that a kernel writes while it still reads an input: the two must not share
 // memory, or the kernel reads its own writes. Spans are compared, so interleaved views of one
 // buffer (e.g. alternate columns) are refused too although no element is shared.
-inline void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
-  const auto [a_first, a_last] = byte_span(a);
-  const auto [b_first, b_last] = byte_span(b);
-  if (a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last) {
+inline void check_spans_apart(std::pair<uintptr_t, uintptr_t> a, const char* a_name, std::pair<uintptr_t, uintptr_t> b,
+                              const char* b_name) {
+  if (a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second) {
     TVM_FFI_THROW(ValueError) << "sparsekv: arguments `" << a_name << "` and `" << b_name
                               << "` must not share memory (the kernel writes one while reading the other)";
   }
+}
+
+inline void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  check_spans_apart(byte_span(a), a_name, byte_span(b), b_name);
 }
 
 // Full index validation for host-resident indices: every entry in [0, limit).
@@ -364,31 +367,52 @@ inline Operand read(const TensorView* t, const char* name) { return {t, name, fa
 // each stride must step past everything the smaller dims reach (true for every slice, transpose or
 // column view of a dense buffer; false for a stride-0 `expand`).
 inline bool may_self_overlap(const TensorView& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
-  for (int i = 0; i < t.ndim(); ++i) {
-    if (t.size(i) > 1) dims.emplace_back(t.stride(i) < 0 ? -t.stride(i) : t.stride(i), t.size(i));
+  // (stride, size) of each dim: on the stack up to 8 dims (every call's tensors), no allocation per
+  // checked argument (issue 36 item 2: the entries' checks run at every call).
+  std::pair<int64_t, int64_t> local[8];
+  std::vector<std::pair<int64_t, int64_t>> more;
+  std::pair<int64_t, int64_t>* dims = local;
+  if (t.ndim() > 8) {
+    more.resize(static_cast<size_t>(t.ndim()));
+    dims = more.data();
   }
-  std::sort(dims.begin(), dims.end());
+  int n = 0;
+  for (int i = 0; i < t.ndim(); ++i) {
+    if (t.size(i) > 1) dims[n++] = {t.stride(i) < 0 ? -t.stride(i) : t.stride(i), t.size(i)};
+  }
+  std::sort(dims, dims + n);
   int64_t reach = 0;  // the largest element offset reached by the dims so far
-  for (const auto& [stride, size] : dims) {
-    if (stride <= reach) return true;
-    reach += (size - 1) * stride;
+  for (int i = 0; i < n; ++i) {
+    if (dims[i].first <= reach) return true;
+    reach += (dims[i].second - 1) * dims[i].first;
   }
   return false;
 }
 
 // Rule 2: no written argument shares memory with any other argument, nor overlaps itself.
 inline void check_disjoint(std::initializer_list<Operand> args) {
+  // Each argument's span once (on the stack up to 16 arguments, every entry's count), then the pairs
+  // compare numbers: the pairs recomputed both spans before (issue 36 item 2: "cached spans").
+  std::pair<uintptr_t, uintptr_t> local[16];
+  std::vector<std::pair<uintptr_t, uintptr_t>> more;
+  std::pair<uintptr_t, uintptr_t>* spans = local;
+  if (args.size() > 16) {
+    more.resize(args.size());
+    spans = more.data();
+  }
+  size_t n = 0;
   for (const Operand& a : args) {
     if (a.written && a.tensor && may_self_overlap(*a.tensor)) {
       TVM_FFI_THROW(ValueError) << "sparsekv: argument `" << a.name << "` is written but its elements overlap each "
                                 << "other (e.g. an expand()ed view, stride 0); pass a tensor with distinct elements";
     }
+    spans[n++] = a.tensor ? byte_span(*a.tensor) : std::pair<uintptr_t, uintptr_t>{0, 0};
   }
-  for (auto a = args.begin(); a != args.end(); ++a) {
-    for (auto b = a + 1; b != args.end(); ++b) {
-      if ((a->written || b->written) && a->tensor && b->tensor) {
-        check_no_overlap(*a->tensor, a->name, *b->tensor, b->name);
+  const Operand* ops = args.begin();
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = a + 1; b < n; ++b) {
+      if ((ops[a].written || ops[b].written) && ops[a].tensor && ops[b].tensor) {
+        check_spans_apart(spans[a], ops[a].name, spans[b], ops[b].name);
       }
     }
   }
