@@ -44,9 +44,10 @@ namespace sparsekv::dsv4_compress {
 // warps each), the 128 slots read twice (max, then the weights; the logits do not fit in registers).
 // Per channel the float operations are those of every other path (WindowPool), so the entries are
 // bit for bit those of the fused store and of the cpu build's loop. The 16-byte loads need every row
-// 16-byte aligned (the base pointers, the row strides and d a multiple of 4 floats); other inputs
-// take a 4-byte load a channel, same floats. Each (ring dtype, load width) is a kernel of its own
-// (PoolEvents), chosen at launch from the pointers, so a kernel's one loop is the chunk it pools.
+// 16-byte aligned (the base pointers, the row strides and d a multiple of 4 floats); C4 rows off that
+// take C128's form (a channel a lane, the window streamed), same floats. Each (ring dtype, form) is a
+// kernel of its own (PoolEvents), chosen at launch from the pointers, so the held C4 kernel's one
+// loop is the chunk it pools.
 // Bound, at 4k C4 tokens and d = 512 (34 MB: 7.4 us on an H200): by memory; the static instruction
 // budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed it) puts the loop's issue
 // at 0.85x that on an H200 and 1.41x on a B200, the code of all three step kinds counted. C128 at
@@ -55,14 +56,16 @@ template <int64_t kRatio, bool kBf16, bool kWide>
 struct PoolEvents {
   static_assert(kRatio == 4 || kRatio == 128, "dsv4_compress: the ratio is 4 or 128");
   using Params = EventParams;
-  // Channels a lane owns: C4 4 (16-byte loads); C128 1, so that its few events (32 at 4k tokens)
-  // still spread over 16 warps each.
-  static constexpr int kPerLane = kRatio == 4 ? 4 : 1;
-  static_assert(kPerLane == 4 || !kWide, "dsv4_compress: 16-byte loads take 4 channels a lane");
+  static_assert(kRatio == 4 || !kWide, "dsv4_compress: C128 reads a channel a lane");
+  // C4 from 16-byte aligned rows: the window held in registers, 4 channels a lane. Otherwise (C128,
+  // whose few events, 32 at 4k tokens, then still spread over 16 warps each; C4 rows off a 16-byte
+  // boundary; the cpu build) a channel a lane, the window streamed.
+  static constexpr bool kHeld = kRatio == 4 && kWide;
+  static constexpr int kPerLane = kHeld ? 4 : 1;
   static constexpr int kLaneChannels = kPerLane * team::kVirtualPerThread;  // a host call takes the chunk
   static constexpr int64_t kChunk = kPerLane * int64_t{kTile};
-  // CTAs of 256 threads an SM: C4 2 (128 registers: the 8 slots' logits and loads in flight), C128 4.
-  static constexpr int kCtasPerSm = kRatio == 4 ? 2 : 4;
+  // CTAs of 256 threads an SM: 2 held (128 registers: the 8 slots' logits and loads in flight), else 4.
+  static constexpr int kCtasPerSm = kHeld ? 2 : 4;
 
   SPARSEKV_HOST_DEVICE static int64_t chunks(const Params& p) { return (p.d + kChunk - 1) / kChunk; }
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * chunks(p); }
@@ -77,13 +80,20 @@ struct PoolEvents {
     const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < C ? p.d - c0 : C));
     float out[C];
     if (emits) {
-      WindowPool::pool_channels<kRatio, kBf16, kWide>(p, e, c0, count, out);
+      if constexpr (kHeld) {
+        int64_t src[8];
+        SPARSEKV_UNROLLED
+        for (int j = 0; j < 8; ++j) src[j] = WindowPool::source<4>(p, e, j);
+        WindowPool::pool_slots<kBf16, kWide>(p, src, c0, count, out);
+      } else {
+        WindowPool::pool_streamed<kBf16, false, C, kRatio>(p, e, c0, count, out);
+      }
     } else {
       for (int v = 0; v < C; ++v) out[v] = 0.0f;  // a decode row without an entry
     }
     float* row = p.out + e * p.d;
 #ifdef __CUDA_ARCH__
-    if constexpr (kWide) {  // count is 0 or 4 (d is a multiple of 4)
+    if constexpr (kHeld) {  // count is 0 or 4 (d is a multiple of 4)
       if (count == C) *reinterpret_cast<float4*>(row + c0) = float4{out[0], out[1], out[2], out[3]};
       return;
     }
@@ -115,7 +125,7 @@ struct CompressEvents {
   }
 
   static int run_on_cuda(const Params& p, void* stream) {
-    if constexpr (Narrow::kPerLane == 4) {
+    if constexpr (kRatio == 4) {
       if (wide_rows(p)) {
         return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, true>>(p, stream)
                            : sparsekv::run_on_cuda<PoolEvents<kRatio, false, true>>(p, stream);

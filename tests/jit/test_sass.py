@@ -80,13 +80,13 @@ SASS_TABLE = {
     ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_finish", ""): dict(launch=Launch(512, 1), no_local=PASS, occupancy=PASS),
     # The compressor's kernels (PoolEvents<ratio, bf16 ring, 16-byte loads>): C4's 16-byte variants,
-    # then the 4-byte fallbacks (rows off a 16-byte boundary) and C128's (a channel a lane).
+    # then the channel-a-lane ones (C4 rows off a 16-byte boundary, and C128).
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb0ELb1E"): dict(
         launch=Launch(256, 2), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb1ELb1E"): dict(
         launch=Launch(256, 2), no_local=PASS, wide_gather=PASS, occupancy=PASS),
-    ("cuda", "dsv4_compress", "PoolEventsILl4ELb0ELb0E"): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
-    ("cuda", "dsv4_compress", "PoolEventsILl4ELb1ELb0E"): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress", "PoolEventsILl4ELb0ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress", "PoolEventsILl4ELb1ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl128ELb0ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl128ELb1ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "OnlineC128"): dict(

@@ -560,9 +560,10 @@ def test_prefill_results_do_not_depend_on_the_thread_count(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_rows_off_a_16_byte_boundary_pool_to_the_same_bits(backend, ratio):
-    # The GPU reads 16-byte aligned rows 4 channels a load and other rows a channel a load (here kv,
-    # a view one float into a wider buffer): the same floats either way. d = 40: the lanes past d
-    # store nothing. Planted bug this catches: the 4-byte path pooling its channels in another order.
+    # The GPU pools 16-byte aligned C4 rows 4 channels a lane, the window held in registers, and other
+    # rows (here kv, a view one float into a wider buffer) a channel a lane, the window streamed: the
+    # same floats either way. d = 40: the lanes past d store nothing. Planted bug this catches: one
+    # form pooling a channel's slots in another order.
     device, coff, d = device_of(backend), (2 if ratio == 4 else 1), 40
     gen = torch.Generator().manual_seed(ratio)
     buffer = torch.randn(3 * ratio, coff * d + 1, generator=gen).to(device)

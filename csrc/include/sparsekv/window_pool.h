@@ -292,21 +292,6 @@ struct WindowPool {
     for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
   }
 
-  // Channels c0 .. c0 + count - 1 of event e at ratio kRatio (= p.ratio): C4's window held in
-  // registers (pool_slots), C128's streamed.
-  template <int64_t kRatio, bool kBf16, bool kWide, int C>
-  SPARSEKV_HOST_DEVICE static void pool_channels(const Params& p, int64_t e, int64_t c0, int count,
-                                                 float (&out)[C]) {
-    if constexpr (kRatio == 4) {
-      int64_t src[8];
-      SPARSEKV_UNROLLED
-      for (int j = 0; j < 8; ++j) src[j] = source<4>(p, e, j);
-      pool_slots<kBf16, kWide>(p, src, c0, count, out);
-    } else {
-      pool_streamed<kBf16, kWide, C, kRatio>(p, e, c0, count, out);
-    }
-  }
-
   // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: a channel a
   // lane (the fused store's team row; on the host one call covers a whole 32-channel tile), streamed
   // at both ratios: the fused store's 64 registers (four CTAs an SM) hold its row, not C4's logits.
