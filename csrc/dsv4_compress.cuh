@@ -84,9 +84,9 @@ struct PoolEvents {
         int64_t src[8];
         SPARSEKV_UNROLLED
         for (int j = 0; j < 8; ++j) src[j] = WindowPool::source<4>(p, e, j);
-        WindowPool::pool_slots<kBf16, kWide>(p, src, c0, count, out);
+        WindowPool::pool_slots<kBf16>(p, src, c0, count, out);
       } else {
-        WindowPool::pool_streamed<kBf16, false, C, kRatio>(p, e, c0, count, out);
+        WindowPool::pool_streamed<kBf16, C, kRatio>(p, e, c0, count, out);
       }
     } else {
       for (int v = 0; v < C; ++v) out[v] = 0.0f;  // a decode row without an entry

@@ -215,13 +215,13 @@ struct WindowPool {
     }
   }
 
-  // Channels c0 .. c0 + count - 1 (count <= C, the rest of out unspecified) of a C4 event whose slots'
-  // token rows are src (source()), every step rounded as written and in slot order per channel,
-  // so every lane layout (a channel a lane, 4 a lane, 128 or 32 a host call), pool_streamed and the
+  // Channels c0 .. c0 + C - 1 of a C4 event whose slots' token rows are src (source()), from 16-byte
+  // aligned rows (the GPU's 16-byte loads; the caller checked), every step rounded as written and in
+  // slot order per channel, so this form, pool_streamed (a channel a lane, 32 a host call) and the
   // fused store produce the same floats: the maximum of the logits, then sum and acc of the weights
   // exp(logit - max). The 8 slots are unrolled and their logits held in registers, so each row is
   // read once: score and ape for the max, kv for the weighted sum.
-  template <bool kBf16, bool kWide, int C>
+  template <bool kBf16, int C>
   SPARSEKV_HOST_DEVICE static void pool_slots(const Params& p, const int64_t (&src)[8], int64_t c0, int count,
                                               float (&out)[C]) {
     float m[C], sum[C], acc[C], ape[C], value[C];
@@ -237,8 +237,8 @@ struct WindowPool {
       // An unused slot reads its ape row as its score (read, and ignored).
       const float* ape_row = p.ape + ((j & 3) * 2 + (j >> 2)) * p.d;  // rows.ape
       if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{ape_row, ape_row, nullptr, nullptr, ape_row};
-      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, logit[j]);
-      load<kWide>(ape_row, c0, count, ape);
+      load_row<kBf16, true>(rows.score, rows.score16, c0, count, logit[j]);
+      load<true>(ape_row, c0, count, ape);
       for (int v = 0; v < C; ++v) {
         logit[j][v] = src[j] != -1 ? team::add_rn(logit[j][v], ape[v]) : -INFINITY;
         m[v] = logit[j][v] > m[v] ? logit[j][v] : m[v];
@@ -247,7 +247,7 @@ struct WindowPool {
     SPARSEKV_UNROLLED
     for (int j = 0; j < 8; ++j) {
       if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{p.ape, p.ape, nullptr, nullptr, p.ape};
-      load_row<kBf16, kWide>(rows.kv, rows.kv16, c0, count, value);
+      load_row<kBf16, true>(rows.kv, rows.kv16, c0, count, value);
       for (int v = 0; v < C; ++v) {
         const float w = expf(team::sub_rn(logit[j][v], m[v]));
         sum[v] = team::add_rn(sum[v], w);
@@ -259,7 +259,7 @@ struct WindowPool {
 
   // The same, the window's slots read twice (the max, then the weights), at any window (kRatio: as
   // ratio_of).
-  template <bool kBf16, bool kWide, int C, int64_t kRatio = 0>
+  template <bool kBf16, int C, int64_t kRatio = 0>
   SPARSEKV_HOST_DEVICE static void pool_streamed(const Params& p, int64_t e, int64_t c0, int count,
                                                  float (&out)[C]) {
     const int64_t window = window_of(ratio_of<kRatio>(p));
@@ -270,8 +270,8 @@ struct WindowPool {
     SPARSEKV_ROLLED  // a slot a trip, as the instruction budget counts it (unrolled copies only add code)
     for (int64_t j = 0; j < window; ++j) {
       if (!slot_rows<kBf16, kRatio>(p, e, j, rows)) continue;
-      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, score);
-      load<kWide>(rows.ape, c0, count, ape);
+      load_row<kBf16, false>(rows.score, rows.score16, c0, count, score);
+      load<false>(rows.ape, c0, count, ape);
       for (int v = 0; v < C; ++v) {
         const float logit = team::add_rn(score[v], ape[v]);
         m[v] = logit > m[v] ? logit : m[v];
@@ -280,9 +280,9 @@ struct WindowPool {
     SPARSEKV_ROLLED
     for (int64_t j = 0; j < window; ++j) {
       if (!slot_rows<kBf16, kRatio>(p, e, j, rows)) continue;
-      load_row<kBf16, kWide>(rows.kv, rows.kv16, c0, count, value);
-      load_row<kBf16, kWide>(rows.score, rows.score16, c0, count, score);
-      load<kWide>(rows.ape, c0, count, ape);
+      load_row<kBf16, false>(rows.kv, rows.kv16, c0, count, value);
+      load_row<kBf16, false>(rows.score, rows.score16, c0, count, score);
+      load<false>(rows.ape, c0, count, ape);
       for (int v = 0; v < C; ++v) {
         const float w = expf(team::sub_rn(team::add_rn(score[v], ape[v]), m[v]));
         sum[v] = team::add_rn(sum[v], w);
@@ -300,7 +300,7 @@ struct WindowPool {
     constexpr int kV = team::kVirtualPerThread;
     const int64_t c0 = first + lanes.lane;
     const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < kV ? p.d - c0 : kV));
-    p.ring_bf16 ? pool_streamed<true, false>(p, e, c0, count, out) : pool_streamed<false, false>(p, e, c0, count, out);
+    p.ring_bf16 ? pool_streamed<true>(p, e, c0, count, out) : pool_streamed<false>(p, e, c0, count, out);
   }
 };
 
