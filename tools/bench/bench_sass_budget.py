@@ -75,12 +75,6 @@ TRIPS = {
                                              "scores_kernel"),
                                             roofline.indexer_scores(1, 65536, key_bytes=INDEXER_FP4.bytes_per_token),
                                             65536 // 16, 65536 // 256, "as the FP8 row, over 68 B FP4 records"),
-    "cuda dsv4_compress_store CompressStore": (("cuda", "dsv4_compress_store", {"cache_kind": "V4"},
-                                                "CompressStore"), roofline.compress_store(4096, 4), 1024 * 8, 1024 // 8,
-                                               "one warp per entry (1024), looping over its 8 window slots; "
-                                               "the 584 B record staged in shared memory and written as "
-                                               "36 16-byte words and one 8-byte word, e4m3 pairs from the "
-                                               "hardware convert"),
     "cuda dsv4_store NormRopeStore": (("cuda", "dsv4_store", {"cache_kind": "V4"}, "NormRopeStore"),
                                       roofline.store(4096), 4096, 4096 // 8,
                                       "one warp per entry, its 584 B record staged in shared memory and "
@@ -204,6 +198,16 @@ _SWAP_IN_BLOCK = [  # the per-request launch's block-wide passes at K 512, H 1,0
      {"outer": True})]
 _SWAP_IN_COPY = ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})
 PHASES = {
+    "cuda dsv4_compress_store CompressStore 4k C4": (
+        ("cuda", "dsv4_compress_store", {"cache_kind": "V4"}, "CompressStore"), roofline.compress_store(4096, 4),
+        [("window max", {"LDG.E.64", "LDG.E"}, {"MUFU", "LDG.E.U16", "STS"}, 8 * 16 * 8, 1024 // 8),
+         ("window weighted sum", {"LDG.E.64", "MUFU"}, {"LDG.E.U16", "STS"}, 8 * 16 * 8, 1024 // 8)], (0.0, 3.0),
+        "the C4 compressor fused with the store, 4k tokens from the fp32 input, a float32 ring: a warp per "
+        "entry (1,024 in 128 CTAs of 8, one an SM), a channel a lane: its 16 32-channel columns each walk "
+        "the 8 window slots twice (the max, then the weights), 16 x 8 trips of each pass a warp; the "
+        "allowance the code outside those loops, by hand from the sm_90a SASS, counted as all run: 16 x "
+        "about 130 instructions of the column loop's own and about 980 of the store a warp, 8 warps on "
+        "4 schedulers"),
     "cuda dsv4_indexer_topk topk_kernel one CTA 512 of 64k": (
         _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
         [("row: histogram", *_TALLY, 8 * 32, 1), ("row: count", *_COUNT, 16 * 32, 1),
