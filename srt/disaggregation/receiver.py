@@ -333,7 +333,19 @@ class KVReceiver:
             stages = list(self._stages)
         message = transfer.encode()
         for stage in stages:
-            stage.channel.send(message)
+            try:
+                stage.channel.send(message)
+            except PeerClosedError:
+                if not self._asked_again_after_bye(stage):
+                    raise
+
+    def _asked_again_after_bye(self, stage: _Stage) -> bool:
+        """A send that failed because the stage's reader closed the channel on the stage's bye
+        (after this room was added, before it was sent): the reader then asks every live room
+        again on a fresh connection, this one included. False when the stage is gone instead."""
+        with self._cond:
+            self._cond.wait_for(lambda: stage.closed, self.deadlines.message_s)
+            return stage.closed and stage.idle
 
     def cancel(self, room: int, reason: str = "cancelled by the decode") -> None:
         """Give up on a requested room: it fails with ``reason`` (unless it already finished) and

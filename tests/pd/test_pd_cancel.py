@@ -24,6 +24,7 @@ import contextlib
 import os
 import stat
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,13 +102,14 @@ def _unchanged(decode, snapshot: dict[str, np.ndarray], but_room: int | None = N
     return changed
 
 
-def _another_room_arrives(sender, receiver, room: int, like: int | None = None) -> None:
+def _another_room_arrives(sender, receiver, room: int, like: int | None = None, wait: bool = True) -> None:
     """A room requested after the given-up one arrives: every message before it was handled (its
-    pages those of :func:`room_indices` of ``like``, default ``room``)."""
+    pages those of :func:`room_indices` of ``like``, default ``room``; ``wait=False``: only asked for)."""
     src_kv, src_states, dst_kv, dst_states = room_indices(room if like is None else like)
     sender.add_request(room, src_kv, src_states)
     receiver.request(room, dst_kv, dst_states)
-    receiver.wait(room)
+    if wait:
+        receiver.wait(room)
 
 
 def test_a_room_given_up_before_it_is_declared_is_never_written():
@@ -233,9 +235,22 @@ def test_idle_connections_are_closed_and_a_decode_connects_again():
         receiver = _receiver(sender, decode)  # a slot is free again
         try:
             _another_room_arrives(sender, receiver, 1)
-            with sender._cond:  # its connection idles out too
-                assert sender._cond.wait_for(lambda: not sender._connections, 20)
-            _another_room_arrives(sender, receiver, 2)  # connected again for the next room
+            # Its connection idles out too. Room 2 is asked for between the decode's reader closing
+            # the channel on the bye and marking the stage closed (the reader waits for the lock
+            # this test holds): the send finds the channel closed, and the reader, once it has the
+            # lock, connects again and asks for room 2 itself.
+            with receiver._cond:
+                stage = receiver._stages[0]
+                deadline = time.monotonic() + 20
+                while stage.channel.sock.fileno() != -1 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert not stage.closed
+                _another_room_arrives(sender, receiver, 2, wait=False)
+            receiver.wait(2)
+            # Room 3 once the decode knows the stage closed it: the request connects again first.
+            with receiver._cond:
+                assert receiver._cond.wait_for(lambda: receiver._stages[0].closed, 20)
+            _another_room_arrives(sender, receiver, 3)
         finally:
             receiver.close()
     finally:
