@@ -117,16 +117,9 @@ struct CompressEvents {
   }
 
 #ifdef __CUDACC__
-  // Whether every row the events read and the output rows are 16-byte aligned, 4 channels at a time.
-  static bool wide_rows(const Params& p) {
-    const auto address = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
-    return ((address(p.kv) | address(p.score) | address(p.ape) | address(p.ring) | address(p.out)) & 15) == 0 &&
-           ((p.kv_stride | p.score_stride | p.d) & 3) == 0;
-  }
-
   static int run_on_cuda(const Params& p, void* stream) {
     if constexpr (kRatio == 4) {
-      if (wide_rows(p)) {
+      if (WindowPool::wide_rows(p)) {
         return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, true>>(p, stream)
                            : sparsekv::run_on_cuda<PoolEvents<kRatio, false, true>>(p, stream);
       }

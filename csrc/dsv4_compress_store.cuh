@@ -1,6 +1,6 @@
 // dsv4_compress_store: the DSV4 compressor fused with the store. Each event pools its window
-// (csrc/include/sparsekv/window_pool.h, WindowPool::pool_tile, as dsv4_compress does) straight into
-// a team row, then the row goes through the store's RMSNorm + RoPE (+ Walsh-Hadamard) + quantize
+// (csrc/include/sparsekv/window_pool.h, WindowPool::pool_slots or pool_tile, as dsv4_compress does)
+// into a team row, then the row goes through the store's RMSNorm + RoPE (+ Walsh-Hadamard) + quantize
 // into its paged cache slot (csrc/include/sparsekv/entry_store.h, EntryStore::finish, as dsv4_store
 // does); no float entry is written to memory. The bytes are those of compress then norm_rope_store:
 // both steps are the same per-item functions.
@@ -15,10 +15,16 @@
 //
 // Design: the record goes out as dsv4_store's does (row_store.h store_v4: staged in the warp's
 // shared memory, written as 16-byte words, e4m3 codes from the hardware convert on sm_89+; the only
-// byte store is the decode step's `emitted`). It pools a channel a lane (WindowPool::pool_tile, the
-// streamed window): an entry's 16 32-channel columns each walk the 8 window slots twice. Static issue
-// estimate (tools/bench/bench_sass_budget.py, 4k C4 tokens, the float32 ring): 5.6x the roofline on an
-// H200 from the two pooling loops alone (6.0x with the store's code), 10.4x on a B200 (11.1x).
+// byte store is the decode step's `emitted`). A warp per entry. C4 from 16-byte aligned rows
+// (HeldStore, the GPU's serving case) pools as the compressor's held form: per 128-channel chunk
+// 4 channels a lane, the 8 window slots unrolled, each row read once with 16-byte loads
+// (WindowPool::pool_slots), into a float stage in the warp's shared memory whose columns then make
+// the team row (a lane's 4 consecutive channels are 4 virtual lanes of one column); two CTAs an SM
+// (128 registers), as the compressor's. Static issue estimate (tools/bench/bench_sass_budget.py, 4k
+// C4 tokens, the float32 ring; no GPU has timed it): the chunk loop 0.69x the roofline on an H200,
+// 0.84x with the store's code; 1.12x and 1.38x on a B200. C128 and C4 rows off a 16-byte boundary
+// (StreamedStore, and the cpu backend) pool a channel a lane (WindowPool::pool_tile): an entry's 16
+// 32-channel columns each walk the window twice, 5.6x (6.0x) at 4k C4 tokens on an H200.
 //
 // Its own stem because it fuses two families (the compressor's pooling and the store's per-layout
 // finish) that do not depend on each other; its instances are per cache layout, like the store's.
@@ -39,11 +45,42 @@ struct CompressStoreParams {
   float* entries = nullptr;  // decode step: [batch, D], the pooled entries (zeros for rows without one)
 };
 
+// What every form of an entry shares: the decode step's `emitted` flag, whether the entry stores.
 template <class Kind>
-struct CompressStore {
+struct EntryPlan {
+  bool emits;   // a decode row only when its token completes an entry
+  bool pooled;  // stores, or writes its floats to `entries`: else nothing to do
+
+  SPARSEKV_HOST_DEVICE static bool stores_at(const CompressStoreParams& p, bool emits, int64_t slot) {
+    return emits && slot >= 0 && slot < p.store.num_slots;
+  }
+
+  SPARSEKV_HOST_DEVICE static EntryPlan of(const CompressStoreParams& p, int64_t n, Lanes lanes) {
+    const dsv4_compress::DecodeRows& decode = p.events.decode;
+    const bool emits = decode.rows == nullptr || decode.emits(n);
+    if (p.events.emitted != nullptr && lanes.lane == 0) p.events.emitted[n] = emits;
+    return {emits, stores_at(p, emits, p.store.slots[n]) || p.entries != nullptr};
+  }
+
+  // Norm + RoPE + quantize + store of the pooled row x at slots[n]. The slot is read again, not
+  // kept: live across the pooling, it and its flag took registers that the 64 of four CTAs per SM
+  // lack on sm_100a (a 16 B stack).
+  SPARSEKV_HOST_DEVICE void finish(typename dsv4_store::EntryStore<Kind>::Row& x, const CompressStoreParams& p,
+                                   int64_t n, Lanes lanes) const {
+    const int64_t slot = p.store.slots[n];
+    if (!stores_at(p, emits, slot)) return;
+    const dsv4_compress::DecodeRows& decode = p.events.decode;
+    const int64_t anchor = decode.rows != nullptr ? decode.positions[n] - (p.events.ratio - 1) : p.store.positions[n];
+    dsv4_store::EntryStore<Kind>::finish(x, p.store, anchor, slot, lanes);
+  }
+};
+
+// A channel a lane, the window streamed (WindowPool::pool_tile): C128, C4 rows off a 16-byte
+// boundary, and the cpu backend.
+template <class Kind>
+struct StreamedStore {
   using Params = CompressStoreParams;
-  using Store = dsv4_store::EntryStore<Kind>;
-  using Row = typename Store::Row;
+  using Row = typename dsv4_store::EntryStore<Kind>::Row;
   // Four CTAs of 256 threads per SM (64 registers): the row held in registers (16 of them) would
   // otherwise take sm_100a to 79.
   static constexpr int kCtasPerSm = 4;
@@ -51,17 +88,13 @@ struct CompressStore {
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
-    // A decode step: row n stores only when its token completes an entry, at anchor position - ratio + 1.
-    const dsv4_compress::DecodeRows& decode = p.events.decode;
-    const bool emits = decode.rows == nullptr || decode.emits(n);
-    if (p.events.emitted != nullptr && lanes.lane == 0) p.events.emitted[n] = emits;
-    const auto stores_at = [&p, emits](int64_t slot) { return emits && slot >= 0 && slot < p.store.num_slots; };
-    if (!stores_at(p.store.slots[n]) && p.entries == nullptr) return;
+    const EntryPlan<Kind> plan = EntryPlan<Kind>::of(p, n, lanes);
+    if (!plan.pooled) return;
     // Column k of the team row is the 32-channel tile 32 k .. 32 k + 31 (virtual lane = channel - 32 k).
     Row x{};
     for (int k = 0; k < Row::kPerLane; ++k) {
       float tile[team::kVirtualPerThread];
-      if (emits) {
+      if (plan.emits) {
         dsv4_compress::WindowPool::pool_tile(p.events, n, int64_t{team::kTeamLanes} * k, lanes, tile);
       } else {
         for (int j = 0; j < team::kVirtualPerThread; ++j) tile[j] = 0.0f;
@@ -78,13 +111,104 @@ struct CompressStore {
         if (p.entries != nullptr) p.entries[n * Kind::kDim + team::kTeamLanes * k + lanes.lane + j] = tile[j];
       }
     }
-    // The slot is read again, not kept: live across the pooling, it and its flag took registers that
-    // the 64 of four CTAs per SM lack on sm_100a (a 16 B stack).
-    const int64_t slot = p.store.slots[n];
-    if (!stores_at(slot)) return;
-    const int64_t anchor = decode.rows != nullptr ? decode.positions[n] - (p.events.ratio - 1) : p.store.positions[n];
-    Store::finish(x, p.store, anchor, slot, lanes);
+    plan.finish(x, p, n, lanes);
   }
+};
+
+// C4 from 16-byte aligned rows (WindowPool::wide_rows): the compressor's held form. The warp pools
+// its entry in 128-channel chunks, 4 consecutive channels a lane (WindowPool::pool_slots: the 8
+// slots unrolled, each row read once with 16-byte loads), into a float stage in the warp's shared
+// memory, and reads the team row back from it (column k, virtual lane l: channel 32 k + l).
+template <class Kind, bool kBf16>
+struct HeldStore {
+  using Params = CompressStoreParams;
+  using Row = typename dsv4_store::EntryStore<Kind>::Row;
+  static constexpr int64_t kChunk = 4 * int64_t{team::kTeamLanes};
+  static_assert(Kind::kDim % kChunk == 0, "dsv4_compress_store: an entry is whole 128-channel chunks");
+  // Two CTAs of 256 threads per SM (128 registers), as the compressor's: the 8 slots' logits and
+  // the loads in flight.
+  static constexpr int kCtasPerSm = 2;
+  // The warp's pooled channels, and its entry's 8 slot sources (found once, by 8 lanes; kept here,
+  // not in registers, where live across the chunk loop they spilled).
+  struct alignas(16) Stage {
+    float v[Kind::kDim];
+    int64_t src[8];
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
+    constexpr int C = 4 * team::kVirtualPerThread;  // a lane's channels of a chunk (a host call: the chunk)
+    const EntryPlan<Kind> plan = EntryPlan<Kind>::of(p, n, lanes);
+    if (!plan.pooled) return;
+#ifdef __CUDA_ARCH__
+    Stage& stage = row_store::warp_stage<Stage>();
+#else
+    Stage stage;
+#endif
+    for (int j = lanes.lane; j < 8; j += lanes.count) {
+      stage.src[j] = dsv4_compress::WindowPool::source<4>(p.events, n, j);
+    }
+#ifdef __CUDA_ARCH__
+    __syncwarp();  // the sources are in the stage
+#endif
+    SPARSEKV_ROLLED  // a chunk a trip: unrolled, the chunks' held windows would only add registers
+    for (int64_t first = 0; first < Kind::kDim; first += kChunk) {
+      const int64_t c0 = first + 4 * lanes.lane;
+      float out[C];
+      if (plan.emits) {
+        dsv4_compress::WindowPool::pool_slots<kBf16>(p.events, stage.src, c0, C, out);
+      } else {
+        for (int v = 0; v < C; ++v) out[v] = 0.0f;
+      }
+#ifdef __CUDA_ARCH__
+      const float4 word{out[0], out[1], out[2], out[3]};
+      *reinterpret_cast<float4*>(stage.v + c0) = word;
+      if (p.entries != nullptr) *reinterpret_cast<float4*>(p.entries + n * Kind::kDim + c0) = word;
+#else
+      for (int v = 0; v < C; ++v) {
+        stage.v[c0 + v] = out[v];
+        if (p.entries != nullptr) p.entries[n * Kind::kDim + c0 + v] = out[v];
+      }
+#endif
+    }
+#ifdef __CUDA_ARCH__
+    __syncwarp();  // every lane's chunks are in the stage
+#endif
+    Row x;
+    for (int j = 0; j < team::kVirtualPerThread; ++j) {
+      for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = stage.v[Row::channel(lanes, j, k)];
+    }
+#ifdef __CUDA_ARCH__
+    __syncwarp();  // the stage is read before the warp's next entry overwrites it
+#endif
+    plan.finish(x, p, n, lanes);
+  }
+};
+
+// The fused step's launch: on the cpu backend the streamed form; on the GPU C4 from 16-byte
+// aligned rows (and `entries`) takes the held form, per ring dtype a kernel of its own, as the
+// compressor's PoolEvents.
+template <class Kind>
+struct CompressStore {
+  using Params = CompressStoreParams;
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
+
+  SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t n, Lanes lanes) {
+    StreamedStore<Kind>::item(p, n, lanes);
+  }
+
+#ifdef __CUDACC__
+  static int run_on_cuda(const Params& p, void* stream) {
+    const bool wide_entries = (reinterpret_cast<uintptr_t>(p.entries) & 15) == 0;
+    if (p.events.ratio == 4 && wide_entries && dsv4_compress::WindowPool::wide_rows(p.events)) {
+      return p.events.ring_bf16 ? sparsekv::run_on_cuda<HeldStore<Kind, true>>(p, stream)
+                                : sparsekv::run_on_cuda<HeldStore<Kind, false>>(p, stream);
+    }
+    return sparsekv::run_on_cuda<StreamedStore<Kind>>(p, stream);
+  }
+#endif
 };
 
 // The ring writes of a fused step, instantiated per Kind like the other kernels of the family.

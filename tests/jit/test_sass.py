@@ -96,16 +96,36 @@ SASS_TABLE = {
     ("cuda", "dsv4_compress", "PlanRawStep"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_compress.pool[C4,d512]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
-    ("cuda", "dsv4_compress_store:cache_kind=V4", "CompressStore"): dict(
+    # The fused compress-store's kernels: HeldStore<kind, bf16 ring> (C4 from 16-byte aligned rows,
+    # the compressor's held form), StreamedStore<kind> (a channel a lane: C128, C4 rows off 16 bytes).
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "HeldStoreINS_10dsv4_store2V4ELb0E"): dict(
+        launch=Launch(256, 2, flag_stores=1),
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "HeldStoreINS_10dsv4_store2V4ELb1E"): dict(
+        launch=Launch(256, 2, flag_stores=1),
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1),
         no_local=PASS,
         wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "StoreRingWrite"): dict(
         launch=Launch(256, 4), no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
-    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "CompressStore"): dict(
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "HeldStoreINS_10dsv4_store10IndexerFp8ELb0E"): dict(
+        launch=Launch(256, 2, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "HeldStoreINS_10dsv4_store10IndexerFp8ELb1E"): dict(
+        launch=Launch(256, 2, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
-    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "CompressStore"): dict(
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "HeldStoreINS_10dsv4_store10IndexerFp4ELb0E"): dict(
+        launch=Launch(256, 2, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "HeldStoreINS_10dsv4_store10IndexerFp4ELb1E"): dict(
+        launch=Launch(256, 2, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("triton", "dsv4_compress_store.prefill[V4,C4,fp32 ring]", ""): dict(

@@ -158,6 +158,33 @@ def test_decode_step_equals_extend_over_the_same_tokens(backend, ratio, with_sto
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_rows_off_a_16_byte_boundary_store_the_same_bytes(backend):
+    # The GPU pools 16-byte aligned C4 rows 4 channels a lane, the window held (HeldStore), and other
+    # rows (here kv, a view one float into a wider buffer) a channel a lane, the window streamed
+    # (StreamedStore): the same bytes either way. Planted bug this catches: one form placing a
+    # pooled channel in another column of the team row, or pooling its slots in another order.
+    t, d, ratio, page = 14, 512, 4, 4
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(11)
+    buffer = torch.randn(t, 2 * d + 1, generator=gen).to(device)
+    score = (torch.randn(t, 2 * d, generator=gen) * 4).to(device)
+    ape = torch.randn(ratio, 2 * d, generator=gen).to(device)
+    weight = (torch.rand(d, generator=gen) + 0.5).to(device)
+    rope = RopeParams(*DSV4_C4_ROPE).table(t, device)
+
+    def run(kv):
+        cache = torch.zeros(2, V4.page_bytes(page), dtype=torch.uint8, device=device)
+        comp = CompressorState(torch.zeros(32, 4 * d, device=device), ape, ratio, ring_size=16)
+        comp.extend([0], [[1]], [0], kv, score, store=StoreTarget(cache, weight, 1e-6, page, rope),
+                    entry_slots=lambda _b, anchor: anchor // ratio)
+        return cache.cpu()
+
+    shifted = run(buffer[:, 1:])
+    assert torch.equal(shifted, run(buffer[:, 1:].contiguous()))
+    assert shifted.count_nonzero() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_prefill_does_not_depend_on_the_thread_count(backend):
     # 1024 tokens of C4 at d = 512 read 16 MiB: enough for the cpu backend to split the events over
     # two threads (one chunk per 4 MiB). Planted bug this catches: a chunk bound that skips or

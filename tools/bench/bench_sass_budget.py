@@ -199,15 +199,22 @@ _SWAP_IN_BLOCK = [  # the per-request launch's block-wide passes at K 512, H 1,0
 _SWAP_IN_COPY = ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})
 PHASES = {
     "cuda dsv4_compress_store CompressStore 4k C4": (
-        ("cuda", "dsv4_compress_store", {"cache_kind": "V4"}, "CompressStore"), roofline.compress_store(4096, 4),
+        ("cuda", "dsv4_compress_store", {"cache_kind": "V4"}, "HeldStoreINS_10dsv4_store2V4ELb0E"),
+        roofline.compress_store(4096, 4),
+        [("a 128-channel chunk, the 8 slots held", {"LDG.E.128", "MUFU"}, set(), 8 * 4, 1024 // 8)], (0.0, 1.1),
+        "the C4 compressor fused with the store, 4k tokens from the fp32 input, 16-byte aligned rows, a "
+        "float32 ring (HeldStore): a warp per entry (1,024 in 128 CTAs of 8, one an SM), its 4 128-channel "
+        "chunks a trip each of the chunk loop (4 channels a lane, the 8 window slots unrolled, each row read "
+        "once with 16-byte loads), 8 x 4 trips an SM; the allowance the rest of the item loop (its store), by "
+        "hand from the SASS, counted as all run: about 1,080 instructions a warp, 8 warps on 4 schedulers"),
+    "cuda dsv4_compress_store StreamedStore 4k C4": (
+        ("cuda", "dsv4_compress_store", {"cache_kind": "V4"}, "StreamedStore"), roofline.compress_store(4096, 4),
         [("window max", {"LDG.E.64", "LDG.E"}, {"MUFU", "LDG.E.U16", "STS"}, 8 * 16 * 8, 1024 // 8),
          ("window weighted sum", {"LDG.E.64", "MUFU"}, {"LDG.E.U16", "STS"}, 8 * 16 * 8, 1024 // 8)], (0.0, 3.0),
-        "the C4 compressor fused with the store, 4k tokens from the fp32 input, a float32 ring: a warp per "
-        "entry (1,024 in 128 CTAs of 8, one an SM), a channel a lane: its 16 32-channel columns each walk "
-        "the 8 window slots twice (the max, then the weights), 16 x 8 trips of each pass a warp; the "
-        "allowance the code outside those loops, by hand from the sm_90a SASS, counted as all run: 16 x "
-        "about 130 instructions of the column loop's own and about 980 of the store a warp, 8 warps on "
-        "4 schedulers"),
+        "the same with rows off a 16-byte boundary (StreamedStore, a channel a lane, as C128): its 16 "
+        "32-channel columns each walk the 8 window slots twice (the max, then the weights), 16 x 8 trips of "
+        "each pass a warp; the allowance the code outside those loops, by hand from the sm_90a SASS, counted "
+        "as all run: 16 x about 130 instructions of the column loop's own and about 980 of the store a warp"),
     "cuda dsv4_indexer_topk topk_kernel one CTA 512 of 64k": (
         _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
         [("row: histogram", *_TALLY, 8 * 32, 1), ("row: count", *_COUNT, 16 * 32, 1),

@@ -292,9 +292,20 @@ struct WindowPool {
     for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
   }
 
+#ifdef __CUDACC__
+  // Whether every row the events read and the output rows are 16-byte aligned, 4 channels at a time
+  // (pool_slots' loads; checked at launch, on the host).
+  static bool wide_rows(const Params& p) {
+    const auto address = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+    return ((address(p.kv) | address(p.score) | address(p.ape) | address(p.ring) | address(p.out)) & 15) == 0 &&
+           ((p.kv_stride | p.score_stride | p.d) & 3) == 0;
+  }
+#endif
+
   // Channels first + lanes.lane + v (v < kVirtualPerThread, those below d) of event e: a channel a
-  // lane (the fused store's team row; on the host one call covers a whole 32-channel tile), streamed
-  // at both ratios: the fused store's 64 registers (four CTAs an SM) hold its row, not C4's logits.
+  // lane (a column of the fused store's team row; on the host one call covers a whole 32-channel
+  // tile), streamed at both ratios: the fused store's form for C128 and C4 rows off 16 bytes, whose
+  // 64 registers (four CTAs an SM) hold its row, not C4's logits.
   SPARSEKV_HOST_DEVICE static void pool_tile(const Params& p, int64_t e, int64_t first, Lanes lanes,
                                              float (&out)[team::kVirtualPerThread]) {
     constexpr int kV = team::kVirtualPerThread;
