@@ -50,7 +50,7 @@ namespace sparsekv::dsv4_compress {
 // loop is the chunk it pools.
 // Bound, at 4k C4 tokens and d = 512 (34 MB: 7.4 us on an H200): by memory; the static instruction
 // budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed it) puts the loop's issue
-// at 0.85x that on an H200 and 1.41x on a B200, the code of all three step kinds counted. C128 at
+// at 0.85x that on an H200 and 1.40x on a B200, the code of all three step kinds counted. C128 at
 // 4k tokens is bound by its 128 serial slots on 64 SMs: 8x its roofline, as the design before.
 template <int64_t kRatio, bool kBf16, bool kWide>
 struct PoolEvents {
@@ -79,7 +79,9 @@ struct PoolEvents {
     const int64_t c0 = first + kPerLane * lanes.lane;
     const int count = static_cast<int>(c0 >= p.d ? 0 : (p.d - c0 < C ? p.d - c0 : C));
     float out[C];
-    if (emits) {
+    // A lane past d pools nothing: the held form's 16-byte loads take no count, and would read past
+    // the rows (past the kv and ape tables where d is not a multiple of the chunk).
+    if (emits && count > 0) {
       if constexpr (kHeld) {
         int64_t src[8];
         SPARSEKV_UNROLLED
@@ -89,7 +91,7 @@ struct PoolEvents {
         WindowPool::pool_streamed<kBf16, C, kRatio>(p, e, c0, count, out);
       }
     } else {
-      for (int v = 0; v < C; ++v) out[v] = 0.0f;  // a decode row without an entry
+      for (int v = 0; v < C; ++v) out[v] = 0.0f;  // a decode row without an entry, or a lane past d
     }
     float* row = p.out + e * p.d;
 #ifdef __CUDA_ARCH__
