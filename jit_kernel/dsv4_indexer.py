@@ -36,6 +36,8 @@ Example
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sparsekv.checks import as_int, named_as, one_of, rename_arguments
@@ -47,7 +49,6 @@ from sparsekv.jit_kernel.torch_op import (
     first_true,
     index_checks_on_device,
     kernel_op,
-    metadata_key,
     rows_of,
     runs_bodies,
 )
@@ -249,9 +250,7 @@ def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     if on_device:
         check_pages_in_use(page_table, positions, page_slots, k_cache.shape[0])
     if impl == "triton":
-        from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
-
-        triton_indexer.indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out)
+        _twin().indexer_scores(q, weights, k_cache, page_table, positions, page_slots, layout, out)
         return
     INDEXER.module_for(out, layout, q_dtype).indexer_scores(q, weights, k_cache, page_table, positions, page_slots, out)
 
@@ -383,12 +382,10 @@ def topk_workspace_ints(batch: int, width: int, num_top_k: int, impl: str = "any
     default): enough for both, so one workspace serves every ``impl``. Neither reads what it holds
     before writing it: any contents will do.
     """
-    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
-
     header = _header_workspace_ints(batch, width)
     if impl == "header":
         return header
-    triton = triton_indexer.topk_workspace_ints(batch, width, num_top_k)
+    triton = _twin().topk_workspace_ints(batch, width, num_top_k)
     return triton if impl == "triton" else max(header, triton)
 
 
@@ -435,9 +432,7 @@ def _topk(scores: torch.Tensor, positions: torch.Tensor, page_table: torch.Tenso
           out: torch.Tensor, out_slots: torch.Tensor | None, workspace: torch.Tensor | None, impl: str) -> None:
     """The ``indexer_topk`` op's body after its own checks: the implementation's entry, which checks the rest."""
     if impl == "triton":
-        from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
-
-        triton_indexer.indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace)
+        _twin().indexer_topk(scores, positions, out, page_table, out_slots, page_slots, workspace)
         return
     INDEXER_TOPK.module_for(scores).indexer_topk(scores, positions, out, page_table, out_slots,
                                                                  page_slots, workspace)
@@ -475,7 +470,7 @@ def lightning_indexer(
     if scores is None:
         width = rows_of(page_table, 2, 1) * page_slots if 1 <= page_slots <= MAX_PAGE_SLOTS else 0
         scores = torch.empty((rows_of(page_table, 2, 0), width), dtype=torch.float32, device=q.device)
-    impl = resolve_impl(impl, scores.device)
+    impl = resolve_impl(impl, scores)
     out, out_slots = _topk_outputs(scores, num_top_k, page_table, out, out_slots)
     tensors = (q, weights, k_cache, page_table, positions, scores, out, out_slots, workspace)
     if runs_bodies("lightning_indexer", tensors, _LIGHTNING_TENSORS):  # what each op would run directly
@@ -518,17 +513,53 @@ def _check_topk_arguments(scores: torch.Tensor, positions: torch.Tensor, num_top
         INDEXER_TOPK.module_for(scores).check_indexer_topk(scores, positions, out, page_table, out_slots, page_slots,
                                                            workspace)
         return
-    reads = index_checks_on_device(scores)
-    key = None if reads else metadata_key(scores, positions, num_top_k, page_table, page_slots, out, out_slots,
-                                          workspace, impl)
+    key = None if index_checks_on_device(scores) else _topk_key(scores, positions, num_top_k, page_table, page_slots,
+                                                                  out, out_slots, workspace)
     if _TOPK_MEMO.get(key) is not None:
         return
-    from sparsekv.jit_kernel.triton import dsv4_indexer as triton_indexer
-
     _check_topk_options(scores, positions, num_top_k, page_table, page_slots, out, out_slots, workspace, impl)
-    triton_indexer.check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, read_tables=False)
+    _twin().check_topk_arguments(scores, positions, out, page_table, out_slots, page_slots, read_tables=False)
     _TOPK_MEMO.put(key, True)
 
 
-#: The Triton top-k calls :func:`_check_topk_arguments` passed, by metadata (issue 36 item 2: ~45 us a decode step).
+def _topk_key(scores: torch.Tensor, positions: torch.Tensor, num_top_k: int, page_table: torch.Tensor | None,
+              page_slots: int, out: torch.Tensor, out_slots: torch.Tensor | None,
+              workspace: torch.Tensor | None) -> tuple | None:
+    """What the Triton top-k's O(1) checks read of a call, as the memo's key: each tensor's address,
+    shape, strides, dtype and device (what :func:`~sparsekv.jit_kernel.torch_op.metadata_key` keys),
+    and the two ints, as plain as the wrapper made them (:func:`~sparsekv.checks.as_int`); None when
+    a tensor is a subclass (checked in full). Written out for these arguments, in one flat tuple:
+    about 2.5 us where the generic loop took 4 (issue 36 item 2). An optional tensor not given is
+    one None, never an int, so no two calls share a key."""
+    if not (type(scores) is _Tensor and type(positions) is _Tensor and type(out) is _Tensor
+            and (page_table is None or type(page_table) is _Tensor)
+            and (out_slots is None or type(out_slots) is _Tensor)
+            and (workspace is None or type(workspace) is _Tensor)):
+        return None
+    return (num_top_k, page_slots,
+            _data_ptr(scores), scores.shape, _stride(scores), scores.dtype, scores.device,
+            _data_ptr(positions), positions.shape, _stride(positions), positions.dtype, positions.device,
+            _data_ptr(out), out.shape, _stride(out), out.dtype, out.device,
+            *((None,) if page_table is None else (_data_ptr(page_table), page_table.shape, _stride(page_table),
+                                                  page_table.dtype, page_table.device)),
+            *((None,) if out_slots is None else (_data_ptr(out_slots), out_slots.shape, _stride(out_slots),
+                                                 out_slots.dtype, out_slots.device)),
+            *((None,) if workspace is None else (_data_ptr(workspace), workspace.shape, _stride(workspace),
+                                                 workspace.dtype, workspace.device)))
+
+
+_Tensor, _data_ptr, _stride = torch.Tensor, torch.Tensor.data_ptr, torch.Tensor.stride
+
+
+@functools.cache
+def _twin():
+    """The Triton twin's module (:mod:`sparsekv.jit_kernel.triton.dsv4_indexer`), imported at its first use
+    (importing it imports triton); an import statement in a function costs ~0.4 us a call."""
+    from sparsekv.jit_kernel.triton import dsv4_indexer
+
+    return dsv4_indexer
+
+
+#: The Triton top-k calls :func:`_check_topk_arguments` passed, by :func:`_topk_key` (issue 36 item 2:
+#: ~45 us a decode step).
 _TOPK_MEMO = CheckMemo()

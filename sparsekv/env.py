@@ -73,6 +73,12 @@ def nvcc() -> str | None:
     return os.environ.get("SPARSEKV_NVCC") or None
 
 
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET`` (triton's own): whether ``@triton.jit`` kernels run under its interpreter (``1``),
+    read as cheaply as a flag (a Triton twin's call on CPU tensors reads it every call)."""
+    return _read("TRITON_INTERPRET") == "1"
+
+
 def cuda_arch() -> str | None:
     """``SPARSEKV_CUDA_ARCH``, else ``TVM_FFI_CUDA_ARCH_LIST``: target archs such as ``9.0a,10.0a``."""
     return os.environ.get("SPARSEKV_CUDA_ARCH") or os.environ.get("TVM_FFI_CUDA_ARCH_LIST") or None
