@@ -6,8 +6,9 @@
 //
 // Kernels:
 //   CompressEvents<ratio>: the entries of the events, pooled by WindowPool from the ragged input,
-//     the ring rows of the state buffer, or a decode step's rows (window_pool.h); a warp per (event,
-//     channel chunk), launched as one of its PoolEvents kernels (the design note below).
+//     the ring rows of the state buffer, or a decode step's rows (window_pool.h); a warp (C4) or a
+//     CTA (C128) per (event, channel chunk), launched as one of its PoolEvents kernels (the design
+//     note below).
 //   RingWrite (window_pool.h): copies input rows into ring rows.
 //   OnlineC128: folds a segment of one 128-window token by token into a running (max, sum,
 //     accumulator) per channel, starting from a stored snapshot or from nothing, stores the
@@ -21,7 +22,7 @@
 // tables with PlanRawStep and the online fold's segments on the host; when tables are
 // host-readable the host entry checks every row they name before the first launch. Rows outside their tables are skipped by the kernels (safe
 // by construction).
-// GPU: CompressEvents' C4 lanes own 4 consecutive channels each, so a slot is one 16-byte load a lane.
+// GPU: CompressEvents' lanes own 4 consecutive channels each, so a slot is one 16-byte load a lane.
 // cpu backend: the events of a prefill call (compress_pool, compress_extend and the fused store)
 // run on up to num_threads host threads (run_on_host_threads); each item is computed whole by one
 // thread, so the output does not depend on the thread count.
@@ -36,36 +37,44 @@
 
 namespace sparsekv::dsv4_compress {
 
-// Design: a warp pools one channel chunk of one event. C4: a lane owns 4 consecutive channels (one
-// float4 of kv, score and ape per window slot; 8 bytes of a bf16 ring row), a warp 128 (4 warps an
-// event at d = 512); the 8 slots unrolled, their token rows found once, their logits held in
-// registers, so each row is read once: score and ape for the max, then kv for the weighted sum.
-// C128: a lane owns one channel, a warp 32 (its few events, 32 at 4k tokens, then spread over 16
-// warps each), the 128 slots read twice (max, then the weights; the logits do not fit in registers).
-// Per channel the float operations are those of every other path (WindowPool), so the entries are
-// bit for bit those of the fused store and of the cpu build's loop. The 16-byte loads need every row
-// 16-byte aligned (the base pointers, the row strides and d a multiple of 4 floats); C4 rows off that
-// take C128's form (a channel a lane, the window streamed), same floats. Each (ring dtype, form) is a
-// kernel of its own (PoolEvents), chosen at launch from the pointers, so the held C4 kernel's one
-// loop is the chunk it pools.
-// Bound, at 4k C4 tokens and d = 512 (34 MB: 7.4 us on an H200): by memory; the static instruction
-// budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed it) puts the loop's issue
-// at 0.85x that on an H200 and 1.40x on a B200, the code of all three step kinds counted. C128 at
-// 4k tokens is bound by its 128 serial slots on 64 SMs: 8x its roofline, as the design before.
+// Design: C4, a warp pools one 128-channel chunk of one event: a lane owns 4 consecutive channels
+// (one float4 of kv, score and ape per window slot; 8 bytes of a bf16 ring row), 4 warps an event
+// at d = 512; the 8 slots unrolled, their token rows found once, their logits held in registers, so
+// each row is read once: score and ape for the max, then kv for the weighted sum. C128, a CTA of 8
+// warps pools one 128-channel chunk of one event (WindowPool::pool_split): its few events (32 at 4k
+// tokens) then take 4 CTAs each, and the 128 slots, 16 a warp, are no serial chain. A lane owns 4
+// channels as in C4 (16-byte loads, its 16 slots' logits held); the maximum goes through shared
+// memory (order-free); the weights and products, independent per slot, are staged 16 slots a round,
+// and a thread adds up one channel's sum or acc in slot order (2 instructions a slot, where the
+// channel-a-lane loop spent 218). Per channel the float operations are those of every other path
+// (WindowPool), so the entries are bit for bit those of the fused store and of the cpu build's loop.
+// The 16-byte loads need every row 16-byte aligned (the base pointers, the row strides and d a
+// multiple of 4 floats); rows off that take the channel-a-lane form (the window streamed, read
+// twice), same floats. Each (ratio, ring dtype, form) is a kernel of its own (PoolEvents), chosen at
+// launch from the pointers, so the held and split kernels' one loop is the chunk they pool.
+// Bound, at 4k tokens and d = 512 (C4: 34 MB, 7.4 us on an H200; C128: 17 MB, 3.5 us): by memory.
+// The static instruction budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed
+// it), the code of all three step kinds counted, puts C4's issue at 0.85x that on an H200 and 1.40x
+// on a B200; C128's (1,859 instructions a warp, 128 CTAs of 8 warps) at 0.54x and 0.90x, where the
+// channel-a-lane form, bound by its 128 serial slots on 64 SMs, took 7.9x and 13.4x.
 template <int64_t kRatio, bool kBf16, bool kWide>
 struct PoolEvents {
   static_assert(kRatio == 4 || kRatio == 128, "dsv4_compress: the ratio is 4 or 128");
   using Params = EventParams;
-  static_assert(kRatio == 4 || !kWide, "dsv4_compress: C128 reads a channel a lane");
-  // C4 from 16-byte aligned rows: the window held in registers, 4 channels a lane. Otherwise (C128,
-  // whose few events, 32 at 4k tokens, then still spread over 16 warps each; C4 rows off a 16-byte
-  // boundary; the cpu build) a channel a lane, the window streamed.
+  // From 16-byte aligned rows: C4 the window held in registers, 4 channels a lane, a warp per (event,
+  // 128-channel chunk); C128 the window split over a CTA per (event, 128-channel chunk)
+  // (WindowPool::pool_split: cta_item). Otherwise (C4 rows off a 16-byte boundary, C128's too; the
+  // cpu build) a channel a lane, the window streamed.
   static constexpr bool kHeld = kRatio == 4 && kWide;
+  static constexpr bool kSplit = kRatio == 128 && kWide;
   static constexpr int kPerLane = kHeld ? 4 : 1;
   static constexpr int kLaneChannels = kPerLane * team::kVirtualPerThread;  // a host call takes the chunk
-  static constexpr int64_t kChunk = kPerLane * int64_t{kTile};
-  // CTAs of 256 threads an SM: 2 held (128 registers: the 8 slots' logits and loads in flight), else 4.
-  static constexpr int kCtasPerSm = kHeld ? 2 : 4;
+  static constexpr int64_t kChunk = kSplit ? WindowPool::kSplitChunk : kPerLane * int64_t{kTile};
+  // CTAs of 256 threads an SM: 2 held (128 registers: the 8 slots' logits and loads in flight); 1
+  // split (a warp's 16 slots' logits and loads in flight spilled at 128 registers); else 4.
+  static constexpr int kCtasPerSm = kHeld ? 2 : (kSplit ? 1 : 4);
+  static constexpr int kThreads = WindowPool::kSplitThreads;  // the split form's CTA
+  using Stage = WindowPool::SplitStage;
 
   SPARSEKV_HOST_DEVICE static int64_t chunks(const Params& p) { return (p.d + kChunk - 1) / kChunk; }
   SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.num_events * chunks(p); }
@@ -104,6 +113,20 @@ struct PoolEvents {
       if (v < count) row[c0 + v] = out[v];
     }
   }
+
+#ifdef __CUDACC__
+  // The split form's item, run by the whole CTA: thread t writes channel first + t.
+  SPARSEKV_DEVICE static void cta_item(const Params& p, int64_t i, Stage& stage) {
+    static_assert(kSplit, "dsv4_compress: only the split form takes a CTA an item");
+    const int64_t e = i / chunks(p);
+    const int64_t first = (i - e * chunks(p)) * kChunk;
+    const bool emits = p.decode.rows == nullptr || p.decode.emits(e);  // the same in every thread
+    const auto thread = static_cast<int64_t>(threadIdx.x);
+    if (p.emitted != nullptr && first == 0 && thread == 0) p.emitted[e] = emits;
+    const float x = emits ? WindowPool::pool_split<kBf16>(p, e, first, stage) : 0.0f;
+    if (thread < kChunk && first + thread < p.d) p.out[e * p.d + first + thread] = x;
+  }
+#endif
 };
 
 template <int64_t kRatio>
@@ -120,10 +143,13 @@ struct CompressEvents {
 
 #ifdef __CUDACC__
   static int run_on_cuda(const Params& p, void* stream) {
-    if constexpr (kRatio == 4) {
-      if (WindowPool::wide_rows(p)) {
+    if (WindowPool::wide_rows(p)) {
+      if constexpr (kRatio == 4) {
         return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, true>>(p, stream)
                            : sparsekv::run_on_cuda<PoolEvents<kRatio, false, true>>(p, stream);
+      } else {
+        return p.ring_bf16 ? run_cta_per_item<PoolEvents<kRatio, true, true>>(p, stream)
+                           : run_cta_per_item<PoolEvents<kRatio, false, true>>(p, stream);
       }
     }
     return p.ring_bf16 ? sparsekv::run_on_cuda<PoolEvents<kRatio, true, false>>(p, stream)

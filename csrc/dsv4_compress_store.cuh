@@ -1,9 +1,9 @@
 // dsv4_compress_store: the DSV4 compressor fused with the store. Each event pools its window
-// (csrc/include/sparsekv/window_pool.h, WindowPool::pool_slots or pool_tile, as dsv4_compress does)
-// into a team row, then the row goes through the store's RMSNorm + RoPE (+ Walsh-Hadamard) + quantize
-// into its paged cache slot (csrc/include/sparsekv/entry_store.h, EntryStore::finish, as dsv4_store
-// does); no float entry is written to memory. The bytes are those of compress then norm_rope_store:
-// both steps are the same per-item functions.
+// (csrc/include/sparsekv/window_pool.h, WindowPool::pool_slots, pool_split or pool_tile, as
+// dsv4_compress does) into a team row, then the row goes through the store's RMSNorm + RoPE
+// (+ Walsh-Hadamard) + quantize into its paged cache slot (csrc/include/sparsekv/entry_store.h,
+// EntryStore::finish, as dsv4_store does); no float entry is written to memory. The bytes are
+// those of compress then norm_rope_store: both steps are the same per-item functions.
 //
 // Entries:
 //   compress_store: a streaming step of the raw ring (the event and ring-write tables that
@@ -15,16 +15,22 @@
 //
 // Design: the record goes out as dsv4_store's does (row_store.h store_v4: staged in the warp's
 // shared memory, written as 16-byte words, e4m3 codes from the hardware convert on sm_89+; the only
-// byte store is the decode step's `emitted`). A warp per entry. C4 from 16-byte aligned rows
-// (HeldStore, the GPU's serving case) pools as the compressor's held form: per 128-channel chunk
+// byte store is the decode step's `emitted`). C4 from 16-byte aligned rows (HeldStore, the GPU's
+// serving case), a warp per entry, pools as the compressor's held form: per 128-channel chunk
 // 4 channels a lane, the 8 window slots unrolled, each row read once with 16-byte loads
 // (WindowPool::pool_slots), into a float stage in the warp's shared memory whose columns then make
 // the team row (a lane's 4 consecutive channels are 4 virtual lanes of one column); two CTAs an SM
 // (128 registers), as the compressor's. Static issue estimate (tools/bench/bench_sass_budget.py, 4k
-// C4 tokens, the float32 ring; no GPU has timed it): the chunk loop 0.69x the roofline on an H200,
-// 0.84x with the store's code; 1.12x and 1.38x on a B200. C128 and C4 rows off a 16-byte boundary
-// (StreamedStore, and the cpu backend) pool a channel a lane (WindowPool::pool_tile): an entry's 16
-// 32-channel columns each walk the window twice, 5.6x (6.0x) at 4k C4 tokens on an H200.
+// C4 tokens, the float32 ring; no GPU has timed it): the chunk loop 0.68x the roofline on an H200,
+// 0.84x with the store's code; 1.12x and 1.38x on a B200. C128 from 16-byte aligned rows
+// (SplitStore), a CTA of 8 warps per entry, pools as the compressor's split form (WindowPool::
+// pool_split: per 128-channel chunk the 128 slots 16 a warp, the sums added in slot order a channel
+// a thread) into a float row in shared memory, and warp 0 stores it: at 4k C128 tokens (32 entries,
+// so 32 SMs, each chunk loop 1,778 instructions x 8 warps x 4 chunks) 2.05x the roofline on an H200,
+// 2.2x with the store's code; 3.4x (3.7x) on a B200, where the channel-a-lane form, a warp per entry
+// over 4 SMs, took 183x. Rows off a 16-byte boundary (StreamedStore, and the cpu backend) pool a
+// channel a lane (WindowPool::pool_tile): an entry's 16 32-channel columns each walk the window
+// twice, 5.6x (6.0x) at 4k C4 tokens on an H200.
 //
 // Its own stem because it fuses two families (the compressor's pooling and the store's per-layout
 // finish) that do not depend on each other; its instances are per cache layout, like the store's.
@@ -75,8 +81,8 @@ struct EntryPlan {
   }
 };
 
-// A channel a lane, the window streamed (WindowPool::pool_tile): C128, C4 rows off a 16-byte
-// boundary, and the cpu backend.
+// A channel a lane, the window streamed (WindowPool::pool_tile): rows off a 16-byte boundary, and the
+// cpu backend.
 template <class Kind>
 struct StreamedStore {
   using Params = CompressStoreParams;
@@ -186,9 +192,58 @@ struct HeldStore {
   }
 };
 
+// C128 from 16-byte aligned rows (WindowPool::wide_rows): the compressor's split form, a CTA per
+// entry. Its 8 warps pool the entry's 128-channel chunks one after another
+// (WindowPool::pool_split: each chunk's window split over the warps, the sums added in slot order)
+// into a float row in shared memory, from which warp 0 reads the team row and finishes it.
+template <class Kind, bool kBf16>
+struct SplitStore {
+  using Params = CompressStoreParams;
+  using Row = typename dsv4_store::EntryStore<Kind>::Row;
+  using WindowPool = dsv4_compress::WindowPool;
+  static constexpr int64_t kChunk = WindowPool::kSplitChunk;
+  static_assert(Kind::kDim % kChunk == 0, "dsv4_compress_store: an entry is whole 128-channel chunks");
+  static constexpr int kThreads = WindowPool::kSplitThreads;
+  // One CTA of 256 threads per SM, as the compressor's split kernels (at 128 registers they spilled).
+  static constexpr int kCtasPerSm = 1;
+  struct Stage {
+    WindowPool::SplitStage pool;
+    float row[Kind::kDim];
+  };
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.events.num_events; }
+
+#ifdef __CUDACC__
+  SPARSEKV_DEVICE static void cta_item(const Params& p, int64_t n, Stage& stage) {
+    const int thread = static_cast<int>(threadIdx.x);
+    // Thread 0 writes the decode step's flag; the plan is the same in every thread.
+    const EntryPlan<Kind> plan = EntryPlan<Kind>::of(p, n, Lanes{thread, kThreads});
+    if (!plan.pooled) return;
+    SPARSEKV_ROLLED  // a chunk a trip: each pools a whole window
+    for (int64_t first = 0; first < Kind::kDim; first += kChunk) {
+      const float x = plan.emits ? WindowPool::pool_split<kBf16>(p.events, n, first, stage.pool) : 0.0f;
+      if (thread < kChunk) {
+        stage.row[first + thread] = x;
+        if (p.entries != nullptr) p.entries[n * Kind::kDim + first + thread] = x;
+      }
+    }
+    __syncthreads();  // the row is in the stage
+    if (thread < kWarpSize) {
+      const Lanes lanes{thread, kWarpSize};
+      Row x;
+      for (int j = 0; j < team::kVirtualPerThread; ++j) {
+        for (int k = 0; k < Row::kPerLane; ++k) x.v[j][k] = stage.row[Row::channel(lanes, j, k)];
+      }
+      plan.finish(x, p, n, lanes);
+    }
+    __syncthreads();  // the row is read before the next entry overwrites it
+  }
+#endif
+};
+
 // The fused step's launch: on the cpu backend the streamed form; on the GPU C4 from 16-byte
-// aligned rows (and `entries`) takes the held form, per ring dtype a kernel of its own, as the
-// compressor's PoolEvents.
+// aligned rows (and `entries`) takes the held form and C128 from 16-byte aligned rows the split
+// form, per ring dtype a kernel of its own, as the compressor's PoolEvents.
 template <class Kind>
 struct CompressStore {
   using Params = CompressStoreParams;
@@ -205,6 +260,10 @@ struct CompressStore {
     if (p.events.ratio == 4 && wide_entries && dsv4_compress::WindowPool::wide_rows(p.events)) {
       return p.events.ring_bf16 ? sparsekv::run_on_cuda<HeldStore<Kind, true>>(p, stream)
                                 : sparsekv::run_on_cuda<HeldStore<Kind, false>>(p, stream);
+    }
+    if (p.events.ratio == 128 && dsv4_compress::WindowPool::wide_rows(p.events)) {
+      return p.events.ring_bf16 ? run_cta_per_item<SplitStore<Kind, true>>(p, stream)
+                                : run_cta_per_item<SplitStore<Kind, false>>(p, stream);
     }
     return sparsekv::run_on_cuda<StreamedStore<Kind>>(p, stream);
   }

@@ -79,12 +79,16 @@ SASS_TABLE = {
     ("cuda", "dsv4_indexer_topk", "topk_clear_kernel"): dict(launch=Launch(1024, 1), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_chunk", ""): dict(launch=Launch(256, 2), no_local=PASS, occupancy=PASS),
     ("triton", "dsv4_indexer.topk_finish", ""): dict(launch=Launch(512, 1), no_local=PASS, occupancy=PASS),
-    # The compressor's kernels (PoolEvents<ratio, bf16 ring, 16-byte loads>): C4's 16-byte variants,
-    # then the channel-a-lane ones (C4 rows off a 16-byte boundary, and C128).
+    # The compressor's kernels (PoolEvents<ratio, bf16 ring, 16-byte loads>): C4's and C128's 16-byte
+    # variants (C128's a CTA per event chunk), then the channel-a-lane ones (rows off a 16-byte boundary).
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb0ELb1E"): dict(
         launch=Launch(256, 2), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb1ELb1E"): dict(
         launch=Launch(256, 2), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress", "PoolEventsILl128ELb0ELb1E"): dict(
+        launch=Launch(256, 1), no_local=PASS, wide_gather=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress", "PoolEventsILl128ELb1ELb1E"): dict(
+        launch=Launch(256, 1), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb0ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl4ELb1ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress", "PoolEventsILl128ELb0ELb0E"): dict(launch=Launch(256, 4), no_local=PASS, occupancy=PASS),
@@ -97,12 +101,19 @@ SASS_TABLE = {
     ("triton", "dsv4_compress.pool[C4,d512]", ""): dict(
         launch=Launch(64, 4), no_local=PASS, wide_gather=PASS, occupancy=PASS),
     # The fused compress-store's kernels: HeldStore<kind, bf16 ring> (C4 from 16-byte aligned rows,
-    # the compressor's held form), StreamedStore<kind> (a channel a lane: C128, C4 rows off 16 bytes).
+    # the compressor's held form), SplitStore<kind, bf16 ring> (C128 from 16-byte aligned rows, the
+    # compressor's split form), StreamedStore<kind> (a channel a lane: rows off 16 bytes).
     ("cuda", "dsv4_compress_store:cache_kind=V4", "HeldStoreINS_10dsv4_store2V4ELb0E"): dict(
         launch=Launch(256, 2, flag_stores=1),
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "HeldStoreINS_10dsv4_store2V4ELb1E"): dict(
         launch=Launch(256, 2, flag_stores=1),
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "SplitStoreINS_10dsv4_store2V4ELb0E"): dict(
+        launch=Launch(256, 1, flag_stores=1),
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=V4", "SplitStoreINS_10dsv4_store2V4ELb1E"): dict(
+        launch=Launch(256, 1, flag_stores=1),
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=V4", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1),
@@ -116,6 +127,12 @@ SASS_TABLE = {
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "HeldStoreINS_10dsv4_store10IndexerFp8ELb1E"): dict(
         launch=Launch(256, 2, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "SplitStoreINS_10dsv4_store10IndexerFp8ELb0E"): dict(
+        launch=Launch(256, 1, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "SplitStoreINS_10dsv4_store10IndexerFp8ELb1E"): dict(
+        launch=Launch(256, 1, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP8", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, fp8_encode=PASS, occupancy=PASS),
@@ -124,6 +141,12 @@ SASS_TABLE = {
         no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "HeldStoreINS_10dsv4_store10IndexerFp4ELb1E"): dict(
         launch=Launch(256, 2, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "SplitStoreINS_10dsv4_store10IndexerFp4ELb0E"): dict(
+        launch=Launch(256, 1, flag_stores=1), slow=True,
+        no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
+    ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "SplitStoreINS_10dsv4_store10IndexerFp4ELb1E"): dict(
+        launch=Launch(256, 1, flag_stores=1), slow=True,
         no_local=PASS, wide_gather=PASS, wide_store=PASS, occupancy=PASS),
     ("cuda", "dsv4_compress_store:cache_kind=INDEXER_FP4", "StreamedStore"): dict(
         launch=Launch(256, 4, flag_stores=1), slow=True,

@@ -560,10 +560,11 @@ def test_prefill_results_do_not_depend_on_the_thread_count(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_rows_off_a_16_byte_boundary_pool_to_the_same_bits(backend, ratio):
-    # The GPU pools 16-byte aligned C4 rows 4 channels a lane, the window held in registers, and other
-    # rows (here kv, a view one float into a wider buffer) a channel a lane, the window streamed: the
-    # same floats either way. d = 40: the lanes past d store nothing. Planted bug this catches: one
-    # form pooling a channel's slots in another order.
+    # The GPU pools 16-byte aligned rows 4 channels a lane (C4 the window held in registers, C128 the
+    # window split over a CTA's warps, the terms added up in slot order), and other rows (here kv, a
+    # view one float into a wider buffer) a channel a lane, the window streamed: the same floats
+    # either way. d = 40: the lanes past d store nothing. Planted bugs this catches: one form pooling a
+    # channel's slots in another order (C128: two slots of a round swapped in the in-order sum).
     device, coff, d = device_of(backend), (2 if ratio == 4 else 1), 40
     gen = torch.Generator().manual_seed(ratio)
     buffer = torch.randn(3 * ratio, coff * d + 1, generator=gen).to(device)

@@ -158,23 +158,27 @@ def test_decode_step_equals_extend_over_the_same_tokens(backend, ratio, with_sto
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_rows_off_a_16_byte_boundary_store_the_same_bytes(backend):
-    # The GPU pools 16-byte aligned C4 rows 4 channels a lane, the window held (HeldStore), and other
-    # rows (here kv, a view one float into a wider buffer) a channel a lane, the window streamed
-    # (StreamedStore): the same bytes either way. Planted bug this catches: one form placing a
-    # pooled channel in another column of the team row, or pooling its slots in another order.
-    t, d, ratio, page = 14, 512, 4, 4
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_fused_rows_off_a_16_byte_boundary_store_the_same_bytes(backend, ratio):
+    # The GPU pools 16-byte aligned rows 4 channels a lane: C4 with the window held (HeldStore), C128
+    # with the window split over a CTA's warps (SplitStore); other rows (here kv, a view one float into
+    # a wider buffer) a channel a lane, the window streamed (StreamedStore): the same bytes either way.
+    # Planted bug this catches: one form placing a pooled channel in another column of the team row.
+    # (A last-bit change of a pooled float rarely changes its fp8 code: the order of a channel's sums
+    # is held by test_dsv4_compress's test on the float entries, the pooling being the same function.)
+    t, d, page, coff = 3 * ratio + 2, 512, 4, (2 if ratio == 4 else 1)
     device = device_of(backend)
     gen = torch.Generator().manual_seed(11)
-    buffer = torch.randn(t, 2 * d + 1, generator=gen).to(device)
-    score = (torch.randn(t, 2 * d, generator=gen) * 4).to(device)
-    ape = torch.randn(ratio, 2 * d, generator=gen).to(device)
+    buffer = torch.randn(t, coff * d + 1, generator=gen).to(device)
+    score = (torch.randn(t, coff * d, generator=gen) * 4).to(device)
+    ape = torch.randn(ratio, coff * d, generator=gen).to(device)
     weight = (torch.rand(d, generator=gen) + 0.5).to(device)
     rope = RopeParams(*DSV4_C4_ROPE).table(t, device)
+    ring = 2 * window_of(ratio)
 
     def run(kv):
         cache = torch.zeros(2, V4.page_bytes(page), dtype=torch.uint8, device=device)
-        comp = CompressorState(torch.zeros(32, 4 * d, device=device), ape, ratio, ring_size=16)
+        comp = CompressorState(torch.zeros(2 * ring, 2 * coff * d, device=device), ape, ratio, ring_size=ring)
         comp.extend([0], [[1]], [0], kv, score, store=StoreTarget(cache, weight, 1e-6, page, rope),
                     entry_slots=lambda _b, anchor: anchor // ratio)
         return cache.cpu()

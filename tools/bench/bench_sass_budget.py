@@ -56,7 +56,7 @@ L2_BYTES_PER_SM_CLOCK = 32
 
 # Serving shapes (the benchmarks'): attention batch 64, top-k 512, 64 heads (and the Triton attention at
 # prefill: 4k tokens, 128 heads, top-k 2048); indexer one row of 64k
-# entries; top-k 512 of 64k; (fused) compress + store 4k C4 tokens; store / quantize 4096 rows; gather
+# entries; top-k 512 of 64k; (fused) compress + store 4k C4 and C128 tokens; store / quantize 4096 rows; gather
 # 16k rows of 584 B; swap-in batch 64, top-k 512.
 #: kernel -> (how the SASS is built, the roofline cost, the warp trips of the inner loop, the CTAs of
 #: the launch, the model).
@@ -122,6 +122,15 @@ TRIPS = {
         "of 8; the kernel's one loop is a warp's whole chunk (the item loop: its 8 window slots unrolled, "
         "24 16-byte loads a lane, the code of all three step kinds counted though one runs), one trip a "
         "warp; the float32 ring's kernel"),
+    "cuda dsv4_compress CompressEvents 4k C128": (
+        ("cuda", "dsv4_compress", {}, "PoolEventsILl128ELb0ELb1E"), roofline.compress(4096, 128), 32 * 4 * 8, 32 * 4,
+        "the C128 compressor alone, 4k tokens from the fp32 input through a planned source table "
+        "(compress_extend), 16-byte aligned rows: a CTA of 8 warps per (event, 128-channel chunk), 32 events x 4 "
+        "chunks = 128 CTAs, 4 channels a lane, the 128 window slots split 16 a warp (logits held, 16-byte "
+        "loads), the weights and products staged 16 slots a round and added up in slot order a channel a "
+        "thread; the kernel's one loop is a CTA's whole chunk (the item loop, everything in it unrolled, the "
+        "code of all three step kinds counted though one runs), one trip a warp: 128 x 8 warp trips; the "
+        "float32 ring's kernel"),
     "cuda dsv4_indexer scores_kernel 256k": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                               "scores_kernel"), roofline.indexer_scores(1, 262144), 262144 // 16,
                                              262144 // 256, "one row of 256k entries: as at 64k, 1,024 CTAs"),
@@ -215,6 +224,17 @@ PHASES = {
         "32-channel columns each walk the 8 window slots twice (the max, then the weights), 16 x 8 trips of "
         "each pass a warp; the allowance the code outside those loops, by hand from the sm_90a SASS, counted "
         "as all run: 16 x about 130 instructions of the column loop's own and about 980 of the store a warp"),
+    "cuda dsv4_compress_store CompressStore 4k C128": (
+        ("cuda", "dsv4_compress_store", {"cache_kind": "V4"}, "SplitStoreINS_10dsv4_store2V4ELb0E"),
+        roofline.compress_store(4096, 128),
+        [("a 128-channel chunk, the window split over 8 warps", {"LDS", "MUFU", "BAR"}, set(), 8 * 4, 32)],
+        (0.0, 0.5),
+        "the C128 compressor fused with the store, 4k tokens from the fp32 input, 16-byte aligned rows, a "
+        "float32 ring (SplitStore): a CTA of 8 warps per entry (32 CTAs, one an SM), its 4 128-channel chunks "
+        "a trip each of the chunk loop (the compressor's split form: the 128 slots 16 a warp, 4 channels a "
+        "lane, the terms added up in slot order a channel a thread), 8 x 4 warp trips an SM; the allowance "
+        "the rest of the item loop, by hand from the sm_90a SASS, counted as all run: about 980 instructions "
+        "(warp 0's store), one warp on one scheduler"),
     "cuda dsv4_indexer_topk topk_kernel one CTA 512 of 64k": (
         _TOPK_BUILD, roofline.indexer_topk(1, 65536, 512),
         [("row: histogram", *_TALLY, 8 * 32, 1), ("row: count", *_COUNT, 16 * 32, 1),
@@ -236,15 +256,6 @@ PHASES = {
          ("merge: gather copy", *_GATHER_COPY, 3 * 32, 1)], (4.0, 5.0),
         "batch 1, workspace given: 32 CTAs of 8,192 entries (a warp 256), each publishing ~700 "
         "candidates; the last CTA gathers the 32 segments (~22k keys, a warp a segment, 3 trips of 256)"),
-    "cuda dsv4_compress CompressEvents 4k C128": (
-        ("cuda", "dsv4_compress", {}, "PoolEventsILl128ELb0ELb0E"), roofline.compress(4096, 128),
-        [("window max", {"LDG.E.64", "LDG.E"}, {"MUFU"}, 8 * 128, 64),
-         ("window weighted sum", {"LDG.E.64", "MUFU"}, set(), 8 * 128, 64)], (0.0, 0.0),
-        "the C128 compressor alone, 4k tokens from the fp32 input through a planned source table "
-        "(compress_extend): a warp per (event, 32-channel chunk), a channel a lane, 32 events x 16 chunks = "
-        "512 warps in 64 CTAs of 8, each warp 2 passes over its 128 window slots, a slot a trip (the max, "
-        "then exp and the weighted sum; the float32 ring's kernel; of the loops nvcc versions per step "
-        "kind, the longest); no allowance"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses": (
         _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33), _SWAP_IN_BLOCK + [_SWAP_IN_COPY], (4.0, 2.5),
         "plain entry, batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch "

@@ -294,6 +294,24 @@ __global__ void __launch_bounds__(kWarpPerItemThreads, K::kCtasPerSm) bounded_wa
   warp_per_item<K>(params);
 }
 
+// A CTA per item, for a kernel K whose items take a whole CTA: K::cta_item(params, i, stage) run by
+// K::kThreads threads that share K::Stage in static shared memory (K::kCtasPerSm CTAs an SM). Every
+// thread of the CTA runs every item, so an item may hold __syncthreads.
+template <class K>
+__global__ void __launch_bounds__(K::kThreads, K::kCtasPerSm) cta_per_item_kernel(const typename K::Params params) {
+  __shared__ typename K::Stage stage;
+  const int64_t n = K::num_items(params);
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) K::cta_item(params, i, stage);
+}
+
+template <class K>
+int run_cta_per_item(const typename K::Params& params, void* stream) {
+  const int64_t n = K::num_items(params);
+  if (n == 0) return 0;
+  const unsigned grid = static_cast<unsigned>(n < 65535 * 16 ? n : 65535 * 16);
+  return launch_kernel<cta_per_item_kernel<K>>(grid, K::kThreads, 0, stream, params);
+}
+
 template <class K, class = void>
 struct HasCtasPerSm : std::false_type {};
 template <class K>

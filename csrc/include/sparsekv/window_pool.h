@@ -28,7 +28,10 @@
 //   WindowPool: the pooled channels of one event. A slot's token row comes from the ragged input or
 //     from a ring row of the state buffer, as the event's source table says (source >= 0: input
 //     row; -1: masked; <= -2: ring row -source - 2). Without a source table the input is one whole
-//     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool).
+//     sequence and event i reads tokens ratio * i - (4 for C4) ... directly (compress_pool). Its
+//     forms: pool_streamed (a channel a lane, any rows), pool_slots (C4 from 16-byte aligned rows,
+//     the window held in a warp's registers) and pool_split (C128 from 16-byte aligned rows, the
+//     window split over a CTA's warps), the same floats.
 //   RingWrite: copies input rows into ring rows ([kv | score], 2 * coff * d floats per row).
 //   Decode step (DecodeRows): both of the above for one new token per batch row, with the sources
 //     and ring rows read on the device from the caller's state rows and positions (no host plan).
@@ -215,46 +218,81 @@ struct WindowPool {
     }
   }
 
+  // The ape row of slot j (rows_of's rows.ape; an unused slot reads it as its score and value too).
+  template <int64_t kRatio>
+  SPARSEKV_HOST_DEVICE static const float* ape_row_of(const Params& p, int64_t j) {
+    return p.ape + (kRatio == 4 ? ((j & 3) * 2 + (j >> 2)) * p.d : j * p.d);
+  }
+
+  // The rows of slot j (token row src, source()) that the held forms read: rows_of's, or, for an
+  // unused slot (src = -1), its ape row in place of each (read, and ignored): no branch a slot.
+  template <bool kBf16, int64_t kRatio>
+  SPARSEKV_HOST_DEVICE static SlotRows held_rows(const Params& p, int64_t src, int64_t j) {
+    const float* ape_row = ape_row_of<kRatio>(p, j);
+    SlotRows rows;
+    if (!rows_of<kBf16, kRatio>(p, src, j, rows)) rows = SlotRows{ape_row, ape_row, nullptr, nullptr, ape_row};
+    rows.ape = ape_row;  // as rows_of's, by the one expression
+    return rows;
+  }
+
+  // The logits (score + ape) of channels c0 .. c0 + C - 1 of a slot (its held_rows), from 16-byte
+  // aligned rows (the caller checked); -inf for an unused slot.
+  template <bool kBf16, int C>
+  SPARSEKV_HOST_DEVICE static void held_logits(const SlotRows& rows, bool used, int64_t c0, int count,
+                                               float (&logit)[C]) {
+    float ape[C];
+    load_row<kBf16, true>(rows.score, rows.score16, c0, count, logit);
+    load<true>(rows.ape, c0, count, ape);
+    for (int v = 0; v < C; ++v) logit[v] = used ? team::add_rn(logit[v], ape[v]) : -INFINITY;
+  }
+
+  // The weights exp(logit - m) of a slot (its held_rows, its logits from held_logits) and their
+  // products with its values (kv, 0 for an unused slot), every step rounded as written: the terms
+  // that a channel's sum and acc add up in slot order. An unused slot's terms leave them as skipping
+  // it would: with m finite its weight exp(-inf) is +0, and sum + 0, acc + 0 * 0 are sum and acc
+  // (neither is ever -0: each starts at +0); with m = -inf (every used logit -inf or none used)
+  // sum is NaN or 0 either way, and the entry 0.
+  template <bool kBf16, int C>
+  SPARSEKV_HOST_DEVICE static void held_terms(const SlotRows& rows, bool used, int64_t c0, int count,
+                                              const float (&logit)[C], const float (&m)[C], float (&weight)[C],
+                                              float (&product)[C]) {
+    float value[C];
+    load_row<kBf16, true>(rows.kv, rows.kv16, c0, count, value);
+    for (int v = 0; v < C; ++v) {
+      weight[v] = expf(team::sub_rn(logit[v], m[v]));
+      product[v] = team::mul_rn(weight[v], used ? value[v] : 0.0f);
+    }
+  }
+
+  // An entry channel from its sums: acc / sum, 0 where no weight counts.
+  SPARSEKV_HOST_DEVICE static float entry_of(float sum, float acc) { return sum > 0.0f ? acc / sum : 0.0f; }
+
   // Channels c0 .. c0 + C - 1 of a C4 event whose slots' token rows are src (source()), from 16-byte
   // aligned rows (the GPU's 16-byte loads; the caller checked), every step rounded as written and in
-  // slot order per channel, so this form, pool_streamed (a channel a lane, 32 a host call) and the
-  // fused store produce the same floats: the maximum of the logits, then sum and acc of the weights
-  // exp(logit - max). The 8 slots are unrolled and their logits held in registers, so each row is
-  // read once: score and ape for the max, kv for the weighted sum.
+  // slot order per channel, so this form, pool_streamed (a channel a lane, 32 a host call), pool_split
+  // and the fused store produce the same floats: the maximum of the logits, then sum and acc of the
+  // weights exp(logit - max). The 8 slots are unrolled and their logits held in registers, so each row
+  // is read once: score and ape for the max, kv for the weighted sum.
   template <bool kBf16, int C>
   SPARSEKV_HOST_DEVICE static void pool_slots(const Params& p, const int64_t (&src)[8], int64_t c0, int count,
                                               float (&out)[C]) {
-    float m[C], sum[C], acc[C], ape[C], value[C];
+    float m[C], sum[C], acc[C], weight[C], product[C];
     float logit[8][C];
     for (int v = 0; v < C; ++v) m[v] = -INFINITY, sum[v] = 0.0f, acc[v] = 0.0f;
-    // An unused slot's logit is -inf and its value 0, which leaves m, sum and acc as skipping it
-    // would: with m finite its weight exp(-inf) is +0, and sum + 0, acc + 0 * 0 are sum and acc
-    // (neither is ever -0: each starts at +0); with m = -inf (every used logit -inf or none used)
-    // sum is NaN or 0 either way, and the entry 0.
-    SlotRows rows;
     SPARSEKV_UNROLLED  // the logits stay in registers; the values are read in the second pass
     for (int j = 0; j < 8; ++j) {
-      // An unused slot reads its ape row as its score (read, and ignored).
-      const float* ape_row = p.ape + ((j & 3) * 2 + (j >> 2)) * p.d;  // rows.ape
-      if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{ape_row, ape_row, nullptr, nullptr, ape_row};
-      load_row<kBf16, true>(rows.score, rows.score16, c0, count, logit[j]);
-      load<true>(ape_row, c0, count, ape);
-      for (int v = 0; v < C; ++v) {
-        logit[j][v] = src[j] != -1 ? team::add_rn(logit[j][v], ape[v]) : -INFINITY;
-        m[v] = logit[j][v] > m[v] ? logit[j][v] : m[v];
-      }
+      held_logits<kBf16>(held_rows<kBf16, 4>(p, src[j], j), src[j] != -1, c0, count, logit[j]);
+      for (int v = 0; v < C; ++v) m[v] = logit[j][v] > m[v] ? logit[j][v] : m[v];
     }
+    SlotRows rows;
     SPARSEKV_UNROLLED
     for (int j = 0; j < 8; ++j) {
+      // An unused slot reads row 0 of ape as its value (read, and ignored).
       if (!rows_of<kBf16, 4>(p, src[j], j, rows)) rows = SlotRows{p.ape, p.ape, nullptr, nullptr, p.ape};
-      load_row<kBf16, true>(rows.kv, rows.kv16, c0, count, value);
-      for (int v = 0; v < C; ++v) {
-        const float w = expf(team::sub_rn(logit[j][v], m[v]));
-        sum[v] = team::add_rn(sum[v], w);
-        acc[v] = team::add_rn(acc[v], team::mul_rn(w, src[j] != -1 ? value[v] : 0.0f));
-      }
+      held_terms<kBf16>(rows, src[j] != -1, c0, count, logit[j], m, weight, product);
+      for (int v = 0; v < C; ++v) sum[v] = team::add_rn(sum[v], weight[v]), acc[v] = team::add_rn(acc[v], product[v]);
     }
-    for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+    for (int v = 0; v < C; ++v) out[v] = entry_of(sum[v], acc[v]);
   }
 
   // The same, the window's slots read twice (the max, then the weights), at any window (kRatio: as
@@ -289,8 +327,31 @@ struct WindowPool {
         acc[v] = team::add_rn(acc[v], team::mul_rn(w, value[v]));
       }
     }
-    for (int v = 0; v < C; ++v) out[v] = sum[v] > 0.0f ? acc[v] / sum[v] : 0.0f;
+    for (int v = 0; v < C; ++v) out[v] = entry_of(sum[v], acc[v]);
   }
+
+  // C128 from 16-byte aligned rows (wide_rows), the window split over a CTA of kSplitThreads: its 8
+  // warps pool the kSplitChunk channels first .. first + 127 of event e, 4 consecutive channels a
+  // lane (16-byte loads), warp w the 16 slots 16 r + 2 w + s (r < 8, s < 2), its logits held in
+  // registers (held_logits), so each row is read once. The maximum over slots is order-free: each
+  // warp takes its slots', then each lane the 8 warps' from the stage. The weights and products
+  // (held_terms) of each slot are independent of the others, so the warps make them for 16 slots at
+  // a time (a round) into the stage; then thread t adds up channel first + t % 128's weights
+  // (t < 128: sum) or products (acc) in slot order, one column of the stage, 16 adds a round. So
+  // every float is that of pool_streamed and pool_slots: the same terms, rounded alike, added in the
+  // same order. Returns channel first + t's entry in thread t < 128 (others: 0; d is a multiple of 4,
+  // so a lane's 4 channels are all in the row or all past it). Every thread of the CTA calls it (it
+  // holds __syncthreads).
+  static constexpr int kSplitWarps = 8;
+  static constexpr int kSplitThreads = kSplitWarps * kWarpSize;
+  static constexpr int kSplitChunk = 4 * kWarpSize;
+  static constexpr int kRoundSlots = 16;  // a round's slots: 2 a warp
+  struct SplitStage {
+    float terms[2][kRoundSlots][kSplitChunk];  // a round's weights, then its products (16 KiB)
+    float partial[kSplitWarps][kSplitChunk];   // the warps' maxima; then row 0 the acc threads' sums
+    SlotRows rows[128];                        // the event's slots' held_rows
+    bool used[128];                            // whether each slot has a token row
+  };
 
 #ifdef __CUDACC__
   // Whether every row the events read and the output rows are 16-byte aligned, 4 channels at a time
@@ -299,6 +360,61 @@ struct WindowPool {
     const auto address = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
     return ((address(p.kv) | address(p.score) | address(p.ape) | address(p.ring) | address(p.out)) & 15) == 0 &&
            ((p.kv_stride | p.score_stride | p.d) & 3) == 0;
+  }
+
+  // The split form (above).
+  template <bool kBf16>
+  SPARSEKV_DEVICE static float pool_split(const Params& p, int64_t e, int64_t first, SplitStage& stage) {
+    constexpr int kSlots = 128, kPerWarp = kSlots / kSplitWarps, kPerRound = kRoundSlots / kSplitWarps;
+    static_assert(kSplitThreads == 2 * kSplitChunk, "window_pool: a thread adds up one channel's sum or acc");
+    const int thread = static_cast<int>(threadIdx.x), warp = thread / kWarpSize, lane = thread % kWarpSize;
+    if (thread < kSlots) {
+      const int64_t src = source<128>(p, e, thread);
+      stage.rows[thread] = held_rows<kBf16, 128>(p, src, thread);
+      stage.used[thread] = src != -1;
+    }
+    __syncthreads();  // the slots' rows are in the stage
+    // A lane past d pools the row's last 4 channels again (never written out): in the row, and no
+    // branch a slot.
+    const int64_t c0 = first + 4 * lane < p.d ? first + 4 * lane : p.d - 4;
+    float logit[kPerWarp][4], m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    SPARSEKV_UNROLLED  // the logits stay in registers (indexed by the counter)
+    for (int k = 0; k < kPerWarp; ++k) {
+      const int j = kRoundSlots * (k / kPerRound) + kPerRound * warp + k % kPerRound;
+      held_logits<kBf16>(stage.rows[j], stage.used[j], c0, 4, logit[k]);
+      for (int v = 0; v < 4; ++v) m[v] = logit[k][v] > m[v] ? logit[k][v] : m[v];
+    }
+    *reinterpret_cast<float4*>(&stage.partial[warp][4 * lane]) = float4{m[0], m[1], m[2], m[3]};
+    __syncthreads();  // every warp's maximum is in the stage
+    SPARSEKV_UNROLLED
+    for (int w = 0; w < kSplitWarps; ++w) {
+      const float4 other = *reinterpret_cast<const float4*>(&stage.partial[w][4 * lane]);
+      const float x[4] = {other.x, other.y, other.z, other.w};
+      for (int v = 0; v < 4; ++v) m[v] = x[v] > m[v] ? x[v] : m[v];
+    }
+    const int column = thread % kSplitChunk;
+    const float* terms = &stage.terms[thread / kSplitChunk][0][column];  // weights (sum) or products (acc)
+    float total = 0.0f;
+    SPARSEKV_UNROLLED
+    for (int r = 0; r < kSlots / kRoundSlots; ++r) {
+      SPARSEKV_UNROLLED
+      for (int s = 0; s < kPerRound; ++s) {
+        const int k = kPerRound * r + s, slot = kPerRound * warp + s;
+        float weight[4], product[4];
+        const int j = kRoundSlots * r + slot;
+        held_terms<kBf16>(stage.rows[j], stage.used[j], c0, 4, logit[k], m, weight, product);
+        *reinterpret_cast<float4*>(&stage.terms[0][slot][4 * lane]) = float4{weight[0], weight[1], weight[2], weight[3]};
+        *reinterpret_cast<float4*>(&stage.terms[1][slot][4 * lane]) =
+            float4{product[0], product[1], product[2], product[3]};
+      }
+      __syncthreads();  // the round's terms are in the stage
+      SPARSEKV_UNROLLED
+      for (int s = 0; s < kRoundSlots; ++s) total = team::add_rn(total, terms[s * kSplitChunk]);
+      __syncthreads();  // the round's terms are added before the next round overwrites them
+    }
+    if (thread >= kSplitChunk) stage.partial[0][column] = total;
+    __syncthreads();  // the acc threads' sums are in the stage
+    return thread < kSplitChunk ? entry_of(total, stage.partial[0][column]) : 0.0f;
   }
 #endif
 
