@@ -196,45 +196,65 @@ struct IndexerScores {
   static constexpr int64_t kMaxGridY = 65535;  // the hardware limit of gridDim.y
   static int run_on_cuda(const Params& p, void* stream);
 
-  // Lane t of the MMA holds dims [32 t, 32 t + 32) of its two entries, so dims 32 t + 4 s + (0..3)
-  // of K step s sit where the fragment layout puts k = 2 t, 2 t + 1, 2 t + 8, 2 t + 9: the dot is a
-  // sum over all dims, which any such permutation of K (applied to the query's B fragment too)
-  // leaves unchanged. A lane then reads its keys' 32 contiguous dims (FP8: 32 bytes; FP4: 16 bytes
-  // and the one block scale of those dims) with 8-byte loads.
+  // Lane t of the MMA holds dims [32 t, 32 t + 32) of its two entries: the dot is a sum over all
+  // dims, which any permutation of K applied to the query's B fragment too leaves unchanged, so each
+  // K step s takes, as its fragment's k = 2 t, 2 t + 1 (half 0) and 2 t + 8, 2 t + 9 (half 1), the
+  // pair of the lane's dims that key_pairs puts at 2 s + half and query_dims names. A lane then
+  // reads its keys' 32 contiguous dims (FP8: 32 bytes; FP4: 16 bytes and the one block scale of
+  // those dims) with 8-byte loads.
   struct LaneKey {
     uint64_t bytes[4];  // FP8: 32 e4m3 codes; FP4: bytes[0..1], 32 e2m1 nibbles (even dim low)
-    float scale;        // FP8: the entry's fp32 scale, applied to the dot; FP4: the block's 2^(e - 127)
+    uint32_t scale;     // FP8: the entry's fp32 scale's bits, applied to the dot; FP4: the block's UE8M0 byte
   };
 
   SPARSEKV_DEVICE static LaneKey load_lane_key(const uint8_t* value, const uint8_t* scale, int t) {
     LaneKey key{};
     if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
       for (int j = 0; j < 4; ++j) key.bytes[j] = copy_detail::load_bytes8(value + 32 * t + 8 * j, value, value + kDim);
-      key.scale = fp8::bits_float(static_cast<uint32_t>(copy_detail::load_bytes8(scale, scale, scale + 4)));
+      key.scale = static_cast<uint32_t>(copy_detail::load_bytes8(scale, scale, scale + 4));
     } else {
       for (int j = 0; j < 2; ++j) {
         key.bytes[j] = copy_detail::load_bytes8(value + 16 * t + 8 * j, value, value + kDim / 2);
       }
-      key.scale = fp8::ue8m0_to_float(copy_detail::load_byte(scale + t));
+      key.scale = copy_detail::load_byte(scale + t);
     }
     return key;
   }
 
-  // Dims 32 t + 4 s + 2 h, + 1 of a lane's key as bf16x2 (exact: e4m3 codes, or e2m1 times a power of two).
-  SPARSEKV_DEVICE static uint32_t key_pair(const LaneKey& key, int s, int h) {
-    const int at = 4 * s + 2 * h;  // the pair's first dim within the lane's 32
+  // The dims (first, second) of the query that pair x (of 64; lane t's are 16 t .. 16 t + 15) multiplies:
+  // FP8 2 x, 2 x + 1; FP4 8 (x / 4) + x % 4 and 4 more, the pairing of mma::e2m1x8_to_bf16x2.
+  SPARSEKV_HOST_DEVICE static void query_dims(int x, int* first, int* second) {
     if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
-      return mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(key.bytes[at / 8] >> (8 * (at % 8))), 1.0f);
+      *first = 2 * x;
+      *second = 2 * x + 1;
     } else {
-      const auto byte = static_cast<uint8_t>(key.bytes[at / 16] >> (8 * ((at % 16) / 2)));
-      return mma::floats_to_bf16x2(fp8::e2m1_to_float(byte & 0xF) * key.scale,
-                                   fp8::e2m1_to_float(byte >> 4) * key.scale);
+      *first = 8 * (x / 4) + x % 4;
+      *second = *first + 4;
+    }
+  }
+
+  // The lane's 32 dims of a key as 16 bf16x2, pair x of the lane at pairs[x] (exact: e4m3 codes, or
+  // e2m1 times a power of two).
+  SPARSEKV_DEVICE static void key_pairs(const LaneKey& key, uint32_t (&pairs)[16]) {
+    if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
+      SPARSEKV_UNROLLED
+      for (int x = 0; x < 16; ++x) {
+        pairs[x] = mma::e4m3x2_to_bf16x2(static_cast<uint16_t>(key.bytes[x / 4] >> (16 * (x % 4))), 1.0f);
+      }
+    } else {
+      const uint32_t scale = mma::ue8m0_to_bf16x2(key.scale);
+      SPARSEKV_UNROLLED
+      for (int k = 0; k < 4; ++k) {
+        uint32_t four[4];
+        mma::e2m1x8_to_bf16x2(static_cast<uint32_t>(key.bytes[k / 2] >> (32 * (k % 2))), scale, four);
+        for (int p = 0; p < 4; ++p) pairs[4 * k + p] = four[p];
+      }
     }
   }
 
   SPARSEKV_DEVICE static float dot_scale(const LaneKey& key) {
     if constexpr (std::is_same_v<Layout, kv_layout::IndexerFp8>) {
-      return key.scale;
+      return fp8::bits_float(key.scale);
     } else {
       return 1.0f;
     }
@@ -243,45 +263,56 @@ struct IndexerScores {
 };
 
 #ifdef __CUDACC__
-// Design note. One row of 64 heads over 64k FP8 entries: 8.9 MB, 1.9 us of HBM on an H200. Tensor
-// cores: a warp takes 16 entries at a time, logits [16 entries, 8 heads] per mma.sync m16n8k16
-// (bf16: the e4m3 codes through the hardware convert, exact; the fp32 key scale applied to the
-// result), 8 K steps x up to 8 head tiles, float32 accumulation; relu * weight and the sum over
-// heads in registers, two shuffles across the lane's group. 256 entries per 256-thread block: 256
-// blocks at 64k, two per SM (at most 128 registers a thread: the launch bound). The block stages
-// the row's query in shared memory as bf16 (16 KB, from L2), about half the bytes of its keys,
-// the price of spreading one row over the whole GPU; HBM stays the bound at every batch.
-// Instruction budget (nvcc 13, tools/bench/bench_sass_budget.py): the tile loop is 933 SASS
-// instructions per warp on sm_90a (64 HMMA.16816.F32.BF16, 32 F2FP.F16.E4M3 converts of code
-// pairs and 32 F2FP.BF16 packs, 72 LDS.64 of the query, the rest the epilogue, addresses and the
-// head-tile checks), 94 registers, no stack; 4,096 tiles over 132 SMs x 4 schedulers x 1.98 GHz
-// = 3.7 us, 2.0x the H200 roofline (sm_100a: 872, 100 registers, 3.1 us against a B200's 1.1 us,
-// 2.7x). Before (one warp per entry on CUDA cores, software e4m3 decode): 7.4 us, 4.0x (sm_100a
-// 14.9 us, 13x, one CTA per SM at 158 registers).
+// Design note. One row of 64 heads over 64k FP8 entries: 8.9 MB, 1.9 us of HBM on an H200 (FP4:
+// 68-byte records, 4.5 MB, 0.99 us). Tensor cores: a warp takes 16 entries at a time, logits [16
+// entries, 8 heads] per mma.sync m16n8k16 (bf16: the e4m3 codes through the hardware convert, exact,
+// the fp32 key scale applied to the result; or e2m1 codes times their block's power of two, exact,
+// mma::e2m1x8_to_bf16x2), float32 accumulation. A lane decodes its 32 dims of its two entries once
+// (16 bf16x2 each), then the head tiles go two at a time (two independent accumulator chains), each
+// 8 K steps then its relu * weight; the sum over heads in registers, two shuffles across the lane's
+// group. 256 entries per 256-thread block: 256 blocks at 64k, two per SM (at most 128 registers a
+// thread: the launch bound). The block stages the row's query in shared memory as bf16 (16 KB, from
+// L2), about half the bytes of its FP8 keys, the price of spreading one row over the whole GPU.
+// Instruction budget (nvcc 13, tools/bench/bench_sass_budget.py; estimates, no GPU has timed them):
+// FP8, the tile loop is 689 SASS instructions per warp on sm_90a (64 HMMA.16816.F32.BF16, 32
+// F2FP.F16.E4M3 converts of code pairs, 64 HADD2.F32 and 32 F2FP.BF16 packs, 32 LDS.128 of the
+// query and 8 LDS.64 of the weights, 32 NOPs that space the HMMAs, the rest the epilogue and
+// addresses), 113 registers, no stack; 4,096 tiles over 132 SMs x 4 schedulers x 1.98 GHz = 2.7 us,
+// 1.45x the H200 roofline (sm_100a: 638, 119 registers, 2.2 us against a B200's 1.1 us, 2.0x). FP4:
+// 670 (72 PRMT and 32 HMUL2.BF16 of the decode, 92 registers), 2.6 us, 2.66x its 0.99 us (sm_100a:
+// 602, 2.1 us, 3.6x its 0.59 us); 256k entries the same ratios. Before: the decode per K step
+// inside the head-tile loop, 8 head tiles each checked per K step, and FP4 codes decoded one at a
+// time on the float32 bits with a select (fp8::e2m1_to_float): FP8 933 (2.0x; sm_100a 872, 2.7x),
+// FP4 1,439 (5.7x; sm_100a 1,313, 7.8x); before that (one warp per entry on CUDA cores, software
+// e4m3 decode) FP8 7.4 us, 4.0x.
 template <class K>
 __global__ void __launch_bounds__(K::kThreads, 2) scores_kernel(const typename K::Params p) {
-  // q as bf16x2 dim pairs (even dim low), [part][head][pair] (heads past p.heads zero); the weights likewise.
+  // q as bf16x2 dim pairs (K::query_dims), [part][head][pair] (heads past p.heads zero, up to the
+  // pair of head tiles that holds the last head); the weights likewise.
   __shared__ uint32_t q_s[K::kQParts][kMaxHeads][K::kQStride / 2];
   __shared__ float w_s[kMaxHeads];
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;  // the lane's group (entry / head row) and its place in it
   const int head_tiles = static_cast<int>((p.heads + 7) / 8);
+  const int staged_heads = 16 * ((head_tiles + 1) / 2);  // the head rows the tile pairs read
   for (int64_t b = blockIdx.y; b < p.batch; b += gridDim.y) {
     if (b != blockIdx.y) __syncthreads();  // q_s and w_s of the previous row are still being read
-    for (int x = threadIdx.x; x < kDim / 2 * kMaxHeads; x += K::kThreads) {
-      const int h = x / (kDim / 2), d = 2 * (x % (kDim / 2));
+    for (int x = threadIdx.x; x < kDim / 2 * staged_heads; x += K::kThreads) {
+      const int h = x / (kDim / 2), pair = x % (kDim / 2);
+      int d[2];
+      K::query_dims(pair, &d[0], &d[1]);
       float q[2] = {0.0f, 0.0f};
       if (h < p.heads) {
-        for (int e = 0; e < 2; ++e) q[e] = load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d + e);
+        for (int e = 0; e < 2; ++e) q[e] = load_q(p.q + b * p.q_stride_b + h * p.q_stride_h + d[e]);
       }
       const uint16_t high[2] = {fp8::float_to_bf16(q[0]), fp8::float_to_bf16(q[1])};
-      q_s[0][h][d / 2] = mma::pack_bf16x2(high[0], high[1]);
+      q_s[0][h][pair] = mma::pack_bf16x2(high[0], high[1]);
       if constexpr (K::kQParts == 2) {
-        q_s[K::kQParts - 1][h][d / 2] = mma::pack_bf16x2(fp8::float_to_bf16(q[0] - fp8::bf16_to_float(high[0])),
-                                                          fp8::float_to_bf16(q[1] - fp8::bf16_to_float(high[1])));
+        q_s[K::kQParts - 1][h][pair] = mma::pack_bf16x2(fp8::float_to_bf16(q[0] - fp8::bf16_to_float(high[0])),
+                                                         fp8::float_to_bf16(q[1] - fp8::bf16_to_float(high[1])));
       }
     }
-    for (int h = threadIdx.x; h < kMaxHeads; h += K::kThreads) {
+    for (int h = threadIdx.x; h < staged_heads; h += K::kThreads) {
       w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
     }
     __syncthreads();
@@ -299,29 +330,33 @@ __global__ void __launch_bounds__(K::kThreads, 2) scores_kernel(const typename K
         valid[r] = i < last && i < n && K::locate(p, b, i, &value, &scale);
         keys[r] = valid[r] ? K::load_lane_key(value, scale, t) : typename K::LaneKey{};
       }
-      mma::FragC acc[kMaxHeads / 8] = {};
-      SPARSEKV_UNROLLED
-      for (int s = 0; s < kDim / 16; ++s) {
-        const mma::FragA a{{K::key_pair(keys[0], s, 0), K::key_pair(keys[1], s, 0), K::key_pair(keys[0], s, 1),
-                            K::key_pair(keys[1], s, 1)}};
-        SPARSEKV_UNROLLED
-        for (int j = 0; j < kMaxHeads / 8; ++j) {
-          if (j >= head_tiles) break;  // warp-uniform
-          for (int part = 0; part < K::kQParts; ++part) {
-            const uint32_t* q_pairs = &q_s[part][8 * j + g][16 * t + 2 * s];
-            const mma::FragB bq{{q_pairs[0], q_pairs[1]}};
-            mma::mma_bf16(acc[j], a, bq);
-          }
-        }
-      }
-      // Epilogue: element i of head tile j is entry row c_row (g or g + 8), head 8 j + c_col.
+      uint32_t pairs[2][16];
+      for (int r = 0; r < 2; ++r) K::key_pairs(keys[r], pairs[r]);
+      // Two head tiles at a time (two independent accumulator chains, so no MMA waits on the one
+      // before it), their 8 K steps and then their epilogue: element i of tile j's C is entry row
+      // g + 8 (i / 2), head 8 j + mma::c_col(lane, i). A tile past the heads has zero q rows and
+      // weights, and adds +0 to the (never -0) scores.
       float score[2] = {0.0f, 0.0f};
       SPARSEKV_UNROLLED
-      for (int j = 0; j < kMaxHeads / 8; ++j) {
-        if (j >= head_tiles) break;
-        for (int i = 0; i < 4; ++i) {
-          const int r = i >> 1, h = 8 * j + mma::c_col(lane, i);
-          score[r] += w_s[h] * fmaxf(acc[j].x[i] * K::dot_scale(keys[r]), 0.0f);
+      for (int j0 = 0; j0 < kMaxHeads / 8; j0 += 2) {
+        if (j0 >= head_tiles) break;  // warp-uniform
+        mma::FragC acc[2] = {};
+        SPARSEKV_UNROLLED
+        for (int s = 0; s < kDim / 16; ++s) {
+          const mma::FragA a{{pairs[0][2 * s], pairs[1][2 * s], pairs[0][2 * s + 1], pairs[1][2 * s + 1]}};
+          for (int part = 0; part < K::kQParts; ++part) {
+            for (int jj = 0; jj < 2; ++jj) {
+              const uint32_t* q_pairs = &q_s[part][8 * (j0 + jj) + g][16 * t + 2 * s];
+              const mma::FragB bq{{q_pairs[0], q_pairs[1]}};
+              mma::mma_bf16(acc[jj], a, bq);
+            }
+          }
+        }
+        for (int jj = 0; jj < 2; ++jj) {
+          for (int i = 0; i < 4; ++i) {
+            const int r = i >> 1, h = 8 * (j0 + jj) + mma::c_col(lane, i);
+            score[r] += w_s[h] * fmaxf(acc[jj].x[i] * K::dot_scale(keys[r]), 0.0f);
+          }
         }
       }
       for (int r = 0; r < 2; ++r) {

@@ -302,6 +302,17 @@ def test_the_triton_fp4_scores_multiply_without_flushing_subnormals(arch):
     assert multiplies and not [op for op in multiplies if ".FTZ" in op], sorted(set(multiplies))
 
 
+@pytest.mark.slow  # the fp4 scores' instance, as its row of SASS_TABLE
+@needs("nvcc or cuobjdump", NO_TOOLS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_header_fp4_scores_scale_on_bf16_multiplies_that_keep_subnormals(arch):
+    # mma::e2m1x8_to_bf16x2 multiplies each e2m1 pair by its block's scale on bf16x2 (HMUL2.BF16):
+    # the scale byte 0 is the bf16 subnormal 2^-127, exact only if the multiply keeps subnormals.
+    sass = _sass(("cuda", "dsv4_indexer:layout=fp4,q_dtype=bfloat16", "scores_kernel"), arch)
+    multiplies = [op for op in inner_loop(sass) if op.startswith(("HMUL2", "HFMA2"))]
+    assert multiplies and all(".BF16" in op and ".FTZ" not in op for op in multiplies), sorted(set(multiplies))
+
+
 def test_the_inner_loop_is_the_innermost_loop_and_not_a_branch_back_from_out_of_line_code():
     # A loop over 0x100..0x400 holding a loop over 0x200..0x280; a block past the loop (0x500)
     # branching back into its middle (0x300): its span 0x300..0x500 holds the epilogue, no loop.

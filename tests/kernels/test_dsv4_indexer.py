@@ -420,6 +420,30 @@ def test_the_kernel_scores_exactly_the_literal_visible_entries(backend, position
     assert finite.tolist() == list(VISIBLE.values())
 
 
+def test_every_fp4_code_byte_and_scale_byte_decodes_exactly(backend):
+    # Row b's two heads are e_b and -e_b, weighted 1 and -1, so its score of entry i is
+    # relu(k_i[b]) - relu(-k_i[b]) = k_i[b]: the kernel's decoded key itself, which must equal the
+    # fp64 decode bit for bit (e2m1 times a power of two is a bf16). Entry i's byte j is
+    # (i + 37 j) % 256, so every dim sees every byte; its block scales are (4 i + k) % 253, every
+    # UE8M0 byte whose products stay finite (0: the subnormal 2^-127).
+    layout, page_slots, entries = "fp4", 64, 256
+    cache_layout = INDEXER_LAYOUTS[layout]
+    cache = torch.zeros(entries // page_slots, cache_layout.page_bytes(page_slots), dtype=torch.uint8)
+    i = torch.arange(entries)
+    values = (i[:, None] + 37 * torch.arange(64)[None, :]) % 256
+    scales = (4 * i[:, None] + torch.arange(4)[None, :]) % 253
+    cache_layout.value_view(cache, page_slots)[:] = values.to(torch.uint8).view(-1, page_slots, 64)
+    cache_layout.scale_view(cache, page_slots)[:] = scales.to(torch.uint8).view(-1, page_slots, 4)
+    unit = torch.eye(128)
+    args = to_backend(backend, dict(
+        q=torch.stack([unit, -unit], dim=1).to(torch.bfloat16), weights=torch.tensor([[1.0, -1.0]]).repeat(128, 1),
+        k_cache=cache, page_table=torch.arange(entries // page_slots, dtype=torch.int32).repeat(128, 1),
+        positions=torch.full((128,), 4 * entries - 1), page_slots=page_slots, layout=layout,
+        out=torch.zeros(128, entries)))
+    indexer_scores(**args)
+    assert torch.equal(args["out"].cpu(), decode_indexer_keys(cache, i, page_slots, layout).float().T)
+
+
 @pytest.mark.no_backend("template arguments are computed in Python")
 def test_template_args_cover_the_instance_table():
     args = {indexer_template_args(layout, dtype) for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}

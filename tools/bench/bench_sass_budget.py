@@ -134,6 +134,12 @@ TRIPS = {
     "cuda dsv4_indexer scores_kernel 256k": (("cuda", "dsv4_indexer", {"layout": "fp8", "q_dtype": "bfloat16"},
                                               "scores_kernel"), roofline.indexer_scores(1, 262144), 262144 // 16,
                                              262144 // 256, "one row of 256k entries: as at 64k, 1,024 CTAs"),
+    "cuda dsv4_indexer scores_kernel fp4 256k": (("cuda", "dsv4_indexer", {"layout": "fp4", "q_dtype": "bfloat16"},
+                                                  "scores_kernel"),
+                                                 roofline.indexer_scores(1, 262144,
+                                                                         key_bytes=INDEXER_FP4.bytes_per_token),
+                                                 262144 // 16, 262144 // 256,
+                                                 "one row of 256k FP4 entries: as at 64k, 1,024 CTAs"),
     "triton dsv4_indexer.scores[fp8,bf16] 256k": (("triton", "dsv4_indexer.scores[fp8,bf16]", {}, ""),
                                                   roofline.indexer_scores(1, 262144), (262144 // 256) * (256 // 64) * 4,
                                                   262144 // 256, "one row of 256k entries: 1,024 chunks of 256 over "
