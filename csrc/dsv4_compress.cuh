@@ -55,7 +55,7 @@ namespace sparsekv::dsv4_compress {
 // Bound, at 4k tokens and d = 512 (C4: 34 MB, 7.4 us on an H200; C128: 17 MB, 3.5 us): by memory.
 // The static instruction budget (tools/bench/bench_sass_budget.py, docs/sass.md, no GPU has timed
 // it), the code of all three step kinds counted, puts C4's issue at 0.85x that on an H200 and 1.40x
-// on a B200; C128's (1,859 instructions a warp, 128 CTAs of 8 warps) at 0.54x and 0.90x, where the
+// on a B200; C128's (1,767 instructions a warp, 128 CTAs of 8 warps) at 0.51x and 0.83x, where the
 // channel-a-lane form, bound by its 128 serial slots on 64 SMs, took 7.9x and 13.4x.
 template <int64_t kRatio, bool kBf16, bool kWide>
 struct PoolEvents {

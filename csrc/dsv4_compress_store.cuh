@@ -26,8 +26,8 @@
 // (SplitStore), a CTA of 8 warps per entry, pools as the compressor's split form (WindowPool::
 // pool_split: per 128-channel chunk the 128 slots 16 a warp, the sums added in slot order a channel
 // a thread) into a float row in shared memory, and warp 0 stores it: at 4k C128 tokens (32 entries,
-// so 32 SMs, each chunk loop 1,778 instructions x 8 warps x 4 chunks) 2.05x the roofline on an H200,
-// 2.2x with the store's code; 3.4x (3.7x) on a B200, where the channel-a-lane form, a warp per entry
+// so 32 SMs, each chunk loop 1,686 instructions x 8 warps x 4 chunks) 1.95x the roofline on an H200,
+// 2.1x with the store's code; 3.2x (3.4x) on a B200, where the channel-a-lane form, a warp per entry
 // over 4 SMs, took 183x. Rows off a 16-byte boundary (StreamedStore, and the cpu backend) pool a
 // channel a lane (WindowPool::pool_tile): an entry's 16 32-channel columns each walk the window
 // twice, 5.6x (6.0x) at 4k C4 tokens on an H200.

@@ -334,7 +334,9 @@ struct WindowPool {
   // warps pool the kSplitChunk channels first .. first + 127 of event e, 4 consecutive channels a
   // lane (16-byte loads), warp w the 16 slots 16 r + 2 w + s (r < 8, s < 2), its logits held in
   // registers (held_logits), so each row is read once. The maximum over slots is order-free: each
-  // warp takes its slots', then each lane the 8 warps' from the stage. The weights and products
+  // warp takes its slots', then each lane the 8 warps' from the stage. It is fmaxf (one instruction),
+  // not the other forms' `logit > m ? logit : m`: both skip a NaN logit (m never is NaN), and they
+  // differ only in the sign of a zero maximum, under which every weight exp(logit - m) is the same. The weights and products
   // (held_terms) of each slot are independent of the others, so the warps make them for 16 slots at
   // a time (a round) into the stage; then thread t adds up channel first + t % 128's weights
   // (t < 128: sum) or products (acc) in slot order, one column of the stage, 16 adds a round. So
@@ -382,7 +384,7 @@ struct WindowPool {
     for (int k = 0; k < kPerWarp; ++k) {
       const int j = kRoundSlots * (k / kPerRound) + kPerRound * warp + k % kPerRound;
       held_logits<kBf16>(stage.rows[j], stage.used[j], c0, 4, logit[k]);
-      for (int v = 0; v < 4; ++v) m[v] = logit[k][v] > m[v] ? logit[k][v] : m[v];
+      for (int v = 0; v < 4; ++v) m[v] = fmaxf(m[v], logit[k][v]);
     }
     *reinterpret_cast<float4*>(&stage.partial[warp][4 * lane]) = float4{m[0], m[1], m[2], m[3]};
     __syncthreads();  // every warp's maximum is in the stage
@@ -390,7 +392,7 @@ struct WindowPool {
     for (int w = 0; w < kSplitWarps; ++w) {
       const float4 other = *reinterpret_cast<const float4*>(&stage.partial[w][4 * lane]);
       const float x[4] = {other.x, other.y, other.z, other.w};
-      for (int v = 0; v < 4; ++v) m[v] = x[v] > m[v] ? x[v] : m[v];
+      for (int v = 0; v < 4; ++v) m[v] = fmaxf(m[v], x[v]);
     }
     const int column = thread % kSplitChunk;
     const float* terms = &stage.terms[thread / kSplitChunk][0][column];  // weights (sum) or products (acc)
