@@ -8,7 +8,7 @@ CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 PYTEST_ARGS ?=
 
-.PHONY: install install-pd demo docs lint test test-demos test-gpu test-slow test-sanitize test-sim clean-venv
+.PHONY: install install-pd demo docs lint test test-demos test-gpu test-slow test-sanitize test-sanitize-sim test-sim test-sim-and-demos clean-venv
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,9 +57,12 @@ test-slow: $(PD_STAMP)
 	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS)
 
 # The demo at its smallest size with the kernels' CUDA path on the simulator, and with the Triton twins
-# under the interpreter (slow tests of tests/test_demo.py that CI runs; make test leaves them out).
+# under the interpreter: two slow tests of tests/test_demo.py (make test leaves them out), named by node
+# id, which runs them without --slow (tests/conftest.py).
+DEMO_TESTS := tests/test_demo.py::test_a_tiny_demo_on_sim_checks_hold \
+	tests/test_demo.py::test_tiny_demo_with_the_triton_indexer_and_attention
 test-demos: $(STAMP)
-	$(PY) -m pytest -n 2 -q --slow $(PYTEST_ARGS) tests/test_demo.py -k "on_sim or triton_indexer"
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS) $(DEMO_TESTS)
 
 # Runs the kernel tests on the cuda backend too, and fails if no GPU is visible.
 test-gpu: $(STAMP)
@@ -91,12 +94,44 @@ test-sanitize: $(STAMP)
 	SPARSEKV_TEST_BACKENDS=cpu $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) --ignore-glob='tests/kernels/*_triton.py' \
 		tests/kernels tests/jit/test_jit_sanitize.py
 
+# The CUDA code paths most at risk under ASan + UBSan: the compressors alone and fused with the store
+# (every test of both), and the HiSparse swap-in (its small instances: the LRU walk, the generic and
+# DSV4 layouts, the paged miss copies, both protected kernels, the speculative rows), on sim modules
+# built with the sanitizers (the sim build runs each header's CUDA path: 16-byte loads, shared-memory
+# stages, warp votes; test-sanitize's cpu build runs none of them). The cpu modules each sim call is
+# checked against are test-sanitize's (the same keys: CI runs this after it). With log_path set, ASan
+# and UBSan write their reports only to those files, never to stderr, and a report in a child process
+# fails no test by itself: the stage fails when any file was written, and prints them. Hypothesis
+# draws the `sanitize` profile, as in test-sanitize. The cost in CI: docs/testing.md.
+SANITIZE_SIM_LOGS ?= $(CURDIR)/.cache/sanitize-sim
+HISPARSE_TESTS := tests/kernels/test_hisparse.py
+SANITIZE_SIM_TESTS ?= tests/kernels/test_dsv4_compress.py tests/kernels/test_dsv4_compress_store.py \
+	$(HISPARSE_TESTS)::test_hits_newest_and_lru_then_misses_take_lru_slots \
+	$(HISPARSE_TESTS)::test_kernel_matches_reference_on_a_mixed_batch \
+	$(HISPARSE_TESTS)::test_dsv4_miss_reads_and_writes_paged_addresses \
+	$(HISPARSE_TESTS)::test_a_protected_policy_follows_its_model_bit_for_bit \
+	$(HISPARSE_TESTS)::test_speculative_rows_equal_running_them_one_after_another
+test-sanitize-sim: $(STAMP)
+	rm -rf $(SANITIZE_SIM_LOGS) && mkdir -p $(SANITIZE_SIM_LOGS)
+	LD_PRELOAD="$$($(SANITIZE_CXX) -print-file-name=libasan.so) $$($(SANITIZE_CXX) -print-file-name=libstdc++.so)" \
+	ASAN_OPTIONS=detect_leaks=0:log_path=$(SANITIZE_SIM_LOGS)/asan \
+	UBSAN_OPTIONS=print_stacktrace=1:log_path=$(SANITIZE_SIM_LOGS)/ubsan SPARSEKV_SANITIZE=address,undefined \
+	SPARSEKV_TEST_BACKENDS=sim $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) $(SANITIZE_SIM_TESTS); status=$$?; \
+	if [ -n "$$(ls -A $(SANITIZE_SIM_LOGS))" ]; then head -n 200 $(SANITIZE_SIM_LOGS)/*; \
+		echo "test-sanitize-sim: sanitizer reports in $(SANITIZE_SIM_LOGS) (above)"; exit 1; fi; exit $$status
+
 # Every kernel test on the sim backend (each header's CUDA path run on the CPU with GPU semantics:
 # barriers, warp shuffles and ballots, shared memory, launch limits). The simulator's own planted-bug
 # tests (tests/jit/test_jit_sim.py) and each family's core property test on sim run in `make test`.
 # Sim modules have their own cache keys.
 test-sim: $(STAMP)
 	SPARSEKV_TEST_BACKENDS=sim $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) tests/kernels
+
+# CI's sim stage: test-sim and test-demos in one session. The demos are collected first, so each worker
+# starts with one (the Triton demo is the longest test CI runs); in a stage of their own they kept one
+# worker idle for most of it (docs/testing.md).
+test-sim-and-demos: $(STAMP)
+	SPARSEKV_TEST_BACKENDS=sim $(PY) -m pytest -n 2 -q $(PYTEST_ARGS) $(DEMO_TESTS) tests/kernels
 
 clean-venv:
 	rm -rf $(VENV)

@@ -98,15 +98,31 @@ def pytest_configure(config):
     settings.load_profile(default_profile(config.getoption("--slow")))
 
 
+def _named_tests(config) -> set[str]:
+    """The tests the command line names by node id (``path::name``, parameters dropped), as node ids."""
+    named = set()
+    for arg in config.args:
+        path, sep, name = arg.partition("::")
+        if sep:
+            full = (config.invocation_params.dir / path).resolve()
+            if full.is_relative_to(config.rootpath):
+                named.add(f"{full.relative_to(config.rootpath).as_posix()}::{name.split('[')[0]}")
+    return named
+
+
 def pytest_collection_modifyitems(config, items):
     # Without --slow, slow tests are deselected rather than skipped: the skips of a CI run are only the
-    # GPU ones (sparsekv.testing.components).
+    # GPU ones (sparsekv.testing.components). A slow test named by node id runs: `make test-demos` names
+    # its two, and CI runs them in its sim stage's session (Makefile: test-sim-and-demos).
     if config.getoption("--slow"):
         return
-    slow = [item for item in items if "slow" in item.keywords]
+    named = _named_tests(config)
+    slow, kept = [], []
+    for item in items:
+        (slow if "slow" in item.keywords and item.nodeid.split("[")[0] not in named else kept).append(item)
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if "slow" not in item.keywords]
+        items[:] = kept
 
 
 def pytest_runtest_setup(item):

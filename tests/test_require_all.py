@@ -4,6 +4,7 @@ with the same reason (CI sets it in .ci/run); without it such a test skips."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +45,22 @@ def test_a_missing_component_skips_and_fails_under_require_all(pytester, monkeyp
 
 def test_ci_requires_every_component():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "export SPARSEKV_REQUIRE_ALL=1" in ci and "make test\n" in ci
-    # and the demos the default profile leaves out: on sim, and with the Triton twins
-    assert "make test-demos\n" in ci
+    assert "export SPARSEKV_REQUIRE_ALL=1" in ci and "make test\n" in ci and "make test-sanitize-sim\n" in ci
+    # and the demos the default profile leaves out (on sim, and with the Triton twins), in the sim stage
+    assert "make test-sim-and-demos PYTEST_ARGS='-m \"not core\"'\n" in ci
+
+
+def test_a_slow_test_named_by_node_id_runs_without_slow():
+    # CI's sim stage names the two slow demo tests (the Makefile's DEMO_TESTS): without --slow they run,
+    # and a slow test the command line does not name stays deselected.
+    makefile = (REPO / "Makefile").read_text()
+    demos = re.search(r"^DEMO_TESTS := (.*?)\n(?!\t)", makefile, re.M | re.S).group(1).replace("\\\n", " ").split()
+    assert len(demos) == 2 and all(demo.startswith("tests/test_demo.py::") for demo in demos), demos
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", demos[0], "tests/test_demo.py"], capture_output=True, text=True, cwd=REPO,
+                           timeout=300)
+    collected = {line for line in done.stdout.splitlines() if "::" in line}
+    assert done.returncode == 0 and demos[0] in collected and demos[1] not in collected, done.stdout[-2000:]
 
 
 SKIPS = """
