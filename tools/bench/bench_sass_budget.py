@@ -204,13 +204,26 @@ _GATHER_COPY = ({"LDG.E", "VOTE", "STS"}, {"LDG.E.128"})
 _TOPK_BUILD = ("cuda", "dsv4_indexer_topk", {}, "topk_kernel")
 _SWAP_IN_BUILD = ("cuda", "hisparse", {"num_top_k": 512, "hot_buffer_size": 1024, "layout": "dsv4", "page_slots": 64},
                   "swap_in_kernel")
-_SWAP_IN_BLOCK = [  # the per-request launch's block-wide passes at K 512, H 1,024, 16 warps: trips per SM
-    ("per request: top-k hash insert", {"ATOMS.CAS", "ATOMS.MIN"}, set(), 16, 64, {"outer": True}),
-    ("per request: top-k pass (hits, misses)", {"LDG.E.U16", "VOTE", "BAR"}, set(), 16, 64, {"outer": True}),
-    ("per request: 2 LRU passes over H", {"LDS.U16", "VOTE", "BAR", "STG.E"}, {"LDG.E.U16", "ATOMS"}, 2 * 2 * 16, 64,
-     {"outer": True}),
-    ("per request: output pass", {"LDS.128", "STG.E", "VOTE", "BAR"}, {"LDS.U16", "LDG.E.U16", "ATOMS"}, 16, 64,
-     {"outer": True})]
+def _swap_in_block(rows_a_request: int) -> list:
+    """The per-request launch's block-wide passes at K 512, H 1,024, 16 warps, for a CTA that serves
+    ``rows_a_request`` rows (the speculative entry serves a request's rows in one CTA, one after
+    another): warp trips per SM. Each pass is found by what it alone does (``outer``: the block scans
+    of its ranks are short loops inside it): the LRU walk loads ``lru_slots`` (``LDG.E.U16``), the
+    misses store ``miss_index`` (``STS.U16``) and the token table, the output pass reads ``hash_slot``
+    (``LDS.U16``) and writes the output; the LRU rewrite, ``lru_slots`` from shared memory, holds no
+    scan (of its 2-trip loop and that loop unrolled, the longer counted, one trip)."""
+    r = rows_a_request
+    return [
+        ("per request: top-k hash insert", {"ATOMS.CAS", "ATOMS.MIN"}, set(), r * 16, 64, {"outer": True}),
+        ("per request: LRU walk over H (2 trips)", {"LDG.E.U16", "VOTE", "BAR"}, set(), r * 2 * 16, 64,
+         {"outer": True}),
+        ("per request: misses in top-k order", {"STS.U16", "STG.E", "VOTE", "BAR"}, {"LDG.E.U16", "ATOMS"}, r * 16,
+         64, {"outer": True}),
+        ("per request: LRU rewrite", {"LDS.U16", "STG.E.U16"}, {"VOTE", "BAR", "LDG.E.U16"}, r * 16, 64),
+        ("per request: output pass", {"LDS.U16", "STG.E", "VOTE", "BAR"}, {"STS.U16", "LDG.E.U16", "ATOMS"}, r * 16,
+         64, {"outer": True})]
+
+
 _SWAP_IN_COPY = ("copies: the 584 B record", {"LDG.E.128", "STG.E.128"}, set(), 2 * 4, 1, {"kernel": "MissCopies"})
 PHASES = {
     "cuda dsv4_compress_store CompressStore 4k C4": (
@@ -263,30 +276,44 @@ PHASES = {
         "batch 1, workspace given: 32 CTAs of 8,192 entries (a warp 256), each publishing ~700 "
         "candidates; the last CTA gathers the 32 segments (~22k keys, a warp a segment, 3 trips of 256)"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses": (
-        _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33), _SWAP_IN_BLOCK + [_SWAP_IN_COPY], (4.0, 2.5),
+        _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33), _swap_in_block(1) + [_SWAP_IN_COPY], (4.0, 2.2),
         "plain entry, batch 64, top-k 512, hot 1,024, 33 misses (0.1%), given a plan: the per-request launch "
         "(64 CTAs of 512 threads, one an SM; each of its 16 warps runs each block-wide pass once per 512 "
-        "entries: the top-k passes once, the 2 LRU passes over 1,024 slots twice) then the copies' launch, "
-        "one warp per plan entry (32k), a miss's warp copying its 584 B record in 2 trips of the 16-byte "
-        "loop on one scheduler (trips x 4). The allowance: 2 launches back to back (3 + 1 us), the 32k "
-        "entries' miss-count checks (~15 instructions a warp: 0.5 us) and one PCIe round trip for the "
-        "misses, all in flight at once (2 us). Not counted: the code between the passes (barriers, block "
-        "scans)"),
+        "entries: the hash insert, the misses and the output pass once, the LRU walk over 1,024 slots "
+        "twice, the LRU rewrite once) then the copies' launch, a warp per 16 plan entries of a row (32 warps "
+        "a row, 2k), a miss's warp copying its 584 B record in 2 trips of the 16-byte loop on one scheduler "
+        "(trips x 4). The allowance: 2 launches back to back (3 + 1 us), one PCIe round trip for the misses, "
+        "all in flight at once (2 us), and the copies' warps that find no miss (~100 instructions a warp "
+        "in the sm_90a SASS, the driver, a division and the miss-count load: 2k warps, 0.2 us; a warp per "
+        "plan entry, 32k warps of ~88, was 2.8 us). Not counted: the code between the passes (barriers, "
+        "the hash clear)"),
     "cuda hisparse swap-in step batch 64 K 512 0.1% misses speculative": (
         _SWAP_IN_BUILD, roofline.swap_in(64, 512, 33),
-        _SWAP_IN_BLOCK + [("copies: a miss's scan of the later rows, 32 a trip", {"LDG.E", "LDG.E.64"}, {"STG"},
-                           2 * 4, 1, {"kernel": "MissCopies", "outer": True}),
-                          ("copies: a same-request row's plan entries", {"LDG.E", "LDG.E.64"}, {"STG"}, 2 * 2 * 4, 1,
-                           {"kernel": "MissCopies"}), _SWAP_IN_COPY], (4.0, 2.5),
-        "as above, through the speculative entry (rows of one request served in batch order): the copies' "
-        "critical warp, a miss of row 0, first asks whether a later row of its request copies into the same "
-        "slot. Its lanes take the 63 later rows 32 at a time (2 trips of the scan loop, whose body holds the "
-        "inner loop's once), a lane loading its row's request id and miss count together and, for a row of "
-        "the same request, that row's plan entries (the inner loop, as long as the lane whose row has the most "
-        "misses: 2 more trips a scan trip, for 33 misses over 63 rows), then one vote; on one scheduler "
-        "(trips x 4). About 4 rounds of dependent loads (L2 hits) in all, which the issue model does not "
-        "time. The per-request passes are counted as for the plain entry, one row a "
-        "request: a request with r rows in the batch is served by one CTA, its passes r times"),
+        _swap_in_block(1) + [("copies: a miss's scan of the later rows, 32 a trip", {"LDG.E", "LDG.E.64"}, {"STG"},
+                              2 * 4, 1, {"kernel": "MissCopies", "outer": True}),
+                             ("copies: a same-request row's plan entries", {"LDG.E", "LDG.E.64"}, {"STG"}, 2 * 2 * 4, 1,
+                              {"kernel": "MissCopies"}), _SWAP_IN_COPY], (4.0, 2.2),
+        "as above, through the speculative entry (rows of one request served in batch order), one row a "
+        "request: the copies' critical warp, a miss of row 0, first asks whether a later row of its request "
+        "copies into the same slot. Its lanes take the 63 later rows 32 at a time (2 trips of the scan loop, "
+        "whose body holds the inner loop's once), a lane loading its row's request id and miss count together "
+        "and, for a row of the same request, that row's plan entries (the inner loop, as long as the lane "
+        "whose row has the most misses: 2 more trips a scan trip, for 33 misses over 63 rows), then one vote; "
+        "on one scheduler (trips x 4). About 4 rounds of dependent loads (L2 hits) in all, which the issue "
+        "model does not time"),
+    "cuda hisparse swap-in step batch 64 x 2 rows K 512 0.1% misses speculative": (
+        _SWAP_IN_BUILD, roofline.swap_in(128, 512, 66),
+        _swap_in_block(2) + [("copies: a miss's scan of the later rows, 32 a trip", {"LDG.E", "LDG.E.64"}, {"STG"},
+                              4 * 4, 1, {"kernel": "MissCopies", "outer": True}),
+                             ("copies: a same-request row's plan entries", {"LDG.E", "LDG.E.64"}, {"STG"}, 2 * 4, 1,
+                              {"kernel": "MissCopies"}), _SWAP_IN_COPY], (4.0, 2.4),
+        "the speculative entry with 2 rows a request (MTP: the token and a draft), 64 requests, 128 rows "
+        "adjacent in batch order, top-k 512, hot 1,024, 66 misses (0.1%): the per-request launch's CTA of a "
+        "request serves its 2 rows one after the other, so each block-wide pass runs twice an SM (64 CTAs; "
+        "the later row's CTA does nothing). The copies' critical warp, a miss of row 0, scans the 127 later "
+        "rows 32 at a time (4 trips) and, in the one row of its request, that row's plan entries (2 trips); "
+        "on one scheduler (trips x 4). The allowance as above, the copies' empty warps twice as many (4k "
+        "warps, 0.4 us; a warp per plan entry, 64k warps, was 5.5 us)"),
     "cuda hisparse_copy TransferTokens 64k x 21": (
         ("cuda", "hisparse_copy", {"page_slots": 64}, "TransferTokens"), roofline.Cost(2 * 65536 * 21 * 584),
         [("value records: 16-byte copy loop", {"LD.E.128", "ST.E.128"}, set(), 8 * 21 * 2, 8192)], (3.0, 0.0),

@@ -469,9 +469,13 @@ struct SwapIn {
       const int32_t held = slot_ok ? tokens[slot] : kEmpty;
       const int pos = held >= 0 ? lookup(s, held) : -1;
       const bool hit = pos >= 0;
-      int n_hit = 0, n_evict = 0;
+      // The non-hits are the trip's other slots: their rank and count follow from the hits' (the
+      // trip's slots are its first threads), one block scan where two ran.
+      int n_hit = 0;
       const int r_hit = t.rank(hit, &n_hit, s.warp_counts);
-      const int r_evict = t.rank(in && !hit, &n_evict, s.warp_counts);
+      const int n_in = H - base < t.size ? H - base : t.size;
+      const int r_evict = t.tid - r_hit;
+      const int n_evict = n_in - n_hit;
       if (hit) {
         s.lru_out[num_hits + r_hit] = slot;
         s.hash_slot[pos] = slot;
@@ -480,9 +484,10 @@ struct SwapIn {
       }
       if constexpr (kProtect) {
         const bool prot = in && !hit && is_protected<ProtectRecent, ProtectNear>(s, held, newest);
-        int n_unprot = 0, n_prot = 0;
-        const int r_unprot = t.rank(in && !hit && !prot, &n_unprot, s.warp_counts);
+        int n_prot = 0;
         const int r_prot = t.rank(prot, &n_prot, s.warp_counts);
+        const int r_unprot = r_evict - r_prot;  // the unprotected are the other non-hits
+        const int n_unprot = n_evict - n_prot;
         if (in && !hit) {
           const int e = num_evictable + r_evict;
           if (prot) {
@@ -649,44 +654,62 @@ int launch_per_request(const typename Kernel::Params& p, int64_t batch, void* st
   return launch_kernel<swap_in_kernel<Kernel>>(static_cast<unsigned>(batch), Kernel::kBlockSize, bytes, stream, p);
 }
 
-// The copies of a swap-in step given a plan, as a second launch: one warp per plan entry over the
-// whole grid, so every miss of the batch is in flight at once (in the per-request launch a block's
-// 16 warps took its misses 16 at a time, one PCIe round trip each). Bytes equal the sequential
-// model's: the rows of one request (speculative) are served in batch order, so a device slot two of
-// its rows load in one step ends with the later row's bytes; here the earlier row's copy is
-// dropped when a later row copies into the same slot (every other destination is named once: a
-// row's misses take distinct slots and the requests' slots are distinct).
-// Design: latency-bound. At batch 64, K 512 and 0.1% misses: 32k warps, each one load of its
-// row's miss count (~10 instructions), ~33 of them also one 584-byte host -> device copy (one
-// PCIe round trip, ~2 us, all concurrent) and, speculative only, first a scan of the later rows
-// for a copy of the same request into the same slot (superseded): the warp's lanes take the later
-// rows 32 at a time, each loading its row's request id and miss count at once and, for a row of
-// the same request, that row's plan entries; one vote joins them. For a miss of row 0: 2 trips of
-// a ~77-instruction loop (sm_90a) and ~4 rounds of dependent L2 loads, where a scan by one lane
-// took 63 trips, a dependent load each (2.7 us of issue alone on one scheduler of an H200).
-// Budget (tools/bench/bench_sass_budget.py, docs/sass.md): the swap-in block's passes ~1.8 us, 2
-// launches, the 32k checks and one round trip: ~8.3 us plain, ~8.5 us speculative, against the
-// 10 us target.
+// The copies of a swap-in step given a plan, as a second launch over the whole grid, so every miss of
+// the batch is in flight at once (in the per-request launch a block's 16 warps took its misses 16 at
+// a time, one PCIe round trip each). A warp takes kEntriesPerWarp plan entries of one row, strided by
+// the row's warps: entry m of a row goes to its warp m % warps_per_row, so a row's misses, its first
+// entries, go one a warp while it has at most warps_per_row of them (32 at K 512: 6% misses), and
+// a warp that finds none (nearly all at 0.1% misses) stops after one load of its row's miss count.
+// A warp per entry (32k warps at batch 64, K 512, ~88 instructions each in the sm_90a SASS) spent
+// ~2.8 us of issue on those loads alone.
+// Bytes equal the sequential model's: the rows of one request (speculative) are served in batch
+// order, so a device slot two of its rows load in one step ends with the later row's bytes; here the
+// earlier row's copy is dropped when a later row copies into the same slot (every other destination
+// is named once: a row's misses take distinct slots and the requests' slots are distinct), so the
+// order of the copies does not matter.
+// Design: latency-bound. At batch 64, K 512 and 0.1% misses: 4k warps, each one load of its row's
+// miss count, ~33 of them also one 584-byte host -> device copy (one PCIe round trip, ~2 us, all
+// concurrent) and, speculative only, first a scan of the later rows for a copy of the same request
+// into the same slot (superseded): the warp's lanes take the later rows 32 at a time, each loading
+// its row's request id and miss count at once and, for a row of the same request, that row's plan
+// entries; one vote joins them. For a miss of row 0: 2 trips of a ~77-instruction loop (sm_90a) and
+// ~4 rounds of dependent L2 loads, where a scan by one lane took 63 trips, a dependent load each
+// (2.7 us of issue alone on one scheduler of an H200).
+// Budget (tools/bench/bench_sass_budget.py, docs/sass.md, sm_90a): the swap-in block's passes
+// ~1.4 us, 2 launches, the copies' 2k warps (~100 instructions each where they find no miss: 0.2 us;
+// a warp per entry, 32k, took ~2.8 us) and one round trip: ~7.6 us plain, ~7.7 us speculative; with
+// 2 rows a request (MTP drafts, 128 rows) a CTA runs its passes twice: ~9.4 us (9.5 on sm_100a),
+// against the 10 us target.
 template <class Layout>
 struct MissCopies {
+  static constexpr int kEntriesPerWarp = 16;
+
   struct Params {
     SwapInParams swap;
     int64_t width;  // plan columns (K)
   };
 
-  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.swap.batch * p.width; }
+  SPARSEKV_HOST_DEVICE static int64_t warps_per_row(const Params& p) {
+    return (p.width + kEntriesPerWarp - 1) / kEntriesPerWarp;
+  }
+
+  SPARSEKV_HOST_DEVICE static int64_t num_items(const Params& p) { return p.swap.batch * warps_per_row(p); }
 
   SPARSEKV_HOST_DEVICE static void item(const Params& p, int64_t i, Lanes lanes) {
     const SwapInParams& q = p.swap;
-    const int64_t b = i / p.width;
-    const int64_t m = i % p.width;
-    if (m >= q.miss_count[b]) return;
-    const int64_t src = q.miss_src[b * q.miss_src_stride + m];
-    const int64_t dst = load_index(q.miss_dst, q.miss_dst_is64, b * q.miss_dst_stride + m);
-    // Only the speculative entry serves two rows of one request: the plain one refuses them (such
-    // rows record no miss), so its copies skip the scan of the later rows.
-    if (q.speculative && superseded(q, b, dst, lanes)) return;
-    q.template copy_token<Layout>(src, dst, lanes);
+    const int64_t warps = warps_per_row(p);
+    const int64_t b = i / warps;
+    // The row's entries m < count are its misses (count <= width: a row has at most K distinct
+    // tokens); this warp's, m = i % warps + j * warps, grow with j (i - b * warps: one division).
+    const int64_t count = q.miss_count[b] < p.width ? q.miss_count[b] : p.width;
+    for (int64_t m = i - b * warps; m < count; m += warps) {
+      const int64_t src = q.miss_src[b * q.miss_src_stride + m];
+      const int64_t dst = load_index(q.miss_dst, q.miss_dst_is64, b * q.miss_dst_stride + m);
+      // Only the speculative entry serves two rows of one request: the plain one refuses them (such
+      // rows record no miss), so its copies skip the scan of the later rows.
+      if (q.speculative && superseded(q, b, dst, lanes)) continue;
+      q.template copy_token<Layout>(src, dst, lanes);
+    }
   }
 
   // Whether a later row of row b's request copies into dst, so that its bytes are the ones the
