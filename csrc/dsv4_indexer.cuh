@@ -142,14 +142,15 @@ struct IndexerScores {
   };
 
   // The key of entry i of row b, or false when its page is not in the cache.
-  SPARSEKV_HOST_DEVICE static bool locate(const Params& p, int64_t b, int64_t i, const uint8_t** value,
+  // Entry indices are below the row width (at most 2^31 - 1, the host entry checks), so 32-bit.
+  SPARSEKV_HOST_DEVICE static bool locate(const Params& p, int64_t b, uint32_t i, const uint8_t** value,
                                           const uint8_t** scale) {
     const int64_t page_slots = int64_t{1} << p.page_shift;
-    const int64_t page_index = i >> p.page_shift;
+    const uint32_t page_index = i >> p.page_shift;
     if (page_index >= p.max_pages) return false;
     const int64_t page = p.page_table[b * p.page_table_stride + page_index];
     if (page < 0 || page >= p.num_pages) return false;
-    const int64_t in_page = i & (page_slots - 1);
+    const uint32_t in_page = i & static_cast<uint32_t>(page_slots - 1);
     const uint8_t* base = p.cache + page * p.page_stride;
     *value = base + Layout::value_offset(in_page);
     *scale = base + Layout::scale_offset(in_page, page_slots);
@@ -177,7 +178,7 @@ struct IndexerScores {
       for (int t = 0; t < T; ++t) {
         const uint8_t *value, *scale;
         const int64_t i = i0 + t;
-        valid[t] = i < last && i < n && locate(p, b, i, &value, &scale);
+        valid[t] = i < last && i < n && locate(p, b, static_cast<uint32_t>(i), &value, &scale);
         for (int d = 0; d < kDim; ++d) keys[d][t] = valid[t] ? dequantize<Layout>(value, scale, d) : 0.0f;
       }
       float score[T];
@@ -274,13 +275,13 @@ struct IndexerScores {
 // thread: the launch bound). The block stages the row's query in shared memory as bf16 (16 KB, from
 // L2), about half the bytes of its FP8 keys, the price of spreading one row over the whole GPU.
 // Instruction budget (nvcc 13, tools/bench/bench_sass_budget.py; estimates, no GPU has timed them):
-// FP8, the tile loop is 689 SASS instructions per warp on sm_90a (64 HMMA.16816.F32.BF16, 32
+// FP8, the tile loop is 691 SASS instructions per warp on sm_90a (64 HMMA.16816.F32.BF16, 32
 // F2FP.F16.E4M3 converts of code pairs, 64 HADD2.F32 and 32 F2FP.BF16 packs, 32 LDS.128 of the
-// query and 8 LDS.64 of the weights, 32 NOPs that space the HMMAs, the rest the epilogue and
-// addresses), 113 registers, no stack; 4,096 tiles over 132 SMs x 4 schedulers x 1.98 GHz = 2.7 us,
-// 1.45x the H200 roofline (sm_100a: 638, 119 registers, 2.2 us against a B200's 1.1 us, 2.0x). FP4:
-// 670 (72 PRMT and 32 HMUL2.BF16 of the decode, 92 registers), 2.6 us, 2.66x its 0.99 us (sm_100a:
-// 602, 2.1 us, 3.6x its 0.59 us); 256k entries the same ratios. Before: the decode per K step
+// query and 8 LDS.64 of the weights, 32 NOPs that space the HMMAs, the rest the epilogue and the
+// 32-bit entry and 64-bit byte addresses), 109 registers, no stack; 4,096 tiles over 132 SMs x 4
+// schedulers x 1.98 GHz = 2.7 us, 1.45x the H200 roofline (sm_100a: 626, 117 registers, 2.2 us
+// against a B200's 1.1 us, 2.0x). FP4: 667 (72 PRMT and 32 HMUL2.BF16 of the decode, 86 registers),
+// 2.6 us, 2.65x its 0.99 us (sm_100a: 588, 2.1 us, 3.5x its 0.59 us); 256k entries the same ratios. Before: the decode per K step
 // inside the head-tile loop, 8 head tiles each checked per K step, and FP4 codes decoded one at a
 // time on the float32 bits with a select (fp8::e2m1_to_float): FP8 933 (2.0x; sm_100a 872, 2.7x),
 // FP4 1,439 (5.7x; sm_100a 1,313, 7.8x); before that (one warp per entry on CUDA cores, software
@@ -316,16 +317,19 @@ __global__ void __launch_bounds__(K::kThreads, 2) scores_kernel(const typename K
       w_s[h] = h < p.heads ? p.weights[b * p.weights_stride + h] : 0.0f;
     }
     __syncthreads();
-    const int64_t n = visible_in_row(p, b);
-    const int64_t block_first = static_cast<int64_t>(blockIdx.x) * K::kEntriesPerBlock;
-    const int64_t last = block_first + K::kEntriesPerBlock < p.width ? block_first + K::kEntriesPerBlock : p.width;
+    // Entry indices in 32 bits: the width is at most 2^31 - 1 (the host entry checks), so no index
+    // here, a tile's last row included, reaches 2^32.
+    const auto n = static_cast<uint32_t>(visible_in_row(p, b));
+    const uint32_t block_first = blockIdx.x * static_cast<uint32_t>(K::kEntriesPerBlock);
+    const int64_t block_end = int64_t{block_first} + K::kEntriesPerBlock;
+    const auto last = static_cast<uint32_t>(block_end < p.width ? block_end : p.width);
     SPARSEKV_ROLLED
-    for (int64_t first = block_first + warp * K::kTile; first < last; first += K::kWarps * K::kTile) {
+    for (uint32_t first = block_first + warp * K::kTile; first < last; first += K::kWarps * K::kTile) {
       // Rows g and g + 8 of the tile: entries first + g and first + g + 8.
       typename K::LaneKey keys[2];
       bool valid[2];
       for (int r = 0; r < 2; ++r) {
-        const int64_t i = first + g + 8 * r;
+        const uint32_t i = first + g + 8 * r;
         const uint8_t *value = nullptr, *scale = nullptr;
         valid[r] = i < last && i < n && K::locate(p, b, i, &value, &scale);
         keys[r] = valid[r] ? K::load_lane_key(value, scale, t) : typename K::LaneKey{};
@@ -361,7 +365,7 @@ __global__ void __launch_bounds__(K::kThreads, 2) scores_kernel(const typename K
       }
       for (int r = 0; r < 2; ++r) {
         for (int off = 1; off < 4; off *= 2) score[r] += __shfl_xor_sync(0xffffffffu, score[r], off);
-        const int64_t i = first + g + 8 * r;
+        const uint32_t i = first + g + 8 * r;
         if (t == 0 && i < last) p.scores[b * p.scores_stride + i] = valid[r] ? score[r] : -INFINITY;
       }
     }
