@@ -51,6 +51,17 @@ LOADER_FORMAT = 2
 MODULE_KEY_EXPORT = "sparsekv_module_key"
 CXX_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-DNDEBUG", "-Wall", "-Wno-unused-function")
 NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler=-fPIC", "--expt-relaxed-constexpr")
+#: A sim module's host side (module.cpp: the tvm-ffi entry, its checks and the launches) after CXX_FLAGS'
+#: -O3; its simulated kernels (kernels_sim.cpp) keep -O3, and a sanitized module's -O0 comes after both.
+#: The simulator is a test backend, some forty modules built cold a CI run: the host side is most of a
+#: sim module's compile and none of its kernels' speed (docs/testing.md).
+SIM_HOST_FLAGS = ("-O1",)
+
+
+def cxx_flags(backend: str) -> tuple[str, ...]:
+    """The host compiler's flags of a ``backend`` module (before sanitizer and extra flags); a sim module's
+    host side takes :data:`SIM_HOST_FLAGS` after them."""
+    return CXX_FLAGS + SIM_HOST_FLAGS if backend == "sim" else CXX_FLAGS
 
 _INCLUDE = re.compile(r'#\s*include\s*([<"])([^>"]+)[>"]')
 
@@ -315,7 +326,7 @@ class BuildPlan:
             "include_closure": {k: hashlib.sha256(v).hexdigest() for k, v in self.closure.items()},
             "cxx": self.cxx.identity,
             "nvcc": self.nvcc.identity if self.nvcc else None,
-            "cxx_flags": list(CXX_FLAGS),
+            "cxx_flags": list(cxx_flags(self.backend)),
             "nvcc_flags": list(NVCC_FLAGS) if self.nvcc else [],
             "extra_cflags": list(self.extra_cflags),
             "sanitize": sanitizer_flags(self.sanitize),
@@ -539,9 +550,9 @@ def _compile(plan: BuildPlan, staging: Path, what: str, includes: list[str], ffi
                *ffi_includes, "-shared", "module.cpp", "-o", cache.ARTIFACT, *link]
         _wait_all([(cmd, _run(cmd, staging))], staging, what, deadline)
     elif plan.backend == "sim":
-        flags = [*CXX_FLAGS, *sanitizer_flags(plan.sanitize), *plan.extra_cflags, *path_map, *includes]
-        sim_cmd = [plan.cxx.path, *flags, "-c", "kernels_sim.cpp", "-o", "kernels_sim.o"]
-        cxx_cmd = [plan.cxx.path, *flags, *ffi_includes, "-c", "module.cpp", "-o", "module.o"]
+        rest = [*sanitizer_flags(plan.sanitize), *plan.extra_cflags, *path_map, *includes]
+        sim_cmd = [plan.cxx.path, *CXX_FLAGS, *rest, "-c", "kernels_sim.cpp", "-o", "kernels_sim.o"]
+        cxx_cmd = [plan.cxx.path, *cxx_flags("sim"), *rest, *ffi_includes, "-c", "module.cpp", "-o", "module.o"]
         _wait_all([(sim_cmd, _run(sim_cmd, staging)), (cxx_cmd, _run(cxx_cmd, staging))], staging, what, deadline)
         link_cmd = [plan.cxx.path, *sanitizer_flags(plan.sanitize), "-shared", "module.o", "kernels_sim.o", "-o",
                     cache.ARTIFACT, *link]

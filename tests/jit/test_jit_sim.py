@@ -161,3 +161,6 @@ def test_the_cache_key_includes_the_backend_and_the_emulation_header():
     assert plans["sim"].key_doc()["backend"] == "sim"
     assert loader.SIM_HEADER in plans["sim"].closure and loader.SIM_HEADER not in plans["cpu"].closure
     assert "kernels_sim.cpp" in plans["sim"].sources
+    # A sim module's host side is built with SIM_HOST_FLAGS (-O1: CI time), so they are part of its key.
+    assert plans["sim"].key_doc()["cxx_flags"] == [*loader.CXX_FLAGS, *loader.SIM_HOST_FLAGS]
+    assert plans["cpu"].key_doc()["cxx_flags"] == list(loader.CXX_FLAGS)
